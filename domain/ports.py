@@ -1,0 +1,164 @@
+"""Ports: what the domain core needs from the outside world, each contract in its docstring.
+
+Shape legend: T tokens, B batch (sequences in a step), P KV pages, S expert slots, V vocab.
+Adapters (torch executors), the simulator and the fakes in domain/fakes.py implement these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from domain.request import SamplingParams
+
+if TYPE_CHECKING:
+    from domain.budget import PoolPlan
+
+ExpertKey = tuple[int, int]  # (layer, expert); same alias as domain.residency.ExpertKey
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One sequence's share of a step.
+
+    Contract (the scheduler promises, executors may assert):
+    - token_ids are positions [start_position, start_position + len(token_ids)) of the
+      sequence; len(token_ids) >= 1.
+    - start_position == 0 means a fresh sequence: reset the linear-attention state in
+      state_slot. Otherwise start_position equals the end of the previous work with this
+      state_slot (no gaps, no repeats).
+    - page_ids cover positions [0, start_position + len(token_ids)): position p lives in
+      page_ids[p // page_size] at offset p % page_size. Pages holding positions
+      < start_position keep what earlier steps wrote there.
+    - Within one StepBatch no two works share a state_slot or a page they write to.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]  # [T_i] tokens computed this step: a prefill chunk or one decode token
+    start_position: int  # tokens of this sequence already in the KV cache / state
+    page_ids: tuple[int, ...]  # KV pages covering positions [0, start_position + len(token_ids))
+    state_slot: int  # linear-attention state slot; start_position == 0 => reset it
+    sample: bool  # True: sample a token after the last one (decode, or last prefill chunk)
+    sampling: SamplingParams
+    output_index: int  # tokens generated so far (seeded sampling uses (seed, output_index))
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    works: tuple[SequenceWork, ...]  # [B] prefill chunks first, then decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.works)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.works if not _is_decode(w))
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for w in self.works if _is_decode(w))
+
+
+def _is_decode(work: SequenceWork) -> bool:
+    # A decode feeds back the last sampled token: one token, after at least one output.
+    return work.output_index > 0 and len(work.token_ids) == 1 and work.sample
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None = None  # set when sampling.logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first, len <= top_logprobs
+
+
+@runtime_checkable
+class ModelExecutor(Protocol):
+    """Runs one scheduled step on a model.
+
+    execute(batch): computes every work's tokens (writing KV into its pages and updating its
+    state slot) and returns exactly one SampledToken per work with sample=True, keyed by
+    request_id; works with sample=False yield nothing. Works are independent: the result for
+    one sequence must not depend on which other sequences share the batch (up to
+    floating-point batching effects). It may reorder works internally. It must not keep
+    references to page ids beyond the call: the scheduler reuses freed pages in the next step.
+
+    resize_pools(plan): called only while no step is in flight and no request is live.
+    Frees the old pools before allocating the new ones (old and new never coexist), so the
+    peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages and
+    state slots < plan.state_slots are valid; KV and state contents are undefined and the
+    expert slots may be cold.
+    """
+
+    def execute(self, batch: StepBatch) -> dict[str, SampledToken]: ...
+
+    def resize_pools(self, plan: PoolPlan) -> None: ...
+
+
+@runtime_checkable
+class ExpertTransfer(Protocol):
+    """Copies routed experts from the host bank into device expert slots.
+
+    copy_experts(fills): for each (key, slot), copy expert key = (layer, expert) from the host
+    bank into slot. `fills` is Lookup.fills from domain.residency: each slot appears at most
+    once per call. The copy may be asynchronous (copy engine, gather kernel), but it must be
+    complete before any later read of that slot by the executor: an implementation either
+    orders it on the stream that reads the slot or makes the reader wait on an event. A slot
+    named in a call must not be read with its old contents afterwards (the residency policy
+    already evicted them).
+
+    wait(): blocks the host until every copy issued so far is complete (used before timing,
+    resizing, or freeing the host bank).
+    """
+
+    def copy_experts(self, fills: Sequence[tuple[ExpertKey, int]]) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Monotonic time in seconds. Never goes backwards; the origin is arbitrary."""
+
+    def now(self) -> float: ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids for one model.
+
+    decode(encode(text)) == text for text the vocabulary covers. decode skips special
+    tokens. eos_token_ids lists every id that ends generation (may be several, never empty
+    for a real model). apply_chat_template renders OpenAI-style messages
+    ([{"role": ..., "content": ...}]) to the prompt text, ending with the generation prompt.
+    """
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Receives one record per executed step. Must be cheap and must not raise:
+    the engine loop calls it on the hot path."""
+
+    def record_step(
+        self,
+        *,
+        prefill_tokens: int,
+        decode_tokens: int,
+        seconds: float,
+        expert_hits: int,
+        expert_misses: int,
+    ) -> None: ...

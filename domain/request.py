@@ -1,0 +1,135 @@
+"""Request lifecycle: sampling parameters, the request record and the events it emits.
+
+A request moves WAITING -> PREFILLING -> DECODING -> FINISHED; any live state may move to
+ABORTED; a running request may be preempted back to WAITING (it keeps its output and later
+re-prefills prompt + output). The scheduler is the only writer of a request's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RequestState(StrEnum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+# NOTE: the only legal moves; preemption is PREFILLING/DECODING -> WAITING.
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.ABORTED}),
+    RequestState.PREFILLING: frozenset(
+        {RequestState.DECODING, RequestState.WAITING, RequestState.FINISHED, RequestState.ABORTED}
+    ),
+    RequestState.DECODING: frozenset({RequestState.WAITING, RequestState.FINISHED, RequestState.ABORTED}),
+    RequestState.FINISHED: frozenset(),
+    RequestState.ABORTED: frozenset(),
+}
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # always stop, even with ignore_eos
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens of all_token_ids already in the KV cache / state
+    pages: list[int] = field(default_factory=list)  # KV pages, position p lives in pages[p // page_size]
+    state_slot: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrival_time: float = 0.0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not all(isinstance(t, int) and t >= 0 for t in self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: prompt token ids must be ints >= 0")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute before the next sample (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def can_transition(self, to: RequestState) -> bool:
+        return to in _TRANSITIONS[self.state]
+
+    def transition(self, to: RequestState) -> None:
+        if not self.can_transition(to):
+            raise ValueError(f"request {self.request_id}: illegal move {self.state.value} -> {to.value}")
+        self.state = to
+
+    def check_valid(self) -> None:
+        assert 0 <= self.num_computed_tokens <= self.num_tokens, self
+        assert len(self.output_token_ids) <= self.sampling.max_tokens, self
+        assert len(set(self.pages)) == len(self.pages), f"{self.request_id}: page owned twice"
+        if self.state is RequestState.WAITING:
+            assert not self.pages and self.state_slot is None and self.num_computed_tokens == 0, self
+        if self.state in (RequestState.PREFILLING, RequestState.DECODING):
+            assert self.state_slot is not None, self
+        if self.state is RequestState.DECODING:
+            assert self.output_token_ids, self
+        if self.is_done:
+            assert not self.pages and self.state_slot is None, self
+            assert self.finish_reason in FINISH_REASONS, self
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """One thing that happened to a request in a step: a new token, a finish, or both.
+
+    An abort yields token_id=None, finished=True, finish_reason="abort".
+    """
+
+    request_id: str
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
