@@ -1,0 +1,356 @@
+"""Continuous-batching scheduler with chunked prefill and preempt-and-recompute.
+
+Each step: one decode token for every running request that has finished prefill, then
+prefill chunks (oldest admitted first) in the token budget the decodes left, then FIFO
+admission of waiting requests while slots, pages and budget allow. KV pages are allocated
+lazily as sequences grow. When a decode cannot get a page, the newest running request is
+preempted (pages + state slot freed, put back at the head of the queue; it re-prefills
+prompt + output later). docs/adr/0002-pool-exhaustion.md says why.
+
+The scheduler owns its PageAllocator exclusively (check_valid counts every used page).
+Call order: schedule() -> executor -> complete(); abort() may come at any time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from domain.kv_pages import PageAllocator
+from domain.ports import SampledToken, SequenceWork, StepBatch
+from domain.request import Request, RequestEvent, RequestState
+
+_RUNNING_STATES = (RequestState.PREFILLING, RequestState.DECODING)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 4
+    max_step_tokens: int = 2048  # chunked-prefill token budget per step, decodes included
+    page_size: int = 16
+    max_context: int = 262144
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_step_tokens", "page_size", "max_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_tokens < self.max_running:
+            # NOTE: every running request must be able to decode in the same step.
+            raise ValueError(
+                f"max_step_tokens ({self.max_step_tokens}) must be >= max_running ({self.max_running})"
+            )
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, num_state_slots: int) -> None:
+        self.config = config
+        self.num_preemptions = 0
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order, oldest first
+        self._live: dict[str, Request] = {}
+        self._in_flight: StepBatch | None = None
+        self._in_flight_owners: dict[str, Request] = {}
+        self._set_pools(allocator, num_state_slots)
+
+    # ---- pools ---------------------------------------------------------------------------
+
+    def _set_pools(self, allocator: PageAllocator, num_state_slots: int) -> None:
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        self.allocator = allocator
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots))  # min-heap: lowest slot first
+
+    def can_replace_pools(self) -> bool:
+        return self.is_idle()
+
+    def replace_pools(self, allocator: PageAllocator, num_state_slots: int) -> None:
+        if not self.can_replace_pools():
+            raise RuntimeError(
+                f"replace_pools needs an idle scheduler ({self.num_running} running, "
+                f"{self.num_waiting} waiting, batch in flight: {self._in_flight is not None})"
+            )
+        self._set_pools(allocator, num_state_slots)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def is_idle(self) -> bool:
+        return not self._running and not self._waiting and self._in_flight is None
+
+    def get(self, request_id: str) -> Request | None:
+        return self._live.get(request_id)
+
+    def check_request(self, request: Request) -> str | None:
+        """None if the request can ever run on these pools; otherwise why it never can."""
+        n_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
+        if (
+            request.state is not RequestState.WAITING
+            or request.num_computed_tokens
+            or request.output_token_ids
+        ):
+            return f"request {request.request_id} has already started ({request.state.value})"
+        if n_prompt == 0:
+            return "empty prompt"
+        if n_prompt + max_tokens > self.config.max_context:
+            return (
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
+                f"context of {self.config.max_context} tokens"
+            )
+        pages = _ceil_div(n_prompt + max_tokens, self.config.page_size)
+        if pages > self.allocator.num_pages:
+            return (
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs {pages} KV pages "
+                f"but the whole pool has {self.allocator.num_pages}"
+            )
+        if self.num_state_slots == 0:
+            return "the state pool has no slots"
+        return None
+
+    def add(self, request: Request) -> None:
+        reason = self.check_request(request)
+        if reason is not None:
+            raise ValueError(reason)
+        if request.request_id in self._live:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self._live[request.request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestEvent | None:
+        """Ends a live request at once, freeing its pages and state slot; None if not live."""
+        request = self._live.pop(request_id, None)
+        if request is None:
+            return None
+        if request.state is RequestState.WAITING:
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self._release(request)
+        request.finish_reason = "abort"
+        request.transition(RequestState.ABORTED)
+        return RequestEvent(request_id, None, finished=True, finish_reason="abort")
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> StepBatch | None:
+        """The next step's work, or None when there is nothing to run."""
+        if self._in_flight is not None:
+            raise RuntimeError("complete() the batch in flight before scheduling another")
+        preemptions_before = self.num_preemptions
+        while True:
+            decodes = self._schedule_decodes()
+            budget = self.config.max_step_tokens - len(decodes)
+            prefills, starved = self._schedule_prefills(budget)
+            budget -= sum(len(w.token_ids) for w in prefills)
+            # NOTE: no admission while a running request is short of pages or was just
+            # preempted: the newcomer would take the pages they need and thrash.
+            pressure = starved or self.num_preemptions != preemptions_before
+            if not pressure or not self._running:
+                prefills += self._admit(budget)
+            if decodes or prefills or not self._running:
+                break
+            # Every running request is prefilling and none can get a page: deadlock. Preempting
+            # the newest frees its pages for the older ones; alone, a request always fits.
+            self._preempt(self._running[-1])
+        if not decodes and not prefills:
+            return None
+        batch = StepBatch(tuple(prefills + decodes))
+        self._in_flight = batch
+        self._in_flight_owners = {w.request_id: self._live[w.request_id] for w in batch.works}
+        return batch
+
+    def _schedule_decodes(self) -> list[SequenceWork]:
+        works = []
+        for request in list(self._running):  # oldest first; preemption takes the newest
+            if request.state is not RequestState.DECODING:
+                continue  # prefilling, or preempted earlier in this loop
+            if self._grow_or_preempt(request):
+                works.append(self._work(request, 1))
+        return works
+
+    def _grow_or_preempt(self, request: Request) -> bool:
+        """Pages for one more token of `request`, preempting the newest until they fit."""
+        need = _ceil_div(request.num_tokens, self.config.page_size) - len(request.pages)
+        while not self.allocator.can_allocate(need):
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        request.pages += self.allocator.allocate(need)
+        return True
+
+    def _schedule_prefills(self, budget: int) -> tuple[list[SequenceWork], bool]:
+        works, starved = [], False
+        for request in self._running:
+            if budget == 0:
+                break
+            if request.state is not RequestState.PREFILLING:
+                continue
+            wanted = min(request.num_pending_tokens, budget)
+            coverable = (len(request.pages) + self.allocator.num_free) * self.config.page_size
+            chunk = min(wanted, coverable - request.num_computed_tokens)
+            starved |= chunk < wanted
+            if chunk <= 0:
+                continue
+            self._grow_to(request, request.num_computed_tokens + chunk)
+            works.append(self._work(request, chunk))
+            budget -= chunk
+        return works, starved
+
+    def _admit(self, budget: int) -> list[SequenceWork]:
+        works = []
+        while self._waiting and budget > 0 and self.can_admit_more():
+            request = self._waiting[0]
+            chunk = min(request.num_pending_tokens, budget)
+            if not self.allocator.can_allocate(_ceil_div(chunk, self.config.page_size)):
+                break  # FIFO: the head is never skipped
+            self._waiting.popleft()
+            request.state_slot = heapq.heappop(self._free_slots)
+            request.transition(RequestState.PREFILLING)
+            self._running.append(request)
+            self._grow_to(request, chunk)
+            works.append(self._work(request, chunk))
+            budget -= chunk
+        return works
+
+    def can_admit_more(self) -> bool:
+        return len(self._running) < self.config.max_running and bool(self._free_slots)
+
+    def _grow_to(self, request: Request, num_tokens: int) -> None:
+        need = _ceil_div(num_tokens, self.config.page_size) - len(request.pages)
+        if need > 0:
+            request.pages += self.allocator.allocate(need)
+
+    def _work(self, request: Request, num_tokens: int) -> SequenceWork:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_tokens]
+        return SequenceWork(
+            request_id=request.request_id,
+            token_ids=tuple(tokens),
+            start_position=start,
+            page_ids=tuple(request.pages),
+            state_slot=request.state_slot,
+            sample=start + num_tokens == request.num_tokens,
+            sampling=request.sampling,
+            output_index=len(request.output_token_ids),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self._running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.transition(RequestState.WAITING)
+        self._waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        heapq.heappush(self._free_slots, request.state_slot)
+        request.state_slot = None
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def complete(self, batch: StepBatch, sampled: Mapping[str, SampledToken]) -> list[RequestEvent]:
+        """Applies the executor's results; requests aborted while it ran are skipped."""
+        if batch is not self._in_flight:
+            raise ValueError("complete() got a batch that is not the one in flight")
+        current = [
+            w for w in batch.works if self._live.get(w.request_id) is self._in_flight_owners[w.request_id]
+        ]
+        missing = [w.request_id for w in current if w.sample and w.request_id not in sampled]
+        if missing:
+            raise ValueError(f"executor returned no sampled token for {missing}")
+        self._in_flight, self._in_flight_owners = None, {}
+        events = []
+        for work in current:
+            request = self._live[work.request_id]
+            request.num_computed_tokens = work.end_position
+            if work.sample:
+                events.append(self._append_token(request, sampled[work.request_id]))
+        return events
+
+    def _append_token(self, request: Request, token: SampledToken) -> RequestEvent:
+        request.output_token_ids.append(token.token_id)
+        if request.state is RequestState.PREFILLING:
+            request.transition(RequestState.DECODING)
+        reason = self._finish_reason(request, token.token_id)
+        if reason is not None:
+            self._running.remove(request)
+            self._release(request)
+            del self._live[request.request_id]
+            request.finish_reason = reason
+            request.transition(RequestState.FINISHED)
+        return RequestEvent(
+            request.request_id,
+            token.token_id,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprob=token.logprob,
+            top_logprobs=token.top_logprobs,
+        )
+
+    def _finish_reason(self, request: Request, token_id: int) -> str | None:
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids:
+            return "stop"
+        if not sampling.ignore_eos and token_id in self.config.eos_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= sampling.max_tokens:
+            return "length"
+        return None
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    def check_valid(self) -> None:
+        page_size = self.config.page_size
+        assert len(self._running) <= self.config.max_running, "more running than max_running"
+        ids = [r.request_id for r in self._running] + [r.request_id for r in self._waiting]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert set(ids) == set(self._live), "live requests and queues disagree"
+        in_flight_end = {
+            w.request_id: w.end_position for w in (self._in_flight.works if self._in_flight else ())
+        }
+        for request in self._waiting:
+            assert request.state is RequestState.WAITING, request
+            request.check_valid()
+        owned_pages: list[int] = []
+        owned_slots: list[int] = []
+        for request in self._running:
+            assert request.state in _RUNNING_STATES, request
+            request.check_valid()
+            target = in_flight_end.get(request.request_id, request.num_computed_tokens)
+            assert len(request.pages) == _ceil_div(target, page_size), f"{request.request_id}: pages not lazy"
+            if request.request_id not in in_flight_end:
+                if request.state is RequestState.DECODING:
+                    assert request.num_computed_tokens == request.num_tokens - 1, request
+                else:
+                    assert request.num_computed_tokens < request.num_tokens, request
+            owned_pages += request.pages
+            owned_slots.append(request.state_slot)
+        assert len(owned_pages) == len(set(owned_pages)), "a KV page is owned twice"
+        assert all(0 <= p < self.allocator.num_pages for p in owned_pages), "page out of range"
+        assert len(owned_pages) == self.allocator.num_used, (
+            f"pages owned by requests ({len(owned_pages)}) != allocator used ({self.allocator.num_used})"
+        )
+        assert len(owned_slots) == len(set(owned_slots)), "a state slot is owned twice"
+        assert not set(owned_slots) & set(self._free_slots), "a state slot is both free and owned"
+        assert sorted(owned_slots + self._free_slots) == list(range(self.num_state_slots)), (
+            "state slot leaked"
+        )
