@@ -1,0 +1,242 @@
+"""On-disk quantization formats: detection from config.json and conversion to QTensor.
+
+Shape legend: O out features, I in features.
+Each on-disk variant names its tensors differently; all of them map to one canonical
+QTensor form per WeightFormat (see quant.py). Conventions, from each producer's public layout:
+  fp8_block       (quant_method "fp8", weight_block_size [128,128]): weight e4m3, weight_scale_inv
+                  fp32 [ceil(O/128), ceil(I/128)]; w = weight * weight_scale_inv
+  fp8_tensor      (ModelOpt quant_algo "FP8", or compressed-tensors strategy "tensor"): weight e4m3,
+                  weight_scale fp32 scalar; input_scale (static activation scale) is not needed
+                  for weight-only dequantization and is ignored
+  fp8_channel     (compressed-tensors float, strategy "channel"): weight e4m3, weight_scale [O, 1]
+  nvfp4_modelopt  (ModelOpt quant_algo "NVFP4"): weight uint8 [O, I/2] e2m1 low nibble first,
+                  weight_scale e4m3 [O, I/16], weight_scale_2 fp32 scalar; w = e2m1*scale*scale_2
+  nvfp4_ct        (compressed-tensors float 4-bit, strategy "tensor_group", group 16): weight_packed,
+                  weight_scale e4m3, weight_global_scale fp32 [1]. NOTE: compressed-tensors stores
+                  the global scale as a DIVISOR (global = 448*6/amax; w = e2m1*scale/global), i.e.
+                  weight_global_scale == 1 / ModelOpt's weight_scale_2
+  int8_channel    (Quark int8 per_channel, or compressed-tensors int 8-bit channel): weight int8,
+                  weight_scale [O] or [O, 1]; symmetric (a weight_zero_point must be all zero)
+  mxfp4           (compressed-tensors mxfp4-pack-quantized): weight_packed uint8 [O, I/2],
+                  weight_scale uint8 e8m0 [O, I/32]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapters.checkpoint.quant import QTensor, expected_parts
+from domain.model_spec import WeightFormat
+
+
+class CheckpointFormatError(ValueError):
+    """The checkpoint's format is unknown or its tensors are inconsistent with it."""
+
+
+@dataclass(frozen=True)
+class OnDiskFormat:
+    name: str
+    fmt: WeightFormat
+    data_suffix: str = "weight"
+    scale_suffix: str | None = None
+    global_suffix: str | None = None
+    global_is_divisor: bool = False
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.fmt != WeightFormat.BF16
+
+    @property
+    def companion_suffixes(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.data_suffix, self.scale_suffix, self.global_suffix) if s)
+
+
+ON_DISK_FORMATS: dict[str, OnDiskFormat] = {
+    f.name: f
+    for f in (
+        OnDiskFormat("bf16", WeightFormat.BF16),
+        OnDiskFormat("fp8_block", WeightFormat.FP8_BLOCK, scale_suffix="weight_scale_inv"),
+        OnDiskFormat("fp8_block_ct", WeightFormat.FP8_BLOCK, scale_suffix="weight_scale"),
+        OnDiskFormat("fp8_tensor", WeightFormat.FP8_TENSOR, scale_suffix="weight_scale"),
+        OnDiskFormat("fp8_channel", WeightFormat.FP8_CHANNEL, scale_suffix="weight_scale"),
+        OnDiskFormat("nvfp4_modelopt", WeightFormat.NVFP4, scale_suffix="weight_scale", global_suffix="weight_scale_2"),
+        OnDiskFormat(
+            "nvfp4_ct",
+            WeightFormat.NVFP4,
+            data_suffix="weight_packed",
+            scale_suffix="weight_scale",
+            global_suffix="weight_global_scale",
+            global_is_divisor=True,
+        ),
+        OnDiskFormat("int8_quark", WeightFormat.INT8_CHANNEL, scale_suffix="weight_scale"),
+        OnDiskFormat("int8_ct", WeightFormat.INT8_CHANNEL, scale_suffix="weight_scale"),
+        OnDiskFormat("mxfp4_ct", WeightFormat.MXFP4, data_suffix="weight_packed", scale_suffix="weight_scale"),
+    )
+}
+
+# Companion tensors we know and deliberately do not need (activation/KV-cache scales, zero points).
+IGNORED_SUFFIXES = ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point",
+                    "k_scale", "v_scale", "output_scale")
+
+
+def _fail(config_file: Path, field: str, value: object, why: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{config_file}: {field}={value!r}: {why}")
+
+
+def _detect_modelopt(qc: dict, config_file: Path) -> OnDiskFormat:
+    inner = qc.get("quantization", qc)
+    algo = inner.get("quant_algo")
+    if algo == "FP8":
+        return ON_DISK_FORMATS["fp8_tensor"]
+    if algo == "NVFP4":
+        group = inner.get("group_size", 16)
+        if group != 16:
+            raise _fail(config_file, "quantization_config.group_size", group, "ModelOpt NVFP4 needs 16")
+        return ON_DISK_FORMATS["nvfp4_modelopt"]
+    raise _fail(config_file, "quantization_config.quant_algo", algo, "supported ModelOpt algos: FP8, NVFP4")
+
+
+def _detect_compressed_tensors(qc: dict, config_file: Path) -> OnDiskFormat:
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _fail(config_file, "quantization_config.config_groups", groups, "compressed-tensors needs config_groups")
+    schemes = {
+        (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"))
+        for w in (g.get("weights") or {} for g in groups.values())
+    }
+    if len(schemes) != 1:
+        raise _fail(config_file, "quantization_config.config_groups", sorted(map(str, schemes)),
+                    "mixed weight schemes are not supported")
+    kind, bits, strategy, group = schemes.pop()
+    field = "quantization_config.config_groups.*.weights"
+    if kind == "float" and bits == 8:
+        if strategy == "channel":
+            return ON_DISK_FORMATS["fp8_channel"]
+        if strategy == "tensor":
+            return ON_DISK_FORMATS["fp8_tensor"]
+        if strategy == "block":
+            return ON_DISK_FORMATS["fp8_block_ct"]
+    if kind == "float" and bits == 4 and strategy in ("tensor_group", "group"):
+        if group == 16 and strategy == "tensor_group":
+            return ON_DISK_FORMATS["nvfp4_ct"]
+        if group == 32 and qc.get("format") == "mxfp4-pack-quantized":
+            return ON_DISK_FORMATS["mxfp4_ct"]
+    if kind == "int" and bits == 8 and strategy == "channel":
+        return ON_DISK_FORMATS["int8_ct"]
+    raise _fail(config_file, field, {"type": kind, "num_bits": bits, "strategy": strategy, "group_size": group},
+                "unsupported compressed-tensors weight scheme")
+
+
+def _detect_quark(qc: dict, config_file: Path) -> OnDiskFormat:
+    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+    if isinstance(weight, list):  # Quark allows a list of weight specs (e.g. double quantization)
+        weight = weight[0] if len(weight) == 1 else {}
+    dtype, scheme = weight.get("dtype"), weight.get("qscheme")
+    if dtype == "int8" and scheme == "per_channel" and weight.get("symmetric", True):
+        return ON_DISK_FORMATS["int8_quark"]
+    if dtype == "fp8_e4m3" and scheme == "per_tensor":
+        return ON_DISK_FORMATS["fp8_tensor"]
+    if dtype == "fp8_e4m3" and scheme == "per_channel":
+        return ON_DISK_FORMATS["fp8_channel"]
+    raise _fail(config_file, "quantization_config.global_quant_config.weight", {"dtype": dtype, "qscheme": scheme},
+                "supported Quark weights: int8 per_channel symmetric, fp8_e4m3 per_tensor or per_channel")
+
+
+def detect_format(config: dict, config_file: Path) -> OnDiskFormat:
+    """The on-disk format named by config.json's quantization_config (top level or text_config)."""
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return ON_DISK_FORMATS["bf16"]
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block != [128, 128]:
+            raise _fail(config_file, "quantization_config.weight_block_size", block, "block FP8 needs [128, 128]")
+        return ON_DISK_FORMATS["fp8_block"]
+    if method == "modelopt":
+        return _detect_modelopt(qc, config_file)
+    if method == "compressed-tensors":
+        return _detect_compressed_tensors(qc, config_file)
+    if method == "quark":
+        return _detect_quark(qc, config_file)
+    raise _fail(config_file, "quantization_config.quant_method", method,
+                "supported: fp8, modelopt, compressed-tensors, quark (or no quantization_config for bf16)")
+
+
+# ---- tensor checks and conversion -------------------------------------------------------
+
+def logical_shape(fmt: OnDiskFormat, data_shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(data_shape) != 2:
+        raise CheckpointFormatError(f"expected a 2-D weight, got shape {data_shape}")
+    rows, cols = data_shape
+    return (rows, cols * 2) if fmt.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) else (rows, cols)
+
+
+def accepted_scale_shapes(fmt: WeightFormat, canonical: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """On-disk shapes that hold the same values as the canonical scale shape."""
+    if fmt == WeightFormat.FP8_TENSOR:
+        return [(), (1,), (1, 1)]
+    if fmt in (WeightFormat.FP8_CHANNEL, WeightFormat.INT8_CHANNEL):
+        return [canonical, (canonical[0],)]
+    return [canonical]
+
+
+def check_weight(fmt: OnDiskFormat, base: str, meta, expect_shape: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Validate the tensors of one quantized weight from metadata only; return its [O, I].
+
+    `meta(name)` returns a TensorEntry-like object (dtype, shape, file) or None.
+    """
+    data = meta(f"{base}.{fmt.data_suffix}")
+    if data is None:
+        raise CheckpointFormatError(f"missing tensor {base}.{fmt.data_suffix} (format {fmt.name})")
+    where = f"{base}.{fmt.data_suffix} in {data.file.name}"
+    shape = logical_shape(fmt, data.shape)
+    if expect_shape is not None and shape != expect_shape:
+        raise CheckpointFormatError(f"{where}: logical shape {shape}, expected {expect_shape} from config.json")
+    try:
+        parts = expected_parts(fmt.fmt, *shape, float_dtype=data.dtype if not fmt.is_quantized else torch.bfloat16)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{where}: {e}") from e
+    if data.dtype != parts["data"][0]:
+        raise CheckpointFormatError(f"{where}: dtype {data.dtype}, format {fmt.name} stores {parts['data'][0]}")
+    for part, suffix in (("scale", fmt.scale_suffix), ("global_scale", fmt.global_suffix)):
+        if suffix is None:
+            continue
+        entry = meta(f"{base}.{suffix}")
+        if entry is None:
+            raise CheckpointFormatError(
+                f"missing tensor {base}.{suffix} (format {fmt.name} needs it next to {where})"
+            )
+        want_dtype, want_shape = parts[part]
+        shapes = [(), (1,)] if part == "global_scale" else accepted_scale_shapes(fmt.fmt, want_shape)
+        if tuple(entry.shape) not in shapes:
+            raise CheckpointFormatError(
+                f"{base}.{suffix} in {entry.file.name}: shape {tuple(entry.shape)}, expected {want_shape}"
+            )
+        floaty = entry.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if want_dtype == torch.float32 and not floaty or want_dtype != torch.float32 and entry.dtype != want_dtype:
+            raise CheckpointFormatError(
+                f"{base}.{suffix} in {entry.file.name}: dtype {entry.dtype}, expected {want_dtype}"
+            )
+    return shape
+
+
+def read_weight(fmt: OnDiskFormat, base: str, get) -> QTensor:
+    """Canonical QTensor of one checked weight; `get(name)` returns the stored tensor."""
+    data = get(f"{base}.{fmt.data_suffix}")
+    shape = logical_shape(fmt, tuple(data.shape))
+    if not fmt.is_quantized:
+        return QTensor(WeightFormat.BF16, shape, data)
+    parts = expected_parts(fmt.fmt, *shape)
+    scale = get(f"{base}.{fmt.scale_suffix}")
+    scale_dtype, scale_shape = parts["scale"]
+    scale = scale.to(scale_dtype).reshape(scale_shape)
+    glob = None
+    if fmt.global_suffix is not None:
+        glob = get(f"{base}.{fmt.global_suffix}").to(torch.float32).reshape(1)
+        if fmt.global_is_divisor:
+            glob = 1.0 / glob
+    return QTensor(fmt.fmt, shape, data, scale, glob)

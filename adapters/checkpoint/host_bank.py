@@ -1,0 +1,96 @@
+"""Host-side expert bank: every expert of every layer as one packed uint8 row.
+
+Shape legend: L layers, E experts per layer, R row bytes.
+The bank is pinned on CUDA hosts because pageable memory transfers at a fraction of the
+bandwidth. In mmap mode rows are built on demand from memory-mapped safetensors instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from adapters.checkpoint.expert_layout import ExpertLayout, ExpertWeights
+
+
+def mem_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, None where the file does not exist (non-Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def allocate_rows(num_rows: int, row_bytes: int, pin: bool | None = None) -> torch.Tensor:
+    """uint8 [L*E, R]; pinned when CUDA is available unless `pin` says otherwise."""
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return torch.empty((num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)  # [L*E, R]
+
+
+class HostExpertBank:
+    """Rows of packed experts, indexed by (layer, expert)."""
+
+    def __init__(self, layout: ExpertLayout, num_layers: int, num_experts: int, rows: torch.Tensor | None):
+        self.layout = layout
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.rows = rows  # uint8 [L*E, R]; None in mmap (lazy) mode
+        self.check_valid()
+
+    @property
+    def pinned(self) -> bool:
+        return self.rows is not None and self.rows.is_pinned()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_experts * self.layout.row_bytes
+
+    def index(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise IndexError(f"expert ({layer}, {expert}) outside bank of {self.num_layers}x{self.num_experts}")
+        return layer * self.num_experts + expert
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """uint8 [R] of expert (layer, expert); a view into the bank (a fresh tensor in mmap mode)."""
+        return self.rows[self.index(layer, expert)]  # [R]
+
+    def weights(self, layer: int, expert: int) -> ExpertWeights:
+        return self.layout.view(self.row(layer, expert))
+
+    def check_valid(self) -> None:
+        self.layout.check_valid()
+        if self.rows is None:
+            return
+        want = (self.num_layers * self.num_experts, self.layout.row_bytes)
+        if self.rows.dtype != torch.uint8 or tuple(self.rows.shape) != want:
+            raise AssertionError(f"bank rows are {self.rows.dtype} {tuple(self.rows.shape)}, expected uint8 {want}")
+
+
+class LazyHostExpertBank(HostExpertBank):
+    """mmap mode: rows are packed on demand from memory-mapped checkpoint tensors.
+
+    Costs a pack per miss instead of host RAM for the whole bank; `rows` is None, so callers
+    that gather from `rows` directly must fall back to `row()`.
+    """
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        num_layers: int,
+        num_experts: int,
+        build_row: Callable[[int, int, torch.Tensor], None],
+    ):
+        self._build_row = build_row  # (layer, expert, out_row) -> None
+        super().__init__(layout, num_layers, num_experts, rows=None)
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        self.index(layer, expert)
+        out = torch.empty(self.layout.row_bytes, dtype=torch.uint8)  # [R]
+        self._build_row(layer, expert, out)
+        return out
