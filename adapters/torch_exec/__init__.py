@@ -1,0 +1,1 @@
+"""Torch execution of MoE language models through a device expert-slot cache (CPU or CUDA)."""

@@ -1,0 +1,118 @@
+"""The decoder stack shared by the Qwen3 MoE family: per layer a token mixer (full attention or Gated
+DeltaNet), then a sparse MoE block; final RMSNorm and LM head. Architecture files only choose options.
+
+Shape legend: T tokens of the step, H hidden, V vocab, n rows whose logits are wanted.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from adapters.checkpoint.quant import QTensor
+from adapters.torch_exec.expert_cache import ExpertSlotCache
+from adapters.torch_exec.full_attention import AttentionGeometry, FullAttention
+from adapters.torch_exec.gated_deltanet import GatedDeltaNet, GdnGeometry, LinearStatePool
+from adapters.torch_exec.linear import linear, to_compute_dtype
+from adapters.torch_exec.moe import route, routed_experts, shared_expert
+from adapters.torch_exec.norms import rms_norm
+from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.rotary import Rotary
+from adapters.torch_exec.step_inputs import StepInputs
+
+FULL, LINEAR = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    layer_kinds: tuple[str, ...]
+    hidden: int
+    num_experts: int
+    top_k: int
+    renormalize: bool  # renormalise the top-k router weights to sum to 1
+    shared_expert: bool
+    unit_offset_norm: bool  # (1 + w) RMSNorm everywhere (Qwen3.5) vs w * x (Qwen3)
+    eps: float
+    attention: AttentionGeometry
+    rope_theta: float
+    partial_rotary: float
+    gdn: GdnGeometry | None  # None: no linear-attention layers
+
+
+class MoeDecoder:
+    def __init__(self, dense: dict, opts: DecoderOptions, dtype: torch.dtype, device):
+        self.opts, self.dtype, self.device = opts, dtype, torch.device(device)
+        self.w = {name: to_compute_dtype(t, dtype, device) for name, t in dense.items()}
+        # NOTE: the GDN decay parameters stay fp32: exp(A_log) of a bf16 A_log loses the decay's precision.
+        for name, t in dense.items():
+            if name.endswith(("A_log", "dt_bias")) and not isinstance(t, QTensor):
+                self.w[name] = t.to(device=device, dtype=torch.float32)
+        self.embed = self.w["embed_tokens.weight"]
+        if isinstance(self.embed, QTensor):
+            raise ValueError("quantized embed_tokens are not supported")
+        self.lm_head = self.w.get("lm_head.weight", self.embed)  # tied when the checkpoint has no lm_head
+        self.full_layers = [i for i, k in enumerate(opts.layer_kinds) if k == FULL]
+        self.linear_layers = [i for i, k in enumerate(opts.layer_kinds) if k == LINEAR]
+        if len(self.full_layers) + len(self.linear_layers) != len(opts.layer_kinds):
+            raise ValueError(f"unknown layer kinds in {sorted(set(opts.layer_kinds))}")
+        if self.linear_layers and opts.gdn is None:
+            raise ValueError("linear_attention layers need GDN geometry")
+        head_dim = opts.attention.head_dim
+        rotary = Rotary(head_dim, opts.rope_theta, opts.partial_rotary, device)
+        self.mixers: list = []
+        for i, kind in enumerate(opts.layer_kinds):
+            if kind == FULL:
+                self.mixers.append(FullAttention(self._layer(i, "self_attn."), opts.attention, rotary,
+                                                 self.full_layers.index(i)))
+            else:
+                self.mixers.append(GatedDeltaNet(self._layer(i, "linear_attn."), opts.gdn, opts.eps))
+
+    def _layer(self, i: int, sub: str = "") -> dict:
+        prefix = f"layers.{i}.{sub}"
+        found = {name[len(prefix):]: t for name, t in self.w.items() if name.startswith(prefix)}
+        if not found:
+            raise KeyError(f"checkpoint has no tensors under {prefix!r}")
+        return found
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)
+
+    def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None,
+                experts: ExpertSlotCache) -> torch.Tensor:
+        """Hidden states [T, H] after the last layer (before the final norm)."""
+        x = self.embed[inp.token_ids]  # [T, H]
+        decode_spans = [s for s in inp.spans if s.length == 1]
+        decode_rows = torch.tensor([s.offset for s in decode_spans], dtype=torch.long, device=self.device)
+        decode_slots = torch.tensor([s.work.state_slot for s in decode_spans], dtype=torch.long, device=self.device)
+        for i, mixer in enumerate(self.mixers):
+            w = self.w
+            h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
+            if isinstance(mixer, FullAttention):
+                h = mixer.forward(h, inp, kv)
+            else:
+                h = self._linear_attention(mixer, h, inp, state, self.linear_layers.index(i),
+                                           decode_spans, decode_rows, decode_slots)
+            x = x + h
+            h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])
+            x = x + self._moe(i, h, experts)
+        return x
+
+    def _linear_attention(self, mixer: GatedDeltaNet, h, inp, state, layer, decode_spans, decode_rows, decode_slots):
+        out = torch.empty_like(h)  # [T, H]
+        for span in inp.spans:
+            if span.length > 1:  # prefill chunk: chunked delta rule from the slot's state
+                out[span.rows] = mixer.forward_sequence(h[span.rows], state, layer, span.work.state_slot)
+        if decode_spans:  # every single-token sequence in one recurrent step
+            out[decode_rows] = mixer.forward_decode(h[decode_rows], state, layer, decode_slots)
+        return out
+
+    def _moe(self, i: int, h: torch.Tensor, experts: ExpertSlotCache) -> torch.Tensor:
+        prefix = f"layers.{i}.mlp."
+        weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize)
+        out = routed_experts(h, weights, ids, i, experts)  # [T, H]
+        if self.opts.shared_expert:
+            out = out + shared_expert(h, self.w, prefix)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the rows whose logits are wanted: [n, H] -> fp32 [n, V]."""
+        return linear(self._norm(hidden, self.w["norm.weight"]), self.lm_head).float()

@@ -1,0 +1,132 @@
+"""TorchExecutor: runs a StepBatch of a loaded checkpoint on CPU or CUDA through the expert-slot cache,
+the paged KV cache and the linear-attention state slots, all sized by the domain's PoolPlan.
+
+Shape legend: T tokens of the step, H hidden, V vocab, n rows.
+"""
+
+import gc
+from typing import TYPE_CHECKING
+
+import torch
+
+from adapters.checkpoint.loader import LoadedCheckpoint
+from adapters.torch_exec import qwen3_5_moe, qwen3_moe
+from adapters.torch_exec.expert_cache import ExpertSlotCache
+from adapters.torch_exec.gated_deltanet import LinearStatePool
+from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.sampler import Sampler
+from adapters.torch_exec.step_inputs import check_batch, flatten
+from domain.ports import SampledToken, StepBatch
+
+if TYPE_CHECKING:
+    from domain.budget import PoolPlan
+
+BUILDERS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.build, qwen3_moe.ARCHITECTURE: qwen3_moe.build}
+
+
+class TorchExecutor:
+    """Implements domain.ports.ModelExecutor."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0):
+        arch = checkpoint.spec.architecture
+        if arch not in BUILDERS:
+            raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(BUILDERS)})")
+        self.spec = checkpoint.spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = BUILDERS[arch](checkpoint.dense, checkpoint.text_config, dtype, self.device)
+        self.bank = checkpoint.experts
+        self.sampler = Sampler(sampler_seed)
+        self.kv: PagedKVCache | None = None
+        self.state: LinearStatePool | None = None
+        self.experts: ExpertSlotCache | None = None
+        self.plan: PoolPlan | None = None
+        self.resize_pools(plan)
+
+    # ---- pools -------------------------------------------------------------------------------------
+    def _expert_slots(self, plan: "PoolPlan") -> int:
+        return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
+
+    def resize_pools(self, plan: "PoolPlan") -> None:
+        """Replace the pools with the plan's sizes. Only while no sequence is in flight: KV pages and state
+        slots are dropped. Pools whose size is unchanged are kept (a warm expert cache stays warm).
+
+        NOTE: every pool that changes is freed before any new one is allocated, so the old and new pools
+        never coexist in device memory.
+        """
+        plan.check_valid()
+        old = self.plan
+        attn, gdn = self.model.opts.attention, self.model.opts.gdn
+        keep_kv = old is not None and (old.kv_pages, old.page_size) == (plan.kv_pages, plan.page_size)
+        keep_state = old is not None and old.state_slots == plan.state_slots
+        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        if not keep_kv:
+            self.kv = None
+        if not keep_state:
+            self.state = None
+        if not keep_experts:
+            self.experts = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not keep_kv:
+            self.kv = PagedKVCache(len(self.model.full_layers), plan.kv_pages, plan.page_size,
+                                   attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        if not keep_state and self.model.linear_layers:
+            self.state = LinearStatePool(len(self.model.linear_layers), plan.state_slots, gdn, self.dtype, self.device)
+        if not keep_experts:
+            self.experts = ExpertSlotCache(self.bank, self._expert_slots(plan), self.device)
+        self.plan = plan
+
+    def pool_bytes(self) -> dict[str, int]:
+        return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
+                "state": self.state.nbytes() if self.state is not None else 0}
+
+    @property
+    def expert_hits(self) -> int:
+        return self.experts.hits
+
+    @property
+    def expert_misses(self) -> int:
+        return self.experts.misses
+
+    # ---- execution ---------------------------------------------------------------------------------
+    def can_execute(self, batch: StepBatch) -> str | None:
+        """None when `batch` fits the current pools, else the reason (read-only probe)."""
+        slots = self.state.num_slots if self.state is not None else None
+        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch, all_positions: bool = False) -> dict[str, torch.Tensor]:
+        """fp32 logits per request: [1, V] for the last token of each work with sample=True, or with
+        all_positions=True [len(token_ids), V] for every token of every work."""
+        reason = self.can_execute(batch)
+        if reason is not None:
+            raise ValueError(f"cannot execute step: {reason}")
+        inp = flatten(batch, self.device)
+        if self.state is not None:
+            for span in inp.spans:
+                if span.start_position == 0:
+                    self.state.reset(span.work.state_slot)
+        hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        if all_positions:
+            return {s.work.request_id: self.model.logits(hidden[s.rows]) for s in inp.spans}
+        wanted = [s for s in inp.spans if s.work.sample]
+        if not wanted:
+            return {}
+        rows = torch.tensor([s.offset + s.length - 1 for s in wanted], device=self.device)
+        logits = self.model.logits(hidden[rows])  # [n, V]
+        return {s.work.request_id: logits[i:i + 1] for i, s in enumerate(wanted)}
+
+    def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        logits = self.compute_logits(batch)
+        works = {w.request_id: w for w in batch.works}
+        return {rid: self.sampler.sample(rid, row[0], works[rid].sampling, works[rid].output_index)
+                for rid, row in logits.items()}
+
+    def check_valid(self) -> None:
+        self.kv.check_valid()
+        self.experts.check_valid()
+        if self.state is not None:
+            self.state.check_valid()

@@ -1,0 +1,77 @@
+"""A StepBatch flattened into the tensors one forward pass needs.
+
+Shape legend: T tokens of the whole step (all sequences, prefill chunks first), B sequences.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from domain.ports import SequenceWork, StepBatch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    work: SequenceWork
+    offset: int  # first row of this sequence in the flat [T] token axis
+    length: int
+    page_ids: torch.Tensor  # [pages] long, on the compute device
+
+    @property
+    def start_position(self) -> int:
+        return self.work.start_position
+
+    @property
+    def end_position(self) -> int:
+        return self.work.start_position + self.length
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.length)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    token_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long, absolute position of each token in its sequence
+    spans: tuple[SeqSpan, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slots: int | None) -> str | None:
+    """None when the executor can run `batch` on pools of this size, else the reason (read-only probe)."""
+    ids, slots = set(), set()
+    for w in batch.works:
+        if not w.token_ids:
+            return f"{w.request_id}: no tokens to compute"
+        if w.request_id in ids:
+            return f"{w.request_id}: appears twice in one step"
+        ids.add(w.request_id)
+        end = w.start_position + len(w.token_ids)
+        if w.start_position < 0 or len(w.page_ids) * page_size < end:
+            return f"{w.request_id}: {len(w.page_ids)} pages of {page_size} do not cover {end} positions"
+        if any(not 0 <= p < num_pages for p in w.page_ids):
+            return f"{w.request_id}: page id outside the pool of {num_pages}"
+        if num_state_slots is not None:
+            if not 0 <= w.state_slot < num_state_slots:
+                return f"{w.request_id}: state slot {w.state_slot} outside the pool of {num_state_slots}"
+            if w.state_slot in slots:
+                return f"{w.request_id}: state slot {w.state_slot} used twice in one step"
+            slots.add(w.state_slot)
+    return None
+
+
+def flatten(batch: StepBatch, device) -> StepInputs:
+    tokens: list[int] = []
+    positions: list[int] = []
+    spans = []
+    for w in batch.works:
+        spans.append(SeqSpan(w, len(tokens), len(w.token_ids),
+                             torch.tensor(w.page_ids, dtype=torch.long, device=device)))
+        tokens.extend(w.token_ids)
+        positions.extend(range(w.start_position, w.start_position + len(w.token_ids)))
+    return StepInputs(torch.tensor(tokens, dtype=torch.long, device=device),
+                      torch.tensor(positions, dtype=torch.long, device=device), tuple(spans))
