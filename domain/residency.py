@@ -1,0 +1,210 @@
+"""Expert residency: the LRU specification for which (layer, expert) weights sit in GPU slots.
+
+This class is the policy every executor runs (CPU, GPU, simulator). A GPU implementation that
+keeps the slot table on the device must match it decision for decision; the differential
+contract in tests/contracts/residency_contract.py checks exactly that.
+
+Shape legend: S expert slots.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+class ResidencyExhausted(RuntimeError):
+    """A lookup asked for more distinct experts than there are slots not pinned by others."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    slots: tuple[int, ...]  # slot of each requested key, in request order (duplicates repeat)
+    hits: tuple[ExpertKey, ...]  # distinct keys already resident, in request order
+    fills: tuple[tuple[ExpertKey, int], ...]  # misses: (key, slot to copy it into), in request order
+    evicted: tuple[ExpertKey, ...]  # keys that lost their slot to the fills, in eviction order
+
+
+def _check_key(key: object) -> ExpertKey:
+    if (
+        not isinstance(key, tuple)
+        or len(key) != 2
+        or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in key)
+    ):
+        raise ValueError(f"expert key must be a (layer, expert) tuple of non-negative ints, got {key!r}")
+    return key  # type: ignore[return-value]
+
+
+def _distinct(keys: Sequence[ExpertKey]) -> list[ExpertKey]:
+    # NOTE: dict preserves first-occurrence order, which is how duplicates collapse.
+    return list(dict.fromkeys(_check_key(k) for k in keys))
+
+
+class ExpertResidency:
+    """One global LRU over (layer, expert) keys mapped to slots 0..S-1.
+
+    Rules (the specification):
+    - ``lookup`` processes distinct keys in request order. A hit moves the key to
+      most-recently-used. A miss takes the lowest free slot, else the slot of the
+      least-recently-used key that is neither pinned nor requested by this same lookup;
+      the filled key becomes most-recently-used.
+    - Every requested key is pinned until ``release``; pinned keys are never evicted.
+    - ``lookup`` is all-or-nothing: when it cannot be satisfied it raises
+      ``ResidencyExhausted`` and changes nothing (probe first with ``can_lookup``).
+    - ``resize`` rebuilds the pool cold (no resident keys), as the MoE pool resize does on
+      the device; counters are cumulative and survive it.
+    Every operation is O(1) per key (OrderedDict for recency, a heap only for free slots).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self._reset(num_slots)
+
+    def _reset(self, num_slots: int) -> None:
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
+            raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
+        self.num_slots = num_slots
+        self._lru: OrderedDict[ExpertKey, int] = OrderedDict()  # key -> slot, oldest first
+        self._slot_key: list[ExpertKey | None] = [None] * num_slots
+        self._free: list[int] = list(range(num_slots))  # min-heap of empty slots
+        self._pinned: set[ExpertKey] = set()
+
+    # ---- read-only queries -------------------------------------------------------------
+
+    def slot_of(self, key: ExpertKey) -> int | None:
+        return self._lru.get(key)
+
+    def is_pinned(self, key: ExpertKey) -> bool:
+        return key in self._pinned
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)
+
+    def lru_order(self) -> tuple[ExpertKey, ...]:
+        """Resident keys, least recently used first (for tests, metrics and the simulator)."""
+        return tuple(self._lru)
+
+    def can_lookup(self, keys: Sequence[ExpertKey]) -> bool:
+        distinct = _distinct(keys)
+        requested = set(distinct)
+        pinned_by_others = len(self._pinned) - sum(1 for k in requested if k in self._pinned)
+        return len(distinct) <= self.num_slots - pinned_by_others
+
+    def can_release(self, keys: Sequence[ExpertKey] | None = None) -> bool:
+        return keys is None or all(_check_key(k) in self._pinned for k in keys)
+
+    def can_resize(self, num_slots: int) -> bool:
+        return (
+            isinstance(num_slots, int)
+            and not isinstance(num_slots, bool)
+            and num_slots >= 0
+            and not self._pinned
+        )
+
+    # ---- mutations ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ExpertKey]) -> Lookup:
+        distinct = _distinct(keys)
+        if not self.can_lookup(distinct):
+            pinned_by_others = len(self._pinned - set(distinct))
+            raise ResidencyExhausted(
+                f"lookup of {len(distinct)} distinct experts cannot fit: {self.num_slots} slots, "
+                f"{pinned_by_others} pinned by earlier lookups (release them or split the group)"
+            )
+        requested = set(distinct)
+        num_misses = sum(1 for k in distinct if k not in self._lru)
+        # NOTE: victims come from the LRU end of the order as it was before this lookup, skipping
+        # pinned and requested keys; hits and fills only ever become MRU, so choosing the victims
+        # up front is the same as choosing them miss by miss. The scan stops after the victims
+        # it needs, so it costs O(misses + pinned + requested), not O(S).
+        victims = self._oldest_unpinned(max(0, num_misses - len(self._free)), requested)
+        hits: list[ExpertKey] = []
+        fills: list[tuple[ExpertKey, int]] = []
+        evicted: list[ExpertKey] = []
+        for key in distinct:
+            slot = self._lru.get(key)
+            if slot is not None:
+                self._lru.move_to_end(key)
+                hits.append(key)
+                continue
+            if self._free:
+                slot = heapq.heappop(self._free)
+            else:
+                victim = victims[len(evicted)]
+                slot = self._lru.pop(victim)
+                evicted.append(victim)
+            self._lru[key] = slot
+            self._slot_key[slot] = key
+            fills.append((key, slot))
+        self._pinned.update(distinct)
+        self.hits += len(hits)
+        self.misses += len(fills)
+        self.evictions += len(evicted)
+        return Lookup(
+            slots=tuple(self._lru[k] for k in keys),
+            hits=tuple(hits),
+            fills=tuple(fills),
+            evicted=tuple(evicted),
+        )
+
+    def _oldest_unpinned(self, count: int, requested: set[ExpertKey]) -> list[ExpertKey]:
+        victims: list[ExpertKey] = []
+        if count == 0:
+            return victims
+        for key in self._lru:
+            if key not in self._pinned and key not in requested:
+                victims.append(key)
+                if len(victims) == count:
+                    break
+        return victims
+
+    def release(self, keys: Sequence[ExpertKey] | None = None) -> None:
+        """Unpin ``keys`` (all pins when None). Releasing a key that is not pinned is an error."""
+        if keys is None:
+            self._pinned.clear()
+            return
+        distinct = _distinct(keys)
+        not_pinned = [k for k in distinct if k not in self._pinned]
+        if not_pinned:
+            raise ValueError(f"release of expert keys that are not pinned: {not_pinned}")
+        self._pinned.difference_update(distinct)
+
+    def resize(self, num_slots: int) -> None:
+        """Rebuild with ``num_slots`` slots, all empty. Refused while any key is pinned."""
+        if self._pinned:
+            raise RuntimeError(f"cannot resize expert residency while {len(self._pinned)} keys are pinned")
+        self._reset(num_slots)
+
+    # ---- integrity ---------------------------------------------------------------------
+
+    def check_valid(self) -> None:
+        assert len(self._slot_key) == self.num_slots, "slot table has the wrong length"
+        for key, slot in self._lru.items():
+            assert 0 <= slot < self.num_slots, f"{key} maps to out-of-range slot {slot}"
+            assert self._slot_key[slot] == key, f"slot {slot} does not point back to {key}"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a slot is free twice"
+        used = set(self._lru.values())
+        assert len(used) == len(self._lru), "two keys share a slot"
+        assert not (free & used), "a slot is both free and used"
+        assert len(free) + len(used) == self.num_slots, "free + used != total"
+        assert self._pinned <= self._lru.keys(), "a pinned key is not resident"
+        assert min(self.hits, self.misses, self.evictions) >= 0, "negative counter"
+        assert self.evictions <= self.misses, "more evictions than misses"
+
+    def __repr__(self) -> str:
+        return (
+            f"ExpertResidency(num_slots={self.num_slots}, resident={self.num_resident}, "
+            f"pinned={self.num_pinned}, hits={self.hits}, misses={self.misses}, evictions={self.evictions})"
+        )

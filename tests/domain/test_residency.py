@@ -1,0 +1,165 @@
+"""ExpertResidency: worked examples, then the differential contract against a list-based shadow."""
+
+import pytest
+from hypothesis import settings
+
+from domain.residency import ExpertResidency, Lookup, ResidencyExhausted
+from tests.contracts.residency_contract import residency_contract_machine, run_residency_contract
+
+
+class ListResidency:
+    """Trivially correct shadow: a plain list ordered by recency, rescanned on every decision."""
+
+    def __init__(self, num_slots):
+        self.num_slots = num_slots
+        self.order = []  # resident keys, least recently used first
+        self.slot = {}
+        self.pinned = set()
+        self.hits = self.misses = self.evictions = 0
+
+    def can_lookup(self, keys):
+        distinct = set(keys)
+        return len(distinct) <= self.num_slots - len(self.pinned - distinct)
+
+    def lookup(self, keys):
+        if not self.can_lookup(keys):
+            raise RuntimeError("does not fit")
+        requested = set(keys)
+        hits, fills, evicted, seen = [], [], [], set()
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in self.slot:
+                hits.append(key)
+            else:
+                free = [s for s in range(self.num_slots) if s not in self.slot.values()]
+                if free:
+                    slot = min(free)
+                else:
+                    victim = [k for k in self.order if k not in self.pinned and k not in requested][0]
+                    self.order.remove(victim)
+                    slot = self.slot.pop(victim)
+                    evicted.append(victim)
+                self.slot[key] = slot
+                fills.append((key, slot))
+            if key in self.order:
+                self.order.remove(key)
+            self.order.append(key)
+        self.pinned |= requested
+        self.hits += len(hits)
+        self.misses += len(fills)
+        self.evictions += len(evicted)
+        return Lookup(tuple(self.slot[k] for k in keys), tuple(hits), tuple(fills), tuple(evicted))
+
+    def release(self, keys=None):
+        self.pinned = set() if keys is None else self.pinned - set(keys)
+
+    def slot_of(self, key):
+        return self.slot.get(key)
+
+    def can_resize(self, num_slots):
+        return not self.pinned
+
+    def resize(self, num_slots):
+        self.num_slots, self.order, self.slot = num_slots, [], {}
+
+    def check_valid(self):
+        assert sorted(self.slot) == sorted(self.order)
+
+
+# ---- worked examples -------------------------------------------------------------------
+
+
+def test_cold_misses_take_lowest_slots_and_duplicates_collapse():
+    res = ExpertResidency(3)
+    got = res.lookup([(0, 7), (0, 2), (0, 7)])
+    assert got == Lookup(slots=(0, 1, 0), hits=(), fills=(((0, 7), 0), ((0, 2), 1)), evicted=())
+    assert (res.hits, res.misses, res.evictions) == (0, 2, 0)
+    res.check_valid()
+
+
+def test_hit_refreshes_recency_so_the_other_key_is_evicted():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0), (0, 1)])
+    res.release()
+    assert res.lookup([(0, 0)]).hits == ((0, 0),)
+    res.release()
+    got = res.lookup([(1, 5)])
+    assert got.evicted == ((0, 1),) and got.fills == (((1, 5), 1),)
+    assert res.lru_order() == ((0, 0), (1, 5))
+
+
+def test_pinned_key_is_never_evicted_even_when_oldest():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0)])  # pinned, oldest
+    res.lookup([(0, 1)])
+    res.release([(0, 1)])
+    got = res.lookup([(0, 2)])
+    assert got.evicted == ((0, 1),)
+    assert res.slot_of((0, 0)) == 0
+
+
+def test_requested_key_is_not_victim_of_an_earlier_miss_in_the_same_lookup():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0), (0, 1)])
+    res.release()
+    # (0, 0) is the LRU key, but it is requested after the miss, so (0, 1) must go.
+    got = res.lookup([(0, 9), (0, 0)])
+    assert got.evicted == ((0, 1),) and got.hits == ((0, 0),)
+
+
+def test_unsatisfiable_lookup_raises_and_changes_nothing():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0)])
+    assert not res.can_lookup([(0, 1), (0, 2)])
+    before = (res.lru_order(), res.hits, res.misses, res.evictions)
+    with pytest.raises(ResidencyExhausted, match="2 distinct experts cannot fit: 2 slots, 1 pinned"):
+        res.lookup([(0, 1), (0, 2)])
+    assert (res.lru_order(), res.hits, res.misses, res.evictions) == before
+    assert res.can_lookup([(0, 0), (0, 1)])  # the pinned key itself does not count against it
+
+
+def test_release_errors_and_release_all():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0), (0, 1)])
+    with pytest.raises(ValueError, match="not pinned"):
+        res.release([(0, 0), (3, 3)])
+    assert res.is_pinned((0, 0)), "a rejected release must not unpin anything"
+    assert not res.can_release([(3, 3)])
+    res.release(None)
+    assert res.num_pinned == 0
+
+
+@pytest.mark.parametrize("bad", [(0,), (0, -1), [0, 1], (0, 1.0), (True, 0), "ab"])
+def test_bad_keys_are_rejected(bad):
+    res = ExpertResidency(2)
+    with pytest.raises(ValueError, match="expert key"):
+        res.lookup([bad])
+
+
+def test_resize_starts_cold_keeps_counters_and_is_refused_while_pinned():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0), (0, 1)])
+    assert not res.can_resize(4)
+    with pytest.raises(RuntimeError, match="pinned"):
+        res.resize(4)
+    res.release()
+    res.resize(4)
+    assert (res.num_slots, res.num_resident, res.misses) == (4, 0, 2)
+    assert res.lookup([(0, 0)]).fills == (((0, 0), 0),)
+    res.check_valid()
+    with pytest.raises(ValueError):
+        ExpertResidency(-1)
+
+
+# ---- differential contract -------------------------------------------------------------
+
+
+def test_contract_domain_against_list_shadow():
+    run_residency_contract(ListResidency, max_examples=400, stateful_step_count=30)
+
+
+# The domain class against itself: catches hidden shared state and nondeterminism.
+TestContractSelf = residency_contract_machine(ExpertResidency).TestCase
+TestContractSelf.settings = settings(max_examples=100, stateful_step_count=20, deadline=None)
