@@ -1,0 +1,294 @@
+"""`ft synth`: write a random checkpoint directory of a given geometry in any supported format.
+
+Shape legend: H hidden, I expert intermediate, E experts, V vocab, C conv channels, Hv value heads.
+Tensors are produced one at a time and written shard by shard, so the full Qwen3.6-35B-A3B
+geometry (~35 GB in FP8) never sits in RAM. Small geometries quantize random float weights with
+our own quantizer; large ones draw random codes directly in the quantized domain (same
+on-disk layout, no float detour) because quantizing 10k experts on a CPU would take hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from adapters.checkpoint.quant import MXFP4_GROUP, NVFP4_GROUP, QTensor, expected_parts
+from adapters.checkpoint.quantize import disk_tensors, quantize
+from adapters.checkpoint.synth_config import (
+    FORMATS,
+    GEOMETRIES,
+    Geometry,
+    config_json,
+    generation_config,
+    is_quantized_linear,
+)
+from domain.model_spec import WeightFormat
+
+CANONICAL_FORMAT = {"bf16": WeightFormat.BF16, "fp8_block": WeightFormat.FP8_BLOCK,
+                    "fp8_tensor": WeightFormat.FP8_TENSOR, "fp8_channel": WeightFormat.FP8_CHANNEL,
+                    "nvfp4_modelopt": WeightFormat.NVFP4, "nvfp4_ct": WeightFormat.NVFP4,
+                    "int8_quark": WeightFormat.INT8_CHANNEL, "mxfp4_ct": WeightFormat.MXFP4}
+WEIGHT_STD = 0.02
+DIRECT_THRESHOLD = 1024  # hidden sizes from here up draw quantized codes directly
+
+
+# ---- what tensors a model has -------------------------------------------------------------------
+
+def layer_tensors(g: Geometry, layer: int, kind: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(canonical name, shape, init) of one decoder layer, routed experts excluded."""
+    p, h = f"layers.{layer}.", g.hidden_size
+    norm = "zero_norm" if g.architecture == "qwen3_5_moe" else "one_norm"  # (1+w) RMSNorm starts at 0
+    yield p + "input_layernorm.weight", (h,), norm
+    yield p + "post_attention_layernorm.weight", (h,), norm
+    if kind == "linear_attention":
+        hv, key_dim = g.linear_num_value_heads, g.linear_num_key_heads * g.linear_key_head_dim
+        value_dim = hv * g.linear_value_head_dim
+        conv = 2 * key_dim + value_dim
+        a = p + "linear_attn."
+        yield a + "A_log", (hv,), "a_log"
+        yield a + "dt_bias", (hv,), "ones"
+        yield a + "conv1d.weight", (conv, 1, g.linear_conv_kernel_dim), "conv"
+        yield a + "in_proj_qkv.weight", (conv, h), "linear"
+        yield a + "in_proj_z.weight", (value_dim, h), "linear"
+        yield a + "in_proj_a.weight", (hv, h), "linear"
+        yield a + "in_proj_b.weight", (hv, h), "linear"
+        yield a + "norm.weight", (g.linear_value_head_dim,), "one_norm"
+        yield a + "out_proj.weight", (h, value_dim), "linear"
+    else:
+        q_width = g.num_attention_heads * g.head_dim
+        gate = 2 if g.architecture == "qwen3_5_moe" else 1  # q_proj carries the output gate
+        s = p + "self_attn."
+        yield s + "q_proj.weight", (gate * q_width, h), "linear"
+        yield s + "k_proj.weight", (g.num_key_value_heads * g.head_dim, h), "linear"
+        yield s + "v_proj.weight", (g.num_key_value_heads * g.head_dim, h), "linear"
+        yield s + "o_proj.weight", (h, q_width), "linear"
+        yield s + "q_norm.weight", (g.head_dim,), norm
+        yield s + "k_norm.weight", (g.head_dim,), norm
+    yield p + "mlp.gate.weight", (g.num_experts, h), "linear"
+    si = g.shared_expert_intermediate_size if g.architecture == "qwen3_5_moe" else 0
+    if si:
+        yield p + "mlp.shared_expert.gate_proj.weight", (si, h), "linear"
+        yield p + "mlp.shared_expert.up_proj.weight", (si, h), "linear"
+        yield p + "mlp.shared_expert.down_proj.weight", (h, si), "linear"
+        yield p + "mlp.shared_expert_gate.weight", (1, h), "linear"
+
+
+def init_tensor(shape: tuple[int, ...], init: str, gen: torch.Generator) -> torch.Tensor:
+    if init == "linear":
+        return torch.randn(shape, generator=gen) * WEIGHT_STD
+    if init == "embed":
+        return torch.randn(shape, generator=gen)
+    if init == "zero_norm":
+        return torch.randn(shape, generator=gen) * 0.1
+    if init == "one_norm":
+        return 1.0 + torch.randn(shape, generator=gen) * 0.1
+    if init == "a_log":
+        return torch.log(torch.empty(shape).uniform_(1, 16, generator=gen))
+    if init == "ones":
+        return torch.ones(shape)
+    if init == "conv":
+        return torch.randn(shape, generator=gen) * 0.2
+    raise ValueError(init)
+
+
+# ---- direct random codes in the quantized domain -----------------------------------------------
+
+def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator) -> QTensor:
+    """A valid QTensor whose dequantized values have std of order WEIGHT_STD, without floats."""
+    parts = expected_parts(fmt, rows, cols)
+    if fmt == WeightFormat.BF16:
+        return QTensor(fmt, (rows, cols), (torch.randn(rows, cols, generator=gen) * WEIGHT_STD).bfloat16())
+    raw = torch.randint(0, 256, parts["data"][1], dtype=torch.uint8, generator=gen)
+    scale_shape = parts["scale"][1]
+    if fmt in (WeightFormat.FP8_BLOCK, WeightFormat.FP8_TENSOR, WeightFormat.FP8_CHANNEL):
+        # keep sign and mantissa, force the exponent field into 4..7: |value| in [1/8, 2)
+        data = ((raw & 0x87) | ((((raw >> 3) & 3) + 4) << 3)).view(torch.float8_e4m3fn)
+        scale = torch.full(scale_shape, WEIGHT_STD / 0.7)
+        return QTensor(fmt, (rows, cols), data, scale)
+    if fmt == WeightFormat.INT8_CHANNEL:
+        data = raw.view(torch.int8).clamp_(min=-127)
+        return QTensor(fmt, (rows, cols), data, torch.full(scale_shape, WEIGHT_STD / 73.0))
+    if fmt == WeightFormat.NVFP4:
+        scale = torch.empty(scale_shape).uniform_(0.5, 1.0, generator=gen).to(torch.float8_e4m3fn)
+        glob = torch.tensor([2.0**-7])
+        return QTensor(fmt, (rows, cols), raw, scale, glob)
+    if fmt == WeightFormat.MXFP4:
+        return QTensor(fmt, (rows, cols), raw, torch.full(scale_shape, 127 - 7, dtype=torch.uint8))
+    raise ValueError(fmt)
+
+
+# ---- streaming shard writer ---------------------------------------------------------------------
+
+class ShardWriter:
+    """Collects tensors and writes a shard whenever `shard_bytes` is reached."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int):
+        self.out_dir = out_dir
+        self.shard_bytes = shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        save_file(self.pending, self.out_dir / f"shard-{len(self.shards):05d}.tmp", metadata={"format": "pt"})
+        self.shards.append(sorted(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[Path]:
+        self.flush()
+        n = len(self.shards)
+        if n == 1:
+            final = self.out_dir / "model.safetensors"
+            (self.out_dir / "shard-00000.tmp").rename(final)
+            return [final]
+        weight_map, paths = {}, []
+        for i, names in enumerate(self.shards):
+            final = self.out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.out_dir / f"shard-{i:05d}.tmp").rename(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+            paths.append(final)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return paths
+
+
+# ---- the synthesizer ----------------------------------------------------------------------------
+
+def synthesize(
+    out_dir: str | Path,
+    geometry: Geometry | str = "tiny",
+    fmt: str = "bf16",
+    seed: int = 0,
+    layout: str = "nested",
+    experts: str = "per_expert",
+    shard_bytes: int = 2 << 30,
+    tokenizer: bool = True,
+    direct: bool | None = None,
+    progress: bool = False,
+    float_weights: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write config.json, safetensors shards (+ index), generation_config.json and, with
+    `tokenizer`, tokenizer.json + tokenizer_config.json into `out_dir`. Returns out_dir.
+
+    `float_weights`, when given, receives the float original of every quantized linear (keyed
+    by its on-disk base name) so tests can measure the quantization error end to end.
+    """
+    g = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if experts not in ("per_expert", "fused"):
+        raise ValueError(f"experts must be 'per_expert' or 'fused', got {experts!r}")
+    if experts == "fused" and fmt != "bf16":
+        raise ValueError("fused experts are written only in bf16 (no public quantized fused layout)")
+    if layout == "nested" and g.architecture != "qwen3_5_moe":
+        layout = "flat"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    qfmt = CANONICAL_FORMAT[fmt]
+    direct = g.hidden_size >= DIRECT_THRESHOLD if direct is None else direct
+    gen = torch.Generator().manual_seed(seed)
+    prefix = "model.language_model." if layout == "nested" else "model."
+    writer = ShardWriter(out, shard_bytes)
+
+    def add_linear(canonical: str, shape: tuple[int, ...], quantized: bool) -> None:
+        base = prefix + canonical[: -len(".weight")]
+        if not quantized:
+            writer.add(prefix + canonical, init_tensor(shape, "linear", gen).bfloat16())
+            return
+        if direct:
+            q = random_qtensor(qfmt, shape[0], shape[1], gen)
+        else:
+            w = init_tensor(shape, "linear", gen)
+            if float_weights is not None:
+                float_weights[base] = w
+            q = quantize(w, qfmt)
+        for suffix, t in disk_tensors(q, fmt).items():
+            writer.add(f"{base}.{suffix}", t)
+
+    started = time.monotonic()
+    writer.add(prefix + "embed_tokens.weight", init_tensor((g.vocab_size, g.hidden_size), "embed", gen).bfloat16())
+    h, i = g.hidden_size, g.moe_intermediate_size
+    for layer, kind in enumerate(g.layer_types):
+        for name, shape, init in layer_tensors(g, layer, kind):
+            if init == "linear":
+                add_linear(name, shape, fmt != "bf16" and is_quantized_linear(name))
+            else:
+                dtype = torch.float32 if init in ("a_log",) else torch.bfloat16
+                writer.add(prefix + name, init_tensor(shape, init, gen).to(dtype))
+        p = f"layers.{layer}.mlp.experts"
+        if experts == "fused":
+            gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen) * WEIGHT_STD).bfloat16()  # [E, 2I, H]
+            down = (torch.randn(g.num_experts, h, i, generator=gen) * WEIGHT_STD).bfloat16()  # [E, H, I]
+            writer.add(f"{prefix}{p}.gate_up_proj", gate_up)
+            writer.add(f"{prefix}{p}.down_proj", down)
+        else:
+            for e in range(g.num_experts):
+                add_linear(f"{p}.{e}.gate_proj.weight", (i, h), fmt != "bf16")
+                add_linear(f"{p}.{e}.up_proj.weight", (i, h), fmt != "bf16")
+                add_linear(f"{p}.{e}.down_proj.weight", (h, i), fmt != "bf16")
+        if progress:
+            print(f"  layer {layer + 1}/{g.num_hidden_layers}  {writer.total_bytes / 2**30:.2f} GiB  "
+                  f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+    writer.add(prefix + "norm.weight", init_tensor((h,), "zero_norm" if g.architecture == "qwen3_5_moe"
+                                                   else "one_norm", gen).bfloat16())
+    writer.add("lm_head.weight", init_tensor((g.vocab_size, h), "linear", gen).bfloat16())
+    writer.finish()
+
+    (out / "config.json").write_text(json.dumps(config_json(g, fmt, layout), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2))
+    if tokenizer:
+        from adapters.checkpoint.hf_tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(out)
+    return out
+
+
+def _check_divisible(g: Geometry, fmt: str) -> None:
+    group = {"nvfp4_modelopt": NVFP4_GROUP, "nvfp4_ct": NVFP4_GROUP, "mxfp4_ct": MXFP4_GROUP}.get(fmt)
+    if group and (g.hidden_size % group or g.moe_intermediate_size % group):
+        raise ValueError(f"{fmt} needs hidden and intermediate sizes divisible by {group}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ft synth", description="Write a random checkpoint in a given format.")
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--geometry", default="tiny", choices=sorted(GEOMETRIES))
+    parser.add_argument("--format", default="bf16", choices=FORMATS, dest="fmt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", default="nested", choices=("nested", "flat"))
+    parser.add_argument("--experts", default="per_expert", choices=("per_expert", "fused"))
+    parser.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GiB")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the geometry's vocabulary")
+    parser.add_argument("--no-tokenizer", action="store_true")
+    args = parser.parse_args(argv)
+    g = GEOMETRIES[args.geometry]
+    if args.vocab_size:
+        g = replace(g, vocab_size=args.vocab_size)
+    _check_divisible(g, args.fmt)
+    started = time.monotonic()
+    synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
+               shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True)
+    size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
+    print(f"wrote {args.out} ({args.geometry}, {args.fmt}): {size / 2**30:.2f} GiB in "
+          f"{time.monotonic() - started:.1f}s")
+    return 0
+

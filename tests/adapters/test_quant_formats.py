@@ -1,0 +1,151 @@
+"""Quantization formats: our quantizer, the public on-disk conventions, and the round trip
+quantize -> `synthesize` -> `load_checkpoint` -> dequantize / qlinear."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adapters.checkpoint.formats import ON_DISK_FORMATS, read_weight
+from adapters.checkpoint.loader import load_checkpoint
+from adapters.checkpoint.quant import E2M1_VALUES, QTensor, dequantize, qlinear
+from adapters.checkpoint.quantize import quantize
+from adapters.checkpoint.synth import CANONICAL_FORMAT, random_qtensor, synthesize
+from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES
+from domain.model_spec import WeightFormat, matrix_bytes
+
+F = WeightFormat
+# relative Frobenius error of quantizing N(0, 1) weights
+TOLERANCE = {F.BF16: 0.005, F.FP8_BLOCK: 0.05, F.FP8_TENSOR: 0.05, F.FP8_CHANNEL: 0.05,
+             F.INT8_CHANNEL: 0.02, F.NVFP4: 0.15, F.MXFP4: 0.2}
+TINY = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("fmt", list(F))
+def test_quantize_dequantize_within_tolerance(fmt):
+    w = torch.randn(200, 320, generator=torch.Generator().manual_seed(3))
+    q = quantize(w, fmt)
+    q.check_valid()
+    assert rel_err(dequantize(q), w) < TOLERANCE[fmt]
+    assert sum(t.numel() * t.element_size() for t in (q.data, q.scale, q.global_scale) if t is not None) == \
+        matrix_bytes(fmt, 200, 320) * (2 if fmt == F.BF16 and q.data.dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("fmt", list(F))
+@pytest.mark.parametrize("cols", [96, 640])  # one partial K block, and several blocks
+def test_qlinear_matches_dequantize_then_matmul(fmt, cols):
+    g = torch.Generator().manual_seed(4)
+    q = quantize(torch.randn(72, cols, generator=g), fmt)
+    x = torch.randn(5, cols, generator=g)
+    torch.testing.assert_close(qlinear(x, q), x @ dequantize(q).T, rtol=1e-4, atol=1e-4)
+    xb = x.bfloat16()  # bf16 activations accumulate per K block in fp32
+    assert rel_err(qlinear(xb, q).float(), x @ dequantize(q).T) < 1e-2
+
+
+def test_e2m1_low_nibble_holds_the_even_column():
+    # 0x71: low nibble 1 -> 0.5 (column 0), high nibble 7 -> 6.0 (column 1); 0xA9: -0.5, -1.0
+    data = torch.tensor([[0x71, 0xA9]], dtype=torch.uint8)
+    scale = torch.full((1, 1), 2.0).to(torch.float8_e4m3fn)
+    q = QTensor(F.NVFP4, (1, 16), torch.cat([data, torch.zeros(1, 6, dtype=torch.uint8)], 1), scale, torch.tensor([0.5]))
+    assert dequantize(q)[0, :4].tolist() == [0.5, 6.0, -0.5, -1.0]
+    assert E2M1_VALUES[0b1011].item() == -1.5
+
+
+def test_fp8_block_scales_cover_partial_blocks():
+    data = torch.ones(130, 200).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    w = dequantize(QTensor(F.FP8_BLOCK, (130, 200), data, scale))
+    assert (w[0, 0], w[0, 199], w[129, 0], w[129, 199]) == (1.0, 2.0, 3.0, 4.0)
+    assert w[127, 127] == 1.0 and w[128, 128] == 4.0
+
+
+def test_compressed_tensors_global_scale_is_a_divisor():
+    q = quantize(torch.randn(16, 32), F.NVFP4)
+    stored = {"w.weight_packed": q.data, "w.weight_scale": q.scale,
+              "w.weight_global_scale": (1.0 / q.global_scale)}
+    modelopt = {"w.weight": q.data, "w.weight_scale": q.scale, "w.weight_scale_2": q.global_scale.reshape(())}
+    ct = read_weight(ON_DISK_FORMATS["nvfp4_ct"], "w", stored.__getitem__)
+    mo = read_weight(ON_DISK_FORMATS["nvfp4_modelopt"], "w", modelopt.__getitem__)
+    assert torch.equal(dequantize(ct), dequantize(q)) and torch.equal(dequantize(mo), dequantize(q))
+
+
+def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
+    """Plain per-element decoding of each producer's published layout, independent of quant.py."""
+    if on_disk == "bf16":
+        return t["weight"].float()
+    if on_disk in ("nvfp4_modelopt", "nvfp4_ct", "mxfp4_ct"):
+        packed = t.get("weight", t.get("weight_packed"))
+        rows, half = packed.shape
+        codes = torch.empty(rows, half * 2, dtype=torch.long)
+        codes[:, 0::2], codes[:, 1::2] = packed & 15, packed >> 4
+        mags = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+        vals = mags[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        if on_disk == "mxfp4_ct":
+            return vals * (2.0 ** (t["weight_scale"].float() - 127)).repeat_interleave(32, 1)
+        s = t["weight_scale"].float().repeat_interleave(16, 1)
+        g = t["weight_scale_2"] if on_disk == "nvfp4_modelopt" else 1.0 / t["weight_global_scale"]
+        return vals * s * g
+    w = t["weight"].float()
+    if on_disk == "fp8_block":
+        s = t["weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return w * s[: w.shape[0], : w.shape[1]]
+    scale = t["weight_scale"].float()
+    return w * (scale if scale.dim() == 0 else scale.reshape(-1, 1))
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def synthesized(request, tmp_path_factory):
+    fmt = request.param
+    floats: dict[str, torch.Tensor] = {}
+    out = synthesize(tmp_path_factory.mktemp(fmt), TINY, fmt, seed=7, tokenizer=False, shard_bytes=300_000,
+                     float_weights=floats)
+    return fmt, out, floats
+
+
+def _on_disk(out, base: str) -> dict[str, torch.Tensor]:
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    names = [n for n in index if n.startswith(base + ".")]
+    found = {}
+    for n in names:
+        found[n[len(base) + 1 :]] = load_file(out / index[n])[n]
+    return found
+
+
+def test_synth_load_round_trip_matches_reference(synthesized):
+    fmt, out, floats = synthesized
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.format_name == fmt and ckpt.experts.layout.fmt == CANONICAL_FORMAT[fmt]
+    assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded with an index
+    for layer, expert, matrix in [(0, 0, "gate"), (1, 5, "up"), (3, 7, "down")]:
+        base = f"model.language_model.layers.{layer}.mlp.experts.{expert}.{matrix}_proj"
+        q = getattr(ckpt.experts.weights(layer, expert), matrix)
+        ref = reference_dequant(_on_disk(out, base), fmt)
+        torch.testing.assert_close(dequantize(q), ref, rtol=1e-6, atol=1e-9)
+        if fmt != "bf16":
+            assert rel_err(dequantize(q), floats[base]) < TOLERANCE[q.fmt]
+        x = torch.randn(4, q.shape[1])
+        torch.testing.assert_close(qlinear(x, q), x @ ref.T, rtol=1e-4, atol=1e-5)
+    dense_base = "model.language_model.layers.3.self_attn.q_proj"
+    dense = ckpt.dense["layers.3.self_attn.q_proj.weight"]
+    if fmt == "bf16":
+        assert isinstance(dense, torch.Tensor)
+    else:
+        assert isinstance(dense, QTensor) and dense.fmt == CANONICAL_FORMAT[fmt]
+        torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), fmt))
+    assert isinstance(ckpt.dense["layers.0.mlp.gate.weight"], torch.Tensor)  # routers stay bf16
+
+
+@pytest.mark.parametrize("fmt", list(F))
+def test_direct_random_codes_are_valid_and_well_scaled(fmt):
+    q = random_qtensor(fmt, 256, 512, torch.Generator().manual_seed(0))
+    q.check_valid()
+    w = dequantize(q)
+    assert torch.isfinite(w).all() and 0.01 < w.std().item() < 0.04
