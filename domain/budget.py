@@ -1,0 +1,184 @@
+"""Pool budgeting: split the GPU memory left after weights between expert slots, KV pages and
+linear-attention state slots (MoE first), or refuse and say which pool is short by how much."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from domain.model_spec import ModelSpec
+
+DEFAULT_STATE_SLOTS = 4
+POOLS = ("kv", "moe", "state", "budget")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """GPU memory: pool_bytes = int(total_bytes * memory_ratio) - weights_bytes - fixed_bytes."""
+
+    total_bytes: int
+    memory_ratio: float = 0.9
+    weights_bytes: int = 0
+    fixed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_bytes < 0 or self.weights_bytes < 0 or self.fixed_bytes < 0:
+            raise ValueError(f"byte counts must be >= 0: {self}")
+        if not 0.0 < self.memory_ratio <= 1.0:
+            raise ValueError(f"memory_ratio must be in (0, 1], got {self.memory_ratio}")
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.total_bytes * self.memory_ratio) - self.weights_bytes - self.fixed_bytes
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """What the operator asks for; None = let the planner size that pool."""
+
+    kv_tokens: int | None = None  # rounded down to whole pages
+    expert_slots: int | None = None
+    state_slots: int | None = None  # None = DEFAULT_STATE_SLOTS
+    kv_reserve_tokens: int = 8192  # KV floor when kv_tokens is None (rounded up to whole pages)
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_reserve_tokens < 0:
+            raise ValueError(f"kv_reserve_tokens must be >= 0, got {self.kv_reserve_tokens}")
+        if self.kv_tokens is not None and self.kv_tokens < self.page_size:
+            raise ValueError(f"kv_tokens must hold at least one page of {self.page_size}, got {self.kv_tokens}")
+        if self.expert_slots is not None and self.expert_slots < 0:
+            raise ValueError(f"expert_slots must be >= 0, got {self.expert_slots}")
+        if self.state_slots is not None and self.state_slots < 1:
+            raise ValueError(f"state_slots must be >= 1, got {self.state_slots}")
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Sizes of the three GPU pools and their bytes; used_bytes <= pool_bytes always."""
+
+    page_size: int
+    kv_pages: int
+    kv_tokens: int  # kv_pages * page_size
+    expert_slots: int
+    state_slots: int
+    kv_bytes: int
+    expert_bytes: int
+    state_bytes: int
+    pool_bytes: int  # the budget the plan was made for
+    used_bytes: int
+    free_bytes: int
+    residency: float  # expert_slots / total experts, 0..1
+
+    def __post_init__(self) -> None:
+        self.check_valid()
+
+    def check_valid(self) -> None:
+        sizes = (self.page_size, self.kv_pages, self.expert_slots, self.state_slots, self.kv_bytes,
+                 self.expert_bytes, self.state_bytes, self.free_bytes)
+        if min(sizes) < 0 or self.page_size < 1:
+            raise ValueError(f"negative size in {self}")
+        if self.kv_tokens != self.kv_pages * self.page_size:
+            raise ValueError(f"kv_tokens {self.kv_tokens} != kv_pages * page_size in {self}")
+        if self.used_bytes != self.kv_bytes + self.expert_bytes + self.state_bytes:
+            raise ValueError(f"used_bytes is not the sum of the pools in {self}")
+        if self.used_bytes + self.free_bytes != self.pool_bytes:
+            raise ValueError(f"used + free != pool_bytes in {self}")
+        if not 0.0 <= self.residency <= 1.0:
+            raise ValueError(f"residency {self.residency} outside 0..1")
+
+
+@dataclass(frozen=True)
+class PlanRefusal:
+    """The request does not fit. shortfall_bytes is exactly what is missing: a budget that many
+    bytes larger fits the same request. 0 means no amount of memory helps (e.g. slots < top_k)."""
+
+    pool: str  # "kv" | "moe" | "state" | "budget"
+    shortfall_bytes: int
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}")
+        if self.shortfall_bytes < 0:
+            raise ValueError(f"shortfall_bytes must be >= 0, got {self.shortfall_bytes}")
+
+
+def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> PoolPlan | PlanRefusal:
+    """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
+
+    Order of claims: state slots; then the floors of unsized pools (top_k expert slots, the KV
+    reserve); then explicit sizes, experts before KV. A refusal names the first claim that
+    does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
+    when experts are explicit or all resident.
+    """
+    pool = budget.pool_bytes
+    per_slot = spec.expert_bytes()
+    per_state = spec.linear_state_bytes_per_sequence()
+    per_page = request.page_size * spec.kv_bytes_per_token()
+    state_slots = DEFAULT_STATE_SLOTS if request.state_slots is None else request.state_slots
+    slots_explicit = request.expert_slots is not None
+    kv_explicit = request.kv_tokens is not None
+
+    if slots_explicit and not spec.top_k <= request.expert_slots <= spec.total_experts:
+        return PlanRefusal("moe", 0, f"expert_slots {request.expert_slots} outside "
+                                     f"[top_k {spec.top_k}, total experts {spec.total_experts}]")
+    min_slots = request.expert_slots if slots_explicit else spec.top_k
+    kv_pages = (request.kv_tokens // request.page_size if kv_explicit
+                else _ceil_div(request.kv_reserve_tokens, request.page_size))
+
+    claims = [("state", state_slots * per_state)]
+    floors = [("moe", min_slots * per_slot)] if not slots_explicit else []
+    floors += [("kv", kv_pages * per_page)] if not kv_explicit else []
+    explicit = [("moe", min_slots * per_slot)] if slots_explicit else []
+    explicit += [("kv", kv_pages * per_page)] if kv_explicit else []
+    claims += floors + explicit
+    needed = sum(size for _, size in claims)
+    if pool <= 0:
+        return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
+                                                    f"after weights and fixed caches; need {needed}")
+    if needed > pool:
+        claimed = 0
+        for name, size in claims:
+            claimed += size
+            if claimed > pool:
+                return PlanRefusal(name, needed - pool,
+                                   f"{name} pool does not fit: request needs {needed} bytes, "
+                                   f"budget is {pool}, short by {needed - pool}")
+
+    free = pool - needed
+    expert_slots = min_slots
+    if not slots_explicit:
+        extra = min(spec.total_experts - min_slots, free // per_slot)
+        expert_slots += extra
+        free -= extra * per_slot
+    # NOTE: while experts are unsized and not all resident, the sub-slot remainder stays free:
+    # handing it to KV would make KV tokens saw-tooth down as memory grows (not monotone).
+    if not kv_explicit and per_page and (slots_explicit or expert_slots == spec.total_experts):
+        extra_pages = free // per_page
+        kv_pages += extra_pages
+        free -= extra_pages * per_page
+
+    kv_bytes = kv_pages * per_page
+    expert_bytes = expert_slots * per_slot
+    state_bytes = state_slots * per_state
+    used = kv_bytes + expert_bytes + state_bytes
+    return PoolPlan(
+        page_size=request.page_size,
+        kv_pages=kv_pages,
+        kv_tokens=kv_pages * request.page_size,
+        expert_slots=expert_slots,
+        state_slots=state_slots,
+        kv_bytes=kv_bytes,
+        expert_bytes=expert_bytes,
+        state_bytes=state_bytes,
+        pool_bytes=pool,
+        used_bytes=used,
+        free_bytes=pool - used,
+        residency=expert_slots / spec.total_experts,
+    )

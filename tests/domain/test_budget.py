@@ -1,0 +1,197 @@
+"""plan_pools: never over budget, monotone, exact refusals, explicit sizes honoured, SPEC example."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.model_spec import LayerKind, ModelSpec, WeightFormat, qwen36_35b_a3b
+
+GiB = 1024**3
+QWEN_FP8 = qwen36_35b_a3b()
+# tiny hybrid model: 4 layers x 4 experts, so "every expert resident" is reachable in a test
+TINY = dataclasses.replace(
+    qwen36_35b_a3b(WeightFormat.BF16), name="tiny", hidden_size=64, num_experts=4, top_k=2,
+    expert_intermediate=32, layer_kinds=(LayerKind.LINEAR_ATTENTION, LayerKind.FULL_ATTENTION) * 2,
+    num_attention_heads=4, num_kv_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=128)
+QWEN3_MOE_LIKE = dataclasses.replace(TINY, name="full-attn", architecture="qwen3_moe",
+                                     layer_kinds=(LayerKind.FULL_ATTENTION,) * 3,
+                                     linear_num_key_heads=0, linear_num_value_heads=0,
+                                     linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel=0)
+
+
+def pool_budget(pool_bytes: int) -> GpuBudget:
+    return GpuBudget(total_bytes=max(pool_bytes, 0), memory_ratio=1.0, fixed_bytes=max(-pool_bytes, 0))
+
+
+def scale(spec: ModelSpec) -> int:
+    """A byte range that spans refusals, MoE-first plans and all-experts-resident plans."""
+    return (spec.total_experts * spec.expert_bytes() + 64 * spec.linear_state_bytes_per_sequence()
+            + 40_000 * spec.kv_bytes_per_token())
+
+
+@st.composite
+def cases(draw):
+    spec = draw(st.sampled_from([QWEN_FP8, TINY, QWEN3_MOE_LIKE]))
+    page_size = draw(st.sampled_from([1, 16, 64]))
+    request = PoolRequest(
+        kv_tokens=draw(st.none() | st.integers(page_size, 40_000)),
+        expert_slots=draw(st.none() | st.integers(spec.top_k, spec.total_experts)),
+        state_slots=draw(st.none() | st.integers(1, 64)),
+        kv_reserve_tokens=draw(st.integers(0, 10_000)),
+        page_size=page_size,
+    )
+    pool = draw(st.integers(-1000, scale(spec)))
+    return spec, request, pool
+
+
+@given(cases())
+def test_never_over_budget_and_explicit_sizes_honoured(case):
+    spec, request, pool = case
+    plan = plan_pools(spec, pool_budget(pool), request)
+    if isinstance(plan, PlanRefusal):
+        assert plan.shortfall_bytes > 0
+        return
+    plan.check_valid()
+    assert plan.pool_bytes == pool
+    assert plan.used_bytes <= pool and plan.free_bytes >= 0
+    assert plan.kv_bytes == plan.kv_tokens * spec.kv_bytes_per_token()
+    assert plan.expert_bytes == plan.expert_slots * spec.expert_bytes()
+    assert plan.state_bytes == plan.state_slots * spec.linear_state_bytes_per_sequence()
+    assert spec.top_k <= plan.expert_slots <= spec.total_experts
+    assert plan.residency == plan.expert_slots / spec.total_experts
+    assert plan.state_slots == (4 if request.state_slots is None else request.state_slots)
+    if request.expert_slots is not None:
+        assert plan.expert_slots == request.expert_slots
+    if request.kv_tokens is not None:
+        assert plan.kv_tokens == request.kv_tokens // request.page_size * request.page_size
+    else:
+        assert plan.kv_tokens >= request.kv_reserve_tokens
+
+
+@given(cases())
+def test_leftover_memory_is_handed_out(case):
+    """MoE first: unsized experts take all they can; unsized KV takes the rest once experts can't."""
+    spec, request, pool = case
+    plan = plan_pools(spec, pool_budget(pool), request)
+    if isinstance(plan, PlanRefusal):
+        return
+    per_page = request.page_size * spec.kv_bytes_per_token()
+    all_resident = plan.expert_slots == spec.total_experts
+    if request.expert_slots is None and not all_resident:
+        assert plan.free_bytes < spec.expert_bytes()
+        if request.kv_tokens is None:  # KV stays at its floor while experts still want memory
+            assert plan.kv_pages == -(-request.kv_reserve_tokens // request.page_size)
+    if request.kv_tokens is None and per_page and (request.expert_slots is not None or all_resident):
+        assert plan.free_bytes < per_page
+
+
+@given(cases(), st.integers(0, 4 * GiB))
+def test_more_memory_never_yields_fewer_slots_or_tokens(case, extra):
+    spec, request, pool = case
+    small = plan_pools(spec, pool_budget(pool), request)
+    large = plan_pools(spec, pool_budget(pool + extra), request)
+    if isinstance(small, PlanRefusal):
+        return
+    assert isinstance(large, PoolPlan)
+    assert large.expert_slots >= small.expert_slots
+    assert large.kv_tokens >= small.kv_tokens
+    assert large.state_slots == small.state_slots
+
+
+@given(cases())
+def test_refusal_shortfall_is_exactly_what_is_missing(case):
+    spec, request, pool = case
+    refusal = plan_pools(spec, pool_budget(pool), request)
+    if not isinstance(refusal, PlanRefusal):
+        return
+    assert refusal.pool in ("kv", "moe", "state", "budget")
+    assert str(refusal.shortfall_bytes) in refusal.message or refusal.pool == "budget"
+    assert isinstance(plan_pools(spec, pool_budget(pool + refusal.shortfall_bytes), request), PoolPlan)
+    assert isinstance(plan_pools(spec, pool_budget(pool + refusal.shortfall_bytes - 1), request), PlanRefusal)
+    state_bytes = plan_pools(spec, pool_budget(10**15), request).state_bytes
+    if pool <= 0:
+        assert refusal.pool == "budget"
+    else:
+        assert (refusal.pool == "state") == (state_bytes > pool)
+
+
+def test_refusals_name_the_short_pool():
+    spec = QWEN_FP8
+    state = spec.linear_state_bytes_per_sequence()
+    slot = spec.expert_bytes()
+    refusal = plan_pools(spec, pool_budget(10 * state), PoolRequest(state_slots=11))
+    assert refusal == PlanRefusal("state", refusal.shortfall_bytes, refusal.message)
+    # shortfall covers the whole request: the state excess plus the floors after it
+    assert refusal.shortfall_bytes == state + 8 * slot + 8192 * spec.kv_bytes_per_token()
+
+    budget = pool_budget(10 * GiB)
+    assert plan_pools(spec, budget, PoolRequest(kv_tokens=600_000)).pool == "kv"
+    assert plan_pools(spec, budget, PoolRequest(expert_slots=4000)).pool == "moe"
+    # explicit slots that crowd out the KV floor are blamed, not the floor
+    crowded = plan_pools(spec, budget, PoolRequest(expert_slots=3300))
+    assert crowded.pool == "moe"
+    assert crowded.shortfall_bytes == 4 * state + 3300 * slot + 8192 * spec.kv_bytes_per_token() - 10 * GiB
+    # the KV floor that does not fit after the top-k floor is blamed on KV
+    tight = pool_budget(4 * state + 8 * slot + 100)
+    assert plan_pools(spec, tight, PoolRequest()).pool == "kv"
+    assert plan_pools(spec, pool_budget(4 * state + 100), PoolRequest()).pool == "moe"
+
+
+def test_budget_and_top_k_refusals():
+    spec = QWEN_FP8
+    for pool in (0, -5):
+        refusal = plan_pools(spec, pool_budget(pool), PoolRequest())
+        assert refusal.pool == "budget" and refusal.shortfall_bytes > 0
+    assert plan_pools(spec, GpuBudget(total_bytes=10 * GiB, weights_bytes=9 * GiB), PoolRequest()).pool == "budget"
+    below = plan_pools(spec, pool_budget(20 * GiB), PoolRequest(expert_slots=7))
+    assert below.pool == "moe" and below.shortfall_bytes == 0 and "top_k" in below.message
+    above = plan_pools(spec, pool_budget(100 * GiB), PoolRequest(expert_slots=10_241))
+    assert above.pool == "moe" and above.shortfall_bytes == 0
+
+
+def test_spec_worked_example():
+    """SPEC.md: Qwen3.6-35B-A3B FP8, ~17.6 GiB pool budget, 2048 slots / 453,005 tokens / 24 states."""
+    budget = GpuBudget(total_bytes=int(17.6 * GiB), memory_ratio=1.0)
+    plan = plan_pools(QWEN_FP8, budget, PoolRequest(kv_tokens=453_005, expert_slots=2048, state_slots=24))
+    assert isinstance(plan, PoolPlan)
+    assert plan.expert_slots == 2048 and plan.residency == pytest.approx(0.2)
+    assert plan.kv_tokens == 452_992  # rounded down to 16-token pages
+    assert plan.expert_bytes / GiB == pytest.approx(6.0, abs=0.01)
+    assert plan.kv_bytes / GiB == pytest.approx(8.64, abs=0.01)
+    assert plan.state_bytes / GiB == pytest.approx(1.44, abs=0.01)
+    refusal = plan_pools(QWEN_FP8, budget, PoolRequest(kv_tokens=800_000, expert_slots=2048))
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "kv"
+    assert refusal.shortfall_bytes == (800_000 * 20 * 1024 + 2048 * QWEN_FP8.expert_bytes()
+                                       + 4 * QWEN_FP8.linear_state_bytes_per_sequence() - budget.pool_bytes)
+    # MoE-first at an 8k KV floor: SPEC's "~53 %" residency for 3 MiB slots
+    moe_first = plan_pools(QWEN_FP8, budget, PoolRequest(state_slots=24))
+    assert moe_first.kv_tokens == 8192
+    assert moe_first.residency == pytest.approx(0.53, abs=0.01)
+
+
+def test_gpu_budget_arithmetic_and_validation():
+    assert GpuBudget(total_bytes=1000, memory_ratio=0.9, weights_bytes=100, fixed_bytes=50).pool_bytes == 750
+    with pytest.raises(ValueError):
+        GpuBudget(total_bytes=1000, memory_ratio=1.5)
+    with pytest.raises(ValueError):
+        GpuBudget(total_bytes=-1)
+    with pytest.raises(ValueError):
+        PoolRequest(kv_tokens=8, page_size=16)
+    with pytest.raises(ValueError):
+        PoolRequest(state_slots=0)
+    with pytest.raises(ValueError):
+        PlanRefusal("disk", 1, "x")
+
+
+def test_pool_plan_check_valid_catches_inconsistency():
+    plan = plan_pools(TINY, pool_budget(10**8), PoolRequest())
+    with pytest.raises(ValueError):
+        dataclasses.replace(plan, kv_tokens=plan.kv_tokens + 1)
+    with pytest.raises(ValueError):
+        dataclasses.replace(plan, free_bytes=plan.free_bytes + 1)
+    with pytest.raises(ValueError):
+        dataclasses.replace(plan, used_bytes=plan.used_bytes - 1, free_bytes=plan.free_bytes + 1)
