@@ -19,7 +19,7 @@ def options(cfg: dict) -> DecoderOptions:
     return DecoderOptions(
         layer_kinds=tuple(cfg["layer_types"]),
         hidden=cfg["hidden_size"],
-        num_experts=cfg["num_experts"],
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),  # transformers 5 saves the latter
         top_k=cfg["num_experts_per_tok"],
         # transformers always renormalises for this architecture; honour an explicit flag if one is given
         renormalize=bool(cfg.get("norm_topk_prob", True)),

@@ -24,7 +24,7 @@ def options(cfg: dict) -> DecoderOptions:
     return DecoderOptions(
         layer_kinds=(FULL,) * layers,
         hidden=cfg["hidden_size"],
-        num_experts=cfg["num_experts"],
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),  # transformers 5 saves the latter
         top_k=cfg["num_experts_per_tok"],
         renormalize=bool(cfg.get("norm_topk_prob", False)),
         shared_expert=False,
