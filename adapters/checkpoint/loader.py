@@ -183,6 +183,14 @@ def _original(inv: Inventory, base: str, fmt: OnDiskFormat) -> str:
     return f"file {entry.file.name}, tensor {entry.name}" if entry else "tensor not in any file"
 
 
+def check_zero_points(files: SafetensorsFiles, inv: Inventory) -> None:
+    """We dequantize symmetrically; an asymmetric (non-zero) weight zero point would be silently wrong."""
+    for canon, entry in inv.canon.items():
+        if canon.endswith(".weight_zero_point") and files.get(entry.name).any():
+            raise CheckpointFormatError(f"{entry.name} in {entry.file.name} is non-zero: asymmetric weight "
+                                        f"quantization is not supported")
+
+
 def dense_plan(inv: Inventory, fmt: OnDiskFormat) -> tuple[dict[str, str | None], list[str]]:
     """canonical dense name -> quantized base (None = plain tensor); plus ignored companions."""
     plan: dict[str, str | None] = {}
@@ -295,6 +303,7 @@ def load_checkpoint(
         log.info("%s: ignoring %d %s tensors", model_dir.name, count, kind)
 
     float_dtype = check_experts(inv, spec, fmt)
+    check_zero_points(files, inv)
     plan, skipped = dense_plan(inv, fmt)
     if skipped:
         log.info("%s: ignoring %d activation/kv scale tensors (e.g. %s)", model_dir.name, len(skipped), skipped[0])

