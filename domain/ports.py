@@ -67,6 +67,7 @@ class StepBatch:
 
 def _is_decode(work: SequenceWork) -> bool:
     # A decode feeds back the last sampled token: one token, after at least one output.
+    # NOTE: a preempted request's one-token final re-prefill chunk also counts (same cost).
     return work.output_index > 0 and len(work.token_ids) == 1 and work.sample
 
 

@@ -214,10 +214,13 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[SequenceWork]:
         works = []
+        # NOTE: leave one page of headroom per decoding request, so a newcomer does not take
+        # the page a decode needs next step and get preempted straight away.
+        headroom = sum(1 for r in self._running if r.state is RequestState.DECODING)
         while self._waiting and budget > 0 and self.can_admit_more():
             request = self._waiting[0]
             chunk = min(request.num_pending_tokens, budget)
-            if not self.allocator.can_allocate(_ceil_div(chunk, self.config.page_size)):
+            if not self.allocator.can_allocate(_ceil_div(chunk, self.config.page_size) + headroom):
                 break  # FIFO: the head is never skipped
             self._waiting.popleft()
             request.state_slot = heapq.heappop(self._free_slots)
