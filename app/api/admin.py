@@ -1,0 +1,142 @@
+"""Operations routes: /health (open), /v1/stats, /metrics, /v1/cache/status, /v1/cache/rebuild."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from litestar import Request, Response, get, post
+
+from app.api.errors import OpenAIError, bad_value
+from app.api.generation import require_engine, runtime_of
+from app.api.schemas import CacheRebuildRequest, decode_body
+from app.engine import Engine
+from app.units import parse_count
+
+
+@get("/health", sync_to_thread=False)
+def health(request: Request) -> Response:
+    runtime = runtime_of(request)
+    p = runtime.progress
+    engine = runtime.engine
+    body = {
+        "status": runtime.status,
+        "phase": p.phase,
+        "bytes_done": p.bytes_done,
+        "bytes_total": p.bytes_total,
+        "error": runtime.error,
+        "engine": engine.phase if engine else None,
+        "model": runtime.model.served_name,
+        "uptime_s": round(time.monotonic() - runtime.started_at, 3),
+    }
+    if engine is not None and not engine.alive:
+        body["status"], body["error"] = "error", engine.last_error or "engine thread stopped"
+    elif engine is not None and engine.phase == "error":
+        body["status"], body["error"] = "error", engine.last_error
+    return Response(content=body, status_code=200 if body["status"] == "ok" else 503)
+
+
+def _engine(request: Request) -> Engine:
+    runtime = runtime_of(request)
+    if runtime.engine is None:
+        require_engine(runtime)  # raises the 503 that explains why
+    return runtime.engine
+
+
+def _plan(plan) -> dict:
+    return dataclasses.asdict(plan)
+
+
+@get("/v1/stats", sync_to_thread=False)
+def stats(request: Request) -> dict:
+    engine = _engine(request)
+    return {
+        "model": runtime_of(request).model.served_name,
+        "engine": engine.phase,
+        "pools": engine.pools(),
+        "window": engine.stats.window(),
+        "plan": _plan(engine.plan),
+    }
+
+
+@get("/metrics", sync_to_thread=False)
+def metrics(request: Request) -> Response:
+    engine = _engine(request)
+    return Response(content=engine.stats.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/v1/cache/status", sync_to_thread=False)
+def cache_status(request: Request) -> dict:
+    engine = _engine(request)
+    budget = engine.budget
+    return {
+        "engine": engine.phase,
+        "pools": engine.pools(),
+        "plan": _plan(engine.plan),
+        "budget": dataclasses.asdict(budget),
+        "expert_bytes": engine.spec.expert_bytes(),
+        "total_experts": engine.spec.total_experts,
+    }
+
+
+def _count(param: str, value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        if value < 0:
+            raise bad_value(param, f"{param} must be >= 0, got {value}")
+        return value
+    try:
+        return parse_count(value)
+    except ValueError as exc:
+        raise bad_value(param, str(exc)) from None
+
+
+@post("/v1/cache/rebuild", status_code=200)
+async def cache_rebuild(request: Request) -> Response:
+    engine = _engine(request)
+    body = decode_body(await request.body(), CacheRebuildRequest)
+    kv = _count("kv_tokens", body.kv_tokens)
+    moe = _count("moe_slots", body.moe_slots)
+    mamba = _count("mamba_slots", body.mamba_slots)
+    if kv is None and moe is None and mamba is None:
+        raise bad_value("kv_tokens", "give at least one of kv_tokens, moe_slots, mamba_slots")
+    if not 0 <= body.wait_s <= 3600:
+        raise bad_value("wait_s", f"wait_s must be between 0 and 3600, got {body.wait_s}")
+    before = engine.plan
+    outcome = await asyncio.to_thread(
+        engine.resize, kv_tokens=kv, expert_slots=moe, state_slots=mamba, wait_s=body.wait_s
+    )
+    if outcome.refusal is not None:
+        refusal = outcome.refusal
+        raise OpenAIError(
+            409,
+            f"resize refused, old pools kept and serving continues: {refusal.message}",
+            type="resize_refused",
+            param=refusal.pool,
+            code="plan_refused",
+            extra={"refusal": dataclasses.asdict(refusal), "current": _plan(before)},
+        )
+    if not outcome.ok:
+        raise OpenAIError(
+            409,
+            f"resize not applied, serving continues: {outcome.message}",
+            type="resize_refused",
+            code="resize_rolled_back" if outcome.rolled_back else "resize_not_applied",
+            extra={"rolled_back": outcome.rolled_back, "waited_s": outcome.waited_s, "current": _plan(engine.plan)},
+        )
+    plan = outcome.plan
+    return Response(
+        content={
+            "status": "ok",
+            "message": outcome.message,
+            "experts_kept": plan.experts_kept,
+            "kept": "expert slots kept warm" if plan.experts_kept else "expert pool rebuilt: expert slots start cold",
+            "waited_s": round(outcome.waited_s, 4),
+            "peak_bytes": plan.peak_bytes,
+            "steps": [dataclasses.asdict(s) for s in plan.steps],
+            "before": _plan(plan.current),
+            "after": _plan(plan.target),
+        }
+    )

@@ -1,0 +1,189 @@
+"""Shared by the chat and completions routes: readiness, parameter validation, sampling
+defaults, submission to the engine, and the event stream that aborts when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from litestar import Request
+
+from app.api.errors import OpenAIError, bad_value, service_unavailable, unsupported
+from app.api.schemas import _Sampling
+from app.engine import Engine, RequestRejected, StreamEvent
+from app.runtime import Runtime
+from domain.request import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+def runtime_of(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def require_engine(runtime: Runtime) -> Engine:
+    """503 while the model loads, after a load failure, or while pools are being swapped."""
+    if runtime.status == "loading":
+        p = runtime.progress
+        raise service_unavailable(f"model is loading ({p.phase}, {p.bytes_done}/{p.bytes_total} bytes)")
+    if runtime.status == "error" or runtime.engine is None:
+        raise OpenAIError(503, f"model failed to load: {runtime.error}", type="server_error", code="load_failed")
+    engine = runtime.engine
+    if engine.phase == "rebuilding":
+        raise service_unavailable("cache pools are being rebuilt; retry shortly")
+    if engine.phase == "error" or not engine.alive:
+        raise OpenAIError(503, f"engine is not running: {engine.last_error}", type="server_error", code="engine_down")
+    return engine
+
+
+def check_model(runtime: Runtime, model: str | None) -> None:
+    if model is not None and model != runtime.model.served_name:
+        raise OpenAIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{runtime.model.served_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def reject_unsupported(body: _Sampling) -> None:
+    if body.n is not None and body.n != 1:
+        raise unsupported("n", f"n={body.n} is not supported: only one choice per request (n=1)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            raise unsupported(name, f"{name} is not supported (got {value}); leave it unset or 0")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > MAX_STOP_STRINGS:
+        raise bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+    if any(not s for s in items):
+        raise bad_value("stop", "stop strings must be non-empty")
+    return tuple(items)
+
+
+def build_sampling(
+    runtime: Runtime,
+    body: _Sampling,
+    *,
+    prompt_len: int,
+    max_tokens: int | None,
+    prompt_param: str,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+) -> SamplingParams:
+    """Validate ranges (400 naming the parameter) and the context length, fill defaults."""
+    model = runtime.model
+    temperature = model.default_temperature if body.temperature is None else body.temperature
+    top_p = model.default_top_p if body.top_p is None else body.top_p
+    top_k = model.default_top_k if body.top_k is None else body.top_k
+    if not 0 <= temperature <= 2:
+        raise bad_value("temperature", f"temperature must be between 0 and 2, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise bad_value("top_p", f"top_p must be in (0, 1], got {top_p}")
+    if top_k == -1:  # the vLLM spelling of "no top-k cut"
+        top_k = 0
+    if top_k < 0:
+        raise bad_value("top_k", f"top_k must be >= 0 (or -1 for none), got {top_k}")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_value("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    if body.seed is not None and not -(2**63) <= body.seed < 2**64:
+        raise bad_value("seed", "seed must fit in 64 bits")
+    if prompt_len == 0:
+        raise bad_value(prompt_param, "the prompt is empty")
+    limit = runtime.max_context()
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_value("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+    room = limit - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    if room < 1 or prompt_len + max_tokens > limit:
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} "
+            f"for the completion). Please reduce the prompt or the completion length.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def submit(
+    engine: Engine, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: tuple[str, ...]
+) -> asyncio.Queue:
+    try:
+        return engine.submit(request_id, prompt_ids, sampling, stop)
+    except RequestRejected as exc:
+        raise OpenAIError(400, f"request can not be served: {exc}", code="request_too_large") from None
+
+
+async def events_until_finished(engine: Engine, request_id: str, events: asyncio.Queue) -> AsyncIterator[StreamEvent]:
+    """Yield the request's events; if the consumer stops early (client gone), abort it at once."""
+    finished = False
+    try:
+        while not finished:
+            event: StreamEvent = await events.get()
+            finished = event.finish_reason is not None
+            yield event
+    finally:
+        if not finished:
+            engine.abort(request_id)
+
+
+async def collect(request: Request, engine: Engine, request_id: str, events: asyncio.Queue) -> list[StreamEvent]:
+    """Non-streaming: gather every event, aborting if the client disconnects first."""
+
+    async def gather() -> list[StreamEvent]:
+        return [e async for e in events_until_finished(engine, request_id, events)]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gathering = asyncio.ensure_future(gather())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({gathering, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if gathering not in done:
+        gathering.cancel()
+        engine.abort(request_id)
+        raise OpenAIError(499, "client disconnected", code="client_closed")
+    return gathering.result()
+
+
+def raise_if_failed(event: StreamEvent) -> None:
+    if event.finish_reason == "error":
+        raise OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+    if event.finish_reason == "abort" and event.error:
+        raise service_unavailable(event.error)
+
+
+def usage(event: StreamEvent) -> dict:
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+    }
+
+
+def token_text(engine: Engine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id])

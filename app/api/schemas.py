@@ -1,0 +1,87 @@
+"""Request bodies of the OpenAI-compatible API (msgspec), decoded with errors in OpenAI's shape.
+
+Unknown fields are ignored (clients send many); fields we do not support are declared so that
+a non-default value is refused by name instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from app.api.errors import OpenAIError
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # NOTE: msgspec allows one array type per union; str | token ids | [str] | [[ids]] is checked by hand.
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class CacheRebuildRequest(msgspec.Struct, kw_only=True):
+    kv_tokens: int | str | None = None
+    moe_slots: int | str | None = None
+    mamba_slots: int | str | None = None
+    wait_s: float = 60.0
+
+
+_T = TypeVar("_T")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def decode_body(body: bytes, kind: type[_T]) -> _T:
+    """Decode a JSON body: malformed JSON -> 400, wrong types or missing fields -> 422, param named."""
+    if not body.strip():
+        raise OpenAIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
+        param = match.group(1) if match else None
+        raise OpenAIError(422, f"invalid request: {exc}", param=param or None, code="invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None

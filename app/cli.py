@@ -1,0 +1,106 @@
+"""`ft` console script: `ft serve`, `ft ctl ...`, `ft synth ...`."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from app.units import parse_count
+
+
+def _count(text: str) -> int:
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1919)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-running-requests", type=int, default=4, help="also the number of GDN state slots")
+    p.add_argument("--max-prefill-length", type=_count, default=2048, help="token budget of one step")
+    p.add_argument("--memory-ratio", type=float, default=0.9)
+    p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap device memory (emulate a smaller card)")
+    p.add_argument("--kv-tokens", type=_count, default=None, help="KV pool size in tokens (8k, 1.5m ...)")
+    p.add_argument("--moe-slots", type=_count, default=None, help="expert cache slots (default: fill the budget)")
+    p.add_argument("--kv-reserve-tokens", type=_count, default=8192)
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set FT_API_KEY)")
+    p.add_argument("--debug", action="store_true", help="check every invariant whenever the engine idles")
+    p.add_argument("--log-level", default="info")
+
+
+def _serve(args) -> int:
+    import logging
+
+    from app.containers import Container, environment_api_key
+    from app.serving import RunningServer
+    from app.settings import ServeSettings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServeSettings(
+            model_dir=args.model,
+            served_model_name=args.served_model_name,
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            max_running_requests=args.max_running_requests,
+            max_prefill_length=args.max_prefill_length,
+            memory_ratio=args.memory_ratio,
+            gpu_budget_gib=args.gpu_budget_gib,
+            kv_tokens=args.kv_tokens,
+            moe_slots=args.moe_slots,
+            kv_reserve_tokens=args.kv_reserve_tokens,
+            api_key=args.api_key or environment_api_key(),
+            debug=args.debug,
+        )
+    except ValueError as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 2
+    server = RunningServer(Container(), settings, echo=True)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 1
+    auth = "on" if settings.api_key else "off"
+    print(f"listening on {server.base_url} (API key {auth}); loading the model ...", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not server.http.thread.is_alive():
+            break
+    server.stop()
+    return 0 if server.runtime.status != "error" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["synth"]:
+        from app.containers import synth_main
+
+        return int(synth_main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="ft", description="fluxtide: edge-native MoE serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    from app.ctl import add_ctl_parser
+
+    add_ctl_parser(sub)
+    sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser)")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "ctl":
+        from app.ctl import run_ctl
+
+        return run_ctl(args)
+    return 2
+

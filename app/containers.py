@@ -1,0 +1,201 @@
+"""The ONE wiring point: the only module in app/ that reaches adapters (import-linter enforces it).
+
+Tests and demos swap any provider for a fake with ``provider.override(...)``; overriding
+``model_spec``, ``generation_config``, ``tokenizer`` and ``executor`` means no checkpoint is
+ever read. Adapter imports sit inside the factories so `ft ctl` starts without torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from dependency_injector import containers, providers
+
+from app.engine import Engine
+from app.runtime import ModelInfo
+from app.settings import ServeSettings
+from app.stats import ServingStats
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.kv_pages import PageAllocator
+from domain.model_spec import ModelSpec
+from domain.ports import Tokenizer
+from domain.scheduler import Scheduler, SchedulerConfig
+
+GiB = 1024**3
+# NOTE: without a GPU the "card" is emulated in host RAM; keep it small unless told otherwise.
+CPU_DEFAULT_BUDGET_GIB = 0.5
+
+ProgressFn = Callable[..., None]
+
+
+def default_model_dir() -> str:
+    from app.demo_model import DEMO_MODEL_DIR
+
+    return str(DEMO_MODEL_DIR)
+
+
+def _model_dir(settings: ServeSettings) -> Path:
+    path = Path(settings.model_dir or default_model_dir())
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {path}: not a checkpoint directory (no config.json)")
+    return path
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def resolve_device(settings: ServeSettings) -> str:
+    if settings.device != "auto":
+        return settings.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn | None):
+    from adapters.checkpoint.loader import load_checkpoint
+
+    model_dir = _model_dir(settings)
+    total = checkpoint_bytes(model_dir)
+    if progress:
+        progress("loading weights", 0, total)
+    checkpoint = load_checkpoint(model_dir, device=device, progress=True)
+    if progress:
+        progress("weights loaded", total, total)
+    return checkpoint
+
+
+def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
+    from adapters.checkpoint.tokenizer import load_tokenizer
+
+    return load_tokenizer(_model_dir(settings))
+
+
+def _device_total_bytes(settings: ServeSettings, device: str) -> int:
+    cap = int(settings.gpu_budget_gib * GiB) if settings.gpu_budget_gib else None
+    if device.startswith("cuda"):
+        import torch
+
+        _, total = torch.cuda.mem_get_info(torch.device(device))
+        return min(total, cap) if cap else total
+    return cap or int(CPU_DEFAULT_BUDGET_GIB * GiB)
+
+
+def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
+    return GpuBudget(
+        total_bytes=_device_total_bytes(settings, device),
+        memory_ratio=settings.memory_ratio,
+        weights_bytes=spec.dense_weight_bytes(),
+    )
+
+
+def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget) -> PoolPlan:
+    request = PoolRequest(
+        kv_tokens=settings.kv_tokens,
+        expert_slots=settings.moe_slots,
+        state_slots=settings.max_running_requests,
+        kv_reserve_tokens=settings.kv_reserve_tokens,
+    )
+    plan = plan_pools(spec, budget, request)
+    if isinstance(plan, PlanRefusal):
+        raise ValueError(f"the pools do not fit: {plan.message}")
+    plan.check_valid()
+    return plan
+
+
+def _eos_ids(tokenizer: Tokenizer, generation_config: dict) -> tuple[int, ...]:
+    configured = generation_config.get("eos_token_id")
+    if configured is None:
+        configured = []
+    elif isinstance(configured, int):
+        configured = [configured]
+    return tuple(sorted(set(tokenizer.eos_token_ids) | set(configured)))
+
+
+def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, eos: tuple[int, ...]):
+    return SchedulerConfig(
+        max_running=min(settings.max_running_requests, max(plan.state_slots, 1)),
+        max_step_tokens=settings.max_prefill_length,
+        page_size=plan.page_size,
+        max_context=spec.max_context,
+        eos_token_ids=eos,
+    )
+
+
+def _torch_executor(checkpoint, plan: PoolPlan, device: str):
+    import torch
+
+    from adapters.torch_exec.executor import TorchExecutor
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return TorchExecutor(checkpoint, plan, device, dtype)
+
+
+def served_name(settings: ServeSettings) -> str:
+    return settings.served_model_name or Path(settings.model_dir or default_model_dir()).name
+
+
+def _model_info(settings: ServeSettings, spec: ModelSpec, generation_config: dict) -> ModelInfo:
+    name = served_name(settings)
+    do_sample = generation_config.get("do_sample", True)
+    return ModelInfo(
+        served_name=name,
+        model_dir=str(settings.model_dir or ""),
+        max_context=spec.max_context,
+        default_temperature=float(generation_config.get("temperature", 1.0)) if do_sample else 0.0,
+        default_top_p=float(generation_config.get("top_p", 1.0)),
+        default_top_k=int(generation_config.get("top_k", 0) or 0),
+    )
+
+
+class Container(containers.DeclarativeContainer):
+    settings = providers.Object(ServeSettings())
+    progress = providers.Object(None)  # callable(phase, bytes_done, bytes_total) or None
+
+    device = providers.Singleton(resolve_device, settings)
+    checkpoint = providers.Singleton(_load_checkpoint, settings, device, progress)
+    model_spec = providers.Singleton(lambda checkpoint: checkpoint.spec, checkpoint)
+    generation_config = providers.Singleton(lambda checkpoint: dict(checkpoint.generation_config), checkpoint)
+    tokenizer = providers.Singleton(_load_tokenizer, settings)
+    eos_token_ids = providers.Singleton(_eos_ids, tokenizer, generation_config)
+
+    budget = providers.Singleton(_budget, settings, model_spec, device)
+    pool_plan = providers.Singleton(_pool_plan, settings, model_spec, budget)
+    allocator = providers.Singleton(lambda plan: PageAllocator(plan.kv_pages), pool_plan)
+    scheduler_config = providers.Singleton(_scheduler_config, settings, model_spec, pool_plan, eos_token_ids)
+    scheduler = providers.Singleton(
+        lambda config, allocator, plan: Scheduler(config, allocator, plan.state_slots),
+        scheduler_config,
+        allocator,
+        pool_plan,
+    )
+    executor = providers.Singleton(_torch_executor, checkpoint, pool_plan, device)
+    stats = providers.Singleton(ServingStats)
+    model_info = providers.Singleton(_model_info, settings, model_spec, generation_config)
+    engine = providers.Singleton(
+        lambda settings, **kw: Engine(debug=settings.debug, **kw),
+        settings,
+        scheduler=scheduler,
+        allocator=allocator,
+        executor=executor,
+        tokenizer=tokenizer,
+        spec=model_spec,
+        budget=budget,
+        plan=pool_plan,
+        stats=stats,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def synth_main(argv: list[str]) -> int | None:
+    """`ft synth ...`: the checkpoint synthesiser lives in adapters; forward the arguments."""
+    from adapters.checkpoint.synth import main
+
+    return main(argv)
+
+
+def environment_api_key() -> str | None:
+    return os.environ.get("FT_API_KEY") or None

@@ -1,0 +1,177 @@
+"""`ft ctl`: inspect and resize a running server (health, stats, cache, generate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from app.units import parse_count
+
+
+def _count(text: str) -> int:
+    import argparse
+
+    try:
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_ctl_parser(sub) -> None:
+    p = sub.add_parser("ctl", help="talk to a running server")
+    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"))
+    p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
+    p.add_argument("--json", action="store_true", help="print raw JSON instead of tables")
+    p.add_argument("--timeout", type=float, default=30.0)
+    cmds = p.add_subparsers(dest="ctl_command", required=True)
+    cmds.add_parser("health", help="loading progress / ok / error")
+    cmds.add_parser("stats", help="pools, throughput, TTFT, expert hit rate")
+    cache = cmds.add_parser("cache", help="show pools; with --kv/--moe/--mamba, resize them live")
+    cache.add_argument("--kv", type=_count, default=None, help="KV tokens (8k, 1.5m ...)")
+    cache.add_argument("--moe", type=_count, default=None, help="expert slots")
+    cache.add_argument("--mamba", type=_count, default=None, help="GDN state slots")
+    cache.add_argument("--wait", type=float, default=60.0, help="seconds to wait for in-flight requests")
+    gen = cmds.add_parser("generate", help="one chat completion, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+
+
+def _client(args) -> httpx.Client:
+    key = args.api_key or os.environ.get("FT_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout)
+
+
+def _table(title: str, rows: dict) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for key, value in rows.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        table.add_row(str(key), "" if value is None else str(value))
+    return table
+
+
+def _flatten(prefix: str, value) -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(f"{prefix}.{k}" if prefix else str(k), v))
+        return out
+    return {prefix: value}
+
+
+def run_ctl(args) -> int:
+    console = Console()
+    try:
+        with _client(args) as client:
+            return _dispatch(args, client, console)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach {args.base_url}: {exc}[/red]")
+        return 1
+
+
+def _show(args, console: Console, title: str, body: dict) -> None:
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        console.print(_table(title, _flatten("", body)))
+
+
+def _dispatch(args, client: httpx.Client, console: Console) -> int:
+    cmd = args.ctl_command
+    if cmd == "health":
+        r = client.get("/health")
+        _show(args, console, "health", r.json())
+        return 0 if r.status_code == 200 else 1
+    if cmd == "stats":
+        r = client.get("/v1/stats")
+        if r.status_code != 200:
+            return _error(args, console, r)
+        body = r.json()
+        if args.json:
+            print(json.dumps(body, indent=2))
+        else:
+            console.print(_table("pools", body["pools"]))
+            console.print(_table("last window", _flatten("", body["window"])))
+        return 0
+    if cmd == "cache":
+        if args.kv is None and args.moe is None and args.mamba is None:
+            r = client.get("/v1/cache/status")
+            if r.status_code != 200:
+                return _error(args, console, r)
+            _show(args, console, "cache", r.json())
+            return 0
+        payload = {"kv_tokens": args.kv, "moe_slots": args.moe, "mamba_slots": args.mamba, "wait_s": args.wait}
+        r = client.post("/v1/cache/rebuild", json=payload, timeout=args.wait + args.timeout)
+        if r.status_code != 200:
+            return _error(args, console, r)
+        body = r.json()
+        if args.json:
+            print(json.dumps(body, indent=2))
+        else:
+            console.print(f"[green]{body['message']}[/green]; {body['kept']}; waited {body['waited_s']} s")
+            table = Table(title="resize")
+            for col in ("pool", "before", "after"):
+                table.add_column(col)
+            for key in ("kv_tokens", "expert_slots", "state_slots", "used_bytes", "free_bytes", "residency"):
+                table.add_row(key, str(body["before"][key]), str(body["after"][key]))
+            console.print(table)
+        return 0
+    if cmd == "generate":
+        return _generate(args, client, console)
+    return 2
+
+
+def _error(args, console: Console, r: httpx.Response) -> int:
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": {"message": r.text}}
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        console.print(f"[red]HTTP {r.status_code}: {body.get('error', {}).get('message', body)}[/red]")
+    return 1
+
+
+def _generate(args, client: httpx.Client, console: Console) -> int:
+    models = client.get("/v1/models")
+    if models.status_code != 200:
+        return _error(args, console, models)
+    model = models.json()["data"][0]["id"]
+    payload = {
+        "model": model,
+        "messages": [{"role": "user", "content": args.prompt}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage = None
+    with client.stream("POST", "/v1/chat/completions", json=payload) as r:
+        if r.status_code != 200:
+            r.read()
+            return _error(args, console, r)
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                console.print(f"\n[red]{chunk['error']['message']}[/red]")
+                return 1
+            for choice in chunk.get("choices", []):
+                sys.stdout.write(choice["delta"].get("content") or "")
+                sys.stdout.flush()
+            usage = chunk.get("usage") or usage
+    print()
+    if usage and not args.json:
+        console.print(f"[dim]{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens[/dim]")
+    return 0

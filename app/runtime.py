@@ -1,0 +1,71 @@
+"""What the HTTP layer knows about the server: loading progress, the engine once loaded, and
+the model facts the API needs (served name, sampling defaults). One instance per server.
+
+The server starts answering before the model is loaded (so /health can report progress);
+generation routes answer 503 until ``set_ready``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.engine import Engine
+
+
+@dataclass
+class LoadingProgress:
+    phase: str = "starting"
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+    def update(self, phase: str, bytes_done: int = 0, bytes_total: int = 0) -> None:
+        self.phase, self.bytes_done, self.bytes_total = phase, bytes_done, bytes_total
+
+
+@dataclass
+class ModelInfo:
+    served_name: str
+    model_dir: str = ""
+    max_context: int = 262144
+    # NOTE: request fields that are omitted fall back to these (from generation_config.json).
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
+    default_top_k: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Runtime:
+    def __init__(self, served_name: str, api_key: str | None = None) -> None:
+        self.status = "loading"  # "loading" | "ok" | "error"
+        self.progress = LoadingProgress()
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self.model = ModelInfo(served_name=served_name)
+        self.api_key = api_key or None
+        self.started_at = time.monotonic()
+        self._ready = threading.Event()
+
+    def set_ready(self, engine: Engine, model: ModelInfo) -> None:
+        self.engine = engine
+        self.model = model
+        self.status = "ok"
+        self.progress.update("ready", self.progress.bytes_total, self.progress.bytes_total)
+        self._ready.set()
+
+    def set_error(self, message: str) -> None:
+        self.error = message
+        self.status = "error"
+        self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout) and self.status == "ok"
+
+    def max_context(self) -> int:
+        """Longest prompt + completion a request may ask for right now (pools may have been resized)."""
+        if self.engine is None:
+            return self.model.max_context
+        return min(self.model.max_context, self.engine.plan.kv_tokens)

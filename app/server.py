@@ -1,0 +1,64 @@
+"""Builds the Litestar app around a Runtime and runs it under uvicorn."""
+
+from __future__ import annotations
+
+import threading
+
+import uvicorn
+from litestar import Litestar, Router
+from litestar.datastructures import State
+
+from app.api.admin import cache_rebuild, cache_status, health, metrics, stats
+from app.api.auth import require_api_key
+from app.api.chat import chat_completions
+from app.api.completions import completions
+from app.api.errors import EXCEPTION_HANDLERS
+from app.api.models import list_models, retrieve_model
+from app.runtime import Runtime
+
+
+def create_app(runtime: Runtime) -> Litestar:
+    protected = Router(
+        path="/",
+        guards=[require_api_key],
+        route_handlers=[
+            chat_completions,
+            completions,
+            list_models,
+            retrieve_model,
+            stats,
+            metrics,
+            cache_status,
+            cache_rebuild,
+        ],
+    )
+    return Litestar(
+        route_handlers=[health, protected],
+        state=State({"runtime": runtime}),
+        exception_handlers=EXCEPTION_HANDLERS,
+        openapi_config=None,
+        # NOTE: request bodies are parsed by hand (errors in OpenAI's shape); no size cap beyond this.
+        request_max_body_size=64 * 1024 * 1024,
+    )
+
+
+class ServerThread:
+    """uvicorn in a background thread (tests, and `ft serve` while the model loads)."""
+
+    def __init__(self, app: Litestar, host: str = "127.0.0.1", port: int = 1919, log_level: str = "warning") -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="fluxtide-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started or not self.thread.is_alive():
+                break
+            threading.Event().wait(0.02)
+        if not self.server.started:
+            raise RuntimeError("uvicorn did not start (port in use?)")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,89 @@
+"""Start-up: bind the HTTP port first (so /health can report loading), build the engine from
+the container in a background thread, then flip the runtime to ready."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from dependency_injector import providers
+
+from app.containers import Container, served_name
+from app.runtime import Runtime
+from app.server import ServerThread, create_app
+from app.settings import ServeSettings
+
+log = logging.getLogger("fluxtide.serve")
+
+
+def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> None:
+    """Load model, plan pools, start the engine thread; errors end up on /health, not in a crash."""
+    started = time.monotonic()
+
+    def progress(phase: str, bytes_done: int = 0, bytes_total: int = 0) -> None:
+        runtime.progress.update(phase, bytes_done, bytes_total)
+        if echo:
+            size = f" ({bytes_done / 2**20:.1f}/{bytes_total / 2**20:.1f} MiB)" if bytes_total else ""
+            print(f"[{time.monotonic() - started:6.2f}s] {phase}{size}", file=sys.stderr, flush=True)
+
+    try:
+        container.progress.override(providers.Object(progress))
+        progress("loading model")
+        spec = container.model_spec()
+        container.tokenizer()
+        progress("planning pools")
+        plan = container.pool_plan()
+        progress(
+            f"pools: {plan.kv_tokens} KV tokens, {plan.expert_slots}/{spec.total_experts} expert slots, "
+            f"{plan.state_slots} state slots"
+        )
+        progress("building executor")
+        engine = container.engine()
+        engine.start()
+        runtime.set_ready(engine, container.model_info())
+        progress("ready")
+    except Exception as exc:  # NOTE: surfaced on /health and stderr; the HTTP server stays up
+        log.exception("model load failed")
+        runtime.set_error(f"{type(exc).__name__}: {exc}")
+        if echo:
+            print(f"load failed: {runtime.error}", file=sys.stderr, flush=True)
+
+
+class RunningServer:
+    """A server (HTTP thread + loader thread + engine) that tests and `ft serve` both use."""
+
+    def __init__(self, container: Container, settings: ServeSettings, echo: bool = False) -> None:
+        self.container = container
+        container.settings.override(providers.Object(settings))
+        self.settings = settings
+        self.runtime = Runtime(served_name(settings), api_key=settings.api_key)
+        self.http = ServerThread(create_app(self.runtime), settings.host, settings.port)
+        self.loader = threading.Thread(
+            target=build_engine, args=(container, self.runtime, echo), name="fluxtide-loader", daemon=True
+        )
+
+    @property
+    def port(self) -> int:
+        servers = getattr(self.http.server, "servers", [])
+        for server in servers:
+            for sock in server.sockets:
+                return sock.getsockname()[1]
+        return self.settings.port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    def start(self, wait_ready: float | None = None) -> RunningServer:
+        self.http.start()
+        self.loader.start()
+        if wait_ready is not None and not self.runtime.wait_ready(wait_ready):
+            raise RuntimeError(f"server did not become ready: {self.runtime.status} {self.runtime.error}")
+        return self
+
+    def stop(self) -> None:
+        self.http.stop()
+        if self.runtime.engine is not None:
+            self.runtime.engine.stop()

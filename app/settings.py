@@ -1,0 +1,35 @@
+"""Everything `ft serve` can be told, in one frozen record the container reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_dir: str | None = None  # None: the embedded demo model
+    served_model_name: str | None = None  # None: the model directory's name
+    host: str = "127.0.0.1"
+    port: int = 1919
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    max_running_requests: int = 4
+    max_prefill_length: int = 2048  # token budget of one step (chunked prefill)
+    memory_ratio: float = 0.9
+    gpu_budget_gib: float | None = None  # cap on the card's memory (emulate a smaller card)
+    kv_tokens: int | None = None
+    moe_slots: int | None = None
+    kv_reserve_tokens: int = 8192
+    api_key: str | None = None
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_length < self.max_running_requests:
+            raise ValueError("--max-prefill-length must be >= --max-running-requests (every request decodes each step)")
+        if not 0 < self.memory_ratio <= 1:
+            raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
+        if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:
+            raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
+        if not 0 <= self.port < 65536:  # 0 = any free port (tests)
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")

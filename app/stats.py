@@ -1,0 +1,153 @@
+"""Serving statistics: a sliding window for /v1/stats and Prometheus metrics for /metrics.
+
+The engine thread writes, HTTP handlers read; a lock keeps each snapshot consistent.
+Each server gets its own Prometheus registry so several servers (tests) can share a process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+@dataclass(frozen=True)
+class _Step:
+    at: float
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    expert_hits: int
+    expert_misses: int
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class ServingStats:
+    """Implements the domain ``MetricsSink`` port and keeps the last ``window_s`` seconds of steps."""
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._steps: deque[_Step] = deque()
+        self._ttfts: deque[tuple[float, float]] = deque()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("ft_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("ft_generation_tokens", "Tokens generated", registry=r)
+        self.prefill_tokens = Counter("ft_prefill_tokens", "Tokens computed in prefill chunks", registry=r)
+        self.requests = Counter("ft_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.expert_hits = Counter("ft_expert_hits", "Expert cache hits", registry=r)
+        self.expert_misses = Counter("ft_expert_misses", "Expert cache misses", registry=r)
+        self.step_seconds = Histogram("ft_step_seconds", "Engine step duration", registry=r)
+        self.ttft_seconds = Histogram(
+            "ft_time_to_first_token_seconds",
+            "Time from arrival to first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.running = Gauge("ft_running_requests", "Requests holding pool resources", registry=r)
+        self.waiting = Gauge("ft_waiting_requests", "Requests waiting for admission", registry=r)
+        self.kv_pages_used = Gauge("ft_kv_pages_used", "KV pages in use", registry=r)
+        self.kv_pages_total = Gauge("ft_kv_pages_total", "KV pages in the pool", registry=r)
+        self.state_slots_used = Gauge("ft_state_slots_used", "Linear-attention state slots in use", registry=r)
+        self.state_slots_total = Gauge("ft_state_slots_total", "Linear-attention state slots", registry=r)
+        self.expert_slots_total = Gauge("ft_expert_slots_total", "Expert cache slots", registry=r)
+
+    # -- MetricsSink port -------------------------------------------------------------------
+    def record_step(
+        self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int
+    ) -> None:
+        step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses)
+        with self._lock:
+            self._steps.append(step)
+            self._trim(step.at)
+        self.prefill_tokens.inc(prefill_tokens)
+        self.generation_tokens.inc(decode_tokens)
+        self.expert_hits.inc(expert_hits)
+        self.expert_misses.inc(expert_misses)
+        self.step_seconds.observe(seconds)
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def record_ttft(self, seconds: float) -> None:
+        with self._lock:
+            now = self._clock()
+            self._ttfts.append((now, seconds))
+            self._trim(now)
+        self.ttft_seconds.observe(seconds)
+
+    def record_admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def record_finished(self, finish_reason: str) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+
+    def record_pools(self, pools: dict) -> None:
+        self.running.set(pools["running"])
+        self.waiting.set(pools["waiting"])
+        self.kv_pages_used.set(pools["kv_pages_used"])
+        self.kv_pages_total.set(pools["kv_pages_total"])
+        self.state_slots_used.set(pools["state_slots_used"])
+        self.state_slots_total.set(pools["state_slots_total"])
+        self.expert_slots_total.set(pools["expert_slots"])
+
+    # -- readers ----------------------------------------------------------------------------
+    def window(self) -> dict:
+        """Throughput, TTFT percentiles and expert hit rate over the sliding window."""
+        with self._lock:
+            now = self._clock()
+            self._trim(now)
+            steps = list(self._steps)
+            ttfts = [t for _, t in self._ttfts]
+        span = min(self.window_s, now - steps[0].at + steps[0].seconds) if steps else 0.0
+        decode = sum(s.decode_tokens for s in steps)
+        prefill = sum(s.prefill_tokens for s in steps)
+        hits = sum(s.expert_hits for s in steps)
+        misses = sum(s.expert_misses for s in steps)
+        return {
+            "window_s": self.window_s,
+            "steps": len(steps),
+            "decode_tokens": decode,
+            "prefill_tokens": prefill,
+            "decode_tok_s": decode / span if span > 0 else 0.0,
+            "prefill_tok_s": prefill / span if span > 0 else 0.0,
+            "busy_fraction": min(1.0, sum(s.seconds for s in steps) / span) if span > 0 else 0.0,
+            "ttft_s": {
+                "count": len(ttfts),
+                "p50": _percentile(ttfts, 50),
+                "p90": _percentile(ttfts, 90),
+                "p99": _percentile(ttfts, 99),
+            },
+            "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
+        }
+
+    def prometheus_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._steps and self._steps[0].at < horizon:
+            self._steps.popleft()
+        while self._ttfts and self._ttfts[0][0] < horizon:
+            self._ttfts.popleft()
+
+    def check_valid(self) -> None:
+        with self._lock:
+            times = [s.at for s in self._steps]
+            assert times == sorted(times), "steps out of time order"
+            assert all(s.seconds >= 0 and s.decode_tokens >= 0 and s.prefill_tokens >= 0 for s in self._steps)

@@ -1,0 +1,142 @@
+"""Fake-backed servers for the end-to-end API tests: the real container, engine, scheduler and
+uvicorn, with the model swapped for domain.fakes (FakeExecutor + FakeTokenizer) via overrides."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from dependency_injector import providers
+
+from app.containers import Container
+from app.serving import RunningServer
+from app.settings import ServeSettings
+from domain.fakes import FakeExecutor, FakeTokenizer
+from domain.model_spec import LayerKind, ModelSpec
+
+TINY_SPEC = ModelSpec(
+    name="tiny-fake",
+    architecture="qwen3_5_moe",
+    hidden_size=64,
+    layer_kinds=(LayerKind.LINEAR_ATTENTION, LayerKind.FULL_ATTENTION),
+    num_experts=8,
+    top_k=2,
+    expert_intermediate=32,
+    shared_expert_intermediate=32,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel=4,
+    vocab_size=FakeTokenizer.vocab_size,
+    max_context=4096,
+)
+MODEL = "tiny-fake"
+GENERATION_CONFIG = {"temperature": 0.0, "top_p": 1.0, "eos_token_id": 256}
+
+
+class SlowExecutor:
+    """FakeExecutor that takes `delay` seconds per step, so requests overlap like on a real model.
+    ``fail_resize_to`` makes resize_pools raise once for a target with that many KV pages."""
+
+    def __init__(self, plan, delay: float = 0.0) -> None:
+        self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=TINY_SPEC.vocab_size)
+        self.delay = delay
+        self.fail_resize_to: int | None = None
+        self.resize_gate: threading.Event | None = None  # set: resize_pools blocks until it is released
+        self.resizing = threading.Event()
+        self.resizes: list = []
+        self.lock = threading.Lock()
+
+    def execute(self, batch):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner.execute(batch)
+
+    def resize_pools(self, plan) -> None:
+        self.resizing.set()
+        if self.resize_gate is not None:
+            self.resize_gate.wait(10)
+        if self.fail_resize_to is not None and plan.kv_pages == self.fail_resize_to:
+            self.fail_resize_to = None
+            raise MemoryError("injected allocation failure")
+        self.resizes.append(plan)
+        self.inner.resize_pools(plan)
+
+
+def make_container(blocker: threading.Event | None = None, delay: float = 0.0) -> Container:
+    container = Container()
+
+    def spec():
+        if blocker is not None:
+            blocker.wait(30)
+        return TINY_SPEC
+
+    container.model_spec.override(providers.Singleton(spec))
+    container.generation_config.override(providers.Object(dict(GENERATION_CONFIG)))
+    container.tokenizer.override(providers.Singleton(FakeTokenizer))
+    container.device.override(providers.Object("cpu"))
+    container.executor.override(providers.Singleton(SlowExecutor, container.pool_plan, delay))
+    return container
+
+
+def start_server(container: Container | None = None, *, wait: bool = True, **overrides) -> RunningServer:
+    fields = {
+        "served_model_name": MODEL,
+        "port": 0,
+        "gpu_budget_gib": 0.05,
+        "kv_tokens": 2048,
+        "moe_slots": 8,
+        "max_running_requests": 4,
+        "max_prefill_length": 256,
+        "debug": True,
+    }
+    fields.update(overrides)
+    server = RunningServer(container or make_container(), ServeSettings(**fields))
+    server.start(wait_ready=30 if wait else None)
+    return server
+
+
+def stats(server: RunningServer, headers: dict | None = None) -> dict:
+    return httpx.get(server.base_url + "/v1/stats", headers=headers or {}).json()
+
+
+def wait_until_idle(server: RunningServer, timeout: float = 5.0) -> dict:
+    """The pools snapshot after every request has left (aborts are processed asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pools = stats(server)["pools"]
+        if pools["running"] == 0 and pools["waiting"] == 0 or time.monotonic() > deadline:
+            return pools
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.stop()
+
+
+def fake_model_output(prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], str]:
+    """What FakeExecutor generates (next = hash of the sequence so far), and the finish reason."""
+    from domain.fakes import sequence_hash
+
+    seq, out = list(prompt_ids), []
+    while len(out) < max_tokens:
+        token = sequence_hash(seq) % TINY_SPEC.vocab_size
+        seq.append(token)
+        out.append(token)
+        if not ignore_eos and token in (*FakeTokenizer.eos_token_ids, GENERATION_CONFIG["eos_token_id"]):
+            return out, "stop"
+    return out, "length"
+
+
+def chat_prompt_ids(content: str) -> list[int]:
+    tok = FakeTokenizer()
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]))

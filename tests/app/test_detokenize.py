@@ -1,0 +1,66 @@
+"""Incremental detokenisation and stop-string hold-back, against a whole-text oracle."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.detokenize import IncrementalDetokenizer, StopStringMatcher
+from domain.fakes import FakeTokenizer
+
+TOKENIZER = FakeTokenizer()
+
+
+def stream(ids: list[int], stop: tuple[str, ...] = ()) -> tuple[str, bool, list[str]]:
+    detok, matcher = IncrementalDetokenizer(TOKENIZER), StopStringMatcher(stop)
+    deltas = [matcher.feed(detok.push(i)) for i in ids]
+    deltas.append(matcher.feed(detok.flush()) + matcher.flush())
+    return "".join(deltas), matcher.stopped, deltas
+
+
+def test_multibyte_characters_are_held_until_complete():
+    ids = TOKENIZER.encode("a€b")  # € is three bytes
+    _, _, deltas = stream(ids)
+    assert deltas[:5] == ["a", "", "", "€", "b"]
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_stop_string_cuts_text_and_is_not_sent():
+    text, stopped, deltas = stream(TOKENIZER.encode("hello world, bye"), stop=("world",))
+    assert stopped and text == "hello "
+    assert all("w" not in d for d in deltas), "a prefix of the stop string leaked out before the match"
+
+
+def test_text_that_only_resembles_a_stop_prefix_is_released_at_the_end():
+    text, stopped, deltas = stream(TOKENIZER.encode("abc wor"), stop=("world",))
+    assert not stopped and text == "abc wor"
+    assert deltas[-1] == "wor", "'wor' could start 'world' and must be held until the stream ends"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    text, stopped, _ = stream(TOKENIZER.encode("one two three"), stop=("three", "two"))
+    assert stopped and text == "one "
+
+
+@settings(max_examples=300)
+@given(
+    text=st.text(alphabet="ab€ \n", max_size=30),
+    stops=st.lists(st.text(alphabet="ab€ ", min_size=1, max_size=3), max_size=3),
+)
+def test_stream_equals_the_whole_text_oracle(text, stops):
+    out, stopped, _ = stream(TOKENIZER.encode(text), tuple(stops))
+    # Oracle: generation stops at the first character after which some stop string is complete;
+    # the answer is the text before the earliest match at that moment.
+    for end in range(len(text) + 1):
+        hits = [text[:end].find(s) for s in stops if s in text[:end]]
+        if hits:
+            assert stopped and out == text[: min(hits)]
+            return
+    assert not stopped and out == text
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 258), max_size=40))
+def test_arbitrary_bytes_decode_to_the_same_text_as_a_whole_decode(ids):
+    out, _, _ = stream(ids)
+    assert out == TOKENIZER.decode(ids)

@@ -1,0 +1,115 @@
+"""Every error leaves in OpenAI's shape with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.app.conftest import MODEL
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def assert_openai_error(r: httpx.Response, status: int, param=..., code=...) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not ...:
+        assert body["error"]["param"] == param, body
+    if code is not ...:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(server.base_url + path, **kw)
+
+
+def chat_body(**kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+def test_malformed_json(server):
+    r = post(server, "/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, code="invalid_json")
+
+
+def test_empty_body(server):
+    assert_openai_error(post(server, "/v1/completions", content=b""), 400, code="invalid_json")
+
+
+def test_unknown_model_is_404_with_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("temperature", 2.5, "temperature"),
+        ("temperature", -1, "temperature"),
+        ("top_p", 0, "top_p"),
+        ("top_k", -3, "top_k"),
+        ("max_tokens", 0, "max_tokens"),
+        ("stop", [""], "stop"),
+    ],
+)
+def test_bad_values_are_400_naming_the_parameter(server, field, value, param):
+    assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(**{field: value})), 400, param=param)
+
+
+def test_wrong_types_are_422_naming_the_parameter(server):
+    r = post(server, "/v1/chat/completions", json=chat_body(max_tokens="many"))
+    assert_openai_error(r, 422, param="max_tokens")
+    r = post(server, "/v1/chat/completions", json={"model": MODEL})
+    assert_openai_error(r, 422, param="messages")
+
+
+def test_unsupported_parameters_are_named(client, server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert info.value.body["param"] == "n" and "n=2" in info.value.body["message"]
+    for field, value in [("presence_penalty", 0.5), ("logit_bias", {"1": 2.0})]:
+        assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(**{field: value})), 400, param=field)
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "a", "echo": True})
+    assert_openai_error(r, 400, param="echo", code="unsupported_parameter")
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert_openai_error(r, 400, param="prompt", code="unsupported_parameter")
+
+
+def test_context_length_exceeded(client, server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=100_000
+        )
+    assert info.value.body["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "x" * 3000, "max_tokens": 16})
+    assert_openai_error(r, 400, param="prompt", code="context_length_exceeded")
+
+
+def test_bad_prompts_and_messages(server):
+    assert_openai_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": []}), 400, param="prompt")
+    assert_openai_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400)
+    assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(messages=[])), 400, param="messages")
+    body = chat_body(messages=[{"role": "wizard", "content": "hi"}])
+    assert_openai_error(post(server, "/v1/chat/completions", json=body), 400)
+    body = chat_body(logprobs=False, top_logprobs=2)
+    assert_openai_error(post(server, "/v1/chat/completions", json=body), 400, param="top_logprobs")
+
+
+def test_unknown_route_and_method_keep_the_shape(server):
+    assert_openai_error(httpx.get(server.base_url + "/v1/nothing"), 404)
+    assert_openai_error(httpx.get(server.base_url + "/v1/chat/completions"), 405)
+
+
+def test_server_still_serves_after_errors(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still?"}], max_tokens=2)
+    assert r.usage.completion_tokens >= 1

@@ -1,0 +1,169 @@
+"""Live pool resize through POST /v1/cache/rebuild while requests stream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+
+from domain.fakes import FakeTokenizer
+from tests.app.conftest import (
+    MODEL,
+    chat_prompt_ids,
+    fake_model_output,
+    make_container,
+    start_server,
+    wait_until_idle,
+)
+
+
+@pytest.fixture
+def srv():
+    server = start_server(make_container(delay=0.003), kv_tokens=512)
+    yield server
+    server.stop()
+
+
+def rebuild(server, timeout: float = 30, **body) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/cache/rebuild", json=body, timeout=timeout)
+
+
+def plan(server) -> dict:
+    return httpx.get(server.base_url + "/v1/cache/status").json()["plan"]
+
+
+async def stream(client, content: str, max_tokens: int) -> tuple[str, str]:
+    s = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text, finish = [], None
+    async for chunk in s:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def expected(content: str, max_tokens: int) -> tuple[str, str]:
+    ids, _ = fake_model_output(chat_prompt_ids(content), max_tokens)
+    return FakeTokenizer().decode(ids), "length"
+
+
+def resize_while_streaming(server, n_streams: int, max_tokens: int, **body):
+    """Start streams, resize once they are running, start one more stream during the drain."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        tasks = [asyncio.ensure_future(stream(client, f"resize {i}", max_tokens)) for i in range(n_streams)]
+        while httpx.get(server.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.01)
+        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, server, **body))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(stream(client, "late arrival", max_tokens))
+        results = await asyncio.gather(*tasks, late)
+        response = await resize
+        await client.close()
+        return results, response
+
+    results, response = asyncio.run(main())
+    prompts = [f"resize {i}" for i in range(n_streams)] + ["late arrival"]
+    assert results == [expected(p, max_tokens) for p in prompts], "a request failed or changed across the resize"
+    return response
+
+
+def test_growing_kv_while_streaming_fails_no_request(srv):
+    r = resize_while_streaming(srv, 6, 40, kv_tokens=1024, wait_s=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["before"]["kv_tokens"] == 512 and body["after"]["kv_tokens"] == 1024
+    assert body["experts_kept"] is True
+    assert plan(srv)["kv_tokens"] == 1024
+    pools = wait_until_idle(srv)
+    assert pools["kv_pages_total"] == 64 and pools["kv_pages_used"] == 0
+    assert srv.container.executor().resizes[-1].kv_pages == 64
+
+
+def test_shrinking_kv_works_live_too(srv):
+    r = resize_while_streaming(srv, 4, 30, kv_tokens="256", wait_s=30)
+    assert r.status_code == 200, r.text
+    assert plan(srv)["kv_tokens"] == 256
+    assert wait_until_idle(srv)["kv_pages_total"] == 16
+
+
+def test_impossible_resize_is_refused_and_serving_continues(srv):
+    before = plan(srv)
+    r = rebuild(srv, kv_tokens="64m")
+    assert r.status_code == 409
+    body = r.json()
+    assert body["error"]["code"] == "plan_refused" and body["refusal"]["shortfall_bytes"] > 0
+    assert "serving continues" in body["error"]["message"]
+    assert plan(srv) == before
+    assert srv.container.executor().resizes == [], "nothing may be freed before the plan is validated"
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ok?"}], max_tokens=4,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+
+
+def test_failed_resize_rolls_back(srv):
+    before = plan(srv)
+    executor = srv.container.executor()
+    executor.fail_resize_to = 2048 // 16
+    r = rebuild(srv, kv_tokens=2048)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resize_rolled_back", r.text
+    assert r.json()["rolled_back"] is True
+    assert plan(srv) == before
+    assert executor.resizes[-1].kv_pages == before["kv_pages"], "the old pools were not restored"
+    content = "after rollback"
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=8,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == expected(content, 8)[0]
+
+
+def test_drain_timeout_keeps_old_pools_and_the_request(srv):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        task = asyncio.ensure_future(stream(client, "long one", 300))
+        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.01)
+        response = await asyncio.to_thread(rebuild, srv, kv_tokens=1024, wait_s=0.1)
+        result = await task
+        await client.close()
+        return response, result
+
+    response, result = asyncio.run(main())
+    assert response.status_code == 409 and response.json()["error"]["code"] == "resize_not_applied"
+    assert "did not finish" in response.json()["error"]["message"]
+    assert result == expected("long one", 300)
+    assert plan(srv)["kv_tokens"] == 512
+
+
+def test_generation_answers_503_while_pools_are_swapped(srv):
+    executor = srv.container.executor()
+    executor.resize_gate = threading.Event()
+    resize = threading.Thread(target=rebuild, args=(srv,), kwargs={"kv_tokens": 1024})
+    resize.start()
+    assert executor.resizing.wait(10)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "now?"}], "max_tokens": 2}
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body)
+    executor.resize_gate.set()
+    resize.join(10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(srv.base_url + "/health").json()["status"] == "ok"
+    assert plan(srv)["kv_tokens"] == 1024
+
+
+def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
+    r = rebuild(srv, moe_slots=4)
+    assert r.status_code == 200, r.text
+    assert r.json()["experts_kept"] is False and "cold" in r.json()["kept"]
+    assert plan(srv)["expert_slots"] == 4
+    assert rebuild(srv).status_code == 400
+    assert rebuild(srv, kv_tokens="lots").json()["error"]["param"] == "kv_tokens"
+    assert rebuild(srv, kv_tokens=1024, wait_s=-1).status_code == 400
