@@ -1,0 +1,84 @@
+"""domain.ports.Tokenizer over a checkpoint's tokenizer.json + tokenizer_config.json.
+
+Encoding uses the `tokenizers` runtime; the chat template (Jinja, as published in
+tokenizer_config.json or chat_template.jinja) renders in a sandboxed environment like
+transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+class HfTokenizer:
+    """Implements domain.ports.Tokenizer."""
+
+    def __init__(self, tokenizer_json: Path, config: dict, generation_config: dict | None = None):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(tokenizer_json))
+        self.config = config
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise ValueError(f"{tokenizer_json.parent}: tokenizer_config.json has no chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+        self._template = env.from_string(template)
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token = _token_text(config.get("bos_token"))
+        eos: set[int] = set()
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            eos.add(self._tok.token_to_id(self.eos_token))
+        configured = (generation_config or {}).get("eos_token_id")
+        eos.update([configured] if isinstance(configured, int) else configured or [])
+        if not eos:
+            raise ValueError(f"{tokenizer_json.parent}: no eos token in tokenizer_config.json or generation_config.json")
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=True, tools=None,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(model_dir: str | Path) -> HfTokenizer:
+    model_dir = Path(model_dir)
+    tokenizer_json = model_dir / "tokenizer.json"
+    if not tokenizer_json.exists():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json (ft synth writes one; published checkpoints ship one)")
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    jinja = model_dir / "chat_template.jinja"
+    if not config.get("chat_template") and jinja.exists():
+        config["chat_template"] = jinja.read_text()
+    gen_file = model_dir / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    return HfTokenizer(tokenizer_json, config, generation)
