@@ -50,8 +50,8 @@ class PoolRequest:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.kv_reserve_tokens < 0:
             raise ValueError(f"kv_reserve_tokens must be >= 0, got {self.kv_reserve_tokens}")
-        if self.kv_tokens is not None and self.kv_tokens < self.page_size:
-            raise ValueError(f"kv_tokens must hold at least one page of {self.page_size}, got {self.kv_tokens}")
+        if self.kv_tokens is not None and self.kv_tokens < 0:
+            raise ValueError(f"kv_tokens must be >= 0, got {self.kv_tokens}")
         if self.expert_slots is not None and self.expert_slots < 0:
             raise ValueError(f"expert_slots must be >= 0, got {self.expert_slots}")
         if self.state_slots is not None and self.state_slots < 1:

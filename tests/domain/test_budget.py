@@ -38,7 +38,7 @@ def cases(draw):
     spec = draw(st.sampled_from([QWEN_FP8, TINY, QWEN3_MOE_LIKE]))
     page_size = draw(st.sampled_from([1, 16, 64]))
     request = PoolRequest(
-        kv_tokens=draw(st.none() | st.integers(page_size, 40_000)),
+        kv_tokens=draw(st.none() | st.integers(0, 40_000)),
         expert_slots=draw(st.none() | st.integers(spec.top_k, spec.total_experts)),
         state_slots=draw(st.none() | st.integers(1, 64)),
         kv_reserve_tokens=draw(st.integers(0, 10_000)),
@@ -180,7 +180,7 @@ def test_gpu_budget_arithmetic_and_validation():
     with pytest.raises(ValueError):
         GpuBudget(total_bytes=-1)
     with pytest.raises(ValueError):
-        PoolRequest(kv_tokens=8, page_size=16)
+        PoolRequest(kv_tokens=-1)
     with pytest.raises(ValueError):
         PoolRequest(state_slots=0)
     with pytest.raises(ValueError):
