@@ -483,10 +483,12 @@ class Engine:
         self.stats.record_pools(pools)
 
     def _expert_counters(self) -> tuple[int, int]:
-        # NOTE: executors are not required to expose expert statistics; fakes have none.
-        residency = getattr(self.executor, "residency", None)
-        source = residency if residency is not None else self.executor
-        return int(getattr(source, "hits", 0) or 0), int(getattr(source, "misses", 0) or 0)
+        # NOTE: the ModelExecutor port has no expert statistics; TorchExecutor exposes
+        # cumulative expert_hits / expert_misses, fakes expose nothing (counted as 0).
+        try:
+            return int(getattr(self.executor, "expert_hits", 0) or 0), int(getattr(self.executor, "expert_misses", 0) or 0)
+        except Exception:  # a half-built executor (pools being replaced) has no counters
+            return 0, 0
 
     def _fail_batch(self, batch, exc: Exception) -> None:
         message = f"model step failed: {exc!r}"

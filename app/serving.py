@@ -22,8 +22,12 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
     """Load model, plan pools, start the engine thread; errors end up on /health, not in a crash."""
     started = time.monotonic()
 
-    def progress(phase: str, bytes_done: int = 0, bytes_total: int = 0) -> None:
-        runtime.progress.update(phase, bytes_done, bytes_total)
+    def progress(phase: str, bytes_done: int | None = None, bytes_total: int | None = None) -> None:
+        # NOTE: later phases keep the byte counts of the weights phase unless they give new ones.
+        p = runtime.progress
+        bytes_done = p.bytes_done if bytes_done is None else bytes_done
+        bytes_total = p.bytes_total if bytes_total is None else bytes_total
+        p.update(phase, bytes_done, bytes_total)
         if echo:
             size = f" ({bytes_done / 2**20:.1f}/{bytes_total / 2**20:.1f} MiB)" if bytes_total else ""
             print(f"[{time.monotonic() - started:6.2f}s] {phase}{size}", file=sys.stderr, flush=True)

@@ -118,3 +118,18 @@ def test_non_streaming_client_disconnect_aborts(slow_server):
     assert pools["running"] == 0 and pools["kv_pages_used"] == 0, pools
     assert time.monotonic() - started < 3, "the abandoned request ran on instead of being aborted"
     assert aborted_count(slow_server) - aborted_before == 1
+
+
+def test_a_stop_string_frees_pages_and_slot_at_once(slow_server):
+    content, max_tokens = "stop early", 400
+    ids, _ = fake_model_output(chat_prompt_ids(content), max_tokens)
+    text = FakeTokenizer().decode(ids[:30])
+    start = next(i for i in range(5, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    client = openai.OpenAI(base_url=slow_server.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                       max_tokens=max_tokens, stop=[text[start : start + 2]],
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 30
+    # No polling: the snapshot is republished before the finish reaches the client.
+    pools = httpx.get(slow_server.base_url + "/v1/stats").json()["pools"]
+    assert pools["running"] == 0 and pools["kv_pages_used"] == 0 and pools["state_slots_used"] == 0, pools

@@ -1,0 +1,83 @@
+"""`ft ctl` against a live server, and argument handling of `ft serve` / `python -m app`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from app.cli import main
+from tests.app.conftest import make_container, start_server
+
+
+@pytest.fixture(scope="module")
+def ctl_server():
+    server = start_server(make_container(), api_key="k3y")
+    yield server
+    server.stop()
+
+
+def ctl(server, *args: str, key: str | None = "k3y") -> int:
+    extra = ["--api-key", key] if key else []
+    return main(["ctl", "--base-url", server.base_url, *extra, *args])
+
+
+def test_health_and_stats_as_json(ctl_server, capsys):
+    assert ctl(ctl_server, "--json", "health") == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
+    assert ctl(ctl_server, "--json", "stats") == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["pools"]["kv_pages_total"] == 128
+
+
+def test_tables_render(ctl_server, capsys):
+    assert ctl(ctl_server, "stats") == 0
+    out = capsys.readouterr().out
+    assert "kv_pages_total" in out and "decode_tok_s" in out
+    assert ctl(ctl_server, "cache") == 0
+    assert "plan.kv_tokens" in capsys.readouterr().out
+
+
+def test_cache_resize_with_suffixes(ctl_server, capsys):
+    assert ctl(ctl_server, "--json", "cache", "--kv", "1k", "--wait", "10") == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["after"]["kv_tokens"] == 1024
+    assert ctl(ctl_server, "cache", "--kv", "2k") == 0
+    assert "2048" in capsys.readouterr().out
+    assert ctl(ctl_server, "cache", "--kv", "100m") == 1
+    assert "resize refused" in capsys.readouterr().out
+
+
+def test_generate_streams_text(ctl_server, capsys):
+    assert ctl(ctl_server, "generate", "hello", "--max-tokens", "5") == 0
+    assert "completion tokens" in capsys.readouterr().out
+
+
+def test_missing_key_is_reported(ctl_server, capsys):
+    assert ctl(ctl_server, "stats", key=None) == 1
+    assert "401" in capsys.readouterr().out
+
+
+def test_unreachable_server(capsys):
+    assert main(["ctl", "--base-url", "http://127.0.0.1:9", "health"]) == 1
+    assert "cannot reach" in capsys.readouterr().out
+
+
+def test_bad_sizes_are_argument_errors():
+    with pytest.raises(SystemExit) as info:
+        main(["ctl", "cache", "--kv", "lots"])
+    assert info.value.code == 2
+
+
+def test_python_dash_m_app_is_the_ft_command():
+    out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--port", "--served-model-name", "--max-running-requests", "--max-prefill-length",
+                 "--memory-ratio", "--gpu-budget-gib", "--kv-tokens", "--moe-slots", "--kv-reserve-tokens",
+                 "--device", "--api-key"):
+        assert flag in out.stdout, flag
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--max-running-requests", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "max-running-requests" in bad.stderr
