@@ -58,12 +58,12 @@ QWEN3_CONFIGS = {
 }
 
 
-def build_hf_model(arch: str, overrides: dict, seed: int = 0):
+def build_hf_model(arch: str, overrides: dict, seed: int = 0, init_range: float = 0.08):
     """A random fp32 transformers model; init scale raised so routing and logits are not near-uniform."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=96, initializer_range=0.08, max_position_embeddings=1024)
+    common = dict(vocab_size=96, initializer_range=init_range, max_position_embeddings=1024)
     if arch == "qwen3_5_moe":
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**common, **overrides))
         # zero-centred (1 + w) norms start at exactly 1; perturb them so a wrong norm form shows
@@ -96,12 +96,12 @@ def make_plan(ckpt: LoadedCheckpoint, expert_slots: int, kv_tokens: int = 1024, 
 def hf_greedy(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
     """transformers' prefill logits [T, V], then `steps` greedy decode steps: (logits per step, tokens)."""
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt], device=model.device), use_cache=True)
         prefill = out.logits[0]
         past, token = out.past_key_values, int(prefill[-1].argmax())
         logits, tokens = [], [token]
         for _ in range(steps):
-            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            out = model(torch.tensor([[token]], device=model.device), past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits.append(out.logits[0, -1])
             token = int(out.logits[0, -1].argmax())
