@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from dependency_injector import containers, providers
@@ -102,6 +103,13 @@ def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget) -> P
     plan = plan_pools(spec, budget, request)
     if isinstance(plan, PlanRefusal):
         raise ValueError(f"the pools do not fit: {plan.message}")
+    # NOTE: KV beyond every running sequence at full context can never be used; on a small
+    # model the MoE-first split would otherwise hand it gigabytes. Give it back to the card.
+    useful = settings.max_running_requests * spec.max_context
+    if settings.kv_tokens is None and plan.kv_tokens > useful:
+        capped = plan_pools(spec, budget, replace(request, kv_tokens=useful))
+        if not isinstance(capped, PlanRefusal):
+            plan = capped
     plan.check_valid()
     return plan
 

@@ -155,11 +155,6 @@ class Engine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
 
-    def check(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> str | None:
-        """Read-only admission probe: None when the request could ever run, else the reason."""
-        probe = Request(request_id="probe", prompt_token_ids=list(prompt_token_ids), sampling=sampling)
-        return self.scheduler.check_request(probe)
-
     def submit(
         self,
         request_id: str,

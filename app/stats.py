@@ -119,6 +119,7 @@ class ServingStats:
         prefill = sum(s.prefill_tokens for s in steps)
         hits = sum(s.expert_hits for s in steps)
         misses = sum(s.expert_misses for s in steps)
+        busy = sum(s.seconds for s in steps)
         return {
             "window_s": self.window_s,
             "steps": len(steps),
@@ -126,7 +127,10 @@ class ServingStats:
             "prefill_tokens": prefill,
             "decode_tok_s": decode / span if span > 0 else 0.0,
             "prefill_tok_s": prefill / span if span > 0 else 0.0,
-            "busy_fraction": min(1.0, sum(s.seconds for s in steps) / span) if span > 0 else 0.0,
+            "busy_fraction": min(1.0, busy / span) if span > 0 else 0.0,
+            # NOTE: rates over the time the engine was stepping (what a request sees while it runs).
+            "decode_tok_s_while_busy": decode / busy if busy > 0 else 0.0,
+            "prefill_tok_s_while_busy": prefill / busy if busy > 0 else 0.0,
             "ttft_s": {
                 "count": len(ttfts),
                 "p50": _percentile(ttfts, 50),
