@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,18 +104,41 @@ def init_tensor(shape: tuple[int, ...], init: str, gen: torch.Generator) -> torc
 
 # ---- direct random codes in the quantized domain -----------------------------------------------
 
+def _every_byte(b: int) -> int:
+    """int64 constant holding byte `b` in each of its 8 bytes (signed, as torch needs)."""
+    return int.from_bytes(bytes([b]) * 8, "little", signed=True)
+
+
+def random_words(numel: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 [ceil(numel/8)] of uniform random bits: 8 random bytes per draw, so the byte-wise
+    bit tricks below run on 8 bytes per element (the full geometry draws ~32 GB)."""
+    words = torch.empty(-(-numel // 8), dtype=torch.int64).random_(generator=gen)
+    words ^= (words & _every_byte(0x01)) << 7  # random_ leaves each word's top bit 0; refill it
+    return words
+
+
+def _as_bytes(words: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return words.view(torch.uint8)[:numel].reshape(shape)
+
+
 def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator) -> QTensor:
     """A valid QTensor whose dequantized values have std of order WEIGHT_STD, without floats."""
     parts = expected_parts(fmt, rows, cols)
     if fmt == WeightFormat.BF16:
         return QTensor(fmt, (rows, cols), (torch.randn(rows, cols, generator=gen) * WEIGHT_STD).bfloat16())
-    raw = torch.randint(0, 256, parts["data"][1], dtype=torch.uint8, generator=gen)
+    data_shape = parts["data"][1]
+    words = random_words(data_shape[0] * data_shape[1], gen)
     scale_shape = parts["scale"][1]
     if fmt in (WeightFormat.FP8_BLOCK, WeightFormat.FP8_TENSOR, WeightFormat.FP8_CHANNEL):
-        # keep sign and mantissa, force the exponent field into 4..7: |value| in [1/8, 2)
-        data = ((raw & 0x87) | ((((raw >> 3) & 3) + 4) << 3)).view(torch.float8_e4m3fn)
-        scale = torch.full(scale_shape, WEIGHT_STD / 0.7)
-        return QTensor(fmt, (rows, cols), data, scale)
+        # per byte: keep sign and mantissa, force the exponent field into 4..7: |value| in [1/8, 2)
+        exponent = (((words >> 3) & _every_byte(0x03)) + _every_byte(0x04)) << 3
+        words = (words & _every_byte(0x87)) | exponent
+        data = _as_bytes(words, data_shape).view(torch.float8_e4m3fn)
+        return QTensor(fmt, (rows, cols), data, torch.full(scale_shape, WEIGHT_STD / 0.7))
+    raw = _as_bytes(words, data_shape)
     if fmt == WeightFormat.INT8_CHANNEL:
         data = raw.view(torch.int8).clamp_(min=-127)
         return QTensor(fmt, (rows, cols), data, torch.full(scale_shape, WEIGHT_STD / 73.0))
@@ -173,6 +199,70 @@ class ShardWriter:
 
 # ---- the synthesizer ----------------------------------------------------------------------------
 
+class _TensorMaker:
+    """Builds the (on-disk name, tensor) entries of each part of the model."""
+
+    def __init__(self, g: Geometry, fmt: str, prefix: str, direct: bool, float_weights: dict | None):
+        self.g, self.fmt, self.prefix, self.direct = g, fmt, prefix, direct
+        self.qfmt = CANONICAL_FORMAT[fmt]
+        self.float_weights = float_weights
+
+    def linear(self, canonical: str, shape: tuple[int, ...], quantized: bool, gen) -> list[tuple[str, torch.Tensor]]:
+        base = self.prefix + canonical[: -len(".weight")]
+        if not quantized:
+            return [(self.prefix + canonical, init_tensor(shape, "linear", gen).bfloat16())]
+        if self.direct:
+            q = random_qtensor(self.qfmt, shape[0], shape[1], gen)
+        else:
+            w = init_tensor(shape, "linear", gen)
+            if self.float_weights is not None:
+                self.float_weights[base] = w
+            q = quantize(w, self.qfmt)
+        return [(f"{base}.{suffix}", t) for suffix, t in disk_tensors(q, self.fmt).items()]
+
+    def embeddings(self, gen) -> list[tuple[str, torch.Tensor]]:
+        g = self.g
+        return [(self.prefix + "embed_tokens.weight", init_tensor((g.vocab_size, g.hidden_size), "embed", gen).bfloat16())]
+
+    def layer(self, layer: int, experts: str, gen) -> list[tuple[str, torch.Tensor]]:
+        g, fmt, out = self.g, self.fmt, []
+        for name, shape, init in layer_tensors(g, layer, g.layer_types[layer]):
+            if init == "linear":
+                out += self.linear(name, shape, fmt != "bf16" and is_quantized_linear(name), gen)
+            else:
+                dtype = torch.float32 if init == "a_log" else torch.bfloat16
+                out.append((self.prefix + name, init_tensor(shape, init, gen).to(dtype)))
+        h, i, p = g.hidden_size, g.moe_intermediate_size, f"layers.{layer}.mlp.experts"
+        if experts == "fused":
+            gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen) * WEIGHT_STD).bfloat16()  # [E, 2I, H]
+            down = (torch.randn(g.num_experts, h, i, generator=gen) * WEIGHT_STD).bfloat16()  # [E, H, I]
+            return out + [(f"{self.prefix}{p}.gate_up_proj", gate_up), (f"{self.prefix}{p}.down_proj", down)]
+        for e in range(g.num_experts):
+            out += self.linear(f"{p}.{e}.gate_proj.weight", (i, h), fmt != "bf16", gen)
+            out += self.linear(f"{p}.{e}.up_proj.weight", (i, h), fmt != "bf16", gen)
+            out += self.linear(f"{p}.{e}.down_proj.weight", (h, i), fmt != "bf16", gen)
+        return out
+
+    def head(self, gen) -> list[tuple[str, torch.Tensor]]:
+        g = self.g
+        norm = "zero_norm" if g.architecture == "qwen3_5_moe" else "one_norm"
+        return [(self.prefix + "norm.weight", init_tensor((g.hidden_size,), norm, gen).bfloat16()),
+                ("lm_head.weight", init_tensor((g.vocab_size, g.hidden_size), "linear", gen).bfloat16())]
+
+
+def _ordered_parallel(fn, count: int, workers: int) -> Iterator:
+    """fn(0..count-1) on a thread pool, yielded in order, at most `workers` results in flight
+    (bounds memory: each result is a whole layer)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        for index in range(count):
+            pending.append(pool.submit(fn, index))
+            if len(pending) >= workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def synthesize(
     out_dir: str | Path,
     geometry: Geometry | str = "tiny",
@@ -203,54 +293,28 @@ def synthesize(
         layout = "flat"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    qfmt = CANONICAL_FORMAT[fmt]
     direct = g.hidden_size >= DIRECT_THRESHOLD if direct is None else direct
-    gen = torch.Generator().manual_seed(seed)
     prefix = "model.language_model." if layout == "nested" else "model."
     writer = ShardWriter(out, shard_bytes)
-
-    def add_linear(canonical: str, shape: tuple[int, ...], quantized: bool) -> None:
-        base = prefix + canonical[: -len(".weight")]
-        if not quantized:
-            writer.add(prefix + canonical, init_tensor(shape, "linear", gen).bfloat16())
-            return
-        if direct:
-            q = random_qtensor(qfmt, shape[0], shape[1], gen)
-        else:
-            w = init_tensor(shape, "linear", gen)
-            if float_weights is not None:
-                float_weights[base] = w
-            q = quantize(w, qfmt)
-        for suffix, t in disk_tensors(q, fmt).items():
-            writer.add(f"{base}.{suffix}", t)
-
     started = time.monotonic()
-    writer.add(prefix + "embed_tokens.weight", init_tensor((g.vocab_size, g.hidden_size), "embed", gen).bfloat16())
-    h, i = g.hidden_size, g.moe_intermediate_size
-    for layer, kind in enumerate(g.layer_types):
-        for name, shape, init in layer_tensors(g, layer, kind):
-            if init == "linear":
-                add_linear(name, shape, fmt != "bf16" and is_quantized_linear(name))
-            else:
-                dtype = torch.float32 if init in ("a_log",) else torch.bfloat16
-                writer.add(prefix + name, init_tensor(shape, init, gen).to(dtype))
-        p = f"layers.{layer}.mlp.experts"
-        if experts == "fused":
-            gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen) * WEIGHT_STD).bfloat16()  # [E, 2I, H]
-            down = (torch.randn(g.num_experts, h, i, generator=gen) * WEIGHT_STD).bfloat16()  # [E, H, I]
-            writer.add(f"{prefix}{p}.gate_up_proj", gate_up)
-            writer.add(f"{prefix}{p}.down_proj", down)
-        else:
-            for e in range(g.num_experts):
-                add_linear(f"{p}.{e}.gate_proj.weight", (i, h), fmt != "bf16")
-                add_linear(f"{p}.{e}.up_proj.weight", (i, h), fmt != "bf16")
-                add_linear(f"{p}.{e}.down_proj.weight", (h, i), fmt != "bf16")
+    make = _TensorMaker(g, fmt, prefix, direct, float_weights)
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in make.embeddings(gen):
+        writer.add(name, t)
+    if direct:
+        # independent per-layer generators: layers are built in parallel and still deterministic
+        layers = _ordered_parallel(lambda layer: make.layer(layer, experts, torch.Generator().manual_seed(
+            seed * 1_000_003 + layer + 1)), g.num_hidden_layers, workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
+    else:
+        layers = (make.layer(layer, experts, gen) for layer in range(g.num_hidden_layers))
+    for layer, entries in enumerate(layers):
+        for name, t in entries:
+            writer.add(name, t)
         if progress:
             print(f"  layer {layer + 1}/{g.num_hidden_layers}  {writer.total_bytes / 2**30:.2f} GiB  "
                   f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
-    writer.add(prefix + "norm.weight", init_tensor((h,), "zero_norm" if g.architecture == "qwen3_5_moe"
-                                                   else "one_norm", gen).bfloat16())
-    writer.add("lm_head.weight", init_tensor((g.vocab_size, h), "linear", gen).bfloat16())
+    for name, t in make.head(gen):
+        writer.add(name, t)
     writer.finish()
 
     (out / "config.json").write_text(json.dumps(config_json(g, fmt, layout), indent=2))
