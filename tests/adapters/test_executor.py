@@ -1,0 +1,102 @@
+"""TorchExecutor: pool resize frees before it allocates and keeps results correct, bad steps are refused
+with a reason, expert counters count, unknown architectures are refused."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from adapters.torch_exec import executor as executor_module
+from adapters.torch_exec.executor import TorchExecutor
+from domain.ports import SequenceWork, StepBatch
+from tests.adapters.torch_exec_models import (
+    GREEDY,
+    QWEN3_5_CONFIGS,
+    Sequence,
+    build_hf_model,
+    make_plan,
+    pages_for,
+    run_requests,
+    save_and_load,
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    model = build_hf_model("qwen3_5_moe", QWEN3_5_CONFIGS["wide_router"])
+    return save_and_load(model, tmp_path_factory.mktemp("wide_router"))
+
+
+def greedy_tokens(executor, prompt, new_tokens=6, slot=0):
+    seq = Sequence("r", prompt, pages_for(0, len(prompt) + new_tokens), state_slot=slot)
+    run_requests(executor, [seq], new_tokens, chunk=4)
+    return seq.output
+
+
+PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33]
+
+
+def test_resize_frees_every_changed_pool_before_allocating(ckpt, monkeypatch):
+    ex = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=8, kv_tokens=256, state_slots=2), "cpu", torch.float32)
+    before = greedy_tokens(ex, PROMPT)
+    old = {"kv": weakref.ref(ex.kv.k), "state": weakref.ref(ex.state.recurrent), "moe": weakref.ref(ex.experts.slots)}
+    alive_at_allocation = []
+
+    def spy(cls, pool):
+        def make(*args, **kwargs):
+            gc.collect()
+            alive_at_allocation.append((pool, sorted(name for name, ref in old.items() if ref() is not None)))
+            return cls(*args, **kwargs)
+        return make
+
+    monkeypatch.setattr(executor_module, "PagedKVCache", spy(executor_module.PagedKVCache, "kv"))
+    monkeypatch.setattr(executor_module, "LinearStatePool", spy(executor_module.LinearStatePool, "state"))
+    monkeypatch.setattr(executor_module, "ExpertSlotCache", spy(executor_module.ExpertSlotCache, "moe"))
+    ex.resize_pools(make_plan(ckpt, expert_slots=12, kv_tokens=512, state_slots=3))
+    assert [pool for pool, _ in alive_at_allocation] == ["kv", "state", "moe"]
+    assert all(alive == [] for _, alive in alive_at_allocation), alive_at_allocation
+    assert (ex.kv.num_pages, ex.state.num_slots, ex.experts.num_slots) == (128, 3, 12)
+    assert greedy_tokens(ex, PROMPT, slot=2) == before
+    ex.check_valid()
+
+
+def test_resize_keeps_an_unchanged_expert_cache_warm(ckpt):
+    ex = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=32, kv_tokens=256), "cpu", torch.float32)
+    first = greedy_tokens(ex, PROMPT)
+    misses = ex.expert_misses
+    cache = ex.experts
+    ex.resize_pools(make_plan(ckpt, expert_slots=32, kv_tokens=512))
+    assert ex.experts is cache and ex.kv.num_pages == 128
+    assert greedy_tokens(ex, PROMPT) == first
+    assert ex.expert_misses == misses, "a warm cache holding every expert must serve the rerun from hits"
+    assert ex.expert_hits > 0
+
+
+def test_bad_steps_are_refused_with_a_reason(ckpt):
+    ex = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=8, kv_tokens=64, state_slots=2), "cpu", torch.float32)
+
+    def work(rid="a", tokens=(1, 2, 3), start=0, pages=(0,), slot=0):
+        return SequenceWork(rid, tokens, start, pages, slot, True, GREEDY, 0)
+
+    cases = {
+        "do not cover": StepBatch((work(tokens=(1,) * 5),)),
+        "outside the pool of 16": StepBatch((work(pages=(16,)),)),
+        "state slot 2 outside": StepBatch((work(slot=2),)),
+        "state slot 0 used twice": StepBatch((work(), work(rid="b", pages=(1,)))),
+        "appears twice": StepBatch((work(), work(pages=(1,), slot=1))),
+        "no tokens": StepBatch((work(tokens=()),)),
+    }
+    for reason, batch in cases.items():
+        assert reason in (ex.can_execute(batch) or ""), reason
+        with pytest.raises(ValueError, match=reason):
+            ex.execute(batch)
+    assert ex.can_execute(StepBatch((work(), work(rid="b", pages=(1,), slot=1)))) is None
+
+
+def test_unknown_architecture_is_refused(ckpt):
+    class Other:
+        spec = type("Spec", (), {"architecture": "deepseek_v3"})()
+
+    with pytest.raises(ValueError, match="deepseek_v3"):
+        TorchExecutor(Other(), None, "cpu", torch.float32)
