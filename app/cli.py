@@ -33,6 +33,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set FT_API_KEY)")
     p.add_argument("--debug", action="store_true", help="check every invariant whenever the engine idles")
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     p.add_argument("--log-level", default="info")
 
 
@@ -60,6 +61,7 @@ def _serve(args) -> int:
             kv_reserve_tokens=args.kv_reserve_tokens,
             api_key=args.api_key or environment_api_key(),
             debug=args.debug,
+            cpu_threads=args.cpu_threads,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ class ServeSettings:
     kv_reserve_tokens: int = 8192
     api_key: str | None = None
     debug: bool = False
+    cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -31,5 +32,7 @@ class ServeSettings:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:
             raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
