@@ -1,0 +1,11 @@
+"""The embedded demo model: a tiny qwen3_5_moe trained on two-number arithmetic.
+
+`DEMO_MODEL_DIR` is an ordinary Hugging Face checkpoint directory (config.json,
+model.safetensors, tokenizer files with a ChatML template); scripts/train_demo_model.py wrote
+it and docs/demo-model.md describes it. Nothing here imports torch: this module only names
+the path.
+"""
+
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).parent / "checkpoint"
