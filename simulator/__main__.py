@@ -1,0 +1,107 @@
+"""python -m simulator predict ...: capacity planning from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from simulator.hardware import GIB, get_profile, load_profiles
+from simulator.predict import Workload
+from simulator.sweep import (
+    BUILTIN_MODELS,
+    Calibration,
+    SweepConfig,
+    find_calibration,
+    resolve_model,
+    run_sweep,
+)
+
+
+def parse_count(text: str) -> int:
+    """'8192', '8k' (x1024), '1m' (x1024^2), '400000'."""
+    t = text.strip().lower()
+    scale = {"k": 1024, "m": 1024**2}.get(t[-1:], 1)
+    number = t[:-1] if scale != 1 else t
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def parse_list(text: str) -> list[int]:
+    return [parse_count(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m simulator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("predict", help="predict decode throughput over KV pool sizes and batch sizes")
+    p.add_argument("--hardware", required=True, help="rtx3090, rtx4090, rtx5090, rtx4060-laptop, h200, "
+                                                     "or a name from --hardware-file")
+    p.add_argument("--hardware-file", help="JSON/TOML file with extra hardware profiles")
+    p.add_argument("--model", required=True, help=f"one of {sorted(BUILTIN_MODELS)} or a checkpoint directory")
+    p.add_argument("--kv", type=parse_list, required=True, help="KV pool sizes in tokens, e.g. 8192,64k,700000")
+    p.add_argument("--batch", type=parse_list, default=[1], help="concurrent requests, e.g. 1,3,4,6")
+    p.add_argument("--gpu-budget-gib", type=float, help="pool budget after weights and fixed caches "
+                                                        "(default: from the hardware and the calibration)")
+    p.add_argument("--state-slots", type=int, help="GDN state slots to reserve (default: the calibration's)")
+    p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="every request its own prompt (independent users) instead of the benchmark's one prompt")
+    p.add_argument("--calibration", help="calibration JSON (default: newest for the hardware, else rtx3090)")
+    p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
+    p.add_argument("--workers", type=int, help="processes (default: up to 2)")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
+    p.add_argument("--plot", help="write a PNG of tok/s against KV pool size per batch size")
+    return parser
+
+
+def predict_command(args) -> int:
+    extra = load_profiles(args.hardware_file) if args.hardware_file else None
+    hardware = get_profile(args.hardware, extra)
+    model_name, spec = resolve_model(args.model)
+    if args.calibration:
+        calibration, measured_here = Calibration.load(args.calibration), True
+    else:
+        calibration, measured_here = find_calibration(hardware.name)
+    deployment = calibration.deployment_params()
+    if args.gpu_budget_gib is not None:
+        deployment = deployment.replace(pool_bytes=int(args.gpu_budget_gib * GIB))
+    if args.state_slots is not None:
+        deployment = deployment.replace(state_slots=args.state_slots)
+    workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts)
+    label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
+    cfg = SweepConfig(model_name, spec, hardware, deployment, calibration.cost_params(), args.routing,
+                      calibration.locality_params(), workload,
+                      calibration.seed if args.seed is None else args.seed, label)
+    results = run_sweep(cfg, args.kv, args.batch, args.workers)
+    if args.plot:
+        from simulator.plot import plot_sweep
+
+        plot_sweep(results, args.plot)
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+    else:
+        from simulator.table import print_table
+
+        print_table(results, title=f"{model_name} on {hardware.name} ({label}, routing {args.routing})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "predict":
+            return predict_command(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Hardware profiles: the figures of one GPU host that the cost model needs.
+
+Built-in profiles carry the figures of SPEC.md (measured pinned host->device bandwidth,
+memory bandwidth); dense bf16 tensor throughput is the public datasheet figure (dense, no
+sparsity), marked as such because nothing in SPEC.md measured it. Users add profiles from a
+JSON or TOML file: {"profiles": [{...}, ...]} or a single profile object / [[profiles]] table.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulator.params import StrictParams, require_positive
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class HardwareProfile(StrictParams):
+    name: str
+    vram_bytes: int
+    h2d_bytes_per_s: float  # pinned host->device copies (the expert-miss path)
+    memory_bytes_per_s: float  # GPU memory bandwidth (weights, KV, state reads)
+    bf16_flops: float  # dense bf16 tensor-core throughput (datasheet unless noted)
+    host_ram_bytes: int = 64 * GIB
+    pageable_h2d_bytes_per_s: float = 0.0  # 0 = unknown; unused while expert banks are pinned
+    source: str = ""  # where the figures come from
+
+    def check_valid(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("HardwareProfile.name must be a non-empty string")
+        require_positive(self, "vram_bytes", "h2d_bytes_per_s", "memory_bytes_per_s", "bf16_flops",
+                         "host_ram_bytes")
+        require_positive(self, "pageable_h2d_bytes_per_s", allow_zero=True)
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        HardwareProfile("rtx3090", 24 * GIB, 25.3 * GB, 936 * GB, 71e12, int(60 * GB),
+                        source="SPEC.md: 25.3 GB/s measured pinned H2D, 936 GB/s, 60 GB host RAM; 71 TFLOPS datasheet"),
+        HardwareProfile("rtx4090", 24 * GIB, 25.1 * GB, 1008 * GB, 165e12,
+                        source="SPEC.md: 25.1 GB/s measured pinned H2D, 1008 GB/s; 165 TFLOPS datasheet"),
+        HardwareProfile("rtx5090", 32 * GIB, 52.7 * GB, 1792 * GB, 210e12,
+                        source="SPEC.md: 52.7 GB/s measured pinned H2D, 1792 GB/s; 210 TFLOPS datasheet"),
+        HardwareProfile("rtx4060-laptop", 8 * GIB, 11.8 * GB, 256 * GB, 45e12,
+                        source="SPEC.md: 11.8 GB/s measured (x8), 256 GB/s; ~45 TFLOPS datasheet"),
+        HardwareProfile("h200", 141 * GB, 53.3 * GB, 4.2e12, 989e12, 512 * GIB, 6.8 * GB,
+                        source="SPEC.md: 53.3 GB/s measured pinned, 6.8 GB/s pageable, ~4.2 TB/s "
+                               "copy measured (4.8 spec); 989 TFLOPS datasheet"),
+    )
+}
+
+
+def load_profiles(path: str | Path) -> dict[str, HardwareProfile]:
+    """Profiles from a .json or .toml file; unknown fields are errors."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ValueError(f"{path}: hardware profiles must be .json or .toml")
+    entries = data.get("profiles", [data]) if isinstance(data, dict) else data
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: expected a profile object or {{'profiles': [...]}}")
+    profiles = {}
+    for i, entry in enumerate(entries):
+        profile = HardwareProfile.from_dict(entry, where=f"{path} profile {i}")
+        profiles[profile.name] = profile
+    return profiles
+
+
+def get_profile(name: str, extra: dict[str, HardwareProfile] | None = None) -> HardwareProfile:
+    profiles = {**BUILTIN_PROFILES, **(extra or {})}
+    if name not in profiles:
+        raise ValueError(f"unknown hardware {name!r}; known: {sorted(profiles)} (add one with --hardware-file)")
+    return profiles[name]

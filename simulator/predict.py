@@ -1,0 +1,207 @@
+"""Predict what a machine will do: plan the pools with the domain budget planner, then run the
+customer's benchmark method through the domain scheduler on a simulated host.
+
+One point = (hardware, model, KV pool size, batch size). The workload reproduces SPEC.md's
+method: warm-up iterations of `warmup_tokens`, then measured iterations of `measure_tokens`,
+`batch` concurrent requests each, greedy, ignore_eos, a short prompt. Aggregate tok/s is
+output tokens over the measured wall time; per-request tok/s is each request's output tokens
+over its own lifetime, averaged.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.kv_pages import PageAllocator
+from domain.model_spec import ModelSpec
+from domain.request import Request, SamplingParams
+from domain.scheduler import Scheduler, SchedulerConfig
+from simulator.cost_model import CostModel, CostParams
+from simulator.hardware import GIB, HardwareProfile
+from simulator.host import SimHost
+from simulator.params import StrictParams, require_positive
+from simulator.routing import RoutingModel
+from simulator.sim_executor import SimExecutor
+
+
+@dataclass(frozen=True)
+class Workload(StrictParams):
+    prompt_tokens: int = 24  # "Count from 1 to 100." in a chat template
+    warmup_iterations: int = 2
+    warmup_tokens: int = 64
+    measure_iterations: int = 2
+    measure_tokens: int = 128
+    same_prompt: bool = True  # one prompt for every request (the customer's method)
+    max_step_tokens: int = 2048
+    page_size: int = 16
+
+    def check_valid(self) -> None:
+        require_positive(self, "prompt_tokens", "warmup_tokens", "measure_iterations", "measure_tokens",
+                         "max_step_tokens", "page_size")
+        require_positive(self, "warmup_iterations", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Deployment(StrictParams):
+    """How the GPU budget is read: pool = vram * memory_ratio - dense weights - fixed_bytes,
+    unless pool_bytes is given (--gpu-budget-gib)."""
+
+    memory_ratio: float = 0.9
+    fixed_bytes: int = 0  # activations, graph pools, workspaces: outside the three pools
+    state_slots: int = 24  # GDN state slots reserved (the reference deployment runs 24)
+    pool_bytes: int | None = None
+
+    def check_valid(self) -> None:
+        require_positive(self, "memory_ratio", "state_slots")
+        require_positive(self, "fixed_bytes", allow_zero=True)
+        if self.pool_bytes is not None:
+            require_positive(self, "pool_bytes")
+
+    def budget(self, spec: ModelSpec, hardware: HardwareProfile) -> GpuBudget:
+        if self.pool_bytes is not None:
+            return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
+        return GpuBudget(hardware.vram_bytes, self.memory_ratio, spec.dense_weight_bytes(), self.fixed_bytes)
+
+
+@dataclass
+class PointResult:
+    hardware: str
+    model: str
+    kv_tokens: int
+    batch: int
+    fits: bool
+    reason: str | None = None
+    expert_slots: int = 0
+    residency: float = 0.0
+    state_slots: int = 0
+    hit_rate: float | None = None
+    decode_tok_s: float | None = None
+    decode_tok_s_per_request: float | None = None
+    pcie_utilisation: float | None = None
+    gpu_utilisation: float | None = None
+    ttft_s: float | None = None
+    misses_per_token: float | None = None
+    simulated_s: float | None = None
+    calibration: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        return out
+
+
+@dataclass
+class RunStats:
+    """What a workload run measured (the window is the measured iterations)."""
+
+    seconds: float
+    output_tokens: int
+    per_request_tok_s: list[float]
+    ttfts: list[float]
+    hits: int
+    misses: int
+    bytes_moved: int
+    gpu_utilisation: float
+    pcie_utilisation: float
+    steps: int
+    sequence_steps: int
+    requests_finished: int
+    requests_added: int
+
+
+def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int,
+               batch: int, page_size: int = 16) -> PoolPlan | str:
+    """The domain planner's plan for this point, or why it cannot run."""
+    bank = spec.total_experts * spec.expert_bytes()
+    if bank > hardware.host_ram_bytes:
+        return (f"expert bank needs {bank / GIB:.1f} GiB of host RAM, "
+                f"{hardware.name} has {hardware.host_ram_bytes / GIB:.1f} GiB")
+    if deployment.state_slots < batch:
+        return f"batch {batch} needs {batch} GDN state slots, the deployment reserves {deployment.state_slots}"
+    plan = plan_pools(spec, deployment.budget(spec, hardware),
+                      PoolRequest(kv_tokens=kv_tokens, state_slots=deployment.state_slots, page_size=page_size))
+    if isinstance(plan, PlanRefusal):
+        return plan.message
+    return plan
+
+
+def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
+                 max_context: int, check: bool = False) -> RunStats:
+    """Drives the domain scheduler with the simulated executor through the benchmark method."""
+    host = executor.host
+    config = SchedulerConfig(max_running=batch, max_step_tokens=max(workload.max_step_tokens, batch),
+                             page_size=plan.page_size, max_context=max_context)
+    scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots)
+    iterations = ([(workload.warmup_tokens, False)] * workload.warmup_iterations
+                  + [(workload.measure_tokens, True)] * workload.measure_iterations)
+    window_seconds, output_tokens, per_request, ttfts = 0.0, 0, [], []
+    start_counters, start_snapshot = None, None
+    added = finished = 0
+    for index, (max_tokens, measured) in enumerate(iterations):
+        if measured and start_counters is None:
+            start_counters, start_snapshot = executor.counters.copy(), host.snapshot()
+        t0 = host.now()
+        requests = []
+        for r in range(batch):
+            prompt_seed = 0 if workload.same_prompt else index * batch + r + 1
+            prompt = [(prompt_seed * 7919 + i * 31 + 11) % 50000 for i in range(workload.prompt_tokens)]
+            req = Request(f"it{index}-r{r}", prompt,
+                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          arrival_time=t0)
+            scheduler.add(req)
+            requests.append(req)
+            added += 1
+        first_token: dict[str, float] = {}
+        done: dict[str, float] = {}
+        while (step := scheduler.schedule()) is not None:
+            sampled = executor.execute(step)
+            for event in scheduler.complete(step, sampled):
+                first_token.setdefault(event.request_id, host.now())
+                if event.finished:
+                    done[event.request_id] = host.now()
+            if check:
+                scheduler.check_valid()
+                executor.check_valid()
+        finished += len(done)
+        if measured:
+            window_seconds += host.now() - t0
+            for req in requests:
+                output_tokens += len(req.output_token_ids)
+                per_request.append(len(req.output_token_ids) / (done[req.request_id] - t0))
+                ttfts.append(first_token[req.request_id] - t0)
+    c = executor.counters.minus(start_counters)
+    gpu_util, pcie_util = SimHost.utilisation(start_snapshot, host.snapshot())
+    return RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
+                    c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added)
+
+
+def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, deployment: Deployment,
+                  cost: CostParams, routing: RoutingModel, kv_tokens: int, batch: int,
+                  workload: Workload | None = None, calibration: str | None = None,
+                  check: bool = False) -> PointResult:
+    workload = workload or Workload()
+    result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False, calibration=calibration)
+    plan = plan_point(spec, hardware, deployment, kv_tokens, batch, workload.page_size)
+    if isinstance(plan, str):
+        result.reason = plan
+        return result
+    result.fits = True
+    result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.state_slots
+    executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots)
+    stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check)
+    lookups = stats.hits + stats.misses
+    result.hit_rate = stats.hits / lookups if lookups else 1.0
+    result.decode_tok_s = stats.output_tokens / stats.seconds
+    result.decode_tok_s_per_request = statistics.fmean(stats.per_request_tok_s)
+    result.pcie_utilisation = stats.pcie_utilisation
+    result.gpu_utilisation = stats.gpu_utilisation
+    result.ttft_s = statistics.median(stats.ttfts)
+    result.misses_per_token = stats.misses / max(1, stats.output_tokens)
+    result.simulated_s = executor.host.now()
+    result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
+                              "sequence_steps": stats.sequence_steps, "misses": stats.misses,
+                              "output_tokens": stats.output_tokens}
+    return result

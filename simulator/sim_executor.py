@@ -1,0 +1,163 @@
+"""SimExecutor: a domain.ports.ModelExecutor whose steps advance simulated time.
+
+The engine loop (domain scheduler -> executor -> scheduler.complete) is the same one the real
+engine runs; this executor only replaces the GPU. For each step it plays a simpy process on
+the SimHost: step overhead, then per layer the attention/GDN part, the expert lookups through
+the domain's ExpertResidency (the same LRU the GPU runs), the PCIe copies of the misses on the
+copy engine, the expert GEMMs, and finally lm_head + sampling.
+
+Routing: a request's tokens route through a RoutingModel stream. Greedy requests
+(temperature 0) are keyed by their prompt head, so requests with the same prompt produce the
+same tokens and route identically (as in the customer's benchmark); sampled requests get a
+stream of their own. Sampled token ids are a hash of (stream, position): deterministic.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+from domain.ports import SampledToken, SequenceWork, StepBatch
+from domain.residency import ExpertResidency
+from simulator.cost_model import CostModel, SequenceLoad
+from simulator.host import SimHost
+from simulator.routing import RoutingModel
+
+_KEY_TOKENS = 64  # prompt-head length that names a greedy stream
+
+
+@dataclass
+class ExecutorCounters:
+    steps: int = 0
+    sequence_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    bytes_moved: int = 0
+
+    def minus(self, other: ExecutorCounters) -> ExecutorCounters:
+        return ExecutorCounters(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
+
+    def copy(self) -> ExecutorCounters:
+        return ExecutorCounters(**self.__dict__)
+
+
+class SimExecutor:
+    def __init__(self, host: SimHost, cost: CostModel, routing: RoutingModel, expert_slots: int) -> None:
+        spec = cost.spec
+        if (routing.num_layers, routing.top_k) != (spec.num_layers, spec.top_k) or routing.num_experts > spec.num_experts:
+            raise ValueError(
+                f"routing geometry L={routing.num_layers} E={routing.num_experts} K={routing.top_k} does not "
+                f"match the model (L={spec.num_layers} E={spec.num_experts} K={spec.top_k})"
+            )
+        self.host, self.cost, self.routing = host, cost, routing
+        self.residency = ExpertResidency(expert_slots)
+        self.counters = ExecutorCounters()
+        self._stream_keys: dict[str, str] = {}
+        self._in_step = False
+
+    # ---- ModelExecutor ---------------------------------------------------------------------
+
+    def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        if self._in_step:
+            raise RuntimeError("execute() re-entered while a step is in flight")
+        if not batch.works:
+            raise ValueError("empty StepBatch")
+        self._in_step = True
+        try:
+            process = self.host.env.process(self._step(batch))
+            self.host.env.run(until=process)
+        finally:
+            self._in_step = False
+        return {w.request_id: self._sample(w) for w in batch.works if w.sample}
+
+    def resize_pools(self, plan) -> None:
+        """Expert slots come back cold, as on the device; KV/state need no simulation."""
+        self.residency.resize(plan.expert_slots)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _stream_key(self, work: SequenceWork) -> str:
+        key = self._stream_keys.get(work.request_id)
+        if key is None:
+            if work.start_position != 0:
+                raise ValueError(f"{work.request_id}: first work starts at {work.start_position}, not 0")
+            head = ",".join(map(str, work.token_ids[:_KEY_TOKENS]))
+            s = work.sampling
+            if s.temperature == 0:
+                key = f"greedy:{zlib.crc32(head.encode())}"
+            else:
+                key = f"sampled:{work.request_id}:{s.seed}"
+            self._stream_keys[work.request_id] = key
+        return key
+
+    def _sample(self, work: SequenceWork) -> SampledToken:
+        key = self._stream_keys[work.request_id]
+        token = zlib.crc32(f"{key}@{work.end_position}".encode()) % self.cost.spec.vocab_size
+        return SampledToken(work.request_id, token)
+
+    def _step(self, batch: StepBatch):
+        host, cost, residency, c = self.host, self.cost, self.residency, self.counters
+        works = batch.works
+        routes = []  # [B][T_i] token routings, each [L][K]
+        for w in works:
+            stream = self.routing.stream(self._stream_key(w))
+            routes.append(stream.tokens(w.start_position, len(w.token_ids)))
+        loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
+        c.steps += 1
+        c.sequence_steps += len(works)
+        c.prefill_tokens += batch.num_prefill_tokens
+        c.decode_tokens += batch.num_decode_tokens
+        # NOTE: the GPU stream has one user (this step), so back-to-back kernels are merged into
+        # one busy period and handed to simpy only where the copy engine must synchronise with
+        # it. Same timeline as one event per kernel, far fewer events.
+        pending = cost.step_overhead(len(works))
+        for layer in range(cost.spec.num_layers):
+            pending += cost.layer_pre_expert(layer, loads)
+            tokens_per_expert = Counter(e for seq in routes for token in seq for e in token[layer])
+            keys = [(layer, e) for e in tokens_per_expert]  # first-seen order
+            group = max(1, residency.num_slots)
+            for start in range(0, len(keys), group):
+                pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending)
+        pending += cost.head(sum(1 for w in works if w.sample))
+        yield from host.gpu.use(pending)
+
+    def _expert_group(self, keys, tokens_per_expert: Counter, pending: float):
+        """Looks the group up, copies its misses and queues its GEMMs; returns GPU time still
+        pending (not yet handed to simpy)."""
+        host, cost, residency, c = self.host, self.cost, self.residency, self.counters
+        lookup = residency.lookup(keys)
+        misses = len(lookup.fills)
+        c.expert_hits += len(lookup.hits)
+        c.expert_misses += misses
+        c.bytes_moved += misses * cost.expert_bytes
+        hit_tokens = [tokens_per_expert[e] for _, e in lookup.hits]
+        miss_tokens = [tokens_per_expert[e] for (_, e), _slot in lookup.fills]
+        if not misses:
+            residency.release()
+            return pending + cost.expert_gemms(hit_tokens)
+        # The router's output is needed before the copies can start: flush the GPU up to here.
+        yield from host.gpu.use(pending)
+        copies = host.env.process(host.pcie.use(cost.transfer(misses)))
+        if cost.params.overlap_copy_compute:
+            yield from host.gpu.use(cost.expert_gemms(hit_tokens))
+            yield copies
+            gemms = cost.expert_gemms(miss_tokens)
+        else:
+            yield copies
+            gemms = cost.expert_gemms(hit_tokens + miss_tokens)
+        # NOTE: this group holds the only pins, so release-all equals release(keys) without
+        # validating every key again. The GEMMs are queued; nothing looks up before they run.
+        residency.release()
+        return gemms
+
+    def check_valid(self) -> None:
+        self.residency.check_valid()
+        self.host.check_valid()
+        c = self.counters
+        assert c.bytes_moved == c.expert_misses * self.cost.expert_bytes, "bytes moved != misses x expert bytes"
+        assert (c.expert_hits, c.expert_misses) == (self.residency.hits, self.residency.misses), (
+            "executor and residency disagree on hits/misses"
+        )

@@ -1,0 +1,136 @@
+"""A sweep of (KV pool size, batch) points for one machine and model, optionally on several
+processes (each builds its own routing model from the same seed, so results do not depend on
+the number of workers)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from domain.model_spec import ModelSpec, WeightFormat, qwen36_35b_a3b
+from simulator.cost_model import CostParams
+from simulator.hardware import HardwareProfile
+from simulator.params import StrictParams
+from simulator.predict import Deployment, PointResult, Workload, predict_point
+from simulator.routing import LocalityParams, RoutingModel, make_routing
+
+CALIBRATION_DIR = Path(__file__).parent / "calibration"
+
+BUILTIN_MODELS = {
+    "qwen3.6-35b-a3b-fp8": WeightFormat.FP8_BLOCK,
+    "qwen3.6-35b-a3b-nvfp4": WeightFormat.NVFP4,
+    "qwen3.6-35b-a3b-bf16": WeightFormat.BF16,
+}
+
+
+def resolve_model(name_or_path: str) -> tuple[str, ModelSpec]:
+    """A built-in model name, or a checkpoint directory (or config.json) to read geometry from."""
+    if name_or_path in BUILTIN_MODELS:
+        return name_or_path, qwen36_35b_a3b(BUILTIN_MODELS[name_or_path])
+    path = Path(name_or_path)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        raise ValueError(f"--model {name_or_path!r}: not a built-in model {sorted(BUILTIN_MODELS)} "
+                         f"and no config.json there")
+    spec = ModelSpec.from_hf_config(json.loads(config.read_text()))
+    return str(name_or_path), spec
+
+
+@dataclass(frozen=True)
+class Calibration(StrictParams):
+    """A calibration file (simulator/calibration/<hardware>_v<N>.json), strictly parsed."""
+
+    format_version: int
+    name: str
+    hardware: str
+    model: str
+    engine: str
+    procedure: str
+    reading: dict
+    seed: int
+    deployment: dict
+    workload: dict
+    cost: dict
+    routing: dict
+    validation: dict
+    candidates: list
+
+    def check_valid(self) -> None:
+        if self.format_version != 1:
+            raise ValueError(f"calibration format_version {self.format_version} unsupported (1)")
+        self.cost_params()
+        self.deployment_params()
+        self.locality_params()
+        Workload.from_dict(self.workload, where=f"{self.name}.workload")
+
+    def cost_params(self) -> CostParams:
+        return CostParams.from_dict(self.cost, where=f"{self.name}.cost")
+
+    def deployment_params(self) -> Deployment:
+        return Deployment.from_dict(self.deployment, where=f"{self.name}.deployment")
+
+    def locality_params(self) -> LocalityParams:
+        return LocalityParams.from_dict(self.routing.get("locality", {}), where=f"{self.name}.routing")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        return cls.from_dict(json.loads(Path(path).read_text()), where=str(path))
+
+
+def find_calibration(hardware: str) -> tuple[Calibration, bool]:
+    """The newest calibration for this hardware, else the reference (rtx3090) one; the flag
+    says whether it was measured on this hardware."""
+    def version(p: Path) -> int:
+        return int(p.stem.rsplit("_v", 1)[1])
+
+    own = sorted(CALIBRATION_DIR.glob(f"{hardware}_v*.json"), key=version)
+    if own:
+        return Calibration.load(own[-1]), True
+    ref = sorted(CALIBRATION_DIR.glob("rtx3090_v*.json"), key=version)
+    if not ref:
+        raise FileNotFoundError(f"no calibration files in {CALIBRATION_DIR}")
+    return Calibration.load(ref[-1]), False
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model_name: str
+    spec: ModelSpec
+    hardware: HardwareProfile
+    deployment: Deployment
+    cost: CostParams
+    routing: str  # locality | uniform | trace:FILE
+    locality: LocalityParams
+    workload: Workload
+    seed: int
+    calibration: str
+
+
+_routing_cache: dict = {}
+
+
+def _routing_for(cfg: SweepConfig) -> RoutingModel:
+    key = (cfg.routing, cfg.seed, cfg.locality, cfg.spec.num_layers, cfg.spec.num_experts, cfg.spec.top_k)
+    if key not in _routing_cache:
+        _routing_cache[key] = make_routing(cfg.routing, cfg.spec.num_layers, cfg.spec.num_experts,
+                                           cfg.spec.top_k, cfg.seed, cfg.locality)
+    return _routing_cache[key]
+
+
+def _run_point(args: tuple[SweepConfig, int, int]) -> PointResult:
+    cfg, kv, batch = args
+    return predict_point(cfg.spec, cfg.model_name, cfg.hardware, cfg.deployment, cfg.cost, _routing_for(cfg),
+                         kv, batch, cfg.workload, calibration=cfg.calibration)
+
+
+def run_sweep(cfg: SweepConfig, kv_sizes: list[int], batches: list[int], workers: int | None = None) -> list[PointResult]:
+    points = [(cfg, kv, b) for b in batches for kv in kv_sizes]
+    workers = min(len(points), workers if workers is not None else min(2, os.cpu_count() or 1))
+    if workers <= 1:
+        return [_run_point(p) for p in points]
+    # NOTE: fork keeps start-up cheap; every worker rebuilds routing streams from the same seed.
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return pool.map(_run_point, points, chunksize=1)

@@ -1,0 +1,32 @@
+"""A rich table of predicted points, laid out like SPEC.md's reference table."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from simulator.predict import PointResult
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def print_table(results: list[PointResult], title: str = "", console: Console | None = None) -> None:
+    table = Table(title=title)
+    for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "tok/s",
+                 "tok/s/request", "PCIe util", "GPU util", "TTFT ms", "reason"):
+        table.add_column(name, justify="left" if name == "reason" else "right")
+    for r in sorted(results, key=lambda r: (r.batch, r.kv_tokens)):
+        table.add_row(
+            f"{r.kv_tokens:,}", str(r.batch), "yes" if r.fits else "[red]no[/red]",
+            f"{r.expert_slots:,}" if r.fits else "-", _fmt(r.residency if r.fits else None, ".0%"),
+            _fmt(r.hit_rate, ".1%"), _fmt(r.decode_tok_s, ".1f"), _fmt(r.decode_tok_s_per_request, ".1f"),
+            _fmt(r.pcie_utilisation, ".0%"), _fmt(r.gpu_utilisation, ".0%"), _fmt(r.ttft_s, ".0f", 1e3),
+            r.reason or "",
+        )
+    # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.
+    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    console.print(table)

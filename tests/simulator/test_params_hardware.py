@@ -1,0 +1,63 @@
+"""Parameter objects reject unknown fields; hardware profiles load from JSON and TOML."""
+
+import json
+
+import pytest
+
+from simulator.cost_model import CostParams
+from simulator.hardware import BUILTIN_PROFILES, get_profile, load_profiles
+from simulator.predict import Deployment, Workload
+
+
+def test_builtin_profiles_carry_the_spec_figures():
+    assert set(BUILTIN_PROFILES) == {"rtx3090", "rtx4090", "rtx5090", "rtx4060-laptop", "h200"}
+    assert get_profile("rtx3090").h2d_bytes_per_s == 25.3e9
+    assert get_profile("rtx5090").h2d_bytes_per_s == 52.7e9
+    assert get_profile("rtx4060-laptop").memory_bytes_per_s == 256e9
+    assert get_profile("h200").pageable_h2d_bytes_per_s == 6.8e9
+
+
+@pytest.mark.parametrize("cls", [CostParams, Workload, Deployment])
+def test_unknown_fields_are_errors(cls):
+    with pytest.raises(ValueError, match="unknown field"):
+        cls.from_dict({"definitely_not_a_field": 1})
+
+
+def test_out_of_range_values_are_errors():
+    with pytest.raises(ValueError, match="memory_efficiency"):
+        CostParams.from_dict({"memory_efficiency": 1.5})
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        CostParams.from_dict({"step_overhead_s": -1.0})
+    with pytest.raises(ValueError, match="measure_tokens"):
+        Workload.from_dict({"measure_tokens": 0})
+
+
+def test_replace_round_trips_and_validates():
+    p = CostParams().replace(step_overhead_s=0.01)
+    assert CostParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError):
+        p.replace(h2d_efficiency=0)
+
+
+PROFILE = {"name": "my-a6000", "vram_bytes": 48 * 2**30, "h2d_bytes_per_s": 24e9,
+           "memory_bytes_per_s": 768e9, "bf16_flops": 150e12}
+
+
+def test_user_profiles_from_json_and_toml(tmp_path):
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps({"profiles": [PROFILE]}))
+    t = tmp_path / "p.toml"
+    t.write_text("[[profiles]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in PROFILE.items()))
+    for path in (j, t):
+        profiles = load_profiles(path)
+        assert profiles["my-a6000"].memory_bytes_per_s == 768e9
+        assert get_profile("my-a6000", profiles).name == "my-a6000"
+
+
+def test_user_profile_typos_are_rejected(tmp_path):
+    j = tmp_path / "p.json"
+    j.write_text(json.dumps({**PROFILE, "memory_bandwith": 1}))
+    with pytest.raises(ValueError, match="memory_bandwith"):
+        load_profiles(j)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_profile("rtx9999")
