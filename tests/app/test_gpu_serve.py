@@ -4,6 +4,8 @@ live resize that never holds the old and the new pools at once (measured with th
 from __future__ import annotations
 
 import concurrent.futures
+import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
+    if os.environ.get("FT_TEST_MODEL_DIR"):
+        return Path(os.environ["FT_TEST_MODEL_DIR"])
     try:
         from app.demo_model import DEMO_MODEL_DIR
 
@@ -54,7 +58,9 @@ def test_serves_on_cuda_in_bf16(gpu_server):
     assert stats["window"]["expert_hit_rate"] is not None
 
 
-@pytest.mark.parametrize("kv_tokens", [65536, 4096])  # grow, then shrink
+# NOTE: 16k -> 1m grows; 1m -> 512k shrinks and 512k -> 768k grows between LARGE pools, where
+# holding old and new at once would overshoot the ceiling by hundreds of MiB.
+@pytest.mark.parametrize("kv_tokens", [1 << 20, 1 << 19, 3 << 18, 4096])
 def test_live_resize_never_holds_both_pools(gpu_server, kv_tokens):
     import torch
 
@@ -75,7 +81,10 @@ def test_live_resize_never_holds_both_pools(gpu_server, kv_tokens):
     peak = torch.cuda.max_memory_allocated()
     # Everything but the pools, plus the larger of the two pool sets: never old + new together.
     ceiling = allocated_before - old_pools + max(old_pools, new_pools)
-    slack = 64 * 2**20  # activations of the streams that ran during the measurement
+    slack = 32 * 2**20  # activations of the streams that ran during the measurement
+    print(f"resize to {kv_tokens} KV tokens: pools {old_pools / 2**20:.1f} -> {new_pools / 2**20:.1f} MiB, "
+          f"peak {(peak - allocated_before) / 2**20:+.1f} MiB over the start, ceiling "
+          f"{(ceiling - allocated_before) / 2**20:+.1f} MiB")
     assert peak <= ceiling + slack, (peak, ceiling, old_pools, new_pools)
     assert engine.plan.kv_tokens == kv_tokens
     assert chat(gpu_server, "What is 7 + 5?")["choices"][0]["message"]["content"] == before
