@@ -13,7 +13,9 @@ Procedure (linear, so it is exact and fast):
    T = T0 + step_overhead * steps + sequence_overhead * sequence_steps + latency * misses,
    and the simulation reports T0 and the three counts.
 3. Solve for the three parameters minimising the largest relative error in T (Lawson's
-   iteratively reweighted least squares, parameters kept >= 0).
+   iteratively reweighted least squares, parameters kept >= 0). With --overlap the
+   decomposition is only approximate (copies hide behind GEMMs); step 5 still reports the
+   errors of full re-simulation.
 4. Locality shape: every candidate in LOCALITY_CANDIDATES reproduces the published routing
    statistics and fits the two columns about equally well (they do not identify it), so the
    candidate is chosen by the one extra measured point, bs1 at 544 slots (25.2 tok/s).
@@ -95,12 +97,18 @@ RTX3090_POOL_BYTES = int(17.6 * GIB)  # "GPU budget ≈ 17.6 GiB after weights a
 RTX3090_STATE_SLOTS = 24  # production GDN pool: 24 slots
 
 
+def deployment_for(hardware: str, pool_bytes: int, state_slots: int) -> Deployment:
+    """A pool of pool_bytes on this card, expressed as vram * 0.9 - dense weights - fixed so that
+    the same fixed_bytes carries over to other cards."""
+    spec, hw = qwen36_35b_a3b(), get_profile(hardware)
+    fixed = int(hw.vram_bytes * 0.9) - spec.dense_weight_bytes() - pool_bytes
+    if fixed < 0:
+        raise ValueError(f"a {pool_bytes / GIB:.1f} GiB pool does not fit {hardware} after the weights")
+    return Deployment(memory_ratio=0.9, fixed_bytes=fixed, state_slots=state_slots)
+
+
 def rtx3090_deployment() -> Deployment:
-    """The 17.6 GiB pool expressed as vram * ratio - dense weights - fixed, so that the same
-    fixed_bytes carries over to other cards."""
-    spec, hw = qwen36_35b_a3b(), get_profile("rtx3090")
-    fixed = int(hw.vram_bytes * 0.9) - spec.dense_weight_bytes() - RTX3090_POOL_BYTES
-    return Deployment(memory_ratio=0.9, fixed_bytes=fixed, state_slots=RTX3090_STATE_SLOTS)
+    return deployment_for("rtx3090", RTX3090_POOL_BYTES, RTX3090_STATE_SLOTS)
 
 
 # ---- fitting ---------------------------------------------------------------------------------
@@ -203,35 +211,45 @@ def fit_candidate(measurements, locality: LocalityParams, hw_name="rtx3090", see
     return FitResult(locality, cost, points, worst, low)
 
 
-def calibrate(measurements=None, out: Path | None = None, seed: int = 0, log=print) -> dict:
+def calibrate(measurements=None, out: Path | None = None, seed: int = 0, hardware: str = "rtx3090",
+              deployment: Deployment | None = None, base_cost: CostParams | None = None,
+              candidates: list[LocalityParams] | None = None, log=print) -> dict:
+    reference = measurements is None
     measurements = measurements or rtx3090_measurements()
+    deployment = deployment or rtx3090_deployment()
+    base_cost = base_cost or CostParams()
+    low_point = RTX3090_LOW_RESIDENCY if reference else None
     fits = []
-    for candidate in LOCALITY_CANDIDATES:
+    for candidate in candidates or LOCALITY_CANDIDATES:
         log(f"locality candidate {candidate}")
-        fit = fit_candidate(measurements, candidate, seed=seed, log=log)
+        fit = fit_candidate(measurements, candidate, hardware, seed, deployment, base_cost,
+                            low_point=low_point, log=log)
         log(f"  -> {dict((k, getattr(fit.cost, k)) for k in FITTED)} max error {fit.max_error:.3f} "
             f"low-residency {fit.low_residency}")
         fits.append(fit)
-    # The columns do not tell the candidates apart; the 544-slot point does.
+    # The columns do not tell the candidates apart; the 544-slot point does (when there is one).
     best = min(fits, key=lambda f: (abs(f.low_residency.get("error", 0.0)), f.max_error))
+    spec = qwen36_35b_a3b()
+    plan = plan_point(spec, get_profile(hardware), deployment, measurements[0].kv_tokens, 1)
     record = {
         "format_version": FORMAT_VERSION,
-        "name": "rtx3090_v1",
-        "hardware": "rtx3090",
+        "name": out.stem if out is not None else f"{hardware}_v?",
+        "hardware": hardware,
         "model": "qwen3.6-35b-a3b-fp8",
-        "engine": "the customer's existing engine (SPEC.md reference table)",
+        "engine": "the customer's existing engine (SPEC.md reference table)" if reference
+                  else "measurements passed with --measurements",
         "procedure": "python -m simulator.calibration (simulator/calibration.py docstring)",
         "reading": {
-            "pool_bytes": RTX3090_POOL_BYTES,
-            "expert_slot_bytes": qwen36_35b_a3b().expert_bytes(),
-            "state_slots": RTX3090_STATE_SLOTS,
+            "pool_bytes": plan.pool_bytes if not isinstance(plan, str) else None,
+            "expert_slot_bytes": spec.expert_bytes(),
+            "state_slots": deployment.state_slots,
             "summary": "17.6 GiB pool after weights and fixed caches holds 24 GDN state slots, the KV "
                        "pool at 20 KiB/token and block-FP8 expert slots of 3 MiB; expert slots at each KV "
                        "size come from domain.budget.plan_pools. The table's residency column is not "
-                       "used (see docs/simulator.md).",
+                       "used (see docs/simulator.md)." if reference else "given on the command line",
         },
         "seed": seed,
-        "deployment": rtx3090_deployment().to_dict(),
+        "deployment": deployment.to_dict(),
         "workload": Workload().to_dict(),
         "cost": best.cost.to_dict(),
         "routing": {"kind": "locality", "locality": best.locality.to_dict()},
@@ -250,11 +268,18 @@ def calibrate(measurements=None, out: Path | None = None, seed: int = 0, log=pri
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.calibration", description=__doc__.split("\n")[0])
     parser.add_argument("--measurements", type=Path, help="JSON measurements (default: SPEC.md RTX 3090 table)")
+    parser.add_argument("--hardware", default="rtx3090")
+    parser.add_argument("--pool-gib", type=float, help="pool budget of the measured deployment (default 17.6)")
+    parser.add_argument("--state-slots", type=int, default=RTX3090_STATE_SLOTS)
+    parser.add_argument("--overlap", action="store_true", help="the measured engine overlaps copies with compute")
     parser.add_argument("--out", type=Path, default=CALIBRATION_DIR / "rtx3090_v1.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     measurements = load_measurements(args.measurements) if args.measurements else None
-    calibrate(measurements, args.out, args.seed)
+    pool = RTX3090_POOL_BYTES if args.pool_gib is None else int(args.pool_gib * GIB)
+    deployment = deployment_for(args.hardware, pool, args.state_slots)
+    calibrate(measurements, args.out, args.seed, args.hardware, deployment,
+              CostParams(overlap_copy_compute=args.overlap))
     return 0
 
 

@@ -96,3 +96,34 @@ def test_minimax_fit_recovers_exact_parameters_and_keeps_them_non_negative():
     y = A @ np.array([1.0, 1.0, 0.0]) - 0.5 * A[:, 2]  # best unconstrained fit has a negative weight
     x = minimax_fit(A, y)
     assert (x >= 0).all() and x[2] == 0
+
+
+def test_calibration_recovers_known_parameters_on_another_card(tmp_path, monkeypatch):
+    # The H200 drop-in path end to end: synthetic "measurements" made by the simulator with known
+    # parameters are fitted back, written as h200_v1.json, and found by predict's lookup.
+    import json
+
+    from simulator import sweep
+    from simulator.calibration import LOCALITY_CANDIDATES, Measurement, calibrate, deployment_for
+    from simulator.cost_model import CostParams
+    from simulator.predict import Workload, predict_point
+    from simulator.routing import LocalityRouting
+
+    hw = get_profile("h200")
+    deployment = deployment_for("h200", 12 * 2**30, 4)  # small pool: misses happen
+    truth = CostParams(step_overhead_s=2e-3, sequence_overhead_s=5e-4, transfer_latency_s=2e-5)
+    locality = LOCALITY_CANDIDATES[0]
+    routing = LocalityRouting(SPEC.num_layers, SPEC.num_experts, SPEC.top_k, 0, locality)
+    measured = []
+    for kv, batch in [(8192, 1), (8192, 4), (262144, 1), (262144, 4)]:
+        r = predict_point(SPEC, "m", hw, deployment, truth, routing, kv, batch, Workload())
+        measured.append(Measurement(kv, batch, r.decode_tok_s))
+    out = tmp_path / "h200_v1.json"
+    record = calibrate(measured, out, 0, "h200", deployment, CostParams(), [locality], log=lambda *_: None)
+    for name in ("step_overhead_s", "sequence_overhead_s", "transfer_latency_s"):
+        assert record["cost"][name] == pytest.approx(getattr(truth, name), rel=1e-3)
+    assert record["validation"]["max_abs_error"] < 1e-3
+    monkeypatch.setattr(sweep, "CALIBRATION_DIR", tmp_path)
+    cal, measured_here = sweep.find_calibration("h200")
+    assert measured_here and cal.name == "h200_v1" and cal.cost_params().step_overhead_s == pytest.approx(2e-3)
+    assert json.loads(out.read_text())["hardware"] == "h200"
