@@ -7,11 +7,15 @@ bandwidth. In mmap mode rows are built on demand from memory-mapped safetensors 
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from adapters.checkpoint.expert_layout import ExpertLayout, ExpertWeights
+
+log = logging.getLogger(__name__)
 
 
 def mem_available_bytes() -> int | None:
@@ -30,7 +34,27 @@ def allocate_rows(num_rows: int, row_bytes: int, pin: bool | None = None) -> tor
     """uint8 [L*E, R]; pinned when CUDA is available unless `pin` says otherwise."""
     if pin is None:
         pin = torch.cuda.is_available()
-    return torch.empty((num_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)  # [L*E, R]
+    rows = torch.empty((num_rows, row_bytes), dtype=torch.uint8)  # [L*E, R]
+    if pin:
+        rows = pin_in_place(rows)
+    return rows
+
+
+def pin_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock `t`'s memory with cudaHostRegister.
+
+    NOTE: torch's pinned allocator (pin_memory=True) rounds every request up to a power of two, so a
+    17 GiB NVFP4 bank would lock 32 GiB of host RAM; registering the plain allocation locks exactly
+    its size. Falls back to the pinned allocator if registration is refused.
+    """
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1 = cudaHostRegisterPortable
+    if err != 0:
+        log.warning("cudaHostRegister of %.2f GiB failed (error %d); using the pinned allocator",
+                    nbytes / 2**30, err)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, ptr)
+    return t
 
 
 class HostExpertBank:

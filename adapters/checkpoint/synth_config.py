@@ -62,8 +62,11 @@ UNQUANTIZED = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_
 
 
 def is_quantized_linear(canonical: str) -> bool:
-    return canonical.endswith(".weight") and not any(f"{u}.weight" in canonical for u in UNQUANTIZED) \
-        and ("_proj." in canonical)
+    """Projection weights (q/k/v/o_proj, in_proj_qkv/z, out_proj, gate/up/down_proj) except UNQUANTIZED."""
+    if not canonical.endswith(".weight"):
+        return False
+    module = canonical.rsplit(".", 2)[-2]
+    return "proj" in module and not any(canonical.endswith(f"{u}.weight") for u in UNQUANTIZED)
 
 
 def text_config(g: Geometry) -> dict:

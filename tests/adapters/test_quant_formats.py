@@ -149,3 +149,22 @@ def test_direct_random_codes_are_valid_and_well_scaled(fmt):
     q.check_valid()
     w = dequantize(q)
     assert torch.isfinite(w).all() and 0.01 < w.std().item() < 0.04
+
+
+def test_transformers_dequantizes_our_block_fp8_identically(tmp_path):
+    """Cross-check of the block-FP8 layout against an independent reader: transformers' fine-grained FP8
+    loader (CPU dequantize path; needs accelerate) gives the same dense weights as our dequantize."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    g = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256, hidden_size=256, moe_intermediate_size=128,
+                            shared_expert_intermediate_size=128, head_dim=64, linear_key_head_dim=64)
+    out = synthesize(tmp_path, g, "fp8_block", layout="flat", tokenizer=False)  # transformers needs /128 dims
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    ours = load_checkpoint(out, progress=False).dense
+    checked = 0
+    for name in ("layers.3.self_attn.q_proj.weight", "layers.0.linear_attn.in_proj_qkv.weight",
+                 "layers.2.mlp.shared_expert.down_proj.weight"):
+        assert isinstance(ours[name], QTensor)
+        assert torch.equal(theirs["model." + name].float(), dequantize(ours[name]))
+        checked += 1
+    assert checked == 3
