@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--distinct-prompts", action="store_true",
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")
+    p.add_argument("--ttft-prompt", type=parse_count, default=0,
+                   help="also time the first token of one fresh prompt of this many tokens (slower)")
     p.add_argument("--calibration", help="calibration JSON (default: newest for the hardware, else rtx3090)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     p.add_argument("--workers", type=int, help="processes (default: up to 2)")
@@ -73,7 +75,8 @@ def predict_command(args) -> int:
         deployment = deployment.replace(pool_bytes=int(args.gpu_budget_gib * GIB))
     if args.state_slots is not None:
         deployment = deployment.replace(state_slots=args.state_slots)
-    workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts)
+    workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
+                                                                ttft_prompt_tokens=args.ttft_prompt)
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     cfg = SweepConfig(model_name, spec, hardware, deployment, calibration.cost_params(), args.routing,
                       calibration.locality_params(), workload,

@@ -36,8 +36,10 @@ class Workload(StrictParams):
     same_prompt: bool = True  # one prompt for every request (the customer's method)
     max_step_tokens: int = 2048
     page_size: int = 16
+    ttft_prompt_tokens: int = 0  # > 0: after measuring, time one fresh prompt of this length
 
     def check_valid(self) -> None:
+        require_positive(self, "ttft_prompt_tokens", allow_zero=True)
         require_positive(self, "prompt_tokens", "warmup_tokens", "measure_iterations", "measure_tokens",
                          "max_step_tokens", "page_size")
         require_positive(self, "warmup_iterations", allow_zero=True)
@@ -110,6 +112,7 @@ class RunStats:
     sequence_steps: int
     requests_finished: int
     requests_added: int
+    ttft_probe_s: float | None = None
 
 
 def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int,
@@ -174,8 +177,25 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
                 ttfts.append(first_token[req.request_id] - t0)
     c = executor.counters.minus(start_counters)
     gpu_util, pcie_util = SimHost.utilisation(start_snapshot, host.snapshot())
-    return RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
-                    c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added)
+    stats = RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
+                     c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added)
+    if workload.ttft_prompt_tokens:
+        stats.ttft_probe_s = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
+    return stats
+
+
+def _ttft_probe(executor: SimExecutor, scheduler: Scheduler, prompt_tokens: int) -> float:
+    """Time to first token of one fresh prompt on the warm engine (chunked prefill included)."""
+    prompt = [(i * 7 + 3) % 50000 for i in range(prompt_tokens)]
+    request = Request("ttft-probe", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    reason = scheduler.check_request(request)
+    if reason is not None:
+        raise ValueError(f"TTFT probe of {prompt_tokens} tokens: {reason}")
+    scheduler.add(request)
+    t0 = executor.host.now()
+    while (step := scheduler.schedule()) is not None:
+        scheduler.complete(step, executor.execute(step))
+    return executor.host.now() - t0
 
 
 def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, deployment: Deployment,
@@ -200,6 +220,10 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
     result.gpu_utilisation = stats.gpu_utilisation
     result.ttft_s = statistics.median(stats.ttfts)
     result.misses_per_token = stats.misses / max(1, stats.output_tokens)
+    if stats.ttft_probe_s is not None:
+        result.extra["ttft_prompt_tokens"] = workload.ttft_prompt_tokens
+        result.extra["ttft_prompt_s"] = stats.ttft_probe_s
+        result.extra["prefill_tok_s"] = workload.ttft_prompt_tokens / stats.ttft_probe_s
     result.simulated_s = executor.host.now()
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,

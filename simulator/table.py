@@ -19,13 +19,18 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
     for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "tok/s",
                  "tok/s/request", "PCIe util", "GPU util", "TTFT ms", "reason"):
         table.add_column(name, justify="left" if name == "reason" else "right")
+    probe = next((r.extra["ttft_prompt_tokens"] for r in results if "ttft_prompt_tokens" in r.extra), None)
+    if probe:
+        table.add_column(f"TTFT {probe:,}-token prompt ms", justify="right")
     for r in sorted(results, key=lambda r: (r.batch, r.kv_tokens)):
+        probe_cells = [_fmt(r.extra.get("ttft_prompt_s"), ".0f", 1e3)] if probe else []
         table.add_row(
             f"{r.kv_tokens:,}", str(r.batch), "yes" if r.fits else "[red]no[/red]",
             f"{r.expert_slots:,}" if r.fits else "-", _fmt(r.residency if r.fits else None, ".0%"),
             _fmt(r.hit_rate, ".1%"), _fmt(r.decode_tok_s, ".1f"), _fmt(r.decode_tok_s_per_request, ".1f"),
             _fmt(r.pcie_utilisation, ".0%"), _fmt(r.gpu_utilisation, ".0%"), _fmt(r.ttft_s, ".0f", 1e3),
             r.reason or "",
+            *probe_cells,
         )
     # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.
     console = console or (Console() if sys.stdout.isatty() else Console(width=160))
