@@ -51,6 +51,7 @@ class StreamEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
 
 
 @dataclass(frozen=True)
@@ -272,8 +273,9 @@ class Engine:
     def _admit(self, live: _Live) -> None:
         try:
             self.scheduler.add(live.request)
-        except ValueError as exc:  # pools shrank since the handler's probe
-            self._emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, str(exc)))
+        except ValueError as exc:  # pools shrank (live resize) since the handler's probe
+            message = f"request can not be served on the resized pools: {exc}"
+            self._emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, 400))
             return
         self._live[live.request.request_id] = live
         self.stats.record_admitted(len(live.request.prompt_token_ids))

@@ -171,6 +171,8 @@ async def collect(request: Request, engine: Engine, request_id: str, events: asy
 
 
 def raise_if_failed(event: StreamEvent) -> None:
+    if event.finish_reason == "error" and event.error_status == 400:
+        raise OpenAIError(400, event.error or "request rejected", code="request_too_large")
     if event.finish_reason == "error":
         raise OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
     if event.finish_reason == "abort" and event.error:

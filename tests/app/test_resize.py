@@ -167,3 +167,26 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
     assert rebuild(srv).status_code == 400
     assert rebuild(srv, kv_tokens="lots").json()["error"]["param"] == "kv_tokens"
     assert rebuild(srv, kv_tokens=1024, wait_s=-1).status_code == 400
+
+
+def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        running = asyncio.ensure_future(stream(client, "keeps the engine busy", 120))
+        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.01)
+        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=256, wait_s=30))
+        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["phase"] != "draining":
+            await asyncio.sleep(0.01)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "too big later"}], "max_tokens": 400}
+        late = asyncio.ensure_future(asyncio.to_thread(
+            httpx.post, srv.base_url + "/v1/chat/completions", json=body, timeout=30))
+        results = await asyncio.gather(running, resize, late)
+        await client.close()
+        return results
+
+    streamed, resized, late = asyncio.run(main())
+    assert streamed == expected("keeps the engine busy", 120)
+    assert resized.status_code == 200, resized.text
+    assert late.status_code == 400, late.text
+    assert "resized pools" in late.json()["error"]["message"]
