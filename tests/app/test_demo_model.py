@@ -153,3 +153,163 @@ def test_python_m_app_serve_with_no_model_answers_within_seconds():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint itself (no server): an ordinary Hugging Face directory that transformers and our
+# own loader + TorchExecutor both answer the held-out questions from, greedily, in full.
+
+HELDOUT_SPLIT_SEED = 20_260_101  # scripts/train_demo_model.py SPLIT_SEED
+PROMPT = "<|im_start|>user\nWhat is {} {} {}?<|im_end|>\n<|im_start|>assistant\n"
+MAX_ANSWER_TOKENS = 4  # "-99" is three digit/sign tokens, then <|im_end|>
+
+
+def expected_answer(a: int, op: str, b: int) -> str:
+    return str(a + b if op == "+" else a - b)
+
+
+def all_heldout() -> list[tuple[int, str, int]]:
+    return [tuple(q) for q in json.loads((DEMO_DIR / "heldout_eval.json").read_text())["heldout_questions"]]
+
+
+def exact_fraction(questions, answers) -> float:
+    return sum(got == expected_answer(*q) for q, got in zip(questions, answers, strict=True)) / len(questions)
+
+
+@pytest.fixture
+def one_torch_thread():
+    # NOTE: on a small shared CPU, torch's intra-op threads fight each other (measured ~14x slower
+    # for this model's tiny ops); one thread is also the fastest for 2M parameters anywhere.
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield torch
+    torch.set_num_threads(before)
+
+
+def test_checkpoint_is_an_ordinary_hf_directory():
+    from safetensors import safe_open
+
+    names = {p.name for p in DEMO_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "README.md"} <= names
+    assert sum(p.stat().st_size for p in DEMO_DIR.iterdir()) <= 20 * 1024 * 1024
+    config = json.loads((DEMO_DIR / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text"
+    assert "linear_attention" in config["layer_types"] and "full_attention" in config["layer_types"]
+    assert config["num_experts"] > config["num_experts_per_tok"] >= 2
+    with safe_open(str(DEMO_DIR / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert {f.get_slice(k).get_dtype() for k in keys} <= {"F32", "BF16"}
+    for e in range(config["num_experts"]):  # per-expert tensors, as in the released checkpoints
+        assert f"model.layers.0.mlp.experts.{e}.gate_proj.weight" in keys
+    tok_config = json.loads((DEMO_DIR / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>"
+    generation = json.loads((DEMO_DIR / "generation_config.json").read_text())
+    tokenizer = json.loads((DEMO_DIR / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    assert specials["<|im_end|>"] in generation["eos_token_id"]
+
+
+def test_heldout_set_is_the_fixed_split_never_trained_on():
+    questions = [(a, op, b) for a in range(100) for op in "+-" for b in range(100)]
+    random.Random(HELDOUT_SPLIT_SEED).shuffle(questions)
+    assert all_heldout() == sorted(questions[:2000])
+    report = json.loads((DEMO_DIR / "heldout_eval.json").read_text())
+    assert report["heldout_exact"] >= 0.95
+
+
+def test_chat_template_is_chatml_and_digits_are_single_tokens():
+    import jinja2
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is 7 - 30?"}]
+    template = json.loads((DEMO_DIR / "tokenizer_config.json").read_text())["chat_template"]
+    rendered = jinja2.Environment().from_string(template).render(messages=messages, add_generation_prompt=True)
+    assert rendered == PROMPT.format(7, "-", 30)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR)
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    ids = tokenizer(rendered + "-23<|im_end|>").input_ids
+    assert tokenizer.convert_ids_to_tokens(ids)[-4:] == ["-", "2", "3", "<|im_end|>"]
+    assert tokenizer.decode(ids) == rendered + "-23<|im_end|>"
+    assert tokenizer.decode(tokenizer("Ünïcode 123 ok").input_ids) == "Ünïcode 123 ok"  # byte-level: no <unk>
+
+
+def test_transformers_answers_the_heldout_questions(one_torch_thread):
+    torch = one_torch_thread
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_DIR).eval()
+    # NOTE: every 4th held-out question: transformers' reference linear attention pads each prompt
+    # to a 64-token chunk, 3x slower than our executor, which the next test runs on all of them.
+    questions = all_heldout()[::4]
+    by_length: dict[int, list[int]] = {}  # equal-length prompts batch without padding
+    encoded = [tokenizer(PROMPT.format(*q)).input_ids for q in questions]
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    answers = [""] * len(questions)
+    for length, rows in by_length.items():
+        ids = torch.tensor([encoded[i] for i in rows])  # [B, L]
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_ANSWER_TOKENS)  # [B, L + new]
+        for i, row in zip(rows, out[:, length:], strict=True):
+            answers[i] = tokenizer.decode(row, skip_special_tokens=True)
+    accuracy = exact_fraction(questions, answers)
+    print(f"transformers greedy held-out exact match: {accuracy:.4f} of {len(questions)}")
+    assert accuracy >= 0.95
+
+
+def executor_answers(executor, tokenizer, questions, batch: int, page_size: int) -> list[str]:
+    """Greedy answers through TorchExecutor: each batch prefills whole prompts in one step, then decodes."""
+    from domain.ports import SequenceWork, StepBatch
+    from domain.request import SamplingParams
+
+    greedy = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    answers = []
+    for first in range(0, len(questions), batch):
+        chunk = questions[first:first + batch]
+        prompts = [tokenizer.encode(PROMPT.format(*q)).ids for q in chunk]
+        pages_each = -(-max(len(p) + MAX_ANSWER_TOKENS for p in prompts) // page_size)
+        outputs: list[list[int]] = [[] for _ in chunk]
+        live = list(range(len(chunk)))
+        while live:
+            works = []
+            for j in live:
+                tokens = prompts[j] + outputs[j]
+                start = 0 if not outputs[j] else len(tokens) - 1
+                pages = tuple(range(j * pages_each, (j + 1) * pages_each))
+                works.append(SequenceWork(f"q{j}", tuple(tokens[start:]), start, pages, j, True, greedy,
+                                          len(outputs[j])))
+            sampled = executor.execute(StepBatch(tuple(works)))
+            for j in live:
+                outputs[j].append(sampled[f"q{j}"].token_id)
+            live = [j for j in live if outputs[j][-1] != eos and len(outputs[j]) < MAX_ANSWER_TOKENS]
+            executor.check_valid()
+        answers += [tokenizer.decode([t for t in out if t != eos]) for out in outputs]
+    return answers
+
+
+def test_our_loader_and_torch_executor_answer_the_heldout_questions(one_torch_thread):
+    torch = one_torch_thread
+    pytest.importorskip("adapters.torch_exec.executor", reason="TorchExecutor not written yet")
+    from tokenizers import Tokenizer
+
+    from adapters.checkpoint.loader import load_checkpoint
+    from adapters.torch_exec.executor import TorchExecutor
+    from domain.budget import GpuBudget, PoolRequest, plan_pools
+
+    checkpoint = load_checkpoint(DEMO_DIR, progress=False)
+    assert checkpoint.spec.architecture == "qwen3_5_moe"
+    batch = 128
+    plan = plan_pools(checkpoint.spec, GpuBudget(total_bytes=1 << 34),
+                      PoolRequest(kv_tokens=batch * 32, expert_slots=12, state_slots=batch, page_size=16))
+    executor = TorchExecutor(checkpoint, plan, "cpu", torch.float32)
+    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    questions = all_heldout()
+    accuracy = exact_fraction(questions, executor_answers(executor, tokenizer, questions, batch, plan.page_size))
+    print(f"TorchExecutor greedy held-out exact match: {accuracy:.4f} of {len(questions)}")
+    assert accuracy >= 0.95
+    assert executor.expert_misses > 32  # 12 slots for 32 experts: answers survived experts being swapped
