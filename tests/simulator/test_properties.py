@@ -108,3 +108,16 @@ def test_a_cache_of_every_expert_hits_more_than_a_top_k_cache():
 
 def _pool_for(slots):
     return 256 * SPEC.kv_bytes_per_token() + 4 * SPEC.linear_state_bytes_per_sequence() + slots * SPEC.expert_bytes()
+
+
+def test_sweep_results_do_not_depend_on_the_number_of_workers():
+    from simulator.routing import LocalityParams
+    from simulator.sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig("tiny", SPEC, HW, Deployment(pool_bytes=_pool_for(12), state_slots=4), CostParams(),
+                      "locality", LocalityParams(), Workload(prompt_tokens=6, warmup_iterations=1, warmup_tokens=8,
+                                                             measure_iterations=1, measure_tokens=16), 0, "test")
+    serial = [r.to_json() for r in run_sweep(cfg, [128, 256], [1, 3], workers=1)]
+    parallel = [r.to_json() for r in run_sweep(cfg, [128, 256], [1, 3], workers=2)]
+    assert serial == parallel
+    assert len({(p["kv_tokens"], p["batch"]) for p in serial}) == 4
