@@ -302,9 +302,10 @@ def synthesize(
     for name, t in make.embeddings(gen):
         writer.add(name, t)
     if direct:
-        # independent per-layer generators: layers are built in parallel and still deterministic
+        # independent per-layer generators: layers are built in parallel and still deterministic;
+        # at most 4 layers in flight (~0.8 GB each in FP8) bound the RSS
         layers = _ordered_parallel(lambda layer: make.layer(layer, experts, torch.Generator().manual_seed(
-            seed * 1_000_003 + layer + 1)), g.num_hidden_layers, workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
+            seed * 1_000_003 + layer + 1)), g.num_hidden_layers, workers=max(1, min(4, (os.cpu_count() or 2) - 1)))
     else:
         layers = (make.layer(layer, experts, gen) for layer in range(g.num_hidden_layers))
     for layer, entries in enumerate(layers):
