@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 GiB = 1 << 30
+DEMO_DIR = Path(__file__).resolve().parents[1] / "app" / "demo_model" / "checkpoint"
 
 
 def hardware_profile(device: str) -> dict:
@@ -79,7 +80,7 @@ def _h2d_bandwidth(nbytes: int = 1 * GiB) -> float:
 
 # ---- phase 1: bf16 parity ------------------------------------------------------------------------
 
-def parity_case(arch: str, name: str, overrides: dict, device: str, steps: int, workdir: Path) -> dict:
+def parity_case(arch: str, name: str, model, path: Path, prompt: list[int], device: str, steps: int) -> dict:
     """Our executor in fp32 and in bf16 vs transformers fp32, on the same device, over a chunked prefill and
     `steps` decode steps teacher-forced on transformers' greedy tokens; transformers' own bf16 run over the
     same tokens is the yardstick of what bf16 costs on this model."""
@@ -88,15 +89,10 @@ def parity_case(arch: str, name: str, overrides: dict, device: str, steps: int, 
     from adapters.checkpoint.loader import load_checkpoint
     from adapters.torch_exec.executor import TorchExecutor
     from domain.ports import SequenceWork, StepBatch
-    from tests.adapters.torch_exec_models import GREEDY, build_hf_model, hf_greedy, make_plan, pages_for
+    from tests.adapters.torch_exec_models import GREEDY, hf_greedy, make_plan, pages_for
 
-    model = build_hf_model(arch, overrides)
-    path = workdir / f"{arch}-{name}"
-    model.save_pretrained(path)
     model = model.to(device)
-    gen = torch.Generator().manual_seed(1)
-    prompt_len, chunk = 23, 8
-    prompt = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
+    prompt_len, chunk = len(prompt), 8
     ref_prefill, ref_decode, ref_tokens = hf_greedy(model, prompt, steps)
     ref = torch.cat([ref_prefill, torch.stack(ref_decode)]).float()  # [P+steps, V]
     forced = prompt + ref_tokens[:steps]
@@ -159,20 +155,39 @@ def parity_case(arch: str, name: str, overrides: dict, device: str, steps: int, 
     return res
 
 
-def run_parity(device: str, steps: int, record: dict) -> None:
+def run_parity(device: str, steps: int, record: dict, only: set[str] | None = None) -> None:
     from tests.adapters.torch_exec_models import QWEN3_5_CONFIGS, QWEN3_CONFIGS
 
     torch.set_num_threads(os.cpu_count() or 1)  # the test helpers pin one thread for the CI box
     # NOTE: fp32 parity must be real fp32: no TF32 in matmuls or cuDNN convolutions.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    from tests.adapters.torch_exec_models import build_hf_model
+
     cases = [("qwen3_5_moe", n, c) for n, c in QWEN3_5_CONFIGS.items()] + \
-            [("qwen3_moe", n, c) for n, c in QWEN3_CONFIGS.items()]
+            [("qwen3_moe", n, c) for n, c in QWEN3_CONFIGS.items()] + [("qwen3_5_moe", "trained_demo", None)]
     with tempfile.TemporaryDirectory() as tmp:
         for arch, name, cfg in cases:
+            if only and name not in only:
+                continue
             t = time.perf_counter()
             try:
-                res = parity_case(arch, name, cfg, device, steps, Path(tmp))
+                if cfg is None:  # the trained demo model: well-conditioned, so bf16 can be judged
+                    from tokenizers import Tokenizer
+                    from transformers import Qwen3_5MoeForCausalLM
+
+                    model = Qwen3_5MoeForCausalLM.from_pretrained(DEMO_DIR, dtype=torch.float32).eval()
+                    tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+                    prompt = tokenizer.encode("<|im_start|>user\nWhat is 62 + 17?<|im_end|>\n"
+                                              "<|im_start|>assistant\n").ids
+                    path = DEMO_DIR
+                else:
+                    model = build_hf_model(arch, cfg)
+                    path = Path(tmp) / f"{arch}-{name}"
+                    model.save_pretrained(path)
+                    gen = torch.Generator().manual_seed(1)
+                    prompt = torch.randint(0, model.config.vocab_size, (23,), generator=gen).tolist()
+                res = parity_case(arch, name, model, path, prompt, device, steps)
                 res["passed"] = res["fp32_passed"] and res["bf16_no_worse_than_transformers"]
             except Exception as e:  # keep going: a record of failures is still a record
                 res = {"arch": arch, "config": name, "passed": False, "error": repr(e),
@@ -322,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--parity-steps", type=int, default=24)
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--cases", default="", help="comma-separated parity configs (default: all)")
     parser.add_argument("--skip-full", action="store_true")
     parser.add_argument("--layers", type=int, default=0, help="truncate the full geometry (dry runs only)")
     parser.add_argument("--reuse", action="store_true", help="reuse a checkpoint already in --synth-dir")
@@ -337,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
               "hardware": hardware_profile(args.device), "parity": [], "full": {}}
     _save(args, record)
     if not args.skip_parity:
-        run_parity(args.device, args.parity_steps, record)
+        run_parity(args.device, args.parity_steps, record, set(args.cases.split(",")) if args.cases else None)
         _save(args, record)
     if not args.skip_full:
         try:

@@ -43,8 +43,10 @@ class MoeDecoder:
         self.opts, self.dtype, self.device = opts, dtype, torch.device(device)
         self.w = {name: to_compute_dtype(t, dtype, device) for name, t in dense.items()}
         # NOTE: the GDN decay parameters stay fp32: exp(A_log) of a bf16 A_log loses the decay's precision.
+        # The routers too: top-k is a discontinuous choice, and bf16 router logits flip near-tied experts
+        # (a whole expert swapped) far more often than the bf16-rounded activations alone do.
         for name, t in dense.items():
-            if name.endswith(("A_log", "dt_bias")) and not isinstance(t, QTensor):
+            if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) and not isinstance(t, QTensor):
                 self.w[name] = t.to(device=device, dtype=torch.float32)
         self.embed = self.w["embed_tokens.weight"]
         if isinstance(self.embed, QTensor):

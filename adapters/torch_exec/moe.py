@@ -14,6 +14,8 @@ from adapters.torch_exec.linear import linear
 
 def route(x: torch.Tensor, router_weight, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, K] fp32, expert ids [T, K])."""
+    if isinstance(router_weight, torch.Tensor) and router_weight.dtype == torch.float32:
+        x = x.float()  # fp32 router: activations are bf16-rounded already, the matmul need not be
     probs = torch.softmax(linear(x, router_weight), dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
     if renormalize:
