@@ -15,7 +15,6 @@ stream of their own. Sampled token ids are a hash of (stream, position): determi
 from __future__ import annotations
 
 import zlib
-from collections import Counter
 from dataclasses import dataclass
 
 from domain.ports import SampledToken, SequenceWork, StepBatch
@@ -101,10 +100,16 @@ class SimExecutor:
     def _step(self, batch: StepBatch):
         host, cost, residency, c = self.host, self.cost, self.residency, self.counters
         works = batch.works
-        routes = []  # [B][T_i] token routings, each [L][K]
+        # NOTE: works that replay the same stream positions (identical greedy requests) route
+        # identically; they are counted once with a weight, which keeps first-seen order.
+        routes: dict[tuple[str, int, int], list] = {}  # (stream, start, T_i) -> [weight, [T_i][L][K]]
         for w in works:
-            stream = self.routing.stream(self._stream_key(w))
-            routes.append(stream.tokens(w.start_position, len(w.token_ids)))
+            key = (self._stream_key(w), w.start_position, len(w.token_ids))
+            if key in routes:
+                routes[key][0] += 1
+            else:
+                routes[key] = [1, self.routing.stream(key[0]).tokens(w.start_position, len(w.token_ids))]
+        weighted = list(routes.values())
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
         c.steps += 1
         c.sequence_steps += len(works)
@@ -116,15 +121,19 @@ class SimExecutor:
         pending = cost.step_overhead(len(works))
         for layer in range(cost.spec.num_layers):
             pending += cost.layer_pre_expert(layer, loads)
-            tokens_per_expert = Counter(e for seq in routes for token in seq for e in token[layer])
-            keys = [(layer, e) for e in tokens_per_expert]  # first-seen order
+            tokens_per_expert: dict[int, int] = {}  # expert -> tokens routed to it, first-seen order
+            for weight, seq in weighted:
+                for token in seq:
+                    for e in token[layer]:
+                        tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
+            keys = [(layer, e) for e in tokens_per_expert]
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending)
         pending += cost.head(sum(1 for w in works if w.sample))
         yield from host.gpu.use(pending)
 
-    def _expert_group(self, keys, tokens_per_expert: Counter, pending: float):
+    def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float):
         """Looks the group up, copies its misses and queues its GEMMs; returns GPU time still
         pending (not yet handed to simpy)."""
         host, cost, residency, c = self.host, self.cost, self.residency, self.counters
