@@ -29,7 +29,7 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
             f"{r.expert_slots:,}" if r.fits else "-", _fmt(r.residency if r.fits else None, ".0%"),
             _fmt(r.hit_rate, ".1%"), _fmt(r.decode_tok_s, ".1f"), _fmt(r.decode_tok_s_per_request, ".1f"),
             _fmt(r.pcie_utilisation, ".0%"), _fmt(r.gpu_utilisation, ".0%"), _fmt(r.ttft_s, ".0f", 1e3),
-            r.reason or "",
+            r.reason or (f"[yellow]{r.extra['warning']}[/yellow]" if "warning" in r.extra else ""),
             *probe_cells,
         )
     # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.

@@ -138,3 +138,14 @@ def test_prefill_of_a_4k_prompt_at_20_percent_residency_matches_spec(config):
     r = _run_point((cfg, 524288, 1))
     assert abs(r.residency - 0.20) < 0.01
     assert r.extra["prefill_tok_s"] == pytest.approx(1130, rel=0.10)
+
+
+def test_800k_kv_fits_the_planner_but_the_lru_collapses(config):
+    # Under this reading 800k KV leaves 307 slots: fewer than one token's 320 experts, so the
+    # global LRU evicts everything before reuse. Reported with a warning, not silently.
+    from simulator.sweep import _run_point
+
+    r = _run_point((config, 800_000, 1))
+    assert r.fits and r.expert_slots == 307
+    assert r.hit_rate < 0.02 and "LRU keeps nothing" in r.extra["warning"]
+    assert r.decode_tok_s < 0.6 * 25.2  # far below the 544-slot point: the cliff is real below 320
