@@ -88,3 +88,22 @@ def test_live_resize_never_holds_both_pools(gpu_server, kv_tokens):
     assert peak <= ceiling + slack, (peak, ceiling, old_pools, new_pools)
     assert engine.plan.kv_tokens == kv_tokens
     assert chat(gpu_server, "What is 7 + 5?")["choices"][0]["message"]["content"] == before
+
+
+def test_heldout_arithmetic_on_cuda(gpu_server, checkpoint_dir):
+    import json
+
+    report = checkpoint_dir / "heldout_eval.json"
+    if not report.exists():
+        pytest.skip("not the demo model: no held-out questions")
+    questions = [tuple(q) for q in json.loads(report.read_text())["heldout_questions"]]
+
+    def right(q) -> bool:
+        a, op, b = q
+        answer = chat(gpu_server, f"What is {a} {op} {b}?", 8)["choices"][0]["message"]["content"]
+        return answer.strip() == str(a + b if op == "+" else a - b)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        accuracy = sum(pool.map(right, questions)) / len(questions)
+    print(f"held-out exact match on cuda (bf16) through the server: {accuracy:.4f} of {len(questions)}")
+    assert accuracy >= 0.95
