@@ -26,6 +26,9 @@ class CostParams(StrictParams):
     step_overhead_s: float = 0.0  # per step: launches / graph replay, sampling, host work
     sequence_overhead_s: float = 0.0  # per sequence in the step (per-request host work)
     transfer_latency_s: float = 0.0  # per expert copy, on top of bytes / bandwidth
+    # Eager kernel launches per layer and step; 0 when the step is graph-captured (the replay
+    # cost is then part of step_overhead_s). Not fitted by the v1 calibration.
+    layer_overhead_s: float = 0.0
     memory_efficiency: float = 0.8  # share of memory bandwidth a weight/KV read achieves
     compute_efficiency: float = 0.5  # share of dense bf16 throughput a GEMM achieves
     h2d_efficiency: float = 1.0  # share of the profile's pinned H2D bandwidth per copy
@@ -33,7 +36,8 @@ class CostParams(StrictParams):
     kv_dtype_bytes: int = 2
 
     def check_valid(self) -> None:
-        require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", allow_zero=True)
+        require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "layer_overhead_s",
+                         allow_zero=True)
         require_positive(self, "memory_efficiency", "compute_efficiency", "h2d_efficiency", "kv_dtype_bytes")
         for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency"):
             if getattr(self, name) > 1:
@@ -80,6 +84,7 @@ class CostModel:
         """Attention or GDN, shared expert and router of one layer, for every sequence."""
         spec = self.spec
         tokens = sum(s.num_tokens for s in loads)
+        launch = self.params.layer_overhead_s
         nbytes = self.layer_dense_bytes
         flops = 2.0 * self.layer_dense_params * tokens
         if spec.layer_kinds[layer] is LayerKind.FULL_ATTENTION:
@@ -89,7 +94,7 @@ class CostModel:
             flops += sum(4.0 * q_dim * s.num_tokens * (s.context_end - s.num_tokens / 2) for s in loads)
         else:
             nbytes += 2 * self.state_bytes_layer * len(loads)  # read and write the recurrent state
-        return self._roofline(nbytes, flops)
+        return launch + self._roofline(nbytes, flops)
 
     def expert_gemms(self, tokens_per_expert: Sequence[int]) -> float:
         """Grouped GEMMs of the given experts (each reads its weights once)."""

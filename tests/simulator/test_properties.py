@@ -121,3 +121,16 @@ def test_sweep_results_do_not_depend_on_the_number_of_workers():
     parallel = [r.to_json() for r in run_sweep(cfg, [128, 256], [1, 3], workers=2)]
     assert serial == parallel
     assert len({(p["kv_tokens"], p["batch"]) for p in serial}) == 4
+
+
+def test_resize_pools_rebuilds_the_expert_pool_cold():
+    executor, plan, workload = _setup({"slots": 6, "kv_tokens": 256, "batch": 2, "same_prompt": True,
+                                       "overlap": True, "uniform": False, "seed": 0, "prompt": 8, "tokens": 4,
+                                       "step_tokens": 2048})
+    run_workload(executor, plan, workload, 2, SPEC.max_context)
+    assert executor.residency.num_resident == 6
+    bigger = plan_pools(SPEC, _pool({}), PoolRequest(kv_tokens=256, expert_slots=12, state_slots=4))
+    executor.resize_pools(bigger)
+    assert executor.residency.num_slots == 12 and executor.residency.num_resident == 0
+    stats = run_workload(executor, bigger, workload, 2, SPEC.max_context, check=True)
+    assert stats.requests_finished == stats.requests_added
