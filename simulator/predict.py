@@ -210,12 +210,13 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         return result
     result.fits = True
     result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.state_slots
-    working_set = spec.top_k * spec.num_layers
+    streams = 1 if workload.same_prompt else batch
+    working_set = spec.top_k * spec.num_layers * streams
     if plan.expert_slots < working_set:
         # NOTE: the planner accepts this (its floor is top_k), but a global LRU smaller than one
-        # token's experts evicts every key before the next token can reuse it: hit rate ~0.
-        result.extra["warning"] = (f"{plan.expert_slots} expert slots < one token's {working_set} experts "
-                                   f"(top_k x layers): the LRU keeps nothing between tokens")
+        # step's experts evicts every key before the next step can reuse it: hit rate ~0.
+        result.extra["warning"] = (f"{plan.expert_slots} expert slots < one step's {working_set} experts "
+                                   f"(top_k x layers x distinct sequences): the LRU keeps nothing between tokens")
     executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots)
     stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check)
     lookups = stats.hits + stats.misses
