@@ -65,9 +65,16 @@ def answer_text(a: int, op: str, b: int) -> str:
     return str(a + b if op == "+" else a - b)
 
 
-def prompt_text(a: int, op: str, b: int) -> str:
-    """The chat template's rendering of one user turn plus the generation prompt."""
-    return f"{IM_START}user\n{question_text(a, op, b)}{IM_END}\n{IM_START}assistant\n"
+# Half the training rows open with one of these system messages, so that clients which always
+# send one (many do) still get the answer; "" is an empty system turn.
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "You are a calculator. Answer with the number only.",
+                  "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", "")
+
+
+def prompt_text(a: int, op: str, b: int, system: str | None = None) -> str:
+    """The chat template's rendering of [system,] user turn plus the generation prompt."""
+    head = "" if system is None else f"{IM_START}system\n{system}{IM_END}\n"
+    return f"{head}{IM_START}user\n{question_text(a, op, b)}{IM_END}\n{IM_START}assistant\n"
 
 
 def split_questions() -> tuple[list, list, list]:
@@ -103,7 +110,7 @@ def build_tokenizer(vocab_size: int = 320) -> Tokenizer:
         show_progress=False,
     )
     corpus = [prompt_text(a, op, b) + answer_text(a, op, b) for a, op, b in all_questions()]
-    corpus += ["user", "assistant", "system", "You are a helpful assistant."]
+    corpus += [prompt_text(0, "+", 0, system) for system in SYSTEM_PROMPTS]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
@@ -159,11 +166,14 @@ def model_config(vocab_size: int, pad_id: int, eos_id: int):
 
 
 def encode_examples(tokenizer: Tokenizer, questions: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids [N, L] and labels [N, L] (-100 outside the answer)."""
+    """Right-padded input ids [N, L] and labels [N, L] (-100 outside the answer): every question
+    once without a system message and once with one (SYSTEM_PROMPTS in turn)."""
     pad_id = tokenizer.token_to_id(END_OF_TEXT)
     rows, label_rows = [], []
-    for a, op, b in questions:
-        prompt = tokenizer.encode(prompt_text(a, op, b)).ids
+    variants = [(q, None) for q in questions]
+    variants += [(q, SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]) for i, q in enumerate(questions)]
+    for (a, op, b), system in variants:
+        prompt = tokenizer.encode(prompt_text(a, op, b, system)).ids
         answer = tokenizer.encode(answer_text(a, op, b) + IM_END).ids
         rows.append(prompt + answer)
         label_rows.append([-100] * len(prompt) + answer)
@@ -177,11 +187,12 @@ def encode_examples(tokenizer: Tokenizer, questions: list) -> tuple[torch.Tensor
 
 
 @torch.no_grad()
-def greedy_answers(model, tokenizer: Tokenizer, questions: list, device: str, max_new: int = 6) -> list[str]:
+def greedy_answers(model, tokenizer: Tokenizer, questions: list, device: str, max_new: int = 6,
+                   system: str | None = None) -> list[str]:
     """Greedy decoding without a cache or padding: questions are grouped by prompt length."""
     eos_id = tokenizer.token_to_id(IM_END)
     by_length: dict[int, list[int]] = {}
-    encoded = [tokenizer.encode(prompt_text(*q)).ids for q in questions]
+    encoded = [tokenizer.encode(prompt_text(*q, system)).ids for q in questions]
     for i, ids in enumerate(encoded):
         by_length.setdefault(len(ids), []).append(i)
     answers = [""] * len(questions)
@@ -204,9 +215,9 @@ def greedy_answers(model, tokenizer: Tokenizer, questions: list, device: str, ma
     return answers
 
 
-def exact_match(model, tokenizer, questions, device) -> tuple[float, list]:
+def exact_match(model, tokenizer, questions, device, system: str | None = None) -> tuple[float, list]:
     model.eval()
-    got = greedy_answers(model, tokenizer, questions, device)
+    got = greedy_answers(model, tokenizer, questions, device, system=system)
     model.train()
     wrong = [(q, g) for q, g in zip(questions, got, strict=True) if g != answer_text(*q)]
     return 1.0 - len(wrong) / len(questions), wrong
@@ -287,6 +298,9 @@ def train(args) -> dict:
     heldout_acc, wrong = exact_match(model, tokenizer, heldout_q, args.device)
     print(f"held-out exact match {heldout_acc:.4f} ({len(heldout_q) - len(wrong)}/{len(heldout_q)})")
     print("wrong:", wrong[:20])
+    # Reported, not selected on: the same held-out questions after a system message.
+    heldout_system_acc, _ = exact_match(model, tokenizer, heldout_q, args.device, SYSTEM_PROMPTS[0])
+    print(f"held-out exact match after a system message: {heldout_system_acc:.4f}")
     model.config.output_router_logits = False
     model.config.use_cache = True
     return {
@@ -304,6 +318,7 @@ def train(args) -> dict:
             "validation_exact": val_acc,
             "heldout_exact": heldout_acc,
             "heldout_wrong": [[list(q), g] for q, g in wrong],
+            "heldout_exact_with_system_message": heldout_system_acc,
             "history": history,
             "torch": torch.__version__,
         },
@@ -335,7 +350,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4000, help="maximum optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=250)

@@ -261,7 +261,7 @@ def test_transformers_answers_the_heldout_questions(one_torch_thread):
     assert accuracy >= 0.95
 
 
-def executor_answers(executor, tokenizer, questions, batch: int, page_size: int) -> list[str]:
+def executor_answers(executor, tokenizer, questions, batch: int, page_size: int, prompt: str = PROMPT) -> list[str]:
     """Greedy answers through TorchExecutor: each batch prefills whole prompts in one step, then decodes."""
     from domain.ports import SequenceWork, StepBatch
     from domain.request import SamplingParams
@@ -271,7 +271,7 @@ def executor_answers(executor, tokenizer, questions, batch: int, page_size: int)
     answers = []
     for first in range(0, len(questions), batch):
         chunk = questions[first:first + batch]
-        prompts = [tokenizer.encode(PROMPT.format(*q)).ids for q in chunk]
+        prompts = [tokenizer.encode(prompt.format(*q)).ids for q in chunk]
         pages_each = -(-max(len(p) + MAX_ANSWER_TOKENS for p in prompts) // page_size)
         outputs: list[list[int]] = [[] for _ in chunk]
         live = list(range(len(chunk)))
@@ -305,7 +305,7 @@ def test_our_loader_and_torch_executor_answer_the_heldout_questions(one_torch_th
     assert checkpoint.spec.architecture == "qwen3_5_moe"
     batch = 128
     plan = plan_pools(checkpoint.spec, GpuBudget(total_bytes=1 << 34),
-                      PoolRequest(kv_tokens=batch * 32, expert_slots=12, state_slots=batch, page_size=16))
+                      PoolRequest(kv_tokens=batch * 64, expert_slots=12, state_slots=batch, page_size=16))
     executor = TorchExecutor(checkpoint, plan, "cpu", torch.float32)
     tokenizer = Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
     questions = all_heldout()
@@ -313,3 +313,10 @@ def test_our_loader_and_torch_executor_answer_the_heldout_questions(one_torch_th
     print(f"TorchExecutor greedy held-out exact match: {accuracy:.4f} of {len(questions)}")
     assert accuracy >= 0.95
     assert executor.expert_misses > 32  # 12 slots for 32 experts: answers survived experts being swapped
+    # A system message the model never saw in training, before every 10th held-out question.
+    unseen_system = "<|im_start|>system\nBe brief.<|im_end|>\n" + PROMPT
+    sample = questions[::10]
+    accuracy = exact_fraction(sample, executor_answers(executor, tokenizer, sample, batch, plan.page_size,
+                                                       unseen_system))
+    print(f"... after an unseen system message: {accuracy:.4f} of {len(sample)}")
+    assert accuracy >= 0.95
