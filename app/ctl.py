@@ -22,6 +22,10 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _count_or_auto(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _count(text)
+
+
 def add_ctl_parser(sub) -> None:
     p = sub.add_parser("ctl", help="talk to a running server")
     p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"))
@@ -32,8 +36,9 @@ def add_ctl_parser(sub) -> None:
     cmds.add_parser("health", help="loading progress / ok / error")
     cmds.add_parser("stats", help="pools, throughput, TTFT, expert hit rate")
     cache = cmds.add_parser("cache", help="show pools; with --kv/--moe/--mamba, resize them live")
-    cache.add_argument("--kv", type=_count, default=None, help="KV tokens (8k, 1.5m ...)")
-    cache.add_argument("--moe", type=_count, default=None, help="expert slots")
+    cache.add_argument("--kv", type=_count_or_auto, default=None, help="KV tokens (8k, 1.5m ..., or auto)")
+    cache.add_argument("--moe", type=_count_or_auto, default=None,
+                       help="expert slots, or auto: whatever the budget leaves after the KV pool")
     cache.add_argument("--mamba", type=_count, default=None, help="GDN state slots")
     cache.add_argument("--wait", type=float, default=60.0, help="seconds to wait for in-flight requests")
     gen = cmds.add_parser("generate", help="one chat completion, streamed")

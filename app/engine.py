@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from app.detokenize import IncrementalDetokenizer, StopStringMatcher
 from app.stats import ServingStats
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.ports import ModelExecutor, SampledToken, Tokenizer
@@ -191,8 +191,8 @@ class Engine:
     def resize(
         self,
         *,
-        kv_tokens: int | None = None,
-        expert_slots: int | None = None,
+        kv_tokens: int | str | None = None,
+        expert_slots: int | str | None = None,
         state_slots: int | None = None,
         wait_s: float = 60.0,
     ) -> ResizeOutcome:
@@ -201,6 +201,10 @@ class Engine:
         if not self._resize_lock.acquire(blocking=False):
             return ResizeOutcome(ok=False, message="another resize is in progress")
         try:
+            filled = self._fill_auto(kv_tokens, expert_slots, state_slots)
+            if isinstance(filled, PlanRefusal):
+                return ResizeOutcome(ok=False, message=filled.message, refusal=filled)
+            kv_tokens, expert_slots = filled
             planned = plan_resize(
                 self.spec,
                 self.budget,
@@ -217,6 +221,29 @@ class Engine:
             return future.result()
         finally:
             self._resize_lock.release()
+
+    def _fill_auto(self, kv_tokens, expert_slots, state_slots) -> tuple[int | None, int | None] | PlanRefusal:
+        """"auto" for one pool = whatever the budget leaves once the other pools are sized
+        (the benchmark's `cache --kv N --moe auto`). Pure planning: nothing is touched."""
+        if kv_tokens == "auto" and expert_slots == "auto":
+            raise ValueError("only one of kv_tokens and expert_slots can be 'auto'")
+        if "auto" not in (kv_tokens, expert_slots):
+            return kv_tokens, expert_slots
+        current = self.plan
+        request = PoolRequest(
+            kv_tokens=None if kv_tokens == "auto" else (current.kv_tokens if kv_tokens is None else kv_tokens),
+            expert_slots=None if expert_slots == "auto" else (
+                current.expert_slots if expert_slots is None else expert_slots),
+            state_slots=current.state_slots if state_slots is None else state_slots,
+            kv_reserve_tokens=current.page_size,
+            page_size=current.page_size,
+        )
+        filled = plan_pools(self.spec, self.budget, request)
+        if isinstance(filled, PlanRefusal):
+            return filled
+        if kv_tokens == "auto":
+            return filled.kv_tokens, expert_slots
+        return kv_tokens, filled.expert_slots
 
     def pools(self) -> dict:
         """Latest pool snapshot (published by the engine thread)."""

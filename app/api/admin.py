@@ -80,9 +80,11 @@ def cache_status(request: Request) -> dict:
     }
 
 
-def _count(param: str, value: int | str | None) -> int | None:
+def _count(param: str, value: int | str | None, auto: bool = False) -> int | str | None:
     if value is None:
         return None
+    if auto and value == "auto":
+        return "auto"
     if isinstance(value, int):
         if value < 0:
             raise bad_value(param, f"{param} must be >= 0, got {value}")
@@ -97,11 +99,13 @@ def _count(param: str, value: int | str | None) -> int | None:
 async def cache_rebuild(request: Request) -> Response:
     engine = _engine(request)
     body = decode_body(await request.body(), CacheRebuildRequest)
-    kv = _count("kv_tokens", body.kv_tokens)
-    moe = _count("moe_slots", body.moe_slots)
+    kv = _count("kv_tokens", body.kv_tokens, auto=True)
+    moe = _count("moe_slots", body.moe_slots, auto=True)
     mamba = _count("mamba_slots", body.mamba_slots)
     if kv is None and moe is None and mamba is None:
         raise bad_value("kv_tokens", "give at least one of kv_tokens, moe_slots, mamba_slots")
+    if kv == "auto" and moe == "auto":
+        raise bad_value("moe_slots", "only one of kv_tokens and moe_slots can be 'auto' (it takes what the other leaves)")
     if not 0 <= body.wait_s <= 3600:
         raise bad_value("wait_s", f"wait_s must be between 0 and 3600, got {body.wait_s}")
     before = engine.plan

@@ -48,6 +48,8 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert "2048" in capsys.readouterr().out
     assert ctl(ctl_server, "cache", "--kv", "100m") == 1
     assert "resize refused" in capsys.readouterr().out
+    assert ctl(ctl_server, "--json", "cache", "--kv", "1k", "--moe", "auto") == 0
+    assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
 
 
 def test_generate_streams_text(ctl_server, capsys):

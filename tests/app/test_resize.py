@@ -190,3 +190,18 @@ def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
     assert resized.status_code == 200, resized.text
     assert late.status_code == 400, late.text
     assert "resized pools" in late.json()["error"]["message"]
+
+
+def test_moe_auto_fills_what_the_new_kv_pool_leaves(srv):
+    status = httpx.get(srv.base_url + "/v1/cache/status").json()
+    spec_expert_bytes = status["expert_bytes"]
+    r = rebuild(srv, kv_tokens=1024, moe_slots="auto")
+    assert r.status_code == 200, r.text
+    after = r.json()["after"]
+    assert after["kv_tokens"] == 1024
+    # MoE-first fill: every expert if they fit, else no room for one more slot.
+    assert after["expert_slots"] == status["total_experts"] or after["free_bytes"] < spec_expert_bytes
+    assert rebuild(srv, kv_tokens="auto", moe_slots="auto").status_code == 400
+    r = rebuild(srv, moe_slots=4, kv_tokens="auto")
+    assert r.status_code == 200, r.text
+    assert r.json()["after"]["expert_slots"] == 4 and r.json()["after"]["kv_tokens"] > 1024
