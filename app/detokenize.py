@@ -38,6 +38,9 @@ class IncrementalDetokenizer:
             return full_text[len(prefix_text) :]
         return ""
 
+    def check_valid(self) -> None:
+        assert 0 <= self._prefix_offset <= self._read_offset <= len(self._ids), "detokenizer offsets out of order"
+
     def flush(self) -> str:
         """Text of tokens still held back (an incomplete character at the end of the stream)."""
         prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
@@ -91,6 +94,11 @@ class StopStringMatcher:
         out = self._text[self._released : upto]
         self._released = upto
         return out
+
+    def check_valid(self) -> None:
+        assert 0 <= self._released <= len(self._text), "released past the end of the text"
+        if not self.stopped:
+            assert not any(s in self._text[: self._released] for s in self._stop), "a stop string was released"
 
     @property
     def text(self) -> str:

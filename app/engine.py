@@ -156,6 +156,19 @@ class Engine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
 
+    def can_submit(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> str | None:
+        """Read-only probe for submit: None when the request could ever run on these pools."""
+        return self.scheduler.check_request(Request("probe", list(prompt_token_ids), sampling))
+
+    def can_resize(self, *, kv_tokens=None, expert_slots=None, state_slots=None) -> PlanRefusal | ResizePlan:
+        """Read-only probe for resize: the plan it would apply, or why it would refuse."""
+        filled = self._fill_auto(kv_tokens, expert_slots, state_slots)
+        if isinstance(filled, PlanRefusal):
+            return filled
+        kv_tokens, expert_slots = filled
+        return plan_resize(self.spec, self.budget, self.plan, kv_tokens=kv_tokens, expert_slots=expert_slots,
+                           state_slots=state_slots)
+
     def submit(
         self,
         request_id: str,
@@ -201,18 +214,7 @@ class Engine:
         if not self._resize_lock.acquire(blocking=False):
             return ResizeOutcome(ok=False, message="another resize is in progress")
         try:
-            filled = self._fill_auto(kv_tokens, expert_slots, state_slots)
-            if isinstance(filled, PlanRefusal):
-                return ResizeOutcome(ok=False, message=filled.message, refusal=filled)
-            kv_tokens, expert_slots = filled
-            planned = plan_resize(
-                self.spec,
-                self.budget,
-                self.plan,
-                kv_tokens=kv_tokens,
-                expert_slots=expert_slots,
-                state_slots=state_slots,
-            )
+            planned = self.can_resize(kv_tokens=kv_tokens, expert_slots=expert_slots, state_slots=state_slots)
             if isinstance(planned, PlanRefusal):
                 return ResizeOutcome(ok=False, message=planned.message, refusal=planned)
             started = self._clock()
@@ -478,6 +480,8 @@ class Engine:
         for request_id, live in self._live.items():
             assert live.request.request_id == request_id, "live table keyed by the wrong id"
             assert not live.request.is_done, f"{request_id} finished but still live"
+            live.detok.check_valid()
+            live.matcher.check_valid()
         if self.scheduler.is_idle():
             assert self._allocator.num_free == self._allocator.num_pages, "idle engine holds KV pages"
 

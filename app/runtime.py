@@ -64,6 +64,14 @@ class Runtime:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout) and self.status == "ok"
 
+    def check_valid(self) -> None:
+        assert self.status in ("loading", "ok", "error"), self.status
+        if self.status == "ok":
+            assert self.engine is not None, "ready without an engine"
+        if self.status == "error":
+            assert self.error, "failed without saying why"
+        assert self.progress.bytes_done >= 0 and self.progress.bytes_total >= 0
+
     def max_context(self) -> int:
         """Longest prompt + completion a request may ask for right now (pools may have been resized)."""
         if self.engine is None:

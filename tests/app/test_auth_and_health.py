@@ -61,6 +61,7 @@ def test_loading_reports_progress_and_generation_answers_503():
         assert "loading" in r.json()["error"]["message"]
         blocker.set()
         assert srv.runtime.wait_ready(10)
+        srv.runtime.check_valid()
         assert httpx.get(srv.base_url + "/health").json()["status"] == "ok"
         assert httpx.post(srv.base_url + "/v1/chat/completions", json=body).status_code == 200
     finally:
@@ -78,6 +79,7 @@ def test_load_failure_is_reported_not_crashed():
     srv = start_server(container, wait=False)
     try:
         srv.runtime.wait_ready(10)
+        srv.runtime.check_valid()
         health = httpx.get(srv.base_url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "error"
         assert "/nowhere" in health.json()["error"]

@@ -13,7 +13,11 @@ TOKENIZER = FakeTokenizer()
 
 def stream(ids: list[int], stop: tuple[str, ...] = ()) -> tuple[str, bool, list[str]]:
     detok, matcher = IncrementalDetokenizer(TOKENIZER), StopStringMatcher(stop)
-    deltas = [matcher.feed(detok.push(i)) for i in ids]
+    deltas = []
+    for i in ids:
+        deltas.append(matcher.feed(detok.push(i)))
+        detok.check_valid()
+        matcher.check_valid()
     deltas.append(matcher.feed(detok.flush()) + matcher.flush())
     return "".join(deltas), matcher.stopped, deltas
 
