@@ -12,6 +12,8 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 
 GiB = 1024**3
 MATRICES = ("gate", "up", "down")
+PHASE_BANK = "expert banks"
+PHASE_DENSE = "dense weights"
+
+# (phase, bytes done, bytes total) of that phase; each phase counts from 0 up to its own total.
+ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -246,13 +253,53 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="expert bank", unit="expert", leave=False)
 
 
-def fill_bank(bank: HostExpertBank, build_row, workers: int, progress: bool) -> None:
-    """Pack every expert into the bank, one layer per task, in a thread pool."""
+class PhaseCounter:
+    """Thread-safe byte count of one load phase, reported through `on_progress`.
+
+    The callback runs under the lock, so its calls arrive one at a time with counts that
+    never go back even though the rows are built by several threads.
+    """
+
+    def __init__(self, phase: str, total: int, on_progress: ProgressCallback | None) -> None:
+        self.phase = phase
+        self.total = total
+        self.done = 0
+        self._on_progress = on_progress
+        self._lock = threading.Lock()
+        self._report()  # a phase always announces its total before the first byte
+
+    def can_add(self, nbytes: int) -> bool:
+        return nbytes >= 0 and self.done + nbytes <= self.total
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            if not self.can_add(nbytes):
+                raise ValueError(f"{self.phase}: {nbytes} more bytes would pass {self.done}/{self.total}")
+            if nbytes == 0:
+                return  # nothing moved; every report says more than the last
+            self.done += nbytes
+            self._report()
+
+    def _report(self) -> None:
+        if self._on_progress is not None:
+            self._on_progress(self.phase, self.done, self.total)
+
+    def check_valid(self) -> None:
+        if not 0 <= self.done <= self.total:
+            raise AssertionError(f"{self.phase}: {self.done}/{self.total} bytes")
+
+
+def fill_bank(bank: HostExpertBank, build_row, workers: int, progress: bool,
+              on_progress: ProgressCallback | None = None) -> None:
+    """Pack every expert into the bank, one layer per task, in a thread pool; `on_progress`
+    hears about every packed row (bar: per layer)."""
     bar = _progress(bank.num_layers * bank.num_experts, progress)
+    counter = PhaseCounter(PHASE_BANK, bank.nbytes, on_progress)
 
     def fill_layer(layer: int) -> int:
         for expert in range(bank.num_experts):
             build_row(layer, expert, bank.rows[bank.index(layer, expert)])
+            counter.add(bank.layout.row_bytes)
         return bank.num_experts
 
     try:
@@ -287,10 +334,14 @@ def load_checkpoint(
     pin: bool | None = None,
     workers: int | None = None,
     host_memory_bytes: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> LoadedCheckpoint:
     """Read a checkpoint directory. Experts go to a host bank (pinned on CUDA hosts unless
     `pin=False`; built lazily from the mapped files when `mmap=True`); dense weights go to
     `device`. `host_memory_bytes` overrides MemAvailable for the up-front memory check.
+    `on_progress(phase, bytes_done, bytes_total)` follows "expert banks" (packed row bytes; no
+    such phase with mmap=True, where rows are built on demand) then "dense weights" (bytes of
+    the stored tensors read), per row and per tensor, from any thread but one call at a time.
     """
     model_dir = Path(path)
     config, config_file = read_config(model_dir)
@@ -324,8 +375,10 @@ def load_checkpoint(
     else:
         rows = allocate_rows(spec.num_layers * spec.num_experts, layout.row_bytes, pin)  # [L*E, R]
         bank = HostExpertBank(layout, spec.num_layers, spec.num_experts, rows)
-        fill_bank(bank, build_row, workers or min(8, os.cpu_count() or 1), progress)
+        fill_bank(bank, build_row, workers or min(8, os.cpu_count() or 1), progress, on_progress)
 
+    sources = {name: dense_sources(inv, fmt, name, base) for name, base in plan.items()}
+    counter = PhaseCounter(PHASE_DENSE, sum(stored_bytes(e) for es in sources.values() for e in es), on_progress)
     dense: dict[str, torch.Tensor | QTensor] = {}
     for name, base in plan.items():
         if base is None:
@@ -333,6 +386,8 @@ def load_checkpoint(
         else:
             q = read_weight(fmt, base, lambda n: files.get(inv.canon[n].name))
             dense[name] = q.to(device) if torch.device(device).type != "cpu" else _own(q)
+        counter.add(sum(stored_bytes(e) for e in sources[name]))
+    counter.check_valid()
     gen_file = model_dir / "generation_config.json"
     generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
     if not mmap:
@@ -340,6 +395,17 @@ def load_checkpoint(
     ckpt = LoadedCheckpoint(spec, text_config, dense, bank, generation_config, model_dir, fmt.name)
     ckpt.check_valid()
     return ckpt
+
+
+def stored_bytes(entry: TensorEntry) -> int:
+    return entry.end - entry.begin
+
+
+def dense_sources(inv: Inventory, fmt: OnDiskFormat, name: str, base: str | None) -> list[TensorEntry]:
+    """The stored tensors one dense weight is read from (data plus scales when quantized)."""
+    if base is None:
+        return [inv.canon[name]]
+    return [inv.canon[f"{base}.{s}"] for s in fmt.companion_suffixes if f"{base}.{s}" in inv.canon]
 
 
 def _own(q: QTensor) -> QTensor:
