@@ -34,6 +34,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set FT_API_KEY)")
     p.add_argument("--debug", action="store_true", help="check every invariant whenever the engine idles")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
+    p.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
     p.add_argument("--log-level", default="info")
 
 
@@ -62,6 +64,7 @@ def _serve(args) -> int:
             api_key=args.api_key or environment_api_key(),
             debug=args.debug,
             cpu_threads=args.cpu_threads,
+            record_routing=args.record_routing,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

@@ -143,7 +143,12 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         # one intra-op thread and 20-300 ms with two (thread-pool wake-ups under contention).
         torch.set_num_threads(settings.cpu_threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return TorchExecutor(checkpoint, plan, device, dtype)
+    recorder = None
+    if settings.record_routing:
+        from adapters.torch_exec.routing_trace import RoutingTraceRecorder
+
+        recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
+    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder)
 
 
 def served_name(settings: ServeSettings) -> str:

@@ -22,6 +22,7 @@ class ServeSettings:
     api_key: str | None = None
     debug: bool = False
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
+    record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

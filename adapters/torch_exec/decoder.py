@@ -39,6 +39,9 @@ class DecoderOptions:
 
 
 class MoeDecoder:
+    # Callable(layer, ids [T, K]) told every layer's router choice (the routing-trace recorder); None: off.
+    on_route = None
+
     def __init__(self, dense: dict, opts: DecoderOptions, dtype: torch.dtype, device):
         self.opts, self.dtype, self.device = opts, dtype, torch.device(device)
         self.w = {name: to_compute_dtype(t, dtype, device) for name, t in dense.items()}
@@ -110,6 +113,8 @@ class MoeDecoder:
     def _moe(self, i: int, h: torch.Tensor, experts: ExpertSlotCache) -> torch.Tensor:
         prefix = f"layers.{i}.mlp."
         weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize)
+        if self.on_route is not None:
+            self.on_route(i, ids)
         out = routed_experts(h, weights, ids, i, experts)  # [T, H]
         if self.opts.shared_expert:
             out = out + shared_expert(h, self.w, prefix)

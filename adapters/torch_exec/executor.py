@@ -14,6 +14,7 @@ from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
@@ -28,7 +29,8 @@ class TorchExecutor:
     """Implements domain.ports.ModelExecutor."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0):
+                 dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0,
+                 routing_recorder: RoutingTraceRecorder | None = None):
         arch = checkpoint.spec.architecture
         if arch not in BUILDERS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(BUILDERS)})")
@@ -38,6 +40,12 @@ class TorchExecutor:
         self.model = BUILDERS[arch](checkpoint.dense, checkpoint.text_config, dtype, self.device)
         self.bank = checkpoint.experts
         self.sampler = Sampler(sampler_seed)
+        self.routing_recorder = routing_recorder
+        if routing_recorder is not None:
+            if routing_recorder.num_layers != len(self.model.mixers):
+                raise ValueError(f"routing recorder expects {routing_recorder.num_layers} layers, "
+                                 f"the model routes in {len(self.model.mixers)}")
+            self.model.on_route = routing_recorder.record_layer
         self.kv: PagedKVCache | None = None
         self.state: LinearStatePool | None = None
         self.experts: ExpertSlotCache | None = None
@@ -109,7 +117,7 @@ class TorchExecutor:
             for span in inp.spans:
                 if span.start_position == 0:
                     self.state.reset(span.work.state_slot)
-        hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        hidden = self._forward(inp)  # [T, H]
         if all_positions:
             return {s.work.request_id: self.model.logits(hidden[s.rows]) for s in inp.spans}
         wanted = [s for s in inp.spans if s.work.sample]
@@ -118,6 +126,19 @@ class TorchExecutor:
         rows = torch.tensor([s.offset + s.length - 1 for s in wanted], device=self.device)
         logits = self.model.logits(hidden[rows])  # [n, V]
         return {s.work.request_id: logits[i:i + 1] for i, s in enumerate(wanted)}
+
+    def _forward(self, inp) -> torch.Tensor:
+        recorder = self.routing_recorder
+        if recorder is None:
+            return self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        recorder.begin_pass([(s.work.request_id, s.start_position, s.length) for s in inp.spans])
+        try:
+            hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        except BaseException:
+            recorder.abort_pass()
+            raise
+        recorder.end_pass()
+        return hidden
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         logits = self.compute_logits(batch)
@@ -130,3 +151,5 @@ class TorchExecutor:
         self.experts.check_valid()
         if self.state is not None:
             self.state.check_valid()
+        if self.routing_recorder is not None:
+            self.routing_recorder.check_valid()

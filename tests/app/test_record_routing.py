@@ -1,0 +1,55 @@
+"""`ft serve --record-routing FILE` on the embedded demo model writes one routing line per computed token."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_record_routing_writes_a_line_per_computed_token(tmp_path):
+    trace = tmp_path / "routing.jsonl"
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port), "--device", "cpu",
+                             "--record-routing", str(trace)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"ft serve exited: {proc.stderr.read()}")
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "checkpoint", "messages": [{"role": "user", "content": "What is 19 + 23?"}],
+            "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    # every prompt token and every generated one except the last (it was never fed back)
+    assert len(lines) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert len({x["stream"] for x in lines}) == 1
+    assert [x["position"] for x in lines] == list(range(len(lines)))
+    for x in lines:  # the demo model: 4 layers, top-2 of 8 experts
+        assert len(x["layer_experts"]) == 4
+        assert all(len(row) == 2 and len(set(row)) == 2 and all(0 <= e < 8 for e in row) for row in x["layer_experts"])
