@@ -44,10 +44,6 @@ def _model_dir(settings: ServeSettings) -> Path:
     return path
 
 
-def checkpoint_bytes(model_dir: Path) -> int:
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-
-
 def resolve_device(settings: ServeSettings) -> str:
     if settings.device != "auto":
         return settings.device
@@ -60,13 +56,10 @@ def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn 
     from adapters.checkpoint.loader import load_checkpoint
 
     model_dir = _model_dir(settings)
-    total = checkpoint_bytes(model_dir)
     if progress:
-        progress("loading weights", 0, total)
-    checkpoint = load_checkpoint(model_dir, device=device, progress=True)
-    if progress:
-        progress("weights loaded", total, total)
-    return checkpoint
+        progress(f"reading {model_dir.name}")
+    # NOTE: the loader reports its phases ("expert banks", "dense weights") with their own byte counts.
+    return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress)
 
 
 def _load_tokenizer(settings: ServeSettings) -> Tokenizer:

@@ -21,9 +21,42 @@ class LoadingProgress:
     phase: str = "starting"
     bytes_done: int = 0
     bytes_total: int = 0
+    # byte-counting phases seen so far, in order -> their own totals (see advance)
+    phase_totals: dict[str, int] = field(default_factory=dict)
+    _phase_done: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def update(self, phase: str, bytes_done: int = 0, bytes_total: int = 0) -> None:
-        self.phase, self.bytes_done, self.bytes_total = phase, bytes_done, bytes_total
+        with self._lock:
+            # NOTE: total before done, so an unlocked reader (/health) never sees done > total.
+            self.phase, self.bytes_total, self.bytes_done = phase, bytes_total, bytes_done
+
+    def can_advance(self, phase: str, done: int, total: int) -> bool:
+        if not 0 <= done <= total:
+            return False
+        if phase not in self.phase_totals:
+            return True  # a new phase: the one before it is over
+        current = next(reversed(self.phase_totals))
+        return phase == current and total == self.phase_totals[phase] and done >= self._phase_done
+
+    def advance(self, phase: str, done: int, total: int) -> None:
+        """Fold one loader phase's own count (0..total, phases one after another) into a running
+        count: finished phases count in full, so bytes_done never goes back when the next phase
+        starts; bytes_total grows by each phase's total as it starts."""
+        with self._lock:
+            if not self.can_advance(phase, done, total):
+                raise ValueError(f"load progress went back or out of order: {phase} {done}/{total} after "
+                                 f"{self.phase} {self._phase_done}, phases {self.phase_totals}")
+            if phase not in self.phase_totals:
+                self.phase_totals[phase] = total
+            earlier = sum(self.phase_totals.values()) - total
+            self._phase_done = done
+            self.phase, self.bytes_total, self.bytes_done = phase, earlier + total, earlier + done
+
+    def check_valid(self) -> None:
+        assert 0 <= self.bytes_done <= self.bytes_total, self
+        current_total = self.phase_totals[next(reversed(self.phase_totals))] if self.phase_totals else 0
+        assert 0 <= self._phase_done <= current_total, self
 
 
 @dataclass
@@ -71,6 +104,7 @@ class Runtime:
         if self.status == "error":
             assert self.error, "failed without saying why"
         assert self.progress.bytes_done >= 0 and self.progress.bytes_total >= 0
+        self.progress.check_valid()
 
     def max_context(self) -> int:
         """Longest prompt + completion a request may ask for right now (pools may have been resized)."""

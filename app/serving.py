@@ -23,13 +23,17 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
     started = time.monotonic()
 
     def progress(phase: str, bytes_done: int | None = None, bytes_total: int | None = None) -> None:
-        # NOTE: later phases keep the byte counts of the weights phase unless they give new ones.
+        """Byte counts come from the loader, per phase (each from 0 to its own total) and folded
+        into one running count; phases without them (planning, building) keep the last count."""
         p = runtime.progress
-        bytes_done = p.bytes_done if bytes_done is None else bytes_done
-        bytes_total = p.bytes_total if bytes_total is None else bytes_total
-        p.update(phase, bytes_done, bytes_total)
-        if echo:
-            size = f" ({bytes_done / 2**20:.1f}/{bytes_total / 2**20:.1f} MiB)" if bytes_total else ""
+        new_phase = phase != p.phase
+        if bytes_done is None and bytes_total is None:
+            p.update(phase, p.bytes_done, p.bytes_total)
+        else:
+            p.advance(phase, bytes_done or 0, bytes_total or 0)
+        # NOTE: the loader reports every expert row; echo a line per phase and at its end only.
+        if echo and (new_phase or (bytes_total and bytes_done == bytes_total)):
+            size = f" ({p.bytes_done / 2**20:.1f}/{p.bytes_total / 2**20:.1f} MiB)" if p.bytes_total else ""
             print(f"[{time.monotonic() - started:6.2f}s] {phase}{size}", file=sys.stderr, flush=True)
 
     try:
