@@ -11,6 +11,17 @@ DEFAULT_STATE_SLOTS = 4
 POOLS = ("kv", "moe", "state", "budget")
 
 
+def working_set_slots(spec: ModelSpec) -> int:
+    """Expert slots one decoded token touches (top_k in every MoE layer): the floor of an
+    automatically sized expert pool. Below it the LRU cannot keep a single expert from one
+    token to the next (every key's reuse distance exceeds the pool), so every lookup misses."""
+    return min(spec.top_k * spec.num_layers, spec.total_experts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -112,8 +123,8 @@ class PlanRefusal:
 def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> PoolPlan | PlanRefusal:
     """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
 
-    Order of claims: state slots; then the floors of unsized pools (top_k expert slots, the KV
-    reserve); then explicit sizes, experts before KV. A refusal names the first claim that
+    Order of claims: state slots; then the floors of unsized pools (one token's working set of
+    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV. A refusal names the first claim that
     does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
     when experts are explicit or all resident.
     """
@@ -128,28 +139,33 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     if slots_explicit and not spec.top_k <= request.expert_slots <= spec.total_experts:
         return PlanRefusal("moe", 0, f"expert_slots {request.expert_slots} outside "
                                      f"[top_k {spec.top_k}, total experts {spec.total_experts}]")
-    min_slots = request.expert_slots if slots_explicit else spec.top_k
+    # NOTE: an explicit size only needs top_k (an operator may choose to thrash, e.g. in tests);
+    # an automatic one must at least hold one token's working set or it is no cache at all.
+    min_slots = request.expert_slots if slots_explicit else working_set_slots(spec)
     kv_pages = (request.kv_tokens // request.page_size if kv_explicit
                 else _ceil_div(request.kv_reserve_tokens, request.page_size))
 
-    claims = [("state", state_slots * per_state)]
-    floors = [("moe", min_slots * per_slot)] if not slots_explicit else []
-    floors += [("kv", kv_pages * per_page)] if not kv_explicit else []
-    explicit = [("moe", min_slots * per_slot)] if slots_explicit else []
-    explicit += [("kv", kv_pages * per_page)] if kv_explicit else []
-    claims += floors + explicit
-    needed = sum(size for _, size in claims)
+    slots_what = "expert slots" if slots_explicit else "expert slots (one token's working set)"
+    kv_what = "KV tokens" if kv_explicit else "KV tokens (reserve floor)"
+    state_claim = ("state", state_slots * per_state, f"{state_slots} state slots")
+    moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
+    kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
+    floors = [c for c, explicit in ((moe_claim, slots_explicit), (kv_claim, kv_explicit)) if not explicit]
+    explicits = [c for c, explicit in ((moe_claim, slots_explicit), (kv_claim, kv_explicit)) if explicit]
+    claims = [state_claim, *floors, *explicits]
+    needed = sum(size for _, size, _ in claims)
+    breakdown = " + ".join(f"{what} ({_gib(size)})" for _, size, what in claims)
     if pool <= 0:
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
                                                     f"after weights and fixed caches; need {needed}")
     if needed > pool:
         claimed = 0
-        for name, size in claims:
+        for name, size, _ in claims:
             claimed += size
             if claimed > pool:
                 return PlanRefusal(name, needed - pool,
-                                   f"{name} pool does not fit: request needs {needed} bytes, "
-                                   f"budget is {pool}, short by {needed - pool}")
+                                   f"{name} pool does not fit: {breakdown} need {needed} bytes, "
+                                   f"budget is {pool}, short by {needed - pool} ({_gib(needed - pool)})")
 
     free = pool - needed
     expert_slots = min_slots

@@ -54,9 +54,12 @@ class Deployment(StrictParams):
     fixed_bytes: int = 0  # activations, graph pools, workspaces: outside the three pools
     state_slots: int = 24  # GDN state slots reserved (the reference deployment runs 24)
     pool_bytes: int | None = None
+    expert_slots: int | None = None  # explicit expert pool (like `ft ctl cache --moe`); None = fill
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
+        if self.expert_slots is not None:
+            require_positive(self, "expert_slots")
         require_positive(self, "fixed_bytes", allow_zero=True)
         if self.pool_bytes is not None:
             require_positive(self, "pool_bytes")
@@ -125,7 +128,8 @@ def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deploymen
     if deployment.state_slots < batch:
         return f"batch {batch} needs {batch} GDN state slots, the deployment reserves {deployment.state_slots}"
     plan = plan_pools(spec, deployment.budget(spec, hardware),
-                      PoolRequest(kv_tokens=kv_tokens, state_slots=deployment.state_slots, page_size=page_size))
+                      PoolRequest(kv_tokens=kv_tokens, expert_slots=deployment.expert_slots,
+                                  state_slots=deployment.state_slots, page_size=page_size))
     if isinstance(plan, PlanRefusal):
         return plan.message
     return plan

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools, working_set_slots
 from domain.model_spec import LayerKind, ModelSpec, WeightFormat, qwen36_35b_a3b
 
 GiB = 1024**3
@@ -126,7 +126,7 @@ def test_refusals_name_the_short_pool():
     refusal = plan_pools(spec, pool_budget(10 * state), PoolRequest(state_slots=11))
     assert refusal == PlanRefusal("state", refusal.shortfall_bytes, refusal.message)
     # shortfall covers the whole request: the state excess plus the floors after it
-    assert refusal.shortfall_bytes == state + 8 * slot + 8192 * spec.kv_bytes_per_token()
+    assert refusal.shortfall_bytes == state + 320 * slot + 8192 * spec.kv_bytes_per_token()
 
     budget = pool_budget(10 * GiB)
     assert plan_pools(spec, budget, PoolRequest(kv_tokens=600_000)).pool == "kv"
@@ -135,8 +135,8 @@ def test_refusals_name_the_short_pool():
     crowded = plan_pools(spec, budget, PoolRequest(expert_slots=3300))
     assert crowded.pool == "moe"
     assert crowded.shortfall_bytes == 4 * state + 3300 * slot + 8192 * spec.kv_bytes_per_token() - 10 * GiB
-    # the KV floor that does not fit after the top-k floor is blamed on KV
-    tight = pool_budget(4 * state + 8 * slot + 100)
+    # the KV floor that does not fit after the working-set floor (top_k x layers) is blamed on KV
+    tight = pool_budget(4 * state + 320 * slot + 100)
     assert plan_pools(spec, tight, PoolRequest()).pool == "kv"
     assert plan_pools(spec, pool_budget(4 * state + 100), PoolRequest()).pool == "moe"
 
@@ -195,3 +195,22 @@ def test_pool_plan_check_valid_catches_inconsistency():
         dataclasses.replace(plan, free_bytes=plan.free_bytes + 1)
     with pytest.raises(ValueError):
         dataclasses.replace(plan, used_bytes=plan.used_bytes - 1, free_bytes=plan.free_bytes + 1)
+
+
+def test_automatic_expert_pool_holds_at_least_one_tokens_working_set():
+    """Below top_k x layers slots the LRU keeps nothing from one token to the next, so an automatic
+    split refuses rather than plan such a pool; an explicit size down to top_k is still honoured."""
+    spec, GiB_ = QWEN_FP8, GiB
+    assert working_set_slots(spec) == 8 * 40
+    budget = GpuBudget(total_bytes=int(17.6 * GiB_), memory_ratio=1.0)
+    # SPEC's reference box: 800k KV leaves ~307 slots, fewer than one token's 320 experts
+    refusal = plan_pools(spec, budget, PoolRequest(kv_tokens=800_000, state_slots=24))
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "kv"
+    assert "working set" in refusal.message
+    needed = (320 * spec.expert_bytes() + 800_000 * spec.kv_bytes_per_token()
+              + 24 * spec.linear_state_bytes_per_sequence())
+    assert refusal.shortfall_bytes == needed - budget.pool_bytes
+    fits = plan_pools(spec, budget, PoolRequest(kv_tokens=700_000, state_slots=24))
+    assert isinstance(fits, PlanRefusal) is False and fits.expert_slots >= 320
+    explicit = plan_pools(spec, budget, PoolRequest(kv_tokens=800_000, expert_slots=8, state_slots=24))
+    assert isinstance(explicit, PoolPlan) and explicit.expert_slots == 8

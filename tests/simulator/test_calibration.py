@@ -69,9 +69,10 @@ def test_points_that_cannot_fit_are_refused_with_the_reason():
     # 900k tokens of KV (17.2 GiB) plus 24 GDN slots overflow the 17.6 GiB pool.
     refusal = plan_point(SPEC, HW, deployment, 900_000, 1)
     assert isinstance(refusal, str) and "does not fit" in refusal and "short by" in refusal
-    # 800k fits under this reading, with a tiny expert pool (docs/simulator.md).
-    plan = plan_point(SPEC, HW, deployment, 800_000, 1)
-    assert not isinstance(plan, str) and 0 < plan.expert_slots < 544
+    # 800k would leave ~307 expert slots, fewer than one token's 320 experts: the planner refuses
+    # an automatic expert pool that small, naming the working set (docs/simulator.md).
+    refusal = plan_point(SPEC, HW, deployment, 800_000, 1)
+    assert isinstance(refusal, str) and "working set" in refusal and "short by" in refusal
     # A batch larger than the GDN state pool is refused before planning.
     assert "state slots" in plan_point(SPEC, HW, deployment, 8192, 32)
     # BF16 experts (60 GiB) do not fit the reference box's 60 GiB of host RAM with the rest.
@@ -140,12 +141,13 @@ def test_prefill_of_a_4k_prompt_at_20_percent_residency_matches_spec(config):
     assert r.extra["prefill_tok_s"] == pytest.approx(1130, rel=0.10)
 
 
-def test_800k_kv_fits_the_planner_but_the_lru_collapses(config):
-    # Under this reading 800k KV leaves 307 slots: fewer than one token's 320 experts, so the
+def test_an_expert_pool_below_one_tokens_working_set_collapses(config):
+    # Why the planner refuses 800k KV: forced to the 307 slots that would be left (explicitly), the
     # global LRU evicts everything before reuse. Reported with a warning, not silently.
     from simulator.sweep import _run_point
 
-    r = _run_point((config, 800_000, 1))
+    deployment = config.deployment.replace(expert_slots=307)
+    r = _run_point((SweepConfig(**{**config.__dict__, "deployment": deployment}), 800_000, 1))
     assert r.fits and r.expert_slots == 307
     assert r.hit_rate < 0.02 and "LRU keeps nothing" in r.extra["warning"]
     assert r.decode_tok_s < 0.6 * 25.2  # far below the 544-slot point: the cliff is real below 320

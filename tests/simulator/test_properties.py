@@ -97,7 +97,7 @@ def test_a_cache_of_every_expert_hits_more_than_a_top_k_cache():
     # when every expert fits (the measured window can still see an expert for the first time).
     hit_rates = []
     for slots in (SPEC.top_k, SPEC.total_experts):
-        deployment = Deployment(pool_bytes=_pool_for(slots), state_slots=4)
+        deployment = Deployment(pool_bytes=_pool_for(slots), state_slots=4, expert_slots=slots)
         r = predict_point(SPEC, "tiny", HW, deployment, CostParams(), LocalityRouting(4, 16, 2, seed=1), 256, 2,
                           Workload(prompt_tokens=8, warmup_iterations=1, warmup_tokens=16, measure_iterations=1,
                                    measure_tokens=32))
