@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,11 @@ def test_live_resize_never_holds_both_pools(gpu_server, kv_tokens):
     old_pools = sum(engine.executor.pool_bytes().values())
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(chat, gpu_server, f"What is {i} + {i}?", 48) for i in range(4)]
+        # NOTE: generation answers 503 while pools are swapped; the streams must be in flight first
+        deadline = time.monotonic() + 30
+        while (sum(s.done() for s in streams) + engine.scheduler.num_running + engine.scheduler.num_waiting < 4
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
