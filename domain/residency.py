@@ -96,9 +96,11 @@ class ExpertResidency:
         return tuple(self._lru)
 
     def can_lookup(self, keys: Sequence[ExpertKey]) -> bool:
-        distinct = _distinct(keys)
-        requested = set(distinct)
-        pinned_by_others = len(self._pinned) - sum(1 for k in requested if k in self._pinned)
+        return self._fits(_distinct(keys))
+
+    def _fits(self, distinct: list[ExpertKey]) -> bool:
+        """can_lookup on keys already validated and de-duplicated (lookup validates them once)."""
+        pinned_by_others = len(self._pinned) - sum(1 for k in distinct if k in self._pinned)
         return len(distinct) <= self.num_slots - pinned_by_others
 
     def can_release(self, keys: Sequence[ExpertKey] | None = None) -> bool:
@@ -116,7 +118,7 @@ class ExpertResidency:
 
     def lookup(self, keys: Sequence[ExpertKey]) -> Lookup:
         distinct = _distinct(keys)
-        if not self.can_lookup(distinct):
+        if not self._fits(distinct):
             pinned_by_others = len(self._pinned - set(distinct))
             raise ResidencyExhausted(
                 f"lookup of {len(distinct)} distinct experts cannot fit: {self.num_slots} slots, "
