@@ -24,7 +24,8 @@ from app.api.generation import (
     usage,
 )
 from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
-from app.engine import Engine, StreamEvent
+from app.engine import Engine
+from app.streams import StreamEvent
 
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 

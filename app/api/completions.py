@@ -24,7 +24,8 @@ from app.api.generation import (
     usage,
 )
 from app.api.schemas import CompletionRequest, decode_body
-from app.engine import Engine, StreamEvent
+from app.engine import Engine
+from app.streams import StreamEvent
 
 
 def _prompt_ids(engine: Engine, prompt: str | list) -> list[int]:

@@ -10,8 +10,9 @@ from litestar import Request
 
 from app.api.errors import OpenAIError, bad_value, service_unavailable, unsupported
 from app.api.schemas import _Sampling
-from app.engine import Engine, RequestRejected, StreamEvent
+from app.engine import Engine, RequestRejected
 from app.runtime import Runtime
+from app.streams import StreamEvent
 from domain.request import SamplingParams
 
 MAX_TOP_LOGPROBS = 20

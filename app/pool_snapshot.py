@@ -1,0 +1,84 @@
+"""What the engine thread publishes after every iteration: the pools snapshot (read by /v1/stats,
+/metrics and the admin endpoints) and each step's numbers, expert cache hits and misses included."""
+
+from __future__ import annotations
+
+from app.stats import ServingStats
+from domain.budget import PoolPlan
+from domain.kv_pages import PageAllocator
+from domain.ports import ModelExecutor
+from domain.scheduler import Scheduler
+
+
+def pool_snapshot(
+    *,
+    scheduler: Scheduler,
+    allocator: PageAllocator,
+    plan: PoolPlan,
+    state_slots_used: int,
+    held: int,
+    phase: str,
+) -> dict:
+    """A fresh dict each time: handler threads keep reading the previous one while it is built."""
+    return {
+        "running": scheduler.num_running,
+        "waiting": scheduler.num_waiting + held,
+        "held": held,
+        "preemptions": getattr(scheduler, "num_preemptions", 0),
+        "page_size": plan.page_size,
+        "kv_pages_total": allocator.num_pages,
+        "kv_pages_used": allocator.num_used,
+        "kv_pages_free": allocator.num_free,
+        "kv_tokens": plan.kv_tokens,
+        "state_slots_total": plan.state_slots,
+        "state_slots_used": state_slots_used,
+        "state_slots_free": plan.state_slots - state_slots_used,
+        "expert_slots": plan.expert_slots,
+        "residency": plan.residency,
+        "phase": phase,
+    }
+
+
+def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
+    """Cumulative (expert_hits, expert_misses) of the executor."""
+    # NOTE: the ModelExecutor port has no expert statistics; TorchExecutor exposes
+    # cumulative expert_hits / expert_misses, fakes expose nothing (counted as 0).
+    try:
+        return int(getattr(executor, "expert_hits", 0) or 0), int(getattr(executor, "expert_misses", 0) or 0)
+    except Exception:  # a half-built executor (pools being replaced) has no counters
+        return 0, 0
+
+
+class PoolPublisher:
+    """Engine-thread side of the pools snapshot and of the per-step statistics."""
+
+    def __init__(self, stats: ServingStats, executor: ModelExecutor) -> None:
+        self._stats = stats
+        self._executor = executor
+        self.latest: dict = {}  # replaced, never mutated: handler threads read it without a lock
+        self._hits_misses = expert_counters(executor)
+
+    def publish(self, **parts) -> None:
+        """`parts` are pool_snapshot's arguments."""
+        pools = pool_snapshot(**parts)
+        self.latest = pools
+        self._stats.record_pools(pools)
+
+    def reset_expert_counters(self) -> None:
+        """After the executor rebuilt its pools (its counters may have restarted)."""
+        self._hits_misses = expert_counters(self._executor)
+
+    def record_step(self, batch, seconds: float) -> None:
+        before = self._hits_misses
+        self._hits_misses = expert_counters(self._executor)
+        self._stats.record_step(
+            prefill_tokens=batch.num_prefill_tokens,
+            decode_tokens=batch.num_decode_tokens,
+            seconds=seconds,
+            expert_hits=self._hits_misses[0] - before[0],
+            expert_misses=self._hits_misses[1] - before[1],
+        )
+
+    def check_valid(self) -> None:
+        hits, misses = self._hits_misses
+        assert hits >= 0 and misses >= 0, "negative expert counters"

@@ -1,0 +1,217 @@
+"""Live resize of the engine's pools: planning ("auto" sizes, checked against the budget before
+anything is freed), the handler-side blocking call, and the engine-thread side that holds new
+admissions, waits for in-flight requests to drain, swaps the pools and rolls back on failure.
+
+Threading contract: ``resize`` runs on a handler's worker thread and only talks to the engine
+thread through the engine's command queue; everything else runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.model_spec import ModelSpec
+from domain.ports import ModelExecutor
+from domain.resize import ResizePlan, plan_resize
+from domain.scheduler import Scheduler
+
+log = logging.getLogger("fluxtide.engine")  # the engine's log: a resize is an engine event
+
+PHASES = ("ready", "draining", "rebuilding", "error")
+
+
+@dataclass(frozen=True)
+class ResizeOutcome:
+    ok: bool
+    message: str
+    plan: ResizePlan | None = None
+    refusal: PlanRefusal | None = None
+    rolled_back: bool = False
+    waited_s: float = 0.0
+
+
+@dataclass
+class _PendingResize:
+    plan: ResizePlan
+    deadline: float
+    started: float
+    future: concurrent.futures.Future
+
+
+def fill_auto(
+    spec: ModelSpec, budget: GpuBudget, current: PoolPlan, kv_tokens, expert_slots, state_slots
+) -> tuple[int | None, int | None] | PlanRefusal:
+    """"auto" for one pool = whatever the budget leaves once the other pools are sized
+    (the benchmark's `cache --kv N --moe auto`). Pure planning: nothing is touched."""
+    if kv_tokens == "auto" and expert_slots == "auto":
+        raise ValueError("only one of kv_tokens and expert_slots can be 'auto'")
+    if "auto" not in (kv_tokens, expert_slots):
+        return kv_tokens, expert_slots
+    request = PoolRequest(
+        kv_tokens=None if kv_tokens == "auto" else (current.kv_tokens if kv_tokens is None else kv_tokens),
+        expert_slots=None if expert_slots == "auto" else (
+            current.expert_slots if expert_slots is None else expert_slots),
+        state_slots=current.state_slots if state_slots is None else state_slots,
+        kv_reserve_tokens=current.page_size,
+        page_size=current.page_size,
+    )
+    filled = plan_pools(spec, budget, request)
+    if isinstance(filled, PlanRefusal):
+        return filled
+    if kv_tokens == "auto":
+        return filled.kv_tokens, expert_slots
+    return kv_tokens, filled.expert_slots
+
+
+def plan_live_resize(
+    spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens, expert_slots, state_slots
+) -> PlanRefusal | ResizePlan:
+    """The plan a resize would apply from `current`, or why it would refuse. Pure planning."""
+    filled = fill_auto(spec, budget, current, kv_tokens, expert_slots, state_slots)
+    if isinstance(filled, PlanRefusal):
+        return filled
+    kv_tokens, expert_slots = filled
+    return plan_resize(spec, budget, current, kv_tokens=kv_tokens, expert_slots=expert_slots,
+                       state_slots=state_slots)
+
+
+class ResizeCoordinator:
+    """Owns the resize phase, the pending resize and the submissions held while it drains."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        executor: ModelExecutor,
+        clock: Callable[[], float],
+        send: Callable[[tuple], None],  # puts a command on the engine thread's queue
+        admit: Callable[[Any], None],  # admits a held submission (engine thread)
+        install: Callable[[PoolPlan], None],  # adopts the rebuilt pools' plan and allocator
+        report_error: Callable[[str], None],
+        republish: Callable[[], None],  # republishes the pools snapshot, then flushes events
+    ) -> None:
+        self._scheduler = scheduler
+        self._executor = executor
+        self._clock = clock
+        self._send = send
+        self._admit = admit
+        self._install = install
+        self._report_error = report_error
+        self._republish = republish
+        self._lock = threading.Lock()  # one resize at a time, across handler threads
+        self._pending: _PendingResize | None = None
+        self.held: list = []  # submissions parked while a resize drains the engine
+        self.phase = "ready"  # "ready" | "draining" | "rebuilding" | "error"
+
+    @property
+    def active(self) -> bool:
+        return self._pending is not None
+
+    # -- handler side (a worker thread) ----------------------------------------------------------
+    def resize(self, probe: Callable[[], PlanRefusal | ResizePlan], wait_s: float) -> ResizeOutcome:
+        """Blocking. `probe` plans under the lock, so two resizes never plan from the same pools."""
+        if not self._lock.acquire(blocking=False):
+            return ResizeOutcome(ok=False, message="another resize is in progress")
+        try:
+            planned = probe()
+            if isinstance(planned, PlanRefusal):
+                return ResizeOutcome(ok=False, message=planned.message, refusal=planned)
+            started = self._clock()
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._send(("resize", _PendingResize(planned, started + max(0.0, wait_s), started, future)))
+            return future.result()
+        finally:
+            self._lock.release()
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def begin(self, pending: _PendingResize) -> None:
+        self._pending = pending
+        self.phase = "draining"
+
+    def hold(self, live) -> None:
+        """Park a submission until the pending resize ends (it is admitted on the new pools)."""
+        self.held.append(live)
+
+    def drop_held(self, request_id: str) -> bool:
+        """Forget a held submission (aborted before it was admitted); False if none had that id."""
+        for i, held in enumerate(self.held):
+            if held.request.request_id == request_id:
+                del self.held[i]
+                return True
+        return False
+
+    def take_held(self) -> list:
+        held, self.held = self.held, []
+        return held
+
+    def step(self) -> None:
+        """Called once per engine iteration: swap the pools once the engine has drained."""
+        pending = self._pending
+        if pending is None:
+            return
+        now = self._clock()
+        if not self._scheduler.is_idle():
+            if now < pending.deadline:
+                return
+            busy = self._scheduler.num_running + self._scheduler.num_waiting
+            self._end(
+                ResizeOutcome(
+                    ok=False,
+                    message=f"{busy} in-flight request(s) did not finish within the wait; old pools kept",
+                    plan=pending.plan,
+                    waited_s=now - pending.started,
+                )
+            )
+            return
+        self.phase = "rebuilding"
+        target, current = pending.plan.target, pending.plan.current
+        try:
+            self._executor.resize_pools(target)
+        except Exception as exc:
+            log.exception("resize to %s failed; rolling back", target)
+            try:
+                self._executor.resize_pools(current)
+            except Exception as rollback_exc:
+                self.phase = "error"
+                message = f"resize failed ({exc}) and rollback failed ({rollback_exc})"
+                self._report_error(message)
+                pending.future.set_result(ResizeOutcome(False, message, pending.plan))
+                self._pending = None
+                self._release_held()
+                return
+            self._end(
+                ResizeOutcome(False, f"resize failed, old pools restored: {exc}", pending.plan, rolled_back=True)
+            )
+            return
+        self._install(target)
+        self._end(ResizeOutcome(True, "pools rebuilt", pending.plan, waited_s=self._clock() - pending.started))
+
+    def cancel(self, message: str) -> None:
+        """Answer a pending resize without applying it (server shutting down)."""
+        if self._pending is not None:
+            self._pending.future.set_result(ResizeOutcome(False, message))
+            self._pending = None
+
+    def _end(self, outcome: ResizeOutcome) -> None:
+        pending = self._pending
+        self._pending = None
+        self.phase = "ready"
+        self._release_held()
+        self._republish()
+        if pending is not None:
+            pending.future.set_result(outcome)
+
+    def _release_held(self) -> None:
+        for live in self.take_held():
+            self._admit(live)
+
+    def check_valid(self) -> None:
+        """Engine-thread only (or when the thread is stopped)."""
+        assert self.phase in PHASES, f"unknown phase {self.phase!r}"
+        assert self._pending is not None or not self.held, "submissions held with no resize pending"

@@ -1,0 +1,216 @@
+"""Per-request stream bookkeeping for the engine thread: the live table (request id -> its
+stream), the translation of scheduler events into text events, and the outbox that hands those
+events to each handler's asyncio loop.
+
+Threading contract: everything here except the dataclasses is touched ONLY by the engine thread;
+events cross to a handler's event loop in ``flush`` through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from app.detokenize import IncrementalDetokenizer, StopStringMatcher
+from app.stats import ServingStats
+from domain.ports import Tokenizer
+from domain.request import Request, RequestEvent
+from domain.scheduler import Scheduler
+
+log = logging.getLogger("fluxtide.engine")  # the engine's log: these are engine-thread events
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What a handler receives: text released since the last event, and the finish when done."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" on the last event
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
+
+
+@dataclass
+class LiveStream:
+    """One submitted request and the handler-side queue its events go to."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    arrival: float
+    first_token_at: float | None = None
+    generated: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, request: Request, tokenizer: Tokenizer, stop: Sequence[str]) -> LiveStream:
+        """Call inside the handler's event loop: the stream's events are delivered to that loop."""
+        return cls(
+            request=request,
+            loop=asyncio.get_running_loop(),
+            events=asyncio.Queue(),
+            detok=IncrementalDetokenizer(tokenizer),
+            matcher=StopStringMatcher(stop),
+            arrival=request.arrival_time,
+        )
+
+
+def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> StreamEvent:
+    """The next event of a stream; takes (and clears) the logprobs gathered since the last one."""
+    logprobs = tuple(live.pending_logprobs)
+    live.pending_logprobs.clear()
+    return StreamEvent(
+        text=text,
+        token_ids=(),
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        prompt_tokens=len(live.request.prompt_token_ids),
+        completion_tokens=live.generated,
+    )
+
+
+def finish_event(live: LiveStream, reason: str, error: str | None = None) -> StreamEvent:
+    """A last event without new text (abort, error, shutdown)."""
+    event = progress_event(live, "", reason)
+    return StreamEvent(**{**event.__dict__, "error": error})
+
+
+class RequestStreams:
+    """The live table and the outbox of the engine thread."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler,
+        stats: ServingStats,
+        eos_token_ids: frozenset[int],
+        clock: Callable[[], float],
+    ) -> None:
+        self._scheduler = scheduler
+        self._stats = stats
+        self._eos_token_ids = eos_token_ids
+        self._clock = clock
+        self.live: dict[str, LiveStream] = {}
+        self._outbox: list[tuple[LiveStream, StreamEvent]] = []
+
+    def open(self, live: LiveStream) -> None:
+        """Track an admitted request (the scheduler already holds it)."""
+        self.live[live.request.request_id] = live
+
+    def state_slots_used(self) -> int:
+        return sum(1 for live in self.live.values() if live.request.state_slot is not None and not live.request.is_done)
+
+    def on_event(self, event: RequestEvent) -> None:
+        live = self.live.get(event.request_id)
+        if live is None:
+            return
+        now = self._clock()
+        text = ""
+        if event.token_id is not None:
+            live.generated += 1
+            if live.first_token_at is None:
+                live.first_token_at = now
+                self._stats.record_ttft(now - live.arrival)
+            if event.logprob is not None:
+                live.pending_logprobs.append(TokenLogprob(event.token_id, event.logprob, event.top_logprobs))
+            finishing_eos = event.finished and event.finish_reason == "stop" and event.token_id in self._eos_token_ids
+            if not finishing_eos:
+                text = live.matcher.feed(live.detok.push(event.token_id))
+        if live.matcher.stopped and not event.finished:
+            # A stop string ended the text: free the pages and state slot now.
+            self._scheduler.abort(event.request_id)
+            self.live.pop(event.request_id, None)
+            self._stats.record_finished("stop")
+            self.emit(live, progress_event(live, text, "stop"))
+            return
+        if event.finished:
+            self.live.pop(event.request_id, None)
+            reason = "stop" if live.matcher.stopped else (event.finish_reason or "stop")
+            if not live.matcher.stopped:
+                text += live.matcher.feed(live.detok.flush())
+                text += live.matcher.flush()
+            self._stats.record_finished(reason)
+            self.emit(live, progress_event(live, text, reason))
+            return
+        if text or live.pending_logprobs:
+            self.emit(live, progress_event(live, text, None))
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: free its pages and state slot and end its stream."""
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return
+        self._scheduler.abort(request_id)
+        self._stats.record_finished("abort")
+        self.finish(live, "abort")
+
+    def fail_batch(self, batch, message: str) -> None:
+        """End every request of a batch whose model step failed; the others keep running."""
+        for work in batch.works:
+            live = self.live.pop(work.request_id, None)
+            self._scheduler.abort(work.request_id)
+            if live is not None:
+                self._stats.record_finished("error")
+                self.finish(live, "error", message)
+        # Every request of the batch is aborted, so this only clears the in-flight batch.
+        self._scheduler.complete(batch, {})
+
+    def fail_all(self, message: str) -> None:
+        """End every live request with an error (the engine step itself broke)."""
+        for request_id, live in list(self.live.items()):
+            try:
+                self._scheduler.abort(request_id)
+            except Exception:  # the scheduler may be the thing that broke
+                log.exception("abort of %s failed", request_id)
+            self.live.pop(request_id, None)
+            self._stats.record_finished("error")
+            self.finish(live, "error", message)
+
+    def finish(self, live: LiveStream, reason: str, error: str | None = None) -> None:
+        self.emit(live, finish_event(live, reason, error))
+
+    def reject(self, live: LiveStream, message: str) -> None:
+        """A submission the scheduler refused at admission: a 400, nothing was generated."""
+        self.emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, 400))
+
+    def close_all(self, *, held: Iterable[LiveStream], error: str) -> None:
+        """Shutdown: abort every live stream and every submission still held (never admitted)."""
+        for live in [*self.live.values(), *held]:
+            self.finish(live, "abort", error)
+        self.live.clear()
+
+    def emit(self, live: LiveStream, event: StreamEvent) -> None:
+        # NOTE: events wait in the outbox until the pools snapshot is republished, so a client
+        # that sees its finish and then asks /v1/stats already sees its pages and slot freed.
+        self._outbox.append((live, event))
+
+    def flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for live, event in outbox:
+            try:
+                live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+            except RuntimeError:  # the handler's loop is gone (server shutting down)
+                pass
+
+    def check_valid(self) -> None:
+        """Engine-thread only (or when the thread is stopped)."""
+        for request_id, live in self.live.items():
+            assert live.request.request_id == request_id, "live table keyed by the wrong id"
+            assert not live.request.is_done, f"{request_id} finished but still live"
+            live.detok.check_valid()
+            live.matcher.check_valid()
