@@ -145,7 +145,15 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
 
 
 def served_name(settings: ServeSettings) -> str:
-    return settings.served_model_name or Path(settings.model_dir or default_model_dir()).name
+    """--served-model-name, else the model directory's name; the embedded demo model (whose
+    directory is just `checkpoint`) gets a name that says what it is."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    if not settings.model_dir or Path(settings.model_dir).resolve() == Path(default_model_dir()).resolve():
+        from app.demo_model import DEMO_MODEL_NAME
+
+        return DEMO_MODEL_NAME
+    return Path(settings.model_dir).name
 
 
 def _model_info(settings: ServeSettings, spec: ModelSpec, generation_config: dict) -> ModelInfo:

@@ -9,3 +9,6 @@ the path.
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).parent / "checkpoint"
+# The id `ft serve` gives it on /v1/models when no --served-model-name is set (the directory's
+# own name, `checkpoint`, would say nothing to a client).
+DEMO_MODEL_NAME = "fluxtide-demo-arithmetic"

@@ -49,14 +49,14 @@ def client(demo_server):
 
 
 def ask(client, question: str, **kw) -> str:
-    model = kw.pop("model", DEMO_DIR.name)
+    model = kw.pop("model", demo.DEMO_MODEL_NAME)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                        max_tokens=kw.pop("max_tokens", 8), temperature=kw.pop("temperature", 0), **kw)
     return r.choices[0].message.content
 
 
 def test_default_model_is_the_embedded_demo(client):
-    assert [m.id for m in client.models.list()] == [DEMO_DIR.name]
+    assert [m.id for m in client.models.list()] == [demo.DEMO_MODEL_NAME]
     assert ask(client, "What is 19 + 23?").strip() == "42"
 
 
@@ -82,7 +82,7 @@ def test_sixteen_concurrent_greedy_streams_equal_sequential(demo_server):
     questions = [f"What is {i * 7 % 100} - {i * 13 % 100}?" for i in range(16)]
 
     async def stream(client, q):
-        s = await client.chat.completions.create(model=DEMO_DIR.name, messages=[{"role": "user", "content": q}],
+        s = await client.chat.completions.create(model=demo.DEMO_MODEL_NAME, messages=[{"role": "user", "content": q}],
                                                  max_tokens=12, temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True})
         return "".join([c.choices[0].delta.content or "" async for c in s if c.choices])

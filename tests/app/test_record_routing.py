@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from app.demo_model import DEMO_MODEL_NAME
+
 pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
 
 
@@ -38,7 +40,7 @@ def test_serve_record_routing_writes_a_line_per_computed_token(tmp_path):
                 pytest.fail(f"ft serve exited: {proc.stderr.read()}")
             time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-            "model": "checkpoint", "messages": [{"role": "user", "content": "What is 19 + 23?"}],
+            "model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "What is 19 + 23?"}],
             "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
