@@ -36,6 +36,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
+    p.add_argument("--mmap-experts", action="store_true",
+                   help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
     p.add_argument("--log-level", default="info")
 
 
@@ -51,6 +53,7 @@ def _serve(args) -> int:
         settings = ServeSettings(
             model_dir=args.model,
             served_model_name=args.served_model_name,
+            mmap_experts=args.mmap_experts,
             host=args.host,
             port=args.port,
             device=args.device,

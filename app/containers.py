@@ -59,7 +59,8 @@ def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn 
     if progress:
         progress(f"reading {model_dir.name}")
     # NOTE: the loader reports its phases ("expert banks", "dense weights") with their own byte counts.
-    return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress)
+    return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress,
+                           mmap=settings.mmap_experts)
 
 
 def _load_tokenizer(settings: ServeSettings) -> Tokenizer:

@@ -23,6 +23,7 @@ class ServeSettings:
     debug: bool = False
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
     record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
+    mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

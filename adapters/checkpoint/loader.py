@@ -318,7 +318,7 @@ def check_host_memory(need: int, available: int | None, what: str) -> None:
     if available is not None and need > available:
         raise MemoryError(
             f"not enough host RAM: {what} needs {need / GiB:.2f} GiB, {available / GiB:.2f} GiB available "
-            f"(MemAvailable in /proc/meminfo). Load with mmap=True to keep experts memory-mapped from disk, "
+            f"(MemAvailable in /proc/meminfo). Load with mmap=True (ft serve --mmap-experts) to keep experts memory-mapped from disk, "
             f"or free memory."
         )
 

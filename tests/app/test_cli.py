@@ -78,7 +78,7 @@ def test_python_dash_m_app_is_the_ft_command():
     assert out.returncode == 0
     for flag in ("--model", "--port", "--served-model-name", "--max-running-requests", "--max-prefill-length",
                  "--memory-ratio", "--gpu-budget-gib", "--kv-tokens", "--moe-slots", "--kv-reserve-tokens",
-                 "--device", "--api-key"):
+                 "--device", "--api-key", "--mmap-experts"):
         assert flag in out.stdout, flag
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--max-running-requests", "0"],
                          capture_output=True, text=True, timeout=60)

@@ -320,3 +320,19 @@ def test_our_loader_and_torch_executor_answer_the_heldout_questions(one_torch_th
                                                        unseen_system))
     print(f"... after an unseen system message: {accuracy:.4f} of {len(sample)}")
     assert accuracy >= 0.95
+
+
+def test_mmap_experts_serves_from_the_mapped_checkpoint():
+    """`ft serve --mmap-experts`: no expert bank in host RAM (rows built from the mapped files on each
+    miss), same answers, and the expert cache still works through it."""
+    settings = ServeSettings(port=0, device="cpu", mmap_experts=True, moe_slots=8)
+    server = RunningServer(Container(), settings).start(wait_ready=120)
+    try:
+        executor = server.runtime.engine.executor
+        assert executor.bank.rows is None, "mmap mode must not materialise the bank"
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert ask(client, "What is 19 + 23?").strip() == "42"
+        assert ask(client, "What is 7 - 30?").strip() == "-23"
+        assert executor.expert_misses > 0
+    finally:
+        server.stop()
