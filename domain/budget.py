@@ -124,8 +124,8 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
 
     Order of claims: state slots; then the floors of unsized pools (one token's working set of
-    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV. A refusal names the first claim that
-    does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
+    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV.
+    A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
     when experts are explicit or all resident.
     """
     pool = budget.pool_bytes
@@ -150,15 +150,14 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     state_claim = ("state", state_slots * per_state, f"{state_slots} state slots")
     moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
     kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
-    floors = [c for c, explicit in ((moe_claim, slots_explicit), (kv_claim, kv_explicit)) if not explicit]
-    explicits = [c for c, explicit in ((moe_claim, slots_explicit), (kv_claim, kv_explicit)) if explicit]
-    claims = [state_claim, *floors, *explicits]
+    sized = ((moe_claim, slots_explicit), (kv_claim, kv_explicit))
+    claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit)]
     needed = sum(size for _, size, _ in claims)
-    breakdown = " + ".join(f"{what} ({_gib(size)})" for _, size, what in claims)
     if pool <= 0:
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
                                                     f"after weights and fixed caches; need {needed}")
     if needed > pool:
+        breakdown = " + ".join(f"{what} ({_gib(size)})" for _, size, what in claims)
         claimed = 0
         for name, size, _ in claims:
             claimed += size
