@@ -7,7 +7,6 @@ Shape legend: T tokens, H hidden, E experts, K top-k, I expert intermediate.
 import torch
 import torch.nn.functional as F
 
-from adapters.checkpoint.expert_layout import ExpertWeights
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.linear import linear
 
@@ -23,8 +22,10 @@ def route(x: torch.Tensor, router_weight, top_k: int, renormalize: bool) -> tupl
     return weights, ids
 
 
-def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    return linear(F.silu(linear(x, w.gate)) * linear(x, w.up), w.down)  # [T, H]
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for dense or quantized weights: [T, H] -> [T, H]."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: int,
@@ -39,13 +40,12 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, la
     for group in cache.resident_groups(layer, distinct):
         for expert, w in group:
             k_pos, tokens = torch.where((ids == expert).transpose(0, 1))  # [n], [n]
-            y = swiglu_expert(x[tokens], w) * weights[tokens, k_pos, None]  # [n, H] (fp32)
+            y = swiglu(x[tokens], w.gate, w.up, w.down) * weights[tokens, k_pos, None]  # [n, H] (fp32)
             out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 
 def shared_expert(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
     """Qwen3.5's always-on expert, scaled per token by sigmoid(shared_expert_gate(x))."""
-    h = linear(F.silu(linear(x, w[f"{prefix}shared_expert.gate_proj.weight"]))
-               * linear(x, w[f"{prefix}shared_expert.up_proj.weight"]), w[f"{prefix}shared_expert.down_proj.weight"])
+    h = swiglu(x, *(w[f"{prefix}shared_expert.{proj}_proj.weight"] for proj in ("gate", "up", "down")))
     return torch.sigmoid(linear(x, w[f"{prefix}shared_expert_gate.weight"])) * h  # [T, H]
