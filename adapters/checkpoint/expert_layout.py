@@ -124,9 +124,15 @@ class ExpertLayout:
         if row.dtype != torch.uint8 or row.numel() != self.row_bytes:
             raise ValueError(f"pack target must be uint8 [{self.row_bytes}], got {row.dtype} {tuple(row.shape)}")
         by_name = dict(zip(MATRICES, (gate, up, down), strict=True))
-        for seg in self.segments:
+        end = 0
+        for seg in self.segments:  # NOTE: segments are in offset order
+            # zero the alignment padding too: a bank row from an uninitialised buffer must still be
+            # the same bytes for the same weights
+            row[end : seg.offset].zero_()
             src = getattr(by_name[seg.matrix], seg.part).contiguous().reshape(-1).view(torch.uint8)
             row[seg.offset : seg.offset + seg.nbytes].copy_(src)
+            end = seg.offset + seg.nbytes
+        row[end:].zero_()
         return row
 
     def view(self, row: torch.Tensor) -> ExpertWeights:
