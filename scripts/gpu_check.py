@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -213,35 +212,6 @@ def run_parity(device: str, steps: int, record: dict, only: set[str] | None = No
 
 # ---- phase 2: full-size FP8 checkpoint ------------------------------------------------------------
 
-def _install_fast_random_codes(device: str) -> None:
-    """Draw synth's random bytes/normals on the GPU: the CPU generator needs ~20 ms per 1M-element expert
-    matrix (~10 min for 30k of them). Same bit manipulation and on-disk layout, different random source."""
-    from adapters.checkpoint import synth
-
-    if not device.startswith("cuda"):
-        return
-    cuda_gen = torch.Generator(device=device).manual_seed(0)
-    original_codes, original_init = synth.random_qtensor, synth.init_tensor
-
-    def random_qtensor(fmt, rows, cols, gen):
-        from domain.model_spec import WeightFormat
-
-        if fmt != WeightFormat.FP8_BLOCK:
-            return original_codes(fmt, rows, cols, gen)
-        parts = synth.expected_parts(fmt, rows, cols)
-        raw = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, device=device, generator=cuda_gen)
-        data = ((raw & 0x87) | ((((raw >> 3) & 3) + 4) << 3)).cpu().view(torch.float8_e4m3fn)
-        return synth.QTensor(fmt, (rows, cols), data, torch.full(parts["scale"][1], synth.WEIGHT_STD / 0.7))
-
-    def init_tensor(shape, init, gen):
-        if init not in ("linear", "embed") or math.prod(shape) < (1 << 22):
-            return original_init(shape, init, gen)
-        scale = synth.WEIGHT_STD if init == "linear" else 1.0
-        return (torch.randn(shape, device=device, generator=cuda_gen) * scale).bfloat16().cpu()
-
-    synth.random_qtensor, synth.init_tensor = random_qtensor, init_tensor
-
-
 def dense_bytes(ckpt) -> int:
     from adapters.checkpoint.quant import QTensor
 
@@ -272,9 +242,9 @@ def run_full(args, record: dict) -> None:
     if args.reuse and (out_dir / "config.json").exists():
         full["synth_seconds"] = None  # reused an earlier synthesis (dry runs)
     else:
-        _install_fast_random_codes(device)
         t = time.perf_counter()
-        synthesize(out_dir, geometry, "fp8_block", seed=0, tokenizer=False, progress=True)
+        # random codes drawn on the GPU: the CPU generator needs ~10 min for the full model
+        synthesize(out_dir, geometry, "fp8_block", seed=0, tokenizer=False, progress=True, device=device)
         full["synth_seconds"] = round(time.perf_counter() - t, 1)
     full["disk_bytes"] = sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))
     _save(args, record)

@@ -85,20 +85,22 @@ def layer_tensors(g: Geometry, layer: int, kind: str) -> Iterator[tuple[str, tup
 
 
 def init_tensor(shape: tuple[int, ...], init: str, gen: torch.Generator) -> torch.Tensor:
+    """Random init drawn on the generator's device (the writer moves every tensor to the host)."""
+    device = gen.device
     if init == "linear":
-        return torch.randn(shape, generator=gen) * WEIGHT_STD
+        return torch.randn(shape, generator=gen, device=device) * WEIGHT_STD
     if init == "embed":
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen, device=device)
     if init == "zero_norm":
-        return torch.randn(shape, generator=gen) * 0.1
+        return torch.randn(shape, generator=gen, device=device) * 0.1
     if init == "one_norm":
-        return 1.0 + torch.randn(shape, generator=gen) * 0.1
+        return 1.0 + torch.randn(shape, generator=gen, device=device) * 0.1
     if init == "a_log":
-        return torch.log(torch.empty(shape).uniform_(1, 16, generator=gen))
+        return torch.log(torch.empty(shape, device=device).uniform_(1, 16, generator=gen))
     if init == "ones":
         return torch.ones(shape)
     if init == "conv":
-        return torch.randn(shape, generator=gen) * 0.2
+        return torch.randn(shape, generator=gen, device=device) * 0.2
     raise ValueError(init)
 
 
@@ -112,7 +114,7 @@ def _every_byte(b: int) -> int:
 def random_words(numel: int, gen: torch.Generator) -> torch.Tensor:
     """int64 [ceil(numel/8)] of uniform random bits: 8 random bytes per draw, so the byte-wise
     bit tricks below run on 8 bytes per element (the full geometry draws ~32 GB)."""
-    words = torch.empty(-(-numel // 8), dtype=torch.int64).random_(generator=gen)
+    words = torch.empty(-(-numel // 8), dtype=torch.int64, device=gen.device).random_(generator=gen)
     words ^= (words & _every_byte(0x01)) << 7  # random_ leaves each word's top bit 0; refill it
     return words
 
@@ -128,7 +130,7 @@ def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator
     """A valid QTensor whose dequantized values have std of order WEIGHT_STD, without floats."""
     parts = expected_parts(fmt, rows, cols)
     if fmt == WeightFormat.BF16:
-        return QTensor(fmt, (rows, cols), (torch.randn(rows, cols, generator=gen) * WEIGHT_STD).bfloat16())
+        return QTensor(fmt, (rows, cols), (torch.randn(rows, cols, generator=gen, device=gen.device) * WEIGHT_STD).bfloat16())
     data_shape = parts["data"][1]
     words = random_words(data_shape[0] * data_shape[1], gen)
     scale_shape = parts["scale"][1]
@@ -143,7 +145,7 @@ def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator
         data = raw.view(torch.int8).clamp_(min=-127)
         return QTensor(fmt, (rows, cols), data, torch.full(scale_shape, WEIGHT_STD / 73.0))
     if fmt == WeightFormat.NVFP4:
-        scale = torch.empty(scale_shape).uniform_(0.5, 1.0, generator=gen).to(torch.float8_e4m3fn)
+        scale = torch.empty(scale_shape, device=gen.device).uniform_(0.5, 1.0, generator=gen).to(torch.float8_e4m3fn)
         glob = torch.tensor([2.0**-7])
         return QTensor(fmt, (rows, cols), raw, scale, glob)
     if fmt == WeightFormat.MXFP4:
@@ -168,7 +170,7 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
             self.flush()
-        self.pending[name] = tensor.contiguous()
+        self.pending[name] = tensor.contiguous().cpu()  # random draws may come from a GPU generator
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
@@ -234,8 +236,9 @@ class _TensorMaker:
                 out.append((self.prefix + name, init_tensor(shape, init, gen).to(dtype)))
         h, i, p = g.hidden_size, g.moe_intermediate_size, f"layers.{layer}.mlp.experts"
         if experts == "fused":
-            gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen) * WEIGHT_STD).bfloat16()  # [E, 2I, H]
-            down = (torch.randn(g.num_experts, h, i, generator=gen) * WEIGHT_STD).bfloat16()  # [E, H, I]
+            gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen, device=gen.device)
+                       * WEIGHT_STD).bfloat16()  # [E, 2I, H]
+            down = (torch.randn(g.num_experts, h, i, generator=gen, device=gen.device) * WEIGHT_STD).bfloat16()  # [E, H, I]
             return out + [(f"{self.prefix}{p}.gate_up_proj", gate_up), (f"{self.prefix}{p}.down_proj", down)]
         for e in range(g.num_experts):
             out += self.linear(f"{p}.{e}.gate_proj.weight", (i, h), fmt != "bf16", gen)
@@ -275,12 +278,18 @@ def synthesize(
     direct: bool | None = None,
     progress: bool = False,
     float_weights: dict[str, torch.Tensor] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write config.json, safetensors shards (+ index), generation_config.json and, with
     `tokenizer`, tokenizer.json + tokenizer_config.json into `out_dir`. Returns out_dir.
 
     `float_weights`, when given, receives the float original of every quantized linear (keyed
     by its on-disk base name) so tests can measure the quantization error end to end.
+
+    `device` is where the random codes of the direct (large-geometry) path are drawn: the CPU
+    generator needs ~20 ms per 1M-element matrix (~10 min for the full model's 30k expert
+    matrices), a CUDA one a fraction of that. A seed reproduces a checkpoint on the same device
+    kind only. The quantize-from-float path (small geometries) always runs on the CPU.
     """
     g = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
     if fmt not in FORMATS:
@@ -298,13 +307,14 @@ def synthesize(
     writer = ShardWriter(out, shard_bytes)
     started = time.monotonic()
     make = _TensorMaker(g, fmt, prefix, direct, float_weights)
-    gen = torch.Generator().manual_seed(seed)
+    draw_on = device if direct else "cpu"
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
     for name, t in make.embeddings(gen):
         writer.add(name, t)
     if direct:
         # independent per-layer generators: layers are built in parallel and still deterministic;
         # at most 4 layers in flight (~0.8 GB each in FP8) bound the RSS
-        layers = _ordered_parallel(lambda layer: make.layer(layer, experts, torch.Generator().manual_seed(
+        layers = _ordered_parallel(lambda layer: make.layer(layer, experts, torch.Generator(draw_on).manual_seed(
             seed * 1_000_003 + layer + 1)), g.num_hidden_layers, workers=max(1, min(4, (os.cpu_count() or 2) - 1)))
     else:
         layers = (make.layer(layer, experts, gen) for layer in range(g.num_hidden_layers))
@@ -344,14 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GiB")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the geometry's vocabulary")
     parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--device", default="cpu",
+                        help="where to draw the random weights of large geometries (cpu | cuda | cuda:N)")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: no such device here (cpu, or cuda on a CUDA host)")
     g = GEOMETRIES[args.geometry]
     if args.vocab_size:
         g = replace(g, vocab_size=args.vocab_size)
     _check_divisible(g, args.fmt)
     started = time.monotonic()
     synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
-               shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True)
+               shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True,
+               device=args.device)
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
     print(f"wrote {args.out} ({args.geometry}, {args.fmt}): {size / 2**30:.2f} GiB in "
           f"{time.monotonic() - started:.1f}s")

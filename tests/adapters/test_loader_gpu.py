@@ -37,3 +37,13 @@ def test_pinned_bank_and_cuda_qlinear_match_cpu(fmt, tmp_path):
     ref = qlinear(h.float(), on_cpu.down)
     got = qlinear(h.cuda(), on_gpu.down).float().cpu()
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_synth_draws_large_geometry_codes_on_the_gpu(fmt, tmp_path):
+    out = synthesize(tmp_path, TINY, fmt, seed=3, tokenizer=False, direct=True, device="cuda")
+    ckpt = load_checkpoint(out, progress=False)  # written through the host, loads like any other
+    weights = ckpt.experts.weights(1, 2)
+    from adapters.checkpoint.quant import dequantize
+
+    assert torch.isfinite(dequantize(weights.down)).all()
