@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -38,3 +39,9 @@ class ServeSettings:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.record_routing is not None:
+            # NOTE: checked before the model loads; otherwise the bad path surfaces only as a load error
+            folder = os.path.dirname(os.path.abspath(self.record_routing))
+            if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+                raise ValueError(f"--record-routing {self.record_routing}: folder {folder} does not exist "
+                                 "or is not writable")

@@ -83,3 +83,9 @@ def test_python_dash_m_app_is_the_ft_command():
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--max-running-requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "max-running-requests" in bad.stderr
+
+
+def test_serve_refuses_a_routing_trace_path_it_cannot_write(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--record-routing", str(tmp_path / "no" / "t.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--record-routing" in bad.stderr and "does not exist" in bad.stderr
