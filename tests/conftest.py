@@ -5,6 +5,16 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Triton kernels run in Triton's interpreter where there is no CUDA device (tiny shapes, CPU CI). Set
+# before any kernel module is imported: triton.jit reads it at decoration time. A GPU host leaves it unset.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 # NOTE: "ci" is the default; state machines set their own max_examples (hundreds) explicitly.
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=20)

@@ -1,0 +1,1 @@
+"""Graph-captured CUDA executor: device-side expert residency, Triton kernels, CUDA graphs."""

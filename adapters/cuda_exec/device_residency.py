@@ -1,0 +1,275 @@
+"""Expert residency kept on the device: the (layer, expert) -> slot table, the slot -> key table, LRU
+stamps and pins are tensors, and a lookup is a fixed sequence of tensor ops with no host round trip, so
+it can run inside a captured CUDA graph.
+
+`domain.residency.ExpertResidency` is the specification; this class makes the same decisions, lookup
+for lookup (tests/contracts/ runs the differential contract against it on the CPU).
+
+Shape legend: L layers, E experts per layer, S slots, n keys of one lookup (duplicates and padding
+included); a flat key is layer * E + expert (the host bank's row index), -1 means "no key" (padding).
+
+How the LRU order is encoded: every slot carries a stamp. A resident key's stamp is the logical time of
+its last use (>= 0); an empty slot's stamp is slot - S (< 0), so ordering slots by stamp lists the empty
+slots first, lowest first (the domain's min-heap of free slots; slots only become free all at once, on
+resize), then resident keys least recently used first. A lookup's victims are therefore the n smallest
+stamps among slots that are neither pinned nor holding a requested key; the domain takes free slots
+first and then LRU keys, in that same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adapters.kernels.residency_lookup import layer_lookup
+from domain.residency import Lookup, ResidencyExhausted
+
+NO_KEY = -1
+_NEVER = torch.iinfo(torch.int64).max  # stamp of a slot that can not be a victim in this lookup
+
+
+@dataclass(frozen=True)
+class DeviceLookup:
+    """A lookup's decisions as device tensors (nothing copied to the host).
+
+    slots: int64 [n], the slot of each requested key (-1 for padding)
+    fill_keys: int64 [n], flat keys to copy from the host bank, in request order, then -1
+    fill_slots: int64 [n], the slot each fill_keys entry goes to (-1 where fill_keys is -1)
+    evicted: int64 [n], flat keys that lost their slot, in eviction order, then -1
+    """
+
+    slots: torch.Tensor
+    fill_keys: torch.Tensor
+    fill_slots: torch.Tensor
+    evicted: torch.Tensor
+
+
+class DeviceResidency:
+    """The global LRU over (layer, expert) keys, as tensors on `device`."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int, device: torch.device | str = "cpu"):
+        if min(num_layers, num_experts) <= 0:
+            raise ValueError(f"need at least one layer and expert, got {num_layers} x {num_experts}")
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.device = torch.device(device)
+        # cumulative counters live on the device (one host read when someone asks)
+        self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # hits, misses, evictions
+        self._reset(num_slots)
+
+    def _reset(self, num_slots: int) -> None:
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
+            raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
+        dev, keys = self.device, self.num_layers * self.num_experts
+        self.num_slots = num_slots
+        # NOTE: one extra entry at index `keys` is a sink: scatters of padding write there.
+        self.slot_of_key = torch.full((keys + 1,), -1, dtype=torch.int64, device=dev)  # [L*E + 1]
+        self.key_of_slot = torch.full((num_slots + 1,), NO_KEY, dtype=torch.int64, device=dev)  # [S + 1]
+        self.stamp = torch.arange(-num_slots, 1, dtype=torch.int64, device=dev)  # [S + 1], last = sink
+        self.pinned = torch.zeros(num_slots + 1, dtype=torch.bool, device=dev)  # [S + 1]
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+
+    # ---- the device-side lookup ------------------------------------------------------------------------
+    def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True) -> DeviceLookup:
+        """Look up flat keys [n] (int, -1 = padding) in request order, entirely with tensor ops.
+
+        The caller guarantees the lookup fits (`can_lookup`); inside a captured graph nothing can be
+        refused, so the decode step sizes its batch buckets so that it always does (S >= n, no pins
+        held by others). pin=False skips pinning (a lookup released before the next one).
+        """
+        keys = flat_keys.to(device=self.device, dtype=torch.int64).reshape(-1)  # [n]
+        n, sink_key, sink_slot = keys.shape[0], self.slot_of_key.shape[0] - 1, self.num_slots
+        if n == 0:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return DeviceLookup(empty, empty, empty, empty)
+        valid = keys >= 0  # [n]
+        # first occurrence of each key in request order (duplicates collapse like dict.fromkeys)
+        idx = torch.arange(n, device=self.device)
+        same = (keys[:, None] == keys[None, :]) & (idx[None, :] < idx[:, None])  # [n, n] j < i, same key
+        distinct = valid & ~same.any(dim=1)  # [n]
+        safe = torch.where(valid, keys, sink_key)  # [n]
+        slot_before = self.slot_of_key[safe]  # [n]
+        hit = distinct & (slot_before >= 0)  # [n]
+        miss = distinct & (slot_before < 0)  # [n]
+        # victims: smallest stamps among slots not pinned and not holding a requested key
+        blocked = self.pinned.clone()  # [S + 1]
+        blocked[torch.where(hit, slot_before, sink_slot)] = True
+        blocked[sink_slot] = True
+        candidates = torch.where(blocked, _NEVER, self.stamp)  # [S + 1]
+        k = min(n, self.num_slots)
+        victims = torch.topk(candidates, k, largest=False, sorted=True).indices if k else candidates[:0]  # [k]
+        victims = torch.cat((victims, torch.full((n - k,), sink_slot, dtype=torch.int64, device=self.device)))
+        miss_rank = torch.cumsum(miss.to(torch.int64), 0) - 1  # [n]
+        fill_slot = torch.where(miss, victims[miss_rank.clamp(min=0)], sink_slot)  # [n]
+        old_key = self.key_of_slot[fill_slot]  # [n] key evicted by each fill (-1: the slot was empty)
+        evicting = miss & (old_key >= 0)  # [n]
+        # table updates: evicted keys leave, filled keys arrive, every requested key becomes MRU in order
+        self.slot_of_key[torch.where(evicting, old_key, sink_key)] = -1
+        self.slot_of_key[torch.where(miss, safe, sink_key)] = fill_slot
+        self.key_of_slot[fill_slot] = torch.where(miss, safe, NO_KEY)
+        slot_after = torch.where(valid, self.slot_of_key[safe], -1)  # [n]
+        distinct_rank = torch.cumsum(distinct.to(torch.int64), 0) - 1  # [n]
+        touched = torch.where(distinct, slot_after, sink_slot)  # [n]
+        self.stamp[touched] = self.clock + distinct_rank
+        self.stamp[sink_slot] = 0
+        self.key_of_slot[sink_slot] = NO_KEY
+        self.clock += distinct.sum()
+        if pin:
+            self.pinned[touched] = True
+            self.pinned[sink_slot] = False
+        self._counters += torch.stack((hit.sum(), miss.sum(), evicting.sum()))
+        fill_order = _compact(miss, n)  # [n] positions of misses first, in request order
+        evict_order = _compact(evicting, n)
+        return DeviceLookup(
+            slots=slot_after,
+            fill_keys=torch.where(miss[fill_order], safe[fill_order], -1),
+            fill_slots=torch.where(miss[fill_order], fill_slot[fill_order], -1),
+            evicted=torch.where(evicting[evict_order], old_key[evict_order], -1),
+        )
+
+    def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode step's lookup: layer `layer`'s experts ids [T, K] of rows with valid [T] True, in
+        ascending expert order, released at once (no pins kept), in one kernel launch.
+
+        Returns (fill_keys int64 [T*K], fill_slots int64 [T*K], slot_ids int32 [T, K]): the misses to
+        gather (then -1) and every entry's slot (-1 for invalid rows). Needs T*K <= S and no pinned keys.
+        """
+        t, k = ids.shape
+        fill_keys = torch.empty(t * k, dtype=torch.int64, device=self.device)
+        fill_slots = torch.empty(t * k, dtype=torch.int64, device=self.device)
+        slot_ids = torch.empty((t, k), dtype=torch.int32, device=self.device)
+        layer_lookup(ids.contiguous().to(torch.int64), valid, layer * self.num_experts, self.slot_of_key,
+                     self.key_of_slot, self.stamp, self.clock, self._counters, fill_keys, fill_slots, slot_ids,
+                     self.num_slots)
+        return fill_keys, fill_slots, slot_ids
+
+    def release_all(self) -> None:
+        self.pinned.zero_()
+
+    # ---- the ExpertResidency surface (host-facing; these synchronise) -----------------------------------
+    def _flat(self, keys) -> torch.Tensor:
+        flat = []
+        for key in keys:
+            if (not isinstance(key, tuple) or len(key) != 2
+                    or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in key)):
+                raise ValueError(f"expert key must be a (layer, expert) tuple of non-negative ints, got {key!r}")
+            layer, expert = key
+            if layer >= self.num_layers or expert >= self.num_experts:
+                raise ValueError(f"expert key {key} outside {self.num_layers} layers x {self.num_experts} experts")
+            flat.append(layer * self.num_experts + expert)
+        return torch.tensor(flat, dtype=torch.int64, device=self.device)
+
+    def _key(self, flat: int) -> tuple[int, int]:
+        return divmod(int(flat), self.num_experts)
+
+    def can_lookup(self, keys) -> bool:
+        flat = self._flat(keys).unique()
+        if flat.numel() == 0:
+            return True
+        slots = self.slot_of_key[flat]
+        pinned_requested = int((self.pinned[slots.clamp(min=0)] & (slots >= 0)).sum())
+        pinned_by_others = int(self.pinned[: self.num_slots].sum()) - pinned_requested
+        return flat.numel() <= self.num_slots - pinned_by_others
+
+    def lookup(self, keys) -> Lookup:
+        keys = list(keys)
+        if not self.can_lookup(keys):
+            raise ResidencyExhausted(f"lookup of {len(set(keys))} distinct experts cannot fit in "
+                                     f"{self.num_slots} slots with {int(self.pinned.sum())} pinned")
+        flat = self._flat(keys)
+        slot_before = self.slot_of_key[flat].tolist() if flat.numel() else []
+        found = self.lookup_flat(flat)
+        seen: set[int] = set()
+        hits = []
+        for f, s in zip(flat.tolist(), slot_before, strict=True):
+            if f not in seen and s >= 0:
+                hits.append(self._key(f))
+            seen.add(f)
+        fills = [(self._key(k), s) for k, s in zip(found.fill_keys.tolist(), found.fill_slots.tolist(), strict=True)
+                 if k >= 0]
+        return Lookup(slots=tuple(found.slots.tolist()), hits=tuple(hits), fills=tuple(fills),
+                      evicted=tuple(self._key(k) for k in found.evicted.tolist() if k >= 0))
+
+    def release(self, keys=None) -> None:
+        if keys is None:
+            self.release_all()
+            return
+        flat = self._flat(list(keys))
+        if flat.numel() == 0:
+            return
+        slots = self.slot_of_key[flat]
+        if bool(((slots < 0) | ~self.pinned[slots.clamp(min=0)]).any()):
+            raise ValueError(f"release of expert keys that are not pinned: {list(keys)}")
+        self.pinned[slots] = False
+
+    def slot_of(self, key: tuple[int, int]) -> int | None:
+        slot = int(self.slot_of_key[self._flat([key])[0]])
+        return None if slot < 0 else slot
+
+    def is_pinned(self, key: tuple[int, int]) -> bool:
+        slot = self.slot_of(key)
+        return slot is not None and bool(self.pinned[slot])
+
+    def can_resize(self, num_slots: int) -> bool:
+        return (isinstance(num_slots, int) and not isinstance(num_slots, bool) and num_slots >= 0
+                and not bool(self.pinned.any()))
+
+    def resize(self, num_slots: int) -> None:
+        """Rebuild with `num_slots` empty slots (counters survive). Refused while keys are pinned."""
+        if bool(self.pinned.any()):
+            raise RuntimeError("cannot resize expert residency while keys are pinned")
+        self._reset(num_slots)
+
+    @property
+    def hits(self) -> int:
+        return int(self._counters[0])
+
+    @property
+    def misses(self) -> int:
+        return int(self._counters[1])
+
+    @property
+    def evictions(self) -> int:
+        return int(self._counters[2])
+
+    def counters(self) -> tuple[int, int, int]:
+        """(hits, misses, evictions) with one host read."""
+        h, m, e = self._counters.tolist()
+        return h, m, e
+
+    def check_valid(self) -> None:
+        s = self.num_slots
+        slot_of = self.slot_of_key[:-1].tolist()
+        key_of = self.key_of_slot[:s].tolist()
+        stamp = self.stamp[:s].tolist()
+        for key, slot in enumerate(slot_of):
+            if slot >= 0:
+                assert slot < s, f"key {self._key(key)} maps to out-of-range slot {slot}"
+                assert key_of[slot] == key, f"slot {slot} does not point back to {self._key(key)}"
+        for slot, key in enumerate(key_of):
+            if key == NO_KEY:
+                assert stamp[slot] == slot - s, f"empty slot {slot} has stamp {stamp[slot]}"
+            else:
+                assert slot_of[key] == slot, f"slot {slot} holds {self._key(key)}, which maps elsewhere"
+                assert 0 <= stamp[slot] < int(self.clock), f"slot {slot} stamp {stamp[slot]} not in the past"
+        used = [st for st, k in zip(stamp, key_of, strict=True) if k != NO_KEY]
+        assert len(set(used)) == len(used), "two resident keys share a stamp"
+        assert not bool(self.pinned[s]), "the sink slot is pinned"
+        assert all(key_of[i] != NO_KEY for i in range(s) if bool(self.pinned[i])), "an empty slot is pinned"
+        hits, misses, evictions = self.counters()
+        assert min(hits, misses, evictions) >= 0 and evictions <= misses, "bad counters"
+
+    def lru_order(self) -> tuple[tuple[int, int], ...]:
+        key_of = self.key_of_slot[: self.num_slots].tolist()
+        stamp = self.stamp[: self.num_slots].tolist()
+        used = sorted((st, k) for st, k in zip(stamp, key_of, strict=True) if k != NO_KEY)
+        return tuple(self._key(k) for _, k in used)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.slot_of_key, self.key_of_slot, self.stamp, self.pinned))
+
+
+def _compact(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions [n]: those where mask is true first (in order), then the rest (a stable partition)."""
+    return torch.argsort((~mask).to(torch.int8), stable=True)

@@ -1,0 +1,117 @@
+"""One layer's expert lookup in the device-side LRU, as one single-program kernel: the decode step's
+whole residency bookkeeping for a layer (hits, victims, table updates, the miss list, each token's slot)
+without a host round trip and in one launch instead of dozens of small torch ops.
+
+Shape legend: T rows (padded decode batch), K top-k, n = T*K keys, S slots, L*E flat keys.
+
+Decisions are those of domain.residency.ExpertResidency for a lookup of the layer's distinct experts in
+ascending order followed by a release (what the reference executor does per layer):
+1. every distinct requested key that is resident (a hit) becomes most recently used, in ascending order;
+2. misses, in ascending order, take the slot with the smallest stamp: empty slots first (stamp slot - S,
+   lowest slot first), then the least recently used key; each filled key becomes most recently used.
+Because a hit is stamped (clock + its rank) before any victim is chosen, and a chosen victim is stamped
+at once, "the smallest stamp" never picks a requested key: the scan needs no exclusion list.
+The victim scan runs once per miss, so a step without misses costs no scan at all.
+Tables (adapters/cuda_exec/device_residency.py): slot_of_key int64 [L*E+1], key_of_slot int64 [S+1],
+stamp int64 [S+1], clock int64 [1], counters int64 [3] (hits, misses, evictions).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_STAMP = tl.constexpr(2**62)
+
+
+@triton.jit
+def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
+                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    offs = tl.arange(0, BLOCK_N)
+    in_range = offs < n
+    row_valid = tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
+    valid = in_range & row_valid
+    key = tl.where(valid, ids + base, -1)  # [BN]
+    # pairwise: first occurrences (distinct), rank among distinct keys in ascending order
+    key_i = key[:, None]
+    key_j = key[None, :]
+    earlier = offs[None, :] < offs[:, None]
+    valid_j = valid[None, :]
+    dup = tl.sum((valid_j & (key_j == key_i) & earlier).to(tl.int32), axis=1) > 0
+    distinct = valid & ~dup  # [BN]
+    distinct_j = distinct[None, :]
+    rank = tl.sum((distinct_j & (key_j < key_i)).to(tl.int32), axis=1)  # [BN] by value: duplicates share it
+    slot_before = tl.load(slot_of_ptr + key, mask=valid, other=-1)
+    hit = distinct & (slot_before >= 0)
+    miss = distinct & (slot_before < 0)
+    miss_j = miss[None, :]
+    miss_rank = tl.sum((miss_j & (key_j < key_i)).to(tl.int32), axis=1)  # [BN]
+    n_distinct = tl.sum(distinct.to(tl.int32), axis=0)
+    n_miss = tl.sum(miss.to(tl.int32), axis=0)
+    clock = tl.load(clock_ptr)
+    # 1. hits become most recently used (in ascending key order)
+    tl.store(stamp_ptr + slot_before, clock + rank, mask=hit)
+    tl.store(fill_keys_ptr + offs, tl.full((BLOCK_N,), -1, tl.int64), mask=in_range)
+    tl.store(fill_slots_ptr + offs, tl.full((BLOCK_N,), -1, tl.int64), mask=in_range)
+    tl.debug_barrier()
+    # 2. each miss takes the slot with the smallest stamp
+    evictions = n_miss * 0
+    for m in range(0, n_miss):
+        best_val = clock * 0 + MAX_STAMP
+        best_idx = n_miss * 0
+        for s0 in range(0, S, BLOCK_S):
+            s_offs = s0 + tl.arange(0, BLOCK_S)
+            vals = tl.load(stamp_ptr + s_offs, mask=s_offs < S, other=MAX_STAMP)
+            local = tl.min(vals, axis=0)
+            local_idx = s0 + tl.argmin(vals, axis=0)
+            better = local < best_val
+            best_idx = tl.where(better, local_idx, best_idx)
+            best_val = tl.where(better, local, best_val)
+        this = miss & (miss_rank == m)
+        key_m = tl.sum(tl.where(this, key, 0), axis=0)
+        rank_m = tl.sum(tl.where(this, rank, 0), axis=0)
+        victim = best_idx.to(tl.int64)
+        old = tl.load(key_of_ptr + victim)
+        if old >= 0:
+            tl.store(slot_of_ptr + old, -1)
+            evictions += 1
+        tl.store(slot_of_ptr + key_m, victim)
+        tl.store(key_of_ptr + victim, key_m)
+        tl.store(stamp_ptr + victim, clock + rank_m)
+        tl.store(fill_keys_ptr + m, key_m)
+        tl.store(fill_slots_ptr + m, victim)
+        tl.debug_barrier()
+    # 3. every entry's slot (duplicates and padding included), the clock and the counters
+    slot_after = tl.load(slot_of_ptr + key, mask=valid, other=-1)
+    tl.store(slot_ids_ptr + offs, slot_after.to(tl.int32), mask=in_range)
+    tl.store(clock_ptr, clock + n_distinct)
+    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(counters_ptr, tl.load(counters_ptr) + n_hit)
+    tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_miss)
+    tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + evictions)
+
+
+def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
+                 key_of_slot: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor, counters: torch.Tensor,
+                 fill_keys: torch.Tensor, fill_slots: torch.Tensor, slot_ids: torch.Tensor, num_slots: int) -> None:
+    """Look up the experts `ids` [T, K] (rows with valid [T] False route nowhere) of the layer whose
+    flat keys start at `base` (= layer * E); writes fill_keys/fill_slots int64 [T*K] (misses in
+    ascending key order, then -1) and slot_ids int32 [T, K] (-1 for padded rows), updates the tables.
+
+    The caller guarantees T*K <= num_slots and no pinned slots (the decode step's buckets do).
+    """
+    t, k = ids.shape
+    n = t * k
+    assert valid.shape == (t,) and valid.dtype == torch.bool, f"valid must be bool [{t}], got {valid.dtype} {tuple(valid.shape)}"
+    assert ids.is_contiguous() and ids.dtype == torch.int64, "ids must be contiguous int64 [T, K]"
+    assert fill_keys.shape == fill_slots.shape == (n,), f"fill lists must be [{n}]"
+    assert slot_ids.shape == (t, k) and slot_ids.dtype == torch.int32 and slot_ids.is_contiguous()
+    assert n <= num_slots, f"{n} keys cannot all be resident in {num_slots} slots"
+    assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
+    if n == 0:
+        return
+    block_n = max(16, triton.next_power_of_2(n))
+    _layer_lookup_kernel[(1,)](ids, valid, slot_of_key, key_of_slot, stamp, clock, counters, fill_keys, fill_slots,
+                               slot_ids, n, base, num_slots, K=k, BLOCK_N=block_n, BLOCK_S=1024,
+                               num_warps=8 if block_n >= 64 else 4)

@@ -1,0 +1,57 @@
+"""RMSNorm of the Qwen3 family, optionally fused with the residual add before it, in one launch.
+
+Shape legend: R rows (tokens, or tokens x heads for q/k norms), D normalised width.
+
+Numerics follow adapters/torch_exec/norms.py exactly: the residual sum is rounded to the activations'
+dtype (as a torch add is), statistics in fp32; unit_offset (Qwen3.5) scales by (1 + w) in fp32 before
+the cast, the plain form (Qwen3) casts first and multiplies by w in the activations' dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, D, eps, HAS_RES: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * D + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / D
+    xn = xf * tl.rsqrt(var + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        y = xn * (1.0 + w)
+    else:
+        y = xn.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)) for x [..., D] (residual None: (x, norm(x))), in x.dtype.
+
+    weight [D] (any float dtype). Raises ValueError on mismatched shapes.
+    """
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must be [{d}], got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    x2 = x.reshape(-1, d).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if residual is not None else x2
+    if rows:
+        res = residual.reshape(-1, d).contiguous() if residual is not None else x2
+        _rms_norm_kernel[(rows,)](x2, res, weight, total, out, d, eps, HAS_RES=residual is not None,
+                                  UNIT_OFFSET=unit_offset, BLOCK_D=triton.next_power_of_2(d),
+                                  num_warps=4 if d <= 2048 else 8)
+    return total.view(x.shape), out.view(x.shape)

@@ -1,0 +1,81 @@
+"""DeviceResidency (the slot table as tensors) against the domain LRU specification: the shared
+differential contract, plus layer-style lookups with padding as the decode step issues them."""
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.cuda_exec.device_residency import DeviceResidency
+from domain.residency import ExpertResidency
+from tests.contracts.residency_contract import lookup_decisions, residency_contract_machine
+
+LAYERS, EXPERTS = 3, 5
+
+TestDeviceResidencyContract = residency_contract_machine(
+    lambda num_slots: DeviceResidency(num_slots, LAYERS, EXPERTS)).TestCase
+TestDeviceResidencyContract.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_slots=st.integers(8, 24), seed=st.integers(0, 2**31 - 1))
+def test_layer_lookups_with_padding_match_the_domain(num_slots, seed):
+    """The decode pattern: per layer, top-k ids of a padded batch, sorted distinct order, no pins kept.
+    Padded rows (-1) never route, never miss and never evict."""
+    rng = random.Random(seed)
+    layers, experts, top_k = 4, 12, 2
+    ref, dev = ExpertResidency(num_slots), DeviceResidency(num_slots, layers, experts)
+    for _step in range(12):
+        batch = rng.randint(1, 4)
+        padded = 4
+        for layer in range(layers):
+            ids = [[rng.randrange(experts) for _ in range(top_k)] for _ in range(batch)]
+            distinct = sorted({e for row in ids for e in row})
+            expected = ref.lookup([(layer, e) for e in distinct])
+            ref.release()
+            flat = torch.full((padded * top_k,), -1, dtype=torch.int64)
+            flat[: len(distinct)] = torch.tensor([layer * experts + e for e in distinct])
+            found = dev.lookup_flat(flat, pin=False)
+            fills = [(divmod(k, experts), s) for k, s in zip(found.fill_keys.tolist(), found.fill_slots.tolist(),
+                                                               strict=True) if k >= 0]
+            assert fills == list(expected.fills)
+            assert [divmod(k, experts) for k in found.evicted.tolist() if k >= 0] == list(expected.evicted)
+            assert found.slots.tolist()[: len(distinct)] == list(expected.slots)
+            assert found.slots.tolist()[len(distinct):] == [-1] * (padded * top_k - len(distinct))
+    assert (dev.hits, dev.misses, dev.evictions) == (ref.hits, ref.misses, ref.evictions)
+    assert dev.lru_order() == ref.lru_order()
+    dev.check_valid()
+
+
+def test_lookup_decisions_are_plain_tuples():
+    dev = DeviceResidency(2, LAYERS, EXPERTS)
+    got = lookup_decisions(dev.lookup([(0, 1), (0, 1), (2, 4)]))
+    assert got == ((0, 0, 1), (), (((0, 1), 0), ((2, 4), 1)), ())
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_slots=st.integers(8, 20), seed=st.integers(0, 2**31 - 1))
+def test_layer_lookup_kernel_matches_the_domain(num_slots, seed):
+    """The one-launch lookup kernel (Triton's interpreter here) against the domain LRU: fills, evictions,
+    every entry's slot (duplicates and padded rows included), counters and the LRU order."""
+    rng = random.Random(seed)
+    layers, experts, top_k, rows = 3, 10, 2, 4
+    ref, dev = ExpertResidency(num_slots), DeviceResidency(num_slots, layers, experts)
+    for _step in range(6):
+        live = rng.randint(1, rows)
+        for layer in range(layers):
+            ids = torch.tensor([[rng.randrange(experts) for _ in range(top_k)] for _ in range(rows)])
+            valid = torch.tensor([r < live for r in range(rows)])
+            distinct = sorted({int(e) for e in ids[:live].flatten()})
+            expected = ref.lookup([(layer, e) for e in distinct])
+            ref.release()
+            fill_keys, fill_slots, slot_ids = dev.lookup_layer(layer, ids, valid)
+            fills = [(divmod(k, experts), s) for k, s in zip(fill_keys.tolist(), fill_slots.tolist(), strict=True)
+                     if k >= 0]
+            assert fills == list(expected.fills)
+            want = [[ref.slot_of((layer, int(e))) if r < live else -1 for e in ids[r]] for r in range(rows)]
+            assert slot_ids.tolist() == want
+    assert (dev.hits, dev.misses, dev.evictions) == (ref.hits, ref.misses, ref.evictions)
+    assert dev.lru_order() == ref.lru_order()
+    dev.check_valid()
