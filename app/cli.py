@@ -38,6 +38,9 @@ def _add_serve(sub) -> None:
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
     p.add_argument("--mmap-experts", action="store_true",
                    help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
+    p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
+                   help="cuda-graph: captured decode steps, device-side expert cache, Triton kernels (CUDA only); "
+                        "reference: the plain torch path (CPU, parity oracle); auto: cuda-graph where it can run")
     p.add_argument("--log-level", default="info")
 
 
@@ -68,6 +71,7 @@ def _serve(args) -> int:
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
+            executor=args.executor,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

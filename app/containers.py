@@ -137,12 +137,30 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         # one intra-op thread and 20-300 ms with two (thread-pool wake-ups under contention).
         torch.set_num_threads(settings.cpu_threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if _use_fast_path(settings, checkpoint, device):
+        from adapters.cuda_exec.executor import CudaGraphExecutor
+
+        return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
     return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder)
+
+
+def _use_fast_path(settings: ServeSettings, checkpoint, device: str) -> bool:
+    """--executor cuda-graph (refused where it cannot run) or auto (taken where it can)."""
+    reasons = []
+    if not device.startswith("cuda"):
+        reasons.append("it needs a CUDA device")
+    if checkpoint.experts.rows is None or not checkpoint.experts.rows.is_pinned():
+        reasons.append("it gathers misses from a pinned host bank (not with --mmap-experts)")
+    if settings.record_routing:
+        reasons.append("routing recording runs on the reference executor")
+    if settings.executor == "cuda-graph" and reasons:
+        raise ValueError("--executor cuda-graph cannot run here: " + "; ".join(reasons))
+    return settings.executor != "reference" and not reasons
 
 
 def served_name(settings: ServeSettings) -> str:

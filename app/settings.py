@@ -25,6 +25,8 @@ class ServeSettings:
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
     record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
+    # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
+    executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -35,6 +37,8 @@ class ServeSettings:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:
             raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
+        if self.executor not in ("auto", "reference", "cuda-graph"):
+            raise ValueError(f"--executor must be auto, reference or cuda-graph, got {self.executor!r}")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

@@ -1,0 +1,229 @@
+"""CudaGraphExecutor: the fast path of the ModelExecutor port. Decode-only steps replay a CUDA graph
+captured per batch bucket (the whole step: embedding, every layer with its expert lookups and miss
+gathers, final norm and LM head); prefill and mixed steps run eagerly through the same expert pool.
+
+Shape legend: B padded decode rows (a bucket), W pages per row, V vocab.
+
+The reference TorchExecutor stays the numerical oracle and the CPU path; this executor runs on CUDA
+(and, without graphs, in Triton's interpreter on the CPU for the parity tests).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from adapters.checkpoint.loader import LoadedCheckpoint
+from adapters.cuda_exec.expert_pool import DeviceExpertPool
+from adapters.cuda_exec.decode_inputs import DecodeInputs
+from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.torch_exec import qwen3_5_moe, qwen3_moe
+from adapters.torch_exec.gated_deltanet import LinearStatePool
+from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.sampler import Sampler
+from adapters.torch_exec.step_inputs import check_batch, flatten
+from domain.ports import SampledToken, StepBatch
+
+if TYPE_CHECKING:
+    from domain.budget import PoolPlan
+
+log = logging.getLogger(__name__)
+OPTIONS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.options, qwen3_moe.ARCHITECTURE: qwen3_moe.options}
+SCRATCH_PAGES = 1  # padded decode rows write their K/V here (20 KiB x page size for Qwen3.6)
+
+
+def decode_buckets(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes a graph is captured for: powers of two up to max_rows, and max_rows itself."""
+    sizes, b = [], 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_rows)
+
+
+class CudaGraphExecutor:
+    """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
+                 max_context: int | None = None, use_graphs: bool | None = None):
+        arch = checkpoint.spec.architecture
+        if arch not in OPTIONS:
+            raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
+        self.spec = checkpoint.spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
+        self.model.prepare_fast_path()
+        self.bank = checkpoint.experts
+        self.sampler = Sampler(sampler_seed)
+        self.max_decode_rows = max_decode_rows
+        self.max_context = max_context or self.spec.max_context
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.kv: PagedKVCache | None = None
+        self.state: LinearStatePool | None = None
+        self.experts: DeviceExpertPool | None = None
+        self.plan: PoolPlan | None = None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.resize_pools(plan)
+
+    # ---- pools -------------------------------------------------------------------------------------
+    def _expert_slots(self, plan: PoolPlan) -> int:
+        return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
+
+    def resize_pools(self, plan: PoolPlan) -> None:
+        """As TorchExecutor.resize_pools: changed pools are freed (graphs first: they hold the step's
+        activations) before anything is allocated; then the decode graphs are captured again."""
+        plan.check_valid()
+        old = self.plan
+        attn, gdn = self.model.opts.attention, self.model.opts.gdn
+        keep_kv = old is not None and (old.kv_pages, old.page_size) == (plan.kv_pages, plan.page_size)
+        keep_state = old is not None and old.state_slots == plan.state_slots
+        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        self.graphs = {}
+        self.inputs = None
+        if not keep_kv:
+            self.kv = None
+        if not keep_state:
+            self.state = None
+        if not keep_experts:
+            self.experts = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not keep_kv:
+            self.kv = PagedKVCache(len(self.model.full_layers), plan.kv_pages + SCRATCH_PAGES, plan.page_size,
+                                   attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        if not keep_state and self.model.linear_layers:
+            self.state = LinearStatePool(len(self.model.linear_layers), plan.state_slots, gdn, self.dtype, self.device)
+        if not keep_experts:
+            self.experts = DeviceExpertPool(self.bank, self._expert_slots(plan), self.device)
+        self.plan = plan
+        self.decode_rows = min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
+                               plan.state_slots if self.state is not None else self.max_decode_rows)
+        pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
+        self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
+                                   scratch_row=plan.kv_pages * plan.page_size, device=self.device)
+        if self.use_graphs and self.decode_rows > 0:
+            self._capture()
+
+    def _capture(self) -> None:
+        """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
+        start = time.perf_counter()
+        buckets = decode_buckets(self.decode_rows)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for b in buckets:  # warm-up: compiles the Triton kernels, creates cuBLAS handles
+                self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                logits, tokens = self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
+            self.graphs[b] = (graph, logits, tokens)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
+
+    def pool_bytes(self) -> dict[str, int]:
+        return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
+                "state": self.state.nbytes() if self.state is not None else 0}
+
+    @property
+    def expert_hits(self) -> int:
+        return self.experts.hits
+
+    @property
+    def expert_misses(self) -> int:
+        return self.experts.misses
+
+    # ---- execution ---------------------------------------------------------------------------------
+    def can_execute(self, batch: StepBatch) -> str | None:
+        slots = self.state.num_slots if self.state is not None else None
+        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots)
+
+    def _decode(self, works) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 logits [n, V], greedy tokens [n]) of n single-token works, by graph replay (or eagerly)."""
+        n = len(works)
+        if self.state is not None:
+            for w in works:
+                if w.start_position == 0:
+                    self.state.reset(w.state_slot)
+        self.inputs.stage(works, self.state is not None)
+        if self.graphs:
+            bucket = next(b for b in sorted(self.graphs) if b >= n)
+            graph, logits, tokens = self.graphs[bucket]
+            graph.replay()
+            return logits[:n], tokens[:n]
+        with torch.inference_mode():
+            logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        return logits, tokens
+
+    def _is_graph_step(self, batch: StepBatch) -> bool:
+        works = batch.works
+        return 0 < len(works) <= self.decode_rows and all(len(w.token_ids) == 1 and w.sample for w in works)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """fp32 logits [1, V] for the last token of each work with sample=True."""
+        reason = self.can_execute(batch)
+        if reason is not None:
+            raise ValueError(f"cannot execute step: {reason}")
+        if self._is_graph_step(batch):
+            logits, _ = self._decode(batch.works)
+            return {w.request_id: logits[i:i + 1] for i, w in enumerate(batch.works)}
+        inp = flatten(batch, self.device)
+        if self.state is not None:
+            for span in inp.spans:
+                if span.start_position == 0:
+                    self.state.reset(span.work.state_slot)
+        hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        wanted = [s for s in inp.spans if s.work.sample]
+        if not wanted:
+            return {}
+        rows = torch.tensor([s.offset + s.length - 1 for s in wanted], device=self.device)
+        logits = self.model.logits(hidden[rows])  # [n, V]
+        return {s.work.request_id: logits[i:i + 1] for i, s in enumerate(wanted)}
+
+    def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        works = {w.request_id: w for w in batch.works}
+        out: dict[str, SampledToken] = {}
+        if self._is_graph_step(batch):
+            reason = self.can_execute(batch)
+            if reason is not None:
+                raise ValueError(f"cannot execute step: {reason}")
+            with torch.inference_mode():
+                logits_rows, tokens = self._decode(batch.works)
+            # greedy rows: the graph's own argmax, one device->host copy for the whole step
+            greedy = tokens.tolist()
+            logits = {}
+            for i, w in enumerate(batch.works):
+                if _greedy(w):
+                    out[w.request_id] = SampledToken(w.request_id, greedy[i])
+                else:
+                    logits[w.request_id] = logits_rows[i:i + 1]
+        else:
+            logits = self.compute_logits(batch)
+        for rid, row in logits.items():
+            if works[rid].sample and rid not in out:
+                out[rid] = self.sampler.sample(rid, row[0], works[rid].sampling, works[rid].output_index)
+        return out
+
+    def check_valid(self) -> None:
+        self.kv.check_valid()
+        self.experts.check_valid()
+        if self.state is not None:
+            self.state.check_valid()
+
+
+def _greedy(work) -> bool:
+    p = work.sampling
+    return (p.temperature == 0.0 or p.top_k == 1) and not (p.logprobs or p.top_logprobs)
+

@@ -1,0 +1,101 @@
+"""The device expert pool of the fast path: slot bytes, the device-side residency that decides what
+sits in them, the miss gather from the pinned host bank and the fused MoE kernels, with no host round
+trip per layer (so a whole decode step can be captured in a CUDA graph).
+
+Shape legend: T tokens, K top-k, H hidden, S slots, R row bytes, L layers, E experts per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapters.checkpoint.host_bank import HostExpertBank
+from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.kernels.expert_gather import gather_rows
+from adapters.kernels.fused_moe import fused_moe
+
+
+class DeviceExpertPool:
+    """uint8 [S, R] expert slots on the device, filled from the pinned host bank by the gather kernel
+    on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
+
+    def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str):
+        if num_slots <= 0:
+            raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
+        if bank.rows is None:
+            raise ValueError("the fast path gathers misses from the host bank's rows; a memory-mapped bank "
+                             "(--mmap-experts) has none: use the reference executor")
+        self.bank, self.layout = bank, bank.layout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not bank.rows.is_pinned():
+            raise ValueError("the fast path reads misses over PCIe from pinned host memory; the bank is pageable")
+        self.slots = torch.empty((num_slots, self.layout.row_bytes), dtype=torch.uint8, device=self.device)  # [S, R]
+        self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slots.shape[0])
+
+    def nbytes(self) -> int:
+        return self.slots.nbytes + self.residency.nbytes()
+
+    def _flat_keys(self, layer: int, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        flat = ids.to(torch.int64) + layer * self.bank.num_experts  # [T, K]
+        if valid is not None:
+            flat = torch.where(valid[:, None], flat, -1)
+        return flat.reshape(-1)  # [T*K]
+
+    def _fetch(self, keys: torch.Tensor) -> None:
+        """Look up flat keys (request order, -1 = padding) and gather the misses into their slots."""
+        found = self.residency.lookup_flat(keys, pin=False)
+        gather_rows(self.bank.rows, self.slots, found.fill_keys, found.fill_slots)
+
+    def _slot_ids(self, flat: torch.Tensor, shape) -> torch.Tensor:
+        sink = self.residency.slot_of_key.shape[0] - 1
+        slots = self.residency.slot_of_key[torch.where(flat < 0, sink, flat)]
+        return torch.where(flat < 0, -1, slots).to(torch.int32).reshape(shape)  # [T, K]
+
+    def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K], ids [T, K];
+        rows with valid False route nowhere (no lookup, no miss, zeros out).
+
+        Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
+        ascending (layer, expert) order, the order the reference executor uses, so both make the same
+        residency decisions. Otherwise (long prefill chunks on a small pool) the layer's experts go in
+        groups of S with a host sync per group.
+        """
+        if ids.numel() <= self.num_slots:  # one kernel: lookup, table updates, miss list, slot ids
+            if valid is None:
+                valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
+            gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
+            return fused_moe(x, slot_ids, weights, self.slots, self.layout)
+        flat = self._flat_keys(layer, ids, valid)  # [T*K]
+        distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
+        out = None
+        for start in range(0, distinct.numel(), self.num_slots):
+            group = distinct[start:start + self.num_slots]
+            self._fetch(group)
+            in_group = torch.isin(flat, group)
+            part = fused_moe(x, self._slot_ids(torch.where(in_group, flat, -1), ids.shape), weights, self.slots,
+                             self.layout)
+            out = part if out is None else out + part
+        return out if out is not None else torch.zeros_like(x)
+
+    @property
+    def hits(self) -> int:
+        return self.residency.hits
+
+    @property
+    def misses(self) -> int:
+        return self.residency.misses
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.residency.misses * self.layout.row_bytes
+
+    def check_valid(self) -> None:
+        self.residency.check_valid()
+        assert self.residency.num_slots == self.num_slots, "residency and slot pool disagree on size"
+        assert self.slots.dtype == torch.uint8 and self.slots.shape[1] == self.layout.row_bytes

@@ -1,0 +1,266 @@
+"""Decode micro-benchmark of the fast path (no HTTP): times the graph-captured decode step of the full
+Qwen3.6-35B-A3B geometry at several batch sizes and pool plans, breaks one step down by kernel family
+from a profile, checks the fast path against the reference executor, and writes one JSON record with
+the hardware profile.
+
+    python scripts/bench_decode.py --out $OUT [--format fp8_block] [--batch 1,4,16] [--plans resident,24]
+
+Scenarios: `resident` holds all 10,240 experts; a number is a GPU budget in GiB planned by the domain
+planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt per row, warm up
+(--warmup steps, fills the LRU), then time --steps decode steps through execute() (host clock, which
+includes input staging and the one device->host copy) and the bare graph replay (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from gpu_check import GiB, dense_bytes, hardware_profile  # noqa: E402
+
+FAMILIES = [  # kernel name pattern -> component of the step
+    ("moe", r"moe|fused_moe|gate_up|_down"),
+    ("expert_gather", r"gather_rows"),
+    ("attention", r"paged_decode|attention|combine"),
+    ("gdn", r"gdn"),
+    ("dense_gemv", r"dense_gemv"),
+    ("cublas_gemm", r"gemm|gemv|cutlass|sm90|xmma|Kernel2"),
+    ("residency_and_routing", r"topk|sort|scan|cumsum|index|scatter|gather|argsort|radix|unique"),
+]
+
+
+def classify(name: str) -> str:
+    for family, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return family
+    return "elementwise_and_norms"
+
+
+def profile_step(ex, rows: int, steps: int = 3) -> dict:
+    """Device time per kernel family of one eager decode step (the same kernels the graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    buf = ex.buffers.rows(rows)
+    with torch.inference_mode():
+        ex.model.decode_step(buf, ex.kv, ex.state, ex.experts)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                ex.model.decode_step(buf, ex.kv, ex.state, ex.experts)
+            torch.cuda.synchronize()
+    by_family: dict[str, float] = {}
+    kernels = 0
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if dev_us <= 0 or evt.key.startswith(("ProfilerStep", "aten::", "cuda")):
+            continue
+        fam = classify(evt.key)
+        by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
+        kernels += evt.count
+    return {"ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())},
+            "kernel_ms_per_step": round(sum(by_family.values()), 4), "kernels_per_step": kernels // steps}
+
+
+def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) -> None:
+    from adapters.cuda_exec.executor import CudaGraphExecutor
+    from domain.budget import GpuBudget, PoolRequest, plan_pools
+    from domain.ports import SequenceWork, StepBatch
+    from domain.request import SamplingParams
+
+    spec = ckpt.spec
+    rows_max = max(args.batch)
+    scen: dict = record["scenarios"].setdefault(name, {"budget_gib": budget_gib})
+    total = spec.num_layers * spec.num_experts
+    if budget_gib is None:
+        request = PoolRequest(kv_tokens=args.kv_tokens, expert_slots=total, state_slots=rows_max)
+        budget = GpuBudget(total_bytes=1 << 40, weights_bytes=dense_bytes(ckpt))
+    else:
+        request = PoolRequest(kv_tokens=args.kv_tokens, state_slots=rows_max)
+        budget = GpuBudget(total_bytes=int(budget_gib * GiB), weights_bytes=dense_bytes(ckpt),
+                           fixed_bytes=int(args.fixed_gib * GiB))
+    plan = plan_pools(spec, budget, request)
+    if not hasattr(plan, "expert_slots"):
+        raise RuntimeError(f"plan refused: {plan}")
+    scen["plan"] = asdict(plan)
+    scen["residency"] = round(min(plan.expert_slots, total) / total, 4)
+    t = time.perf_counter()
+    ex = CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=rows_max)
+    scen["init_and_capture_seconds"] = round(time.perf_counter() - t, 2)
+    scen["capture_seconds"] = round(ex.capture_seconds, 2)
+    scen["graph_buckets"] = sorted(ex.graphs)
+    scen["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 8)
+    prompt_len = 16
+    for rows in args.batch:
+        point: dict = {}
+        scen.setdefault("batches", {})[str(rows)] = point
+        try:
+            ctx = prompt_len + args.warmup + args.steps + 2
+            pages_each = -(-ctx // plan.page_size)
+            seqs = []
+            t = time.perf_counter()
+            for r in range(rows):
+                prompt = tuple((7919 * (i + 1) + 31 * r) % spec.vocab_size for i in range(prompt_len))
+                pages = tuple(range(r * pages_each, (r + 1) * pages_each))
+                work = SequenceWork(f"s{r}", prompt, 0, pages, r, True, greedy, 0)
+                tok = ex.execute(StepBatch((work,)))[f"s{r}"].token_id
+                seqs.append({"id": f"s{r}", "pages": pages, "pos": prompt_len, "tok": tok, "out": 1})
+            point["prefill_seconds_per_row"] = round((time.perf_counter() - t) / rows, 4)
+            hits0, misses0 = ex.expert_hits, ex.expert_misses
+            step_s = []
+            for step in range(args.warmup + args.steps):
+                if step == args.warmup:
+                    hits0, misses0 = ex.expert_hits, ex.expert_misses
+                works = tuple(SequenceWork(s["id"], (s["tok"],), s["pos"], s["pages"], i, True, greedy, s["out"])
+                              for i, s in enumerate(seqs))
+                t = time.perf_counter()
+                out = ex.execute(StepBatch(works))
+                dt = time.perf_counter() - t
+                if step >= args.warmup:
+                    step_s.append(dt)
+                for s in seqs:
+                    s["tok"], s["pos"], s["out"] = out[s["id"]].token_id, s["pos"] + 1, s["out"] + 1
+            hits, misses = ex.expert_hits - hits0, ex.expert_misses - misses0
+            med = statistics.median(step_s)
+            point.update({
+                "execute_median_ms": round(med * 1e3, 4), "execute_p90_ms": round(sorted(step_s)[int(0.9 * len(step_s))] * 1e3, 4),
+                "aggregate_tok_s": round(rows / med, 1), "per_request_tok_s": round(1 / med, 1),
+                "measured_steps": len(step_s), "hit_rate": round(hits / max(1, hits + misses), 4),
+                "miss_bytes_per_step": misses * ex.experts.layout.row_bytes / len(step_s),
+            })
+            bucket = min(b for b in ex.graphs if b >= rows)
+            graph = ex.graphs[bucket][0]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            point["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
+            point["host_overhead_ms"] = round(point["execute_median_ms"] - point["graph_replay_ms"], 4)
+            if rows in (1, rows_max):
+                point["profile"] = profile_step(ex, rows)
+        except Exception as exc:  # a failed point is recorded, not dropped
+            point["error"] = f"{type(exc).__name__}: {exc}"
+            point["traceback"] = traceback.format_exc()[-3000:]
+        _save(args, record)
+        print(name, rows, {k: v for k, v in point.items() if k not in ("profile", "traceback")}, flush=True)
+    del ex
+    torch.cuda.empty_cache()
+
+
+def run_parity(args, ckpt, record: dict) -> None:
+    """Greedy tokens and logits of the fast path against the reference executor, bf16, full size."""
+    from adapters.cuda_exec.executor import CudaGraphExecutor
+    from adapters.torch_exec.executor import TorchExecutor
+    from domain.budget import GpuBudget, PoolRequest, plan_pools
+    from domain.ports import SequenceWork, StepBatch
+    from domain.request import SamplingParams
+
+    spec = ckpt.spec
+    plan = plan_pools(spec, GpuBudget(total_bytes=1 << 40, weights_bytes=dense_bytes(ckpt)),
+                      PoolRequest(kv_tokens=4096, expert_slots=2048, state_slots=2))
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    prompt = tuple((7919 * (i + 1)) % spec.vocab_size for i in range(12))
+    pages = tuple(range(8))
+    res: dict = {}
+    for label, make in (("reference", lambda: TorchExecutor(ckpt, plan, "cuda", torch.bfloat16)),
+                        ("fast", lambda: CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=2))):
+        ex = make()
+        logits, tokens = [], []
+        row = ex.compute_logits(StepBatch((SequenceWork("p", prompt, 0, pages, 0, True, greedy, 0),)))["p"][0]
+        for i in range(args.parity_steps):
+            logits.append(row.float().cpu())
+            tokens.append(int(row.argmax()))
+            work = SequenceWork("p", (tokens[-1],), len(prompt) + i, pages, 0, True, greedy, i + 1)
+            row = ex.compute_logits(StepBatch((work,)))["p"][0]
+        res[label] = (logits, tokens)
+        del ex
+        torch.cuda.empty_cache()
+    (ref_l, ref_t), (fast_l, fast_t) = res["reference"], res["fast"]
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(fast_l, ref_l, strict=True)]
+    record["parity"] = {"steps": args.parity_steps, "reference_tokens": ref_t, "fast_tokens": fast_t,
+                        "norm_rel_err_per_step": [round(e, 6) for e in errs],
+                        "leading_tokens_equal": next((i for i, (a, b) in enumerate(zip(ref_t, fast_t, strict=True)) if a != b),
+                                                     len(ref_t))}
+
+
+def _save(args, record: dict) -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_decode.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--synth-dir", default="/tmp/qwen36-35b-a3b")
+    p.add_argument("--reuse", action="store_true")
+    p.add_argument("--format", default="fp8_block")
+    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--plans", default="resident,24", help="comma list: resident and/or GPU budgets in GiB")
+    p.add_argument("--kv-tokens", type=int, default=8192)
+    p.add_argument("--fixed-gib", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=64)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--parity-steps", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None)
+    args = p.parse_args(argv)
+
+    from dataclasses import replace
+
+    from adapters.checkpoint.loader import load_checkpoint
+    from adapters.checkpoint.synth import synthesize
+    from adapters.checkpoint.synth_config import GEOMETRIES
+
+    record: dict = {"kind": "bench_decode", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "hardware": hardware_profile("cuda"), "args": vars(args), "scenarios": {}}
+    try:
+        geometry = GEOMETRIES["qwen3.6-35b-a3b"]
+        if args.layers:
+            geometry = replace(geometry, num_hidden_layers=args.layers)
+        record["geometry"], record["format"] = asdict(geometry), args.format
+        out_dir = Path(args.synth_dir)
+        if not (args.reuse and (out_dir / "config.json").exists()):
+            t = time.perf_counter()
+            synthesize(out_dir, geometry, args.format, seed=0, tokenizer=False, progress=False, device="cuda")
+            record["synth_seconds"] = round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        ckpt = load_checkpoint(out_dir, device="cuda", progress=False)
+        record["load_seconds"] = round(time.perf_counter() - t, 1)
+        record["bank_pinned"] = ckpt.experts.pinned
+        record["row_bytes"] = ckpt.experts.layout.row_bytes
+        _save(args, record)
+        for plan in args.plans.split(","):
+            try:
+                run_scenario(args, ckpt, f"budget_{plan}gib" if plan != "resident" else "resident",
+                             None if plan == "resident" else float(plan), record)
+            except Exception as exc:
+                record["scenarios"].setdefault(plan, {})["error"] = traceback.format_exc()[-3000:]
+                print("scenario failed:", plan, exc, flush=True)
+            _save(args, record)
+        if args.parity_steps:
+            try:
+                run_parity(args, ckpt, record)
+            except Exception:
+                record["parity_error"] = traceback.format_exc()[-3000:]
+    except Exception:
+        record["error"] = traceback.format_exc()[-3000:]
+    _save(args, record)
+    print(json.dumps({k: v for k, v in record.items() if k not in ("hardware", "geometry")}, default=str)[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
