@@ -38,6 +38,9 @@ def _add_serve(sub) -> None:
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
     p.add_argument("--mmap-experts", action="store_true",
                    help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
+    p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
     p.add_argument("--log-level", default="info")
 
 
@@ -68,6 +71,8 @@ def _serve(args) -> int:
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

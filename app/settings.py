@@ -25,6 +25,8 @@ class ServeSettings:
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
     record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
+    tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
+    reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -39,6 +41,15 @@ class ServeSettings:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        from app.reasoning import REASONING_PARSERS
+        from app.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser not in ("auto", "none", *TOOL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be auto, none or one of {sorted(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be auto, none or one of {list(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.record_routing is not None:
             # NOTE: checked before the model loads; otherwise the bad path surfaces only as a load error
             folder = os.path.dirname(os.path.abspath(self.record_routing))

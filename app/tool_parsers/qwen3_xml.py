@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from app.tool_parsers.base import END, START, ToolParser, partial_suffix
+from app.tool_parsers.base import END, START, ToolParser
 
 FUNCTION = "<function="
 PARAMETER = "<parameter="
