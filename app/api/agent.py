@@ -10,6 +10,7 @@ function tools, which is what chat templates expect) and its own response shape 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 
 from app.api.errors import OpenAIError, bad_value, unsupported
@@ -86,7 +87,8 @@ def arguments_object(arguments, param: str) -> dict:
     raise bad_value(param, "tool call arguments must be a JSON object")
 
 
-def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param: str = "messages") -> Prompt:
+def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param: str = "messages",
+            call_id_prefix: str = "call_") -> Prompt:
     """Render, force a tool call if asked, encode; errors are 400s naming the parameter."""
     use_tools = bool(conversation.tools) and conversation.tool_choice != "none"
     parser_name = runtime.model.tool_call_parser
@@ -96,7 +98,8 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     text = render(engine, conversation.messages, tools, conversation.template_kwargs, param)
     if tools and text == render(engine, conversation.messages, None, conversation.template_kwargs, param):
         raise unsupported("tools", "this model's chat template does not render tools, so it can not call them")
-    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools]) if tools else None
+    new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731
+    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id) if tools else None
     reasoning = runtime.model.reasoning_parser in REASONING_PARSERS
     primed: list[Piece] = []
     if tool_parser is not None and conversation.tool_choice in ("required", "function"):
