@@ -15,6 +15,7 @@ from app.api.completions import completions
 from app.api.errors import EXCEPTION_HANDLERS
 from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
+from app.api.responses import responses
 from app.runtime import Runtime
 
 
@@ -27,6 +28,7 @@ def create_app(runtime: Runtime) -> Litestar:
             completions,
             messages,
             count_tokens,
+            responses,
             list_models,
             retrieve_model,
             stats,
