@@ -260,17 +260,17 @@ async def responses(request: Request) -> Response | Stream:
     for piece in [p for e in collected for p in prompt.parser.feed(e.text)] + prompt.parser.finish():
         items.add(piece)
     items.close()
-    return Response(content=_finished(shell, items.output, collected[-1], prompt.parser))
+    return Response(content=_finished(shell, items.output, collected[-1]))
 
 
-def _finished(shell: dict, output: list[dict], last, parser: OutputParser) -> dict:
+def _finished(shell: dict, output: list[dict], last) -> dict:
     complete = last.finish_reason != "length"
-    reasoning_tokens = 0  # NOTE: not counted separately (the split is on text, not tokens)
     return {**shell, "status": "completed" if complete else "incomplete", "output": output,
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
             "usage": {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": last.completion_tokens,
-                      "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                      # NOTE: reasoning is split on text, not counted per token
+                      "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": last.prompt_tokens + last.completion_tokens}}
 
 
@@ -296,6 +296,6 @@ async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, s
         if event.finish_reason is not None:
             for frame in items.close():
                 yield _frame(frame)
-            final = _finished(shell, items.output, event, parser)
+            final = _finished(shell, items.output, event)
             kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
             yield _frame(items.event(kind, response=final))
