@@ -41,6 +41,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
                    help="cuda-graph: captured decode steps, device-side expert cache, Triton kernels (CUDA only); "
                         "reference: the plain torch path (CPU, parity oracle); auto: cuda-graph where it can run")
+    p.add_argument("--tool-call-parser", default="auto",
+                   help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
+    p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,6 +75,8 @@ def _serve(args) -> int:
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
             executor=args.executor,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

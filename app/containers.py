@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dependency_injector import containers, providers
 
+from app import reasoning, tool_parsers
 from app.engine import Engine
 from app.runtime import ModelInfo
 from app.settings import ServeSettings
@@ -185,7 +186,15 @@ def _model_info(settings: ServeSettings, spec: ModelSpec, generation_config: dic
         default_temperature=float(generation_config.get("temperature", 1.0)) if do_sample else 0.0,
         default_top_p=float(generation_config.get("top_p", 1.0)),
         default_top_k=int(generation_config.get("top_k", 0) or 0),
+        tool_call_parser=_parser_choice(settings.tool_call_parser, tool_parsers.DEFAULT_BY_ARCHITECTURE, spec),
+        reasoning_parser=_parser_choice(settings.reasoning_parser, reasoning.DEFAULT_BY_ARCHITECTURE, spec),
     )
+
+
+def _parser_choice(setting: str, defaults: dict[str, str], spec: ModelSpec) -> str | None:
+    if setting == "auto":
+        return defaults.get(spec.architecture)
+    return None if setting == "none" else setting
 
 
 class Container(containers.DeclarativeContainer):

@@ -57,6 +57,7 @@ class StopStringMatcher:
         self._text = ""
         self._released = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, delta: str) -> str:
         """Add generated text; return what may be sent now. Sets ``stopped`` on a match."""
@@ -70,7 +71,7 @@ class StopStringMatcher:
         for s in self._stop:
             index = self._text.find(s, search_from)
             if index != -1 and (first == -1 or index < first):
-                first = index
+                first, self.matched = index, s
         if first != -1:
             self.stopped = True
             return self._release(first)

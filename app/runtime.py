@@ -68,6 +68,8 @@ class ModelInfo:
     default_temperature: float = 1.0
     default_top_p: float = 1.0
     default_top_k: int = 0
+    tool_call_parser: str | None = None  # app.tool_parsers name; None: tools are refused
+    reasoning_parser: str | None = None  # app.reasoning name; None: no reasoning split
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -13,7 +13,9 @@ from app.api.auth import require_api_key
 from app.api.chat import chat_completions
 from app.api.completions import completions
 from app.api.errors import EXCEPTION_HANDLERS
+from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
+from app.api.responses import responses
 from app.runtime import Runtime
 
 
@@ -24,6 +26,9 @@ def create_app(runtime: Runtime) -> Litestar:
         route_handlers=[
             chat_completions,
             completions,
+            messages,
+            count_tokens,
+            responses,
             list_models,
             retrieve_model,
             stats,

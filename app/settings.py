@@ -27,6 +27,8 @@ class ServeSettings:
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
+    tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
+    reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -43,6 +45,15 @@ class ServeSettings:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        from app.reasoning import REASONING_PARSERS
+        from app.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser not in ("auto", "none", *TOOL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be auto, none or one of {sorted(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be auto, none or one of {list(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.record_routing is not None:
             # NOTE: checked before the model loads; otherwise the bad path surfaces only as a load error
             folder = os.path.dirname(os.path.abspath(self.record_routing))

@@ -41,6 +41,7 @@ class StreamEvent:
     completion_tokens: int
     error: str | None = None
     error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
+    stop_string: str | None = None  # on the last event: the stop string that ended the text, if one did
 
 
 @dataclass
@@ -81,6 +82,7 @@ def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> St
         finish_reason=finish_reason,
         prompt_tokens=len(live.request.prompt_token_ids),
         completion_tokens=live.generated,
+        stop_string=live.matcher.matched if finish_reason == "stop" else None,
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from domain.ports import ExpertKey, SampledToken, SequenceWork, StepBatch
+from domain.ports import ChatTemplateError, ExpertKey, SampledToken, SequenceWork, StepBatch
 
 if TYPE_CHECKING:
     from domain.budget import PoolPlan
@@ -157,13 +157,20 @@ class FakeTokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        **template_kwargs: object,
+    ) -> str:
+        """ChatML without tools or thinking: a request that needs them is refused, like a real template
+        without them would be unable to express them (tests needing tools use a real template)."""
+        if tools:
+            raise ChatTemplateError("chat template: the fake tokenizer renders no tools")
         parts = []
         for message in messages:
             if "role" not in message or "content" not in message:
                 raise ValueError(f"a chat message needs role and content, got {sorted(message)}")
             parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
-        return "".join(parts) + "<|im_start|>assistant\n"
+        return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,11 @@ class Tokenizer(Protocol):
     decode(encode(text)) == text for text the vocabulary covers. decode skips special
     tokens. eos_token_ids lists every id that ends generation (may be several, never empty
     for a real model). apply_chat_template renders OpenAI-style messages
-    ([{"role": ..., "content": ...}]) to the prompt text, ending with the generation prompt.
+    ([{"role": ..., "content": ..., "tool_calls": ..., "tool_call_id": ...}]) and OpenAI function
+    ``tools`` to the prompt text, ending with the generation prompt when add_generation_prompt;
+    extra keywords (``enable_thinking`` ...) reach the template like Hugging Face's
+    ``chat_template_kwargs``. It raises ChatTemplateError when the model has no chat template
+    or its template refuses the messages.
     """
 
     eos_token_ids: tuple[int, ...]
@@ -146,7 +150,18 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+        **template_kwargs: object,
+    ) -> str: ...
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing (``missing=True``) or refused / could not render the request."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 @runtime_checkable

@@ -11,29 +11,26 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def _raise(message: str):
-    raise ValueError(f"chat template: {message}")
+from adapters.checkpoint.chat_template import ChatTemplate
+from domain.ports import ChatTemplateError
 
 
 class HfTokenizer:
     """Implements domain.ports.Tokenizer."""
 
     def __init__(self, tokenizer_json: Path, config: dict, generation_config: dict | None = None):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(tokenizer_json))
         self.config = config
+        self._where = tokenizer_json.parent
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if not template:
-            raise ValueError(f"{tokenizer_json.parent}: tokenizer_config.json has no chat_template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
-        self._template = env.from_string(template)
+        special = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if (t := _token_text(config.get(k))) is not None}
+        # NOTE: a checkpoint without a template still serves /v1/completions; chat requests get a clear error.
+        self._template = ChatTemplate(template, special) if template else None
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token = _token_text(config.get("bos_token"))
         eos: set[int] = set()
@@ -58,9 +55,13 @@ class HfTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=True, tools=None,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    def apply_chat_template(self, messages: list[dict], *, tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+        if self._template is None:
+            raise ChatTemplateError(f"{self._where}: this model has no chat template (tokenizer_config.json "
+                                    "chat_template or chat_template.jinja); use /v1/completions", missing=True)
+        return self._template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **template_kwargs)
 
 
 def _token_text(value) -> str | None:

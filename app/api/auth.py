@@ -1,4 +1,5 @@
-"""Optional API key: ``Authorization: Bearer <key>``, compared in constant time."""
+"""Optional API key: ``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>``, compared in
+constant time."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         return
     header = connection.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and "x-api-key" in connection.headers:  # Anthropic clients
+        scheme, token = "bearer", connection.headers["x-api-key"]
     # NOTE: compare bytes of equal type; compare_digest leaks only the length, never the content.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
         raise OpenAIError(
             401,
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             type="authentication_error",
             code="invalid_api_key",
         )

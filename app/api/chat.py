@@ -8,6 +8,16 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import Stream
 
+from app.api.agent import (
+    Conversation,
+    OutputParser,
+    Reasoning,
+    arguments_object,
+    check_tool_choice,
+    function_tool,
+    prepare,
+    split,
+)
 from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
     build_sampling,
@@ -46,8 +56,69 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
                 texts.append(part["text"])
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
+        message = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"messages.[{i}].tool_calls.[{j}]")
+                                     for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content:
+            message["reasoning_content"] = m.reasoning_content
+        out.append(message)
     return out
+
+
+def _template_call(call: dict, param: str) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_value(param, "a tool call needs function.name")
+    arguments = arguments_object(function.get("arguments", {}), param + ".function.arguments")
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _conversation(body: ChatCompletionRequest) -> Conversation:
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise unsupported(f"tools.[{i}]", "only function tools are supported")
+        tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                   f"tools.[{i}]"))
+    choice, forced = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"), None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+            raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        choice, forced = "function", function["name"]
+    conversation = Conversation(
+        messages=_messages(body.messages),
+        tools=tools,
+        tool_choice=choice,
+        forced_function=forced,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        template_kwargs=dict(body.chat_template_kwargs or {}),
+    )
+    check_tool_choice(conversation)
+    return conversation
+
+
+def _delta(pieces: list) -> dict:
+    """A chat.completion.chunk delta from parser pieces (content, reasoning_content, tool_calls)."""
+    reasoning, content, calls = split(pieces)
+    delta: dict = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [_call_delta(c) for c in calls]
+    return delta
+
+
+def _call_delta(c) -> dict:
+    if c.id is not None:
+        return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    return {"index": c.index, "function": {"arguments": c.arguments}}
 
 
 def _logprobs(engine: Engine, event: StreamEvent) -> dict | None:
@@ -71,16 +142,15 @@ async def chat_completions(request: Request) -> Response | Stream:
     body = decode_body(await request.body(), ChatCompletionRequest)
     check_model(runtime, body.model)
     reject_unsupported(body)
-    if body.tools:
-        raise unsupported("tools", "tool calls are not supported by this server")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise unsupported("response_format", "only response_format type 'text' is supported")
     if body.top_logprobs and not body.logprobs:
         raise bad_value("top_logprobs", "top_logprobs requires logprobs=true")
     stop = stop_strings(body.stop)
-    messages = _messages(body.messages)
+    conversation = _conversation(body)
     engine = require_engine(runtime)
-    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    prompt = prepare(runtime, engine, conversation)
+    prompt_ids = prompt.ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = build_sampling(
         runtime,
@@ -98,7 +168,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            _sse(engine, request_id, events, created, model, include_usage),
+            _sse(engine, request_id, events, created, model, include_usage, prompt.parser),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -106,6 +176,15 @@ async def chat_completions(request: Request) -> Response | Stream:
     last = collected[-1]
     raise_if_failed(last)
     content_logprobs = [e for lp in collected if (e := _logprobs(engine, lp))]
+    parser = prompt.parser
+    pieces = [p for e in collected for p in parser.feed(e.text)] + parser.finish()
+    reasoning, content, _ = split(pieces)
+    message: dict = {"role": "assistant", "content": content if content or not parser.tool_calls else None}
+    if any(isinstance(p, Reasoning) for p in pieces):
+        message["reasoning_content"] = reasoning
+    if parser.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in parser.tool_calls]
     return Response(
         content={
             "id": request_id,
@@ -115,11 +194,11 @@ async def chat_completions(request: Request) -> Response | Stream:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(e.text for e in collected)},
+                    "message": message,
                     "logprobs": {"content": [c for d in content_logprobs for c in d["content"]]}
                     if body.logprobs
                     else None,
-                    "finish_reason": last.finish_reason,
+                    "finish_reason": parser.finish_reason(last.finish_reason),
                 }
             ],
             "usage": usage(last),
@@ -128,7 +207,8 @@ async def chat_completions(request: Request) -> Response | Stream:
     )
 
 
-async def _sse(engine: Engine, request_id: str, events, created: int, model: str, include_usage: bool):
+async def _sse(engine: Engine, request_id: str, events, created: int, model: str, include_usage: bool,
+               parser: OutputParser):
     def chunk(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
         data = {
             "id": request_id,
@@ -147,10 +227,11 @@ async def _sse(engine: Engine, request_id: str, events, created: int, model: str
             error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
             yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
             break
-        if event.text or event.logprobs:
-            yield chunk({"content": event.text}, logprobs=_logprobs(engine, event))
+        delta = _delta(parser.feed(event.text) + (parser.finish() if event.finish_reason is not None else []))
+        if delta or event.logprobs:
+            yield chunk(delta or {"content": ""}, logprobs=_logprobs(engine, event))
         if event.finish_reason is not None:
-            yield chunk({}, finish_reason=event.finish_reason)
+            yield chunk({}, finish_reason=parser.finish_reason(event.finish_reason))
             if include_usage:
                 yield b"data: " + msgspec.json.encode(
                     {

@@ -22,6 +22,9 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -49,6 +52,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
 

@@ -1,0 +1,172 @@
+"""What the three agent-facing dialects (Chat Completions, Anthropic Messages, Responses) share:
+rendering a conversation with tools through the checkpoint's chat template, ``tool_choice``,
+and splitting the generated text into reasoning, content and tool calls as it streams.
+
+Each route translates its own request shape into a ``Conversation`` (OpenAI-style messages and
+function tools, which is what chat templates expect) and its own response shape out of the
+``Piece``s an ``OutputParser`` yields.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from app.api.errors import OpenAIError, bad_value, unsupported
+from app.engine import Engine
+from app.reasoning import REASONING_PARSERS, ThinkParser, prompt_opens_reasoning
+from app.runtime import Runtime
+from app.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
+from domain.ports import ChatTemplateError
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+Piece = str | Reasoning | ToolCallDelta  # str: answer text
+
+
+@dataclass
+class Conversation:
+    """A request in the template's terms. tool_choice: "auto" | "none" | "required" | a function name
+    (already validated by ``check_tool_choice``)."""
+
+    messages: list[dict]
+    tools: list[dict] = field(default_factory=list)  # OpenAI function tools {"type": "function", "function": {...}}
+    tool_choice: str = "auto"
+    forced_function: str | None = None
+    parallel_tool_calls: bool = True
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    text: str
+    ids: list[int]
+    parser: OutputParser
+
+
+def function_tool(name, description, parameters, param: str) -> dict:
+    """One OpenAI function tool, checked: a name and an object schema."""
+    if not isinstance(name, str) or not name:
+        raise bad_value(param, "every tool needs a non-empty name")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_value(param, f"tool {name!r}: the parameters must be a JSON schema object")
+    function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
+
+
+def check_tool_choice(conversation: Conversation, param: str = "tool_choice") -> None:
+    names = [t["function"]["name"] for t in conversation.tools]
+    if len(set(names)) != len(names):
+        raise bad_value("tools", "tool names must be unique")
+    if conversation.tool_choice not in ("auto", "none", "required", "function"):
+        raise bad_value(param, f"unknown tool_choice {conversation.tool_choice!r}")
+    if conversation.tool_choice in ("required", "function") and not conversation.tools:
+        raise bad_value(param, f"tool_choice {conversation.tool_choice!r} needs tools")
+    if conversation.tool_choice == "function" and conversation.forced_function not in names:
+        raise bad_value(param, f"tool_choice names {conversation.forced_function!r}, which is not among the tools")
+
+
+def arguments_object(arguments, param: str) -> dict:
+    """Tool-call arguments for a template: templates iterate them, so a JSON string becomes a dict."""
+    if isinstance(arguments, dict):
+        return arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise bad_value(param, "tool call arguments must be a JSON object") from None
+        if isinstance(value, dict):
+            return value
+    raise bad_value(param, "tool call arguments must be a JSON object")
+
+
+def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param: str = "messages",
+            call_id_prefix: str = "call_") -> Prompt:
+    """Render, force a tool call if asked, encode; errors are 400s naming the parameter."""
+    use_tools = bool(conversation.tools) and conversation.tool_choice != "none"
+    parser_name = runtime.model.tool_call_parser
+    if use_tools and parser_name is None:
+        raise unsupported("tools", "this server parses no tool calls (start it with --tool-call-parser)")
+    tools = conversation.tools if use_tools else None
+    text = render(engine, conversation.messages, tools, conversation.template_kwargs, param)
+    if tools and text == render(engine, conversation.messages, None, conversation.template_kwargs, param):
+        raise unsupported("tools", "this model's chat template does not render tools, so it can not call them")
+    new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731
+    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id) if tools else None
+    reasoning = runtime.model.reasoning_parser in REASONING_PARSERS
+    primed: list[Piece] = []
+    if tool_parser is not None and conversation.tool_choice in ("required", "function"):
+        # NOTE: no grammar engine here: the call is forced by writing its opening into the prompt.
+        if reasoning and prompt_opens_reasoning(text):
+            text += "\n</think>\n\n"
+        prefix = tool_parser.forced_prefix(conversation.forced_function)
+        text += prefix
+        primed = list(tool_parser.feed(prefix))
+    think = ThinkParser(prompt_opens_reasoning(text)) if reasoning else None
+    parser = OutputParser(think, tool_parser, primed, single_call=not conversation.parallel_tool_calls)
+    return Prompt(text, engine.tokenizer.encode(text), parser)
+
+
+def render(engine: Engine, messages: list[dict], tools, template_kwargs: dict, param: str) -> str:
+    try:
+        return engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **template_kwargs)
+    except ChatTemplateError as exc:
+        code = "chat_template_missing" if exc.missing else "chat_template_error"
+        raise OpenAIError(400, str(exc), param=param, code=code) from None
+    except TypeError as exc:  # e.g. a chat_template_kwargs key that clashes with the template's own
+        raise bad_value("chat_template_kwargs", f"chat template arguments rejected: {exc}") from None
+
+
+class OutputParser:
+    """Generated text -> Pieces, in order, for one request (reasoning first, then the answer,
+    which the tool parser splits into content and calls)."""
+
+    def __init__(self, think: ThinkParser | None, tools: ToolParser | None, primed: list[Piece],
+                 single_call: bool = False) -> None:
+        self._think = think
+        self._tools = tools
+        self._pending: list[Piece] = list(primed)
+        self._single_call = single_call
+
+    def feed(self, text: str) -> list[Piece]:
+        return self._step(*(self._think.feed(text) if self._think else ("", text)), final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._step(*(self._think.finish() if self._think else ("", "")), final=True)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        calls = self._tools.calls if self._tools else []
+        return calls[:1] if self._single_call else calls
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+
+    def _step(self, reasoning: str, content: str, final: bool) -> list[Piece]:
+        out, self._pending = self._pending, []
+        if reasoning:
+            out.append(Reasoning(reasoning))
+        if self._tools is None:
+            if content:
+                out.append(content)
+            return out
+        events = self._tools.feed(content) if content else []
+        if final:
+            events += self._tools.finish()
+        out += [e for e in events if not (self._single_call and isinstance(e, ToolCallDelta) and e.index > 0)]
+        return out
+
+
+def split(pieces: list[Piece]) -> tuple[str, str, list[ToolCallDelta]]:
+    """(reasoning text, content text, tool-call deltas) of a list of pieces."""
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return reasoning, content, [p for p in pieces if isinstance(p, ToolCallDelta)]

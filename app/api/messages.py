@@ -1,0 +1,317 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (coding CLIs pointed
+at a local base URL), streamed as Anthropic's SSE events or whole; errors in Anthropic's shape.
+
+Content blocks map onto the chat template's messages: ``text`` -> content, ``thinking`` ->
+``reasoning_content``, ``tool_use`` -> ``tool_calls``, ``tool_result`` -> a ``tool`` message.
+Images, documents and Anthropic's server tools are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from app.api.agent import (
+    Conversation,
+    OutputParser,
+    Prompt,
+    Reasoning,
+    check_tool_choice,
+    function_tool,
+    prepare,
+)
+from app.api.errors import OpenAIError, bad_value, internal_error_handler, unsupported
+from app.api.generation import (
+    build_sampling,
+    check_model,
+    collect,
+    events_until_finished,
+    raise_if_failed,
+    require_engine,
+    runtime_of,
+    stop_strings,
+    submit,
+)
+from app.api.schemas import _Sampling, decode_body
+from app.engine import Engine
+from app.runtime import Runtime
+from app.tool_parsers import ToolCallDelta
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class AnthropicMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: list[AnthropicMessage]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class MessagesRequest(_Sampling, kw_only=True):
+    messages: list[AnthropicMessage]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _error_body(exc: OpenAIError) -> dict:
+    kind = "api_error" if exc.status_code >= 500 and exc.status_code != 503 else _ERROR_TYPES.get(exc.status_code)
+    message = f"{exc.param}: {exc.message}" if exc.param and not exc.message.startswith(exc.param) else exc.message
+    return {"type": "error", "error": {"type": kind or "invalid_request_error", "message": message}}
+
+
+def _anthropic_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, HTTPException):
+        exc = OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers)
+    if not isinstance(exc, OpenAIError):
+        internal_error_handler(_, exc)  # logs it
+        exc = OpenAIError(500, f"internal error: {exc!r}")
+    return Response(content=_error_body(exc), status_code=exc.status_code, headers=exc.headers)
+
+
+# NOTE: keyed like the app-level handlers: Litestar picks the most specific class across layers.
+ANTHROPIC_ERRORS = {OpenAIError: _anthropic_error, HTTPException: _anthropic_error, Exception: _anthropic_error}
+
+
+def _text(blocks, param: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for i, block in enumerate(blocks or []):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise unsupported(f"{param}.[{i}]", "only text blocks are supported here")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
+    if not messages:
+        raise bad_value("messages", "messages must contain at least one message")
+    out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    for i, m in enumerate(messages):
+        param = f"messages.[{i}].content"
+        if m.role not in ("user", "assistant"):
+            raise bad_value(f"messages.[{i}].role", f"role must be 'user' or 'assistant', got {m.role!r}")
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        if m.role == "assistant":
+            out.append(_assistant(blocks, param))
+            continue
+        texts: list[str] = []
+        for j, block in enumerate(blocks):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_result":
+                if texts:
+                    out.append({"role": "user", "content": "\n".join(texts)})
+                    texts = []
+                content = _text(block.get("content", ""), f"{param}.[{j}].content")
+                if block.get("is_error"):
+                    content = "Error: " + content
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+            else:
+                raise unsupported(f"{param}.[{j}]", f"content block type {kind!r} is not supported (text and "
+                                  "tool_result are)")
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant(blocks: list, param: str) -> dict:
+    texts, reasoning, calls = [], [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(block.get("text") or "")
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking") or "")
+        elif kind == "redacted_thinking":
+            continue  # encrypted by another server: nothing this model can read
+        elif kind == "tool_use":
+            if not isinstance(block.get("input", {}), dict) or not block.get("name"):
+                raise bad_value(f"{param}.[{j}]", "tool_use needs a name and an object input")
+            calls.append({"id": block.get("id"), "type": "function",
+                          "function": {"name": block["name"], "arguments": block.get("input", {})}})
+        else:
+            raise unsupported(f"{param}.[{j}]", f"content block type {kind!r} is not supported in assistant turns")
+    message: dict = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+            raise unsupported(f"tools.[{i}]", f"tool type {tool.get('type')!r} is not supported: only client "
+                              "tools with an input_schema")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools.[{i}]"))
+    choice = body.tool_choice or {"type": "auto"}
+    kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
+    if kind is None:
+        raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {choice.get('type')!r}")
+    kwargs = {}
+    if body.thinking is not None:
+        if body.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise bad_value("thinking.type", "thinking type must be enabled, disabled or adaptive")
+        kwargs["enable_thinking"] = body.thinking["type"] != "disabled"
+    conversation = Conversation(
+        messages=_messages(body.system, body.messages),
+        tools=tools,
+        tool_choice=kind,
+        forced_function=choice.get("name"),
+        parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
+        template_kwargs=kwargs,
+    )
+    check_tool_choice(conversation, "tool_choice")
+    return conversation
+
+
+def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
+    check_model(runtime, body.model)
+    conversation = _conversation(body)
+    engine = require_engine(runtime)
+    return engine, prepare(runtime, engine, conversation, call_id_prefix="toolu_")
+
+
+@post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
+async def count_tokens(request: Request) -> Response:
+    body = decode_body(await request.body(), CountTokensRequest)
+    _, prompt = _prompt(runtime_of(request), body)
+    return Response(content={"input_tokens": len(prompt.ids)})
+
+
+@post("/v1/messages", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
+async def messages(request: Request) -> Response | Stream:
+    runtime = runtime_of(request)
+    body = decode_body(await request.body(), MessagesRequest)
+    if body.max_tokens is None:
+        raise bad_value("max_tokens", "max_tokens is required")
+    stop = stop_strings(body.stop_sequences)
+    engine, prompt = _prompt(runtime, body)
+    sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_tokens,
+                              prompt_param="messages")
+    message_id = engine.new_request_id("msg")
+    events = submit(engine, message_id, prompt.ids, sampling, stop)
+    model = runtime.model.served_name
+    if body.stream:
+        return Stream(_sse(engine, message_id, events, model, prompt.parser, len(prompt.ids)),
+                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collected = await collect(request, engine, message_id, events)
+    last = collected[-1]
+    raise_if_failed(last)
+    parser = prompt.parser
+    blocks: list[dict] = []
+    for piece in [p for e in collected for p in parser.feed(e.text)] + parser.finish():
+        _add(blocks, piece)
+    for block in blocks:
+        if block["type"] == "tool_use":
+            block["input"] = msgspec.json.decode(block.pop("partial_json") or "{}")
+    return Response(content={
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
+        "stop_reason": _stop_reason(parser, last), "stop_sequence": last.stop_string,
+        "usage": _usage(last.prompt_tokens, last.completion_tokens),
+    })
+
+
+def _add(blocks: list[dict], piece) -> None:
+    """Fold one parser piece into the content blocks (non-streamed answer)."""
+    if isinstance(piece, Reasoning):
+        if not blocks or blocks[-1]["type"] != "thinking":
+            blocks.append({"type": "thinking", "thinking": "", "signature": ""})
+        blocks[-1]["thinking"] += piece.text
+    elif isinstance(piece, ToolCallDelta):
+        if piece.id is not None:
+            blocks.append({"type": "tool_use", "id": piece.id, "name": piece.name, "partial_json": ""})
+        blocks[-1]["partial_json"] += piece.arguments
+    else:
+        if not blocks or blocks[-1]["type"] != "text":
+            blocks.append({"type": "text", "text": ""})
+        blocks[-1]["text"] += piece
+
+
+def _stop_reason(parser: OutputParser, last) -> str | None:
+    reason = parser.finish_reason(last.finish_reason)
+    if reason == "tool_calls":
+        return "tool_use"
+    if reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if last.stop_string is not None else "end_turn"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def _event(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **data}) + b"\n\n"
+
+
+async def _sse(engine: Engine, message_id: str, events, model: str, parser: OutputParser, prompt_tokens: int):
+    yield _event("message_start", {"message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, 0)}})
+    open_block: list = [None, -1]  # [type, index]
+
+    def switch(kind: str, start: dict) -> list[bytes]:
+        out = []
+        if open_block[0] is not None:
+            out.append(_event("content_block_stop", {"index": open_block[1]}))
+        open_block[:] = [kind, open_block[1] + 1]
+        out.append(_event("content_block_start", {"index": open_block[1], "content_block": start}))
+        return out
+
+    def frames(pieces) -> list[bytes]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, Reasoning):
+                if open_block[0] != "thinking":
+                    out += switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": piece.text}
+            elif isinstance(piece, ToolCallDelta):
+                if piece.id is not None:
+                    out += switch("tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+                if not piece.arguments:
+                    continue
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+            else:
+                if open_block[0] != "text":
+                    out += switch("text", {"type": "text", "text": ""})
+                delta = {"type": "text_delta", "text": piece}
+            out.append(_event("content_block_delta", {"index": open_block[1], "delta": delta}))
+        return out
+
+    async for event in events_until_finished(engine, message_id, events):
+        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
+            error = OpenAIError(500, event.error or "generation failed")
+            yield _event("error", {"error": _error_body(error)["error"]})
+            return
+        for frame in frames(parser.feed(event.text) + (parser.finish() if event.finish_reason else [])):
+            yield frame
+        if event.finish_reason is not None:
+            if open_block[0] is not None:
+                yield _event("content_block_stop", {"index": open_block[1]})
+            yield _event("message_delta", {
+                "delta": {"stop_reason": _stop_reason(parser, event), "stop_sequence": event.stop_string},
+                "usage": {"output_tokens": event.completion_tokens}})
+            yield _event("message_stop", {})

@@ -1,0 +1,301 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless, streamed as semantic events or whole.
+
+``input`` is text or items (messages, ``function_call``, ``function_call_output``,
+``reasoning``), ``instructions`` becomes the system message, function tools only. Nothing is
+stored: ``store: true``, ``previous_response_id``, ``conversation`` and ``background`` are refused
+by name, as are hosted tools (web search, file search, ...) and non-text output formats.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.response import Stream
+
+from app.api.agent import (
+    Conversation,
+    OutputParser,
+    Reasoning,
+    arguments_object,
+    check_tool_choice,
+    function_tool,
+    prepare,
+)
+from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.generation import (
+    build_sampling,
+    check_model,
+    collect,
+    events_until_finished,
+    raise_if_failed,
+    require_engine,
+    runtime_of,
+    submit,
+)
+from app.api.schemas import _Sampling, decode_body
+from app.engine import Engine
+from app.tool_parsers import ToolCallDelta
+
+
+class ResponsesRequest(_Sampling, kw_only=True):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    metadata: dict[str, Any] | None = None
+    include: list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _refuse_stateful(body: ResponsesRequest) -> None:
+    if body.store:
+        raise unsupported("store", "store is not supported: this server keeps no responses (send store: false)")
+    if body.previous_response_id is not None:
+        raise unsupported("previous_response_id", "previous_response_id is not supported: responses are not stored; "
+                          "send the whole conversation as input items")
+    if body.conversation is not None:
+        raise unsupported("conversation", "conversations are not stored by this server")
+    if body.background:
+        raise unsupported("background", "background responses are not supported")
+    if body.truncation not in (None, "disabled"):
+        raise unsupported("truncation", "only truncation 'disabled' is supported")
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if fmt.get("type") != "text":
+        raise unsupported("text.format", "only the text output format is supported")
+
+
+def _text(content, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content or []):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise unsupported(f"{param}.[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
+        texts.append(part.get("text") or "")
+    return "".join(texts)
+
+
+def _messages(body: ResponsesRequest) -> list[dict]:
+    out = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if not items:
+        raise bad_value("input", "input must not be empty")
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        param = f"input.[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_value(f"{param}.role", f"unknown role {role!r}")
+            message = {"role": "system" if role == "developer" else role, "content": _text(item.get("content"), f"{param}.content")}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            out.append(message)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function", "function": {
+                "name": item.get("name"), "arguments": arguments_object(item.get("arguments", "{}"), f"{param}.arguments")}}
+            if not item.get("name") or not item.get("call_id"):
+                raise bad_value(param, "a function_call item needs call_id and name")
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or reasoning is None):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning is not None:
+                    out[-1]["reasoning_content"], reasoning = reasoning, None
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+        else:
+            raise unsupported(param, f"input item type {kind!r} is not supported")
+    return out
+
+
+def _conversation(body: ResponsesRequest) -> Conversation:
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise unsupported(f"tools.[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools.[{i}]"))
+    choice, forced = body.tool_choice if body.tool_choice is not None else "auto", None
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not choice.get("name"):
+            raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "name": ...}')
+        choice, forced = "function", choice["name"]
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+    conversation = Conversation(_messages(body), tools, choice, forced, body.parallel_tool_calls is not False, kwargs)
+    check_tool_choice(conversation)
+    return conversation
+
+
+class OutputItems:
+    """Parser pieces -> Responses output items and the semantic stream events that build them."""
+
+    def __init__(self) -> None:
+        self.output: list[dict] = []
+        self._open: dict | None = None
+        self.sequence = 0
+
+    def event(self, kind: str, **data) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **data}
+
+    def add(self, piece) -> list[dict]:
+        if isinstance(piece, Reasoning):
+            out = self._ensure("reasoning")
+            self._open["content"][0]["text"] += piece.text
+            return out + [self._item_event("response.reasoning_text.delta", content_index=0, delta=piece.text)]
+        if isinstance(piece, ToolCallDelta):
+            out = []
+            if piece.id is not None:
+                out = self._close() + self._start({"type": "function_call", "id": "fc_" + secrets.token_hex(12),
+                                                   "call_id": piece.id, "name": piece.name, "arguments": "",
+                                                   "status": "in_progress"})
+            if piece.arguments:
+                self._open["arguments"] += piece.arguments
+                out.append(self._item_event("response.function_call_arguments.delta", delta=piece.arguments))
+            return out
+        out = self._ensure("message")
+        self._open["content"][0]["text"] += piece
+        return out + [self._item_event("response.output_text.delta", content_index=0, delta=piece, logprobs=[])]
+
+    def close(self) -> list[dict]:
+        return self._close()
+
+    def _ensure(self, kind: str) -> list[dict]:
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        out = self._close()
+        if kind == "reasoning":
+            return out + self._start({"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "summary": [],
+                                      "content": [{"type": "reasoning_text", "text": ""}]})
+        out += self._start({"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "in_progress",
+                            "role": "assistant", "content": []})
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self._open["content"].append(part)
+        return out + [self._item_event("response.content_part.added", content_index=0, part={**part})]
+
+    def _start(self, item: dict) -> list[dict]:
+        self.output.append(item)
+        self._open = item
+        empty = {**item, "content": []} if "content" in item else dict(item)
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=empty)]
+
+    def _item_event(self, kind: str, **data) -> dict:
+        return self.event(kind, item_id=self._open["id"], output_index=len(self.output) - 1, **data)
+
+    def _close(self) -> list[dict]:
+        item, out = self._open, []
+        if item is None:
+            return out
+        if item["type"] == "reasoning":
+            out.append(self._item_event("response.reasoning_text.done", content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._item_event("response.output_text.done", content_index=0, text=part["text"], logprobs=[]))
+            out.append(self._item_event("response.content_part.done", content_index=0, part=part))
+        else:
+            out.append(self._item_event("response.function_call_arguments.done", name=item["name"],
+                                        arguments=item["arguments"] or "{}"))
+            item["arguments"] = item["arguments"] or "{}"
+        if "status" in item:
+            item["status"] = "completed"
+        out.append(self.event("response.output_item.done", output_index=len(self.output) - 1, item=item))
+        self._open = None
+        return out
+
+
+@post("/v1/responses", status_code=200)
+async def responses(request: Request) -> Response | Stream:
+    runtime = runtime_of(request)
+    body = decode_body(await request.body(), ResponsesRequest)
+    check_model(runtime, body.model)
+    if body.n is not None or body.stop is not None:
+        raise unsupported("n" if body.n is not None else "stop", "not a Responses API parameter")
+    _refuse_stateful(body)
+    conversation = _conversation(body)
+    engine = require_engine(runtime)
+    prompt = prepare(runtime, engine, conversation, param="input")
+    sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
+                              prompt_param="input")
+    response_id = engine.new_request_id("resp")
+    events = submit(engine, response_id, prompt.ids, sampling, ())
+    shell = {
+        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "error": None, "incomplete_details": None, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "model": runtime.model.served_name, "output": [],
+        "parallel_tool_calls": conversation.parallel_tool_calls, "previous_response_id": None,
+        "reasoning": body.reasoning or {"effort": None, "summary": None}, "store": False,
+        "temperature": sampling.temperature, "top_p": sampling.top_p, "text": {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto", "tools": body.tools or [],
+        "truncation": "disabled", "usage": None, "metadata": body.metadata or {},
+    }
+    if body.stream:
+        return Stream(_sse(engine, response_id, events, prompt.parser, shell), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collected = await collect(request, engine, response_id, events)
+    raise_if_failed(collected[-1])
+    items = OutputItems()
+    for piece in [p for e in collected for p in prompt.parser.feed(e.text)] + prompt.parser.finish():
+        items.add(piece)
+    items.close()
+    return Response(content=_finished(shell, items.output, collected[-1]))
+
+
+def _finished(shell: dict, output: list[dict], last) -> dict:
+    complete = last.finish_reason != "length"
+    return {**shell, "status": "completed" if complete else "incomplete", "output": output,
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "usage": {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": last.completion_tokens,
+                      # NOTE: reasoning is split on text, not counted per token
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": last.prompt_tokens + last.completion_tokens}}
+
+
+def _frame(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, shell: dict):
+    items = OutputItems()
+    yield _frame(items.event("response.created", response=shell))
+    yield _frame(items.event("response.in_progress", response=shell))
+    async for event in events_until_finished(engine, response_id, events):
+        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
+            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+            yield _frame(items.event("error", code=error.code, message=error.message, param=None))
+            failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": error.message}}
+            yield _frame(items.event("response.failed", response=failed))
+            return
+        pieces = parser.feed(event.text) + (parser.finish() if event.finish_reason else [])
+        for piece in pieces:
+            for frame in items.add(piece):
+                yield _frame(frame)
+        if event.finish_reason is not None:
+            for frame in items.close():
+                yield _frame(frame)
+            final = _finished(shell, items.output, event)
+            kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+            yield _frame(items.event(kind, response=final))

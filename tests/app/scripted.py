@@ -1,0 +1,63 @@
+"""A fake model that follows a script, for driving the tool-call and reasoning paths end to end:
+the real server, engine and scheduler, a byte-level tokenizer with a real (Qwen3-XML-style)
+chat template, and an executor whose next token is the next byte of ``script(prompt_text)``,
+then EOS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from dependency_injector import providers
+
+from adapters.checkpoint.chat_template import ChatTemplate
+from domain.fakes import FakeTokenizer
+from domain.ports import SampledToken
+from tests.app.conftest import SlowExecutor, make_container, start_server
+
+TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_xml_template.jinja").read_text()
+EOS = 258  # <|im_end|>
+
+
+class TemplateTokenizer(FakeTokenizer):
+    """FakeTokenizer's bytes with a real chat template (tools, tool calls, thinking)."""
+
+    def __init__(self) -> None:
+        self._template = ChatTemplate(TEMPLATE, {"eos_token": "<|im_end|>"})
+
+    def apply_chat_template(self, messages, *, tools=None, add_generation_prompt=True, **kwargs) -> str:
+        return self._template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+class ScriptedExecutor(SlowExecutor):
+    def __init__(self, plan, script: Callable[[str], str]) -> None:
+        super().__init__(plan)
+        self.script = script
+        self.prompts: dict[str, str] = {}
+        self._seqs: dict[str, list[int]] = {}
+        self._prompt_len: dict[str, int] = {}
+
+    def execute(self, batch):
+        sampled = self.inner.execute(batch)  # the fake still checks the executor contract
+        for work in batch.works:
+            seq = self._seqs.setdefault(work.request_id, [])
+            if work.start_position == 0:
+                seq.clear()
+            seq.extend(work.token_ids)
+            if not work.sample:
+                continue
+            n = self._prompt_len.setdefault(work.request_id, len(seq))
+            prompt = bytes(t for t in seq[:n] if t < 256).decode()
+            self.prompts[work.request_id] = prompt
+            out = self.script(prompt).encode()
+            done = len(seq) - n
+            sampled[work.request_id] = SampledToken(work.request_id, out[done] if done < len(out) else EOS)
+        return sampled
+
+
+def start_scripted_server(script: Callable[[str], str], **overrides):
+    container = make_container()
+    container.tokenizer.override(providers.Singleton(TemplateTokenizer))
+    container.executor.override(providers.Singleton(ScriptedExecutor, container.pool_plan, script))
+    server = start_server(container, **overrides)
+    return server, container.executor()

@@ -1,0 +1,161 @@
+"""Tool calls and reasoning in Chat Completions, with the official `openai` client against the real
+server (a scripted fake model that calls `multiply`, then answers with the tool's result)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.app.conftest import MODEL
+from tests.app.scripted import start_scripted_server
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two integers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"]},
+        },
+    },
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+]
+CALL = "<tool_call>\n<function=multiply>\n<parameter=a>\n6\n</parameter>\n<parameter=b>\n7\n</parameter>\n</function>\n</tool_call>"
+
+
+def script(prompt: str) -> str:
+    """The fake model: think, then call multiply; with a tool result in the prompt, answer it."""
+    thinking = "" if prompt.endswith("</think>\n\n") else "I should multiply.\n</think>\n\n"
+    if prompt.endswith("<function=noop>\n"):  # forced by a named tool_choice
+        return "</function>\n</tool_call>"
+    if prompt.endswith("<tool_call>\n"):  # forced by tool_choice "required"
+        return CALL[len("<tool_call>\n"):]
+    if "<tool_response>\n42\n</tool_response>" in prompt:
+        return thinking + "6 × 7 = 42."
+    if "# Tools" in prompt:
+        return thinking + "Let me compute.\n" + CALL
+    return thinking + "No tools, so: 42."
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    server, executor = start_scripted_server(script)
+    yield server, executor
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(scripted):
+    return openai.OpenAI(base_url=scripted[0].base_url + "/v1", api_key="unused", max_retries=0)
+
+
+QUESTION = [{"role": "user", "content": "What is 6 × 7?"}]
+
+
+def stream_to_message(stream):
+    """Reassemble a streamed chat completion; returns (content, reasoning, calls, finish_reason, chunks)."""
+    content, reasoning, calls, finish, chunks = "", "", {}, None, []
+    for chunk in stream:
+        chunks.append(chunk)
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for call in delta.tool_calls or []:
+            if call.id:
+                assert call.index not in calls and call.function.name
+                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+            else:
+                assert call.function.name is None
+            calls[call.index]["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish, chunks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_full_tool_round_trip(client, scripted, stream):
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=stream)
+    if stream:
+        content, reasoning, calls, finish, chunks = stream_to_message(first)
+        assert sum(1 for c in chunks for ch in c.choices if ch.delta.tool_calls) >= 3  # name, then fragments
+    else:
+        message = first.choices[0].message
+        content, reasoning, finish = message.content, message.reasoning_content, first.choices[0].finish_reason
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert finish == "tool_calls"
+    assert content == "Let me compute." and reasoning == "I should multiply."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("multiply", {"a": 6, "b": 7})]
+    assert "<tool_call>" not in content and "<think>" not in reasoning
+    history = QUESTION + [
+        {"role": "assistant", "content": content,
+         "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                        for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "42"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert second.choices[0].message.content == "6 × 7 = 42." and second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
+    # the tool call went back into the prompt as the template renders it, arguments as an object
+    prompt = scripted[1].prompts[second.id]
+    assert "<function=multiply>\n<parameter=a>\n6\n</parameter>" in prompt and "<tool_response>\n42\n" in prompt
+
+
+def test_tool_choice_none_leaves_tools_out_and_parses_nothing(client, scripted):
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == "No tools, so: 42." and r.choices[0].finish_reason == "stop"
+    assert "# Tools" not in scripted[1].prompts[r.id]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named_force_a_call(client, scripted, stream):
+    for choice, expected in (("required", ("multiply", {"a": 6, "b": 7})),
+                             ({"type": "function", "function": {"name": "noop"}}, ("noop", {}))):
+        r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=choice, stream=stream)
+        if stream:
+            content, _, calls, finish, _ = stream_to_message(r)
+        else:
+            m = r.choices[0].message
+            content, finish = m.content, r.choices[0].finish_reason
+            calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+        assert finish == "tool_calls" and not content
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [expected]
+
+
+def test_thinking_off_through_chat_template_kwargs(client, scripted):
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "No tools, so: 42."
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    assert scripted[1].prompts[r.id].endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools.[0]"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_parameter(client, kwargs, param):
+    kwargs = {"tools": TOOLS, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
+    assert info.value.body["param"] == param
+
+
+def test_required_without_tools_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, tool_choice="required")
+
+
+def test_a_template_without_tools_refuses_them_by_name(server):
+    """The plain ChatML fake template can not show tools to the model: a 400, never silently dropped."""
+    plain = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        plain.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    assert info.value.body["param"] == "messages" and "renders no tools" in info.value.body["message"]
