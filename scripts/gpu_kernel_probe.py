@@ -82,7 +82,7 @@ def probe_gemv(rec: dict) -> None:
             err = ((y.float() - ref).norm() / ref.norm()).item()
             cfg = {}
             for bn in (8, 16, 32, 64):
-                ms = bench(lambda x=x, bn=bn: dense_gemv(x, q, block_n=bn))
+                ms = bench(lambda x=x, bn=bn, q=q: dense_gemv(x, q, block_n=bn))
                 cfg[str(bn)] = {"us": round(ms * 1e3, 2), "gb_s": round(wbytes / ms / 1e6, 1)}
             bf16 = ref_w.to(torch.bfloat16)
             cublas_ms = bench(lambda x=x, w=bf16: torch.nn.functional.linear(x, w))
@@ -113,7 +113,7 @@ def probe_lookup(rec: dict) -> None:
                     mismatches += 1
         ids = torch.tensor([rng.sample(range(experts), top_k) for _ in range(rows)], device="cuda")
         valid = torch.ones(rows, dtype=torch.bool, device="cuda")
-        ms_warm = bench(lambda i=ids, v=valid: dev.lookup_layer(3, i, v))  # all hits after the first call
+        ms_warm = bench(lambda i=ids, v=valid, d=dev: d.lookup_layer(3, i, v))  # all hits after the first call
         counters = dev.counters()
         out[f"rows{rows}_slots{num_slots}"] = {"mismatched_lookups": mismatches, "lookups": 12 * layers,
                                               "all_hit_us": round(ms_warm * 1e3, 2),

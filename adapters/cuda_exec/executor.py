@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from adapters.checkpoint.loader import LoadedCheckpoint
-from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.decode_inputs import DecodeInputs
+from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.gated_deltanet import LinearStatePool

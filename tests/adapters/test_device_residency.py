@@ -12,6 +12,7 @@ from domain.residency import ExpertResidency
 from tests.contracts.residency_contract import lookup_decisions, residency_contract_machine
 
 LAYERS, EXPERTS = 3, 5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs in Triton's interpreter on the CPU
 
 TestDeviceResidencyContract = residency_contract_machine(
     lambda num_slots: DeviceResidency(num_slots, LAYERS, EXPERTS)).TestCase
@@ -61,20 +62,20 @@ def test_layer_lookup_kernel_matches_the_domain(num_slots, seed):
     every entry's slot (duplicates and padded rows included), counters and the LRU order."""
     rng = random.Random(seed)
     layers, experts, top_k, rows = 3, 10, 2, 4
-    ref, dev = ExpertResidency(num_slots), DeviceResidency(num_slots, layers, experts)
+    ref, dev = ExpertResidency(num_slots), DeviceResidency(num_slots, layers, experts, DEVICE)
     for _step in range(6):
         live = rng.randint(1, rows)
         for layer in range(layers):
-            ids = torch.tensor([[rng.randrange(experts) for _ in range(top_k)] for _ in range(rows)])
-            valid = torch.tensor([r < live for r in range(rows)])
-            distinct = sorted({int(e) for e in ids[:live].flatten()})
+            ids = torch.tensor([[rng.randrange(experts) for _ in range(top_k)] for _ in range(rows)], device=DEVICE)
+            valid = torch.tensor([r < live for r in range(rows)], device=DEVICE)
+            distinct = sorted({int(e) for e in ids[:live].flatten().tolist()})
             expected = ref.lookup([(layer, e) for e in distinct])
             ref.release()
             fill_keys, fill_slots, slot_ids = dev.lookup_layer(layer, ids, valid)
             fills = [(divmod(k, experts), s) for k, s in zip(fill_keys.tolist(), fill_slots.tolist(), strict=True)
                      if k >= 0]
             assert fills == list(expected.fills)
-            want = [[ref.slot_of((layer, int(e))) if r < live else -1 for e in ids[r]] for r in range(rows)]
+            want = [[ref.slot_of((layer, e)) if r < live else -1 for e in ids[r].tolist()] for r in range(rows)]
             assert slot_ids.tolist() == want
     assert (dev.hits, dev.misses, dev.evictions) == (ref.hits, ref.misses, ref.evictions)
     assert dev.lru_order() == ref.lru_order()

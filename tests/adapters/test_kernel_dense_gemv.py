@@ -9,6 +9,8 @@ from adapters.checkpoint.quantize import quantize
 from adapters.kernels.dense_gemv import SUPPORTED, dense_gemv
 from domain.model_spec import WeightFormat
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("fmt", sorted(SUPPORTED, key=lambda f: f.value))
 @pytest.mark.parametrize("rows", [1, 3])
@@ -17,8 +19,9 @@ def test_dense_gemv_matches_the_reference(fmt, rows):
     n, k = 200, 384  # N not a multiple of the tile, K three scale blocks
     q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
     x = torch.randn(rows, k, generator=gen)
-    out = torch.full((rows, n), float("nan"))
-    dense_gemv(x, q, out=out)
+    out = torch.full((rows, n), float("nan"), device=DEVICE)
+    dense_gemv(x.to(DEVICE), q.to(DEVICE), out=out)
+    out = out.cpu()
     ref = x.double() @ dequantize(q, torch.float64).T
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-5, err
