@@ -1,75 +1,31 @@
 """Triton decode kernels (paged attention, Gated DeltaNet step) against the torch reference path.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set only while this module imports
-them) at tiny shapes; with CUDA the same tests run compiled, plus the `gpu` tests at Qwen3.6 geometry and
-under CUDA-graph capture. Error measure: relative Frobenius norm |got - ref| / |ref| per row (or state).
-Bounds: fp32 1e-5 (observed ~1e-7: only summation order differs); bf16 see each test.
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any
+kernel module is imported) at tiny shapes; with CUDA the same tests run compiled, plus the `gpu` tests at
+Qwen3.6 geometry and under CUDA-graph capture. Error measure: relative Frobenius norm |got - ref| / |ref|
+per row (or state). Bounds: fp32 1e-5 (observed ~1e-7: only summation order differs); bf16 see each test.
 """
 
-import importlib
 import math
 import os
 import sys
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-_KERNEL_MODULES = ("adapters.kernels.paged_decode_combine", "adapters.kernels.paged_decode_attention",
-                   "adapters.kernels.gdn_conv_decode", "adapters.kernels.gdn_decode")
-
-
-def _import_kernels():
-    """Without CUDA: import triton and the kernels under TRITON_INTERPRET=1, then put the variable back so
-    other test files see the environment they started with. Triton picks interpreter or compiler when a
-    function is decorated, its own library (tl.sum, tl.sigmoid, ...) included: triton must not have been
-    imported before in this process (no test module or conftest imports it at import time)."""
-    if CUDA:
-        pytest.importorskip("triton")
-        return [importlib.import_module(name) for name in _KERNEL_MODULES]
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        tl = pytest.importorskip("triton.language")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(tl.sum, InterpretedFunction):
-            raise RuntimeError("triton was imported before this test module without TRITON_INTERPRET=1; "
-                               "its kernels cannot run on the CPU: run this file in a process of its own")
-        modules = []
-        for name in _KERNEL_MODULES:  # dependency order: a reload re-binds names imported from the one before
-            module = sys.modules.get(name)
-            modules.append(importlib.reload(module) if module is not None else importlib.import_module(name))
-        return modules
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-@pytest.fixture(autouse=True)
-def _interpret_while_testing(monkeypatch):
-    """Triton also reads the variable at launch (it imports parts of itself lazily): keep it set for the
-    tests of this file only."""
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-_, _attn, _conv, _gdn = _import_kernels()
-paged_decode_attention, gdn_conv_decode, gdn_decode_step = (
-    _attn.paged_decode_attention, _conv.gdn_conv_decode, _gdn.gdn_decode_step)
-
-from adapters.torch_exec.gated_deltanet import (  # noqa: E402
+from adapters.kernels.gdn_conv_decode import gdn_conv_decode
+from adapters.kernels.gdn_decode import gdn_decode_step
+from adapters.kernels.paged_decode_attention import paged_decode_attention
+from adapters.torch_exec.gated_deltanet import (
     GatedDeltaNet,
     GdnGeometry,
     LinearStatePool,
     recurrent_delta_rule,
 )
-from adapters.torch_exec.linear import linear  # noqa: E402
-from adapters.torch_exec.paged_attention import PagedKVCache, causal_attention  # noqa: E402
+from adapters.torch_exec.linear import linear
+from adapters.torch_exec.paged_attention import PagedKVCache, causal_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
