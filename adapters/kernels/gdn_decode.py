@@ -1,0 +1,128 @@
+"""Gated DeltaNet decode, step 2 of 2: the gated delta rule for one token per sequence over fp32 state slots,
+and gdn_decode_step, the launcher of both steps (conv in gdn_conv_decode, then this kernel).
+
+Shape legend: B batch rows (padded included), S state slots, C conv channels (2*Nk*Dk + Nv*Dv), W conv
+kernel, Nk key heads, Nv value heads (value head h reads key head h // (Nv/Nk)), Dk key head dim, Dv value
+head dim, BV value columns per program.
+
+CUDA-graph safe: grids (B, C/BLOCK_C) and (B, Nv, Dv/BV) are static; padded rows are masked on the device.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.kernels.gdn_conv_decode import gdn_conv_decode
+from adapters.torch_exec.gated_deltanet import GdnGeometry
+
+
+@triton.jit
+def _gdn_recurrent_decode_kernel(
+    mixed_ptr, a_ptr, b_ptr, state_ptr, slots_ptr, neg_a_ptr, dt_bias_ptr, core_ptr,
+    stride_mb, stride_mc,
+    stride_ab, stride_ah,
+    stride_bb, stride_bh,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    stride_ob, stride_oh, stride_ov,
+    q_scale,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Program (b, h, v-block): the [Dk, BV] tile of value head h's state in registers.
+    state = state*exp(g); delta = (v - k^T state)*beta; state += k delta^T; core = q^T state.
+    A padded row (slot < 0) reads and writes no state; its core is zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    vblock = tl.program_id(2)
+    slot = tl.load(slots_ptr + row)
+    slot64 = tl.maximum(slot, 0).to(tl.int64)
+    key_head = head // (VALUE_HEADS // KEY_HEADS)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask = offs_k < DK
+    v_mask = offs_v < DV
+    # NOTE: liveness as a vector: the interpreter rejects a block mask combined with a scalar one.
+    live_v = (offs_v * 0 + slot) >= 0  # [BLOCK_V]
+
+    mixed_row = mixed_ptr + row * stride_mb
+    q = tl.load(mixed_row + (key_head * DK + offs_k) * stride_mc, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(mixed_row + (KEY_HEADS * DK + key_head * DK + offs_k) * stride_mc, mask=k_mask,
+                other=0.0).to(tl.float32)
+    v = tl.load(mixed_row + (2 * KEY_HEADS * DK + head * DV + offs_v) * stride_mc, mask=v_mask,
+                other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)  # l2norm, then Dk**-0.5
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+
+    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32))
+    x = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + head)
+    # softplus with torch's threshold 20 (linear above it); log(1+e^x), not log1p: <= 6e-8 absolute.
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    decay = tl.exp(tl.load(neg_a_ptr + head) * softplus)
+
+    tile = slot64 * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    tile_mask = k_mask[:, None] & (v_mask & live_v)[None, :]
+    state = tl.load(state_ptr + tile, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V] fp32
+    kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
+    delta = (v - kv_mem) * beta
+    state = state + k[:, None] * delta[None, :]
+    core = tl.sum(state * q[:, None], 0)  # [BLOCK_V]
+    tl.store(state_ptr + tile, state, mask=tile_mask)
+    tl.store(core_ptr + row * stride_ob + head * stride_oh + offs_v * stride_ov, tl.where(live_v, core, 0.0),
+             mask=v_mask)
+
+
+def gdn_decode_step(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
+                    recurrent: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+                    neg_a: torch.Tensor, dt_bias: torch.Tensor, geo: GdnGeometry, *, block_v: int = 32,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """One Gated DeltaNet recurrent step of one layer for B sequences (the math of
+    GatedDeltaNet.forward_decode up to, not including, the gated RMSNorm and out_proj).
+
+    qkv [B, C] in_proj_qkv output before the conv (model dtype); a, b [B, Nv] in_proj_a / in_proj_b
+    outputs; conv_state [S, C, W-1] (model dtype) and recurrent [S, Nv, Dk, Dv] fp32, this layer's views,
+    both updated in place; slots int32 [B] (distinct; -1 = padded row: no state read or written, core
+    zeros); conv_weight [C, W]; neg_a = -exp(A_log) fp32 [Nv]; dt_bias fp32 [Nv]. block_v: value columns
+    per program (power of two). out: optional fp32 [B, Nv, Dv] buffer. Returns core fp32 [B, Nv, Dv].
+    The conv runs in fp32 (see gdn_conv_decode). Raises ValueError on mismatched shapes, dtypes or devices.
+    """
+    nk, nv, dk, dv = geo.num_k_heads, geo.num_v_heads, geo.k_head_dim, geo.v_head_dim
+    batch = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != geo.conv_channels:
+        raise ValueError(f"qkv must be [B, C={geo.conv_channels}], got {tuple(qkv.shape)}")
+    if conv_weight.shape != (geo.conv_channels, geo.conv_kernel):
+        raise ValueError(f"conv_weight must be [C, W] = {(geo.conv_channels, geo.conv_kernel)}, "
+                         f"got {tuple(conv_weight.shape)}")
+    if nv % nk:
+        raise ValueError(f"value heads {nv} not a multiple of key heads {nk}")
+    if a.shape != (batch, nv) or b.shape != (batch, nv):
+        raise ValueError(f"a and b must be [B, Nv] = {(batch, nv)}, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if recurrent.dim() != 4 or recurrent.shape[1:] != (nv, dk, dv) or recurrent.dtype != torch.float32:
+        raise ValueError(f"recurrent must be fp32 [S, Nv, Dk, Dv] with (Nv, Dk, Dv) = {(nv, dk, dv)}, "
+                         f"got {recurrent.dtype} {tuple(recurrent.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[0] != recurrent.shape[0]:
+        raise ValueError(f"conv_state [S, C, W-1] and recurrent [S, ...] disagree on S: "
+                         f"{tuple(conv_state.shape)} vs {tuple(recurrent.shape)}")
+    for name, t in (("neg_a", neg_a), ("dt_bias", dt_bias)):
+        if t.shape != (nv,) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [Nv={nv}], got {t.dtype} {tuple(t.shape)}")
+    if len({t.device for t in (qkv, a, b, conv_state, recurrent, slots, conv_weight, neg_a, dt_bias)}) != 1:
+        raise ValueError("all gdn_decode_step tensors must be on one device")
+    if block_v < 2 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 2, got {block_v}")
+    if out is None:
+        out = torch.empty(batch, nv, dv, dtype=torch.float32, device=qkv.device)
+    if out.shape != (batch, nv, dv) or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [B, Nv, Dv] = {(batch, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
+
+    mixed = gdn_conv_decode(qkv, conv_state, slots, conv_weight)  # [B, C] fp32; checks conv shapes, slots
+    if batch == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _gdn_recurrent_decode_kernel[(batch, nv, triton.cdiv(dv, block_v))](
+        mixed, a, b, recurrent, slots, neg_a, dt_bias, out,
+        *mixed.stride(), *a.stride(), *b.stride(), *recurrent.stride(), *out.stride(),
+        dk ** -0.5,
+        KEY_HEADS=nk, VALUE_HEADS=nv, DK=dk, DV=dv,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+    )
+    return out
