@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.kernels.packed_gemv import check_block_k, check_pool, layout_consts, packed_gemv
+from adapters.kernels.packed_gemv import (
+    check_block_k,
+    check_pool,
+    default_block_k,
+    layout_consts,
+    packed_gemv,
+)
 
 
 @triton.jit
@@ -41,14 +47,15 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, S,
 
 
 def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 128,
+             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int = 16, block_k: int | None = None,
              num_warps: int = 4) -> torch.Tensor:
     """out [T, H] in h.dtype: sum over k = 0..K-1 of weights[t, k] * (h[t, k] @ down^T), fp32 accumulation.
 
     h [T, K, I] bf16/fp16/fp32 (moe_gate_up's output); slot_ids int32 [T, K] (-1: adds nothing; ids must
     be < S); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by `layout`.
     `out` (optional, contiguous [T, H] h.dtype) is written in place, every element.
-    block_k: a power of two and a multiple of the scale group (128 for block FP8).
+    block_k (None: 128, 256 for 4-bit formats): a power of two and a multiple of the scale group (128 for
+    block FP8).
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
     if h.dim() != 3 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -63,6 +70,7 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
                          f"{tuple(weights.shape)}")
     if not h.device == weights.device == slots.device:
         raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
+    block_k = default_block_k(layout) if block_k is None else block_k
     check_block_k(layout, block_k)
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"moe_down: block_n={block_n} must be a power of two")

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.kernels.packed_gemv import check_block_k, check_pool, layout_consts, packed_gemv
+from adapters.kernels.packed_gemv import (
+    check_block_k,
+    check_pool,
+    default_block_k,
+    layout_consts,
+    packed_gemv,
+)
 
 
 @triton.jit
@@ -41,14 +47,15 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
 
 
 def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout,
-                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 128,
+                out: torch.Tensor | None = None, block_n: int = 16, block_k: int | None = None,
                 num_warps: int = 4) -> torch.Tensor:
     """h [T, K, I] in x.dtype: silu(x @ gate^T) * (x @ up^T) per (token, top-k), fp32 accumulation.
 
     x [T, H] bf16/fp16/fp32; slot_ids int32 [T, K]: the pool slot holding each token's k-th expert, -1 to
     skip (that row of h is zeros); ids must be < S (checked on the device only in debug builds).
     slots uint8 [S, R] contiguous, rows packed by `layout`. `out` (optional, [T, K, I] x.dtype contiguous)
-    is written in place. block_k: a power of two and a multiple of the scale group (128 for block FP8).
+    is written in place. block_k (None: 128, 256 for 4-bit formats): a power of two and a multiple of the
+    scale group (128 for block FP8).
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -59,6 +66,7 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     k = check_pool(slot_ids, slots, layout, tokens, "moe_gate_up")
     if x.device != slots.device:
         raise ValueError(f"moe_gate_up: x on {x.device}, slots on {slots.device}")
+    block_k = default_block_k(layout) if block_k is None else block_k
     check_block_k(layout, block_k)
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"moe_gate_up: block_n={block_n} must be a power of two")

@@ -69,6 +69,12 @@ def layout_consts(layout: ExpertLayout) -> LayoutConsts:
     return LayoutConsts(FORMAT_CODES[layout.fmt], SCALE_GROUP.get(layout.fmt, 0), layout.row_bytes, **mats)
 
 
+def default_block_k(layout: ExpertLayout) -> int:
+    """Columns per K step: 128 (a 128x128 FP8 block; 256 bytes per bf16 row), 256 for the 4-bit formats so a
+    row of the tile is still 128 bytes (one 16-byte load per thread at BLOCK_N=16, 4 warps)."""
+    return 256 if layout.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) else 128
+
+
 def check_block_k(layout: ExpertLayout, block_k: int) -> None:
     """BLOCK_K must be a power of two covering whole scale groups (128 columns for block FP8)."""
     group = SCALE_GROUP.get(layout.fmt, 1)
@@ -113,62 +119,63 @@ def _e8m0(s):
 
 
 @triton.jit
+def _group_scaled(prod, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """prod [N, BK] times s [N, BK/G], each scale repeated over its G consecutive columns."""
+    return tl.reshape(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def packed_gemv(row_ptr, x_ptr, n, ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr,
                 SCALE: tl.constexpr, GSCALE: tl.constexpr, W_DTYPE: tl.constexpr, FMT: tl.constexpr,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc[N] (fp32) = W[n, :] @ x for the rows n [BLOCK_N] of one packed matrix.
 
     row_ptr: uint8 pointer to the expert's row in the pool; x_ptr: x [COLS] in any float dtype.
-    Each K step dequantizes one [BLOCK_N, BLOCK_K] tile in registers; nothing is written back.
+    Each K step dequantizes one [BLOCK_N, BLOCK_K] tile in registers (nothing is written back) and adds
+    it into a [BLOCK_N, BLOCK_K] fp32 accumulator; the one cross-thread reduction happens after the loop.
+    Scales constant along a row (per tensor / per channel / NVFP4 global) are applied once at the end.
     """
     n_ok = n < ROWS  # [N]
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if FMT == 5 or FMT == 6:
-        HALF: tl.constexpr = BLOCK_K // 2
-        data = (row_ptr + DATA).to(tl.pointer_type(tl.uint8))
-        jb = tl.arange(0, HALF)  # byte j of the tile holds columns 2j (low nibble) and 2j+1 (high nibble)
-        kk = tl.arange(0, BLOCK_K)
-        gi = tl.arange(0, BLOCK_K // GROUP)
-        for k0 in range(0, COLS, BLOCK_K):
+    kk = tl.arange(0, BLOCK_K)
+    gi = tl.arange(0, BLOCK_K // GROUP)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, COLS, BLOCK_K):
+        k_ok = k0 + kk < COLS
+        x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        if FMT == 5 or FMT == 6:
+            jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
             b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
-            b = tl.load(data + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)  # [N, BK/2]
-            # join puts (low, high) side by side: [N, BK/2, 2] reshapes to columns in order
+            b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
+            # join puts (low, high) side by side: [N, BK/2, 2] reshapes to the columns in order
             w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
-            x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < COLS, other=0.0).to(tl.float32)  # [BK]
-            part = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)  # [N, BK/G]
             s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
-            s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]
+            s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
             if FMT == 5:
                 s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
                 s = tl.where(s_ok, s.to(tl.float32), 0.0)
             else:
-                s = _e8m0(tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.uint8)) + s_off, mask=s_ok, other=0))
+                s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
                 s = tl.where(s_ok, s, 0.0)
-            acc += tl.sum(part * s, axis=1)
-        if FMT == 5:
-            acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
-    else:
-        data = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE))
-        kk = tl.arange(0, BLOCK_K)
-        for k0 in range(0, COLS, BLOCK_K):
-            k_ok = k0 + kk < COLS
+            acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
+        else:
             w_ok = n_ok[:, None] & k_ok[None, :]
             # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
-            w = tl.load(data + n[:, None] * COLS + (k0 + kk)[None, :], mask=w_ok)  # [N, BK]
-            x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+            w = tl.load((row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :],
+                        mask=w_ok)  # [N, BK]
             prod = tl.where(w_ok, w.to(tl.float32), 0.0) * x[None, :]  # [N, BK]
             if FMT == 1:  # block FP8: one fp32 scale per (128 rows, 128 columns)
-                gi = tl.arange(0, BLOCK_K // GROUP)
-                part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)  # [N, BK/G]
                 KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
                 s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
-                s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]
+                s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
                 s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + s_off, mask=s_ok, other=0.0)
-                acc += tl.sum(part * s, axis=1)
+                acc2 += _group_scaled(prod, s, BLOCK_N, BLOCK_K, GROUP)
             else:
-                acc += tl.sum(prod, axis=1)
-        if FMT == 2:
-            acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
-        elif FMT == 3 or FMT == 4:
-            acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
+                acc2 += prod
+    acc = tl.sum(acc2, axis=1)  # [N]
+    if FMT == 2:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
+    elif FMT == 3 or FMT == 4:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
+    elif FMT == 5:
+        acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
     return acc
