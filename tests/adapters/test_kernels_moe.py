@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
@@ -50,6 +51,15 @@ def _interpreted():
 def _import_kernels():
     """(Re)import the kernel modules; under the interpreter a reload rebuilds them as interpreted kernels
     even when another test imported them before."""
+    if DEVICE != "cuda" and "triton" in sys.modules:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+
+        # triton.language's own @jit helpers (tl.zeros, tl.sum) are decorated when triton is first imported
+        if not isinstance(standard.zeros, InterpretedFunction):
+            raise RuntimeError("triton was imported before this module without TRITON_INTERPRET=1, so its "
+                               "language helpers cannot run in the interpreter; run this file first, or the "
+                               "whole suite with TRITON_INTERPRET=1")
     with _interpreted():
         reload = DEVICE != "cuda"
         return [importlib.reload(sys.modules[m]) if reload and m in sys.modules else importlib.import_module(m)
@@ -227,6 +237,57 @@ def test_down_rejects_bad_inputs(small):
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             moe_down(*args, **kwargs)
+
+
+# ---- the compiled (non-interpreted) path, built for an H200 (sm_90) without a GPU --------------------
+
+_COMPILE_CHECK = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels import moe_down, moe_gate_up
+from adapters.kernels.packed_gemv import default_block_k, layout_consts
+from domain.model_spec import WeightFormat
+
+def build(kernel, ptrs, consts):
+    sig = {**ptrs, "S": "i32", **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+for fmt in WeightFormat:
+    layout = ExpertLayout(fmt, 2048, 512)
+    c = layout_consts(layout)
+    common = dict(K=8, H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code,
+                  GROUP=max(c.group, 1), BLOCK_N=16, BLOCK_K=default_block_k(layout))
+    gate_up = build(moe_gate_up._moe_gate_up_kernel,
+                    {"x_ptr": "*bf16", "slot_ids_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*bf16"},
+                    dict(G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
+                         U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common))
+    down = build(moe_down._moe_down_kernel,
+                 {"h_ptr": "*bf16", "slot_ids_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8",
+                  "out_ptr": "*bf16"},
+                 dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale, **common))
+    print(fmt.value, len(re.findall(r"ld\\.global\\.v4", gate_up)), len(re.findall(r"ld\\.global\\.v4", down)))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_16_byte_weight_loads():
+    """Catches what the interpreter does not check (lowering to PTX) in CI, and guards the wide loads that a
+    memory-bound decode GEMV lives on: every format streams its weight tiles with 16-byte loads."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loads = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines()}
+    assert set(loads) == {f.value for f in F_}
+    for fmt, (gate_up, down) in loads.items():
+        assert gate_up >= 2 and down >= 1, f"{fmt}: weight tiles not read with 16-byte loads ({loads[fmt]})"
 
 
 # ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8) ------------------------
