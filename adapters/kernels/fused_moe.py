@@ -1,0 +1,24 @@
+"""Routed experts from the slot pool in two launches: moe_gate_up then moe_down (no kernel of its own).
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.moe_down import moe_down
+from adapters.kernels.moe_gate_up import moe_gate_up
+
+
+def fused_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+              layout: ExpertLayout, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [T, H] in x.dtype = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t]) (SwiGLU experts).
+
+    x [T, H]; slot_ids int32 [T, K] (-1 = skip); weights fp32 [T, K]; slots uint8 [S, R] packed by
+    `layout`. The intermediate h [T, K, I] is rounded to x.dtype between the two kernels, as the
+    torch reference does. Raises ValueError on mismatched inputs (see the two launchers).
+    """
+    h = moe_gate_up(x, slot_ids, slots, layout)  # [T, K, I]
+    return moe_down(h, slot_ids, weights, slots, layout, out=out)  # [T, H]

@@ -1,0 +1,94 @@
+"""Routed experts, second half: out[t] = sum_k weights[t, k] * (h[t, k] @ down^T), with down read straight
+from each expert's packed row in the slot pool and dequantized inside the K loop.
+
+Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row bytes.
+  h [T, K, I] float; slot_ids int32 [T, K] (-1 = skip); weights fp32 [T, K]; slots uint8 [S, R];
+  out [T, H] in h.dtype.
+Grid: (T, cdiv(H, BLOCK_N)); one program owns BLOCK_N output columns of one token and adds its top-k
+experts in order k = 0..K-1 in fp32: deterministic, no atomics, and independent of which slot holds
+an expert (only the slot's bytes are read). Graph-capturable: no host syncs, grid from shapes only.
+NOTE: small-M (decode) path; a large-M (prefill) tensor-core path grouped by expert is future work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.packed_gemv import (
+    check_block_k,
+    check_pool,
+    default_block_k,
+    layout_consts,
+    packed_gemv,
+)
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, S,
+                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
+                     D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
+                     W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of out
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(K):  # NOTE: fixed order, one program: the sum is deterministic
+        slot = tl.load(slot_ids_ptr + t * K + k)
+        tl.device_assert(slot < S, "slot id past the pool")
+        if slot >= 0:
+            row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
+            h_row = h_ptr + (t * K + k).to(tl.int64) * I
+            y = packed_gemv(row, h_row, n, H, I, D_DATA, D_SCALE, D_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
+            acc += tl.load(weights_ptr + t * K + k) * y
+    tl.store(out_ptr + t.to(tl.int64) * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
+             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int = 16, block_k: int | None = None,
+             num_warps: int = 4) -> torch.Tensor:
+    """out [T, H] in h.dtype: sum over k = 0..K-1 of weights[t, k] * (h[t, k] @ down^T), fp32 accumulation.
+
+    h [T, K, I] bf16/fp16/fp32 (moe_gate_up's output); slot_ids int32 [T, K] (-1: adds nothing; ids must
+    be < S); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by `layout`.
+    `out` (optional, contiguous [T, H] h.dtype) is written in place, every element.
+    block_k (None: 128, 256 for 4-bit formats): a power of two and a multiple of the scale group (128 for
+    block FP8).
+    Raises ValueError on any shape, dtype, device or block-size mismatch.
+    """
+    if h.dim() != 3 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"moe_down: h must be bf16/fp16/fp32 [T, K, I], got {h.dtype} {tuple(h.shape)}")
+    tokens, k, inter = h.shape
+    if inter != layout.intermediate:
+        raise ValueError(f"moe_down: h has I={inter}, layout has I={layout.intermediate}")
+    if check_pool(slot_ids, slots, layout, tokens, "moe_down") != k:
+        raise ValueError(f"moe_down: slot_ids {tuple(slot_ids.shape)} and h {tuple(h.shape)} disagree on K")
+    if weights.dtype != torch.float32 or weights.shape != (tokens, k):
+        raise ValueError(f"moe_down: weights must be fp32 [{tokens}, {k}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if not h.device == weights.device == slots.device:
+        raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
+    block_k = default_block_k(layout) if block_k is None else block_k
+    check_block_k(layout, block_k)
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"moe_down: block_n={block_n} must be a power of two")
+    hidden = layout.hidden
+    if out is None:
+        out = torch.empty((tokens, hidden), dtype=h.dtype, device=h.device)
+    elif out.shape != (tokens, hidden) or out.dtype != h.dtype or not out.is_contiguous():
+        raise ValueError(f"moe_down: out must be contiguous {h.dtype} [{tokens}, {hidden}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if tokens == 0:
+        return out
+    c = layout_consts(layout)
+    grid = (tokens, triton.cdiv(hidden, block_n))
+    _moe_down_kernel[grid](
+        h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, out, slots.shape[0],
+        K=k, H=hidden, I=inter, R=c.row_bytes,
+        D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
+        W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out

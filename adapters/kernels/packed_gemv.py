@@ -1,0 +1,181 @@
+"""GEMV of one packed expert matrix, dequantized inside the K loop (a Triton device function shared by
+the MoE kernels), and the host-side plumbing that turns an ExpertLayout into kernel constants.
+
+Shape legend: N output rows of a tile (BLOCK_N), C input columns (ROWS x COLS matrix), BK columns per
+K step (BLOCK_K), G columns per scale group, R row bytes of one packed expert.
+Formats (canonical forms of adapters/checkpoint/quant.py), as the FMT constexpr:
+  0 BF16 (W_DTYPE bf16/fp16/fp32)   1 FP8_BLOCK (fp32 scale per 128x128)   2 FP8_TENSOR (fp32 [1, 1])
+  3 FP8_CHANNEL (fp32 [O, 1])       4 INT8_CHANNEL (fp32 [O, 1])
+  5 NVFP4 (e2m1 nibbles, e4m3 scale per 16 columns, fp32 global)   6 MXFP4 (e2m1, e8m0 per 32 columns)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.checkpoint.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
+from domain.model_spec import WeightFormat
+
+FORMAT_CODES = {
+    WeightFormat.BF16: 0, WeightFormat.FP8_BLOCK: 1, WeightFormat.FP8_TENSOR: 2, WeightFormat.FP8_CHANNEL: 3,
+    WeightFormat.INT8_CHANNEL: 4, WeightFormat.NVFP4: 5, WeightFormat.MXFP4: 6,
+}
+# columns sharing one scale along K; a K step must cover whole groups
+SCALE_GROUP = {WeightFormat.FP8_BLOCK: FP8_BLOCK, WeightFormat.NVFP4: NVFP4_GROUP, WeightFormat.MXFP4: MXFP4_GROUP}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv, torch.int8: tl.int8, torch.uint8: tl.uint8}
+
+
+@dataclass(frozen=True)
+class MatrixConsts:
+    """Kernel constants of one matrix (gate, up or down) of a layout; offsets are bytes into the row."""
+
+    rows: int
+    cols: int
+    data: int
+    scale: int  # 0 when the format has no scale (bf16)
+    global_scale: int  # 0 unless NVFP4
+    w_dtype: tl.dtype  # element type of the data segment
+
+
+@dataclass(frozen=True)
+class LayoutConsts:
+    fmt_code: int
+    group: int  # scale group along K (0: none)
+    row_bytes: int
+    gate: MatrixConsts
+    up: MatrixConsts
+    down: MatrixConsts
+
+
+@functools.lru_cache(maxsize=64)
+def layout_consts(layout: ExpertLayout) -> LayoutConsts:
+    """Kernel constants of `layout` (cached: launchers are called once per layer per step)."""
+    if layout.fmt not in FORMAT_CODES:
+        raise ValueError(f"no MoE kernel for weight format {layout.fmt!r}")
+    mats = {}
+    for matrix in ("gate", "up", "down"):
+        segs = {s.part: s for s in layout.segments if s.matrix == matrix}
+        rows, cols = layout.shapes[matrix]
+        scale, glob = segs.get("scale"), segs.get("global_scale")
+        mats[matrix] = MatrixConsts(rows, cols, segs["data"].offset, scale.offset if scale else 0,
+                                    glob.offset if glob else 0, _TL_DTYPES[segs["data"].dtype])
+    return LayoutConsts(FORMAT_CODES[layout.fmt], SCALE_GROUP.get(layout.fmt, 0), layout.row_bytes, **mats)
+
+
+def default_block_k(layout: ExpertLayout) -> int:
+    """Columns per K step: 128 (a 128x128 FP8 block; 256 bytes per bf16 row), 256 for the 4-bit formats so a
+    row of the tile is still 128 bytes (one 16-byte load per thread at BLOCK_N=16, 4 warps)."""
+    return 256 if layout.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) else 128
+
+
+def check_block_k(layout: ExpertLayout, block_k: int) -> None:
+    """BLOCK_K must be a power of two covering whole scale groups (128 columns for block FP8)."""
+    group = SCALE_GROUP.get(layout.fmt, 1)
+    if block_k < 2 or block_k & (block_k - 1) or block_k % group:
+        raise ValueError(f"BLOCK_K={block_k} must be a power of two and a multiple of {layout.fmt.value}'s "
+                         f"scale group ({group} columns)")
+
+
+def check_pool(slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout, tokens: int, where: str) -> int:
+    """Shape/dtype checks shared by the launchers (host metadata only, no sync); returns K."""
+    if slots.dtype != torch.uint8 or slots.dim() != 2 or slots.shape[1] != layout.row_bytes:
+        raise ValueError(f"{where}: slots must be uint8 [S, {layout.row_bytes}] for {layout}, "
+                         f"got {slots.dtype} {tuple(slots.shape)}")
+    if not slots.is_contiguous():
+        raise ValueError(f"{where}: slots must be contiguous (rows are addressed as slot * {layout.row_bytes})")
+    if slot_ids.dtype != torch.int32 or slot_ids.dim() != 2 or slot_ids.shape[0] != tokens:
+        raise ValueError(f"{where}: slot_ids must be int32 [T={tokens}, K], got {slot_ids.dtype} "
+                         f"{tuple(slot_ids.shape)}")
+    if slot_ids.shape[1] < 1:
+        raise ValueError(f"{where}: slot_ids needs at least one top-k column, got {tuple(slot_ids.shape)}")
+    if slot_ids.device != slots.device:
+        raise ValueError(f"{where}: slot_ids on {slot_ids.device}, slots on {slots.device}")
+    return int(slot_ids.shape[1])
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 code in the low 4 bits (sign bit 3) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    # exact powers of two by integer shift (ex2.approx is not guaranteed exact)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(s):
+    """uint8 e8m0 -> fp32 2^(s-127), built from the exponent bits (s=0: 2^-127, s=255: inf, as the reference)."""
+    bits = tl.where(s == 0, 1 << 22, s.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scaled(prod, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """prod [N, BK] times s [N, BK/G], each scale repeated over its G consecutive columns."""
+    return tl.reshape(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def packed_gemv(row_ptr, x_ptr, n, ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr,
+                SCALE: tl.constexpr, GSCALE: tl.constexpr, W_DTYPE: tl.constexpr, FMT: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[N] (fp32) = W[n, :] @ x for the rows n [BLOCK_N] of one packed matrix.
+
+    row_ptr: uint8 pointer to the expert's row in the pool; x_ptr: x [COLS] in any float dtype.
+    Each K step dequantizes one [BLOCK_N, BLOCK_K] tile in registers (nothing is written back) and adds
+    it into a [BLOCK_N, BLOCK_K] fp32 accumulator; the one cross-thread reduction happens after the loop.
+    Scales constant along a row (per tensor / per channel / NVFP4 global) are applied once at the end.
+    """
+    n_ok = n < ROWS  # [N]
+    kk = tl.arange(0, BLOCK_K)
+    gi = tl.arange(0, BLOCK_K // GROUP)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, COLS, BLOCK_K):
+        k_ok = k0 + kk < COLS
+        x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        if FMT == 5 or FMT == 6:
+            jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
+            b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
+            b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
+            # join puts (low, high) side by side: [N, BK/2, 2] reshapes to the columns in order
+            w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
+            s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
+            s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+            if FMT == 5:
+                s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
+                s = tl.where(s_ok, s.to(tl.float32), 0.0)
+            else:
+                s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
+                s = tl.where(s_ok, s, 0.0)
+            acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
+        else:
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
+            w = tl.load((row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :],
+                        mask=w_ok)  # [N, BK]
+            prod = tl.where(w_ok, w.to(tl.float32), 0.0) * x[None, :]  # [N, BK]
+            if FMT == 1:  # block FP8: one fp32 scale per (128 rows, 128 columns)
+                KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
+                s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
+                s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+                s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + s_off, mask=s_ok, other=0.0)
+                acc2 += _group_scaled(prod, s, BLOCK_N, BLOCK_K, GROUP)
+            else:
+                acc2 += prod
+    acc = tl.sum(acc2, axis=1)  # [N]
+    if FMT == 2:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
+    elif FMT == 3 or FMT == 4:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
+    elif FMT == 5:
+        acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
+    return acc
