@@ -26,7 +26,7 @@ from adapters.kernels.packed_gemv import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
 def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, S,
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                      D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,

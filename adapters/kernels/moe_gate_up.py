@@ -25,7 +25,7 @@ from adapters.kernels.packed_gemv import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
 def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
                         K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                         G_DATA: tl.constexpr, G_SCALE: tl.constexpr, G_GSCALE: tl.constexpr,
