@@ -2,6 +2,5 @@
 
 The torch path (adapters/torch_exec/) stays the numerical reference; every kernel here is tested
 against it on the CPU under TRITON_INTERPRET=1 and on the GPU at real shapes.
-NOTE: nothing is imported here, so a test can import (or reload) the kernel modules under the
-interpreter without touching other users of triton.
+NOTE: nothing is imported here: importing one kernel module does not build the others.
 """

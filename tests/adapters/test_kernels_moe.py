@@ -1,17 +1,15 @@
 """Triton MoE kernels over the slot pool (adapters/kernels/) against the torch reference (dequantize +
 SwiGLU + router-weighted sum), in every weight format.
 
-Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set only while the kernel
-modules are imported, so other test files see triton unchanged); with CUDA the same tests run on the GPU,
-plus the `gpu`-marked tests at the real Qwen3.6 geometry.
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before any
+kernel module is imported); with CUDA the same tests run compiled, plus the `gpu`-marked tests at the real
+Qwen3.6 geometry. A fresh process builds both kernels for sm_90 without a GPU (compile check).
 Error bound: relative Frobenius error < 1e-5 in fp32 (the kernels reorder fp32 sums and apply scales per
 group or per row instead of per element, ~1e-7 relative; anything wrong in a format is >> 1e-2).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import subprocess
 import sys
@@ -23,57 +21,12 @@ import torch.nn.functional as F
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.checkpoint.quant import dequantize
 from adapters.checkpoint.quantize import quantize
+from adapters.kernels.fused_moe import fused_moe
+from adapters.kernels.moe_down import moe_down
+from adapters.kernels.moe_gate_up import moe_gate_up
 from domain.model_spec import WeightFormat
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_KERNEL_MODULES = ("adapters.kernels.packed_gemv", "adapters.kernels.moe_gate_up",
-                   "adapters.kernels.moe_down", "adapters.kernels.fused_moe")
-
-
-@contextlib.contextmanager
-def _interpreted():
-    """TRITON_INTERPRET=1 while the body runs (CPU only): triton reads it when a function is decorated and,
-    for lazily imported parts, at launch; restored afterwards so other test files see triton unchanged."""
-    if DEVICE == "cuda":
-        yield
-        return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-def _import_kernels():
-    """(Re)import the kernel modules; under the interpreter a reload rebuilds them as interpreted kernels
-    even when another test imported them before."""
-    if DEVICE != "cuda" and "triton" in sys.modules:
-        from triton.language import standard
-        from triton.runtime.interpreter import InterpretedFunction
-
-        # triton.language's own @jit helpers (tl.zeros, tl.sum) are decorated when triton is first imported
-        if not isinstance(standard.zeros, InterpretedFunction):
-            raise RuntimeError("triton was imported before this module without TRITON_INTERPRET=1, so its "
-                               "language helpers cannot run in the interpreter; run this file first, or the "
-                               "whole suite with TRITON_INTERPRET=1")
-    with _interpreted():
-        reload = DEVICE != "cuda"
-        return [importlib.reload(sys.modules[m]) if reload and m in sys.modules else importlib.import_module(m)
-                for m in _KERNEL_MODULES]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_while_testing():
-    with _interpreted():
-        yield
-
-
-_, _gate_up_mod, _down_mod, _fused_mod = _import_kernels()
-moe_gate_up, moe_down, fused_moe = _gate_up_mod.moe_gate_up, _down_mod.moe_down, _fused_mod.fused_moe
 
 F_ = WeightFormat
 FP32_BOUND = 1e-5
