@@ -82,7 +82,7 @@ def probe_gemv(rec: dict) -> None:
             err = ((y.float() - ref).norm() / ref.norm()).item()
             cfg = {}
             for bn in (8, 16, 32, 64):
-                ms = bench(lambda x=x, bn=bn, q=q: dense_gemv(x, q, block_n=bn))
+                ms = bench(lambda x=x, bn=bn, q=q: dense_gemv(x, q, block_n=bn, block_k=128))
                 cfg[str(bn)] = {"us": round(ms * 1e3, 2), "gb_s": round(wbytes / ms / 1e6, 1)}
             bf16 = ref_w.to(torch.bfloat16)
             cublas_ms = bench(lambda x=x, w=bf16: torch.nn.functional.linear(x, w))

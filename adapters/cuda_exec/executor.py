@@ -60,6 +60,8 @@ class CudaGraphExecutor:
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
         self.model.prepare_fast_path()
         self.bank = checkpoint.experts
+        # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
+        self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
         self.sampler = Sampler(sampler_seed)
         self.max_decode_rows = max_decode_rows
         self.max_context = max_context or self.spec.max_context
@@ -102,7 +104,7 @@ class CudaGraphExecutor:
         if not keep_state and self.model.linear_layers:
             self.state = LinearStatePool(len(self.model.linear_layers), plan.state_slots, gdn, self.dtype, self.device)
         if not keep_experts:
-            self.experts = DeviceExpertPool(self.bank, self._expert_slots(plan), self.device)
+            self.experts = DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows)
         self.plan = plan
         self.decode_rows = min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
                                plan.state_slots if self.state is not None else self.max_decode_rows)
@@ -116,6 +118,9 @@ class CudaGraphExecutor:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
         start = time.perf_counter()
         buckets = decode_buckets(self.decode_rows)
+        with torch.inference_mode():
+            self.experts.tune(torch.randn(1, self.model.opts.hidden, dtype=self.dtype, device=self.device),
+                              self.model.opts.top_k)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -178,7 +183,8 @@ class CudaGraphExecutor:
             raise ValueError(f"cannot execute step: {reason}")
         if self._is_graph_step(batch):
             logits, _ = self._decode(batch.works)
-            return {w.request_id: logits[i:i + 1] for i, w in enumerate(batch.works)}
+            # NOTE: a graph's logits live in its static output, which the next replay overwrites
+            return {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(batch.works)}
         inp = flatten(batch, self.device)
         if self.state is not None:
             for span in inp.spans:

@@ -19,7 +19,11 @@ class DeviceExpertPool:
     """uint8 [S, R] expert slots on the device, filled from the pinned host bank by the gather kernel
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
 
-    def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str):
+    def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
+                 shared_rows: torch.Tensor | None = None):
+        """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
+        resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
+        expert per token. None: the caller computes the shared expert itself."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if bank.rows is None:
@@ -29,7 +33,16 @@ class DeviceExpertPool:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not bank.rows.is_pinned():
             raise ValueError("the fast path reads misses over PCIe from pinned host memory; the bank is pageable")
-        self.slots = torch.empty((num_slots, self.layout.row_bytes), dtype=torch.uint8, device=self.device)  # [S, R]
+        extra = 0 if shared_rows is None else shared_rows.shape[0]
+        if shared_rows is not None and tuple(shared_rows.shape) != (bank.num_layers, self.layout.row_bytes):
+            raise ValueError(f"shared rows must be uint8 [{bank.num_layers}, {self.layout.row_bytes}], "
+                             f"got {tuple(shared_rows.shape)}")
+        self.all_slots = torch.empty((num_slots + extra, self.layout.row_bytes), dtype=torch.uint8,
+                                     device=self.device)  # [S + L, R]
+        self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
+        self.has_shared = shared_rows is not None
+        if shared_rows is not None:
+            self.all_slots[num_slots:].copy_(shared_rows)
         self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device)
 
     @property
@@ -37,7 +50,7 @@ class DeviceExpertPool:
         return int(self.slots.shape[0])
 
     def nbytes(self) -> int:
-        return self.slots.nbytes + self.residency.nbytes()
+        return self.all_slots.nbytes + self.residency.nbytes()
 
     def _flat_keys(self, layer: int, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         flat = ids.to(torch.int64) + layer * self.bank.num_experts  # [T, K]
@@ -55,10 +68,29 @@ class DeviceExpertPool:
         slots = self.residency.slot_of_key[torch.where(flat < 0, sink, flat)]
         return torch.where(flat < 0, -1, slots).to(torch.int32).reshape(shape)  # [T, K]
 
+    def _with_shared(self, layer: int, slot_ids: torch.Tensor, weights: torch.Tensor,
+                     shared_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the layer's resident shared expert as top-k position K (weight sigmoid(gate))."""
+        if shared_weight is None:
+            return slot_ids, weights
+        col = torch.full_like(slot_ids[:, :1], self.num_slots + layer)  # [T, 1]
+        return torch.cat((slot_ids, col), 1), torch.cat((weights, shared_weight.float()), 1)  # [T, K+1]
+
+    def tune(self, x: torch.Tensor, top_k: int) -> None:
+        """Run the fused kernels once on real slots so their tiles are measured on real work (the graph
+        warm-up runs padded rows, which skip every expert)."""
+        rows = x.shape[0]
+        slot_ids = (torch.arange(rows * top_k, device=self.device) % self.num_slots).view(rows, top_k)
+        weights = torch.full((rows, top_k), 1.0 / top_k, device=self.device)
+        slot_ids, weights = self._with_shared(0, slot_ids.to(torch.int32), weights,
+                                              weights[:, :1] if self.has_shared else None)
+        fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
+
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               valid: torch.Tensor | None = None) -> torch.Tensor:
+               valid: torch.Tensor | None = None, shared_weight: torch.Tensor | None = None) -> torch.Tensor:
         """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K], ids [T, K];
-        rows with valid False route nowhere (no lookup, no miss, zeros out).
+        rows with valid False route nowhere (no lookup, no miss, zeros out). shared_weight [T, 1]: add the
+        resident shared expert with that weight (needs shared rows).
 
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
@@ -70,7 +102,8 @@ class DeviceExpertPool:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
             gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-            return fused_moe(x, slot_ids, weights, self.slots, self.layout)
+            slot_ids, weights = self._with_shared(layer, slot_ids, weights, shared_weight)
+            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
         out = None
@@ -78,8 +111,13 @@ class DeviceExpertPool:
             group = distinct[start:start + self.num_slots]
             self._fetch(group)
             in_group = torch.isin(flat, group)
-            part = fused_moe(x, self._slot_ids(torch.where(in_group, flat, -1), ids.shape), weights, self.slots,
-                             self.layout)
+            part = fused_moe(x, self._slot_ids(torch.where(in_group, flat, -1), ids.shape), weights,
+                             self.all_slots, self.layout)
+            out = part if out is None else out + part
+        if shared_weight is not None:
+            none = torch.full_like(ids[:, :1], -1, dtype=torch.int32)  # only the shared column computes
+            part = fused_moe(x, *self._with_shared(layer, none, torch.zeros_like(weights[:, :1]), shared_weight),
+                             self.all_slots, self.layout)
             out = part if out is None else out + part
         return out if out is not None else torch.zeros_like(x)
 

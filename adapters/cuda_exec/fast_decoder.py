@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.checkpoint.quant import QTensor, qlinear
+from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.kernels import dense_gemv as gemv
@@ -45,14 +45,33 @@ class FastDecoder(MoeDecoder):
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None):
         prefix = f"layers.{i}.mlp."
         weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize)
-        out = experts.routed(i, h, weights, ids, valid)  # [T, H]
-        if self.opts.shared_expert:
-            w = self.w
-            gate = fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])
-            up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
-            shared = fast_linear(F.silu(gate) * up, w[prefix + "shared_expert.down_proj.weight"])
-            out = out + torch.sigmoid(fast_linear(h, w[prefix + "shared_expert_gate.weight"])) * shared
-        return out
+        if not self.opts.shared_expert:
+            return experts.routed(i, h, weights, ids, valid)  # [T, H]
+        gate = torch.sigmoid(fast_linear(h, self.w[prefix + "shared_expert_gate.weight"]))  # [T, 1]
+        if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels
+            return experts.routed(i, h, weights, ids, valid, shared_weight=gate)
+        w = self.w
+        out = experts.routed(i, h, weights, ids, valid)
+        up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
+        act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
+        return out + gate * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+
+    def pack_shared_experts(self, layout) -> torch.Tensor | None:
+        """uint8 [L, R]: every layer's shared expert packed like a routed expert, or None when its format
+        or shape differs from the routed experts'. On success the dense copies are dropped (the packed
+        rows replace them, so the device holds the same bytes)."""
+        if not self.opts.shared_expert:
+            return None
+        names = [[f"layers.{i}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+                 for i in range(len(self.mixers))]
+        mats = [[as_linear_weight(self.w[n]).to("cpu") for n in layer] for layer in names]
+        if any(layout.can_pack(*m) is not None for m in mats):
+            return None
+        rows = torch.stack([layout.pack(*m) for m in mats])  # [L, R]
+        for layer in names:
+            for n in layer:
+                del self.w[n]
+        return rows
 
     def decode_step(self, view: DecodeView, kv: PagedKVCache, state: LinearStatePool | None,
                     experts: DeviceExpertPool) -> tuple[torch.Tensor, torch.Tensor]:

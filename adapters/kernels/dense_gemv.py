@@ -31,33 +31,51 @@ def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_ym, s
     row = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # NOTE: a [BN, BK] fp32 accumulator, reduced once after the loop: each step is loads and FMAs only,
+    # so several weight tiles can be in flight (decode GEMVs are bound by HBM latency x bytes in flight)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         mask_k = offs_k < K
         x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)  # [BN, BK]
-        if SCALE_MODE == 0:  # NOTE: BLOCK_K divides G, so one block's scale column per step
-            s = tl.load(s_ptr + (offs_n // G) * scale_cols + k0 // G, mask=mask_n, other=0.0)  # [BN]
-            acc += tl.sum(w * x[None, :], axis=1) * s
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        if SCALE_MODE == 0:  # block scales: BLOCK_K is a multiple of G, one scale per G columns
+            s = tl.load(s_ptr + (offs_n // G)[:, None] * scale_cols + (k0 // G + tl.arange(0, BLOCK_K // G))[None, :],
+                        mask=mask_n[:, None] & ((k0 // G + tl.arange(0, BLOCK_K // G)) < scale_cols)[None, :],
+                        other=0.0)  # [BN, BK/G]
+            prod = tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // G, G)) * s[:, :, None]
+            acc += tl.reshape(prod, (BLOCK_N, BLOCK_K))
         else:
-            acc += tl.sum(w * x[None, :], axis=1)
+            acc += w * x[None, :]
+    out = tl.sum(acc, axis=1)  # [BN]
     if SCALE_MODE == 1:
-        acc = acc * tl.load(s_ptr)
+        out = out * tl.load(s_ptr)
     if SCALE_MODE == 2:
-        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
-    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+        out = out * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
+    tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+# On CUDA the tile is chosen per shape by measurement (once, in the warm-up before graph capture);
+# the interpreter runs the one default tile.
+_TUNED = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+             for bn, bk, w, st in ((16, 128, 4, 1), (16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3),
+                                   (4, 1024, 4, 3), (8, 1024, 8, 2), (32, 256, 8, 3))],
+    key=["N", "K", "SCALE_MODE"],
+)(_dense_gemv_kernel)
 
 
 def supports(q: QTensor) -> bool:
     return q.fmt in SUPPORTED
 
 
-def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int = 16,
-               block_k: int = 128) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int | None = None,
+               block_k: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ q[N, K]^T -> [M, N] in x.dtype, fp32 accumulation.
 
+    block_n/block_k: a fixed tile (block_k a multiple of the 128-column scale block); None: on CUDA the
+    measured best tile for this shape (triton.autotune), elsewhere 16 x 128.
     Raises ValueError for unsupported formats or mismatched shapes.
     """
     if q.fmt not in SUPPORTED:
@@ -68,15 +86,18 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
         raise ValueError("x rows, q.data and q.scale must be contiguous")
     mode = SUPPORTED[q.fmt]
-    if mode == SCALE_BLOCK and FP8_BLOCK % block_k:
-        raise ValueError(f"block_k {block_k} must divide the scale block {FP8_BLOCK}")
+    if block_k is not None and mode == SCALE_BLOCK and block_k % FP8_BLOCK:
+        raise ValueError(f"block_k {block_k} must be a multiple of the scale block {FP8_BLOCK}")
     m, (n, k) = x.shape[0], q.shape
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, f"out must be [{m}, {n}] with unit column stride"
     if m == 0:
         return out
-    grid = (triton.cdiv(n, block_n), m)
-    _dense_gemv_kernel[grid](x, q.data, q.scale, out, n, k, x.stride(0), out.stride(0), q.scale.shape[1],
-                             SCALE_MODE=mode, G=FP8_BLOCK, BLOCK_N=block_n, BLOCK_K=block_k)
+    args = (x, q.data, q.scale, out, n, k, x.stride(0), out.stride(0), q.scale.shape[1])
+    if x.is_cuda and block_n is None and block_k is None:
+        _TUNED[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK)
+    else:
+        bn, bk = block_n or 16, block_k or 128
+        _dense_gemv_kernel[(triton.cdiv(n, bn), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK, BLOCK_N=bn, BLOCK_K=bk)
     return out

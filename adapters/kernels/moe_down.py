@@ -23,6 +23,8 @@ from adapters.kernels.packed_gemv import (
     default_block_k,
     layout_consts,
     packed_gemv,
+    prune_tiles,
+    tune_configs,
 )
 
 
@@ -46,8 +48,12 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, S,
     tl.store(out_ptr + t.to(tl.int64) * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
+                         prune_configs_by={"early_config_prune": prune_tiles})(_moe_down_kernel)
+
+
 def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int = 16, block_k: int | None = None,
+             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
              num_warps: int = 4) -> torch.Tensor:
     """out [T, H] in h.dtype: sum over k = 0..K-1 of weights[t, k] * (h[t, k] @ down^T), fp32 accumulation.
 
@@ -70,7 +76,10 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
                          f"{tuple(weights.shape)}")
     if not h.device == weights.device == slots.device:
         raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
+    # NOTE: no tile given on CUDA: the measured best tile for this shape and format (triton.autotune)
+    tuned = slots.is_cuda and block_n is None and block_k is None
     block_k = default_block_k(layout) if block_k is None else block_k
+    block_n = 16 if block_n is None else block_n
     check_block_k(layout, block_k)
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"moe_down: block_n={block_n} must be a power of two")
@@ -84,11 +93,13 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
         return out
     c = layout_consts(layout)
     grid = (tokens, triton.cdiv(hidden, block_n))
-    _moe_down_kernel[grid](
+    kernel = _TUNED[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_N"]))] if tuned else _moe_down_kernel[grid]
+    tiles = {} if tuned else {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
+    kernel(
         h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, out, slots.shape[0],
         K=k, H=hidden, I=inter, R=c.row_bytes,
         D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
         W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **tiles,
     )
     return out

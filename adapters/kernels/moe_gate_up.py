@@ -22,6 +22,8 @@ from adapters.kernels.packed_gemv import (
     default_block_k,
     layout_consts,
     packed_gemv,
+    prune_tiles,
+    tune_configs,
 )
 
 
@@ -46,8 +48,12 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
     tl.store(h_ptr + tk.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
 
 
+_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
+                         prune_configs_by={"early_config_prune": prune_tiles})(_moe_gate_up_kernel)
+
+
 def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout,
-                out: torch.Tensor | None = None, block_n: int = 16, block_k: int | None = None,
+                out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int = 4) -> torch.Tensor:
     """h [T, K, I] in x.dtype: silu(x @ gate^T) * (x @ up^T) per (token, top-k), fp32 accumulation.
 
@@ -66,7 +72,10 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     k = check_pool(slot_ids, slots, layout, tokens, "moe_gate_up")
     if x.device != slots.device:
         raise ValueError(f"moe_gate_up: x on {x.device}, slots on {slots.device}")
+    # NOTE: no tile given on CUDA: the measured best tile for this shape and format (triton.autotune)
+    tuned = slots.is_cuda and block_n is None and block_k is None
     block_k = default_block_k(layout) if block_k is None else block_k
+    block_n = 16 if block_n is None else block_n
     check_block_k(layout, block_k)
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"moe_gate_up: block_n={block_n} must be a power of two")
@@ -79,13 +88,16 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     if tokens == 0:
         return out
     c = layout_consts(layout)
-    grid = (tokens * k, triton.cdiv(inter, block_n))
-    _moe_gate_up_kernel[grid](
+    rows = tokens * k
+    grid = (rows, triton.cdiv(inter, block_n))
+    kernel = _TUNED[lambda meta: (rows, triton.cdiv(inter, meta["BLOCK_N"]))] if tuned else _moe_gate_up_kernel[grid]
+    tiles = {} if tuned else {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
+    kernel(
         x.contiguous(), slot_ids.contiguous(), slots, out, slots.shape[0],
         K=k, H=hidden, I=inter, R=c.row_bytes,
         G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
         U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
         W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **tiles,
     )
     return out

@@ -179,3 +179,22 @@ def packed_gemv(row_ptr, x_ptr, n, ROWS: tl.constexpr, COLS: tl.constexpr, DATA:
     elif FMT == 5:
         acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
     return acc
+
+
+# Tiles tried on CUDA (once per shape and format, by measurement, before any graph capture); the 4-bit
+# formats need BLOCK_K >= 256 (16-byte loads), block FP8 a multiple of 128. The interpreter runs the
+# launcher's default tile instead.
+TUNE_TILES = ((16, 128, 4, 1), (16, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3),
+              (16, 512, 8, 2), (32, 256, 8, 3), (4, 1024, 4, 2))
+
+
+def tune_configs() -> list:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in TUNE_TILES]
+
+
+def prune_tiles(configs, named_args, **kwargs):
+    """Drop tiles the format cannot use (BLOCK_K below 256 for 4-bit data, or not a multiple of the group)."""
+    fmt, group = named_args.get("FMT", kwargs.get("FMT")), named_args.get("GROUP", kwargs.get("GROUP", 1))
+    keep = [c for c in configs if c.kwargs["BLOCK_K"] % max(group, 1) == 0
+            and (fmt not in (5, 6) or c.kwargs["BLOCK_K"] >= 256)]
+    return keep or configs[:1]

@@ -35,3 +35,13 @@ def test_dense_gemv_refuses_fp4_and_bad_shapes():
                   torch.zeros(32, 8, dtype=torch.float8_e4m3fn), torch.ones(1))
     with pytest.raises(ValueError, match="does not read"):
         dense_gemv(torch.randn(1, 128), fp4)
+
+
+@pytest.mark.parametrize("block_n,block_k", [(8, 256), (4, 512)])
+def test_dense_gemv_wide_tiles_cover_a_ragged_k(block_n, block_k):
+    gen = torch.Generator().manual_seed(7)
+    q = quantize(torch.randn(40, 384, generator=gen) * 0.05, WeightFormat.FP8_BLOCK)
+    x = torch.randn(2, 384, generator=gen)
+    out = dense_gemv(x.to(DEVICE), q.to(DEVICE), block_n=block_n, block_k=block_k).cpu()
+    ref = x.double() @ dequantize(q, torch.float64).T
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
