@@ -77,6 +77,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set when sampling.logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first, len <= top_logprobs
+    # Set when sampling THIS sequence failed (a fault confined to it, e.g. non-finite logits):
+    # token_id is then meaningless and the engine aborts this request alone, not the batch.
+    error: str | None = None
 
 
 @runtime_checkable
