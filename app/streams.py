@@ -172,6 +172,14 @@ class RequestStreams:
         # Every request of the batch is aborted, so this only clears the in-flight batch.
         self._scheduler.complete(batch, {})
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one request whose own step result failed; the rest of its batch carries on."""
+        live = self.live.pop(request_id, None)
+        self._scheduler.abort(request_id)
+        if live is not None:
+            self._stats.record_finished("error")
+            self.finish(live, "error", message)
+
     def fail_all(self, message: str) -> None:
         """End every live request with an error (the engine step itself broke)."""
         for request_id, live in list(self.live.items()):
@@ -186,9 +194,10 @@ class RequestStreams:
     def finish(self, live: LiveStream, reason: str, error: str | None = None) -> None:
         self.emit(live, finish_event(live, reason, error))
 
-    def reject(self, live: LiveStream, message: str) -> None:
-        """A submission the scheduler refused at admission: a 400, nothing was generated."""
-        self.emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, 400))
+    def reject(self, live: LiveStream, message: str, status: int = 400) -> None:
+        """A submission refused at admission (400: the scheduler can not fit it; 503: the engine can
+        not serve); nothing was generated."""
+        self.emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, status))
 
     def close_all(self, *, held: Iterable[LiveStream], error: str) -> None:
         """Shutdown: abort every live stream and every submission still held (never admitted)."""

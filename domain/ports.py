@@ -88,7 +88,9 @@ class ModelExecutor(Protocol):
 
     execute(batch): computes every work's tokens (writing KV into its pages and updating its
     state slot) and returns exactly one SampledToken per work with sample=True, keyed by
-    request_id; works with sample=False yield nothing. Works are independent: the result for
+    request_id; works with sample=False yield nothing. A fault confined to one sequence (its
+    sampling failed) comes back as that sequence's SampledToken with ``error`` set, never as an
+    exception that would fail every sequence of the step. Works are independent: the result for
     one sequence must not depend on which other sequences share the batch (up to
     floating-point batching effects). It may reorder works internally. It must not keep
     references to page ids beyond the call: the scheduler reuses freed pages in the next step.
@@ -97,7 +99,11 @@ class ModelExecutor(Protocol):
     Frees the old pools before allocating the new ones (old and new never coexist), so the
     peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages and
     state slots < plan.state_slots are valid; KV and state contents are undefined and the
-    expert slots may be cold.
+    expert slots may be cold. If it raises, calling it again with the previous plan must
+    restore working pools (the rollback), whatever the failed call had already freed.
+
+    check_valid() (optional): asserts every pool exists at the size of the plan last applied;
+    the engine calls it after any failed step or resize to decide whether it can still serve.
     """
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]: ...

@@ -80,7 +80,7 @@ class ResizePlan:
             raise ValueError("experts_kept must be False exactly when the expert slot count changes")
 
 
-def _unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: int | None) -> PlanRefusal | None:
+def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: int | None) -> PlanRefusal | None:
     """Sizes no budget can make work (an operator's typo, not a shortage): refused, never raised."""
     for pool, size, least, what in (("kv", kv_tokens, 0, "kv_tokens"), ("moe", expert_slots, 0, "expert_slots"),
                                     ("state", state_slots, 1, "state_slots")):
@@ -105,7 +105,7 @@ def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tok
     if current.used_bytes > budget.pool_bytes:
         raise ValueError(f"current plan uses {current.used_bytes} bytes, more than the budget's "
                          f"{budget.pool_bytes}: it was made for another budget")
-    unusable = _unusable_size(kv_tokens, expert_slots, state_slots)
+    unusable = unusable_size(kv_tokens, expert_slots, state_slots)
     if unusable is not None:
         return unusable
     request = PoolRequest(

@@ -18,11 +18,12 @@ from app.api.agent import (
     prepare,
     split,
 )
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     reject_unsupported,
@@ -223,8 +224,7 @@ async def _sse(engine: Engine, request_id: str, events, created: int, model: str
 
     yield chunk({"role": "assistant", "content": ""})
     async for event in events_until_finished(engine, request_id, events):
-        if event.finish_reason in ("error",) or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:
             yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
             break
         delta = _delta(parser.feed(event.text) + (parser.finish() if event.finish_reason is not None else []))

@@ -8,11 +8,12 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     reject_unsupported,
@@ -144,8 +145,7 @@ async def _sse(engine, request_id, events, created, model, include_usage, offset
         return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
     async for event in events_until_finished(engine, request_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:
             yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
             break
         if event.text or event.logprobs or event.finish_reason:

@@ -171,13 +171,24 @@ async def collect(request: Request, engine: Engine, request_id: str, events: asy
     return gathering.result()
 
 
-def raise_if_failed(event: StreamEvent) -> None:
+def event_error(event: StreamEvent) -> OpenAIError | None:
+    """The error a final event carries, or None. One mapping for both answers, so a condition
+    gets the same status, ``type`` and ``code`` streamed (an SSE error event) and not streamed."""
     if event.finish_reason == "error" and event.error_status == 400:
-        raise OpenAIError(400, event.error or "request rejected", code="request_too_large")
+        return OpenAIError(400, event.error or "request rejected", code="request_too_large")
+    if event.finish_reason == "error" and event.error_status == 503:
+        return OpenAIError(503, event.error or "engine is not running", type="server_error", code="engine_down")
     if event.finish_reason == "error":
-        raise OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        return OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
     if event.finish_reason == "abort" and event.error:
-        raise service_unavailable(event.error)
+        return service_unavailable(event.error)
+    return None
+
+
+def raise_if_failed(event: StreamEvent) -> None:
+    error = event_error(event)
+    if error is not None:
+        raise error
 
 
 def usage(event: StreamEvent) -> dict:

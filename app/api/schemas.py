@@ -90,3 +90,5 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
         raise OpenAIError(422, f"invalid request: {exc}", param=param or None, code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # JSON nested ~1,000 deep (in an untyped field): the client's input, a 400
+        raise OpenAIError(400, "JSON body is nested too deeply", code="invalid_json") from None
