@@ -147,6 +147,7 @@ class FakeTokenizer:
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     eos_token_ids: tuple[int, ...] = (256, 258)  # <|endoftext|>, <|im_end|>
     vocab_size = 256 + len(SPECIALS)
+    max_chars_per_token = 1  # encode gives one token per UTF-8 byte: at least one per character
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -151,6 +151,10 @@ class Tokenizer(Protocol):
     extra keywords (``enable_thinking`` ...) reach the template like Hugging Face's
     ``chat_template_kwargs``. It raises ChatTemplateError when the model has no chat template
     or its template refuses the messages.
+
+    Optional ``max_chars_per_token`` (int): no token covers more input characters than this,
+    so a text of N characters encodes to at least N / max_chars_per_token tokens. It lets a
+    server refuse a prompt that cannot fit the context by its size, before tokenizing it.
     """
 
     eos_token_ids: tuple[int, ...]

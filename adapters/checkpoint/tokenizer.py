@@ -7,6 +7,7 @@ transformers does.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +46,13 @@ class HfTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """Bound for the cheap size check (domain.ports.Tokenizer): the longest vocabulary string,
+        times 4. A byte-level token's string has one character per byte it covers; the margin
+        covers normalisers that fold several input characters into one (NFC, compatibility forms)."""
+        return 4 * max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

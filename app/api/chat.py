@@ -15,7 +15,6 @@ from app.api.agent import (
     arguments_object,
     check_tool_choice,
     function_tool,
-    prepare,
     split,
 )
 from app.api.errors import bad_value, unsupported
@@ -34,6 +33,7 @@ from app.api.generation import (
     token_text,
     usage,
 )
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from app.engine import Engine
 from app.streams import StreamEvent
@@ -150,7 +150,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     stop = stop_strings(body.stop)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    prompt = prepare(runtime, engine, conversation)
+    prompt = await prepare_off_loop(runtime, engine, conversation)
     prompt_ids = prompt.ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = build_sampling(

@@ -24,17 +24,19 @@ from app.api.generation import (
     token_text,
     usage,
 )
+from app.api.prompts import text_prompt_ids
 from app.api.schemas import CompletionRequest, decode_body
 from app.engine import Engine
+from app.runtime import Runtime
 from app.streams import StreamEvent
 
 
-def _prompt_ids(engine: Engine, prompt: str | list) -> list[int]:
+async def _prompt_ids(runtime: Runtime, engine: Engine, prompt: str | list) -> list[int]:
     """A string, a list of token ids, or a one-element batch of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt)
+        return await text_prompt_ids(runtime, engine.tokenizer, prompt)
     if prompt and (all(isinstance(x, list) for x in prompt) or all(isinstance(x, str) for x in prompt)):
         raise unsupported("prompt", f"batched prompts ({len(prompt)}) are not supported; send one per request")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -84,7 +86,7 @@ async def completions(request: Request) -> Response | Stream:
         raise bad_value("logprobs", f"logprobs must be >= 0, got {body.logprobs}")
     stop = stop_strings(body.stop)
     engine = require_engine(runtime)
-    prompt_ids = _prompt_ids(engine, body.prompt)
+    prompt_ids = await _prompt_ids(runtime, engine, body.prompt)
     sampling = build_sampling(
         runtime,
         body,

@@ -22,7 +22,6 @@ from app.api.agent import (
     Reasoning,
     check_tool_choice,
     function_tool,
-    prepare,
 )
 from app.api.errors import OpenAIError, bad_value, internal_error_handler, unsupported
 from app.api.generation import (
@@ -36,6 +35,7 @@ from app.api.generation import (
     stop_strings,
     submit,
 )
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body
 from app.engine import Engine
 from app.runtime import Runtime
@@ -186,17 +186,17 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     return conversation
 
 
-def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
+async def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
     check_model(runtime, body.model)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    return engine, prepare(runtime, engine, conversation, call_id_prefix="toolu_")
+    return engine, await prepare_off_loop(runtime, engine, conversation, call_id_prefix="toolu_")
 
 
 @post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
 async def count_tokens(request: Request) -> Response:
     body = decode_body(await request.body(), CountTokensRequest)
-    _, prompt = _prompt(runtime_of(request), body)
+    _, prompt = await _prompt(runtime_of(request), body)
     return Response(content={"input_tokens": len(prompt.ids)})
 
 
@@ -207,7 +207,7 @@ async def messages(request: Request) -> Response | Stream:
     if body.max_tokens is None:
         raise bad_value("max_tokens", "max_tokens is required")
     stop = stop_strings(body.stop_sequences)
-    engine, prompt = _prompt(runtime, body)
+    engine, prompt = await _prompt(runtime, body)
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_tokens,
                               prompt_param="messages")
     message_id = engine.new_request_id("msg")

@@ -23,7 +23,6 @@ from app.api.agent import (
     arguments_object,
     check_tool_choice,
     function_tool,
-    prepare,
 )
 from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
@@ -36,6 +35,7 @@ from app.api.generation import (
     runtime_of,
     submit,
 )
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body
 from app.engine import Engine
 from app.tool_parsers import ToolCallDelta
@@ -236,7 +236,7 @@ async def responses(request: Request) -> Response | Stream:
     _refuse_stateful(body)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    prompt = prepare(runtime, engine, conversation, param="input")
+    prompt = await prepare_off_loop(runtime, engine, conversation, param="input")
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
                               prompt_param="input")
     response_id = engine.new_request_id("resp")

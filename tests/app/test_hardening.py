@@ -4,12 +4,24 @@ Real uvicorn on 127.0.0.1, the official `openai` client, the fake model (tests/a
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import openai
 import pytest
+from dependency_injector import providers
 
-from tests.app.conftest import MODEL, chat_prompt_ids, fake_model_output, make_container, start_server, wait_until_idle
+from domain.fakes import FakeTokenizer
+
+from tests.app.conftest import (
+    MODEL,
+    chat_prompt_ids,
+    fake_model_output,
+    make_container,
+    start_server,
+    wait_until_idle,
+)
 from tests.app.test_resize import expected, plan, rebuild, stream
 
 
@@ -160,3 +172,82 @@ def test_prompt_ids_expected_by_the_fake_are_stable():
     """Guards the helpers these tests lean on: the fake model's greedy output is a pure function."""
     ids = chat_prompt_ids("x")
     assert fake_model_output(ids, 5) == fake_model_output(ids, 5)
+
+
+# -- 4. one large request froze the server --------------------------------------------------------------
+class SlowTokenizer(FakeTokenizer):
+    """Tokenizing a text with "SLOW" in it takes a while (sleeping releases the GIL, as the Rust
+    tokenizer does); every encode is counted."""
+
+    def __init__(self) -> None:
+        self.encoding = threading.Event()
+        self.encoded_chars: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded_chars.append(len(text))
+        if "SLOW" in text:
+            self.encoding.set()
+            time.sleep(1.5)
+        return super().encode(text)
+
+
+@pytest.fixture
+def slow_tok():
+    container = make_container(delay=0.003)
+    container.tokenizer.override(providers.Singleton(SlowTokenizer))
+    server = start_server(container, kv_tokens=512)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}]}),
+    ("/v1/completions", lambda text: {"prompt": text}),
+    ("/v1/completions", lambda text: {"prompt": [text]}),
+])
+def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_tokenizing(slow_tok, path, body):
+    tokenizer = slow_tok.container.tokenizer()
+    started = time.monotonic()
+    r = httpx.post(slow_tok.base_url + path, json={"model": MODEL, **body("SLOW" + "x" * 5_000_000)}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == ("messages" if "chat" in path else "prompt")
+    assert time.monotonic() - started < 1.0
+    assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
+
+
+def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(slow_tok):
+    tokenizer = slow_tok.container.tokenizer()
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=slow_tok.base_url + "/v1", api_key="x", max_retries=0)
+        gaps: list[float] = []
+
+        async def timed_stream():
+            s = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "pace"}], max_tokens=300, stream=True,
+                extra_body={"ignore_eos": True})
+            last = None
+            async for _ in s:
+                now = time.monotonic()
+                if last is not None and tokenizer.encoding.is_set():
+                    gaps.append(now - last)
+                last = now
+
+        running = asyncio.ensure_future(timed_stream())
+        while httpx.get(slow_tok.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.005)
+        slow = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="SLOW please", max_tokens=4))
+        while not tokenizer.encoding.is_set():
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        health_status = (await asyncio.to_thread(httpx.get, slow_tok.base_url + "/health")).status_code
+        health_s = time.monotonic() - t0
+        done = await slow
+        await running
+        await client.close()
+        return health_status, health_s, gaps, done
+
+    status, health_s, gaps, done = asyncio.run(main())
+    assert status == 200 and health_s < 0.5, f"/health took {health_s:.2f}s while a prompt was tokenized"
+    assert gaps and max(gaps) < 0.5, f"a stream stalled {max(gaps):.2f}s while a prompt was tokenized"
+    assert done.usage.completion_tokens == 4
