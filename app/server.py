@@ -16,6 +16,7 @@ from app.api.errors import EXCEPTION_HANDLERS
 from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
 from app.api.responses import responses
+from app.http_protocol import OpenAIErrorH11Protocol
 from app.runtime import Runtime
 
 
@@ -51,7 +52,8 @@ class ServerThread:
     """uvicorn in a background thread (tests, and `ft serve` while the model loads)."""
 
     def __init__(self, app: Litestar, host: str = "127.0.0.1", port: int = 1919, log_level: str = "warning") -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
+                                http=OpenAIErrorH11Protocol)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="fluxtide-http", daemon=True)
 

@@ -24,6 +24,7 @@ from app.api.generation import (
     collect,
     event_error,
     events_until_finished,
+    max_tokens_of,
     raise_if_failed,
     reject_unsupported,
     require_engine,
@@ -38,7 +39,9 @@ from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from app.engine import Engine
 from app.streams import StreamEvent
 
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
+_ROLES = {"system", "user", "assistant", "developer", "tool", "function"}
+# Legacy roles the chat templates do not know, and the role each is rendered as.
+_LEGACY_ROLES = {"developer": "system", "function": "tool"}
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
@@ -47,19 +50,19 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
-            raise bad_value(f"messages.[{i}].role", f"unknown role {m.role!r}")
+            raise bad_value(f"messages[{i}].role", f"unknown role {m.role!r}")
         content = m.content
         if isinstance(content, list):
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise unsupported(f"messages.[{i}].content", "only text content parts are supported")
+                    raise unsupported(f"messages[{i}].content", "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        role = "system" if m.role == "developer" else m.role
+        role = _LEGACY_ROLES.get(m.role, m.role)
         message = {"role": role, "content": content or ""}
         if m.tool_calls:
-            message["tool_calls"] = [_template_call(call, f"messages.[{i}].tool_calls.[{j}]")
+            message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
@@ -82,9 +85,9 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
     for i, tool in enumerate(body.tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise unsupported(f"tools.[{i}]", "only function tools are supported")
+            raise unsupported(f"tools[{i}]", "only function tools are supported")
         tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                   f"tools.[{i}]"))
+                                   f"tools[{i}]"))
     choice, forced = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"), None
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -152,7 +155,7 @@ async def chat_completions(request: Request) -> Response | Stream:
     engine = require_engine(runtime)
     prompt = await prepare_off_loop(runtime, engine, conversation)
     prompt_ids = prompt.ids
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens, max_tokens_param = max_tokens_of(body, None)
     sampling = build_sampling(
         runtime,
         body,
@@ -161,6 +164,7 @@ async def chat_completions(request: Request) -> Response | Stream:
         prompt_param="messages",
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
+        max_tokens_param=max_tokens_param,
     )
     request_id = engine.new_request_id("chatcmpl")
     events = submit(engine, request_id, prompt_ids, sampling, stop)

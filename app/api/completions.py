@@ -15,6 +15,7 @@ from app.api.generation import (
     collect,
     event_error,
     events_until_finished,
+    max_tokens_of,
     raise_if_failed,
     reject_unsupported,
     require_engine,
@@ -87,15 +88,18 @@ async def completions(request: Request) -> Response | Stream:
     stop = stop_strings(body.stop)
     engine = require_engine(runtime)
     prompt_ids = await _prompt_ids(runtime, engine, body.prompt)
+    # NOTE: OpenAI's completions default is 16 tokens (chat defaults to the rest of the context).
+    max_tokens, max_tokens_param = max_tokens_of(body, 16)
     sampling = build_sampling(
         runtime,
         body,
         prompt_len=len(prompt_ids),
-        # NOTE: OpenAI's completions default is 16 tokens (chat defaults to the rest of the context).
-        max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        max_tokens=max_tokens,
         prompt_param="prompt",
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
+        max_tokens_param=max_tokens_param,
+        top_logprobs_param="logprobs",
     )
     request_id = engine.new_request_id("cmpl")
     events = submit(engine, request_id, prompt_ids, sampling, stop)

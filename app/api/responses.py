@@ -84,7 +84,7 @@ def _text(content, param: str) -> str:
     for i, part in enumerate(content or []):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else part
-            raise unsupported(f"{param}.[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
+            raise unsupported(f"{param}[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
         texts.append(part.get("text") or "")
     return "".join(texts)
 
@@ -96,7 +96,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         raise bad_value("input", "input must not be empty")
     reasoning: str | None = None
     for i, item in enumerate(items):
-        param = f"input.[{i}]"
+        param = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -133,8 +133,8 @@ def _conversation(body: ResponsesRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.get("type") != "function":
-            raise unsupported(f"tools.[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
-        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools.[{i}]"))
+            raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
     choice, forced = body.tool_choice if body.tool_choice is not None else "auto", None
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):

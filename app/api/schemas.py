@@ -30,6 +30,7 @@ class ChatMessage(msgspec.Struct):
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer spelling of max_tokens; wins when both are sent
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,7 +48,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None

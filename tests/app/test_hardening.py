@@ -13,7 +13,6 @@ import pytest
 from dependency_injector import providers
 
 from domain.fakes import FakeTokenizer
-
 from tests.app.conftest import (
     MODEL,
     chat_prompt_ids,
