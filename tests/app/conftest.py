@@ -60,12 +60,24 @@ class SlowExecutor:
         self.kv_freed = False
         self.broken_rollback = False
         self.fail_sampling_seed: int | None = None
+        self.fail_next_step: Exception | None = None  # raised by the next execute (once)
+        # While set, each step waits for one permit: a test runs the engine step by step to force
+        # an interleaving (see step_until) instead of racing it.
+        self.step_gate: threading.Semaphore | None = None
+        self.step_breaks_pools = False  # the failing step also leaves the KV pool gone
         self.sampling_seen: dict[str, object] = {}  # request id -> the SamplingParams it ran with
 
     def execute(self, batch):
+        gate = self.step_gate
+        if gate is not None:
+            gate.acquire(timeout=10)
         if self.delay:
             time.sleep(self.delay)
         assert not self.kv_freed, "'NoneType' object has no attribute 'page_size'"
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            self.kv_freed = self.step_breaks_pools
+            raise exc
         out = self.inner.execute(batch)
         for work in batch.works:
             self.sampling_seen[work.request_id] = work.sampling
@@ -91,6 +103,27 @@ class SlowExecutor:
         self.resizes.append(plan)
         self.inner.resize_pools(plan)
         self.plan, self.kv_freed = plan, False
+
+
+def step_until(server: RunningServer, condition, limit: int = 50) -> dict:
+    """With the executor's step_gate set, let the engine run one step at a time until
+    condition(pools snapshot) holds; returns that snapshot. At most `limit` steps."""
+    executor = server.container.executor()
+    for _ in range(limit):
+        pools = stats(server)["pools"]
+        if condition(pools):
+            return pools
+        executor.step_gate.release()
+        time.sleep(0.01)
+    raise AssertionError(f"condition not reached in {limit} steps: {stats(server)['pools']}")
+
+
+def open_gate(server: RunningServer) -> None:
+    """Back to free running: no more waiting for permits (and wake a step that waits for one)."""
+    executor = server.container.executor()
+    gate, executor.step_gate = executor.step_gate, None
+    if gate is not None:
+        gate.release()
 
 
 def make_container(blocker: threading.Event | None = None, delay: float = 0.0) -> Container:

@@ -129,6 +129,27 @@ def test_a_sampling_fault_of_one_request_aborts_that_request_only(srv):
     assert_serves(srv)
 
 
+# -- after any failed step the engine verifies itself ----------------------------------------------------
+def test_a_failed_step_fails_its_batch_then_the_self_check_passes_and_serving_continues(srv):
+    srv.container.executor().fail_next_step = RuntimeError("CUDA error: an illegal memory access")
+    with pytest.raises(openai.InternalServerError) as info:
+        client_of(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert info.value.body["code"] == "engine_error" and "illegal memory access" in info.value.body["message"]
+    assert_serves(srv)
+
+
+def test_a_failed_step_that_broke_the_pools_turns_the_engine_unhealthy(srv):
+    executor = srv.container.executor()
+    executor.fail_next_step, executor.step_breaks_pools = RuntimeError("device lost"), True
+    with pytest.raises(openai.InternalServerError):
+        client_of(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    h = health(srv)
+    assert h.status_code == 503 and "KV pool is missing" in h.json()["error"]
+    with pytest.raises(openai.APIStatusError) as info:
+        client_of(srv).models.list()
+    assert info.value.status_code == 503 and info.value.body["code"] == "engine_down"
+
+
 # -- 3. other 5xx from client input ---------------------------------------------------------------------
 def deep(n: int) -> str:
     return "[" * n + "]" * n
