@@ -158,6 +158,11 @@ class FakeTokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
+
     def apply_chat_template(
         self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
         **template_kwargs: object,

@@ -155,6 +155,8 @@ class Tokenizer(Protocol):
     Optional ``max_chars_per_token`` (int): no token covers more input characters than this,
     so a text of N characters encodes to at least N / max_chars_per_token tokens. It lets a
     server refuse a prompt that cannot fit the context by its size, before tokenizing it.
+    Optional ``token_bytes(token_id) -> bytes``: the token's own bytes (a byte-fallback token
+    is one byte of a character, which decode can only show as U+FFFD).
     """
 
     eos_token_ids: tuple[int, ...]

@@ -31,9 +31,9 @@ from app.api.generation import (
     runtime_of,
     stop_strings,
     submit,
-    token_text,
     usage,
 )
+from app.api.logprob_tokens import token_bytes, token_string
 from app.api.prompts import prepare_off_loop
 from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from app.engine import Engine
@@ -130,8 +130,9 @@ def _logprobs(engine: Engine, event: StreamEvent) -> dict | None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(engine, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        tokenizer = engine.tokenizer
+        return {"token": token_string(tokenizer, token_id), "logprob": logprob,
+                "bytes": list(token_bytes(tokenizer, token_id))}
 
     return {
         "content": [

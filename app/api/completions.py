@@ -25,6 +25,7 @@ from app.api.generation import (
     token_text,
     usage,
 )
+from app.api.logprob_tokens import token_string
 from app.api.prompts import text_prompt_ids
 from app.api.schemas import CompletionRequest, decode_body
 from app.engine import Engine
@@ -59,15 +60,14 @@ class _Offsets:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in event.logprobs:
-            text = token_text(engine, lp.token_id)
-            tokens.append(text)
+            tokens.append(token_string(engine.tokenizer, lp.token_id))
             token_logprobs.append(lp.logprob)
             alternatives: dict[str, float] = {}
-            for t, p in lp.top:  # best first; tokens that render alike keep the best logprob
-                alternatives.setdefault(token_text(engine, t), p)
+            for t, p in lp.top:  # best first; byte tokens are told apart by their bytes: strings
+                alternatives.setdefault(token_string(engine.tokenizer, t), p)
             top.append(alternatives or None)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(token_text(engine, lp.token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

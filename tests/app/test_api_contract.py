@@ -149,3 +149,48 @@ def test_oversized_headers_are_431_in_openai_shape(server):
     r = httpx.Response(431, content=body)
     assert r.json()["error"]["code"] == "request_header_fields_too_large"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- logprobs travel with their token's text ----------------------------------------------------------
+def printable_prompt(n: int) -> tuple[str, str]:
+    """A chat prompt whose first n fake-model tokens are printable ASCII, and their text."""
+    for i in range(100_000):
+        content = f"p{i}"
+        ids, _ = fake_model_output(chat_prompt_ids(content), n)
+        if all(32 <= t < 127 for t in ids):
+            return content, "".join(map(chr, ids))
+    raise AssertionError("no printable prompt found")
+
+
+def test_a_stream_held_back_by_a_stop_string_carries_each_tokens_logprob_with_its_text(client):
+    content, text = printable_prompt(7)
+    stop = text[5:7]
+    assert stop not in text[:6]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=7, stop=[stop], stream=True,
+        logprobs=True, extra_body={"ignore_eos": True}))
+    deltas = [(c.choices[0].delta.content or "", [lp.token for lp in c.choices[0].logprobs.content])
+              for c in chunks if c.choices and c.choices[0].logprobs]
+    *body, last = deltas
+    for delta, tokens in body:
+        assert "".join(tokens) == delta, f"logprobs {tokens} sent with the text {delta!r}"
+    assert "".join(d for d, _ in deltas) == text[:5]
+    assert "".join(t for _, tokens in deltas for t in tokens) == text[:7], "every token's logprob, once"
+    assert chunks[-1].choices[0].finish_reason == "stop" or any(c.choices and c.choices[0].finish_reason == "stop"
+                                                              for c in chunks)
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes_and_byte_tokens_stay_distinct(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "bytes"}], max_tokens=24,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    entries = [e for c in r.choices[0].logprobs.content for e in (c, *c.top_logprobs)]
+    lone = [e for e in entries if len(e.bytes) == 1 and e.bytes[0] >= 128]
+    assert lone, "the fake model's output should include bytes of multi-byte characters"
+    for e in lone:
+        assert e.token == f"bytes:\\x{e.bytes[0]:02x}"
+    assert all(e.bytes != [239, 191, 189] for e in entries), "a byte token came back as U+FFFD"
+    for c in r.choices[0].logprobs.content:
+        assert len({bytes(t.bytes) for t in c.top_logprobs}) == 3 == len({t.token for t in c.top_logprobs})
+    done = client.completions.create(model=MODEL, prompt="bytes", max_tokens=24, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    assert all(len(alternatives) == 3 for alternatives in done.choices[0].logprobs.top_logprobs)
