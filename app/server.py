@@ -6,6 +6,7 @@ import threading
 
 import uvicorn
 from litestar import Litestar, Router
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 
 from app.api.admin import cache_rebuild, cache_status, health, metrics, stats
@@ -20,7 +21,17 @@ from app.http_protocol import OpenAIErrorH11Protocol
 from app.runtime import Runtime
 
 
-def create_app(runtime: Runtime) -> Litestar:
+def cors_config(allowed_origins: tuple[str, ...]) -> CORSConfig | None:
+    """CORS for browser clients. Litestar answers a preflight (OPTIONS) in its middleware, before
+    the API-key guard, so a preflight never needs the key; the real request still does."""
+    if not allowed_origins:
+        return None
+    return CORSConfig(allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+                      allow_headers=["*"],  # the openai SDKs send several x-stainless-* headers
+                      expose_headers=["retry-after", "x-request-id"], max_age=600)
+
+
+def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Litestar:
     protected = Router(
         path="/",
         guards=[require_api_key],
@@ -42,6 +53,7 @@ def create_app(runtime: Runtime) -> Litestar:
         route_handlers=[health, protected],
         state=State({"runtime": runtime}),
         exception_handlers=EXCEPTION_HANDLERS,
+        cors_config=cors_config(allowed_origins),
         openapi_config=None,
         # NOTE: request bodies are parsed by hand (errors in OpenAI's shape); no size cap beyond this.
         request_max_body_size=64 * 1024 * 1024,

@@ -194,3 +194,32 @@ def test_logprob_bytes_are_the_tokens_own_bytes_and_byte_tokens_stay_distinct(cl
     done = client.completions.create(model=MODEL, prompt="bytes", max_tokens=24, logprobs=3,
                                      extra_body={"ignore_eos": True})
     assert all(len(alternatives) == 3 for alternatives in done.choices[0].logprobs.top_logprobs)
+
+
+# -- CORS ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cors_server():
+    srv = start_server(api_key="sekret", allowed_origins=("https://app.example",))
+    yield srv
+    srv.stop()
+
+
+def test_cors_preflight_never_needs_the_api_key_and_the_real_request_still_does(cors_server):
+    url = cors_server.base_url + "/v1/chat/completions"
+    pre = httpx.options(url, headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code in (200, 204), pre.text
+    assert pre.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    no_key = httpx.post(url, json=body, headers={"Origin": "https://app.example"})
+    assert no_key.status_code == 401 and no_key.headers["access-control-allow-origin"] == "https://app.example"
+    ok = httpx.post(url, json=body, headers={"Origin": "https://app.example", "Authorization": "Bearer sekret"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.get(cors_server.base_url + "/health", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_headers_unless_origins_are_allowed(server):
+    r = httpx.get(server.base_url + "/health", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in r.headers
