@@ -8,6 +8,7 @@ import uvicorn
 from litestar import Litestar, Router
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
 
 from app.api.admin import cache_rebuild, cache_status, health, metrics, stats
 from app.api.auth import require_api_key
@@ -17,6 +18,7 @@ from app.api.errors import EXCEPTION_HANDLERS
 from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
 from app.api.responses import responses
+from app.api.openapi_doc import CompletedJsonRenderPlugin
 from app.http_protocol import OpenAIErrorH11Protocol
 from app.runtime import Runtime
 
@@ -54,7 +56,8 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
         state=State({"runtime": runtime}),
         exception_handlers=EXCEPTION_HANDLERS,
         cors_config=cors_config(allowed_origins),
-        openapi_config=None,
+        openapi_config=OpenAPIConfig(title="fluxtide", version="1", path="/schema",
+                                     render_plugins=[CompletedJsonRenderPlugin()]),
         # NOTE: request bodies are parsed by hand (errors in OpenAI's shape); no size cap beyond this.
         request_max_body_size=64 * 1024 * 1024,
     )
