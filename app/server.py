@@ -17,8 +17,8 @@ from app.api.completions import completions
 from app.api.errors import EXCEPTION_HANDLERS
 from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
-from app.api.responses import responses
 from app.api.openapi_doc import CompletedJsonRenderPlugin
+from app.api.responses import responses
 from app.http_protocol import OpenAIErrorH11Protocol
 from app.runtime import Runtime
 

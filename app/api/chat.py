@@ -68,6 +68,8 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
             message["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
             message["reasoning_content"] = m.reasoning_content
+        if m.name is not None:  # NOTE: handed to the chat template, which may render it
+            message["name"] = m.name
         out.append(message)
     return out
 

@@ -223,3 +223,13 @@ def test_cors_preflight_never_needs_the_api_key_and_the_real_request_still_does(
 def test_no_cors_headers_unless_origins_are_allowed(server):
     r = httpx.get(server.base_url + "/health", headers={"Origin": "https://app.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_tool_choice_without_tools_is_refused_by_name_and_names_reach_the_template(server, client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    assert_openai_error(httpx.post(server.base_url + "/v1/chat/completions", json=body), 400, param="tool_choice")
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi", "name": "ann"}],
+                                           max_tokens=2, tool_choice=choice)
+        assert r.usage.completion_tokens >= 1
