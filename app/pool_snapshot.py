@@ -45,7 +45,9 @@ def expert_pins(executor: ModelExecutor) -> int | None:
     """Experts pinned by lookups still in progress (0 between steps), where the executor has a
     residency policy (TorchExecutor's expert slot cache); None otherwise."""
     residency = getattr(getattr(executor, "experts", None), "residency", None)
-    return None if residency is None else residency.num_pinned
+    # NOTE: only a host-side count; reading a device-side pin table would sync every iteration.
+    pins = getattr(residency, "num_pinned", None)
+    return pins if isinstance(pins, int) else None
 
 
 def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
