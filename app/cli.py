@@ -44,6 +44,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--tool-call-parser", default="auto",
                    help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
     p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
+    p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated origins browser clients may call from (CORS), '*' for any; "
+                        "preflight requests never need the API key")
     p.add_argument("--log-level", default="info")
 
 
@@ -77,6 +80,7 @@ def _serve(args) -> int:
             executor=args.executor,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

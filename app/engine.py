@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from app.pool_snapshot import PoolPublisher
 from app.resize_coordinator import ResizeCoordinator, ResizeOutcome, plan_live_resize
+from app.self_check import first_failure
 from app.stats import ServingStats
 from app.streams import LiveStream, RequestStreams
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
@@ -74,18 +75,22 @@ class Engine:
         self._streams = RequestStreams(scheduler=scheduler, stats=stats, eos_token_ids=self.eos_token_ids, clock=clock)
         self._resizer = ResizeCoordinator(
             scheduler=scheduler, executor=executor, clock=clock, send=self._command, admit=self._admit,
-            install=self._install_pools, report_error=self._report_error, republish=self._republish)
+            install=self._install_pools, report_error=self._report_error, republish=self._republish,
+            verify=self.verify)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.last_error: str | None = None
+        # Set when a self-check failed: the engine cannot serve (health 503, generation 503).
+        self.broken: str | None = None
         self._publisher = PoolPublisher(stats, executor)
         self._publish_pools()
 
     @property
     def phase(self) -> str:
-        """"ready" | "draining" | "rebuilding" | "error" (the live-resize phase)."""
-        return self._resizer.phase
+        """"ready" | "draining" | "rebuilding" | "error" (the live-resize phase, or "error" once a
+        self-check after a failure found the engine unable to serve)."""
+        return "error" if self.broken is not None else self._resizer.phase
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,6 +161,7 @@ class Engine:
         was_idle = False
         while not self._stopping:
             self._wake.clear()
+            batch = None
             try:
                 self._drain_commands()
                 self._resizer.step()
@@ -172,7 +178,9 @@ class Engine:
                 self._republish()
             except Exception as exc:  # NOTE: the loop must survive anything; requests get the error
                 self._fail_everything(exc)
-                self._streams.flush()
+                self._release_in_flight(batch)
+                self.verify()
+                self._republish()
         self._shutdown()
         self._streams.flush()
 
@@ -193,6 +201,9 @@ class Engine:
                 self._resizer.begin(payload)
 
     def _admit(self, live: LiveStream) -> None:
+        if self.phase == "error":  # a self-check failed: nothing may run on these pools
+            self._streams.reject(live, f"engine is not running: {self.last_error}", status=503)
+            return
         try:
             self.scheduler.add(live.request)
         except ValueError as exc:  # pools shrank (live resize) since the handler's probe
@@ -211,8 +222,14 @@ class Engine:
             sampled: dict[str, SampledToken] = self.executor.execute(batch)
         except Exception as exc:  # NOTE: fail this batch's requests, keep serving the rest
             self._fail_batch(batch, exc)
+            self.verify()
             return
         self._publisher.record_step(batch, self._clock() - started)
+        faulty = {rid: token.error for rid, token in sampled.items() if getattr(token, "error", None)}
+        for request_id, error in faulty.items():  # NOTE: confined to that request: abort it alone
+            self._streams.fail_request(request_id, self._record_failure(f"request {request_id}: {error}"))
+        if faulty:
+            sampled = {rid: token for rid, token in sampled.items() if rid not in faulty}
         for event in self.scheduler.complete(batch, sampled):
             self._streams.on_event(event)
 
@@ -227,6 +244,34 @@ class Engine:
 
     def _report_error(self, message: str) -> None:
         self.last_error = message
+
+    def verify(self) -> str | None:
+        """Engine-thread only. Self-check after a failed step or resize: every manager's check_valid
+        and the executor's (its pools against the plan). A failure marks the engine broken (it
+        answers 503 and /health says why) and is returned; None when it can serve."""
+        problem = first_failure([
+            ("scheduler", self.scheduler.check_valid),
+            ("KV page allocator", self._allocator.check_valid),
+            ("executor", getattr(self.executor, "check_valid", None)),
+            ("request streams", self._streams.check_valid),
+            ("resize coordinator", self._resizer.check_valid),
+        ])
+        if problem is None and self._allocator.num_pages != self.plan.kv_pages:
+            problem = f"KV allocator has {self._allocator.num_pages} pages, the plan {self.plan.kv_pages}"
+        if problem is not None:
+            log.error("engine cannot serve: %s", problem)
+            self.broken = self.last_error = problem
+        return problem
+
+    def _release_in_flight(self, batch) -> None:
+        """After a failure inside the loop: every request was aborted, so completing the batch
+        with nothing only clears it (else the next schedule() refuses forever)."""
+        if batch is None:
+            return
+        try:
+            self.scheduler.complete(batch, {})
+        except ValueError:  # it was no longer in flight
+            pass
 
     # -- housekeeping ------------------------------------------------------------------------
     def _on_idle(self) -> None:

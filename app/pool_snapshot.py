@@ -18,6 +18,7 @@ def pool_snapshot(
     state_slots_used: int,
     held: int,
     phase: str,
+    expert_pins: int | None = None,
 ) -> dict:
     """A fresh dict each time: handler threads keep reading the previous one while it is built."""
     return {
@@ -36,7 +37,17 @@ def pool_snapshot(
         "expert_slots": plan.expert_slots,
         "residency": plan.residency,
         "phase": phase,
+        "expert_pins": expert_pins,  # None: the executor keeps no pins (fakes)
     }
+
+
+def expert_pins(executor: ModelExecutor) -> int | None:
+    """Experts pinned by lookups still in progress (0 between steps), where the executor has a
+    residency policy (TorchExecutor's expert slot cache); None otherwise."""
+    residency = getattr(getattr(executor, "experts", None), "residency", None)
+    # NOTE: only a host-side count; reading a device-side pin table would sync every iteration.
+    pins = getattr(residency, "num_pinned", None)
+    return pins if isinstance(pins, int) else None
 
 
 def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
@@ -60,7 +71,7 @@ class PoolPublisher:
 
     def publish(self, **parts) -> None:
         """`parts` are pool_snapshot's arguments."""
-        pools = pool_snapshot(**parts)
+        pools = pool_snapshot(**parts, expert_pins=expert_pins(self._executor))
         self.latest = pools
         self._stats.record_pools(pools)
 

@@ -18,7 +18,7 @@ from typing import Any
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
 from domain.model_spec import ModelSpec
 from domain.ports import ModelExecutor
-from domain.resize import ResizePlan, plan_resize
+from domain.resize import ResizePlan, plan_resize, unusable_size
 from domain.scheduler import Scheduler
 
 log = logging.getLogger("fluxtide.engine")  # the engine's log: a resize is an engine event
@@ -53,6 +53,10 @@ def fill_auto(
         raise ValueError("only one of kv_tokens and expert_slots can be 'auto'")
     if "auto" not in (kv_tokens, expert_slots):
         return kv_tokens, expert_slots
+    unusable = unusable_size(None if kv_tokens == "auto" else kv_tokens,
+                             None if expert_slots == "auto" else expert_slots, state_slots)
+    if unusable is not None:
+        return unusable
     request = PoolRequest(
         kv_tokens=None if kv_tokens == "auto" else (current.kv_tokens if kv_tokens is None else kv_tokens),
         expert_slots=None if expert_slots == "auto" else (
@@ -95,6 +99,7 @@ class ResizeCoordinator:
         install: Callable[[PoolPlan], None],  # adopts the rebuilt pools' plan and allocator
         report_error: Callable[[str], None],
         republish: Callable[[], None],  # republishes the pools snapshot, then flushes events
+        verify: Callable[[], str | None] = lambda: None,  # engine self-check: None, or why it cannot serve
     ) -> None:
         self._scheduler = scheduler
         self._executor = executor
@@ -104,6 +109,7 @@ class ResizeCoordinator:
         self._install = install
         self._report_error = report_error
         self._republish = republish
+        self._verify = verify
         self._lock = threading.Lock()  # one resize at a time, across handler threads
         self._pending: _PendingResize | None = None
         self.held: list = []  # submissions parked while a resize drains the engine
@@ -178,19 +184,33 @@ class ResizeCoordinator:
             try:
                 self._executor.resize_pools(current)
             except Exception as rollback_exc:
-                self.phase = "error"
-                message = f"resize failed ({exc}) and rollback failed ({rollback_exc})"
-                self._report_error(message)
-                pending.future.set_result(ResizeOutcome(False, message, pending.plan))
-                self._pending = None
-                self._release_held()
+                self._fail(pending, f"resize failed ({exc}) and rollback failed ({rollback_exc})")
+                return
+            problem = self._verify()  # NOTE: a rollback is proven by the self-check, not assumed
+            if problem is not None:
+                self._fail(pending, f"resize failed ({exc}); the rollback left an engine that cannot serve: "
+                                    f"{problem}")
                 return
             self._end(
                 ResizeOutcome(False, f"resize failed, old pools restored: {exc}", pending.plan, rolled_back=True)
             )
             return
         self._install(target)
+        problem = self._verify()
+        if problem is not None:
+            self._fail(pending, f"pools rebuilt but the engine cannot serve on them: {problem}")
+            return
         self._end(ResizeOutcome(True, "pools rebuilt", pending.plan, waited_s=self._clock() - pending.started))
+
+    def _fail(self, pending: _PendingResize, message: str) -> None:
+        """The engine cannot serve after this resize: phase "error", held submissions get the error."""
+        log.error("%s", message)
+        self.phase = "error"
+        self._report_error(message)
+        self._pending = None
+        self._release_held()
+        self._republish()
+        pending.future.set_result(ResizeOutcome(False, message, pending.plan))
 
     def cancel(self, message: str) -> None:
         """Answer a pending resize without applying it (server shutting down)."""

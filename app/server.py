@@ -6,7 +6,9 @@ import threading
 
 import uvicorn
 from litestar import Litestar, Router
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
 
 from app.api.admin import cache_rebuild, cache_status, health, metrics, stats
 from app.api.auth import require_api_key
@@ -15,11 +17,23 @@ from app.api.completions import completions
 from app.api.errors import EXCEPTION_HANDLERS
 from app.api.messages import count_tokens, messages
 from app.api.models import list_models, retrieve_model
+from app.api.openapi_doc import CompletedJsonRenderPlugin
 from app.api.responses import responses
+from app.http_protocol import OpenAIErrorH11Protocol
 from app.runtime import Runtime
 
 
-def create_app(runtime: Runtime) -> Litestar:
+def cors_config(allowed_origins: tuple[str, ...]) -> CORSConfig | None:
+    """CORS for browser clients. Litestar answers a preflight (OPTIONS) in its middleware, before
+    the API-key guard, so a preflight never needs the key; the real request still does."""
+    if not allowed_origins:
+        return None
+    return CORSConfig(allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+                      allow_headers=["*"],  # the openai SDKs send several x-stainless-* headers
+                      expose_headers=["retry-after", "x-request-id"], max_age=600)
+
+
+def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Litestar:
     protected = Router(
         path="/",
         guards=[require_api_key],
@@ -41,7 +55,9 @@ def create_app(runtime: Runtime) -> Litestar:
         route_handlers=[health, protected],
         state=State({"runtime": runtime}),
         exception_handlers=EXCEPTION_HANDLERS,
-        openapi_config=None,
+        cors_config=cors_config(allowed_origins),
+        openapi_config=OpenAPIConfig(title="fluxtide", version="1", path="/schema",
+                                     render_plugins=[CompletedJsonRenderPlugin()]),
         # NOTE: request bodies are parsed by hand (errors in OpenAI's shape); no size cap beyond this.
         request_max_body_size=64 * 1024 * 1024,
     )
@@ -51,7 +67,8 @@ class ServerThread:
     """uvicorn in a background thread (tests, and `ft serve` while the model loads)."""
 
     def __init__(self, app: Litestar, host: str = "127.0.0.1", port: int = 1919, log_level: str = "warning") -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
+                                http=OpenAIErrorH11Protocol)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="fluxtide-http", daemon=True)
 

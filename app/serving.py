@@ -67,7 +67,7 @@ class RunningServer:
         container.settings.override(providers.Object(settings))
         self.settings = settings
         self.runtime = Runtime(served_name(settings), api_key=settings.api_key)
-        self.http = ServerThread(create_app(self.runtime), settings.host, settings.port)
+        self.http = ServerThread(create_app(self.runtime, settings.allowed_origins), settings.host, settings.port)
         self.loader = threading.Thread(
             target=build_engine, args=(container, self.runtime, echo), name="fluxtide-loader", daemon=True
         )

@@ -29,6 +29,7 @@ class ServeSettings:
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
+    allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

@@ -52,6 +52,7 @@ class ServingStats:
         self.generation_tokens = Counter("ft_generation_tokens", "Tokens generated", registry=r)
         self.prefill_tokens = Counter("ft_prefill_tokens", "Tokens computed in prefill chunks", registry=r)
         self.requests = Counter("ft_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.admitted = Counter("ft_requests_admitted", "Requests admitted to the scheduler", registry=r)
         self.expert_hits = Counter("ft_expert_hits", "Expert cache hits", registry=r)
         self.expert_misses = Counter("ft_expert_misses", "Expert cache misses", registry=r)
         self.step_seconds = Histogram("ft_step_seconds", "Engine step duration", registry=r)
@@ -92,6 +93,7 @@ class ServingStats:
         self.ttft_seconds.observe(seconds)
 
     def record_admitted(self, prompt_tokens: int) -> None:
+        self.admitted.inc()
         self.prompt_tokens.inc(prompt_tokens)
 
     def record_finished(self, finish_reason: str) -> None:

@@ -56,7 +56,37 @@ class LiveStream:
     arrival: float
     first_token_at: float | None = None
     generated: int = 0
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Logprobs travel with the text of their token: a token's logprob is released with the delta
+    # that releases the end of its text (stop-string matching may hold text back).
+    produced_chars: int = 0  # text the detokenizer has produced so far
+    released_chars: int = 0  # text handed to the client so far
+    textless: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not out yet
+    pending_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # (text end, logprob)
+
+    def add_token_text(self, logprob: TokenLogprob | None, text: str) -> None:
+        """Record a token's logprob and the detokenized text its push produced (may be "": a
+        partial character; such tokens go out with the text that completes them)."""
+        if logprob is not None:
+            self.textless.append(logprob)
+        self.produced_chars += len(text)
+        if text:
+            self.pending_logprobs += [(self.produced_chars, lp) for lp in self.textless]
+            self.textless.clear()
+
+    def take_logprobs(self, released_text: str, everything: bool) -> tuple[TokenLogprob, ...]:
+        """The logprobs of exactly the tokens whose text is out once `released_text` is sent
+        (every one left, on the last event)."""
+        self.released_chars += len(released_text)
+        if everything:
+            out = [lp for _, lp in self.pending_logprobs] + self.textless
+            self.pending_logprobs, self.textless = [], []
+            return tuple(out)
+        ready = [lp for end, lp in self.pending_logprobs if end <= self.released_chars]
+        self.pending_logprobs = [(end, lp) for end, lp in self.pending_logprobs if end > self.released_chars]
+        return tuple(ready)
+
+    def has_ready_logprobs(self) -> bool:
+        return any(end <= self.released_chars for end, _ in self.pending_logprobs)
 
     @classmethod
     def start(cls, request: Request, tokenizer: Tokenizer, stop: Sequence[str]) -> LiveStream:
@@ -72,9 +102,9 @@ class LiveStream:
 
 
 def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> StreamEvent:
-    """The next event of a stream; takes (and clears) the logprobs gathered since the last one."""
-    logprobs = tuple(live.pending_logprobs)
-    live.pending_logprobs.clear()
+    """The next event of a stream with the logprobs of the tokens whose text it completes (all
+    that are left on the last event)."""
+    logprobs = live.take_logprobs(text, everything=finish_reason is not None)
     return StreamEvent(
         text=text,
         token_ids=(),
@@ -128,11 +158,14 @@ class RequestStreams:
             if live.first_token_at is None:
                 live.first_token_at = now
                 self._stats.record_ttft(now - live.arrival)
+            logprob = None
             if event.logprob is not None:
-                live.pending_logprobs.append(TokenLogprob(event.token_id, event.logprob, event.top_logprobs))
+                logprob = TokenLogprob(event.token_id, event.logprob, event.top_logprobs)
             finishing_eos = event.finished and event.finish_reason == "stop" and event.token_id in self._eos_token_ids
+            produced = "" if finishing_eos else live.detok.push(event.token_id)
+            live.add_token_text(logprob, produced)
             if not finishing_eos:
-                text = live.matcher.feed(live.detok.push(event.token_id))
+                text = live.matcher.feed(produced)
         if live.matcher.stopped and not event.finished:
             # A stop string ended the text: free the pages and state slot now.
             self._scheduler.abort(event.request_id)
@@ -149,7 +182,8 @@ class RequestStreams:
             self._stats.record_finished(reason)
             self.emit(live, progress_event(live, text, reason))
             return
-        if text or live.pending_logprobs:
+        # NOTE: text held back by the stop-string matcher keeps its tokens' logprobs back with it.
+        if text or live.has_ready_logprobs():
             self.emit(live, progress_event(live, text, None))
 
     def abort(self, request_id: str) -> None:
@@ -172,6 +206,14 @@ class RequestStreams:
         # Every request of the batch is aborted, so this only clears the in-flight batch.
         self._scheduler.complete(batch, {})
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End one request whose own step result failed; the rest of its batch carries on."""
+        live = self.live.pop(request_id, None)
+        self._scheduler.abort(request_id)
+        if live is not None:
+            self._stats.record_finished("error")
+            self.finish(live, "error", message)
+
     def fail_all(self, message: str) -> None:
         """End every live request with an error (the engine step itself broke)."""
         for request_id, live in list(self.live.items()):
@@ -186,9 +228,10 @@ class RequestStreams:
     def finish(self, live: LiveStream, reason: str, error: str | None = None) -> None:
         self.emit(live, finish_event(live, reason, error))
 
-    def reject(self, live: LiveStream, message: str) -> None:
-        """A submission the scheduler refused at admission: a 400, nothing was generated."""
-        self.emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, 400))
+    def reject(self, live: LiveStream, message: str, status: int = 400) -> None:
+        """A submission refused at admission (400: the scheduler can not fit it; 503: the engine can
+        not serve); nothing was generated."""
+        self.emit(live, StreamEvent("", (), (), "error", len(live.request.prompt_token_ids), 0, message, status))
 
     def close_all(self, *, held: Iterable[LiveStream], error: str) -> None:
         """Shutdown: abort every live stream and every submission still held (never admitted)."""

@@ -136,6 +136,10 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     slots_explicit = request.expert_slots is not None
     kv_explicit = request.kv_tokens is not None
 
+    if kv_explicit and request.kv_tokens < request.page_size:
+        # NOTE: rounded down to whole pages this is an empty KV pool: no sequence could ever run.
+        return PlanRefusal("kv", 0, f"kv_tokens {request.kv_tokens} is below one page ({request.page_size} "
+                                    f"tokens): a KV pool needs at least one page")
     if slots_explicit and not spec.top_k <= request.expert_slots <= spec.total_experts:
         return PlanRefusal("moe", 0, f"expert_slots {request.expert_slots} outside "
                                      f"[top_k {spec.top_k}, total experts {spec.total_experts}]")

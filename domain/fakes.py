@@ -147,6 +147,7 @@ class FakeTokenizer:
     SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     eos_token_ids: tuple[int, ...] = (256, 258)  # <|endoftext|>, <|im_end|>
     vocab_size = 256 + len(SPECIALS)
+    max_chars_per_token = 1  # encode gives one token per UTF-8 byte: at least one per character
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -156,6 +157,11 @@ class FakeTokenizer:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
 
     def apply_chat_template(
         self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,

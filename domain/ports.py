@@ -77,6 +77,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set when sampling.logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first, len <= top_logprobs
+    # Set when sampling THIS sequence failed (a fault confined to it, e.g. non-finite logits):
+    # token_id is then meaningless and the engine aborts this request alone, not the batch.
+    error: str | None = None
 
 
 @runtime_checkable
@@ -85,7 +88,9 @@ class ModelExecutor(Protocol):
 
     execute(batch): computes every work's tokens (writing KV into its pages and updating its
     state slot) and returns exactly one SampledToken per work with sample=True, keyed by
-    request_id; works with sample=False yield nothing. Works are independent: the result for
+    request_id; works with sample=False yield nothing. A fault confined to one sequence (its
+    sampling failed) comes back as that sequence's SampledToken with ``error`` set, never as an
+    exception that would fail every sequence of the step. Works are independent: the result for
     one sequence must not depend on which other sequences share the batch (up to
     floating-point batching effects). It may reorder works internally. It must not keep
     references to page ids beyond the call: the scheduler reuses freed pages in the next step.
@@ -94,7 +99,11 @@ class ModelExecutor(Protocol):
     Frees the old pools before allocating the new ones (old and new never coexist), so the
     peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages and
     state slots < plan.state_slots are valid; KV and state contents are undefined and the
-    expert slots may be cold.
+    expert slots may be cold. If it raises, calling it again with the previous plan must
+    restore working pools (the rollback), whatever the failed call had already freed.
+
+    check_valid() (optional): asserts every pool exists at the size of the plan last applied;
+    the engine calls it after any failed step or resize to decide whether it can still serve.
     """
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]: ...
@@ -142,6 +151,12 @@ class Tokenizer(Protocol):
     extra keywords (``enable_thinking`` ...) reach the template like Hugging Face's
     ``chat_template_kwargs``. It raises ChatTemplateError when the model has no chat template
     or its template refuses the messages.
+
+    Optional ``max_chars_per_token`` (int): no token covers more input characters than this,
+    so a text of N characters encodes to at least N / max_chars_per_token tokens. It lets a
+    server refuse a prompt that cannot fit the context by its size, before tokenizing it.
+    Optional ``token_bytes(token_id) -> bytes``: the token's own bytes (a byte-fallback token
+    is one byte of a character, which decode can only show as U+FFFD).
     """
 
     eos_token_ids: tuple[int, ...]

@@ -32,6 +32,11 @@ _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 
 FINISH_REASONS = ("stop", "length", "abort")
 
+# Temperatures below this sample greedily: dividing fp32 logits by a smaller temperature
+# overflows to inf (1e-40, 5e-324 ...) and softmax turns that into NaN. At 1e-5 the distribution
+# is already one-hot for any logit gap above ~1e-3, so greedy is what the client asked for.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,8 +53,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NOTE: also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # degenerate: greedy (see MIN_TEMPERATURE)
+        if self.temperature == float("inf"):
+            raise ValueError("temperature must be finite")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -80,6 +80,16 @@ class ResizePlan:
             raise ValueError("experts_kept must be False exactly when the expert slot count changes")
 
 
+def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: int | None) -> PlanRefusal | None:
+    """Sizes no budget can make work (an operator's typo, not a shortage): refused, never raised."""
+    for pool, size, least, what in (("kv", kv_tokens, 0, "kv_tokens"), ("moe", expert_slots, 0, "expert_slots"),
+                                    ("state", state_slots, 1, "state_slots")):
+        if size is not None and size < least:
+            why = " (every running sequence needs one)" if pool == "state" else ""
+            return PlanRefusal(pool, 0, f"{what} must be >= {least}{why}, got {size}")
+    return None
+
+
 def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens: int | None = None,
                 expert_slots: int | None = None, state_slots: int | None = None) -> ResizePlan | PlanRefusal:
     """Plan a change of pool sizes; pools not given keep their current size.
@@ -95,6 +105,9 @@ def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tok
     if current.used_bytes > budget.pool_bytes:
         raise ValueError(f"current plan uses {current.used_bytes} bytes, more than the budget's "
                          f"{budget.pool_bytes}: it was made for another budget")
+    unusable = unusable_size(kv_tokens, expert_slots, state_slots)
+    if unusable is not None:
+        return unusable
     request = PoolRequest(
         kv_tokens=current.kv_tokens if kv_tokens is None else kv_tokens,
         expert_slots=current.expert_slots if expert_slots is None else expert_slots,

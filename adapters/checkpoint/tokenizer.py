@@ -7,12 +7,30 @@ transformers does.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from adapters.checkpoint.chat_template import ChatTemplate
 from domain.ports import ChatTemplateError
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class HfTokenizer:
@@ -46,8 +64,37 @@ class HfTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """Bound for the cheap size check (domain.ports.Tokenizer): the longest vocabulary string,
+        times 4. A byte-level token's string has one character per byte it covers; the margin
+        covers normalisers that fold several input characters into one (NFC, compatibility forms)."""
+        return 4 * max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: byte-level BPE strings map back through GPT-2's byte alphabet,
+        SentencePiece byte fallbacks (<0xE2>) are that byte, added tokens are their text."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        if token_id in self._added_ids:
+            return token.encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        if (match := _BYTE_FALLBACK.fullmatch(token)) is not None:
+            return bytes([int(match.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return type(self._tok.decoder).__name__ == "ByteLevel"
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

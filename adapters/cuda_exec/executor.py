@@ -84,8 +84,12 @@ class CudaGraphExecutor:
         plan.check_valid()
         old = self.plan
         attn, gdn = self.model.opts.attention, self.model.opts.gdn
-        keep_kv = old is not None and (old.kv_pages, old.page_size) == (plan.kv_pages, plan.page_size)
-        keep_state = old is not None and old.state_slots == plan.state_slots
+        # NOTE: keep a pool only if it EXISTS at the wanted size (after a failed resize self.plan
+        # still names the old sizes while a pool may be gone: the rollback must rebuild it).
+        keep_kv = (self.kv is not None and old is not None
+                   and (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages + SCRATCH_PAGES, plan.page_size))
+        keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
+            and old.state_slots == plan.state_slots
         keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
         self.graphs = {}
         self.inputs = None
@@ -219,10 +223,25 @@ class CudaGraphExecutor:
             logits = self.compute_logits(batch)
         for rid, row in logits.items():
             if works[rid].sample and rid not in out:
-                out[rid] = self.sampler.sample(rid, row[0], works[rid].sampling, works[rid].output_index)
+                out[rid] = self._sample(rid, row[0], works[rid])
         return out
 
+    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
+        """One sequence's token; its failure is its own (SampledToken.error), never the step's."""
+        try:
+            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
+        except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
+            return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
+
     def check_valid(self) -> None:
+        """Every pool exists at the size of the plan last applied, and each pool's invariants hold."""
+        plan = self.plan
+        assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
+        assert (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages + SCRATCH_PAGES, plan.page_size), \
+            "KV pool != plan"
+        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
+        if self.model.linear_layers:
+            assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
         self.kv.check_valid()
         self.experts.check_valid()
         if self.state is not None:

@@ -66,8 +66,13 @@ class TorchExecutor:
         plan.check_valid()
         old = self.plan
         attn, gdn = self.model.opts.attention, self.model.opts.gdn
-        keep_kv = old is not None and (old.kv_pages, old.page_size) == (plan.kv_pages, plan.page_size)
-        keep_state = old is not None and old.state_slots == plan.state_slots
+        # NOTE: keep a pool only if it EXISTS at the wanted size. After a failed resize self.plan
+        # still names the old sizes while a pool may already be freed; trusting the plan made the
+        # rollback "keep" a KV pool that was gone (every later step failed on kv=None).
+        keep_kv = (self.kv is not None and old is not None
+                   and (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages, plan.page_size))
+        keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
+            and old.state_slots == plan.state_slots
         keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
         if not keep_kv:
             self.kv = None
@@ -143,10 +148,25 @@ class TorchExecutor:
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         logits = self.compute_logits(batch)
         works = {w.request_id: w for w in batch.works}
-        return {rid: self.sampler.sample(rid, row[0], works[rid].sampling, works[rid].output_index)
-                for rid, row in logits.items()}
+        return {rid: self._sample(rid, row[0], works[rid]) for rid, row in logits.items()}
+
+    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
+        """One sequence's token; a failure here is that sequence's alone (SampledToken.error), so
+        one request's bad values never fail the other sequences of the step."""
+        try:
+            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
+        except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
+            return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
 
     def check_valid(self) -> None:
+        """Every pool exists at the size of the plan last applied (a failed resize that left a
+        pool missing or mis-sized fails here), and each pool's own invariants hold."""
+        plan = self.plan
+        assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
+        assert (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages, plan.page_size), "KV pool != plan"
+        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
+        if self.model.linear_layers:
+            assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
         self.kv.check_valid()
         self.experts.check_valid()
         if self.state is not None:

@@ -6,16 +6,17 @@ import asyncio
 import dataclasses
 import time
 
-from litestar import Request, Response, get, post
+from litestar import Request, Response, post
 
 from app.api.errors import OpenAIError, bad_value
 from app.api.generation import require_engine, runtime_of
+from app.api.routing import get_or_head
 from app.api.schemas import CacheRebuildRequest, decode_body
 from app.engine import Engine
 from app.units import parse_count
 
 
-@get("/health", sync_to_thread=False)
+@get_or_head("/health", sync_to_thread=False)
 def health(request: Request) -> Response:
     runtime = runtime_of(request)
     p = runtime.progress
@@ -48,7 +49,7 @@ def _plan(plan) -> dict:
     return dataclasses.asdict(plan)
 
 
-@get("/v1/stats", sync_to_thread=False)
+@get_or_head("/v1/stats", sync_to_thread=False)
 def stats(request: Request) -> dict:
     engine = _engine(request)
     return {
@@ -60,13 +61,13 @@ def stats(request: Request) -> dict:
     }
 
 
-@get("/metrics", sync_to_thread=False)
+@get_or_head("/metrics", sync_to_thread=False)
 def metrics(request: Request) -> Response:
     engine = _engine(request)
     return Response(content=engine.stats.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@get("/v1/cache/status", sync_to_thread=False)
+@get_or_head("/v1/cache/status", sync_to_thread=False)
 def cache_status(request: Request) -> dict:
     engine = _engine(request)
     budget = engine.budget

@@ -15,29 +15,33 @@ from app.api.agent import (
     arguments_object,
     check_tool_choice,
     function_tool,
-    prepare,
     split,
 )
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
+    max_tokens_of,
     raise_if_failed,
     reject_unsupported,
     require_engine,
     runtime_of,
     stop_strings,
     submit,
-    token_text,
     usage,
 )
+from app.api.logprob_tokens import token_bytes, token_string
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
 from app.engine import Engine
 from app.streams import StreamEvent
 
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
+_ROLES = {"system", "user", "assistant", "developer", "tool", "function"}
+# Legacy roles the chat templates do not know, and the role each is rendered as.
+_LEGACY_ROLES = {"developer": "system", "function": "tool"}
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
@@ -46,24 +50,26 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
-            raise bad_value(f"messages.[{i}].role", f"unknown role {m.role!r}")
+            raise bad_value(f"messages[{i}].role", f"unknown role {m.role!r}")
         content = m.content
         if isinstance(content, list):
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise unsupported(f"messages.[{i}].content", "only text content parts are supported")
+                    raise unsupported(f"messages[{i}].content", "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        role = "system" if m.role == "developer" else m.role
+        role = _LEGACY_ROLES.get(m.role, m.role)
         message = {"role": role, "content": content or ""}
         if m.tool_calls:
-            message["tool_calls"] = [_template_call(call, f"messages.[{i}].tool_calls.[{j}]")
+            message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
             message["reasoning_content"] = m.reasoning_content
+        if m.name is not None:  # NOTE: handed to the chat template, which may render it
+            message["name"] = m.name
         out.append(message)
     return out
 
@@ -81,9 +87,9 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
     for i, tool in enumerate(body.tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise unsupported(f"tools.[{i}]", "only function tools are supported")
+            raise unsupported(f"tools[{i}]", "only function tools are supported")
         tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                   f"tools.[{i}]"))
+                                   f"tools[{i}]"))
     choice, forced = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none"), None
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -126,8 +132,9 @@ def _logprobs(engine: Engine, event: StreamEvent) -> dict | None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(engine, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        tokenizer = engine.tokenizer
+        return {"token": token_string(tokenizer, token_id), "logprob": logprob,
+                "bytes": list(token_bytes(tokenizer, token_id))}
 
     return {
         "content": [
@@ -149,9 +156,9 @@ async def chat_completions(request: Request) -> Response | Stream:
     stop = stop_strings(body.stop)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    prompt = prepare(runtime, engine, conversation)
+    prompt = await prepare_off_loop(runtime, engine, conversation)
     prompt_ids = prompt.ids
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens, max_tokens_param = max_tokens_of(body, None)
     sampling = build_sampling(
         runtime,
         body,
@@ -160,6 +167,7 @@ async def chat_completions(request: Request) -> Response | Stream:
         prompt_param="messages",
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
+        max_tokens_param=max_tokens_param,
     )
     request_id = engine.new_request_id("chatcmpl")
     events = submit(engine, request_id, prompt_ids, sampling, stop)
@@ -223,8 +231,7 @@ async def _sse(engine: Engine, request_id: str, events, created: int, model: str
 
     yield chunk({"role": "assistant", "content": ""})
     async for event in events_until_finished(engine, request_id, events):
-        if event.finish_reason in ("error",) or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:
             yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
             break
         delta = _delta(parser.feed(event.text) + (parser.finish() if event.finish_reason is not None else []))

@@ -8,12 +8,14 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
+    max_tokens_of,
     raise_if_failed,
     reject_unsupported,
     require_engine,
@@ -23,17 +25,20 @@ from app.api.generation import (
     token_text,
     usage,
 )
+from app.api.logprob_tokens import token_string
+from app.api.prompts import text_prompt_ids
 from app.api.schemas import CompletionRequest, decode_body
 from app.engine import Engine
+from app.runtime import Runtime
 from app.streams import StreamEvent
 
 
-def _prompt_ids(engine: Engine, prompt: str | list) -> list[int]:
+async def _prompt_ids(runtime: Runtime, engine: Engine, prompt: str | list) -> list[int]:
     """A string, a list of token ids, or a one-element batch of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt)
+        return await text_prompt_ids(runtime, engine.tokenizer, prompt)
     if prompt and (all(isinstance(x, list) for x in prompt) or all(isinstance(x, str) for x in prompt)):
         raise unsupported("prompt", f"batched prompts ({len(prompt)}) are not supported; send one per request")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -55,15 +60,14 @@ class _Offsets:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in event.logprobs:
-            text = token_text(engine, lp.token_id)
-            tokens.append(text)
+            tokens.append(token_string(engine.tokenizer, lp.token_id))
             token_logprobs.append(lp.logprob)
             alternatives: dict[str, float] = {}
-            for t, p in lp.top:  # best first; tokens that render alike keep the best logprob
-                alternatives.setdefault(token_text(engine, t), p)
+            for t, p in lp.top:  # best first; byte tokens are told apart by their bytes: strings
+                alternatives.setdefault(token_string(engine.tokenizer, t), p)
             top.append(alternatives or None)
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(token_text(engine, lp.token_id))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
@@ -83,16 +87,19 @@ async def completions(request: Request) -> Response | Stream:
         raise bad_value("logprobs", f"logprobs must be >= 0, got {body.logprobs}")
     stop = stop_strings(body.stop)
     engine = require_engine(runtime)
-    prompt_ids = _prompt_ids(engine, body.prompt)
+    prompt_ids = await _prompt_ids(runtime, engine, body.prompt)
+    # NOTE: OpenAI's completions default is 16 tokens (chat defaults to the rest of the context).
+    max_tokens, max_tokens_param = max_tokens_of(body, 16)
     sampling = build_sampling(
         runtime,
         body,
         prompt_len=len(prompt_ids),
-        # NOTE: OpenAI's completions default is 16 tokens (chat defaults to the rest of the context).
-        max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        max_tokens=max_tokens,
         prompt_param="prompt",
         logprobs=body.logprobs is not None,
         top_logprobs=body.logprobs or 0,
+        max_tokens_param=max_tokens_param,
+        top_logprobs_param="logprobs",
     )
     request_id = engine.new_request_id("cmpl")
     events = submit(engine, request_id, prompt_ids, sampling, stop)
@@ -144,8 +151,7 @@ async def _sse(engine, request_id, events, created, model, include_usage, offset
         return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
     async for event in events_until_finished(engine, request_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:
             yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
             break
         if event.text or event.logprobs or event.finish_reason:

@@ -63,12 +63,14 @@ def openai_error_handler(_: Request, exc: OpenAIError) -> Response:
 
 
 _HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_entity_too_large"}
 
 
 def http_exception_handler(_: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     return _respond(
-        OpenAIError(status, str(exc.detail), type=_HTTP_TYPES.get(status, "invalid_request_error"), headers=exc.headers)
+        OpenAIError(status, str(exc.detail), type=_HTTP_TYPES.get(status, "invalid_request_error"),
+                    code=_HTTP_CODES.get(status), headers=exc.headers)
     )
 
 

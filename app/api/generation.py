@@ -49,6 +49,8 @@ def check_model(runtime: Runtime, model: str | None) -> None:
 
 
 def reject_unsupported(body: _Sampling) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_value("stream_options", "stream_options is only allowed when stream is true")
     if body.n is not None and body.n != 1:
         raise unsupported("n", f"n={body.n} is not supported: only one choice per request (n=1)")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -57,6 +59,13 @@ def reject_unsupported(body: _Sampling) -> None:
             raise unsupported(name, f"{name} is not supported (got {value}); leave it unset or 0")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def max_tokens_of(body: _Sampling, default: int | None) -> tuple[int | None, str]:
+    """The completion cap and the name the client gave it (max_completion_tokens wins)."""
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return (default if body.max_tokens is None else body.max_tokens), "max_tokens"
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -79,8 +88,11 @@ def build_sampling(
     prompt_param: str,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    max_tokens_param: str = "max_tokens",
+    top_logprobs_param: str = "top_logprobs",
 ) -> SamplingParams:
-    """Validate ranges (400 naming the parameter) and the context length, fill defaults."""
+    """Validate ranges (400 naming the parameter the client sent: ``max_tokens_param`` and
+    ``top_logprobs_param`` are its spellings of those two) and the context length, fill defaults."""
     model = runtime.model
     temperature = model.default_temperature if body.temperature is None else body.temperature
     top_p = model.default_top_p if body.top_p is None else body.top_p
@@ -94,14 +106,15 @@ def build_sampling(
     if top_k < 0:
         raise bad_value("top_k", f"top_k must be >= 0 (or -1 for none), got {top_k}")
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_value("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        raise bad_value(top_logprobs_param,
+                        f"{top_logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
     if body.seed is not None and not -(2**63) <= body.seed < 2**64:
         raise bad_value("seed", "seed must fit in 64 bits")
     if prompt_len == 0:
         raise bad_value(prompt_param, "the prompt is empty")
     limit = runtime.max_context()
     if max_tokens is not None and max_tokens < 1:
-        raise bad_value("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        raise bad_value(max_tokens_param, f"{max_tokens_param} must be >= 1, got {max_tokens}")
     room = limit - prompt_len
     if max_tokens is None:
         max_tokens = room
@@ -171,13 +184,24 @@ async def collect(request: Request, engine: Engine, request_id: str, events: asy
     return gathering.result()
 
 
-def raise_if_failed(event: StreamEvent) -> None:
+def event_error(event: StreamEvent) -> OpenAIError | None:
+    """The error a final event carries, or None. One mapping for both answers, so a condition
+    gets the same status, ``type`` and ``code`` streamed (an SSE error event) and not streamed."""
     if event.finish_reason == "error" and event.error_status == 400:
-        raise OpenAIError(400, event.error or "request rejected", code="request_too_large")
+        return OpenAIError(400, event.error or "request rejected", code="request_too_large")
+    if event.finish_reason == "error" and event.error_status == 503:
+        return OpenAIError(503, event.error or "engine is not running", type="server_error", code="engine_down")
     if event.finish_reason == "error":
-        raise OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        return OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
     if event.finish_reason == "abort" and event.error:
-        raise service_unavailable(event.error)
+        return service_unavailable(event.error)
+    return None
+
+
+def raise_if_failed(event: StreamEvent) -> None:
+    error = event_error(event)
+    if error is not None:
+        raise error
 
 
 def usage(event: StreamEvent) -> dict:

@@ -22,7 +22,6 @@ from app.api.agent import (
     Reasoning,
     check_tool_choice,
     function_tool,
-    prepare,
 )
 from app.api.errors import OpenAIError, bad_value, internal_error_handler, unsupported
 from app.api.generation import (
@@ -36,6 +35,7 @@ from app.api.generation import (
     stop_strings,
     submit,
 )
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body
 from app.engine import Engine
 from app.runtime import Runtime
@@ -95,7 +95,7 @@ def _text(blocks, param: str) -> str:
     texts = []
     for i, block in enumerate(blocks or []):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise unsupported(f"{param}.[{i}]", "only text blocks are supported here")
+            raise unsupported(f"{param}[{i}]", "only text blocks are supported here")
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -105,9 +105,9 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
         raise bad_value("messages", "messages must contain at least one message")
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
     for i, m in enumerate(messages):
-        param = f"messages.[{i}].content"
+        param = f"messages[{i}].content"
         if m.role not in ("user", "assistant"):
-            raise bad_value(f"messages.[{i}].role", f"role must be 'user' or 'assistant', got {m.role!r}")
+            raise bad_value(f"messages[{i}].role", f"role must be 'user' or 'assistant', got {m.role!r}")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
             out.append(_assistant(blocks, param))
@@ -121,12 +121,12 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
                 if texts:
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
-                content = _text(block.get("content", ""), f"{param}.[{j}].content")
+                content = _text(block.get("content", ""), f"{param}[{j}].content")
                 if block.get("is_error"):
                     content = "Error: " + content
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
             else:
-                raise unsupported(f"{param}.[{j}]", f"content block type {kind!r} is not supported (text and "
+                raise unsupported(f"{param}[{j}]", f"content block type {kind!r} is not supported (text and "
                                   "tool_result are)")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
@@ -145,11 +145,11 @@ def _assistant(blocks: list, param: str) -> dict:
             continue  # encrypted by another server: nothing this model can read
         elif kind == "tool_use":
             if not isinstance(block.get("input", {}), dict) or not block.get("name"):
-                raise bad_value(f"{param}.[{j}]", "tool_use needs a name and an object input")
+                raise bad_value(f"{param}[{j}]", "tool_use needs a name and an object input")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         else:
-            raise unsupported(f"{param}.[{j}]", f"content block type {kind!r} is not supported in assistant turns")
+            raise unsupported(f"{param}[{j}]", f"content block type {kind!r} is not supported in assistant turns")
     message: dict = {"role": "assistant", "content": "".join(texts)}
     if reasoning:
         message["reasoning_content"] = "\n".join(reasoning)
@@ -162,9 +162,9 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
-            raise unsupported(f"tools.[{i}]", f"tool type {tool.get('type')!r} is not supported: only client "
+            raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only client "
                               "tools with an input_schema")
-        tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools.[{i}]"))
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools[{i}]"))
     choice = body.tool_choice or {"type": "auto"}
     kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
     if kind is None:
@@ -186,17 +186,17 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     return conversation
 
 
-def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
+async def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
     check_model(runtime, body.model)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    return engine, prepare(runtime, engine, conversation, call_id_prefix="toolu_")
+    return engine, await prepare_off_loop(runtime, engine, conversation, call_id_prefix="toolu_")
 
 
 @post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
 async def count_tokens(request: Request) -> Response:
     body = decode_body(await request.body(), CountTokensRequest)
-    _, prompt = _prompt(runtime_of(request), body)
+    _, prompt = await _prompt(runtime_of(request), body)
     return Response(content={"input_tokens": len(prompt.ids)})
 
 
@@ -207,7 +207,7 @@ async def messages(request: Request) -> Response | Stream:
     if body.max_tokens is None:
         raise bad_value("max_tokens", "max_tokens is required")
     stop = stop_strings(body.stop_sequences)
-    engine, prompt = _prompt(runtime, body)
+    engine, prompt = await _prompt(runtime, body)
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_tokens,
                               prompt_param="messages")
     message_id = engine.new_request_id("msg")

@@ -23,7 +23,6 @@ from app.api.agent import (
     arguments_object,
     check_tool_choice,
     function_tool,
-    prepare,
 )
 from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
@@ -36,6 +35,7 @@ from app.api.generation import (
     runtime_of,
     submit,
 )
+from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body
 from app.engine import Engine
 from app.tool_parsers import ToolCallDelta
@@ -84,7 +84,7 @@ def _text(content, param: str) -> str:
     for i, part in enumerate(content or []):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else part
-            raise unsupported(f"{param}.[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
+            raise unsupported(f"{param}[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
         texts.append(part.get("text") or "")
     return "".join(texts)
 
@@ -96,7 +96,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         raise bad_value("input", "input must not be empty")
     reasoning: str | None = None
     for i, item in enumerate(items):
-        param = f"input.[{i}]"
+        param = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -133,8 +133,8 @@ def _conversation(body: ResponsesRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.get("type") != "function":
-            raise unsupported(f"tools.[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
-        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools.[{i}]"))
+            raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
     choice, forced = body.tool_choice if body.tool_choice is not None else "auto", None
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not choice.get("name"):
@@ -236,7 +236,7 @@ async def responses(request: Request) -> Response | Stream:
     _refuse_stateful(body)
     conversation = _conversation(body)
     engine = require_engine(runtime)
-    prompt = prepare(runtime, engine, conversation, param="input")
+    prompt = await prepare_off_loop(runtime, engine, conversation, param="input")
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
                               prompt_param="input")
     response_id = engine.new_request_id("resp")

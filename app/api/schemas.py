@@ -30,6 +30,7 @@ class ChatMessage(msgspec.Struct):
 class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer spelling of max_tokens; wins when both are sent
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -47,7 +48,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -90,3 +90,5 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
         raise OpenAIError(422, f"invalid request: {exc}", param=param or None, code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # JSON nested ~1,000 deep (in an untyped field): the client's input, a 400
+        raise OpenAIError(400, "JSON body is nested too deeply", code="invalid_json") from None

@@ -100,3 +100,57 @@ def test_unknown_architecture_is_refused(ckpt):
 
     with pytest.raises(ValueError, match="deepseek_v3"):
         TorchExecutor(Other(), None, "cpu", torch.float32)
+
+
+def test_a_rollback_after_a_failed_allocation_restores_every_pool(ckpt, monkeypatch):
+    """Issue 12 #1: the allocation of the new KV pool fails after the old one was freed; the rollback
+    to the old plan must re-allocate it (it once 'kept' the freed pool because the plan still named it)."""
+    old_plan = make_plan(ckpt, expert_slots=8, kv_tokens=256, state_slots=2)
+    ex = TorchExecutor(ckpt, old_plan, "cpu", torch.float32)
+    before = greedy_tokens(ex, PROMPT)
+    real = executor_module.PagedKVCache
+
+    def failing(*args, **kwargs):
+        raise MemoryError("injected allocation failure")
+
+    monkeypatch.setattr(executor_module, "PagedKVCache", failing)
+    with pytest.raises(MemoryError):
+        ex.resize_pools(make_plan(ckpt, expert_slots=8, kv_tokens=512, state_slots=2))
+    with pytest.raises(AssertionError, match="pool is missing"):
+        ex.check_valid()  # the check, not a flag, sees the half-done resize
+    monkeypatch.setattr(executor_module, "PagedKVCache", real)
+    ex.resize_pools(old_plan)  # the rollback
+    ex.check_valid()
+    assert ex.kv is not None and ex.kv.num_pages == old_plan.kv_pages
+    assert greedy_tokens(ex, PROMPT) == before
+
+
+def test_one_sequences_sampling_fault_is_its_own(ckpt, monkeypatch):
+    """Issue 12 #2: a sampling failure of one sequence comes back as that sequence's error only."""
+    from domain.request import SamplingParams
+
+    ex = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=8, kv_tokens=64, state_slots=2), "cpu", torch.float32)
+    bad = SamplingParams(temperature=0.7, top_k=3, seed=13)
+    real = ex.sampler.sample
+
+    def sample(rid, logits, params, output_index):
+        if params is bad:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(rid, logits, params, output_index)
+
+    monkeypatch.setattr(ex.sampler, "sample", sample)
+    batch = StepBatch((SequenceWork("good", (1, 2, 3), 0, (0,), 0, True, GREEDY, 0),
+                       SequenceWork("bad", (4, 5, 6), 0, (1,), 1, True, bad, 0)))
+    out = ex.execute(batch)
+    assert out["good"].error is None and 0 <= out["good"].token_id
+    assert out["bad"].error is not None and "inf, nan" in out["bad"].error
+
+
+def test_degenerate_temperatures_sample_the_argmax():
+    """Issue 12 #2: 1e-40 once overflowed logits / T to inf and multinomial raised for the whole step."""
+    from adapters.torch_exec.sampler import Sampler
+    from domain.request import SamplingParams
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for t in (1e-40, 5e-324, 1.4e-45):
+        assert Sampler().sample("r", logits, SamplingParams(temperature=t, seed=1), 0).token_id == 1

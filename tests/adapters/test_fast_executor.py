@@ -91,3 +91,25 @@ def test_decode_buckets_cover_every_batch_size():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(6) == (1, 2, 4, 6)
     assert decode_buckets(16) == (1, 2, 4, 8, 16)
+
+
+def test_a_rollback_after_a_failed_allocation_restores_the_fast_executors_pools(ckpt, monkeypatch):
+    """Issue 12 #1 for this executor too: the rollback must re-create the KV pool the failed resize freed."""
+    from adapters.cuda_exec import executor as fast_module
+
+    old_plan = make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4, kv_tokens=256)
+    fast = CudaGraphExecutor(ckpt, old_plan, DEVICE, torch.float32, max_decode_rows=4, use_graphs=False)
+    real = fast_module.PagedKVCache
+
+    def failing(*args, **kwargs):
+        raise MemoryError("injected allocation failure")
+
+    monkeypatch.setattr(fast_module, "PagedKVCache", failing)
+    with pytest.raises(MemoryError):
+        fast.resize_pools(make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4, kv_tokens=512))
+    with pytest.raises(AssertionError, match="pool is missing"):
+        fast.check_valid()
+    monkeypatch.setattr(fast_module, "PagedKVCache", real)
+    fast.resize_pools(old_plan)
+    fast.check_valid()
+    assert fast.kv.num_pages == old_plan.kv_pages + fast_module.SCRATCH_PAGES

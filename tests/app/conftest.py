@@ -15,6 +15,7 @@ from app.serving import RunningServer
 from app.settings import ServeSettings
 from domain.fakes import FakeExecutor, FakeTokenizer
 from domain.model_spec import LayerKind, ModelSpec
+from domain.ports import SampledToken
 
 TINY_SPEC = ModelSpec(
     name="tiny-fake",
@@ -42,7 +43,10 @@ GENERATION_CONFIG = {"temperature": 0.0, "top_p": 1.0, "eos_token_id": 256}
 
 class SlowExecutor:
     """FakeExecutor that takes `delay` seconds per step, so requests overlap like on a real model.
-    ``fail_resize_to`` makes resize_pools raise once for a target with that many KV pages."""
+    ``fail_resize_to`` makes resize_pools raise once for a target with that many KV pages, after
+    freeing the old KV pool (like TorchExecutor: frees first); ``broken_rollback`` then makes the
+    rollback keep the freed pool "because the plan still names it" (the bug of issue 12 #1).
+    ``fail_sampling_seed``: sampling a request with that seed fails for that request alone."""
 
     def __init__(self, plan, delay: float = 0.0) -> None:
         self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=TINY_SPEC.vocab_size)
@@ -52,21 +56,74 @@ class SlowExecutor:
         self.resizing = threading.Event()
         self.resizes: list = []
         self.lock = threading.Lock()
+        self.plan = plan
+        self.kv_freed = False
+        self.broken_rollback = False
+        self.fail_sampling_seed: int | None = None
+        self.fail_next_step: Exception | None = None  # raised by the next execute (once)
+        # While set, each step waits for one permit: a test runs the engine step by step to force
+        # an interleaving (see step_until) instead of racing it.
+        self.step_gate: threading.Semaphore | None = None
+        self.step_breaks_pools = False  # the failing step also leaves the KV pool gone
+        self.sampling_seen: dict[str, object] = {}  # request id -> the SamplingParams it ran with
 
     def execute(self, batch):
+        gate = self.step_gate
+        if gate is not None:
+            gate.acquire(timeout=10)
         if self.delay:
             time.sleep(self.delay)
-        return self.inner.execute(batch)
+        assert not self.kv_freed, "'NoneType' object has no attribute 'page_size'"
+        if self.fail_next_step is not None:
+            exc, self.fail_next_step = self.fail_next_step, None
+            self.kv_freed = self.step_breaks_pools
+            raise exc
+        out = self.inner.execute(batch)
+        for work in batch.works:
+            self.sampling_seen[work.request_id] = work.sampling
+            if work.sample and work.sampling.seed is not None and work.sampling.seed == self.fail_sampling_seed:
+                out[work.request_id] = SampledToken(work.request_id, -1, error="sampling failed: injected NaN")
+        return out
+
+    def check_valid(self) -> None:
+        self.inner.check_valid()
+        assert not self.kv_freed, "the KV pool is missing"
+        assert (self.inner.num_pages, self.inner.num_state_slots) == (self.plan.kv_pages, self.plan.state_slots)
 
     def resize_pools(self, plan) -> None:
         self.resizing.set()
         if self.resize_gate is not None:
             self.resize_gate.wait(10)
+        if self.kv_freed and self.broken_rollback and plan == self.plan:
+            return  # "unchanged": keeps the pool it already freed
         if self.fail_resize_to is not None and plan.kv_pages == self.fail_resize_to:
             self.fail_resize_to = None
+            self.kv_freed = True
             raise MemoryError("injected allocation failure")
         self.resizes.append(plan)
         self.inner.resize_pools(plan)
+        self.plan, self.kv_freed = plan, False
+
+
+def step_until(server: RunningServer, condition, limit: int = 50) -> dict:
+    """With the executor's step_gate set, let the engine run one step at a time until
+    condition(pools snapshot) holds; returns that snapshot. At most `limit` steps."""
+    executor = server.container.executor()
+    for _ in range(limit):
+        pools = stats(server)["pools"]
+        if condition(pools):
+            return pools
+        executor.step_gate.release()
+        time.sleep(0.01)
+    raise AssertionError(f"condition not reached in {limit} steps: {stats(server)['pools']}")
+
+
+def open_gate(server: RunningServer) -> None:
+    """Back to free running: no more waiting for permits (and wake a step that waits for one)."""
+    executor = server.container.executor()
+    gate, executor.step_gate = executor.step_gate, None
+    if gate is not None:
+        gate.release()
 
 
 def make_container(blocker: threading.Event | None = None, delay: float = 0.0) -> Container:

@@ -73,6 +73,16 @@ def test_bad_sizes_are_argument_errors():
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("size", ["1.0e999", "inf", "nan"])
+def test_serve_refuses_a_size_that_overflows_without_a_traceback(size, capsys):
+    """Issue 12 #3: `ft serve --kv-tokens 1.0e999` was an OverflowError traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--kv-tokens", size])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-tokens" in err and "Traceback" not in err
+
+
 def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

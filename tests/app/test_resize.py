@@ -15,7 +15,9 @@ from tests.app.conftest import (
     chat_prompt_ids,
     fake_model_output,
     make_container,
+    open_gate,
     start_server,
+    step_until,
     wait_until_idle,
 )
 
@@ -170,17 +172,22 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
 
 
 def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
+    """The engine runs step by step (step_gate) until the late request is held: the interleaving is
+    forced, not raced (it once arrived after the resize had finished on a busy machine)."""
+    srv.container.executor().step_gate = threading.Semaphore(0)
+
     async def main():
         client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
         running = asyncio.ensure_future(stream(client, "keeps the engine busy", 120))
-        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
         resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=256, wait_s=30))
-        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["phase"] != "draining":
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(step_until, srv, lambda pools: pools["phase"] == "draining")
         body = {"model": MODEL, "messages": [{"role": "user", "content": "too big later"}], "max_tokens": 400}
         late = asyncio.ensure_future(asyncio.to_thread(
             httpx.post, srv.base_url + "/v1/chat/completions", json=body, timeout=30))
+        held = await asyncio.to_thread(step_until, srv, lambda pools: pools["held"] == 1)
+        assert held["running"] == 1, "the busy request must still be running when the late one is held"
+        open_gate(srv)
         results = await asyncio.gather(running, resize, late)
         await client.close()
         return results

@@ -96,9 +96,9 @@ def test_reasoning_effort_none_turns_thinking_off_and_max_output_tokens_is_incom
     [
         ({"store": True}, "store"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools.[0]"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.[0].content.[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ],
 )

@@ -138,7 +138,7 @@ def test_thinking_off_through_chat_template_kwargs(client, scripted):
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
-        ({"tools": [{"type": "code_interpreter"}]}, "tools.[0]"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_parameter(client, kwargs, param):

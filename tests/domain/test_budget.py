@@ -53,9 +53,12 @@ def test_never_over_budget_and_explicit_sizes_honoured(case):
     spec, request, pool = case
     plan = plan_pools(spec, pool_budget(pool), request)
     if isinstance(plan, PlanRefusal):
-        assert plan.shortfall_bytes > 0
+        below_a_page = request.kv_tokens is not None and request.kv_tokens < request.page_size
+        assert plan.shortfall_bytes > 0 or (below_a_page and plan.pool == "kv")
         return
     plan.check_valid()
+    if request.kv_tokens is not None:
+        assert plan.kv_pages >= 1, "an explicit KV size must leave at least one page"
     assert plan.pool_bytes == pool
     assert plan.used_bytes <= pool and plan.free_bytes >= 0
     assert plan.kv_bytes == plan.kv_tokens * spec.kv_bytes_per_token()
@@ -107,6 +110,9 @@ def test_refusal_shortfall_is_exactly_what_is_missing(case):
     spec, request, pool = case
     refusal = plan_pools(spec, pool_budget(pool), request)
     if not isinstance(refusal, PlanRefusal):
+        return
+    if refusal.shortfall_bytes == 0:  # no memory helps: an explicit KV size below one page
+        assert refusal.pool == "kv" and request.kv_tokens < request.page_size
         return
     assert refusal.pool in ("kv", "moe", "state", "budget")
     assert str(refusal.shortfall_bytes) in refusal.message or refusal.pool == "budget"
@@ -171,6 +177,14 @@ def test_spec_worked_example():
     moe_first = plan_pools(QWEN_FP8, budget, PoolRequest(state_slots=24))
     assert moe_first.kv_tokens == 8192
     assert moe_first.residency == pytest.approx(0.53, abs=0.01)
+
+
+@pytest.mark.parametrize("kv_tokens", [0, 1, 15])
+def test_an_explicit_kv_size_below_one_page_is_refused_not_planned_empty(kv_tokens):
+    refusal = plan_pools(TINY, pool_budget(10**9), PoolRequest(kv_tokens=kv_tokens, page_size=16))
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "kv" and refusal.shortfall_bytes == 0
+    assert "one page" in refusal.message
+    assert plan_pools(TINY, pool_budget(10**9), PoolRequest(kv_tokens=16, page_size=16)).kv_pages == 1
 
 
 def test_gpu_budget_arithmetic_and_validation():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from domain.request import Request, RequestState, SamplingParams
+from domain.request import MIN_TEMPERATURE, Request, RequestState, SamplingParams
 
 S = RequestState
 
@@ -73,3 +73,16 @@ def test_check_valid_catches_inconsistent_records():
         Request("a", [1], state=S.FINISHED).check_valid()  # finished without a reason
     with pytest.raises(AssertionError):
         Request("a", [1], state=S.PREFILLING, state_slot=0, pages=[2, 2]).check_valid()
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1.4e-45, 1e-6])
+def test_degenerate_temperatures_sample_greedily(temperature):
+    """Dividing fp32 logits by these overflows to inf (NaN after softmax): they mean greedy."""
+    assert SamplingParams(temperature=temperature).temperature == 0.0
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1e-40])
+def test_non_finite_or_negative_temperatures_are_refused(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=temperature)

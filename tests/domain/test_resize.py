@@ -118,6 +118,16 @@ def test_grow_kv_only_keeps_experts_and_refuses_overcommit():
     assert same.steps == () and same.experts_kept and same.peak_bytes == current.used_bytes
 
 
+@pytest.mark.parametrize(("sizes", "pool"), [
+    ({"kv_tokens": 1}, "kv"), ({"kv_tokens": -5}, "kv"), ({"state_slots": 0}, "state"),
+    ({"state_slots": -1}, "state"), ({"expert_slots": -3}, "moe"), ({"expert_slots": 0}, "moe"),
+])
+def test_sizes_that_cannot_work_are_refused_never_raised(sizes, pool):
+    budget, current = spec_plan()
+    refusal = plan_resize(QWEN_FP8, budget, current, **sizes)
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == pool and refusal.shortfall_bytes == 0
+
+
 def test_bad_current_plan_is_rejected():
     budget, current = spec_plan()
     with pytest.raises(ValueError, match="another budget"):

@@ -1,0 +1,273 @@
+"""Issue 12, faults that took down serving: no request or admin call breaks serving for others.
+Real uvicorn on 127.0.0.1, the official `openai` client, the fake model (tests/app/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from dependency_injector import providers
+
+from domain.fakes import FakeTokenizer
+from tests.app.conftest import (
+    MODEL,
+    chat_prompt_ids,
+    fake_model_output,
+    make_container,
+    start_server,
+    wait_until_idle,
+)
+from tests.app.test_resize import expected, plan, rebuild, stream
+
+
+@pytest.fixture
+def srv():
+    server = start_server(make_container(delay=0.003), kv_tokens=512)
+    yield server
+    server.stop()
+
+
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+
+def health(server) -> httpx.Response:
+    return httpx.get(server.base_url + "/health")
+
+
+def assert_serves(server, content: str = "still serving?") -> None:
+    r = client_of(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == expected(content, 6)[0]
+    assert health(server).status_code == 200 and health(server).json()["status"] == "ok"
+
+
+# -- 1. a rolled-back resize left the engine without a KV pool -------------------------------------------
+@pytest.mark.parametrize("kv_tokens", [1, 15, 0])
+def test_a_kv_size_below_one_page_is_refused_by_the_plan_and_serving_continues(srv, kv_tokens):
+    before = plan(srv)
+    r = rebuild(srv, kv_tokens=kv_tokens)
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "plan_refused" and r.json()["error"]["param"] == "kv"
+    assert srv.container.executor().resizes == [], "nothing may be freed for a plan that cannot work"
+    assert plan(srv) == before
+    assert_serves(srv)
+
+
+def test_a_rollback_is_verified_and_a_later_rebuild_really_applies(srv):
+    executor = srv.container.executor()
+    executor.fail_resize_to = 1024 // 16  # frees the old KV pool, then the new allocation fails
+    r = rebuild(srv, kv_tokens=1024)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resize_rolled_back", r.text
+    executor.check_valid()  # the rollback re-created the freed pool
+    assert_serves(srv, "after the rollback")
+    r = rebuild(srv, kv_tokens=1024)
+    assert r.status_code == 200, r.text
+    assert plan(srv)["kv_tokens"] == 1024 and executor.plan.kv_pages == 64
+    assert_serves(srv, "on the new pools")
+
+
+def test_a_rollback_that_leaves_no_kv_pool_is_caught_by_the_self_check_and_health_says_so(srv):
+    executor = srv.container.executor()
+    executor.fail_resize_to, executor.broken_rollback = 1024 // 16, True
+    r = rebuild(srv, kv_tokens=1024)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resize_not_applied", r.text
+    assert r.json()["rolled_back"] is False and "cannot serve" in r.json()["error"]["message"]
+    h = health(srv)
+    assert h.status_code == 503 and h.json()["status"] == "error" and h.json()["engine"] == "error"
+    assert "KV pool is missing" in h.json()["error"]
+    with pytest.raises(openai.APIStatusError) as info:
+        client_of(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert info.value.status_code == 503 and info.value.body["code"] == "engine_down"
+
+
+# -- 2. one request's bad value failed everyone in its step -------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1.4e-45])
+def test_a_degenerate_temperature_is_greedy_and_its_step_mates_are_untouched(srv, temperature):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        others = [asyncio.ensure_future(stream(client, f"mate {i}", 30)) for i in range(3)]
+        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.005)
+        odd = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "tiny t"}], max_tokens=8, temperature=temperature,
+            extra_body={"ignore_eos": True})
+        results = await asyncio.gather(*others)
+        await client.close()
+        return odd, results
+
+    odd, results = asyncio.run(main())
+    assert odd.choices[0].message.content == expected("tiny t", 8)[0]
+    assert srv.container.executor().sampling_seen[odd.id].temperature == 0.0, "must reach the model as greedy"
+    assert results == [expected(f"mate {i}", 30) for i in range(3)]
+
+
+def test_a_sampling_fault_of_one_request_aborts_that_request_only(srv):
+    srv.container.executor().fail_sampling_seed = 666
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        others = [asyncio.ensure_future(stream(client, f"mate {i}", 30)) for i in range(3)]
+        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "faulty"}], max_tokens=8, seed=666)
+        results = await asyncio.gather(*others)
+        await client.close()
+        return info.value, results
+
+    error, results = asyncio.run(main())
+    assert error.body["code"] == "engine_error" and "injected NaN" in error.body["message"]
+    assert results == [expected(f"mate {i}", 30) for i in range(3)]
+    pools = wait_until_idle(srv)
+    assert pools["kv_pages_used"] == 0 and pools["running"] == 0
+    assert_serves(srv)
+
+
+# -- after any failed step the engine verifies itself ----------------------------------------------------
+def test_a_failed_step_fails_its_batch_then_the_self_check_passes_and_serving_continues(srv):
+    srv.container.executor().fail_next_step = RuntimeError("CUDA error: an illegal memory access")
+    with pytest.raises(openai.InternalServerError) as info:
+        client_of(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert info.value.body["code"] == "engine_error" and "illegal memory access" in info.value.body["message"]
+    assert_serves(srv)
+
+
+def test_a_failed_step_that_broke_the_pools_turns_the_engine_unhealthy(srv):
+    executor = srv.container.executor()
+    executor.fail_next_step, executor.step_breaks_pools = RuntimeError("device lost"), True
+    with pytest.raises(openai.InternalServerError):
+        client_of(srv).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    h = health(srv)
+    assert h.status_code == 503 and "KV pool is missing" in h.json()["error"]
+    with pytest.raises(openai.APIStatusError) as info:
+        client_of(srv).models.list()
+    assert info.value.status_code == 503 and info.value.body["code"] == "engine_down"
+
+
+# -- 3. other 5xx from client input ---------------------------------------------------------------------
+def deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": %s}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"x": %s}}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": %s}]}]}'),
+    ("/v1/completions", '{"prompt": %s}'),
+    ("/v1/cache/rebuild", '{"wait_s": 1, "unknown": %s}'),
+])
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_json_nested_too_deep_is_a_400(server, path, body, depth):
+    r = httpx.post(server.base_url + path, content=body % deep(depth), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] in ("invalid_json", "invalid_value"), r.text  # unknown fields may be skipped
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"kv_tokens": "1.0e999"}, 400, "kv_tokens"),
+    ({"kv_tokens": "inf"}, 400, "kv_tokens"),
+    ({"moe_slots": "1e999999999999"}, 400, "moe_slots"),
+    ({"kv_tokens": 10**30}, 409, "kv"),
+    ({"mamba_slots": 0}, 409, "state"),
+    ({"mamba_slots": "0"}, 409, "state"),
+    ({"mamba_slots": 0, "kv_tokens": "auto"}, 409, "state"),
+    ({"mamba_slots": -2}, 400, "mamba_slots"),
+])
+def test_resize_values_from_the_client_are_4xx_and_serving_continues(srv, body, status, param):
+    before = plan(srv)
+    r = rebuild(srv, **body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    assert plan(srv) == before
+    assert_serves(srv)
+
+
+def test_prompt_ids_expected_by_the_fake_are_stable():
+    """Guards the helpers these tests lean on: the fake model's greedy output is a pure function."""
+    ids = chat_prompt_ids("x")
+    assert fake_model_output(ids, 5) == fake_model_output(ids, 5)
+
+
+# -- 4. one large request froze the server --------------------------------------------------------------
+class SlowTokenizer(FakeTokenizer):
+    """Tokenizing a text with "SLOW" in it takes a while (sleeping releases the GIL, as the Rust
+    tokenizer does); every encode is counted."""
+
+    def __init__(self) -> None:
+        self.encoding = threading.Event()
+        self.encoded_chars: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded_chars.append(len(text))
+        if "SLOW" in text:
+            self.encoding.set()
+            time.sleep(1.5)
+        return super().encode(text)
+
+
+@pytest.fixture
+def slow_tok():
+    container = make_container(delay=0.003)
+    container.tokenizer.override(providers.Singleton(SlowTokenizer))
+    server = start_server(container, kv_tokens=512)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}]}),
+    ("/v1/completions", lambda text: {"prompt": text}),
+    ("/v1/completions", lambda text: {"prompt": [text]}),
+])
+def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_tokenizing(slow_tok, path, body):
+    tokenizer = slow_tok.container.tokenizer()
+    started = time.monotonic()
+    r = httpx.post(slow_tok.base_url + path, json={"model": MODEL, **body("SLOW" + "x" * 5_000_000)}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == ("messages" if "chat" in path else "prompt")
+    assert time.monotonic() - started < 1.0
+    assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
+
+
+def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(slow_tok):
+    tokenizer = slow_tok.container.tokenizer()
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=slow_tok.base_url + "/v1", api_key="x", max_retries=0)
+        gaps: list[float] = []
+
+        async def timed_stream():
+            s = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "pace"}], max_tokens=300, stream=True,
+                extra_body={"ignore_eos": True})
+            last = None
+            async for _ in s:
+                now = time.monotonic()
+                if last is not None and tokenizer.encoding.is_set():
+                    gaps.append(now - last)
+                last = now
+
+        running = asyncio.ensure_future(timed_stream())
+        while httpx.get(slow_tok.base_url + "/v1/stats").json()["pools"]["running"] == 0:
+            await asyncio.sleep(0.005)
+        slow = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="SLOW please", max_tokens=4))
+        while not tokenizer.encoding.is_set():
+            await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        health_status = (await asyncio.to_thread(httpx.get, slow_tok.base_url + "/health")).status_code
+        health_s = time.monotonic() - t0
+        done = await slow
+        await running
+        await client.close()
+        return health_status, health_s, gaps, done
+
+    status, health_s, gaps, done = asyncio.run(main())
+    assert status == 200 and health_s < 0.5, f"/health took {health_s:.2f}s while a prompt was tokenized"
+    assert gaps and max(gaps) < 0.5, f"a stream stalled {max(gaps):.2f}s while a prompt was tokenized"
+    assert done.usage.completion_tokens == 4
