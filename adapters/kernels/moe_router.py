@@ -1,0 +1,142 @@
+"""MoE router in one launch: router GEMV -> softmax over experts -> top-k -> optional renormalisation,
+plus the optional sigmoid gate of the shared expert as an extra (weight, id) column.
+
+Shape legend: T tokens, H hidden, E experts (<= 1024), K top-k, KO = K (+ 1 with the shared gate).
+
+Numerics follow adapters/torch_exec/moe.py `route` and `shared_expert`:
+- logits: fp32 router weight -> fp32 dot of x.float() (accumulation order is the kernel's own, so the
+  fp32 result is within ~1e-6 relative, not bitwise); a router weight in x's dtype -> the logit is
+  rounded to that dtype, as torch's F.linear output is;
+- softmax in fp32 (exp(l - max) / sum), top-k by K rounds of argmax with masking: descending weight,
+  exact ties broken by the LOWEST expert id (what a stable descending sort gives; torch.topk does not
+  document its tie order). Renormalisation divides by the sum of the K weights taken in that order;
+- shared gate: sigmoid(x . g) with the logit and the sigmoid rounded to g's dtype (bf16 g: the bf16
+  F.linear -> bf16 sigmoid of the reference), stored in fp32 at column K with the caller's `shared_id`.
+One program per token keeps all E logits in registers. NOTE: each program then streams the whole
+router (E x H fp32) alone, at one SM's bandwidth; for big routers pass `logits` from a full-width
+GEMV (one cuBLAS launch) and this kernel does the rest. Graph-capturable: no host sync, grid (T,).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, E, H, stride_x, stride_l,
+                       shared_id, K: tl.constexpr, HAS_LOGITS: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+                       KO: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND_GATE: tl.constexpr, RENORM: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)  # [BE]
+    mask_e = offs_e < E
+    if HAS_LOGITS:
+        logits = tl.load(logits_ptr + row * stride_l + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)  # [BH]
+            mask_h = offs_h < H
+            x = tl.load(x_ptr + row * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_e[:, None] * H + offs_h[None, :], mask=mask_e[:, None] & mask_h[None, :],
+                        other=0.0).to(tl.float32)  # [BE, BH]
+            acc += tl.sum(w * x[None, :], axis=1)
+        logits = acc
+        if ROUND_LOGITS:  # NOTE: a bf16 router's F.linear returns bf16 logits
+            logits = logits.to(w_ptr.dtype.element_ty).to(tl.float32)
+    logits = tl.where(mask_e, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = tl.where(mask_e, p, 0.0)
+    p = p / tl.sum(p, axis=0)  # [BE] fp32 softmax
+    # probabilities are >= 0, so -1 marks both padding lanes and experts already taken
+    vals = tl.where(mask_e, p, -1.0)
+    offs_k = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    total = 0.0
+    for k in tl.static_range(K):
+        best = tl.max(vals, axis=0)
+        idx = tl.min(tl.where(vals == best, offs_e, BLOCK_E), axis=0)  # lowest id among exact ties
+        top_w = tl.where(offs_k == k, best, top_w)
+        top_i = tl.where(offs_k == k, idx.to(tl.int64), top_i)
+        vals = tl.where(offs_e == idx, -1.0, vals)
+        total += best  # in selection order, as a sequential sum over the K column would
+    if RENORM:
+        top_w = top_w / total
+    if HAS_SHARED:
+        gacc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            x = tl.load(x_ptr + row * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            gacc += x * tl.load(g_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        glogit = tl.sum(gacc, axis=0)
+        if ROUND_GATE:
+            glogit = glogit.to(g_ptr.dtype.element_ty).to(tl.float32)
+        sg = 1.0 / (1.0 + tl.exp(-glogit))
+        if ROUND_GATE:
+            sg = sg.to(g_ptr.dtype.element_ty).to(tl.float32)
+        top_w = tl.where(offs_k == K, sg, top_w)
+        top_i = tl.where(offs_k == K, shared_id, top_i)
+    tl.store(wout_ptr + row * KO + offs_k, top_w, mask=offs_k < KO)
+    tl.store(iout_ptr + row * KO + offs_k, top_i, mask=offs_k < KO)
+
+
+def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+               shared_gate_weight: torch.Tensor | None = None, shared_id: int | None = None, *,
+               logits: torch.Tensor | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, KO], expert ids int64 [T, KO]) for x [T, H] (bf16/fp16/fp32).
+
+    router_weight [E, H], fp32 or x's dtype (then logits are rounded to it). top_k K <= E.
+    shared_gate_weight [1, H] (fp32 or x's dtype): appends column K = (sigmoid(x . g), shared_id;
+    default E).
+    logits [T, E] fp32, optional: precomputed x @ router_weight^T (the GEMV is then skipped).
+    out: optional preallocated (weights, ids), contiguous [T, KO].
+    Raises ValueError on mismatched shapes, dtypes or K.
+    """
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H] with unit column stride, got {tuple(x.shape)}")
+    t, h = x.shape
+    if router_weight.dim() != 2 or router_weight.shape[1] != h or not router_weight.is_contiguous():
+        raise ValueError(f"router_weight must be a contiguous [E, {h}], got {tuple(router_weight.shape)}")
+    e = router_weight.shape[0]
+    if router_weight.dtype not in (torch.float32, x.dtype):
+        raise ValueError(f"router_weight must be fp32 or {x.dtype}, got {router_weight.dtype}")
+    if not 0 < e <= MAX_EXPERTS:
+        raise ValueError(f"E must be in 1..{MAX_EXPERTS}, got {e}")
+    if not 0 < top_k <= e:
+        raise ValueError(f"top_k must be in 1..{e}, got {top_k}")
+    has_shared = shared_gate_weight is not None
+    if has_shared:
+        if shared_gate_weight.shape != (1, h) or not shared_gate_weight.is_contiguous():
+            raise ValueError(f"shared_gate_weight must be a contiguous [1, {h}], got "
+                             f"{tuple(shared_gate_weight.shape)}")
+        if shared_gate_weight.dtype not in (torch.float32, x.dtype):
+            raise ValueError(f"shared_gate_weight must be fp32 or {x.dtype}, got {shared_gate_weight.dtype}")
+    if logits is not None and (logits.shape != (t, e) or logits.dtype != torch.float32 or logits.stride(1) != 1):
+        raise ValueError(f"logits must be fp32 [{t}, {e}] with unit column stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    ko = top_k + has_shared
+    shared_id = e if shared_id is None else shared_id
+    if out is None:
+        out = (torch.empty((t, ko), dtype=torch.float32, device=x.device),
+               torch.empty((t, ko), dtype=torch.int64, device=x.device))
+    wout, iout = out
+    assert wout.shape == (t, ko) and wout.dtype == torch.float32 and wout.is_contiguous(), "bad weights out"
+    assert iout.shape == (t, ko) and iout.dtype == torch.int64 and iout.is_contiguous(), "bad ids out"
+    if t == 0:
+        return wout, iout
+    block_e = triton.next_power_of_2(e)
+    block_h = max(16, min(256, triton.next_power_of_2(h), 8192 // block_e))  # ~8K-element weight tile
+    g = shared_gate_weight if has_shared else router_weight
+    lg = logits if logits is not None else wout
+    _moe_router_kernel[(t,)](x, router_weight, lg, g, wout, iout, e, h, x.stride(0), lg.stride(0), shared_id,
+                             K=top_k, KO=ko, HAS_LOGITS=logits is not None,
+                             ROUND_LOGITS=router_weight.dtype != torch.float32, HAS_SHARED=has_shared,
+                             ROUND_GATE=has_shared and shared_gate_weight.dtype != torch.float32,
+                             RENORM=renormalize, BLOCK_E=block_e, BLOCK_H=block_h,
+                             BLOCK_K=triton.next_power_of_2(ko), num_warps=4 if block_e <= 128 else 8)
+    return wout, iout
