@@ -105,3 +105,13 @@ def test_router_with_a_bf16_router_rounds_its_logits():
 def test_router_refuses_bad_input(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         moe_router(*args, **kwargs)
+
+
+def test_router_at_the_largest_expert_count():
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(2, 40, generator=gen)
+    w = torch.randn(512, 40, generator=gen) * 0.5
+    want_w, want_i = route(x, w, 10, True)
+    got_w, got_i = run_poisoned(x, w, 10, True)
+    assert torch.equal(got_i, want_i)
+    assert rel(got_w, want_w) < 1e-5

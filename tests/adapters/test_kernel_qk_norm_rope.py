@@ -6,8 +6,7 @@ Bounds: fp32 within 1e-5 relative. bf16/fp16: every element within 2 ulps (of th
 size |x| + |rotate_half(x)|, since their sum can cancel) on the GPU, where the rsqrt and the sum of
 squares' order may flip a rounding; in the interpreter fp16 is bitwise (same rounding points) and bf16
 within 4 ulps (the interpreter truncates at the norm cast, the two products and their sum; measured
-up to 3.7). v is copied
-bitwise; pool rows other than kv_rows stay untouched.
+up to 3.7). v is copied bitwise; pool rows other than kv_rows stay untouched.
 """
 
 import pytest
