@@ -16,17 +16,19 @@ import torch.nn.functional as F
 from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
+from adapters.cuda_exec.fused_weights import concat_rows
 from adapters.kernels import dense_gemv as gemv
+from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
+from adapters.kernels.moe_router import moe_router
 from adapters.kernels.paged_decode_attention import paged_decode_attention
+from adapters.kernels.qk_norm_rope import qk_norm_rope
 from adapters.kernels.rms_norm import rms_norm as fused_norm
 from adapters.torch_exec.decoder import MoeDecoder
 from adapters.torch_exec.full_attention import FullAttention
 from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
 from adapters.torch_exec.moe import route
-from adapters.torch_exec.norms import gated_rms_norm
 from adapters.torch_exec.paged_attention import PagedKVCache
-from adapters.torch_exec.rotary import apply_rotary
 
 
 def fast_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
@@ -43,18 +45,30 @@ class FastDecoder(MoeDecoder):
     """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step."""
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None):
-        prefix = f"layers.{i}.mlp."
-        weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize)
+        prefix, k = f"layers.{i}.mlp.", self.opts.top_k
+        router = self.w[prefix + "gate.weight"]
+        if isinstance(router, QTensor):  # a quantized router: the reference route (rare; not fused)
+            weights, ids = route(h, router, k, self.opts.renormalize)
+            shared_gate = None
+        else:
+            gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
+            # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
+            # the shared expert's sigmoid gate in one launch
+            logits = F.linear(h.to(router.dtype), router)  # [T, E] fp32
+            weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
+            shared_gate = weights[:, k:] if gate_w is not None else None
+            weights, ids = weights[:, :k], ids[:, :k]
         if not self.opts.shared_expert:
             return experts.routed(i, h, weights, ids, valid)  # [T, H]
-        gate = torch.sigmoid(fast_linear(h, self.w[prefix + "shared_expert_gate.weight"]))  # [T, 1]
+        if shared_gate is None:
+            shared_gate = torch.sigmoid(fast_linear(h, self.w[prefix + "shared_expert_gate.weight"]))  # [T, 1]
         if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels
-            return experts.routed(i, h, weights, ids, valid, shared_weight=gate)
+            return experts.routed(i, h, weights, ids, valid, shared_weight=shared_gate)
         w = self.w
         out = experts.routed(i, h, weights, ids, valid)
         up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
         act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
-        return out + gate * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+        return out + shared_gate.to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
 
     def pack_shared_experts(self, layout) -> torch.Tensor | None:
         """uint8 [L, R]: every layer's shared expert packed like a routed expert, or None when its format
@@ -87,9 +101,9 @@ class FastDecoder(MoeDecoder):
         cos_sin = self._rotary.cos_sin(buf.positions, x.dtype) if self.full_layers else None  # [B, R] x2
         for i, mixer in enumerate(self.mixers):
             if isinstance(mixer, FullAttention):
-                h = self._attention_decode(mixer, h, buf, kv, cos_sin)
+                h = self._attention_decode(i, mixer, h, buf, kv, cos_sin)
             else:
-                h = self._gdn_decode(mixer, h, buf, state, self.linear_layers.index(i))
+                h = self._gdn_decode(i, mixer, h, buf, state, self.linear_layers.index(i))
             x, h = fused_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps, unit_offset=unit, residual=h)
             delta = self._moe(i, h, experts, buf.valid)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
@@ -97,24 +111,23 @@ class FastDecoder(MoeDecoder):
         logits = fast_linear(h, self.lm_head).float()  # [B, V]
         return logits, logits.argmax(dim=-1)
 
-    def _attention_decode(self, mixer: FullAttention, x: torch.Tensor, buf: _Rows,
+    def _attention_decode(self, i: int, mixer: FullAttention, x: torch.Tensor, buf: _Rows,
                           kv: PagedKVCache, cos_sin) -> torch.Tensor:
         geo, rows = mixer.geo, x.shape[0]
-        proj = lambda name: _biased(fast_linear(x, mixer.w[f"{name}.weight"]), mixer.bias[name])  # noqa: E731
-        q, gate = proj("q_proj"), None
+        q, k, v = (_biased(y, mixer.bias[n]) for y, n in zip(
+            self._projections(i, mixer, x, "qkv", ("q_proj", "k_proj", "v_proj")), ("q_proj", "k_proj", "v_proj"),
+            strict=True))
+        gate = None
         if geo.output_gate:
-            q, gate = torch.chunk(q.view(rows, geo.num_heads, 2 * geo.head_dim), 2, dim=-1)  # [B, N, D] x2
+            q, gate = torch.chunk(q.reshape(rows, geo.num_heads, 2 * geo.head_dim), 2, dim=-1)  # [B, N, D] x2
             gate = gate.reshape(rows, -1)  # [B, N*D]
         q = q.reshape(rows, geo.num_heads, geo.head_dim)
-        k = proj("k_proj").view(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
-        v = proj("v_proj").view(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
-        q = fused_norm(q, mixer.w["q_norm.weight"], geo.eps, unit_offset=geo.unit_offset_norm)[1]
-        k = fused_norm(k, mixer.w["k_norm.weight"], geo.eps, unit_offset=geo.unit_offset_norm)[1]
-        cos, sin = cos_sin  # [B, R]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k = k.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
+        v = v.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
         layer = mixer.kv_layer
-        kv.k[layer].view(-1, geo.num_kv_heads, geo.head_dim)[buf.kv_rows] = k.to(kv.k.dtype)
-        kv.v[layer].view(-1, geo.num_kv_heads, geo.head_dim)[buf.kv_rows] = v.to(kv.v.dtype)
+        # q/k norms, rotary, and this token's K/V written into its page, in one launch
+        q = qk_norm_rope(q, k, v, mixer.w["q_norm.weight"], mixer.w["k_norm.weight"], geo.eps,
+                         geo.unit_offset_norm, *cos_sin, kv.k[layer], kv.v[layer], buf.kv_rows)  # [B, N, D]
         out = paged_decode_attention(q, kv.k[layer], kv.v[layer], buf.page_table, buf.seq_lens,
                                      geo.head_dim ** -0.5)  # [B, N, D]
         out = out.reshape(rows, -1)
@@ -122,24 +135,49 @@ class FastDecoder(MoeDecoder):
             out = out * torch.sigmoid(gate)
         return _biased(fast_linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
-    def _gdn_decode(self, mixer: GatedDeltaNet, x: torch.Tensor, buf: _Rows, state: LinearStatePool,
+    def _gdn_decode(self, i: int, mixer: GatedDeltaNet, x: torch.Tensor, buf: _Rows, state: LinearStatePool,
                     layer: int) -> torch.Tensor:
         geo, w = mixer.geo, mixer.w
-        qkv = fast_linear(x, w["in_proj_qkv.weight"])  # [B, C]
-        z = fast_linear(x, w["in_proj_z.weight"]).reshape(-1, geo.num_v_heads, geo.v_head_dim)  # [B, Nv, Dv]
-        b = fast_linear(x, w["in_proj_b.weight"])  # [B, Nv]
-        a = fast_linear(x, w["in_proj_a.weight"])  # [B, Nv]
+        qkv, z = self._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z"))  # [B, C], [B, Nv*Dv]
+        z = z.reshape(-1, geo.num_v_heads, geo.v_head_dim)  # [B, Nv, Dv]
+        b, a = self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a"))  # [B, Nv] each
         core = gdn_decode_step(qkv, a, b, state.conv[layer], state.recurrent[layer], buf.state_slots,
                                mixer.conv_weight_2d, mixer.neg_a, mixer.dt_bias, geo)  # [B, Nv, Dv] fp32
-        normed = gated_rms_norm(core.to(x.dtype), z, w["norm.weight"], mixer.eps)  # [B, Nv, Dv]
+        normed = fused_gated_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [B, Nv, Dv]
         return fast_linear(normed.reshape(x.shape[0], -1), w["out_proj.weight"])  # [B, H]
 
     def prepare_fast_path(self) -> None:
-        """One-time layouts the kernels want (views, no copies of large weights)."""
+        """One-time layouts the kernels want: stacked projections (views replace the parts, no extra
+        bytes), the conv weight as [C, W]."""
         self._rotary = next((m.rotary for m in self.mixers if isinstance(m, FullAttention)), None)
-        for mixer in self.mixers:
+        self.stacked: dict[tuple[int, str], tuple] = {}
+        for i, mixer in enumerate(self.mixers):
             if isinstance(mixer, GatedDeltaNet):
                 mixer.conv_weight_2d = mixer.w["conv1d.weight"][:, 0, :].contiguous()  # [C, W]
+                groups = {"qkvz": ("in_proj_qkv", "in_proj_z"), "ab": ("in_proj_b", "in_proj_a")}
+                prefix = f"layers.{i}.linear_attn."
+            else:
+                if any(b is not None for b in mixer.bias.values()):
+                    continue
+                groups = {"qkv": ("q_proj", "k_proj", "v_proj")}
+                prefix = f"layers.{i}.self_attn."
+            for group, names in groups.items():
+                parts = [mixer.w[f"{n}.weight"] for n in names]
+                done = concat_rows(parts)
+                if done is None:
+                    continue
+                stacked, views = done
+                for n, view in zip(names, views, strict=True):
+                    mixer.w[f"{n}.weight"] = self.w[f"{prefix}{n}.weight"] = view
+                self.stacked[(i, group)] = (stacked, [_rows(p) for p in parts])
+
+    def _projections(self, i: int, mixer, x: torch.Tensor, group: str, names: tuple[str, ...]) -> list:
+        """x @ W^T for each named projection: one GEMV over the stacked weight when there is one."""
+        found = self.stacked.get((i, group))
+        if found is None:
+            return [fast_linear(x, mixer.w[f"{n}.weight"]) for n in names]
+        stacked, rows = found
+        return list(torch.split(fast_linear(x, stacked), rows, dim=-1))
 
 
 class _Rows(NamedTuple):
@@ -150,6 +188,10 @@ class _Rows(NamedTuple):
     seq_lens: torch.Tensor  # [B] int32
     kv_rows: torch.Tensor  # [B] int64
     state_slots: torch.Tensor  # [B] int32
+
+
+def _rows(w: torch.Tensor | QTensor) -> int:
+    return int(w.shape[0])
 
 
 def _biased(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
