@@ -1,4 +1,4 @@
-"""`ft` console script: `ft serve`, `ft ctl ...`, `ft synth ...`."""
+"""`ft` console script: `ft serve`, `ft ctl ...`, `ft bench ...`, `ft synth ...`."""
 
 from __future__ import annotations
 
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.ctl import add_ctl_parser
 
     add_ctl_parser(sub)
+    from app.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser)")
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -123,5 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         from app.ctl import run_ctl
 
         return run_ctl(args)
+    if args.command == "bench":
+        from app.bench.cli import run_bench
+
+        return run_bench(args)
     return 2
 

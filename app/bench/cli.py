@@ -1,0 +1,161 @@
+"""`ft bench ...`: the parser and the runner that writes one JSON record per run.
+
+Exit codes: 0 every point measured; 3 the run finished but some point failed (the record says
+which and why); 1 the run could not be done at all (unreachable server, ...); 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from app.bench import cold_start, ladder, prefill, probe, smoke, sweep, target, view
+from app.bench.context import Ctx
+from app.bench.plot import plot
+from app.bench.record import Record, default_out
+from app.bench.target import BenchError
+from app.units import parse_count
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [parse_count(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive counts, got {text!r}")
+    return values
+
+
+def _kv_list(text: str) -> list:
+    return ["current"] if text.strip() == "current" else _counts(text)
+
+
+def _moe(text: str) -> int | str:
+    return "auto" if text == "auto" else _counts(text)[0]
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _common(plot_option: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"),
+                   help="the OpenAI-compatible server (fluxtide or any other)")
+    p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
+    p.add_argument("--model", default=None, help="model id to ask for (default: the first /v1/models lists)")
+    p.add_argument("--model-dir", default=None, help="checkpoint folder: its config.json gives the geometry")
+    p.add_argument("--out", default=None, help="JSON record path (default ft-bench-KIND-TIMESTAMP.json)")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+    p.add_argument("--logprobs", action="store_true",
+                   help="ask for logprobs so every token gets its own arrival time (costs the server a little)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the pinned host->device copy measurement")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or tables")
+    if plot_option:
+        p.add_argument("--plot", default=None, metavar="FILE", help="also draw the figures (png, svg, pdf)")
+    return p
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a server over HTTP (writes a JSON record)")
+    cmds = p.add_subparsers(dest="bench_command", required=True)
+    s = cmds.add_parser("sweep", parents=[_common(True)], help="the customer's KV-pool sweep")
+    s.add_argument("--kv", type=_kv_list, default=[8192, 65536, 131072, 262144, 400000, 524288, 655360, 700000],
+                   help="KV sizes to rebuild to, in order (8k,64k,...), or 'current' (no rebuild)")
+    s.add_argument("--moe", type=_moe, default="auto", help="expert slots at each point (auto: fill the budget)")
+    s.add_argument("--batch", type=_counts, default=[1, 3, 4, 6], help="batch sizes (concurrent requests)")
+    s.add_argument("--warmup", type=int, default=2, help="warm-up rounds per point")
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
+    s.add_argument("--iterations", type=_positive(int), default=2, help="measured rounds per point")
+    s.add_argument("--tokens", type=_positive(int), default=128, help="output tokens per measured request")
+    s.add_argument("--rebuild-wait", type=float, default=120.0, help="seconds a rebuild may wait for requests")
+    s = cmds.add_parser("ladder", parents=[_common(True)], help="concurrency ladder")
+    s.add_argument("--levels", type=_counts, default=[1, 2, 4, 8, 16])
+    s.add_argument("--tokens", type=_positive(int), default=128)
+    s.add_argument("--rounds", type=_positive(int), default=1, help="measured rounds per rung")
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
+    s.add_argument("--sample-s", type=_positive(float), default=0.05, help="/v1/stats polling interval")
+    s = cmds.add_parser("probe", parents=[_common(False)], help="warmed single streams")
+    s.add_argument("--lengths", type=_counts, default=[127, 255, 1023])
+    s.add_argument("--repeats", type=_positive(int), default=3)
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
+    s = cmds.add_parser("prefill", parents=[_common(False)], help="TTFT and prefill tok/s of long prompts")
+    s.add_argument("--sizes", type=_counts, default=[1024, 4096, 8192, 16384, 32768])
+    s.add_argument("--repeats", type=_positive(int), default=2)
+    s = cmds.add_parser("smoke", parents=[_common(False)], help="one question with one exact answer")
+    s.add_argument("--prompt", default="What is 19 + 23?")
+    s.add_argument("--expected", default="42")
+    s.add_argument("--match", choices=("exact", "contains"), default="exact")
+    s.add_argument("--max-tokens", type=_positive(int), default=16)
+    s = cmds.add_parser("cold-start", parents=[_common(False)],
+                        help="launch `ft serve ARGS` and time its start-up (ft bench cold-start -- --model DIR)")
+    s.add_argument("--poll-s", type=_positive(float), default=0.02)
+    s.add_argument("--start-timeout", type=_positive(float), default=1800.0)
+    s.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for ft serve, after --")
+
+
+def _settings(args) -> dict:
+    skip = {"command", "bench_command", "api_key"}
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+async def _http_run(args, record: Record) -> None:
+    async with target.client_for(args.base_url, args.api_key or os.environ.get("FT_API_KEY"),
+                                 max(getattr(args, "batch", None) or getattr(args, "levels", None) or [1]),
+                                 args.timeout) as client:
+        model = await target.model_id(client, args.model)
+        await record.describe_target(client, args.base_url, model, args.model_dir)
+        record.profile_hardware(not args.no_bandwidth)
+        with view.progress(args.quiet) as progress:
+            ctx = Ctx(client, model, record, progress, args.timeout, args.logprobs)
+            kind = args.bench_command
+            if kind == "sweep":
+                await sweep.run(ctx, kv_sizes=args.kv, moe=args.moe, batch_sizes=args.batch, warmup=args.warmup,
+                                warmup_tokens=args.warmup_tokens, iterations=args.iterations, tokens=args.tokens,
+                                rebuild_wait=args.rebuild_wait)
+            elif kind == "ladder":
+                await ladder.run(ctx, levels=args.levels, tokens=args.tokens, rounds=args.rounds,
+                                 warmup=args.warmup, warmup_tokens=args.warmup_tokens, sample_s=args.sample_s)
+            elif kind == "probe":
+                await probe.run(ctx, lengths=args.lengths, repeats=args.repeats, warmup_tokens=args.warmup_tokens)
+            elif kind == "prefill":
+                await prefill.run(ctx, sizes=args.sizes, repeats=args.repeats)
+            elif kind == "smoke":
+                await smoke.run(ctx, prompt=args.prompt, expected=args.expected, match=args.match,
+                                max_tokens=args.max_tokens)
+        record.data["server_after"] = {"stats": (await target.describe(client))["stats"]}
+
+
+async def _cold_start(args, record: Record) -> None:
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    with view.progress(args.quiet) as progress:
+        await cold_start.run(record, progress, serve_args=serve_args, timeout=args.start_timeout,
+                             poll_s=args.poll_s, model_dir=args.model_dir, measure_bandwidth=not args.no_bandwidth)
+
+
+def run_bench(args) -> int:
+    kind = args.bench_command
+    record = Record(kind, _settings(args))
+    code = 0
+    try:
+        asyncio.run(_cold_start(args, record) if kind == "cold-start" else _http_run(args, record))
+    except BenchError as exc:
+        record.fail("run", str(exc))
+        code = 1
+    except KeyboardInterrupt:
+        record.fail("run", "interrupted")
+        code = 130
+    finally:
+        path = record.finish(args.out or default_out(kind))
+    view.show(record.data, path, args.quiet)
+    if getattr(args, "plot", None) and record.points:
+        plot(record.data, args.plot)
+    return code or (3 if record.data["failures"] else 0)

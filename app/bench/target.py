@@ -1,0 +1,148 @@
+"""The server under test, over HTTP only: its model id, what it says about itself, and (when it is
+fluxtide) its admin API: live pool rebuild (/v1/cache/rebuild) and cumulative expert counters
+(/metrics). Any other OpenAI-compatible server works too; fluxtide-only facts are then null."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class BenchError(RuntimeError):
+    """A run cannot go on (unreachable server, no model); the message says why."""
+
+
+@dataclass
+class RebuildOutcome:
+    ok: bool
+    status: int | None
+    body: dict  # the server's answer (the plan after, or its refusal)
+    error: str | None = None
+
+
+def client_for(base_url: str, api_key: str | None, concurrency: int, timeout: float) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(8, concurrency + 4), max_keepalive_connections=max(8, concurrency + 4))
+    return httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits)
+
+
+async def _get_json(client: httpx.AsyncClient, path: str) -> dict | None:
+    try:
+        r = await client.get(path)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def model_id(client: httpx.AsyncClient, wanted: str | None) -> str:
+    """The model to ask for: ``wanted`` if given, else the first one /v1/models lists."""
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach {client.base_url}: {exc}") from None
+    if r.status_code != 200:
+        raise BenchError(f"GET /v1/models answered HTTP {r.status_code}: {r.text[:300]}")
+    ids = [m["id"] for m in r.json().get("data", [])]
+    if wanted:
+        return wanted
+    if not ids:
+        raise BenchError("the server lists no model; pass --model")
+    return ids[0]
+
+
+async def describe(client: httpx.AsyncClient) -> dict:
+    """Everything the server reports about itself (None where it has no such route)."""
+    return {
+        "health": await _get_json(client, "/health"),
+        "models": await _get_json(client, "/v1/models"),
+        "stats": await _get_json(client, "/v1/stats"),
+        "cache_status": await _get_json(client, "/v1/cache/status"),
+    }
+
+
+def is_fluxtide(server: dict) -> bool:
+    """fluxtide answers /v1/cache/status with a pool plan; other servers have no such route."""
+    return bool(server.get("cache_status") and "plan" in server["cache_status"])
+
+
+async def expert_counters(client: httpx.AsyncClient) -> dict | None:
+    """Cumulative expert cache hits and misses from /metrics (None if the server does not count them)."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in ("ft_expert_hits_total", "ft_expert_misses_total"):
+                found[sample.name.removeprefix("ft_expert_").removesuffix("_total")] = int(sample.value)
+    return found if len(found) == 2 else None
+
+
+async def pools(client: httpx.AsyncClient) -> dict | None:
+    stats = await _get_json(client, "/v1/stats")
+    return stats.get("pools") if stats else None
+
+
+async def rebuild(client: httpx.AsyncClient, kv_tokens: int | str | None, moe_slots: int | str | None,
+                  wait_s: float = 120.0) -> RebuildOutcome:
+    """Live pool resize through fluxtide's admin API; a refusal (409) comes back as ok=False."""
+    payload = {"kv_tokens": kv_tokens, "moe_slots": moe_slots, "wait_s": wait_s}
+    try:
+        r = await client.post("/v1/cache/rebuild", json=payload, timeout=wait_s + 60)
+    except httpx.HTTPError as exc:
+        return RebuildOutcome(False, None, {}, f"{type(exc).__name__}: {exc}")
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"raw": r.text[:500]}
+    if r.status_code == 200:
+        return RebuildOutcome(True, 200, body)
+    message = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else None
+    return RebuildOutcome(False, r.status_code, body, f"HTTP {r.status_code}: {message or str(body)[:300]}")
+
+
+def model_facts(server: dict, model_dir: str | None) -> dict:
+    """Model geometry and format: from the server where it says, else from ``--model-dir``'s
+    config.json (read locally; the server's API does not publish its geometry)."""
+    cache = server.get("cache_status") or {}
+    facts = {
+        "name": (server.get("stats") or {}).get("model") or _first_model(server),
+        "total_experts": cache.get("total_experts"),
+        "expert_bytes": cache.get("expert_bytes"),
+        "geometry": None,
+        "format": None,
+        "source": "server",
+    }
+    if model_dir:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        text = config.get("text_config", config)
+        keys = ("model_type", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings")
+        facts["geometry"] = {k: text.get(k) for k in keys if k in text}
+        quant = config.get("quantization_config") or text.get("quantization_config")
+        facts["format"] = (quant.get("quant_method") + (f" {quant.get('fmt')}" if quant.get("fmt") else "")
+                           if quant else str(text.get("torch_dtype") or config.get("torch_dtype") or "unknown"))
+        facts["source"] = f"server + {model_dir}/config.json"
+    return facts
+
+
+def _first_model(server: dict) -> str | None:
+    data = (server.get("models") or {}).get("data") or []
+    return data[0]["id"] if data else None
+
+
+def routing_mode(server: dict) -> str:
+    """How the server routes tokens to experts; 'natural' unless it says otherwise."""
+    for part in ("health", "stats"):
+        mode = (server.get(part) or {}).get("routing")
+        if mode:
+            return mode if isinstance(mode, str) else json.dumps(mode)
+    return "natural"

@@ -1,0 +1,66 @@
+"""rich progress bars (stderr) and result tables (stdout) for `ft bench`."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+# columns of each kind's table: (title, point key); missing values print as "-"
+COLUMNS = {
+    "sweep": [("KV", "kv_tokens_requested"), ("slots", "expert_slots"), ("resid.", "residency"), ("bs", "batch_size"),
+              ("agg tok/s", "aggregate_tok_s"), ("per-req tok/s", "per_request_tok_s"),
+              ("steady p50", "steady_decode_tok_s_median"), ("TTFT p50 s", "ttft_s_median"),
+              ("hit rate", "hit_rate"), ("PCIe MiB", "pcie_mib"), ("failed", "failed_requests")],
+    "ladder": [("c", "concurrency"), ("agg tok/s", "aggregate_tok_s"), ("steady p50", "steady_decode_tok_s_median"),
+               ("TTFT p50 s", "ttft_s_median"), ("admitted", "admitted"), ("queued", "queued"),
+               ("failed", "failed_requests")],
+    "probe": [("tokens", "max_tokens"), ("steady p50", "steady_decode_tok_s_median"),
+              ("e2e p50", "e2e_tok_s_median"), ("TTFT p50 s", "ttft_s_median"), ("failed", "failed_requests")],
+    "prefill": [("target", "prompt_tokens_target"), ("prompt tokens", "prompt_tokens"),
+                ("TTFT p50 s", "ttft_s_median"), ("prefill tok/s p50", "prefill_tok_s_median"),
+                ("failed", "failed_requests")],
+    "cold-start": [("milestone", "milestone"), ("seconds", "seconds"), ("source", "source")],
+    "smoke": [("prompt", "prompt"), ("expected", "expected"), ("answer", "answer"), ("passed", "passed")],
+}
+
+
+def progress(quiet: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=quiet, transient=False)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def table(record: dict) -> Table:
+    kind = record["kind"]
+    t = Table(title=f"ft bench {kind}: {(record.get('target') or {}).get('model') or ''}")
+    for title, _ in COLUMNS[kind]:
+        t.add_column(title, justify="right" if title not in ("answer", "prompt", "milestone") else "left")
+    for point in record["points"]:
+        # NOTE: a point that never ran (refused rebuild) shows "failed" in place of its figures
+        cells = [_cell(point.get(key)) for _, key in COLUMNS[kind]]
+        if point.get("ok") is False and point.get("failed_requests") is None:
+            cells[-1] = "failed"
+        t.add_row(*cells)
+    return t
+
+
+def show(record: dict, path, quiet: bool) -> None:
+    if quiet:
+        return
+    console = Console()
+    console.print(table(record))
+    hw = record.get("hardware") or {}
+    gpu = ", ".join(g.get("name", "?") for g in hw.get("gpus") or []) or "no GPU"
+    console.print(f"[dim]{gpu}; pinned H2D {_cell(hw.get('pinned_h2d_gb_s'))} GB/s; "
+                  f"{len(record['failures'])} failure(s); record: {path}[/dim]")
+    for failure in record["failures"]:
+        console.print(f"[red]failed {failure['where']}: {failure['error']}[/red]")

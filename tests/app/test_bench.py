@@ -1,0 +1,199 @@
+"""`ft bench` end to end against the real embedded demo model served on 127.0.0.1 (tiny token
+counts): each subcommand's JSON record, and that its figures agree with each other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from app.bench.client import chat_body, run_round
+from app.bench.smoke import passes
+from app.cli import main
+from app.containers import Container
+from app.serving import RunningServer
+from app.settings import ServeSettings
+
+pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
+RUNNING = 4  # the server's --max-running-requests
+TOP_KEYS = {"schema", "kind", "started_at", "finished_at", "duration_s", "command", "settings", "target",
+            "hardware", "model", "budget", "pool_plan", "routing", "server", "points", "failures", "ok"}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    settings = ServeSettings(port=0, device="cpu", max_running_requests=RUNNING)
+    server = RunningServer(Container(), settings).start(wait_ready=120)
+    yield server
+    server.stop()
+
+
+def bench(tmp_path, demo, *args) -> tuple[int, dict]:
+    out = tmp_path / "record.json"
+    code = main(["bench", *args, "--base-url", demo.base_url, "--out", str(out), "--quiet"])
+    return code, json.loads(out.read_text())
+
+
+def check_common(record: dict, kind: str) -> None:
+    assert TOP_KEYS <= set(record), TOP_KEYS - set(record)
+    assert record["schema"] == "fluxtide.bench/1" and record["kind"] == kind
+    assert record["target"]["fluxtide"] is True and record["target"]["model"] == "fluxtide-demo-arithmetic"
+    hw = record["hardware"]
+    assert hw["host_ram_bytes"] > 2**30 and hw["cpu"]["logical_cores"] >= 1
+    assert hw["gpus"] == [] and hw["pinned_h2d_gb_s"] is None  # this box has no CUDA: null, not made up
+    assert hw["libraries"]["httpx"] and hw["libraries"]["python"]
+    assert record["model"]["total_experts"] == 32 and record["model"]["expert_bytes"] > 0
+    assert record["budget"]["total_bytes"] > 0 and record["pool_plan"]["kv_tokens"] > 0
+    assert record["routing"] == "natural"
+    assert record["ok"] is (not record["failures"])
+
+
+def check_rounds(point: dict, concurrency: int, tokens: int, rounds: int) -> None:
+    """Aggregate = all tokens over all round time; per-request = aggregate / concurrency."""
+    assert point["requests"] == concurrency * rounds and point["failed_requests"] == 0
+    assert point["completion_tokens"] == concurrency * rounds * tokens
+    assert math.isclose(point["aggregate_tok_s"], point["completion_tokens"] / point["wall_s"], rel_tol=1e-9)
+    assert math.isclose(point["per_request_tok_s"], point["aggregate_tok_s"] / concurrency, rel_tol=1e-9)
+    per_round = point["round_aggregate_tok_s"]
+    assert len(per_round) == rounds and min(per_round) <= point["aggregate_tok_s"] * (1 + 1e-9)
+    assert point["aggregate_tok_s"] <= max(per_round) * (1 + 1e-9)  # a mean, never the peak
+    assert 0 < point["ttft_s_median"] < point["wall_s"]
+    # a request cannot stream faster end to end than after its first token
+    assert 0 < point["e2e_tok_s_median"] <= point["steady_decode_tok_s_median"]
+
+
+def test_sweep_rebuilds_and_records_a_refused_resize(tmp_path, demo):
+    png = tmp_path / "sweep.png"
+    code, rec = bench(tmp_path, demo, "sweep", "--kv", "1k,64m,2k", "--batch", "1,3", "--warmup", "1",
+                      "--warmup-tokens", "4", "--iterations", "2", "--tokens", "12", "--plot", str(png))
+    check_common(rec, "sweep")
+    assert code == 3  # finished, with a failed point
+    assert [(p["kv_tokens_requested"], p["batch_size"]) for p in rec["points"]] == [
+        (1024, 1), (1024, 3), (64 * 2**20, 1), (64 * 2**20, 3), (2048, 1), (2048, 3)]
+    refused = [p for p in rec["points"] if p["kv_tokens_requested"] == 64 * 2**20]
+    assert all(p["ok"] is False and "refused" in p["error"] and p["rebuild"]["status"] == 409 for p in refused)
+    assert [f["where"] for f in rec["failures"]] == [f"rebuild kv={64 * 2**20} moe=auto"]
+    assert rec["failures"][0]["status"] == 409
+    expert_bytes = rec["model"]["expert_bytes"]
+    for p in rec["points"]:
+        if p["kv_tokens_requested"] == 64 * 2**20:
+            continue
+        assert p["ok"] and p["kv_tokens"] == p["kv_tokens_requested"] and p["rebuild"]["ok"]
+        check_rounds(p, p["batch_size"], tokens=12, rounds=2)
+        assert p["warmup"] == {"rounds": 1, "max_tokens": 4, "failed_requests": 0}
+        assert p["expert_hits"] + p["expert_misses"] > 0
+        assert math.isclose(p["hit_rate"], p["expert_hits"] / (p["expert_hits"] + p["expert_misses"]))
+        assert p["pcie_bytes"] == p["expert_misses"] * expert_bytes
+    # the refused rebuild kept the old pools; the last one applied is in force
+    assert httpx.get(demo.base_url + "/v1/stats").json()["pools"]["kv_tokens"] == 2048
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ladder_measures_admitted_and_queued(tmp_path, demo):
+    code, rec = bench(tmp_path, demo, "ladder", "--levels", "1,2,6", "--tokens", "24", "--rounds", "1",
+                      "--warmup", "0", "--sample-s", "0.01")
+    check_common(rec, "ladder")
+    assert code == 0 and rec["failures"] == []
+    assert [p["concurrency"] for p in rec["points"]] == [1, 2, 6]
+    for p in rec["points"]:
+        c = p["concurrency"]
+        check_rounds(p, c, tokens=24, rounds=1)
+        assert p["running_capacity"] == RUNNING and p["stats_samples"] > 0
+        assert (p["admitted"], p["queued"]) == (min(c, RUNNING), max(0, c - RUNNING)), p
+    # six requests on four slots: the two that waited start late, so the median TTFT grows
+    assert rec["points"][2]["ttft_s_median"] > rec["points"][0]["ttft_s_median"]
+
+
+def test_probe_times_every_token_with_logprobs(tmp_path, demo):
+    code, rec = bench(tmp_path, demo, "probe", "--lengths", "5,17", "--repeats", "2", "--warmup-tokens", "4",
+                      "--logprobs")
+    check_common(rec, "probe")
+    assert code == 0
+    for p, n in zip(rec["points"], (5, 17), strict=True):
+        assert p["max_tokens"] == n and p["requests"] == 2 and p["failed_requests"] == 0
+        steady = []
+        for run in p["runs"]:
+            assert run["completion_tokens"] == n and run["finish_reason"] == "length"
+            assert 0 < run["ttft_s"] < run["end_s"]
+            assert math.isclose(run["steady_tok_s"], (n - 1) / (run["end_s"] - run["ttft_s"]))
+            assert math.isclose(run["e2e_tok_s"], n / run["end_s"])
+            steady.append(run["steady_tok_s"])
+        assert math.isclose(p["steady_decode_tok_s_median"], sum(steady) / 2)  # median of two
+
+
+def test_logprobs_give_one_arrival_time_per_token(tmp_path, demo):
+    async def one():
+        async with httpx.AsyncClient(base_url=demo.base_url) as client:
+            return await run_round(client, [chat_body("fluxtide-demo-arithmetic", "Count from 1 to 100.", 9,
+                                                      logprobs=True)], 60)
+
+    rnd = asyncio.run(one())
+    r = rnd.results[0]
+    assert r.ok and r.completion_tokens == 9 and len(r.token_times) == 9
+    assert r.token_times == sorted(r.token_times) and r.token_times[0] == r.ttft_s and r.token_times[-1] <= r.end_s
+    assert rnd.tokens == 9 and math.isclose(rnd.aggregate_tok_s, 9 / rnd.wall_s)
+
+
+def test_prefill_sizes_prompts_and_records_a_too_long_one(tmp_path, demo):
+    code, rec = bench(tmp_path, demo, "prefill", "--sizes", "100,400,5000", "--repeats", "1")
+    check_common(rec, "prefill")
+    assert code == 3
+    cal = rec["settings"]["calibration"]
+    assert cal["tokens_per_filler_unit"] > 1
+    small, mid, long = rec["points"]
+    for p in (small, mid):
+        assert p["ok"] and p["failed_requests"] == 0
+        # sized in whole filler units: within one unit of the target
+        assert abs(p["prompt_tokens"] - p["prompt_tokens_target"]) <= cal["tokens_per_filler_unit"]
+        run = p["runs"][0]
+        assert run["prompt_tokens"] == p["prompt_tokens"] and run["completion_tokens"] == 1
+        assert math.isclose(p["prefill_tok_s_median"], run["prompt_tokens"] / run["ttft_s"])
+    assert mid["prompt_tokens"] > small["prompt_tokens"]
+    assert long["ok"] is False and long["failed_requests"] == 1 and long["prefill_tok_s_median"] is None
+    assert "maximum context length" in long["error"] and long["runs"][0]["status"] == 400
+    assert [f["where"] for f in rec["failures"]] == ["prompt=5000"]
+
+
+def test_smoke_checks_the_exact_answer(tmp_path, demo):
+    code, rec = bench(tmp_path, demo, "smoke")
+    check_common(rec, "smoke")
+    assert code == 0 and rec["points"][0]["passed"] is True and rec["points"][0]["answer"] == "42"
+    code, rec = bench(tmp_path, demo, "smoke", "--prompt", "What is 7 - 30?", "--expected", "23")
+    assert code == 3 and rec["points"][0]["passed"] is False and rec["points"][0]["answer"] == "-23"
+    assert "wrong answer" in rec["failures"][0]["error"]
+
+
+def test_smoke_match_modes():
+    assert passes(" 42\n", "42", "exact") and not passes("= 42", "42", "exact")
+    assert passes("19 + 23 = 42.", "42", "contains") and not passes("420", "42", "contains")
+
+
+def test_cold_start_launches_ft_serve_and_orders_milestones(tmp_path):
+    out = tmp_path / "cold.json"
+    code = main(["bench", "cold-start", "--out", str(out), "--quiet", "--no-bandwidth", "--", "--device", "cpu"])
+    rec = json.loads(out.read_text())
+    assert code == 0, rec["failures"]
+    assert rec["kind"] == "cold-start" and rec["target"]["model"] == "fluxtide-demo-arithmetic"
+    t = {p["milestone"]: p["seconds"] for p in rec["points"]}
+    assert t["graph_capture_done"] is None  # this engine reports no graph capture: null, not 0
+    assert 0 < t["http_listening"] <= t["first_models_ok"] <= t["health_ok"] < t["first_token"]
+    assert t["http_listening"] < t["expert_banks_loaded"] <= t["dense_weights_loaded"] <= t["health_ok"]
+    phases = [p["phase"] for p in rec["cold_start"]["phases"]]
+    assert phases.index("expert banks") < phases.index("dense weights")
+    assert rec["cold_start"]["exit_code"] == 0  # stopped cleanly by SIGTERM
+
+
+def test_unreachable_server_still_writes_a_record(tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["bench", "ladder", "--base-url", "http://127.0.0.1:9", "--out", str(out), "--quiet"])
+    rec = json.loads(out.read_text())
+    assert code == 1 and rec["ok"] is False and "cannot reach" in rec["failures"][0]["error"]
+
+
+def test_bad_lists_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "sweep", "--batch", "1,0"])
+    assert "positive counts" in capsys.readouterr().err
