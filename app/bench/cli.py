@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
+
+from rich.console import Console
 
 from app.bench import cold_start, ladder, prefill, probe, smoke, sweep, target, view
 from app.bench.context import Ctx
@@ -47,8 +50,10 @@ def _positive(kind):
 
 def _common(plot_option: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"),
-                   help="the OpenAI-compatible server (fluxtide or any other)")
+    p.add_argument("--base-url", action="append", default=None,
+                   help="the OpenAI-compatible server (fluxtide or any other; default FT_BASE_URL or "
+                        "http://127.0.0.1:1919); repeat it to measure several servers one after another in "
+                        "one call: one record each (OUT-1.json, OUT-2.json ...) and a side-by-side table")
     p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
     p.add_argument("--model", default=None, help="model id to ask for (default: the first /v1/models lists)")
     p.add_argument("--model-dir", default=None, help="checkpoint folder: its config.json gives the geometry")
@@ -141,7 +146,7 @@ async def _cold_start(args, record: Record) -> None:
                              poll_s=args.poll_s, model_dir=args.model_dir, measure_bandwidth=not args.no_bandwidth)
 
 
-def run_bench(args) -> int:
+def _one(args, out: str) -> tuple[int, Record, str]:
     kind = args.bench_command
     record = Record(kind, _settings(args))
     code = 0
@@ -154,8 +159,33 @@ def run_bench(args) -> int:
         record.fail("run", "interrupted")
         code = 130
     finally:
-        path = record.finish(args.out or default_out(kind))
+        path = record.finish(out)
     view.show(record.data, path, args.quiet)
     if getattr(args, "plot", None) and record.points:
         plot(record.data, args.plot)
-    return code or (3 if record.data["failures"] else 0)
+    return code or (3 if record.data["failures"] else 0), record, str(path)
+
+
+def _numbered(path: str | None, i: int) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{i}{p.suffix}"))
+
+
+def run_bench(args) -> int:
+    kind = args.bench_command
+    urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
+    out = args.out or default_out(kind)
+    if kind == "cold-start" or len(urls) == 1:
+        args.base_url = urls[0]
+        return _one(args, out)[0]
+    codes, records = [], []
+    for i, url in enumerate(urls, 1):
+        one = argparse.Namespace(**{**vars(args), "base_url": url, "plot": _numbered(getattr(args, "plot", None), i)})
+        code, record, _ = _one(one, _numbered(out, i))
+        codes.append(code)
+        records.append(record.data)
+    if not args.quiet:
+        Console().print(view.side_by_side(records))
+    return max(codes)

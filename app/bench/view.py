@@ -64,3 +64,34 @@ def show(record: dict, path, quiet: bool) -> None:
                   f"{len(record['failures'])} failure(s); record: {path}[/dim]")
     for failure in record["failures"]:
         console.print(f"[red]failed {failure['where']}: {failure['error']}[/red]")
+
+
+# the figure each kind compares side by side, and what identifies a point across records
+HEADLINE = {
+    "sweep": ("aggregate_tok_s", ("kv_tokens_requested", "batch_size")),
+    "ladder": ("aggregate_tok_s", ("concurrency",)),
+    "probe": ("steady_decode_tok_s_median", ("max_tokens",)),
+    "prefill": ("prefill_tok_s_median", ("prompt_tokens_target",)),
+    "smoke": ("passed", ("prompt",)),
+}
+
+
+def side_by_side(records: list[dict]) -> Table:
+    """The kind's headline figure for every target at each point, and its ratio to the first
+    target's (the records themselves keep every figure)."""
+    kind = records[0]["kind"]
+    figure, keys = HEADLINE[kind]
+    t = Table(title=f"side by side: {figure} (ratio to the first server)")
+    t.add_column(", ".join(keys))
+    for r in records:
+        t.add_column(f"{(r.get('target') or {}).get('base_url')}", justify="right")
+    points = [{tuple(p.get(k) for k in keys): p.get(figure) for p in r["points"]} for r in records]
+    for key in points[0]:
+        base = points[0][key]
+        cells = []
+        for i, pts in enumerate(points):
+            value = pts.get(key)
+            ratio = value / base if i and isinstance(value, float) and isinstance(base, float) and base else None
+            cells.append(_cell(value) + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        t.add_row(", ".join(_cell(k) for k in key), *cells)
+    return t

@@ -197,3 +197,38 @@ def test_bad_lists_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--batch", "1,0"])
     assert "positive counts" in capsys.readouterr().err
+
+
+def test_sweep_at_the_current_size_needs_no_rebuild(tmp_path, demo):
+    before = httpx.get(demo.base_url + "/v1/stats").json()["pools"]["kv_tokens"]
+    code, rec = bench(tmp_path, demo, "sweep", "--kv", "current", "--batch", "2", "--warmup", "0",
+                      "--iterations", "1", "--tokens", "6")
+    assert code == 0
+    (p,) = rec["points"]
+    assert p["rebuild"] is None and p["kv_tokens"] == before and p["kv_tokens_requested"] == "current"
+    check_rounds(p, 2, tokens=6, rounds=1)
+
+
+def test_a_server_without_the_rebuild_api_is_told_to_sweep_current():
+    from app.bench import sweep
+    from app.bench.context import Ctx
+    from app.bench.record import Record
+    from app.bench.target import BenchError
+
+    record = Record("sweep", {})
+    record.data["target"] = {"fluxtide": False}
+    ctx = Ctx(client=None, model="m", record=record, progress=None, timeout=1)
+    with pytest.raises(BenchError, match="--kv current"):
+        asyncio.run(sweep.run(ctx, kv_sizes=[8192], moe="auto", batch_sizes=[1], warmup=0, warmup_tokens=1,
+                              iterations=1, tokens=1, rebuild_wait=1))
+
+
+def test_several_servers_in_one_call_give_one_record_each(tmp_path, demo, capsys):
+    out = tmp_path / "cmp.json"
+    code = main(["bench", "smoke", "--base-url", demo.base_url, "--base-url", demo.base_url + "/",
+                 "--out", str(out), "--no-bandwidth"])
+    assert code == 0
+    records = [json.loads((tmp_path / f"cmp-{i}.json").read_text()) for i in (1, 2)]
+    assert [r["target"]["base_url"] for r in records] == [demo.base_url, demo.base_url + "/"]
+    assert all(r["points"][0]["passed"] for r in records)
+    assert "side by side" in capsys.readouterr().out
