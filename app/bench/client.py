@@ -124,7 +124,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeo
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    res.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    err = chunk["error"]
+                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
                     return res
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -150,7 +151,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeo
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     if res.completion_tokens is None and res.token_times:
-        res.completion_tokens = len(res.token_times)  # no usage: count what arrived (chunks >= tokens)
+        res.completion_tokens = len(res.token_times)  # no usage: count the token chunks (too few if some sent none)
     if res.end_s is None:
         res.error = "the stream ended without a token or a finish reason"
     return res
