@@ -76,6 +76,18 @@ def phase_end(order: list[dict], needle: str) -> float | None:
     return None
 
 
+def _served_dir(serve_args: list[str]) -> str | None:
+    """The checkpoint `ft serve` will load: its --model, else the embedded demo model."""
+    for i, arg in enumerate(serve_args):
+        if arg == "--model" and i + 1 < len(serve_args):
+            return serve_args[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    from app.demo_model import DEMO_MODEL_DIR
+
+    return str(DEMO_MODEL_DIR)
+
+
 def _stop(proc: subprocess.Popen) -> int | None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -93,6 +105,7 @@ async def run(record: Record, progress, *, serve_args: list[str], timeout: float
     if not any(a == "--port" or a.startswith("--port=") for a in args):
         args += ["--port", "0"]  # any free port; the URL is read from the server's own line
     command = [sys.executable, "-m", "app", "serve", *args]
+    model_dir = model_dir or _served_dir(args)
     record.data["settings"]["serve_command"] = command
     task = progress.add_task("cold start", total=None)
     t0 = time.monotonic()

@@ -121,17 +121,35 @@ def model_facts(server: dict, model_dir: str | None) -> dict:
         "source": "server",
     }
     if model_dir:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        try:
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"--model-dir {model_dir}: cannot read config.json ({exc})") from None
         text = config.get("text_config", config)
         keys = ("model_type", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "max_position_embeddings")
         facts["geometry"] = {k: text.get(k) for k in keys if k in text}
-        quant = config.get("quantization_config") or text.get("quantization_config")
-        facts["format"] = (quant.get("quant_method") + (f" {quant.get('fmt')}" if quant.get("fmt") else "")
-                           if quant else str(text.get("torch_dtype") or config.get("torch_dtype") or "unknown"))
+        facts["format"] = _format(config, text)
         facts["source"] = f"server + {model_dir}/config.json"
     return facts
+
+
+def _format(config: dict, text: dict) -> str:
+    """'fp8 e4m3 block 128x128', 'compressed-tensors', ... or the dtype of an unquantised checkpoint."""
+    quant = config.get("quantization_config") or text.get("quantization_config")
+    if quant:
+        parts = [str(quant.get("quant_method", "quantized"))]
+        if quant.get("fmt"):
+            parts.append(str(quant["fmt"]))
+        if quant.get("weight_block_size"):
+            parts.append("block " + "x".join(str(n) for n in quant["weight_block_size"]))
+        return " ".join(parts)
+    for source in (text, config):
+        dtype = source.get("dtype") or source.get("torch_dtype")
+        if dtype:
+            return str(dtype)
+    return "unknown"
 
 
 def _first_model(server: dict) -> str | None:

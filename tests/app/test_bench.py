@@ -166,6 +166,15 @@ def test_smoke_checks_the_exact_answer(tmp_path, demo):
     assert "wrong answer" in rec["failures"][0]["error"]
 
 
+def test_model_dir_gives_geometry_and_a_bad_one_is_refused(tmp_path, demo):
+    from app.demo_model import DEMO_MODEL_DIR
+
+    code, rec = bench(tmp_path, demo, "smoke", "--model-dir", str(DEMO_MODEL_DIR))
+    assert code == 0 and rec["model"]["geometry"]["hidden_size"] == 128 and rec["model"]["format"] == "float32"
+    code, rec = bench(tmp_path, demo, "smoke", "--model-dir", str(tmp_path / "nowhere"))
+    assert code == 1 and "cannot read config.json" in rec["failures"][0]["error"]
+
+
 def test_smoke_match_modes():
     assert passes(" 42\n", "42", "exact") and not passes("= 42", "42", "exact")
     assert passes("19 + 23 = 42.", "42", "contains") and not passes("420", "42", "contains")
@@ -177,6 +186,8 @@ def test_cold_start_launches_ft_serve_and_orders_milestones(tmp_path):
     rec = json.loads(out.read_text())
     assert code == 0, rec["failures"]
     assert rec["kind"] == "cold-start" and rec["target"]["model"] == "fluxtide-demo-arithmetic"
+    # the served checkpoint's config.json (here the embedded demo model's) gives geometry and format
+    assert rec["model"]["geometry"]["num_experts"] == 8 and rec["model"]["format"] == "float32"
     t = {p["milestone"]: p["seconds"] for p in rec["points"]}
     assert t["graph_capture_done"] is None  # this engine reports no graph capture: null, not 0
     assert 0 < t["http_listening"] <= t["first_models_ok"] <= t["health_ok"] < t["first_token"]
