@@ -23,7 +23,7 @@ async def run(ctx: Ctx, *, lengths: list[int], repeats: int, warmup_tokens: int)
             ctx.progress.advance(task)
         short_outputs(results, n)
         point = {"max_tokens": n, "repeats": repeats, "warmup": warm, **request_figures(results)}
-        point["runs"] = [r.as_dict() for r in results]
+        point["runs"] = [r.as_dict(keep_times=ctx.logprobs) for r in results]  # per-token times with --logprobs
         failures = failures_of(results, where)
         for f in failures:
             record.fail(**f)

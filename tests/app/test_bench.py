@@ -117,6 +117,7 @@ def test_probe_times_every_token_with_logprobs(tmp_path, demo):
         steady = []
         for run in p["runs"]:
             assert run["completion_tokens"] == n and run["finish_reason"] == "length"
+            assert len(run["token_times"]) == n and run["token_times"] == sorted(run["token_times"])
             assert 0 < run["ttft_s"] < run["end_s"]
             assert math.isclose(run["steady_tok_s"], (n - 1) / (run["end_s"] - run["ttft_s"]))
             assert math.isclose(run["e2e_tok_s"], n / run["end_s"])
