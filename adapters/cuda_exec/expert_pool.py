@@ -13,6 +13,7 @@ from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
+from adapters.kernels.moe_sum import moe_sum
 
 
 class DeviceExpertPool:
@@ -106,20 +107,25 @@ class DeviceExpertPool:
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
-        out = None
+        # NOTE: each group fills its (token, k) partials; one ordered sum at the end makes the result
+        # bitwise the same as the one-launch path, whatever the pool size
+        width = ids.shape[1] + (shared_weight is not None)
+        partials = torch.zeros((x.shape[0], width, x.shape[1]), dtype=torch.float32, device=x.device)
         for start in range(0, distinct.numel(), self.num_slots):
             group = distinct[start:start + self.num_slots]
             self._fetch(group)
-            in_group = torch.isin(flat, group)
-            part = fused_moe(x, self._slot_ids(torch.where(in_group, flat, -1), ids.shape), weights,
-                             self.all_slots, self.layout)
-            out = part if out is None else out + part
+            slot_ids = self._slot_ids(torch.where(torch.isin(flat, group), flat, -1), ids.shape)
+            if shared_weight is not None:  # the shared column is filled once, below
+                slot_ids = torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], -1)), 1)
+                group_weights = torch.cat((weights, torch.zeros_like(weights[:, :1])), 1)
+            else:
+                group_weights = weights
+            fused_moe(x, slot_ids, group_weights, self.all_slots, self.layout, partials=partials)
         if shared_weight is not None:
-            none = torch.full_like(ids[:, :1], -1, dtype=torch.int32)  # only the shared column computes
-            part = fused_moe(x, *self._with_shared(layer, none, torch.zeros_like(weights[:, :1]), shared_weight),
-                             self.all_slots, self.layout)
-            out = part if out is None else out + part
-        return out if out is not None else torch.zeros_like(x)
+            none = torch.full_like(ids, -1, dtype=torch.int32)
+            fused_moe(x, *self._with_shared(layer, none, weights, shared_weight), self.all_slots, self.layout,
+                      partials=partials)
+        return moe_sum(partials, torch.empty_like(x))
 
     @property
     def hits(self) -> int:

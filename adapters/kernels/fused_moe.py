@@ -13,12 +13,14 @@ from adapters.kernels.moe_gate_up import moe_gate_up
 
 
 def fused_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-              layout: ExpertLayout, out: torch.Tensor | None = None) -> torch.Tensor:
+              layout: ExpertLayout, out: torch.Tensor | None = None,
+              partials: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] in x.dtype = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t]) (SwiGLU experts).
 
     x [T, H]; slot_ids int32 [T, K] (-1 = skip); weights fp32 [T, K]; slots uint8 [S, R] packed by
     `layout`. The intermediate h [T, K, I] is rounded to x.dtype between the two kernels, as the
-    torch reference does. Raises ValueError on mismatched inputs (see the two launchers).
+    torch reference does. partials (fp32 [T, K, H]): fill only the pairs whose slot is not -1 and return
+    it unsummed (see moe_down). Raises ValueError on mismatched inputs (see the two launchers).
     """
     h = moe_gate_up(x, slot_ids, slots, layout)  # [T, K, I]
-    return moe_down(h, slot_ids, weights, slots, layout, out=out)  # [T, H]
+    return moe_down(h, slot_ids, weights, slots, layout, out=out, partials=partials)  # [T, H] or [T, K, H]

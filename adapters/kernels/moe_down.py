@@ -4,9 +4,11 @@ from each expert's packed row in the slot pool and dequantized inside the K loop
 Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row bytes.
   h [T, K, I] float; slot_ids int32 [T, K] (-1 = skip); weights fp32 [T, K]; slots uint8 [S, R];
   out [T, H] in h.dtype.
-Grid: (T, cdiv(H, BLOCK_N)); one program owns BLOCK_N output columns of one token and adds its top-k
-experts in order k = 0..K-1 in fp32: deterministic, no atomics, and independent of which slot holds
-an expert (only the slot's bytes are read). Graph-capturable: no host syncs, grid from shapes only.
+Grid: (T*K, cdiv(H, BLOCK_N)): one program owns BLOCK_N columns of one (token, expert) pair and writes
+its weighted partial y[t, k] in fp32 (every pair streams its expert at once: K times the parallelism of
+one program per token); moe_sum then adds the K partials in order k = 0..K-1. Deterministic, no
+atomics, and independent of which slot holds an expert (only the slot's bytes are read).
+Graph-capturable: no host syncs, grid from shapes only.
 NOTE: small-M (decode) path; a large-M (prefill) tensor-core path grouped by expert is future work.
 """
 
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.packed_gemv import (
     check_block_k,
     check_pool,
@@ -29,37 +32,38 @@ from adapters.kernels.packed_gemv import (
 
 
 @triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, S,
+def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                      D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
-                     W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                     W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, WRITE_SKIPPED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
+    tk = tl.program_id(0)  # t * K + k
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of out
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in range(K):  # NOTE: fixed order, one program: the sum is deterministic
-        slot = tl.load(slot_ids_ptr + t * K + k)
-        tl.device_assert(slot < S, "slot id past the pool")
-        if slot >= 0:
-            row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
-            h_row = h_ptr + (t * K + k).to(tl.int64) * I
-            y = packed_gemv(row, h_row, n, H, I, D_DATA, D_SCALE, D_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
-            acc += tl.load(weights_ptr + t * K + k) * y
-    tl.store(out_ptr + t.to(tl.int64) * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
-
+    slot = tl.load(slot_ids_ptr + tk)
+    tl.device_assert(slot < S, "slot id past the pool")
+    dst = y_ptr + tk.to(tl.int64) * H + n
+    if slot >= 0:
+        row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
+        h_row = h_ptr + tk.to(tl.int64) * I
+        part = packed_gemv(row, h_row, n, H, I, D_DATA, D_SCALE, D_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
+        tl.store(dst, tl.load(weights_ptr + tk) * part, mask=n < H)
+    elif WRITE_SKIPPED:
+        tl.store(dst, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n < H)
 
 _TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
                          prune_configs_by={"early_config_prune": prune_tiles})(_moe_down_kernel)
 
 
 def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-             layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+             layout: ExpertLayout, out: torch.Tensor | None = None, partials: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
              num_warps: int = 4) -> torch.Tensor:
     """out [T, H] in h.dtype: sum over k = 0..K-1 of weights[t, k] * (h[t, k] @ down^T), fp32 accumulation.
 
     h [T, K, I] bf16/fp16/fp32 (moe_gate_up's output); slot_ids int32 [T, K] (-1: adds nothing; ids must
     be < S); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by `layout`.
     `out` (optional, contiguous [T, H] h.dtype) is written in place, every element.
+    partials (optional fp32 [T, K, H]): write only the weighted partials of the pairs whose slot is not
+    -1 there and return it, with no sum (the grouped path fills it over several calls, then moe_sum).
     block_k (None: 128, 256 for 4-bit formats): a power of two and a multiple of the scale group (128 for
     block FP8).
     Raises ValueError on any shape, dtype, device or block-size mismatch.
@@ -84,22 +88,28 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"moe_down: block_n={block_n} must be a power of two")
     hidden = layout.hidden
-    if out is None:
+    if partials is None and out is None:
         out = torch.empty((tokens, hidden), dtype=h.dtype, device=h.device)
-    elif out.shape != (tokens, hidden) or out.dtype != h.dtype or not out.is_contiguous():
+    elif out is not None and (out.shape != (tokens, hidden) or out.dtype != h.dtype or not out.is_contiguous()):
         raise ValueError(f"moe_down: out must be contiguous {h.dtype} [{tokens}, {hidden}], "
                          f"got {out.dtype} {tuple(out.shape)}")
+    if partials is not None and (partials.shape != (tokens, k, hidden) or partials.dtype != torch.float32
+                                 or not partials.is_contiguous()):
+        raise ValueError(f"moe_down: partials must be contiguous fp32 [{tokens}, {k}, {hidden}], "
+                         f"got {partials.dtype} {tuple(partials.shape)}")
     if tokens == 0:
-        return out
+        return out if partials is None else partials
+    y = partials if partials is not None else torch.empty((tokens, k, hidden), dtype=torch.float32, device=h.device)
     c = layout_consts(layout)
-    grid = (tokens, triton.cdiv(hidden, block_n))
-    kernel = _TUNED[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_N"]))] if tuned else _moe_down_kernel[grid]
+    pairs = tokens * k
+    grid = (pairs, triton.cdiv(hidden, block_n))
+    kernel = _TUNED[lambda meta: (pairs, triton.cdiv(hidden, meta["BLOCK_N"]))] if tuned else _moe_down_kernel[grid]
     tiles = {} if tuned else {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
     kernel(
-        h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, out, slots.shape[0],
+        h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, y, slots.shape[0],
         K=k, H=hidden, I=inter, R=c.row_bytes,
         D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
-        W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
+        W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None,
         **tiles,
     )
-    return out
+    return y if partials is not None else moe_sum(y, out)

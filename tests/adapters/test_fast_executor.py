@@ -63,8 +63,9 @@ def test_decode_logits_are_bitwise_identical_at_any_slot_count(ckpt):
     _run(_fast(ckpt, 4 * ckpt.spec.top_k), small)
     _run(_fast(ckpt, total), large)
     for rid in small:
-        # decode steps (after the prompt's last chunk) go through one lookup per layer at both sizes
-        for a, b in zip(small[rid][1:], large[rid][1:], strict=True):
+        # the small pool splits the prefill steps' experts into groups; their partials are summed in the
+        # one order the one-launch path uses, so every step is bitwise the same
+        for a, b in zip(small[rid], large[rid], strict=True):
             assert torch.equal(a, b)
 
 
