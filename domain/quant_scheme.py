@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from domain.model_spec import WeightFormat, matrix_bytes
 
@@ -93,9 +94,21 @@ class QuantScheme:
     def is_uniform(self) -> bool:
         return len({r.variant for r in self.rules}) <= 1
 
+    @cached_property
+    def _by_name(self) -> dict[str, TargetRule]:
+        # NOTE: a MIXED_PRECISION map lists every quantized module (~30k for a 256-expert model);
+        # looking modules up by name keeps the loader's per-module resolution linear.
+        return {r.pattern: r for r in reversed(self.rules) if r.kind == "name"}
+
     def rule_for(self, module: str) -> TargetRule | None:
+        """The rule deciding `module`: its own name or an ancestor's, else a regex, else "Linear"."""
         canonical = canonical_module(module)
-        hits = [r for r in self.rules if r.matches(canonical)]
+        parts = canonical.split(".")
+        for end in range(len(parts), 0, -1):
+            rule = self._by_name.get(".".join(parts[:end]))
+            if rule is not None:
+                return rule
+        hits = [r for r in self.rules if r.kind != "name" and r.matches(canonical)]
         return min(hits, key=lambda r: _PRECEDENCE[r.kind]) if hits else None
 
     def variant_for(self, module: str) -> str:
