@@ -128,6 +128,11 @@ def disk_tensors(q: QTensor, on_disk: str) -> dict[str, torch.Tensor]:
         return {"weight": q.data}
     if on_disk == "fp8_block":
         return {"weight": q.data, "weight_scale_inv": q.scale}
+    if on_disk == "fp8_block_ct":  # compressed-tensors block FP8 (block_structure [128, 128])
+        return {"weight": q.data, "weight_scale": q.scale}
+    if on_disk == "fp8_pb_wo":  # ModelOpt FP8_PB_WO keeps the broadcast axes: [O/128, 1, I/128, 1]
+        rows, cols = q.scale.shape
+        return {"weight": q.data, "weight_scale": q.scale.reshape(rows, 1, cols, 1)}
     if on_disk == "fp8_tensor":  # ModelOpt FP8
         return {"weight": q.data, "weight_scale": q.scale.reshape(()), "input_scale": scalar(INPUT_SCALE)}
     if on_disk == "fp8_channel":  # compressed-tensors FP8_DYNAMIC: bf16 scale [O, 1]

@@ -14,9 +14,10 @@ from adapters.checkpoint.formats import ON_DISK_FORMATS, read_weight
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.quant import E2M1_VALUES, QTensor, dequantize, qlinear
 from adapters.checkpoint.quantize import quantize
-from adapters.checkpoint.synth import CANONICAL_FORMAT, random_qtensor, synthesize
-from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES
+from adapters.checkpoint.synth import random_qtensor, synthesize
+from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES, module_variant
 from domain.model_spec import WeightFormat, matrix_bytes
+from domain.quant_scheme import VARIANT_FORMATS
 
 F = WeightFormat
 # relative Frobenius error of quantizing N(0, 1) weights
@@ -77,6 +78,12 @@ def test_compressed_tensors_global_scale_is_a_divisor():
     assert torch.equal(dequantize(ct), dequantize(q)) and torch.equal(dequantize(mo), dequantize(q))
 
 
+# load_checkpoint's format_name where it is not the synth format's own name
+FORMAT_NAME = {"fp8_autofp8": "fp8_tensor",
+               "mixed_modelopt": "mixed: experts nvfp4_modelopt, dense fp8_tensor+nvfp4_modelopt",
+               "mixed_ct": "mixed: experts nvfp4_ct, dense fp8_block_ct"}
+
+
 def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
     """Plain per-element decoding of each producer's published layout, independent of quant.py."""
     if on_disk == "bf16":
@@ -94,8 +101,10 @@ def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
         g = t["weight_scale_2"] if on_disk == "nvfp4_modelopt" else 1.0 / t["weight_global_scale"]
         return vals * s * g
     w = t["weight"].float()
-    if on_disk == "fp8_block":
-        s = t["weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    if on_disk in ("fp8_block", "fp8_block_ct", "fp8_pb_wo"):
+        s = t["weight_scale_inv" if on_disk == "fp8_block" else "weight_scale"]
+        s = s[:, 0, :, 0] if on_disk == "fp8_pb_wo" else s  # [O/128, 1, I/128, 1]: broadcast axes
+        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
         return w * s[: w.shape[0], : w.shape[1]]
     scale = t["weight_scale"].float()
     return w * (scale if scale.dim() == 0 else scale.reshape(-1, 1))
@@ -122,24 +131,29 @@ def _on_disk(out, base: str) -> dict[str, torch.Tensor]:
 def test_synth_load_round_trip_matches_reference(synthesized):
     fmt, out, floats = synthesized
     ckpt = load_checkpoint(out, progress=False)
-    assert ckpt.format_name == fmt and ckpt.experts.layout.fmt == CANONICAL_FORMAT[fmt]
+    expert_variant = module_variant(fmt, "layers.0.mlp.experts.0.gate_proj.weight")
+    assert ckpt.format_name == FORMAT_NAME.get(fmt, fmt)
+    assert ckpt.experts.layout.fmt == VARIANT_FORMATS[expert_variant]
     assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded with an index
     for layer, expert, matrix in [(0, 0, "gate"), (1, 5, "up"), (3, 7, "down")]:
         base = f"model.language_model.layers.{layer}.mlp.experts.{expert}.{matrix}_proj"
         q = getattr(ckpt.experts.weights(layer, expert), matrix)
-        ref = reference_dequant(_on_disk(out, base), fmt)
+        ref = reference_dequant(_on_disk(out, base), expert_variant)
         torch.testing.assert_close(dequantize(q), ref, rtol=1e-6, atol=1e-9)
         if fmt != "bf16":
             assert rel_err(dequantize(q), floats[base]) < TOLERANCE[q.fmt]
         x = torch.randn(4, q.shape[1])
         torch.testing.assert_close(qlinear(x, q), x @ ref.T, rtol=1e-4, atol=1e-5)
-    dense_base = "model.language_model.layers.3.self_attn.q_proj"
-    dense = ckpt.dense["layers.3.self_attn.q_proj.weight"]
-    if fmt == "bf16":
-        assert isinstance(dense, torch.Tensor)
-    else:
-        assert isinstance(dense, QTensor) and dense.fmt == CANONICAL_FORMAT[fmt]
-        torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), fmt))
+    for dense_name in ("layers.3.self_attn.q_proj", "layers.0.linear_attn.out_proj"):  # formats may differ per layer
+        dense_base = "model.language_model." + dense_name
+        dense = ckpt.dense[dense_name + ".weight"]
+        variant = module_variant(fmt, dense_name + ".weight")
+        if fmt == "bf16":
+            assert isinstance(dense, torch.Tensor)
+        else:
+            assert isinstance(dense, QTensor) and dense.fmt == VARIANT_FORMATS[variant]
+            torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), variant))
+            assert rel_err(dequantize(dense), floats[dense_base]) < TOLERANCE[dense.fmt]
     assert isinstance(ckpt.dense["layers.0.mlp.gate.weight"], torch.Tensor)  # routers stay bf16
 
 
