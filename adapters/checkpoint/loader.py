@@ -32,7 +32,6 @@ from adapters.checkpoint.formats import (
     read_weight,
 )
 from adapters.checkpoint.geometry import expected_dense_shapes, tie_word_embeddings
-from adapters.checkpoint.validate import check_scales, scan_weights
 from adapters.checkpoint.host_bank import (
     HostExpertBank,
     LazyHostExpertBank,
@@ -42,6 +41,7 @@ from adapters.checkpoint.host_bank import (
 from adapters.checkpoint.names import canonical_name, ignored_kind, parse_expert
 from adapters.checkpoint.quant import FLOAT_DTYPES, NVFP4_GROUP, QTensor
 from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry
+from adapters.checkpoint.validate import check_scales, scan_weights
 from domain.model_spec import ModelSpec, WeightFormat
 from domain.quant_scheme import QuantScheme
 
@@ -296,8 +296,8 @@ def dense_plan(inv: Inventory, scheme: QuantScheme, expected: dict[str, tuple[in
     for name, shape in expected.items():
         if name not in plan:
             if name == "lm_head.weight":
-                raise CheckpointFormatError(f"missing tensor lm_head.weight: config.json has tie_word_embeddings "
-                                            f"false (or unset), so the output projection is not the embeddings")
+                raise CheckpointFormatError("missing tensor lm_head.weight: config.json has tie_word_embeddings "
+                                            "false (or unset), so the output projection is not the embeddings")
             raise CheckpointFormatError(f"missing tensor {name} (shape {shape} from config.json)")
     if tied and "lm_head.weight" in plan:
         log.info("tie_word_embeddings is true but lm_head.weight is stored; using the stored lm_head")
@@ -336,12 +336,14 @@ def _expert_qtensors(files: SafetensorsFiles, inv: Inventory, fmt: OnDiskFormat,
 def fused_nvfp4_qtensors(get, spec: ModelSpec, layer: int, expert: int) -> list[QTensor]:
     """gate, up, down of one expert from compressed-tensors' fused packed NVFP4 tensors; the global
     scale is a divisor there (see formats.py), canonical NVFP4 multiplies."""
-    i, h = spec.expert_intermediate, spec.hidden_size
+    i = spec.expert_intermediate
     out = []
-    for matrix, rows in (("gate_up", slice(0, i)), ("gate_up", slice(i, 2 * i)), ("down", slice(None))):
+    # (fused tensor, rows of it, column of a [E, 2] global scale: gate and up kept apart)
+    for matrix, rows, column in (("gate_up", slice(0, i), 0), ("gate_up", slice(i, 2 * i), 1),
+                                 ("down", slice(None), 0)):
         base = f"layers.{layer}.mlp.experts.{matrix}_proj"
-        glob = get(base + "_global_scale").reshape(spec.num_experts, -1)[expert]  # [1] or [2] (gate, up)
-        glob = glob[min(rows.start or 0, 1) if glob.numel() == 2 else 0]
+        glob = get(base + "_global_scale").reshape(spec.num_experts, -1)[expert]  # [1] or [2]
+        glob = glob[column if glob.numel() == 2 else 0]
         data = get(base + "_packed")[expert, rows]  # [O, I/2]
         shape = (data.shape[0], data.shape[1] * 2)
         out.append(QTensor(WeightFormat.NVFP4, shape, data, get(base + "_scale")[expert, rows],

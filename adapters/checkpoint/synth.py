@@ -34,8 +34,8 @@ from adapters.checkpoint.synth_config import (
     is_quantized_linear,
     module_variant,
 )
-from domain.quant_scheme import VARIANT_FORMATS
 from domain.model_spec import WeightFormat
+from domain.quant_scheme import VARIANT_FORMATS
 
 WEIGHT_STD = 0.02
 DIRECT_THRESHOLD = 1024  # hidden sizes from here up draw quantized codes directly
