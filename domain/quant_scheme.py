@@ -3,7 +3,8 @@ variant every linear module uses. The planner (ModelSpec) and the checkpoint loa
 
 Variants are on-disk layouts (tensor names and scale shapes); each maps to one WeightFormat,
 the canonical in-memory form. Producers and schemas followed (see docs/checkpoints.md):
-  quant_method "fp8"        Qwen/DeepSeek block FP8 (weight_block_size [128,128]) -> fp8_block;
+  quant_method "fp8"        Qwen/DeepSeek block FP8 (weight_block_size [128,128]) -> fp8_block
+                            (blocks of whole 128x128 tiles, e.g. [256, 128] -> "fp8_block@256x128");
                             without weight_block_size: AutoFP8 per-tensor FP8 -> fp8_tensor
   quant_method "modelopt"   (or a bare quant_algo / hf_quant_config.json "quantization"): FP8 ->
                             fp8_tensor, NVFP4 -> nvfp4_modelopt, FP8_PB_WO -> fp8_pb_wo,
@@ -40,6 +41,34 @@ VARIANT_FORMATS: dict[str, WeightFormat] = {
     "int8_ct": WeightFormat.INT8_CHANNEL,
     "mxfp4_ct": WeightFormat.MXFP4,
 }
+
+def split_variant(variant: str) -> tuple[str, tuple[int, int] | None]:
+    """"fp8_block_ct@256x128" -> ("fp8_block_ct", (256, 128)): block FP8 with larger blocks than the
+    canonical 128x128 carries its block shape in the variant name; other variants have none."""
+    base, _, block = variant.partition("@")
+    if not block:
+        return base, None
+    rows, cols = block.split("x")
+    return base, (int(rows), int(cols))
+
+
+def variant_format(variant: str) -> WeightFormat:
+    return VARIANT_FORMATS[split_variant(variant)[0]]
+
+
+def _block_variant(base: str, block: object, field: str) -> str:
+    """Block FP8 of any block shape made of whole 128x128 tiles: each stored scale covers whole canonical
+    tiles, so it converts exactly; a smaller block has several scales per tile and no exact conversion."""
+    try:
+        rows, cols = (int(b) for b in block)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        rows = cols = 0
+    if rows <= 0 or cols <= 0 or rows % FP8_BLOCK or cols % FP8_BLOCK:
+        raise ValueError(f"{field}={block!r}: block FP8 needs block dimensions that are multiples of {FP8_BLOCK} "
+                         f"(the canonical form holds one scale per {FP8_BLOCK}x{FP8_BLOCK} tile; smaller blocks "
+                         f"have no exact conversion)")
+    return base if (rows, cols) == (FP8_BLOCK, FP8_BLOCK) else f"{base}@{rows}x{cols}"
+
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _EXPERT = re.compile(r"(^|\.)mlp\.experts(\.|$)")
@@ -136,12 +165,12 @@ class QuantScheme:
 
     @property
     def expert_format(self) -> WeightFormat:
-        return VARIANT_FORMATS[self.expert_variant()]
+        return variant_format(self.expert_variant())
 
     @property
     def dense_format(self) -> WeightFormat:
         """The widest dense format (a budget upper bound when dense modules differ per layer)."""
-        formats = {VARIANT_FORMATS[v] for v in self.dense_variants()}
+        formats = {variant_format(v) for v in self.dense_variants()}
         return max(formats, key=lambda f: (matrix_bytes(f, 256, 256), f.value))
 
 
@@ -167,10 +196,7 @@ def detect_quant_scheme(quant: dict | None) -> QuantScheme:
         block = quant.get("weight_block_size")
         if block is None:  # AutoFP8 / vLLM per-tensor FP8 (weight_scale scalar, optional input_scale)
             return uniform("fp8_tensor", "fp8 per-tensor (AutoFP8)")
-        if list(block) != [FP8_BLOCK, FP8_BLOCK]:
-            raise ValueError(f"quantization_config.weight_block_size={block!r}: block FP8 needs "
-                             f"[{FP8_BLOCK}, {FP8_BLOCK}]")
-        return uniform("fp8_block", "fp8 block")
+        return uniform(_block_variant("fp8_block", block, "quantization_config.weight_block_size"), "fp8 block")
     if method == "modelopt" or (method is None and algo is not None):
         return _modelopt(inner)
     if method == "compressed-tensors":
@@ -221,11 +247,7 @@ def _ct_variant(quant: dict, name: str, group: dict) -> str:
         if strategy == "tensor":
             return "fp8_tensor"
         if strategy == "block":
-            block = w.get("block_structure")
-            if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK]:
-                raise ValueError(f"{field}.block_structure={block!r}: block FP8 is supported with "
-                                 f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks only (one scale per 128x128 tile)")
-            return "fp8_block_ct"
+            return _block_variant("fp8_block_ct", w.get("block_structure"), f"{field}.block_structure")
     if kind == "float" and bits == 4:
         if strategy == "tensor_group" and size == 16:
             return "nvfp4_ct"

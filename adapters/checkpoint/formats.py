@@ -28,14 +28,15 @@ this module only knows each variant's tensor names and scale shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from adapters.checkpoint.quant import QTensor, expected_parts
+from adapters.checkpoint.quant import FP8_BLOCK, QTensor, expected_parts
 from domain.model_spec import WeightFormat
-from domain.quant_scheme import VARIANT_FORMATS, QuantScheme, detect_quant_scheme
+from domain.quant_scheme import VARIANT_FORMATS, QuantScheme, detect_quant_scheme, split_variant
 
 
 class CheckpointFormatError(ValueError):
@@ -50,6 +51,7 @@ class OnDiskFormat:
     scale_suffix: str | None = None
     global_suffix: str | None = None
     global_is_divisor: bool = False
+    block: tuple[int, int] = (128, 128)  # block FP8: rows x cols one stored scale covers (multiples of 128)
 
     @property
     def is_quantized(self) -> bool:
@@ -86,6 +88,14 @@ ON_DISK_FORMATS: dict[str, OnDiskFormat] = {
 
 assert {k: v.fmt for k, v in ON_DISK_FORMATS.items()} == VARIANT_FORMATS, "variant tables disagree"
 
+
+@lru_cache(maxsize=None)
+def on_disk_format(variant: str) -> OnDiskFormat:
+    """The OnDiskFormat of a variant name from domain.quant_scheme, e.g. "fp8_block_ct@256x128"."""
+    base, block = split_variant(variant)
+    disk = ON_DISK_FORMATS[base]
+    return disk if block is None else replace(disk, name=variant, block=block)
+
 # Companion tensors we know and deliberately do not need (activation/KV-cache scales, zero points).
 IGNORED_SUFFIXES = ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point",
                     "k_scale", "v_scale", "output_scale")
@@ -116,6 +126,9 @@ def accepted_scale_shapes(disk: OnDiskFormat, canonical: tuple[int, ...]) -> lis
     fmt = disk.fmt
     if disk.name == "fp8_pb_wo":  # ModelOpt keeps the broadcast axes: [O/128, 1, I/128, 1]
         return [(canonical[0], 1, canonical[1], 1)]
+    if fmt == WeightFormat.FP8_BLOCK and disk.block != (FP8_BLOCK, FP8_BLOCK):
+        rows, cols = (canonical[0] * FP8_BLOCK, canonical[1] * FP8_BLOCK)  # covers the logical shape
+        return [(-(-rows // disk.block[0]), -(-cols // disk.block[1]))]
     if fmt == WeightFormat.FP8_TENSOR:
         return [(), (1,), (1, 1)]
     if fmt in (WeightFormat.FP8_CHANNEL, WeightFormat.INT8_CHANNEL):
@@ -172,6 +185,10 @@ def read_weight(fmt: OnDiskFormat, base: str, get) -> QTensor:
     parts = expected_parts(fmt.fmt, *shape)
     scale = get(f"{base}.{fmt.scale_suffix}")
     scale_dtype, scale_shape = parts["scale"]
+    if fmt.block != (FP8_BLOCK, FP8_BLOCK):
+        # one stored scale per block of whole 128x128 tiles: repeat it over its tiles (exact)
+        scale = scale.repeat_interleave(fmt.block[0] // FP8_BLOCK, 0).repeat_interleave(fmt.block[1] // FP8_BLOCK, 1)
+        scale = scale[: scale_shape[0], : scale_shape[1]]
     scale = scale.to(scale_dtype).reshape(scale_shape)
     glob = None
     if fmt.global_suffix is not None:

@@ -29,6 +29,7 @@ from adapters.checkpoint.formats import (
     OnDiskFormat,
     check_weight,
     detect_scheme,
+    on_disk_format,
     read_weight,
 )
 from adapters.checkpoint.geometry import expected_dense_shapes, tie_word_embeddings
@@ -263,7 +264,7 @@ def dense_plan(inv: Inventory, scheme: QuantScheme, expected: dict[str, tuple[in
         if parse_expert(canon) is not None or entry.dtype in FLOAT_DTYPES:
             continue
         module, suffix = canon.rsplit(".", 1)
-        fmt = ON_DISK_FORMATS[scheme.variant_for(module)]
+        fmt = on_disk_format(scheme.variant_for(module))
         if not fmt.is_quantized or suffix != fmt.data_suffix:
             continue
         name = module + ".weight"
@@ -465,7 +466,7 @@ def check_checkpoint(path: str | os.PathLike, verify_weights: bool = False) -> C
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     scheme = detect_scheme(config, config_file)
     spec = spec_from_config(config, config_file)
-    fmt = ON_DISK_FORMATS[scheme.expert_variant()]
+    fmt = on_disk_format(scheme.expert_variant())
     try:
         files = SafetensorsFiles.open_dir(model_dir)
     except ValueError as e:

@@ -35,7 +35,7 @@ from adapters.checkpoint.synth_config import (
     module_variant,
 )
 from domain.model_spec import WeightFormat
-from domain.quant_scheme import VARIANT_FORMATS
+from domain.quant_scheme import split_variant, variant_format
 
 WEIGHT_STD = 0.02
 DIRECT_THRESHOLD = 1024  # hidden sizes from here up draw quantized codes directly
@@ -211,13 +211,14 @@ class _TensorMaker:
         if not quantized:
             return [(self.prefix + canonical, init_tensor(shape, "linear", gen).bfloat16())]
         variant = module_variant(self.fmt, canonical)
-        if self.direct:
-            q = random_qtensor(VARIANT_FORMATS[variant], shape[0], shape[1], gen)
+        block = split_variant(variant)[1] or (128, 128)
+        if self.direct:  # random scales are constant, so any block shape holds them
+            q = random_qtensor(variant_format(variant), shape[0], shape[1], gen)
         else:
             w = init_tensor(shape, "linear", gen)
             if self.float_weights is not None:
                 self.float_weights[base] = w
-            q = quantize(w, VARIANT_FORMATS[variant])
+            q = quantize(w, variant_format(variant), block=block)
         return [(f"{base}.{suffix}", t) for suffix, t in disk_tensors(q, variant).items()]
 
     def fused_nvfp4_experts(self, layer: int, gen) -> list[tuple[str, torch.Tensor]]:

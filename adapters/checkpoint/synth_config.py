@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 QWEN35_ENDOFTEXT, QWEN35_IM_START, QWEN35_IM_END = 248044, 248045, 248046
 
 FORMATS = ("bf16", "fp8_block", "fp8_tensor", "fp8_channel", "nvfp4_modelopt", "nvfp4_ct", "int8_quark", "mxfp4_ct",
-           "fp8_pb_wo", "fp8_autofp8", "mixed_modelopt", "mixed_ct")
+           "fp8_pb_wo", "fp8_autofp8", "mixed_modelopt", "mixed_ct", "fp8_block_ct_256x128")
 
 # Formats whose modules are written in more than one on-disk variant, or under another name:
 # (routed experts' variant, variant of a dense module) as each producer publishes them.
@@ -21,6 +21,7 @@ FORMATS = ("bf16", "fp8_block", "fp8_tensor", "fp8_channel", "nvfp4_modelopt", "
 #                   FP8 full attention, and (to make dense formats differ per layer) NVFP4 GDN/shared expert
 #   mixed_ct        compressed-tensors "mixed-precision", like community NVFP4 exports: NVFP4 experts,
 #                   128x128 block FP8 everything else
+#   fp8_block_ct_256x128  compressed-tensors block FP8 with block_structure [256, 128]
 def module_variant(fmt: str, canonical: str) -> str:
     """The on-disk variant the producer of `fmt` writes a quantized linear `canonical` in."""
     expert = ".mlp.experts." in canonical
@@ -30,6 +31,8 @@ def module_variant(fmt: str, canonical: str) -> str:
         return "fp8_tensor" if ".self_attn." in canonical else "nvfp4_modelopt"
     if fmt == "mixed_ct":
         return "nvfp4_ct" if expert else "fp8_block_ct"
+    if fmt == "fp8_block_ct_256x128":
+        return "fp8_block_ct@256x128"
     return fmt
 
 
@@ -182,6 +185,13 @@ def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, 
                 "quantized_layers": _quantized_layers(g, prefix),
                 "exclude_modules": _exclusions("glob", architecture),
                 "producer": {"name": "modelopt", "version": "0.37.0"}}
+    if fmt == "fp8_block_ct_256x128":
+        block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [256, 128],
+                 "group_size": None, "symmetric": True, "dynamic": False, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": block, "input_activations": None,
+                                              "output_activations": None, "format": "float-quantized"}},
+                "ignore": _exclusions("re", architecture), "kv_cache_scheme": None}
     if fmt == "mixed_ct":
         nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
                  "dynamic": False, "observer": "minmax"}

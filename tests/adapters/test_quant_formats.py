@@ -17,7 +17,7 @@ from adapters.checkpoint.quantize import quantize
 from adapters.checkpoint.synth import random_qtensor, synthesize
 from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES, module_variant
 from domain.model_spec import WeightFormat, matrix_bytes
-from domain.quant_scheme import VARIANT_FORMATS
+from domain.quant_scheme import variant_format
 
 F = WeightFormat
 # relative Frobenius error of quantizing N(0, 1) weights
@@ -79,7 +79,7 @@ def test_compressed_tensors_global_scale_is_a_divisor():
 
 
 # load_checkpoint's format_name where it is not the synth format's own name
-FORMAT_NAME = {"fp8_autofp8": "fp8_tensor",
+FORMAT_NAME = {"fp8_autofp8": "fp8_tensor", "fp8_block_ct_256x128": "fp8_block_ct@256x128",
                "mixed_modelopt": "mixed: experts nvfp4_modelopt, dense fp8_tensor+nvfp4_modelopt",
                "mixed_ct": "mixed: experts nvfp4_ct, dense fp8_block_ct"}
 
@@ -101,10 +101,11 @@ def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
         g = t["weight_scale_2"] if on_disk == "nvfp4_modelopt" else 1.0 / t["weight_global_scale"]
         return vals * s * g
     w = t["weight"].float()
-    if on_disk in ("fp8_block", "fp8_block_ct", "fp8_pb_wo"):
+    if on_disk.startswith(("fp8_block", "fp8_pb_wo")):
         s = t["weight_scale_inv" if on_disk == "fp8_block" else "weight_scale"]
         s = s[:, 0, :, 0] if on_disk == "fp8_pb_wo" else s  # [O/128, 1, I/128, 1]: broadcast axes
-        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        rows, cols = (int(b) for b in on_disk.split("@")[1].split("x")) if "@" in on_disk else (128, 128)
+        s = s.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
         return w * s[: w.shape[0], : w.shape[1]]
     scale = t["weight_scale"].float()
     return w * (scale if scale.dim() == 0 else scale.reshape(-1, 1))
@@ -133,7 +134,7 @@ def test_synth_load_round_trip_matches_reference(synthesized):
     ckpt = load_checkpoint(out, progress=False)
     expert_variant = module_variant(fmt, "layers.0.mlp.experts.0.gate_proj.weight")
     assert ckpt.format_name == FORMAT_NAME.get(fmt, fmt)
-    assert ckpt.experts.layout.fmt == VARIANT_FORMATS[expert_variant]
+    assert ckpt.experts.layout.fmt == variant_format(expert_variant)
     assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded with an index
     for layer, expert, matrix in [(0, 0, "gate"), (1, 5, "up"), (3, 7, "down")]:
         base = f"model.language_model.layers.{layer}.mlp.experts.{expert}.{matrix}_proj"
@@ -151,7 +152,7 @@ def test_synth_load_round_trip_matches_reference(synthesized):
         if fmt == "bf16":
             assert isinstance(dense, torch.Tensor)
         else:
-            assert isinstance(dense, QTensor) and dense.fmt == VARIANT_FORMATS[variant]
+            assert isinstance(dense, QTensor) and dense.fmt == variant_format(variant)
             torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), variant))
             assert rel_err(dequantize(dense), floats[dense_base]) < TOLERANCE[dense.fmt]
     assert isinstance(ckpt.dense["layers.0.mlp.gate.weight"], torch.Tensor)  # routers stay bf16

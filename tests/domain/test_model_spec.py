@@ -151,6 +151,9 @@ def test_unknown_model_type_names_the_field():
         "weight": {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}}}, WeightFormat.INT8_CHANNEL),
     ({"quant_method": "fp8", "activation_scheme": "static"}, WeightFormat.FP8_TENSOR),
     ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, WeightFormat.FP8_BLOCK),
+    ({"quant_method": "fp8", "weight_block_size": [256, 128]}, WeightFormat.FP8_BLOCK),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 384]}}}}, WeightFormat.FP8_BLOCK),
 ])
 def test_format_detection(quant, fmt):
     assert weight_format_from_quant_config(quant) is fmt
@@ -163,6 +166,7 @@ def test_format_detection(quant, fmt):
     ({"quant_method": "gptq", "bits": 4}, "quant_method"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 192]}, "weight_block_size"),
     ({"quant_method": "mxfp4"}, "quant_method"),  # gpt-oss layout: the loader cannot read it, so neither plans it
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}}}},
@@ -230,3 +234,15 @@ def test_experts_in_two_formats_are_refused():
         "model.layers.1.mlp.experts.0.gate_proj": {"quant_algo": "FP8"}}}
     with pytest.raises(ValueError, match="experts of one model must share one format"):
         weight_format_from_quant_config(quant)
+
+
+def test_block_shape_is_read_into_the_variant():
+    from domain.quant_scheme import detect_quant_scheme, split_variant
+
+    block = {"num_bits": 8, "type": "float", "strategy": "block"}
+    ct = lambda shape: {"quant_method": "compressed-tensors", "config_groups": {  # noqa: E731
+        "g": {"weights": {**block, "block_structure": shape}}}}
+    assert detect_quant_scheme(ct([128, 128])).expert_variant() == "fp8_block_ct"
+    assert split_variant(detect_quant_scheme(ct([256, 128])).expert_variant()) == ("fp8_block_ct", (256, 128))
+    with pytest.raises(ValueError, match=r"block_structure=None: block FP8 needs block dimensions"):
+        detect_quant_scheme(ct(None))
