@@ -29,7 +29,7 @@ this module only knows each variant's tensor names and scale shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ ON_DISK_FORMATS: dict[str, OnDiskFormat] = {
 assert {k: v.fmt for k, v in ON_DISK_FORMATS.items()} == VARIANT_FORMATS, "variant tables disagree"
 
 
-@lru_cache(maxsize=None)
+@cache
 def on_disk_format(variant: str) -> OnDiskFormat:
     """The OnDiskFormat of a variant name from domain.quant_scheme, e.g. "fp8_block_ct@256x128"."""
     base, block = split_variant(variant)

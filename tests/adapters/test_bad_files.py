@@ -223,3 +223,32 @@ def test_load_error_puts_health_into_error_and_keeps_answering(sources, tmp_path
             assert "model.safetensors: tensor" in body["error"] and "truncated" in body["error"]
     finally:
         srv.stop()
+
+
+def test_serve_verify_weights_refuses_a_nan_weight_on_health(sources, tmp_path):
+    def poison(t):
+        t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
+        t[Q_PROJ + ".weight"][0, 0] = float("inf")
+
+    dst = copy_with(sources["bf16"], tmp_path / "c", edit_tensors=poison)
+    srv = start_server(Container(), wait=False, model_dir=str(dst), verify_weights=True, gpu_budget_gib=0.5,
+                       kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        body = httpx.get(srv.base_url + "/health", timeout=5).json()
+        assert body["status"] == "error" and f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in body["error"]
+    finally:
+        srv.stop()
+
+
+def test_ft_serve_has_verify_weights_and_ft_check_reports_missing_dir(tmp_path, capsys):
+    import argparse
+
+    from app.cli import _add_serve
+
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--verify-weights"]).verify_weights is True
+    assert parser.parse_args(["serve"]).verify_weights is False
+    assert ft_main(["check", str(tmp_path / "nowhere")]) == 1
+    assert "no config.json" in capsys.readouterr().err
