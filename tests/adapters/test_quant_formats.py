@@ -158,6 +158,21 @@ def test_synth_load_round_trip_matches_reference(synthesized):
     assert isinstance(ckpt.dense["layers.0.mlp.gate.weight"], torch.Tensor)  # routers stay bf16
 
 
+def test_planner_and_loader_agree_on_formats(synthesized):
+    """One detector: the planner's spec (config.json only) has the bank's expert format, and its dense
+    format never costs less than any dense module as loaded (mixed layouts: the widest)."""
+    from domain.model_spec import ModelSpec
+
+    fmt, out, _ = synthesized
+    planned = ModelSpec.from_hf_config(json.loads((out / "config.json").read_text()))
+    ckpt = load_checkpoint(out, progress=False, mmap=True)
+    assert planned == ckpt.spec and planned.expert_format == ckpt.experts.layout.fmt
+    quantized = [w for w in ckpt.dense.values() if isinstance(w, QTensor)]
+    assert all(matrix_bytes(planned.dense_format, 256, 256) >= matrix_bytes(q.fmt, 256, 256) for q in quantized)
+    assert {q.fmt for q in quantized} == (set() if fmt == "bf16" else {planned.dense_format} if fmt != "mixed_modelopt"
+                                          else {F.FP8_TENSOR, F.NVFP4})
+
+
 @pytest.mark.parametrize("fmt", list(F))
 def test_direct_random_codes_are_valid_and_well_scaled(fmt):
     q = random_qtensor(fmt, 256, 512, torch.Generator().manual_seed(0))
@@ -183,3 +198,19 @@ def test_transformers_dequantizes_our_block_fp8_identically(tmp_path):
         assert torch.equal(theirs["model." + name].float(), dequantize(ours[name]))
         checked += 1
     assert checked == 3
+
+
+def test_modelopt_mixed_precision_from_the_hf_quant_config_side_file(tmp_path):
+    """Older ModelOpt exports keep {"producer", "quantization": {"quant_algo": "MIXED_PRECISION",
+    "quantized_layers": ...}} in hf_quant_config.json instead of config.json."""
+    out = synthesize(tmp_path / "m", TINY, "mixed_modelopt", seed=3, tokenizer=False)
+    reference = load_checkpoint(out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    side = {"producer": qc.pop("producer"), "quantization": {k: v for k, v in qc.items() if k != "quant_method"}}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "hf_quant_config.json").write_text(json.dumps(side))
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.format_name == reference.format_name == FORMAT_NAME["mixed_modelopt"]
+    assert torch.equal(ckpt.experts.row(2, 1), reference.experts.row(2, 1))
+    assert ckpt.dense["layers.3.self_attn.q_proj.weight"].fmt == F.FP8_TENSOR
