@@ -1,4 +1,4 @@
-"""`ft` console script: `ft serve`, `ft ctl ...`, `ft bench ...`, `ft synth ...`."""
+"""`ft` console script: `ft serve`, `ft check DIR`, `ft ctl ...`, `ft bench ...`, `ft synth ...`."""
 
 from __future__ import annotations
 
@@ -47,7 +47,27 @@ def _add_serve(sub) -> None:
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated origins browser clients may call from (CORS), '*' for any; "
                         "preflight requests never need the API key")
+    p.add_argument("--verify-weights", action="store_true",
+                   help="scan every weight for NaN/Inf before serving (quantization scales are always checked)")
     p.add_argument("--log-level", default="info")
+
+
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="check a checkpoint directory as `ft serve` would load it, without serving")
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("--no-verify-weights", dest="verify_weights", action="store_false",
+                   help="skip the scan of every value (headers, shapes, formats and scales are still checked)")
+
+
+def _check(args) -> int:
+    from app.containers import check_checkpoint_dir
+
+    try:
+        print(check_checkpoint_dir(args.model, args.verify_weights))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ft check: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve(args) -> int:
@@ -63,6 +83,7 @@ def _serve(args) -> int:
             model_dir=args.model,
             served_model_name=args.served_model_name,
             mmap_experts=args.mmap_experts,
+            verify_weights=args.verify_weights,
             host=args.host,
             port=args.port,
             device=args.device,
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ft", description="fluxtide: edge-native MoE serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_check(sub)
     from app.ctl import add_ctl_parser
 
     add_ctl_parser(sub)
@@ -122,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "check":
+        return _check(args)
     if args.command == "ctl":
         from app.ctl import run_ctl
 

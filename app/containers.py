@@ -61,7 +61,7 @@ def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn 
         progress(f"reading {model_dir.name}")
     # NOTE: the loader reports its phases ("expert banks", "dense weights") with their own byte counts.
     return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress,
-                           mmap=settings.mmap_experts)
+                           mmap=settings.mmap_experts, verify_weights=settings.verify_weights)
 
 
 def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
@@ -241,6 +241,20 @@ def synth_main(argv: list[str]) -> int | None:
     from adapters.checkpoint.synth import main
 
     return main(argv)
+
+
+def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
+    """`ft check DIR`: every load-time check without allocating or serving; a summary line, or
+    CheckpointFormatError (a ValueError) / FileNotFoundError naming the file and tensor."""
+    from adapters.checkpoint.loader import check_checkpoint
+
+    checked = check_checkpoint(model_dir, verify_weights=verify_weights)
+    spec = checked.spec
+    scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
+    summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "
+               f"format {checked.format_name}, {len(checked.files.entries)} tensors; {scan}")
+    checked.files.close()
+    return summary
 
 
 def environment_api_key() -> str | None:

@@ -30,6 +30,7 @@ class ServeSettings:
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
+    verify_weights: bool = False  # scan every stored value for NaN/Inf at load (scales are always checked)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:

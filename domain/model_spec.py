@@ -213,15 +213,16 @@ class ModelSpec:
     def from_hf_config(cls, config: dict, expert_format: WeightFormat | None = None) -> ModelSpec:
         """Build from a config.json dict: flat, or nested under `text_config` (multimodal layout).
 
-        The weight format is detected from `quantization_config` (top level or inside
-        `text_config`); `expert_format` overrides it for the routed experts only.
+        The weight formats are detected from `quantization_config` (top level or inside
+        `text_config`) by domain.quant_scheme: the experts' one format, and the widest dense format
+        (dense modules may differ per layer); `expert_format` overrides the experts' format.
         """
         if not isinstance(config, dict):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
         text = config.get("text_config")
         text = text if isinstance(text, dict) else config
         quant = config.get("quantization_config", text.get("quantization_config"))
-        detected = weight_format_from_quant_config(quant)
+        scheme = _scheme(quant)
         architecture = _architecture_of(config, text)
 
         def need(key: str) -> Any:
@@ -269,8 +270,8 @@ class ModelSpec:
             head_dim=int(text.get("head_dim") or hidden // heads),
             vocab_size=int(need("vocab_size")),
             max_context=int(need("max_position_embeddings")),
-            expert_format=detected if expert_format is None else WeightFormat(expert_format),
-            dense_format=detected,
+            expert_format=scheme.expert_format if expert_format is None else WeightFormat(expert_format),
+            dense_format=scheme.dense_format,
             **linear,
         )
 
@@ -308,80 +309,18 @@ def _layer_kinds(text: dict, num_layers: int) -> tuple[LayerKind, ...]:
 
 # ---- quantization_config -> WeightFormat ------------------------------------------------------
 def weight_format_from_quant_config(quant: dict | None) -> WeightFormat:
-    """The weight format a checkpoint's `quantization_config` describes (None -> bf16).
+    """The routed experts' weight format a checkpoint's `quantization_config` describes (None -> bf16).
 
+    One detector (domain.quant_scheme) decides for the planner and the loader alike.
     Raises ValueError naming the field it could not interpret.
     """
-    if quant is None:
-        return WeightFormat.BF16
-    if not isinstance(quant, dict):
-        raise ValueError(f"quantization_config must be a dict, got {type(quant).__name__}")
-    method = quant.get("quant_method")
-    algo = quant.get("quant_algo") or (quant.get("quantization") or {}).get("quant_algo")
-    if method == "fp8":
-        block = quant.get("weight_block_size")
-        if block is None:
-            return WeightFormat.FP8_TENSOR
-        if list(block) != [FP8_BLOCK, FP8_BLOCK]:
-            raise ValueError(f"quantization_config.weight_block_size {block!r} unsupported "
-                             f"(only [{FP8_BLOCK}, {FP8_BLOCK}])")
-        return WeightFormat.FP8_BLOCK
-    if method == "modelopt" or (method is None and algo is not None):
-        modelopt = {"FP8": WeightFormat.FP8_TENSOR, "NVFP4": WeightFormat.NVFP4}
-        if algo not in modelopt:
-            raise ValueError(f"quantization_config.quant_algo {algo!r} unsupported (FP8, NVFP4)")
-        return modelopt[algo]
-    if method == "compressed-tensors":
-        return _compressed_tensors_format(quant)
-    if method == "quark":
-        return _quark_format(quant)
-    if method == "mxfp4":
-        return WeightFormat.MXFP4
-    raise ValueError(f"quantization_config.quant_method {method!r} unsupported "
-                     "(fp8, modelopt, compressed-tensors, quark, mxfp4)")
+    return _scheme(quant).expert_format
 
 
-def _compressed_tensors_format(quant: dict) -> WeightFormat:
-    groups = quant.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError("quantization_config.config_groups is missing or empty")
-    formats = set()
-    for name, group in groups.items():
-        w = (group or {}).get("weights") or {}
-        bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
-        if bits == 4 and kind == "float" and w.get("group_size") == NVFP4_GROUP:
-            formats.add(WeightFormat.NVFP4)
-        elif bits == 8 and kind == "float" and strategy == "channel":
-            formats.add(WeightFormat.FP8_CHANNEL)
-        elif bits == 8 and kind == "float" and strategy == "tensor":
-            formats.add(WeightFormat.FP8_TENSOR)
-        elif bits == 8 and kind == "float" and strategy == "block" and \
-                list(w.get("block_structure") or ()) == [FP8_BLOCK, FP8_BLOCK]:
-            formats.add(WeightFormat.FP8_BLOCK)
-        elif bits == 8 and kind == "int" and strategy == "channel":
-            formats.add(WeightFormat.INT8_CHANNEL)
-        else:
-            raise ValueError(f"quantization_config.config_groups.{name}.weights unsupported: "
-                             f"num_bits={bits} type={kind} strategy={strategy} "
-                             f"group_size={w.get('group_size')}")
-    if len(formats) != 1:
-        raise ValueError(f"quantization_config.config_groups mix formats {sorted(f.value for f in formats)}")
-    return formats.pop()
+def _scheme(quant: dict | None):
+    from domain.quant_scheme import detect_quant_scheme  # NOTE: quant_scheme imports this module
 
-
-def _quark_format(quant: dict) -> WeightFormat:
-    weight = (quant.get("global_quant_config") or {}).get("weight")
-    if isinstance(weight, list) and len(weight) == 1:
-        weight = weight[0]
-    weight = weight or {}
-    dtype, scheme = weight.get("dtype"), weight.get("qscheme")
-    table = {("int8", "per_channel"): WeightFormat.INT8_CHANNEL,
-             ("fp8_e4m3", "per_channel"): WeightFormat.FP8_CHANNEL,
-             ("fp8_e4m3", "per_tensor"): WeightFormat.FP8_TENSOR}
-    if (dtype, scheme) not in table:
-        raise ValueError(f"quantization_config.global_quant_config.weight unsupported: "
-                         f"dtype={dtype} qscheme={scheme}")
-    return table[(dtype, scheme)]
+    return detect_quant_scheme(quant)
 
 
 def qwen36_35b_a3b(expert_format: WeightFormat = WeightFormat.FP8_BLOCK) -> ModelSpec:

@@ -5,7 +5,10 @@ Each on-disk variant names its tensors differently; all of them map to one canon
 QTensor form per WeightFormat (see quant.py). Conventions, from each producer's public layout:
   fp8_block       (quant_method "fp8", weight_block_size [128,128]): weight e4m3, weight_scale_inv
                   fp32 [ceil(O/128), ceil(I/128)]; w = weight * weight_scale_inv
-  fp8_tensor      (ModelOpt quant_algo "FP8", or compressed-tensors strategy "tensor"): weight e4m3,
+  fp8_pb_wo       (ModelOpt quant_algo "FP8_PB_WO", block weight-only): weight e4m3, weight_scale fp32
+                  [ceil(O/128), 1, ceil(I/128), 1]; w = weight * scale (same values as fp8_block)
+  fp8_tensor      (ModelOpt "FP8", AutoFP8 quant_method "fp8" without weight_block_size, or
+                  compressed-tensors strategy "tensor"): weight e4m3,
                   weight_scale fp32 scalar; input_scale (static activation scale) is not needed
                   for weight-only dequantization and is ignored
   fp8_channel     (compressed-tensors float, strategy "channel"): weight e4m3, weight_scale [O, 1]
@@ -19,17 +22,21 @@ QTensor form per WeightFormat (see quant.py). Conventions, from each producer's 
                   weight_scale [O] or [O, 1]; symmetric (a weight_zero_point must be all zero)
   mxfp4           (compressed-tensors mxfp4-pack-quantized): weight_packed uint8 [O, I/2],
                   weight_scale uint8 e8m0 [O, I/32]
+Which variant each module uses is decided by domain.quant_scheme (the planner's detector too);
+this module only knows each variant's tensor names and scale shapes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 import torch
 
-from adapters.checkpoint.quant import QTensor, expected_parts
+from adapters.checkpoint.quant import FP8_BLOCK, QTensor, expected_parts
 from domain.model_spec import WeightFormat
+from domain.quant_scheme import VARIANT_FORMATS, QuantScheme, detect_quant_scheme, split_variant
 
 
 class CheckpointFormatError(ValueError):
@@ -44,6 +51,7 @@ class OnDiskFormat:
     scale_suffix: str | None = None
     global_suffix: str | None = None
     global_is_divisor: bool = False
+    block: tuple[int, int] = (128, 128)  # block FP8: rows x cols one stored scale covers (multiples of 128)
 
     @property
     def is_quantized(self) -> bool:
@@ -60,6 +68,7 @@ ON_DISK_FORMATS: dict[str, OnDiskFormat] = {
         OnDiskFormat("bf16", WeightFormat.BF16),
         OnDiskFormat("fp8_block", WeightFormat.FP8_BLOCK, scale_suffix="weight_scale_inv"),
         OnDiskFormat("fp8_block_ct", WeightFormat.FP8_BLOCK, scale_suffix="weight_scale"),
+        OnDiskFormat("fp8_pb_wo", WeightFormat.FP8_BLOCK, scale_suffix="weight_scale"),
         OnDiskFormat("fp8_tensor", WeightFormat.FP8_TENSOR, scale_suffix="weight_scale"),
         OnDiskFormat("fp8_channel", WeightFormat.FP8_CHANNEL, scale_suffix="weight_scale"),
         OnDiskFormat("nvfp4_modelopt", WeightFormat.NVFP4, scale_suffix="weight_scale", global_suffix="weight_scale_2"),
@@ -77,93 +86,30 @@ ON_DISK_FORMATS: dict[str, OnDiskFormat] = {
     )
 }
 
+assert {k: v.fmt for k, v in ON_DISK_FORMATS.items()} == VARIANT_FORMATS, "variant tables disagree"
+
+
+@cache
+def on_disk_format(variant: str) -> OnDiskFormat:
+    """The OnDiskFormat of a variant name from domain.quant_scheme, e.g. "fp8_block_ct@256x128"."""
+    base, block = split_variant(variant)
+    disk = ON_DISK_FORMATS[base]
+    return disk if block is None else replace(disk, name=variant, block=block)
+
 # Companion tensors we know and deliberately do not need (activation/KV-cache scales, zero points).
 IGNORED_SUFFIXES = ("input_scale", "input_global_scale", "weight_zero_point", "input_zero_point",
                     "k_scale", "v_scale", "output_scale")
 
 
-def _fail(config_file: Path, field: str, value: object, why: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{config_file}: {field}={value!r}: {why}")
-
-
-def _detect_modelopt(qc: dict, config_file: Path) -> OnDiskFormat:
-    inner = qc.get("quantization", qc)
-    algo = inner.get("quant_algo")
-    if algo == "FP8":
-        return ON_DISK_FORMATS["fp8_tensor"]
-    if algo == "NVFP4":
-        group = inner.get("group_size", 16)
-        if group != 16:
-            raise _fail(config_file, "quantization_config.group_size", group, "ModelOpt NVFP4 needs 16")
-        return ON_DISK_FORMATS["nvfp4_modelopt"]
-    raise _fail(config_file, "quantization_config.quant_algo", algo, "supported ModelOpt algos: FP8, NVFP4")
-
-
-def _detect_compressed_tensors(qc: dict, config_file: Path) -> OnDiskFormat:
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _fail(config_file, "quantization_config.config_groups", groups, "compressed-tensors needs config_groups")
-    schemes = {
-        (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"))
-        for w in (g.get("weights") or {} for g in groups.values())
-    }
-    if len(schemes) != 1:
-        raise _fail(config_file, "quantization_config.config_groups", sorted(map(str, schemes)),
-                    "mixed weight schemes are not supported")
-    kind, bits, strategy, group = schemes.pop()
-    field = "quantization_config.config_groups.*.weights"
-    if kind == "float" and bits == 8:
-        if strategy == "channel":
-            return ON_DISK_FORMATS["fp8_channel"]
-        if strategy == "tensor":
-            return ON_DISK_FORMATS["fp8_tensor"]
-        if strategy == "block":
-            return ON_DISK_FORMATS["fp8_block_ct"]
-    if kind == "float" and bits == 4 and strategy in ("tensor_group", "group"):
-        if group == 16 and strategy == "tensor_group":
-            return ON_DISK_FORMATS["nvfp4_ct"]
-        if group == 32 and qc.get("format") == "mxfp4-pack-quantized":
-            return ON_DISK_FORMATS["mxfp4_ct"]
-    if kind == "int" and bits == 8 and strategy == "channel":
-        return ON_DISK_FORMATS["int8_ct"]
-    raise _fail(config_file, field, {"type": kind, "num_bits": bits, "strategy": strategy, "group_size": group},
-                "unsupported compressed-tensors weight scheme")
-
-
-def _detect_quark(qc: dict, config_file: Path) -> OnDiskFormat:
-    weight = (qc.get("global_quant_config") or {}).get("weight") or {}
-    if isinstance(weight, list):  # Quark allows a list of weight specs (e.g. double quantization)
-        weight = weight[0] if len(weight) == 1 else {}
-    dtype, scheme = weight.get("dtype"), weight.get("qscheme")
-    if dtype == "int8" and scheme == "per_channel" and weight.get("symmetric", True):
-        return ON_DISK_FORMATS["int8_quark"]
-    if dtype == "fp8_e4m3" and scheme == "per_tensor":
-        return ON_DISK_FORMATS["fp8_tensor"]
-    if dtype == "fp8_e4m3" and scheme == "per_channel":
-        return ON_DISK_FORMATS["fp8_channel"]
-    raise _fail(config_file, "quantization_config.global_quant_config.weight", {"dtype": dtype, "qscheme": scheme},
-                "supported Quark weights: int8 per_channel symmetric, fp8_e4m3 per_tensor or per_channel")
-
-
-def detect_format(config: dict, config_file: Path) -> OnDiskFormat:
-    """The on-disk format named by config.json's quantization_config (top level or text_config)."""
+def detect_scheme(config: dict, config_file: Path) -> QuantScheme:
+    """The per-module scheme of config.json's quantization_config (top level or text_config)."""
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if not qc:
-        return ON_DISK_FORMATS["bf16"]
-    method = qc.get("quant_method")
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        if block != [128, 128]:
-            raise _fail(config_file, "quantization_config.weight_block_size", block, "block FP8 needs [128, 128]")
-        return ON_DISK_FORMATS["fp8_block"]
-    if method == "modelopt":
-        return _detect_modelopt(qc, config_file)
-    if method == "compressed-tensors":
-        return _detect_compressed_tensors(qc, config_file)
-    if method == "quark":
-        return _detect_quark(qc, config_file)
-    raise _fail(config_file, "quantization_config.quant_method", method,
-                "supported: fp8, modelopt, compressed-tensors, quark (or no quantization_config for bf16)")
+    try:
+        scheme = detect_quant_scheme(qc or None)
+        scheme.expert_variant()  # the one-format-per-bank invariant, checked before any tensor is read
+    except ValueError as e:
+        raise CheckpointFormatError(f"{config_file}: {e}") from None
+    return scheme
 
 
 # ---- tensor checks and conversion -------------------------------------------------------
@@ -175,8 +121,14 @@ def logical_shape(fmt: OnDiskFormat, data_shape: tuple[int, ...]) -> tuple[int, 
     return (rows, cols * 2) if fmt.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) else (rows, cols)
 
 
-def accepted_scale_shapes(fmt: WeightFormat, canonical: tuple[int, ...]) -> list[tuple[int, ...]]:
+def accepted_scale_shapes(disk: OnDiskFormat, canonical: tuple[int, ...]) -> list[tuple[int, ...]]:
     """On-disk shapes that hold the same values as the canonical scale shape."""
+    fmt = disk.fmt
+    if disk.name == "fp8_pb_wo":  # ModelOpt keeps the broadcast axes: [O/128, 1, I/128, 1]
+        return [(canonical[0], 1, canonical[1], 1)]
+    if fmt == WeightFormat.FP8_BLOCK and disk.block != (FP8_BLOCK, FP8_BLOCK):
+        rows, cols = (canonical[0] * FP8_BLOCK, canonical[1] * FP8_BLOCK)  # covers the logical shape
+        return [(-(-rows // disk.block[0]), -(-cols // disk.block[1]))]
     if fmt == WeightFormat.FP8_TENSOR:
         return [(), (1,), (1, 1)]
     if fmt in (WeightFormat.FP8_CHANNEL, WeightFormat.INT8_CHANNEL):
@@ -211,7 +163,7 @@ def check_weight(fmt: OnDiskFormat, base: str, meta, expect_shape: tuple[int, in
                 f"missing tensor {base}.{suffix} (format {fmt.name} needs it next to {where})"
             )
         want_dtype, want_shape = parts[part]
-        shapes = [(), (1,)] if part == "global_scale" else accepted_scale_shapes(fmt.fmt, want_shape)
+        shapes = [(), (1,)] if part == "global_scale" else accepted_scale_shapes(fmt, want_shape)
         if tuple(entry.shape) not in shapes:
             raise CheckpointFormatError(
                 f"{base}.{suffix} in {entry.file.name}: shape {tuple(entry.shape)}, expected {want_shape}"
@@ -233,6 +185,10 @@ def read_weight(fmt: OnDiskFormat, base: str, get) -> QTensor:
     parts = expected_parts(fmt.fmt, *shape)
     scale = get(f"{base}.{fmt.scale_suffix}")
     scale_dtype, scale_shape = parts["scale"]
+    if fmt.block != (FP8_BLOCK, FP8_BLOCK):
+        # one stored scale per block of whole 128x128 tiles: repeat it over its tiles (exact)
+        scale = scale.repeat_interleave(fmt.block[0] // FP8_BLOCK, 0).repeat_interleave(fmt.block[1] // FP8_BLOCK, 1)
+        scale = scale[: scale_shape[0], : scale_shape[1]]
     scale = scale.to(scale_dtype).reshape(scale_shape)
     glob = None
     if fmt.global_suffix is not None:

@@ -2,13 +2,13 @@
 experts packed into a host bank.
 
 Shape legend: L layers, E experts per layer, H hidden, I expert intermediate, R row bytes.
-Order of work: read config + every safetensors header, check every tensor against the
-detected format (shapes, dtypes, scales), check host memory, and only then allocate.
+Order of work: read config + every safetensors header (offsets checked against the file sizes),
+check every tensor against the detected per-module format and the config's geometry (shapes,
+dtypes, finite scales; with `verify_weights` every value), check host memory, and only then allocate.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -20,31 +20,33 @@ from pathlib import Path
 
 import torch
 
-from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.checkpoint.formats import (
-    IGNORED_SUFFIXES,
-    ON_DISK_FORMATS,
-    CheckpointFormatError,
-    OnDiskFormat,
-    check_weight,
-    detect_format,
-    read_weight,
+from adapters.checkpoint.checks import (  # noqa: F401  (re-exported: callers check without loading)
+    MATRICES,
+    CheckedCheckpoint,
+    Inventory,
+    check_checkpoint,
+    expert_base,
+    fused_name,
+    read_config,
+    spec_from_config,
+    with_layer_types,
 )
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.checkpoint.formats import ON_DISK_FORMATS, OnDiskFormat, read_weight
 from adapters.checkpoint.host_bank import (
     HostExpertBank,
     LazyHostExpertBank,
     allocate_rows,
     mem_available_bytes,
 )
-from adapters.checkpoint.names import canonical_name, ignored_kind, parse_expert
-from adapters.checkpoint.quant import FLOAT_DTYPES, QTensor
+from adapters.checkpoint.names import parse_expert
+from adapters.checkpoint.quant import QTensor
 from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry
-from domain.model_spec import ModelSpec
+from domain.model_spec import ModelSpec, WeightFormat
 
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
-MATRICES = ("gate", "up", "down")
 PHASE_BANK = "expert banks"
 PHASE_DENSE = "dense weights"
 
@@ -60,7 +62,7 @@ class LoadedCheckpoint:
     experts: HostExpertBank
     generation_config: dict
     model_dir: Path
-    format_name: str = "bf16"  # on-disk variant, e.g. "nvfp4_ct"
+    format_name: str = "bf16"  # on-disk variant, e.g. "nvfp4_ct"; "mixed: ..." for per-module schemes
 
     def check_valid(self) -> None:
         self.experts.check_valid()
@@ -75,155 +77,6 @@ class LoadedCheckpoint:
                     raise AssertionError(f"dense {name}: {e}") from e
 
 
-# ---- config --------------------------------------------------------------------------------
-
-def read_config(model_dir: Path) -> tuple[dict, Path]:
-    config_file = model_dir / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{model_dir}: no config.json")
-    config = json.loads(config_file.read_text())
-    hf_quant = model_dir / "hf_quant_config.json"
-    if not config.get("quantization_config") and hf_quant.exists():
-        # Older ModelOpt exports keep the quantization settings in a side file.
-        config["quantization_config"] = {"quant_method": "modelopt", **json.loads(hf_quant.read_text())}
-        config_file = hf_quant
-    return config, config_file
-
-
-def spec_from_config(config: dict, config_file: Path, fmt: OnDiskFormat) -> ModelSpec:
-    # The on-disk detector (formats.py) is authoritative because it must know tensor names;
-    # the domain's detector only sees WeightFormat, so we hand it a config without the
-    # quantization block and set the formats ourselves.
-    stripped = {k: v for k, v in config.items() if k != "quantization_config"}
-    if isinstance(stripped.get("text_config"), dict):
-        stripped["text_config"] = {k: v for k, v in stripped["text_config"].items() if k != "quantization_config"}
-    try:
-        spec = ModelSpec.from_hf_config(stripped)
-    except ValueError as e:
-        raise CheckpointFormatError(f"{config_file}: {e}") from e
-    return dataclasses.replace(spec, expert_format=fmt.fmt, dense_format=fmt.fmt)
-
-
-# ---- tensor inventory ------------------------------------------------------------------------
-
-@dataclass
-class Inventory:
-    canon: dict[str, TensorEntry]  # canonical name -> entry (ignored tensors left out)
-    per_expert: set[tuple[int, int, str]]  # (layer, expert, matrix) seen
-    fused: set[tuple[int, str]]  # (layer, "gate_up" | "down") seen
-    ignored: dict[str, int]  # kind -> tensor count
-
-    def meta(self, name: str) -> TensorEntry | None:
-        return self.canon.get(name)
-
-
-def take_inventory(files: SafetensorsFiles) -> Inventory:
-    inv = Inventory({}, set(), set(), {})
-    for name, entry in files.entries.items():
-        kind = ignored_kind(name)
-        if kind is not None:
-            inv.ignored[kind] = inv.ignored.get(kind, 0) + 1
-            continue
-        canon = canonical_name(name)
-        if canon in inv.canon:
-            raise CheckpointFormatError(f"{entry.file.name}: {name} and {inv.canon[canon].name} both map to {canon}")
-        inv.canon[canon] = dataclasses.replace(entry, name=name)
-        parsed = parse_expert(canon)
-        if parsed is None:
-            continue
-        if parsed.expert < 0:
-            inv.fused.add((parsed.layer, parsed.matrix))
-        else:
-            inv.per_expert.add((parsed.layer, parsed.expert, parsed.matrix))
-    return inv
-
-
-def expert_base(layer: int, expert: int, matrix: str) -> str:
-    return f"layers.{layer}.mlp.experts.{expert}.{matrix}_proj"
-
-
-def fused_name(inv: Inventory, layer: int, matrix: str) -> str:
-    base = f"layers.{layer}.mlp.experts.{matrix}_proj"
-    return base if base in inv.canon else base + ".weight"
-
-
-def check_experts(inv: Inventory, spec: ModelSpec, fmt: OnDiskFormat) -> torch.dtype:
-    """Validate every routed expert tensor; return the float dtype (bf16 format) of the bank."""
-    h, i = spec.hidden_size, spec.expert_intermediate
-    shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
-    dtypes: set[torch.dtype] = set()
-    for layer in range(spec.num_layers):
-        if (layer, "gate_up") in inv.fused or (layer, "down") in inv.fused:
-            if fmt.is_quantized:
-                raise CheckpointFormatError(f"layer {layer}: fused experts are only supported unquantized "
-                                            f"(format {fmt.name})")
-            for matrix, want in (("gate_up", (spec.num_experts, 2 * i, h)), ("down", (spec.num_experts, h, i))):
-                entry = inv.meta(fused_name(inv, layer, matrix))
-                if entry is None:
-                    raise CheckpointFormatError(f"missing tensor layers.{layer}.mlp.experts.{matrix}_proj (fused)")
-                if entry.shape != want or entry.dtype not in FLOAT_DTYPES:
-                    raise CheckpointFormatError(f"{entry.name} in {entry.file.name}: {entry.dtype} {entry.shape}, "
-                                                f"expected a float {want}")
-                dtypes.add(entry.dtype)
-            continue
-        for expert in range(spec.num_experts):
-            for matrix in MATRICES:
-                base = expert_base(layer, expert, matrix)
-                try:
-                    check_weight(fmt, base, inv.meta, shapes[matrix])
-                except CheckpointFormatError as e:
-                    raise CheckpointFormatError(f"{e} [{_original(inv, base, fmt)}]") from None
-                dtypes.add(inv.canon[f"{base}.{fmt.data_suffix}"].dtype)
-    extra = {key for key in inv.per_expert if key[0] >= spec.num_layers or key[1] >= spec.num_experts}
-    if extra:
-        layer, expert, matrix = sorted(extra)[0]
-        raise CheckpointFormatError(f"expert tensor {expert_base(layer, expert, matrix)} is outside the "
-                                    f"{spec.num_layers} layers x {spec.num_experts} experts of config.json")
-    if len(dtypes) != 1:
-        raise CheckpointFormatError(f"routed experts mix dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
-    return dtype if not fmt.is_quantized else torch.bfloat16
-
-
-def _original(inv: Inventory, base: str, fmt: OnDiskFormat) -> str:
-    entry = inv.meta(f"{base}.{fmt.data_suffix}")
-    return f"file {entry.file.name}, tensor {entry.name}" if entry else "tensor not in any file"
-
-
-def check_zero_points(files: SafetensorsFiles, inv: Inventory) -> None:
-    """We dequantize symmetrically; an asymmetric (non-zero) weight zero point would be silently wrong."""
-    for canon, entry in inv.canon.items():
-        if canon.endswith(".weight_zero_point") and files.get(entry.name).any():
-            raise CheckpointFormatError(f"{entry.name} in {entry.file.name} is non-zero: asymmetric weight "
-                                        f"quantization is not supported")
-
-
-def dense_plan(inv: Inventory, fmt: OnDiskFormat) -> tuple[dict[str, str | None], list[str]]:
-    """canonical dense name -> quantized base (None = plain tensor); plus ignored companions."""
-    plan: dict[str, str | None] = {}
-    consumed: set[str] = set()
-    skipped: list[str] = []
-    for canon, entry in inv.canon.items():
-        if parse_expert(canon) is not None:
-            continue
-        if fmt.is_quantized and canon.endswith("." + fmt.data_suffix) and entry.dtype not in FLOAT_DTYPES:
-            base = canon[: -len(fmt.data_suffix) - 1]
-            check_weight(fmt, base, inv.meta)
-            plan[base + ".weight"] = base
-            consumed.update(f"{base}.{s}" for s in fmt.companion_suffixes)
-    for canon, entry in inv.canon.items():
-        if parse_expert(canon) is not None or canon in consumed:
-            continue
-        if canon.rsplit(".", 1)[-1] in IGNORED_SUFFIXES:
-            skipped.append(canon)
-            continue
-        if entry.dtype not in FLOAT_DTYPES and canon.endswith(".weight"):
-            raise CheckpointFormatError(f"{entry.name} in {entry.file.name} is {entry.dtype} but the checkpoint "
-                                        f"format is {fmt.name} (no matching quantization_config)")
-        plan[canon] = None
-    return plan, skipped
-
-
 # ---- bank filling -----------------------------------------------------------------------------
 
 def _expert_qtensors(files: SafetensorsFiles, inv: Inventory, fmt: OnDiskFormat, spec: ModelSpec,
@@ -231,6 +84,8 @@ def _expert_qtensors(files: SafetensorsFiles, inv: Inventory, fmt: OnDiskFormat,
     def get(canon: str) -> torch.Tensor:
         return files.get(inv.canon[canon].name)
 
+    if (layer, "gate_up") in inv.fused and fmt.name == "nvfp4_ct":
+        return fused_nvfp4_qtensors(get, spec, layer, expert)
     if (layer, "gate_up") in inv.fused:
         i = spec.expert_intermediate
         gate_up = get(fused_name(inv, layer, "gate_up"))[expert]  # [2I, H]
@@ -241,6 +96,24 @@ def _expert_qtensors(files: SafetensorsFiles, inv: Inventory, fmt: OnDiskFormat,
             for t in (gate_up[:i], gate_up[i:], down)
         ]
     return [read_weight(fmt, expert_base(layer, expert, m), get) for m in MATRICES]
+
+
+def fused_nvfp4_qtensors(get, spec: ModelSpec, layer: int, expert: int) -> list[QTensor]:
+    """gate, up, down of one expert from compressed-tensors' fused packed NVFP4 tensors; the global
+    scale is a divisor there (see formats.py), canonical NVFP4 multiplies."""
+    i = spec.expert_intermediate
+    out = []
+    # (fused tensor, rows of it, column of a [E, 2] global scale: gate and up kept apart)
+    for matrix, rows, column in (("gate_up", slice(0, i), 0), ("gate_up", slice(i, 2 * i), 1),
+                                 ("down", slice(None), 0)):
+        base = f"layers.{layer}.mlp.experts.{matrix}_proj"
+        glob = get(base + "_global_scale").reshape(spec.num_experts, -1)[expert]  # [1] or [2]
+        glob = glob[column if glob.numel() == 2 else 0]
+        data = get(base + "_packed")[expert, rows]  # [O, I/2]
+        shape = (data.shape[0], data.shape[1] * 2)
+        out.append(QTensor(WeightFormat.NVFP4, shape, data, get(base + "_scale")[expert, rows],
+                           (1.0 / glob.to(torch.float32)).reshape(1)))
+    return out
 
 
 def _progress(total: int, enabled: bool):
@@ -335,6 +208,7 @@ def load_checkpoint(
     workers: int | None = None,
     host_memory_bytes: int | None = None,
     on_progress: ProgressCallback | None = None,
+    verify_weights: bool = False,
 ) -> LoadedCheckpoint:
     """Read a checkpoint directory. Experts go to a host bank (pinned on CUDA hosts unless
     `pin=False`; built lazily from the mapped files when `mmap=True`); dense weights go to
@@ -342,20 +216,15 @@ def load_checkpoint(
     `on_progress(phase, bytes_done, bytes_total)` follows "expert banks" (packed row bytes; no
     such phase with mmap=True, where rows are built on demand) then "dense weights" (bytes of
     the stored tensors read), per row and per tensor, from any thread but one call at a time.
+    `verify_weights` scans every stored value for NaN/Inf before allocating (scales always are).
+    Raises CheckpointFormatError naming the file and tensor (or config field) of any inconsistency.
     """
     model_dir = Path(path)
-    config, config_file = read_config(model_dir)
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    fmt = detect_format(config, config_file)
-    spec = spec_from_config(config, config_file, fmt)
-    files = SafetensorsFiles.open_dir(model_dir)
-    inv = take_inventory(files)
-    for kind, count in sorted(inv.ignored.items()):
-        log.info("%s: ignoring %d %s tensors", model_dir.name, count, kind)
-
-    float_dtype = check_experts(inv, spec, fmt)
-    check_zero_points(files, inv)
-    plan, skipped = dense_plan(inv, fmt)
+    checked = check_checkpoint(model_dir, verify_weights=verify_weights)
+    config, spec, files, inv, fmt = checked.config, checked.spec, checked.files, checked.inv, checked.fmt
+    float_dtype, plan, skipped = checked.float_dtype, checked.plan, checked.skipped
+    text_config = with_layer_types(
+        config.get("text_config") if isinstance(config.get("text_config"), dict) else config, spec)
     if skipped:
         log.info("%s: ignoring %d activation/kv scale tensors (e.g. %s)", model_dir.name, len(skipped), skipped[0])
     layout = ExpertLayout(fmt.fmt, spec.hidden_size, spec.expert_intermediate, float_dtype)
@@ -377,14 +246,15 @@ def load_checkpoint(
         bank = HostExpertBank(layout, spec.num_layers, spec.num_experts, rows)
         fill_bank(bank, build_row, workers or min(8, os.cpu_count() or 1), progress, on_progress)
 
-    sources = {name: dense_sources(inv, fmt, name, base) for name, base in plan.items()}
+    sources = {name: dense_sources(inv, disk, name) for name, disk in plan.items()}
     counter = PhaseCounter(PHASE_DENSE, sum(stored_bytes(e) for es in sources.values() for e in es), on_progress)
     dense: dict[str, torch.Tensor | QTensor] = {}
-    for name, base in plan.items():
-        if base is None:
+    for name, disk in plan.items():
+        if disk is None:
             dense[name] = files.get(inv.canon[name].name).to(device, copy=True)
         else:
-            q = read_weight(fmt, base, lambda n: files.get(inv.canon[n].name))
+            base = name[: -len(".weight")]
+            q = read_weight(disk, base, lambda n: files.get(inv.canon[n].name))
             dense[name] = q.to(device) if torch.device(device).type != "cpu" else _own(q)
         counter.add(sum(stored_bytes(e) for e in sources[name]))
     counter.check_valid()
@@ -392,7 +262,7 @@ def load_checkpoint(
     generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
     if not mmap:
         files.close()
-    ckpt = LoadedCheckpoint(spec, text_config, dense, bank, generation_config, model_dir, fmt.name)
+    ckpt = LoadedCheckpoint(spec, text_config, dense, bank, generation_config, model_dir, checked.format_name)
     ckpt.check_valid()
     return ckpt
 
@@ -401,11 +271,12 @@ def stored_bytes(entry: TensorEntry) -> int:
     return entry.end - entry.begin
 
 
-def dense_sources(inv: Inventory, fmt: OnDiskFormat, name: str, base: str | None) -> list[TensorEntry]:
+def dense_sources(inv: Inventory, disk: OnDiskFormat | None, name: str) -> list[TensorEntry]:
     """The stored tensors one dense weight is read from (data plus scales when quantized)."""
-    if base is None:
+    if disk is None:
         return [inv.canon[name]]
-    return [inv.canon[f"{base}.{s}"] for s in fmt.companion_suffixes if f"{base}.{s}" in inv.canon]
+    base = name[: -len(".weight")]
+    return [inv.canon[f"{base}.{s}"] for s in disk.companion_suffixes if f"{base}.{s}" in inv.canon]
 
 
 def _own(q: QTensor) -> QTensor:

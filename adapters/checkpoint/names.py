@@ -19,7 +19,10 @@ IGNORED_PREFIXES = {
 }
 
 PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(\w+)$")
-FUSED_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(?:\.weight)?$")
+# fused [E, ...] experts: plain (transformers) or compressed-tensors packed NVFP4 with its scales
+FUSED_EXPERT = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(\.weight|_packed|_scale|_global_scale|_input_global_scale)?$"
+)
 
 
 def ignored_kind(name: str) -> str | None:
@@ -45,7 +48,7 @@ class ExpertTensor:
     layer: int
     expert: int  # -1 for fused [E, ...] tensors
     matrix: str  # gate | up | down | gate_up (fused)
-    suffix: str  # weight, weight_scale_inv, ... ("weight" for fused)
+    suffix: str  # weight, weight_scale_inv, ...; fused: weight, packed, scale, global_scale, input_global_scale
 
 
 def parse_expert(canonical: str) -> ExpertTensor | None:
@@ -54,5 +57,5 @@ def parse_expert(canonical: str) -> ExpertTensor | None:
         return ExpertTensor(int(m.group(1)), int(m.group(2)), m.group(3), m.group(4))
     m = FUSED_EXPERT.match(canonical)
     if m:
-        return ExpertTensor(int(m.group(1)), -1, m.group(2), "weight")
+        return ExpertTensor(int(m.group(1)), -1, m.group(2), (m.group(3) or ".weight")[1:])
     return None

@@ -51,14 +51,18 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def _fp8_block(w: torch.Tensor) -> QTensor:
+def _fp8_block(w: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> QTensor:
+    """One scale per `block` (multiples of 128); the canonical scale repeats it per 128x128 tile."""
     rows, cols = w.shape
-    pr, pc = -rows % FP8_BLOCK, -cols % FP8_BLOCK
+    br, bc = block
+    pr, pc = -rows % br, -cols % bc
     padded = F.pad(w, (0, pc, 0, pr))  # [O', I']
-    blocks = padded.reshape(padded.shape[0] // FP8_BLOCK, FP8_BLOCK, padded.shape[1] // FP8_BLOCK, FP8_BLOCK)
-    scale = _safe(blocks.abs().amax(dim=(1, 3))) / FP8_MAX  # [O/128, I/128]
-    full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]  # [O, I]
-    return QTensor(WeightFormat.FP8_BLOCK, (rows, cols), to_fp8(w / full), scale.float())
+    blocks = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
+    scale = _safe(blocks.abs().amax(dim=(1, 3))) / FP8_MAX  # [O/br, I/bc]
+    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]  # [O, I]
+    tiles = scale.repeat_interleave(br // FP8_BLOCK, 0).repeat_interleave(bc // FP8_BLOCK, 1)
+    tiles = tiles[: -(-rows // FP8_BLOCK), : -(-cols // FP8_BLOCK)]  # [O/128, I/128]
+    return QTensor(WeightFormat.FP8_BLOCK, (rows, cols), to_fp8(w / full), tiles.float().contiguous())
 
 
 def _nvfp4(w: torch.Tensor) -> QTensor:
@@ -82,8 +86,10 @@ def _mxfp4(w: torch.Tensor) -> QTensor:
     return QTensor(WeightFormat.MXFP4, (rows, cols), pack_e2m1(codes), (exp + 127).to(torch.uint8))
 
 
-def quantize(w: torch.Tensor, fmt: WeightFormat, float_dtype: torch.dtype = torch.bfloat16) -> QTensor:
-    """Quantize a float weight [O, I] into the canonical QTensor of `fmt`."""
+def quantize(w: torch.Tensor, fmt: WeightFormat, float_dtype: torch.dtype = torch.bfloat16,
+             block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)) -> QTensor:
+    """Quantize a float weight [O, I] into the canonical QTensor of `fmt`; block FP8 uses one scale
+    per `block` (multiples of 128, as a producer with a larger block_structure would)."""
     if w.dim() != 2:
         raise ValueError(f"quantize expects a 2-D weight, got shape {tuple(w.shape)}")
     fmt = WeightFormat(fmt)
@@ -92,7 +98,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat, float_dtype: torch.dtype = torc
     if fmt == WeightFormat.BF16:
         return QTensor(fmt, (rows, cols), w.to(float_dtype))
     if fmt == WeightFormat.FP8_BLOCK:
-        return _fp8_block(w)
+        return _fp8_block(w, block)
     if fmt == WeightFormat.FP8_TENSOR:
         scale = (_safe(w.abs().amax()) / FP8_MAX).reshape(1, 1)
         return QTensor(fmt, (rows, cols), to_fp8(w / scale), scale)
@@ -128,6 +134,14 @@ def disk_tensors(q: QTensor, on_disk: str) -> dict[str, torch.Tensor]:
         return {"weight": q.data}
     if on_disk == "fp8_block":
         return {"weight": q.data, "weight_scale_inv": q.scale}
+    if on_disk == "fp8_block_ct":  # compressed-tensors block FP8 (block_structure [128, 128])
+        return {"weight": q.data, "weight_scale": q.scale}
+    if on_disk.startswith("fp8_block_ct@"):  # a larger block_structure, e.g. "@256x128": one scale per block
+        rows, cols = (int(b) // FP8_BLOCK for b in on_disk.split("@")[1].split("x"))
+        return {"weight": q.data, "weight_scale": q.scale[::rows, ::cols].contiguous()}
+    if on_disk == "fp8_pb_wo":  # ModelOpt FP8_PB_WO keeps the broadcast axes: [O/128, 1, I/128, 1]
+        rows, cols = q.scale.shape
+        return {"weight": q.data, "weight_scale": q.scale.reshape(rows, 1, cols, 1)}
     if on_disk == "fp8_tensor":  # ModelOpt FP8
         return {"weight": q.data, "weight_scale": q.scale.reshape(()), "input_scale": scalar(INPUT_SCALE)}
     if on_disk == "fp8_channel":  # compressed-tensors FP8_DYNAMIC: bf16 scale [O, 1]

@@ -44,29 +44,59 @@ class TensorEntry:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """(header dict, byte offset where tensor data starts)."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
             raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         (header_len,) = struct.unpack("<Q", raw_len)
+        if 8 + header_len > size:
+            raise ValueError(f"{path}: header says {header_len} bytes but the file has {size}: truncated or "
+                             f"not a safetensors file")
         try:
             header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header, 8 + header_len
 
 
 def read_entries(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor's entry, each checked against the file before anything is read: known dtype,
+    byte length = shape x element size, data inside the file, no two tensors sharing bytes.
+    A truncated download fails here naming the file and the first tensor cut off."""
     header, data_start = read_header(path)
+    size = path.stat().st_size
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        try:
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: tensor {name}: malformed header entry {info!r} ({e})") from None
         if dtype is None:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(name, path, dtype, tuple(info["shape"]), data_start + begin, data_start + end)
+        numel = 1
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"{path}: tensor {name} has a negative dimension in shape {shape}")
+            numel *= d
+        want = numel * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end or end - begin != want:
+            raise ValueError(f"{path}: tensor {name}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                             f"{info['dtype']} {list(shape)} needs {want}")
+        if data_start + end > size:
+            raise ValueError(f"{path}: tensor {name} ends at byte {data_start + end} but the file has {size} bytes "
+                             f"(truncated download?)")
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+    for (_, end_a, name_a), (begin_b, _, name_b) in zip(spans, spans[1:], strict=False):
+        if begin_b < end_a:
+            raise ValueError(f"{path}: tensors {name_a} and {name_b} overlap in the file")
     return entries
 
 

@@ -32,13 +32,11 @@ from adapters.checkpoint.synth_config import (
     config_json,
     generation_config,
     is_quantized_linear,
+    module_variant,
 )
 from domain.model_spec import WeightFormat
+from domain.quant_scheme import split_variant, variant_format
 
-CANONICAL_FORMAT = {"bf16": WeightFormat.BF16, "fp8_block": WeightFormat.FP8_BLOCK,
-                    "fp8_tensor": WeightFormat.FP8_TENSOR, "fp8_channel": WeightFormat.FP8_CHANNEL,
-                    "nvfp4_modelopt": WeightFormat.NVFP4, "nvfp4_ct": WeightFormat.NVFP4,
-                    "int8_quark": WeightFormat.INT8_CHANNEL, "mxfp4_ct": WeightFormat.MXFP4}
 WEIGHT_STD = 0.02
 DIRECT_THRESHOLD = 1024  # hidden sizes from here up draw quantized codes directly
 
@@ -206,21 +204,43 @@ class _TensorMaker:
 
     def __init__(self, g: Geometry, fmt: str, prefix: str, direct: bool, float_weights: dict | None):
         self.g, self.fmt, self.prefix, self.direct = g, fmt, prefix, direct
-        self.qfmt = CANONICAL_FORMAT[fmt]
         self.float_weights = float_weights
 
     def linear(self, canonical: str, shape: tuple[int, ...], quantized: bool, gen) -> list[tuple[str, torch.Tensor]]:
         base = self.prefix + canonical[: -len(".weight")]
         if not quantized:
             return [(self.prefix + canonical, init_tensor(shape, "linear", gen).bfloat16())]
-        if self.direct:
-            q = random_qtensor(self.qfmt, shape[0], shape[1], gen)
+        variant = module_variant(self.fmt, canonical)
+        block = split_variant(variant)[1] or (128, 128)
+        if self.direct:  # random scales are constant, so any block shape holds them
+            q = random_qtensor(variant_format(variant), shape[0], shape[1], gen)
         else:
             w = init_tensor(shape, "linear", gen)
             if self.float_weights is not None:
                 self.float_weights[base] = w
-            q = quantize(w, self.qfmt)
-        return [(f"{base}.{suffix}", t) for suffix, t in disk_tensors(q, self.fmt).items()]
+            q = quantize(w, variant_format(variant), block=block)
+        return [(f"{base}.{suffix}", t) for suffix, t in disk_tensors(q, variant).items()]
+
+    def fused_nvfp4_experts(self, layer: int, gen) -> list[tuple[str, torch.Tensor]]:
+        """compressed-tensors NVFP4 with fused experts: {gate_up,down}_proj_packed [E, O, I/2],
+        _scale e4m3 [E, O, I/16], _global_scale fp32 [E, 1] (a divisor; gate and up share one)."""
+        g, h, i = self.g, self.g.hidden_size, self.g.moe_intermediate_size
+        out = []
+        for matrix, shape in (("gate_up", (2 * i, h)), ("down", (h, i))):
+            qs = []
+            for e in range(g.num_experts):
+                if self.direct:
+                    qs.append(random_qtensor(WeightFormat.NVFP4, *shape, gen))
+                    continue
+                w = init_tensor(shape, "linear", gen)
+                if self.float_weights is not None:
+                    self.float_weights[f"{self.prefix}layers.{layer}.mlp.experts.{e}.{matrix}_proj"] = w
+                qs.append(quantize(w, WeightFormat.NVFP4))
+            p = f"{self.prefix}layers.{layer}.mlp.experts.{matrix}_proj"
+            out += [(p + "_packed", torch.stack([q.data for q in qs])),
+                    (p + "_scale", torch.stack([q.scale for q in qs])),
+                    (p + "_global_scale", torch.stack([1.0 / q.global_scale for q in qs]))]  # [E, 1]
+        return out
 
     def embeddings(self, gen) -> list[tuple[str, torch.Tensor]]:
         g = self.g
@@ -235,6 +255,8 @@ class _TensorMaker:
                 dtype = torch.float32 if init == "a_log" else torch.bfloat16
                 out.append((self.prefix + name, init_tensor(shape, init, gen).to(dtype)))
         h, i, p = g.hidden_size, g.moe_intermediate_size, f"layers.{layer}.mlp.experts"
+        if experts == "fused" and fmt == "nvfp4_ct":
+            return out + self.fused_nvfp4_experts(layer, gen)
         if experts == "fused":
             gate_up = (torch.randn(g.num_experts, 2 * i, h, generator=gen, device=gen.device)
                        * WEIGHT_STD).bfloat16()  # [E, 2I, H]
@@ -296,8 +318,8 @@ def synthesize(
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if experts not in ("per_expert", "fused"):
         raise ValueError(f"experts must be 'per_expert' or 'fused', got {experts!r}")
-    if experts == "fused" and fmt != "bf16":
-        raise ValueError("fused experts are written only in bf16 (no public quantized fused layout)")
+    if experts == "fused" and fmt not in ("bf16", "nvfp4_ct"):
+        raise ValueError("fused experts are written in bf16 or compressed-tensors nvfp4_ct only")
     if layout == "nested" and g.architecture != "qwen3_5_moe":
         layout = "flat"
     out = Path(out_dir)
@@ -338,7 +360,8 @@ def synthesize(
 
 
 def _check_divisible(g: Geometry, fmt: str) -> None:
-    group = {"nvfp4_modelopt": NVFP4_GROUP, "nvfp4_ct": NVFP4_GROUP, "mxfp4_ct": MXFP4_GROUP}.get(fmt)
+    group = {"nvfp4_modelopt": NVFP4_GROUP, "nvfp4_ct": NVFP4_GROUP, "mxfp4_ct": MXFP4_GROUP,
+             "mixed_modelopt": NVFP4_GROUP, "mixed_ct": NVFP4_GROUP}.get(fmt)
     if group and (g.hidden_size % group or g.moe_intermediate_size % group):
         raise ValueError(f"{fmt} needs hidden and intermediate sizes divisible by {group}")
 

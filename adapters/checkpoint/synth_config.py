@@ -11,7 +11,29 @@ from dataclasses import asdict, dataclass
 
 QWEN35_ENDOFTEXT, QWEN35_IM_START, QWEN35_IM_END = 248044, 248045, 248046
 
-FORMATS = ("bf16", "fp8_block", "fp8_tensor", "fp8_channel", "nvfp4_modelopt", "nvfp4_ct", "int8_quark", "mxfp4_ct")
+FORMATS = ("bf16", "fp8_block", "fp8_tensor", "fp8_channel", "nvfp4_modelopt", "nvfp4_ct", "int8_quark", "mxfp4_ct",
+           "fp8_pb_wo", "fp8_autofp8", "mixed_modelopt", "mixed_ct", "fp8_block_ct_256x128")
+
+# Formats whose modules are written in more than one on-disk variant, or under another name:
+# (routed experts' variant, variant of a dense module) as each producer publishes them.
+#   fp8_autofp8     AutoFP8 (quant_method "fp8", no weight_block_size): per-tensor FP8, static input scales
+#   mixed_modelopt  ModelOpt MIXED_PRECISION, like the vendor NVFP4 export of Qwen3.6-35B-A3B: NVFP4 experts,
+#                   FP8 full attention, and (to make dense formats differ per layer) NVFP4 GDN/shared expert
+#   mixed_ct        compressed-tensors "mixed-precision", like community NVFP4 exports: NVFP4 experts,
+#                   128x128 block FP8 everything else
+#   fp8_block_ct_256x128  compressed-tensors block FP8 with block_structure [256, 128]
+def module_variant(fmt: str, canonical: str) -> str:
+    """The on-disk variant the producer of `fmt` writes a quantized linear `canonical` in."""
+    expert = ".mlp.experts." in canonical
+    if fmt == "fp8_autofp8":
+        return "fp8_tensor"
+    if fmt == "mixed_modelopt":
+        return "fp8_tensor" if ".self_attn." in canonical else "nvfp4_modelopt"
+    if fmt == "mixed_ct":
+        return "nvfp4_ct" if expert else "fp8_block_ct"
+    if fmt == "fp8_block_ct_256x128":
+        return "fp8_block_ct@256x128"
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -131,9 +153,58 @@ def _exclusions(style: str, architecture: str) -> list[str]:
     return names  # Qwen fp8: substrings
 
 
-def quantization_config(fmt: str, architecture: str) -> dict | None:
+def _quantized_layers(g: Geometry, prefix: str) -> dict:
+    """ModelOpt MIXED_PRECISION's map: every quantized module by its full name -> its algo."""
+    algo = {"fp8_tensor": {"quant_algo": "FP8"}, "nvfp4_modelopt": {"quant_algo": "NVFP4", "group_size": 16}}
+    names = []
+    for layer, kind in enumerate(g.layer_types):
+        p = f"layers.{layer}."
+        if kind == "linear_attention":
+            names += [p + f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
+        else:
+            names += [p + f"self_attn.{m}_proj" for m in "qkvo"]
+        if g.architecture == "qwen3_5_moe" and g.shared_expert_intermediate_size:
+            names += [p + f"mlp.shared_expert.{m}_proj" for m in ("gate", "up", "down")]
+        names += [p + f"mlp.experts.{e}.{m}_proj" for e in range(g.num_experts) for m in ("gate", "up", "down")]
+    return {prefix + n: algo[module_variant("mixed_modelopt", n)] for n in names}
+
+
+def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, prefix: str = "model.") -> dict | None:
     if fmt == "bf16":
         return None
+    if fmt == "fp8_autofp8":  # AutoFP8's config.json: no weight_block_size
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    if fmt == "fp8_pb_wo":
+        return {"quant_method": "modelopt", "quant_algo": "FP8_PB_WO", "kv_cache_quant_algo": None,
+                "exclude_modules": _exclusions("glob", architecture),
+                "producer": {"name": "modelopt", "version": "0.37.0"}}
+    if fmt == "mixed_modelopt":
+        if g is None:
+            raise ValueError("mixed_modelopt needs the geometry (its config lists every quantized module)")
+        return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+                "quantized_layers": _quantized_layers(g, prefix),
+                "exclude_modules": _exclusions("glob", architecture),
+                "producer": {"name": "modelopt", "version": "0.37.0"}}
+    if fmt == "fp8_block_ct_256x128":
+        block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [256, 128],
+                 "group_size": None, "symmetric": True, "dynamic": False, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": block, "input_activations": None,
+                                              "output_activations": None, "format": "float-quantized"}},
+                "ignore": _exclusions("re", architecture), "kv_cache_scheme": None}
+    if fmt == "mixed_ct":
+        nvfp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False, "observer": "minmax"}
+        block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                 "group_size": None, "symmetric": True, "dynamic": False, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "mixed-precision", "quantization_status": "compressed",
+                "config_groups": {
+                    "group_0": {"targets": ["re:.*mlp[.]experts.*"], "weights": nvfp4, "input_activations": None,
+                                "output_activations": None, "format": "nvfp4-pack-quantized"},
+                    "group_1": {"targets": ["Linear"], "weights": block, "input_activations": {
+                        "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True,
+                        "symmetric": True}, "output_activations": None, "format": "float-quantized"}},
+                "ignore": _exclusions("re", architecture), "kv_cache_scheme": None}
     if fmt == "fp8_block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [128, 128], "modules_to_not_convert": _exclusions("sub", architecture)}
@@ -182,7 +253,8 @@ def quantization_config(fmt: str, architecture: str) -> dict | None:
 
 def config_json(g: Geometry, fmt: str, layout: str) -> dict:
     text = text_config(g)
-    qc = quantization_config(fmt, g.architecture)
+    prefix = "model.language_model." if layout == "nested" and g.architecture == "qwen3_5_moe" else "model."
+    qc = quantization_config(fmt, g.architecture, g, prefix)
     if layout == "flat":
         arch = "Qwen3_5MoeForCausalLM" if g.architecture == "qwen3_5_moe" else "Qwen3MoeForCausalLM"
         cfg = {"architectures": [arch], **text}

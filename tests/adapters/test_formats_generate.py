@@ -15,6 +15,7 @@ from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES
 from adapters.torch_exec.executor import TorchExecutor
 from domain.ports import SequenceWork, StepBatch
+from tests.adapters.test_quant_formats import FORMAT_NAME
 from tests.adapters.torch_exec_models import GREEDY, assert_close, hf_greedy, make_plan, pages_for
 
 transformers = pytest.importorskip("transformers")
@@ -66,7 +67,7 @@ def our_greedy(ckpt: LoadedCheckpoint, prompt: list[int], steps: int):
 def test_format_generates_like_transformers_on_dequantized_weights(fmt, tmp_path):
     ckpt = load_checkpoint(synthesize(tmp_path, GEOMETRY["qwen3_5_moe"], fmt, seed=11, tokenizer=False),
                            progress=False)
-    assert ckpt.format_name == fmt
+    assert ckpt.format_name == FORMAT_NAME.get(fmt, fmt)
     if fmt != "bf16":  # the executor really receives quantized weights
         assert isinstance(ckpt.dense["layers.3.self_attn.q_proj.weight"], QTensor)
     model = hf_model_from(ckpt)
@@ -88,3 +89,35 @@ def test_second_architecture_in_quantized_formats(fmt, tmp_path):
     _, _, ref_tokens = hf_greedy(model, prompt, DECODE_STEPS)
     tokens, _ = our_greedy(ckpt, prompt, DECODE_STEPS)
     assert tokens == ref_tokens
+
+
+def _generate_and_compare(ckpt: LoadedCheckpoint, what: str) -> None:
+    model = hf_model_from(ckpt)
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
+    _, ref_logits, ref_tokens = hf_greedy(model, prompt, DECODE_STEPS)
+    tokens, logits = our_greedy(ckpt, prompt, DECODE_STEPS)
+    for step, (ours, ref) in enumerate(zip(logits, ref_logits, strict=True)):
+        assert_close(ours, ref, f"{what} decode step {step}")
+    assert tokens == ref_tokens and len(set(tokens)) > 1
+
+
+def test_compressed_tensors_nvfp4_fused_packed_experts_generate_like_transformers(tmp_path):
+    """`mlp.experts.gate_up_proj_packed` / `down_proj_packed` with their scales, split per expert at load."""
+    out = synthesize(tmp_path, GEOMETRY["qwen3_5_moe"], "nvfp4_ct", seed=13, tokenizer=False, experts="fused")
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.experts.layout.fmt.value == "nvfp4" and ckpt.format_name == "nvfp4_ct"
+    _generate_and_compare(ckpt, "fused nvfp4_ct")
+
+
+def test_config_with_only_full_attention_interval_generates_like_transformers(tmp_path):
+    """No `layer_types`: the kinds are derived once (domain) and the executor reads the same ones."""
+    import json
+
+    out = synthesize(tmp_path, dataclasses.replace(GEOMETRY["qwen3_5_moe"], full_attention_interval=2), "bf16",
+                     seed=14, tokenizer=False)
+    config = json.loads((out / "config.json").read_text())
+    del config["text_config"]["layer_types"]
+    (out / "config.json").write_text(json.dumps(config))
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.text_config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    _generate_and_compare(ckpt, "derived layer_types")

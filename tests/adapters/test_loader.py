@@ -144,7 +144,7 @@ def test_mtp_and_vision_tensors_are_ignored_with_a_log_line(q35_dir, tmp_path, c
         return tensors
 
     dst = rewrite(q35_dir, tmp_path / "extras", add_extras)
-    with caplog.at_level("INFO", logger="adapters.checkpoint.loader"):
+    with caplog.at_level("INFO", logger="adapters.checkpoint"):
         ckpt = load_checkpoint(dst, progress=False)
     assert not any("mtp" in n or "visual" in n for n in ckpt.dense)
     assert "ignoring 2 mtp tensors" in caplog.text and "ignoring 1 vision tensors" in caplog.text

@@ -14,9 +14,10 @@ from adapters.checkpoint.formats import ON_DISK_FORMATS, read_weight
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.quant import E2M1_VALUES, QTensor, dequantize, qlinear
 from adapters.checkpoint.quantize import quantize
-from adapters.checkpoint.synth import CANONICAL_FORMAT, random_qtensor, synthesize
-from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES
+from adapters.checkpoint.synth import random_qtensor, synthesize
+from adapters.checkpoint.synth_config import FORMATS, GEOMETRIES, module_variant
 from domain.model_spec import WeightFormat, matrix_bytes
+from domain.quant_scheme import variant_format
 
 F = WeightFormat
 # relative Frobenius error of quantizing N(0, 1) weights
@@ -77,6 +78,12 @@ def test_compressed_tensors_global_scale_is_a_divisor():
     assert torch.equal(dequantize(ct), dequantize(q)) and torch.equal(dequantize(mo), dequantize(q))
 
 
+# load_checkpoint's format_name where it is not the synth format's own name
+FORMAT_NAME = {"fp8_autofp8": "fp8_tensor", "fp8_block_ct_256x128": "fp8_block_ct@256x128",
+               "mixed_modelopt": "mixed: experts nvfp4_modelopt, dense fp8_tensor+nvfp4_modelopt",
+               "mixed_ct": "mixed: experts nvfp4_ct, dense fp8_block_ct"}
+
+
 def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
     """Plain per-element decoding of each producer's published layout, independent of quant.py."""
     if on_disk == "bf16":
@@ -94,8 +101,11 @@ def reference_dequant(t: dict[str, torch.Tensor], on_disk: str) -> torch.Tensor:
         g = t["weight_scale_2"] if on_disk == "nvfp4_modelopt" else 1.0 / t["weight_global_scale"]
         return vals * s * g
     w = t["weight"].float()
-    if on_disk == "fp8_block":
-        s = t["weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    if on_disk.startswith(("fp8_block", "fp8_pb_wo")):
+        s = t["weight_scale_inv" if on_disk == "fp8_block" else "weight_scale"]
+        s = s[:, 0, :, 0] if on_disk == "fp8_pb_wo" else s  # [O/128, 1, I/128, 1]: broadcast axes
+        rows, cols = (int(b) for b in on_disk.split("@")[1].split("x")) if "@" in on_disk else (128, 128)
+        s = s.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
         return w * s[: w.shape[0], : w.shape[1]]
     scale = t["weight_scale"].float()
     return w * (scale if scale.dim() == 0 else scale.reshape(-1, 1))
@@ -122,25 +132,45 @@ def _on_disk(out, base: str) -> dict[str, torch.Tensor]:
 def test_synth_load_round_trip_matches_reference(synthesized):
     fmt, out, floats = synthesized
     ckpt = load_checkpoint(out, progress=False)
-    assert ckpt.format_name == fmt and ckpt.experts.layout.fmt == CANONICAL_FORMAT[fmt]
+    expert_variant = module_variant(fmt, "layers.0.mlp.experts.0.gate_proj.weight")
+    assert ckpt.format_name == FORMAT_NAME.get(fmt, fmt)
+    assert ckpt.experts.layout.fmt == variant_format(expert_variant)
     assert len(list(out.glob("model-*.safetensors"))) > 1  # sharded with an index
     for layer, expert, matrix in [(0, 0, "gate"), (1, 5, "up"), (3, 7, "down")]:
         base = f"model.language_model.layers.{layer}.mlp.experts.{expert}.{matrix}_proj"
         q = getattr(ckpt.experts.weights(layer, expert), matrix)
-        ref = reference_dequant(_on_disk(out, base), fmt)
+        ref = reference_dequant(_on_disk(out, base), expert_variant)
         torch.testing.assert_close(dequantize(q), ref, rtol=1e-6, atol=1e-9)
         if fmt != "bf16":
             assert rel_err(dequantize(q), floats[base]) < TOLERANCE[q.fmt]
         x = torch.randn(4, q.shape[1])
         torch.testing.assert_close(qlinear(x, q), x @ ref.T, rtol=1e-4, atol=1e-5)
-    dense_base = "model.language_model.layers.3.self_attn.q_proj"
-    dense = ckpt.dense["layers.3.self_attn.q_proj.weight"]
-    if fmt == "bf16":
-        assert isinstance(dense, torch.Tensor)
-    else:
-        assert isinstance(dense, QTensor) and dense.fmt == CANONICAL_FORMAT[fmt]
-        torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), fmt))
+    for dense_name in ("layers.3.self_attn.q_proj", "layers.0.linear_attn.out_proj"):  # formats may differ per layer
+        dense_base = "model.language_model." + dense_name
+        dense = ckpt.dense[dense_name + ".weight"]
+        variant = module_variant(fmt, dense_name + ".weight")
+        if fmt == "bf16":
+            assert isinstance(dense, torch.Tensor)
+        else:
+            assert isinstance(dense, QTensor) and dense.fmt == variant_format(variant)
+            torch.testing.assert_close(dequantize(dense), reference_dequant(_on_disk(out, dense_base), variant))
+            assert rel_err(dequantize(dense), floats[dense_base]) < TOLERANCE[dense.fmt]
     assert isinstance(ckpt.dense["layers.0.mlp.gate.weight"], torch.Tensor)  # routers stay bf16
+
+
+def test_planner_and_loader_agree_on_formats(synthesized):
+    """One detector: the planner's spec (config.json only) has the bank's expert format, and its dense
+    format never costs less than any dense module as loaded (mixed layouts: the widest)."""
+    from domain.model_spec import ModelSpec
+
+    fmt, out, _ = synthesized
+    planned = ModelSpec.from_hf_config(json.loads((out / "config.json").read_text()))
+    ckpt = load_checkpoint(out, progress=False, mmap=True)
+    assert planned == ckpt.spec and planned.expert_format == ckpt.experts.layout.fmt
+    quantized = [w for w in ckpt.dense.values() if isinstance(w, QTensor)]
+    assert all(matrix_bytes(planned.dense_format, 256, 256) >= matrix_bytes(q.fmt, 256, 256) for q in quantized)
+    assert {q.fmt for q in quantized} == (set() if fmt == "bf16" else {planned.dense_format} if fmt != "mixed_modelopt"
+                                          else {F.FP8_TENSOR, F.NVFP4})
 
 
 @pytest.mark.parametrize("fmt", list(F))
@@ -168,3 +198,19 @@ def test_transformers_dequantizes_our_block_fp8_identically(tmp_path):
         assert torch.equal(theirs["model." + name].float(), dequantize(ours[name]))
         checked += 1
     assert checked == 3
+
+
+def test_modelopt_mixed_precision_from_the_hf_quant_config_side_file(tmp_path):
+    """Older ModelOpt exports keep {"producer", "quantization": {"quant_algo": "MIXED_PRECISION",
+    "quantized_layers": ...}} in hf_quant_config.json instead of config.json."""
+    out = synthesize(tmp_path / "m", TINY, "mixed_modelopt", seed=3, tokenizer=False)
+    reference = load_checkpoint(out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    side = {"producer": qc.pop("producer"), "quantization": {k: v for k, v in qc.items() if k != "quant_method"}}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "hf_quant_config.json").write_text(json.dumps(side))
+    ckpt = load_checkpoint(out, progress=False)
+    assert ckpt.format_name == reference.format_name == FORMAT_NAME["mixed_modelopt"]
+    assert torch.equal(ckpt.experts.row(2, 1), reference.experts.row(2, 1))
+    assert ckpt.dense["layers.3.self_attn.q_proj.weight"].fmt == F.FP8_TENSOR

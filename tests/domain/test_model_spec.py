@@ -149,7 +149,11 @@ def test_unknown_model_type_names_the_field():
      WeightFormat.FP8_TENSOR),
     ({"quant_method": "quark", "global_quant_config": {
         "weight": {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0}}}, WeightFormat.INT8_CHANNEL),
-    ({"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}, WeightFormat.MXFP4),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, WeightFormat.FP8_TENSOR),
+    ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, WeightFormat.FP8_BLOCK),
+    ({"quant_method": "fp8", "weight_block_size": [256, 128]}, WeightFormat.FP8_BLOCK),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 384]}}}}, WeightFormat.FP8_BLOCK),
 ])
 def test_format_detection(quant, fmt):
     assert weight_format_from_quant_config(quant) is fmt
@@ -162,6 +166,14 @@ def test_format_detection(quant, fmt):
     ({"quant_method": "gptq", "bits": 4}, "quant_method"),
     ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 192]}, "weight_block_size"),
+    ({"quant_method": "mxfp4"}, "quant_method"),  # gpt-oss layout: the loader cannot read it, so neither plans it
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}}}},
+     "config_groups.g.weights.block_structure"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "quantized_layers"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.self_attn.q_proj": {"quant_algo": "INT4_AWQ"}}}, "quantized_layers.model.layers.0"),
     ({"quant_method": "compressed-tensors", "config_groups": {
         "g": {"weights": {"num_bits": 4, "type": "int", "group_size": 128}}}}, "config_groups.g.weights"),
     ({"quant_method": "compressed-tensors"}, "config_groups"),
@@ -181,3 +193,56 @@ def test_bad_geometry_is_refused():
         ModelSpec(**{**base, "architecture": "llama"})
     with pytest.raises(ValueError, match="linear_num_value_heads"):
         ModelSpec(**{**base, "linear_num_value_heads": 0})
+
+
+# ---- per-module schemes (mixed precision) --------------------------------------------------------
+NVFP4_W = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+BLOCK_W = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+
+
+def test_modelopt_mixed_precision_experts_nvfp4_attention_fp8():
+    from domain.quant_scheme import detect_quant_scheme
+
+    quant = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4", "group_size": 16},
+        "model.layers.0.mlp.experts.0.down_proj": {"quant_algo": "NVFP4", "group_size": 16},
+        "model.layers.3.self_attn.q_proj": {"quant_algo": "FP8"},
+    }}
+    scheme = detect_quant_scheme(quant)
+    assert scheme.variant_for("model.language_model.layers.3.self_attn.q_proj") == "fp8_tensor"
+    assert scheme.variant_for("layers.0.mlp.experts.0.gate_proj") == "nvfp4_modelopt"
+    assert scheme.variant_for("layers.3.self_attn.k_proj") == "bf16"  # not listed: unquantized
+    spec = ModelSpec.from_hf_config({**Qwen3_5MoeTextConfig().to_dict(), "quantization_config": quant})
+    assert spec.expert_format is WeightFormat.NVFP4 and spec.dense_format is WeightFormat.FP8_TENSOR
+
+
+def test_compressed_tensors_mixed_groups_pick_by_target():
+    from domain.quant_scheme import detect_quant_scheme
+
+    quant = {"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
+        "group_0": {"targets": ["re:.*mlp\\.experts.*"], "weights": NVFP4_W, "format": "nvfp4-pack-quantized"},
+        "group_1": {"targets": ["Linear"], "weights": BLOCK_W, "format": "float-quantized"}}}
+    scheme = detect_quant_scheme(quant)
+    assert scheme.variant_for("model.language_model.layers.1.mlp.experts.5.up_proj") == "nvfp4_ct"
+    assert scheme.variant_for("model.language_model.layers.1.linear_attn.out_proj") == "fp8_block_ct"
+    assert weight_format_from_quant_config(quant) is WeightFormat.NVFP4
+
+
+def test_experts_in_two_formats_are_refused():
+    quant = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+        "model.layers.0.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4"},
+        "model.layers.1.mlp.experts.0.gate_proj": {"quant_algo": "FP8"}}}
+    with pytest.raises(ValueError, match="experts of one model must share one format"):
+        weight_format_from_quant_config(quant)
+
+
+def test_block_shape_is_read_into_the_variant():
+    from domain.quant_scheme import detect_quant_scheme, split_variant
+
+    block = {"num_bits": 8, "type": "float", "strategy": "block"}
+    ct = lambda shape: {"quant_method": "compressed-tensors", "config_groups": {  # noqa: E731
+        "g": {"weights": {**block, "block_structure": shape}}}}
+    assert detect_quant_scheme(ct([128, 128])).expert_variant() == "fp8_block_ct"
+    assert split_variant(detect_quant_scheme(ct([256, 128])).expert_variant()) == ("fp8_block_ct", (256, 128))
+    with pytest.raises(ValueError, match=r"block_structure=None: block FP8 needs block dimensions"):
+        detect_quant_scheme(ct(None))

@@ -1,0 +1,254 @@
+"""Bad files fail at load, naming file and tensor, before the bank is allocated: truncated or
+malformed shards, tensors whose shape disagrees with config.json, non-finite or zero-divisor scales,
+NaN weights (behind verify_weights / `ft check`), a missing untied lm_head, experts in two formats."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import adapters.checkpoint.loader as loader
+from adapters.checkpoint.formats import CheckpointFormatError
+from adapters.checkpoint.synth import synthesize
+from adapters.checkpoint.synth_config import GEOMETRIES
+from app.cli import main as ft_main
+from app.containers import Container
+from tests.adapters.test_loader_errors import copy_with
+from tests.app.conftest import start_server
+
+TINY = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256, num_hidden_layers=4, num_experts=4)
+P = "model.language_model."
+Q_PROJ = P + "layers.3.self_attn.q_proj"
+EXPERT = P + "layers.1.mlp.experts.2.down_proj"
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {fmt: synthesize(root / fmt, TINY, fmt, seed=1, tokenizer=False, shard_bytes=1 << 30)
+            for fmt in ("bf16", "nvfp4_modelopt", "nvfp4_ct", "mixed_modelopt")}
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("bank allocated before the checkpoint was validated")
+
+    monkeypatch.setattr(loader, "allocate_rows", refuse)
+
+
+def load(path: Path, **kw):
+    return loader.load_checkpoint(path, progress=False, **kw)
+
+
+# ---- truncated and malformed shards ------------------------------------------------------------
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_truncated_shard_names_file_and_tensor(sources, tmp_path, no_allocation, mmap):
+    dst = copy_with(sources["bf16"], tmp_path / "c")
+    os.truncate(dst / "model.safetensors", (dst / "model.safetensors").stat().st_size - 4096)
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: tensor \S+ ends at byte \d+ but the "
+                                                    r"file has \d+ bytes \(truncated"):
+        load(dst, mmap=mmap)  # mmap used to load, say ok on /health, and fail the first request
+
+
+def test_file_shorter_than_its_header(sources, tmp_path, no_allocation):
+    dst = copy_with(sources["bf16"], tmp_path / "c")
+    os.truncate(dst / "model.safetensors", 100)
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: header says \d+ bytes but the file has 100"):
+        load(dst)
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))  # same length: the data offsets stay where they were
+    assert len(text) == n
+    path.write_bytes(raw[:8] + text + raw[8 + n:])
+
+
+def test_offsets_disagreeing_with_shape_and_overlapping_tensors(sources, tmp_path, no_allocation):
+    dst = copy_with(sources["bf16"], tmp_path / "c")
+    name = Q_PROJ + ".weight"
+    _rewrite_header(dst / "model.safetensors", lambda h: h[name].update(shape=[h[name]["shape"][0] - 1,
+                                                                              h[name]["shape"][1]]))
+    with pytest.raises(CheckpointFormatError, match=rf"model\.safetensors: tensor {name}: data_offsets .* needs"):
+        load(dst)
+    dst = copy_with(sources["bf16"], tmp_path / "d")
+
+    def overlap(h):
+        a, b = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])[:2]
+        size = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+        h[b]["data_offsets"] = [h[a]["data_offsets"][0], h[a]["data_offsets"][0] + size]
+
+    _rewrite_header(dst / "model.safetensors", overlap)
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors: tensors \S+ and \S+ overlap"):
+        load(dst)
+
+
+# ---- shapes against the config -----------------------------------------------------------------
+
+def test_dense_tensor_one_row_short_names_file_and_tensor(sources, tmp_path, no_allocation):
+    dst = copy_with(sources["bf16"], tmp_path / "c",
+                    edit_tensors=lambda t: t.update({Q_PROJ + ".weight": t[Q_PROJ + ".weight"][:-1].clone()}))
+    with pytest.raises(CheckpointFormatError, match=rf"{Q_PROJ}\.weight in model\.safetensors: shape \(255, 160\), "
+                                                    r"expected \(256, 160\) from config\.json"):
+        load(dst)
+
+
+def test_quantized_dense_tensor_with_wrong_shape(sources, tmp_path, no_allocation):
+    def short(t):
+        for suffix in ("weight", "weight_scale"):
+            t[f"{Q_PROJ}.{suffix}"] = t[f"{Q_PROJ}.{suffix}"][:-1].clone()
+
+    dst = copy_with(sources["nvfp4_modelopt"], tmp_path / "c", edit_tensors=short)
+    with pytest.raises(CheckpointFormatError, match=r"q_proj\.weight in model\.safetensors: logical shape "
+                                                    r"\(255, 160\), expected \(256, 160\)"):
+        load(dst)
+
+
+def test_missing_dense_tensor_and_norm_of_wrong_length(sources, tmp_path, no_allocation):
+    name = P + "layers.0.linear_attn.A_log"
+    dst = copy_with(sources["bf16"], tmp_path / "c", edit_tensors=lambda t: t.pop(name))
+    with pytest.raises(CheckpointFormatError, match=r"missing tensor layers\.0\.linear_attn\.A_log \(shape \(4,\)"):
+        load(dst)
+    norm = P + "norm.weight"
+    dst = copy_with(sources["bf16"], tmp_path / "d", edit_tensors=lambda t: t.update({norm: t[norm][:-2].clone()}))
+    with pytest.raises(CheckpointFormatError, match=rf"{norm} in model\.safetensors: shape \(158,\), expected \(160,\)"):
+        load(dst)
+
+
+def test_untied_checkpoint_without_lm_head_is_refused(sources, tmp_path, no_allocation):
+    dst = copy_with(sources["bf16"], tmp_path / "c", edit_tensors=lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointFormatError, match=r"missing tensor lm_head\.weight: config\.json has "
+                                                    r"tie_word_embeddings false"):
+        load(dst)
+
+
+# ---- values -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, suffix, value", [
+    ("nvfp4_modelopt", "weight_scale_2", float("nan")),
+    ("nvfp4_modelopt", "weight_scale", float("nan")),  # e4m3 (no infinities): the S.1111.111 code
+    ("nvfp4_ct", "weight_global_scale", 0.0),  # a divisor: 1/0
+    ("nvfp4_ct", "weight_scale", -1.0),
+])
+@pytest.mark.parametrize("where", [EXPERT, Q_PROJ])
+def test_bad_scales_are_refused_naming_tensor(sources, tmp_path, no_allocation, fmt, suffix, value, where):
+    def poison(t):
+        name = f"{where}.{suffix}"
+        bad = t[name].float().clone()
+        bad.view(-1)[0] = value
+        t[name] = bad.to(t[name].dtype)
+
+    dst = copy_with(sources[fmt], tmp_path / "c", edit_tensors=poison)
+    with pytest.raises(CheckpointFormatError, match=rf"{where}\.{suffix} in model\.safetensors: 1 non-finite, "
+                                                    r"negative or zero-divisor scale"):
+        load(dst)
+
+
+def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_path, capsys):
+    def poison(t):
+        t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
+        t[Q_PROJ + ".weight"][3, 5] = float("nan")
+
+    dst = copy_with(sources["bf16"], tmp_path / "c", edit_tensors=poison)
+    load(dst)  # without the scan the values are not read before serving (documented cost trade-off)
+    with pytest.raises(CheckpointFormatError, match=rf"{Q_PROJ}\.weight in model\.safetensors: 1 NaN/Inf value\(s\), "
+                                                    r"first nan at index \(3, 5\)"):
+        load(dst, verify_weights=True)
+    assert ft_main(["check", str(dst)]) == 1
+    assert f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in capsys.readouterr().err
+    assert ft_main(["check", str(sources["mixed_modelopt"])]) == 0
+    assert "format mixed: experts nvfp4_modelopt" in capsys.readouterr().out
+
+
+def test_nan_fp8_code_in_expert_found_by_scan(tmp_path):
+    src = synthesize(tmp_path / "s", TINY, "mixed_modelopt", seed=2, tokenizer=False)
+    name = P + "layers.3.self_attn.k_proj.weight"  # FP8 in the mixed layout
+
+    def poison(t):
+        raw = t[name].clone().view(torch.uint8)
+        raw[0, 0] = 0x7F  # e4m3fn NaN
+        t[name] = raw.view(torch.float8_e4m3fn)
+
+    dst = copy_with(src, tmp_path / "c", edit_tensors=poison)
+    with pytest.raises(CheckpointFormatError, match=rf"{name} in model\.safetensors: 1 NaN/Inf"):
+        load(dst, verify_weights=True)
+
+
+# ---- formats the config gives the experts ---------------------------------------------------------
+
+def test_experts_in_two_formats_refused_naming_the_module(sources, tmp_path, no_allocation):
+    key = P + "layers.2.mlp.experts.1.up_proj"
+    dst = copy_with(sources["mixed_modelopt"], tmp_path / "c", edit_config=lambda c: c["quantization_config"][
+        "quantized_layers"].update({key: {"quant_algo": "FP8"}}))
+    with pytest.raises(CheckpointFormatError, match=r"config\.json: modelopt MIXED_PRECISION: routed experts use "
+                                                    r"several formats.*experts of one model must share one format"):
+        load(dst)
+
+
+def test_expert_left_out_of_the_mixed_map_is_refused(sources, tmp_path, no_allocation):
+    key = P + "layers.2.mlp.experts.1.up_proj"
+    dst = copy_with(sources["mixed_modelopt"], tmp_path / "c",
+                    edit_config=lambda c: c["quantization_config"]["quantized_layers"].pop(key))
+    with pytest.raises(CheckpointFormatError, match=r"layers\.2\.mlp\.experts\.1\.up_proj: modelopt MIXED_PRECISION "
+                                                    r"gives it bf16 .* routed experts are nvfp4_modelopt"):
+        load(dst)
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+def test_load_error_puts_health_into_error_and_keeps_answering(sources, tmp_path):
+    dst = copy_with(sources["bf16"], tmp_path / "c")
+    os.truncate(dst / "model.safetensors", (dst / "model.safetensors").stat().st_size - 4096)
+    (dst / "tokenizer.json").write_text("{}")  # never read: the load fails first
+    srv = start_server(Container(), wait=False, model_dir=str(dst), mmap_experts=True, gpu_budget_gib=0.5,
+                       kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        for _ in range(2):  # still answering after the failure
+            body = httpx.get(srv.base_url + "/health", timeout=5).json()
+            assert body["status"] == "error"
+            assert "model.safetensors: tensor" in body["error"] and "truncated" in body["error"]
+    finally:
+        srv.stop()
+
+
+def test_serve_verify_weights_refuses_a_nan_weight_on_health(sources, tmp_path):
+    def poison(t):
+        t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
+        t[Q_PROJ + ".weight"][0, 0] = float("inf")
+
+    dst = copy_with(sources["bf16"], tmp_path / "c", edit_tensors=poison)
+    srv = start_server(Container(), wait=False, model_dir=str(dst), verify_weights=True, gpu_budget_gib=0.5,
+                       kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        body = httpx.get(srv.base_url + "/health", timeout=5).json()
+        assert body["status"] == "error" and f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in body["error"]
+    finally:
+        srv.stop()
+
+
+def test_ft_serve_has_verify_weights_and_ft_check_reports_missing_dir(tmp_path, capsys):
+    import argparse
+
+    from app.cli import _add_serve
+
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--verify-weights"]).verify_weights is True
+    assert parser.parse_args(["serve"]).verify_weights is False
+    assert ft_main(["check", str(tmp_path / "nowhere")]) == 1
+    assert "no config.json" in capsys.readouterr().err
