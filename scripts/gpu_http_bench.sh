@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The fast path measured through the HTTP API on a CUDA host (the customer's method, ft bench):
+# 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
+#    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
+# 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1 and 4).
+# Records land in $OUT. Needs the serving wheels in .whl/ on the lent H200 image (see gpu_suite.sh).
+set -uo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+CKPT=${CKPT:-/tmp/qwen36-fp8}
+[ -f "$CKPT/config.json" ] || timeout 120 python3 -m app synth --out "$CKPT" --geometry ${GEOMETRY:-qwen3.6-35b-a3b} \
+  --format fp8_block --device ${DEVICE:-cuda} 2>&1 | tail -2
+
+serve() {  # serve PORT LOG ARGS... ; waits for /health ok (or gives up)
+  local port=$1 log=$2; shift 2
+  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} --port "$port" "$@" >"$log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 150); do
+    if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null; then
+      echo "server on $port ready after ${SECONDS}s"; return 0; fi
+    kill -0 $SERVER 2>/dev/null || { echo "server on $port died"; tail -20 "$log"; return 1; }
+    sleep 2
+  done
+  echo "server on $port not ready"; tail -20 "$log"; return 1
+}
+
+SECONDS=0
+if serve 8101 "$OUT/serve_resident.log" --gpu-budget-gib 130 --kv-tokens 64k --max-running-requests 16; then
+  timeout 200 python3 -m app bench ladder --base-url http://127.0.0.1:8101 --model-dir "$CKPT" --quiet \
+    --out "$OUT/ladder_resident.json" 2>&1 | tail -15
+  kill $SERVER; wait $SERVER 2>/dev/null
+fi
+if serve 8102 "$OUT/serve_24gib.log" --gpu-budget-gib 24 --kv-tokens 8k --max-running-requests 4; then
+  timeout 200 python3 -m app bench sweep --base-url http://127.0.0.1:8102 --model-dir "$CKPT" --quiet \
+    --kv 8k,64k --batch 1,4 --out "$OUT/sweep_24gib.json" 2>&1 | tail -15
+  kill $SERVER; wait $SERVER 2>/dev/null
+fi
+grep -h -E "captured|Error|error" "$OUT"/serve_*.log | head -10
