@@ -83,10 +83,14 @@ class DeviceResidency:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceLookup(empty, empty, empty, empty)
         valid = keys >= 0  # [n]
-        # first occurrence of each key in request order (duplicates collapse like dict.fromkeys)
-        idx = torch.arange(n, device=self.device)
-        same = (keys[:, None] == keys[None, :]) & (idx[None, :] < idx[:, None])  # [n, n] j < i, same key
-        distinct = valid & ~same.any(dim=1)  # [n]
+        # first occurrence of each key in request order (duplicates collapse like dict.fromkeys): a stable
+        # sort puts equal keys together, earliest first; O(n log n), so prefill-sized lookups stay cheap
+        ordered, order = torch.sort(keys, stable=True)  # [n]
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        distinct = torch.zeros_like(first)
+        distinct[order] = first
+        distinct &= valid  # [n]
         safe = torch.where(valid, keys, sink_key)  # [n]
         slot_before = self.slot_of_key[safe]  # [n]
         hit = distinct & (slot_before >= 0)  # [n]

@@ -14,6 +14,7 @@ from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.moe_sum import moe_sum
+from adapters.kernels.residency_lookup import MAX_KEYS
 
 
 class DeviceExpertPool:
@@ -98,7 +99,7 @@ class DeviceExpertPool:
         residency decisions. Otherwise (long prefill chunks on a small pool) the layer's experts go in
         groups of S with a host sync per group.
         """
-        if ids.numel() <= self.num_slots:  # one kernel: lookup, table updates, miss list, slot ids
+        if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
@@ -106,6 +107,12 @@ class DeviceExpertPool:
             slot_ids, weights = self._with_shared(layer, slot_ids, weights, shared_weight)
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
+        if flat.numel() <= self.num_slots:  # a prefill chunk whose keys fit: tensor ops, no host sync
+            big = torch.iinfo(torch.int64).max
+            ordered = torch.sort(torch.where(flat < 0, big, flat)).values  # ascending, as the reference asks
+            self._fetch(torch.where(ordered == big, -1, ordered))
+            slot_ids, weights = self._with_shared(layer, self._slot_ids(flat, ids.shape), weights, shared_weight)
+            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
         # NOTE: each group fills its (token, k) partials; one ordered sum at the end makes the result
         # bitwise the same as the one-launch path, whatever the pool size

@@ -21,6 +21,10 @@ import triton
 import triton.language as tl
 
 MAX_STAMP = tl.constexpr(2**62)
+# NOTE: the kernel compares every key with every other in one program ([n, n] in registers): right for
+# decode steps (n = rows x top-k <= 16 x 8 here), ruinous for prefill chunks (n in the thousands), which
+# take the torch path (DeviceResidency.lookup_flat) instead.
+MAX_KEYS = 256
 
 
 @triton.jit
@@ -108,6 +112,7 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
     assert fill_keys.shape == fill_slots.shape == (n,), f"fill lists must be [{n}]"
     assert slot_ids.shape == (t, k) and slot_ids.dtype == torch.int32 and slot_ids.is_contiguous()
     assert n <= num_slots, f"{n} keys cannot all be resident in {num_slots} slots"
+    assert n <= MAX_KEYS, f"{n} keys: the one-program lookup is for decode steps (<= {MAX_KEYS} keys)"
     assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
     if n == 0:
         return
