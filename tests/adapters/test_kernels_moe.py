@@ -220,8 +220,9 @@ for fmt in WeightFormat:
                          U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common))
     down = build(moe_down._moe_down_kernel,
                  {"h_ptr": "*bf16", "slot_ids_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8",
-                  "out_ptr": "*bf16"},
-                 dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale, **common))
+                  "y_ptr": "*fp32"},
+                 dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
+                      WRITE_SKIPPED=True, **common))
     print(fmt.value, len(re.findall(r"ld\\.global\\.v4", gate_up)), len(re.findall(r"ld\\.global\\.v4", down)))
 """
 
