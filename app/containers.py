@@ -128,7 +128,7 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
     )
 
 
-def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str):
+def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, progress=None):
     import torch
 
     from adapters.torch_exec.executor import TorchExecutor
@@ -141,7 +141,8 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
     if _use_fast_path(settings, checkpoint, device):
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
-        return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests)
+        return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
+                                 on_phase=progress)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
@@ -218,7 +219,7 @@ class Container(containers.DeclarativeContainer):
         allocator,
         pool_plan,
     )
-    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device)
+    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device, progress)
     stats = providers.Singleton(ServingStats)
     model_info = providers.Singleton(_model_info, settings, model_spec, generation_config)
     engine = providers.Singleton(

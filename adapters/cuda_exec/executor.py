@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ from adapters.cuda_exec.fast_decoder import FastDecoder
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.pool_stats import PoolStats
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
@@ -45,12 +47,14 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
-class CudaGraphExecutor:
+class CudaGraphExecutor(PoolStats):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
-                 max_context: int | None = None, use_graphs: bool | None = None):
+                 max_context: int | None = None, use_graphs: bool | None = None,
+                 on_phase: Callable[[str], None] | None = None):
+        """on_phase(name): told when the first graph capture starts and ends (a start-up milestone)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -72,7 +76,9 @@ class CudaGraphExecutor:
         self.plan: PoolPlan | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self._on_phase = on_phase
         self.resize_pools(plan)
+        self._on_phase = None  # later captures (after a resize) are not start-up phases
 
     # ---- pools -------------------------------------------------------------------------------------
     def _expert_slots(self, plan: PoolPlan) -> int:
@@ -122,6 +128,8 @@ class CudaGraphExecutor:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
         start = time.perf_counter()
         buckets = decode_buckets(self.decode_rows)
+        if self._on_phase is not None:
+            self._on_phase(f"capturing decode graphs for batch sizes {', '.join(map(str, buckets))}")
         with torch.inference_mode():
             self.experts.tune(torch.randn(1, self.model.opts.hidden, dtype=self.dtype, device=self.device),
                               self.model.opts.top_k)
@@ -140,18 +148,8 @@ class CudaGraphExecutor:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
-
-    def pool_bytes(self) -> dict[str, int]:
-        return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
-                "state": self.state.nbytes() if self.state is not None else 0}
-
-    @property
-    def expert_hits(self) -> int:
-        return self.experts.hits
-
-    @property
-    def expert_misses(self) -> int:
-        return self.experts.misses
+        if self._on_phase is not None:
+            self._on_phase(f"decode graphs captured in {self.capture_seconds:.1f} s")
 
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:

@@ -14,6 +14,7 @@ from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.pool_stats import PoolStats
 from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 BUILDERS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.build, qwen3_moe.ARCHITECTURE: qwen3_moe.build}
 
 
-class TorchExecutor:
+class TorchExecutor(PoolStats):
     """Implements domain.ports.ModelExecutor."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
@@ -91,18 +92,6 @@ class TorchExecutor:
         if not keep_experts:
             self.experts = ExpertSlotCache(self.bank, self._expert_slots(plan), self.device)
         self.plan = plan
-
-    def pool_bytes(self) -> dict[str, int]:
-        return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
-                "state": self.state.nbytes() if self.state is not None else 0}
-
-    @property
-    def expert_hits(self) -> int:
-        return self.experts.hits
-
-    @property
-    def expert_misses(self) -> int:
-        return self.experts.misses
 
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:

@@ -114,3 +114,13 @@ def test_a_rollback_after_a_failed_allocation_restores_the_fast_executors_pools(
     fast.resize_pools(old_plan)
     fast.check_valid()
     assert fast.kv.num_pages == old_plan.kv_pages + fast_module.SCRATCH_PAGES
+
+
+@pytest.mark.gpu
+def test_the_first_graph_capture_is_reported_as_a_start_up_phase(ckpt):
+    phases = []
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), "cuda", torch.float32,
+                             max_decode_rows=4, on_phase=phases.append)
+    assert [p.split(" ")[0] for p in phases] == ["capturing", "decode"] and sorted(fast.graphs) == [1, 2, 4]
+    fast.resize_pools(make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4, kv_tokens=512))
+    assert len(phases) == 2  # a resize's recapture is not a start-up phase
