@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")
     p.add_argument("--ttft-prompt", type=parse_count, default=0,
                    help="also time the first token of one fresh prompt of this many tokens (slower)")
-    p.add_argument("--calibration", help="calibration JSON (default: newest for the hardware, else rtx3090)")
+    p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ "
+                                                 "(e.g. h200_v1; default: newest for the hardware, else rtx3090)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     p.add_argument("--workers", type=int, help="processes (default: up to 2)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
@@ -67,7 +68,7 @@ def predict_command(args) -> int:
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
     if args.calibration:
-        calibration, measured_here = Calibration.load(args.calibration), True
+        calibration, measured_here = Calibration.resolve(args.calibration), True
     else:
         calibration, measured_here = find_calibration(hardware.name)
     deployment = calibration.deployment_params()

@@ -26,6 +26,9 @@ class CostParams(StrictParams):
     step_overhead_s: float = 0.0  # per step: launches / graph replay, sampling, host work
     sequence_overhead_s: float = 0.0  # per sequence in the step (per-request host work)
     transfer_latency_s: float = 0.0  # per expert copy, on top of bytes / bandwidth
+    # Per copy call (one gather launch per layer group with misses), on top of the per-expert
+    # cost: the fast path gathers a layer's misses in one UVA kernel whose start-up is measured.
+    transfer_setup_s: float = 0.0
     # Eager kernel launches per layer and step; 0 when the step is graph-captured (the replay
     # cost is then part of step_overhead_s). Not fitted by the v1 calibration.
     layer_overhead_s: float = 0.0
@@ -36,8 +39,8 @@ class CostParams(StrictParams):
     kv_dtype_bytes: int = 2
 
     def check_valid(self) -> None:
-        require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "layer_overhead_s",
-                         allow_zero=True)
+        require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
+                         "layer_overhead_s", allow_zero=True)
         require_positive(self, "memory_efficiency", "compute_efficiency", "h2d_efficiency", "kv_dtype_bytes")
         for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency"):
             if getattr(self, name) > 1:
@@ -100,13 +103,22 @@ class CostModel:
         """Grouped GEMMs of the given experts (each reads its weights once)."""
         if not tokens_per_expert:
             return 0.0
-        nbytes = len(tokens_per_expert) * self.expert_bytes
-        flops = self.expert_flops_per_token * sum(tokens_per_expert)
-        return self._roofline(nbytes, flops)
+        return self.expert_read(len(tokens_per_expert), sum(tokens_per_expert))
 
-    def transfer(self, num_experts: int) -> float:
-        """Host->device copy of num_experts expert rows on the copy engine."""
-        return num_experts * (self.params.transfer_latency_s + self.expert_bytes / self._h2d)
+    def expert_read(self, distinct_experts: float, routed_tokens: float) -> float:
+        """Seconds for the grouped GEMMs of `distinct_experts` experts (each read once) over
+        `routed_tokens` (token, expert) pairs; fractional counts allowed (expected values)."""
+        if distinct_experts < 0 or routed_tokens < 0:
+            raise ValueError(f"negative expert counts: {distinct_experts}, {routed_tokens}")
+        return self._roofline(distinct_experts * self.expert_bytes, self.expert_flops_per_token * routed_tokens)
+
+    def transfer(self, num_experts: float, calls: float = 1.0) -> float:
+        """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
+        copy calls (0 experts cost nothing)."""
+        if num_experts <= 0:
+            return 0.0
+        return calls * self.params.transfer_setup_s + num_experts * (
+            self.params.transfer_latency_s + self.expert_bytes / self._h2d)
 
     def head(self, num_samples: int) -> float:
         """Final norm + lm_head for the sampled positions, then sampling."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from domain.model_spec import ModelSpec, WeightFormat, qwen36_35b_a3b
@@ -57,6 +57,7 @@ class Calibration(StrictParams):
     routing: dict
     validation: dict
     candidates: list
+    provenance: dict = field(default_factory=dict)  # records and fields the fit read (newer files)
 
     def check_valid(self) -> None:
         if self.format_version != 1:
@@ -78,6 +79,19 @@ class Calibration(StrictParams):
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         return cls.from_dict(json.loads(Path(path).read_text()), where=str(path))
+
+    @classmethod
+    def resolve(cls, name_or_path: str) -> Calibration:
+        """A file path, or the name of a file in simulator/calibration/ (e.g. `h200_v1`)."""
+        path = Path(name_or_path)
+        if path.is_file():
+            return cls.load(path)
+        named = CALIBRATION_DIR / f"{name_or_path}.json"
+        if named.is_file():
+            return cls.load(named)
+        known = sorted(p.stem for p in CALIBRATION_DIR.glob("*_v*.json"))
+        raise FileNotFoundError(f"--calibration {name_or_path!r}: no such file and no calibration of that "
+                                f"name; known: {known}")
 
 
 def find_calibration(hardware: str) -> tuple[Calibration, bool]:
