@@ -10,7 +10,6 @@ The reference TorchExecutor stays the numerical oracle and the CPU path; this ex
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
+from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
-from adapters.torch_exec.pool_stats import PoolStats
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
@@ -47,7 +46,7 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
-class CudaGraphExecutor(PoolStats):
+class CudaGraphExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
@@ -81,41 +80,12 @@ class CudaGraphExecutor(PoolStats):
         self._on_phase = None  # later captures (after a resize) are not start-up phases
 
     # ---- pools -------------------------------------------------------------------------------------
-    def _expert_slots(self, plan: PoolPlan) -> int:
-        return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
-
     def resize_pools(self, plan: PoolPlan) -> None:
-        """As TorchExecutor.resize_pools: changed pools are freed (graphs first: they hold the step's
-        activations) before anything is allocated; then the decode graphs are captured again."""
-        plan.check_valid()
-        old = self.plan
-        attn, gdn = self.model.opts.attention, self.model.opts.gdn
-        # NOTE: keep a pool only if it EXISTS at the wanted size (after a failed resize self.plan
-        # still names the old sizes while a pool may be gone: the rollback must rebuild it).
-        keep_kv = (self.kv is not None and old is not None
-                   and (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages + SCRATCH_PAGES, plan.page_size))
-        keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
-            and old.state_slots == plan.state_slots
-        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        """As TorchExecutor.resize_pools (frees before it allocates), the graphs dropped first (they hold
+        the step's activations), then the decode inputs sized and the graphs captured again."""
         self.graphs = {}
         self.inputs = None
-        if not keep_kv:
-            self.kv = None
-        if not keep_state:
-            self.state = None
-        if not keep_experts:
-            self.experts = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not keep_kv:
-            self.kv = PagedKVCache(len(self.model.full_layers), plan.kv_pages + SCRATCH_PAGES, plan.page_size,
-                                   attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
-        if not keep_state and self.model.linear_layers:
-            self.state = LinearStatePool(len(self.model.linear_layers), plan.state_slots, gdn, self.dtype, self.device)
-        if not keep_experts:
-            self.experts = DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows)
-        self.plan = plan
+        self._swap_pools(plan)
         self.decode_rows = min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
                                plan.state_slots if self.state is not None else self.max_decode_rows)
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
@@ -123,6 +93,21 @@ class CudaGraphExecutor(PoolStats):
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
+
+    def _kv_pool_pages(self, plan: PoolPlan) -> int:
+        return plan.kv_pages + SCRATCH_PAGES
+
+    def _new_kv(self, plan: PoolPlan) -> PagedKVCache:
+        attn = self.model.opts.attention
+        return PagedKVCache(len(self.model.full_layers), self._kv_pool_pages(plan), plan.page_size,
+                            attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+
+    def _new_state(self, plan: PoolPlan) -> LinearStatePool:
+        return LinearStatePool(len(self.model.linear_layers), plan.state_slots, self.model.opts.gdn, self.dtype,
+                               self.device)
+
+    def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
+        return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows)
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
@@ -224,27 +209,8 @@ class CudaGraphExecutor(PoolStats):
                 out[rid] = self._sample(rid, row[0], works[rid])
         return out
 
-    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
-        """One sequence's token; its failure is its own (SampledToken.error), never the step's."""
-        try:
-            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
-        except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
-            return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
-
     def check_valid(self) -> None:
-        """Every pool exists at the size of the plan last applied, and each pool's invariants hold."""
-        plan = self.plan
-        assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
-        assert (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages + SCRATCH_PAGES, plan.page_size), \
-            "KV pool != plan"
-        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
-        if self.model.linear_layers:
-            assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
-        self.kv.check_valid()
-        self.experts.check_valid()
-        if self.state is not None:
-            self.state.check_valid()
-
+        self._check_pools()
 
 def _greedy(work) -> bool:
     p = work.sampling

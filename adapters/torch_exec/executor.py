@@ -4,17 +4,16 @@ the paged KV cache and the linear-attention state slots, all sized by the domain
 Shape legend: T tokens of the step, H hidden, V vocab, n rows.
 """
 
-import gc
 from typing import TYPE_CHECKING
 
 import torch
 
 from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
+from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
-from adapters.torch_exec.pool_stats import PoolStats
 from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 BUILDERS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.build, qwen3_moe.ARCHITECTURE: qwen3_moe.build}
 
 
-class TorchExecutor(PoolStats):
+class TorchExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
@@ -54,44 +53,22 @@ class TorchExecutor(PoolStats):
         self.resize_pools(plan)
 
     # ---- pools -------------------------------------------------------------------------------------
-    def _expert_slots(self, plan: "PoolPlan") -> int:
-        return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
-
     def resize_pools(self, plan: "PoolPlan") -> None:
-        """Replace the pools with the plan's sizes. Only while no sequence is in flight: KV pages and state
-        slots are dropped. Pools whose size is unchanged are kept (a warm expert cache stays warm).
+        """Replace the pools with the plan's sizes (ExecutorPools._swap_pools: frees before it allocates).
+        Only while no sequence is in flight: KV pages and state slots are dropped."""
+        self._swap_pools(plan)
 
-        NOTE: every pool that changes is freed before any new one is allocated, so the old and new pools
-        never coexist in device memory.
-        """
-        plan.check_valid()
-        old = self.plan
-        attn, gdn = self.model.opts.attention, self.model.opts.gdn
-        # NOTE: keep a pool only if it EXISTS at the wanted size. After a failed resize self.plan
-        # still names the old sizes while a pool may already be freed; trusting the plan made the
-        # rollback "keep" a KV pool that was gone (every later step failed on kv=None).
-        keep_kv = (self.kv is not None and old is not None
-                   and (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages, plan.page_size))
-        keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
-            and old.state_slots == plan.state_slots
-        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
-        if not keep_kv:
-            self.kv = None
-        if not keep_state:
-            self.state = None
-        if not keep_experts:
-            self.experts = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not keep_kv:
-            self.kv = PagedKVCache(len(self.model.full_layers), plan.kv_pages, plan.page_size,
-                                   attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
-        if not keep_state and self.model.linear_layers:
-            self.state = LinearStatePool(len(self.model.linear_layers), plan.state_slots, gdn, self.dtype, self.device)
-        if not keep_experts:
-            self.experts = ExpertSlotCache(self.bank, self._expert_slots(plan), self.device)
-        self.plan = plan
+    def _new_kv(self, plan: "PoolPlan") -> PagedKVCache:
+        attn = self.model.opts.attention
+        return PagedKVCache(len(self.model.full_layers), plan.kv_pages, plan.page_size, attn.num_kv_heads,
+                            attn.head_dim, self.dtype, self.device)
+
+    def _new_state(self, plan: "PoolPlan") -> LinearStatePool:
+        return LinearStatePool(len(self.model.linear_layers), plan.state_slots, self.model.opts.gdn, self.dtype,
+                               self.device)
+
+    def _new_experts(self, plan: "PoolPlan") -> ExpertSlotCache:
+        return ExpertSlotCache(self.bank, self._expert_slots(plan), self.device)
 
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
@@ -139,26 +116,7 @@ class TorchExecutor(PoolStats):
         works = {w.request_id: w for w in batch.works}
         return {rid: self._sample(rid, row[0], works[rid]) for rid, row in logits.items()}
 
-    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
-        """One sequence's token; a failure here is that sequence's alone (SampledToken.error), so
-        one request's bad values never fail the other sequences of the step."""
-        try:
-            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
-        except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
-            return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
-
     def check_valid(self) -> None:
-        """Every pool exists at the size of the plan last applied (a failed resize that left a
-        pool missing or mis-sized fails here), and each pool's own invariants hold."""
-        plan = self.plan
-        assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
-        assert (self.kv.num_pages, self.kv.page_size) == (plan.kv_pages, plan.page_size), "KV pool != plan"
-        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
-        if self.model.linear_layers:
-            assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
-        self.kv.check_valid()
-        self.experts.check_valid()
-        if self.state is not None:
-            self.state.check_valid()
+        self._check_pools()
         if self.routing_recorder is not None:
             self.routing_recorder.check_valid()

@@ -1,0 +1,98 @@
+"""What both executors (the reference TorchExecutor and the fast CudaGraphExecutor) do alike with their
+three pools: swap them to a new plan freeing before allocating, check them against the plan, report their
+bytes and expert counters, and sample one sequence with its failure confined to it.
+
+Each executor builds its own pools (`_new_kv`, `_new_state`, `_new_experts`) and says how many KV pages
+its pool holds for a plan (`_kv_pool_pages`: the fast path adds a scratch page for padded rows).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import TYPE_CHECKING
+
+import torch
+
+from domain.ports import SampledToken
+
+if TYPE_CHECKING:
+    from domain.budget import PoolPlan
+
+
+class ExecutorPools:
+    """Mixin for an executor with `kv`, `state` (None without linear-attention layers), `experts`,
+    `plan`, `bank`, `model`, `device` and `sampler`."""
+
+    def _kv_pool_pages(self, plan: PoolPlan) -> int:
+        return plan.kv_pages
+
+    def _expert_slots(self, plan: PoolPlan) -> int:
+        return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
+
+    def _swap_pools(self, plan: PoolPlan) -> None:
+        """Replace the pools with the plan's sizes; pools whose size is unchanged are kept (a warm expert
+        cache stays warm). KV and state contents are dropped.
+
+        NOTE: every pool that changes is freed before any new one is allocated, so old and new pools never
+        coexist in device memory. A pool is kept only if it EXISTS at the wanted size: after a failed
+        resize self.plan still names the old sizes while a pool may already be freed, and trusting the
+        plan made a rollback "keep" a KV pool that was gone.
+        """
+        plan.check_valid()
+        old = self.plan
+        keep_kv = (self.kv is not None and old is not None
+                   and (self.kv.num_pages, self.kv.page_size) == (self._kv_pool_pages(plan), plan.page_size))
+        keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
+            and old.state_slots == plan.state_slots
+        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        if not keep_kv:
+            self.kv = None
+        if not keep_state:
+            self.state = None
+        if not keep_experts:
+            self.experts = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not keep_kv:
+            self.kv = self._new_kv(plan)
+        if not keep_state and self.model.linear_layers:
+            self.state = self._new_state(plan)
+        if not keep_experts:
+            self.experts = self._new_experts(plan)
+        self.plan = plan
+
+    def _check_pools(self) -> None:
+        """Every pool exists at the size of the plan last applied (a failed resize that left a pool
+        missing or mis-sized fails here), and each pool's own invariants hold."""
+        plan = self.plan
+        assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
+        assert (self.kv.num_pages, self.kv.page_size) == (self._kv_pool_pages(plan), plan.page_size), \
+            "KV pool != plan"
+        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
+        if self.model.linear_layers:
+            assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
+        self.kv.check_valid()
+        self.experts.check_valid()
+        if self.state is not None:
+            self.state.check_valid()
+
+    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
+        """One sequence's token; a failure here is that sequence's alone (SampledToken.error), so one
+        request's bad values never fail the other sequences of the step."""
+        try:
+            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
+        except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
+            return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
+
+    def pool_bytes(self) -> dict[str, int]:
+        return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
+                "state": self.state.nbytes() if self.state is not None else 0}
+
+    @property
+    def expert_hits(self) -> int:
+        return self.experts.hits
+
+    @property
+    def expert_misses(self) -> int:
+        return self.experts.misses
