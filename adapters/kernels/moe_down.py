@@ -21,12 +21,12 @@ import triton.language as tl
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.packed_gemv import (
-    check_block_k,
     check_pool,
-    default_block_k,
+    launch,
     layout_consts,
     packed_gemv,
     prune_tiles,
+    resolve_tiles,
     tune_configs,
 )
 
@@ -80,13 +80,7 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
                          f"{tuple(weights.shape)}")
     if not h.device == weights.device == slots.device:
         raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
-    # NOTE: no tile given on CUDA: the measured best tile for this shape and format (triton.autotune)
-    tuned = slots.is_cuda and block_n is None and block_k is None
-    block_k = default_block_k(layout) if block_k is None else block_k
-    block_n = 16 if block_n is None else block_n
-    check_block_k(layout, block_k)
-    if block_n < 1 or block_n & (block_n - 1):
-        raise ValueError(f"moe_down: block_n={block_n} must be a power of two")
+    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_down")
     hidden = layout.hidden
     if partials is None and out is None:
         out = torch.empty((tokens, hidden), dtype=h.dtype, device=h.device)
@@ -101,15 +95,9 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
         return out if partials is None else partials
     y = partials if partials is not None else torch.empty((tokens, k, hidden), dtype=torch.float32, device=h.device)
     c = layout_consts(layout)
-    pairs = tokens * k
-    grid = (pairs, triton.cdiv(hidden, block_n))
-    kernel = _TUNED[lambda meta: (pairs, triton.cdiv(hidden, meta["BLOCK_N"]))] if tuned else _moe_down_kernel[grid]
-    tiles = {} if tuned else {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
-    kernel(
-        h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, y, slots.shape[0],
-        K=k, H=hidden, I=inter, R=c.row_bytes,
-        D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
-        W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None,
-        **tiles,
-    )
+    launch(_TUNED, _moe_down_kernel, tuned, tokens * k, hidden, block_n, block_k, num_warps,
+           h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, y, slots.shape[0],
+           K=k, H=hidden, I=inter, R=c.row_bytes,
+           D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
+           W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None)
     return y if partials is not None else moe_sum(y, out)

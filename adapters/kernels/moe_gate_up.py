@@ -17,12 +17,12 @@ import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels.packed_gemv import (
-    check_block_k,
     check_pool,
-    default_block_k,
+    launch,
     layout_consts,
     packed_gemv,
     prune_tiles,
+    resolve_tiles,
     tune_configs,
 )
 
@@ -72,13 +72,7 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     k = check_pool(slot_ids, slots, layout, tokens, "moe_gate_up")
     if x.device != slots.device:
         raise ValueError(f"moe_gate_up: x on {x.device}, slots on {slots.device}")
-    # NOTE: no tile given on CUDA: the measured best tile for this shape and format (triton.autotune)
-    tuned = slots.is_cuda and block_n is None and block_k is None
-    block_k = default_block_k(layout) if block_k is None else block_k
-    block_n = 16 if block_n is None else block_n
-    check_block_k(layout, block_k)
-    if block_n < 1 or block_n & (block_n - 1):
-        raise ValueError(f"moe_gate_up: block_n={block_n} must be a power of two")
+    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_gate_up")
     inter = layout.intermediate
     if out is None:
         out = torch.empty((tokens, k, inter), dtype=x.dtype, device=x.device)
@@ -88,16 +82,10 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     if tokens == 0:
         return out
     c = layout_consts(layout)
-    rows = tokens * k
-    grid = (rows, triton.cdiv(inter, block_n))
-    kernel = _TUNED[lambda meta: (rows, triton.cdiv(inter, meta["BLOCK_N"]))] if tuned else _moe_gate_up_kernel[grid]
-    tiles = {} if tuned else {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
-    kernel(
-        x.contiguous(), slot_ids.contiguous(), slots, out, slots.shape[0],
-        K=k, H=hidden, I=inter, R=c.row_bytes,
-        G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
-        U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
-        W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
-        **tiles,
-    )
+    launch(_TUNED, _moe_gate_up_kernel, tuned, tokens * k, inter, block_n, block_k, num_warps,
+           x.contiguous(), slot_ids.contiguous(), slots, out, slots.shape[0],
+           K=k, H=hidden, I=inter, R=c.row_bytes,
+           G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
+           U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
+           W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1))
     return out

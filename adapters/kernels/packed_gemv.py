@@ -198,3 +198,28 @@ def prune_tiles(configs, named_args, **kwargs):
     keep = [c for c in configs if c.kwargs["BLOCK_K"] % max(group, 1) == 0
             and (fmt not in (5, 6) or c.kwargs["BLOCK_K"] >= 256)]
     return keep or configs[:1]
+
+
+def resolve_tiles(layout: ExpertLayout, block_n: int | None, block_k: int | None, on_cuda: bool,
+                  where: str) -> tuple[bool, int, int]:
+    """(tuned, block_n, block_k): no tile given on CUDA means the measured best tile for the shape and
+    format (triton.autotune); otherwise the given tile or the default 16 x default_block_k, checked.
+    Raises ValueError for a block_n that is not a power of two or a block_k the format cannot use."""
+    tuned = on_cuda and block_n is None and block_k is None
+    block_k = default_block_k(layout) if block_k is None else block_k
+    block_n = 16 if block_n is None else block_n
+    check_block_k(layout, block_k)
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"{where}: block_n={block_n} must be a power of two")
+    return tuned, block_n, block_k
+
+
+def launch(tuned_kernel, kernel, tuned: bool, rows: int, cols: int, block_n: int, block_k: int, num_warps: int,
+           *args, **constants) -> None:
+    """Launch over (rows, cdiv(cols, BLOCK_N)): the autotuned kernel picks its own tile, the plain one
+    runs the given tile."""
+    if tuned:
+        tuned_kernel[lambda meta: (rows, triton.cdiv(cols, meta["BLOCK_N"]))](*args, **constants)
+    else:
+        kernel[(rows, triton.cdiv(cols, block_n))](*args, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                   num_warps=num_warps)
