@@ -70,68 +70,65 @@ class DeviceExpertPool:
         slots = self.residency.slot_of_key[torch.where(flat < 0, sink, flat)]
         return torch.where(flat < 0, -1, slots).to(torch.int32).reshape(shape)  # [T, K]
 
-    def _with_shared(self, layer: int, slot_ids: torch.Tensor, weights: torch.Tensor,
-                     shared_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the layer's resident shared expert as top-k position K (weight sigmoid(gate))."""
-        if shared_weight is None:
-            return slot_ids, weights
-        col = torch.full_like(slot_ids[:, :1], self.num_slots + layer)  # [T, 1]
-        return torch.cat((slot_ids, col), 1), torch.cat((weights, shared_weight.float()), 1)  # [T, K+1]
+    def _with_shared(self, layer: int, slot_ids: torch.Tensor, shared: bool) -> torch.Tensor:
+        """slot_ids [T, K] with the layer's resident shared expert appended as top-k position K."""
+        if not shared:
+            return slot_ids
+        return torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], self.num_slots + layer)), 1)  # [T, K+1]
 
     def tune(self, x: torch.Tensor, top_k: int) -> None:
         """Run the fused kernels once on real slots so their tiles are measured on real work (the graph
         warm-up runs padded rows, which skip every expert)."""
         rows = x.shape[0]
         slot_ids = (torch.arange(rows * top_k, device=self.device) % self.num_slots).view(rows, top_k)
-        weights = torch.full((rows, top_k), 1.0 / top_k, device=self.device)
-        slot_ids, weights = self._with_shared(0, slot_ids.to(torch.int32), weights,
-                                              weights[:, :1] if self.has_shared else None)
-        fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
+        weights = torch.full((rows, top_k + self.has_shared), 1.0 / top_k, device=self.device)
+        fused_moe(x, self._with_shared(0, slot_ids.to(torch.int32), self.has_shared), weights, self.all_slots,
+                  self.layout)
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               valid: torch.Tensor | None = None, shared_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K], ids [T, K];
-        rows with valid False route nowhere (no lookup, no miss, zeros out). shared_weight [T, 1]: add the
-        resident shared expert with that weight (needs shared rows).
+               valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
+        """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K(+1)], ids [T, K];
+        rows with valid False route nowhere (no lookup, no miss, zeros out). shared: weights' last column
+        weighs the layer's resident shared expert (the router's output as it is; needs shared rows).
 
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
         residency decisions. Otherwise (long prefill chunks on a small pool) the layer's experts go in
         groups of S with a host sync per group.
         """
+        if weights.shape != (ids.shape[0], ids.shape[1] + shared):
+            raise ValueError(f"weights {tuple(weights.shape)} do not fit ids {tuple(ids.shape)} (shared={shared})")
+        if shared and not self.has_shared:
+            raise ValueError("this pool holds no shared experts")
         if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
             gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-            slot_ids, weights = self._with_shared(layer, slot_ids, weights, shared_weight)
-            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
+            return fused_moe(x, self._with_shared(layer, slot_ids, shared), weights, self.all_slots, self.layout)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         if flat.numel() <= self.num_slots:  # a prefill chunk whose keys fit: tensor ops, no host sync
             big = torch.iinfo(torch.int64).max
             ordered = torch.sort(torch.where(flat < 0, big, flat)).values  # ascending, as the reference asks
             self._fetch(torch.where(ordered == big, -1, ordered))
-            slot_ids, weights = self._with_shared(layer, self._slot_ids(flat, ids.shape), weights, shared_weight)
+            slot_ids = self._with_shared(layer, self._slot_ids(flat, ids.shape), shared)
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
         # NOTE: each group fills its (token, k) partials; one ordered sum at the end makes the result
-        # bitwise the same as the one-launch path, whatever the pool size
-        width = ids.shape[1] + (shared_weight is not None)
-        partials = torch.zeros((x.shape[0], width, x.shape[1]), dtype=torch.float32, device=x.device)
+        # bitwise the same as the one-launch path, whatever the pool size. A pair whose slot is -1 in
+        # a call is skipped there (its weight unused), so every call takes the same weights.
+        partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+        skip = torch.full_like(ids[:, :1], -1, dtype=torch.int32)  # [T, 1]
         for start in range(0, distinct.numel(), self.num_slots):
             group = distinct[start:start + self.num_slots]
             self._fetch(group)
             slot_ids = self._slot_ids(torch.where(torch.isin(flat, group), flat, -1), ids.shape)
-            if shared_weight is not None:  # the shared column is filled once, below
-                slot_ids = torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], -1)), 1)
-                group_weights = torch.cat((weights, torch.zeros_like(weights[:, :1])), 1)
-            else:
-                group_weights = weights
-            fused_moe(x, slot_ids, group_weights, self.all_slots, self.layout, partials=partials)
-        if shared_weight is not None:
-            none = torch.full_like(ids, -1, dtype=torch.int32)
-            fused_moe(x, *self._with_shared(layer, none, weights, shared_weight), self.all_slots, self.layout,
-                      partials=partials)
+            if shared:  # the shared column is filled once, below
+                slot_ids = torch.cat((slot_ids, skip), 1)
+            fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
+        if shared:
+            none = self._with_shared(layer, skip.expand(-1, ids.shape[1]).contiguous(), True)
+            fused_moe(x, none, weights, self.all_slots, self.layout, partials=partials)
         return moe_sum(partials, torch.empty_like(x))
 
     @property

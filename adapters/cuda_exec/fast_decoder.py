@@ -47,28 +47,27 @@ class FastDecoder(MoeDecoder):
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None):
         prefix, k = f"layers.{i}.mlp.", self.opts.top_k
         router = self.w[prefix + "gate.weight"]
+        gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
         if isinstance(router, QTensor):  # a quantized router: the reference route (rare; not fused)
-            weights, ids = route(h, router, k, self.opts.renormalize)
-            shared_gate = None
+            weights, ids = route(h, router, k, self.opts.renormalize)  # [T, K]
+            if gate_w is not None:
+                gate = torch.sigmoid(fast_linear(h, gate_w)).float()  # [T, 1]
+                weights = torch.cat((weights, gate), 1)  # [T, K+1], as moe_router lays it out
         else:
-            gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
             # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
-            # the shared expert's sigmoid gate in one launch
+            # the shared expert's sigmoid gate (column K) in one launch
             logits = F.linear(h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
-            shared_gate = weights[:, k:] if gate_w is not None else None
-            weights, ids = weights[:, :k], ids[:, :k]
-        if not self.opts.shared_expert:
+            ids = ids[:, :k]
+        if gate_w is None:
             return experts.routed(i, h, weights, ids, valid)  # [T, H]
-        if shared_gate is None:
-            shared_gate = torch.sigmoid(fast_linear(h, self.w[prefix + "shared_expert_gate.weight"]))  # [T, 1]
         if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels
-            return experts.routed(i, h, weights, ids, valid, shared_weight=shared_gate)
+            return experts.routed(i, h, weights, ids, valid, shared=True)
         w = self.w
-        out = experts.routed(i, h, weights, ids, valid)
+        out = experts.routed(i, h, weights[:, :k], ids, valid)
         up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
         act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
-        return out + shared_gate.to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+        return out + weights[:, k:].to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
 
     def pack_shared_experts(self, layout) -> torch.Tensor | None:
         """uint8 [L, R]: every layer's shared expert packed like a routed expert, or None when its format
