@@ -55,6 +55,10 @@ def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
     # NOTE: the ModelExecutor port has no expert statistics; TorchExecutor exposes
     # cumulative expert_hits / expert_misses, fakes expose nothing (counted as 0).
     try:
+        both = getattr(executor, "expert_counters", None)
+        if both is not None:  # one read (the fast path's counters live on the device)
+            hits, misses = both()
+            return int(hits), int(misses)
         return int(getattr(executor, "expert_hits", 0) or 0), int(getattr(executor, "expert_misses", 0) or 0)
     except Exception:  # a half-built executor (pools being replaced) has no counters
         return 0, 0

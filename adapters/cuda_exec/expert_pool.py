@@ -131,6 +131,11 @@ class DeviceExpertPool:
             fused_moe(x, none, weights, self.all_slots, self.layout, partials=partials)
         return moe_sum(partials, torch.empty_like(x))
 
+    def counters(self) -> tuple[int, int]:
+        """(hits, misses) with one device read."""
+        hits, misses, _ = self.residency.counters()
+        return hits, misses
+
     @property
     def hits(self) -> int:
         return self.residency.hits

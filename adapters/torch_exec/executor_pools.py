@@ -89,6 +89,10 @@ class ExecutorPools:
         return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
                 "state": self.state.nbytes() if self.state is not None else 0}
 
+    def expert_counters(self) -> tuple[int, int]:
+        """Cumulative (expert hits, expert misses) in one read (one sync on the fast path, not two)."""
+        return self.experts.counters()
+
     @property
     def expert_hits(self) -> int:
         return self.experts.hits

@@ -66,6 +66,9 @@ class ExpertSlotCache:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def counters(self) -> tuple[int, int]:
+        return self.residency.hits, self.residency.misses
+
     @property
     def hits(self) -> int:
         return self.residency.hits

@@ -53,6 +53,7 @@ def test_fast_path_matches_the_reference_executor(ckpt):
             assert err <= 1e-4 * want.abs().max().item(), f"{rid} step {step}: {err}"
     # the device-side LRU made the reference's decisions: same hits and misses, lookup for lookup
     assert (fast.expert_hits, fast.expert_misses) == (ref.expert_hits, ref.expert_misses)
+    assert fast.expert_counters() == ref.expert_counters() == (ref.expert_hits, ref.expert_misses)
     assert fast.expert_misses > 0
     fast.check_valid()
 
