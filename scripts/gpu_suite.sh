@@ -2,17 +2,9 @@
 # Everything that needs a CUDA device, in one go (for the lent H200; see docs/gpu-validation.md):
 # the GPU-marked pytest files, bf16/fp32 parity against transformers, and the full-size FP8
 # Qwen3.6-35B-A3B geometry loaded under a 24 GiB budget. Results land in $OUT.
-# The device image lacks litestar/msgspec/dependency-injector/uvicorn: carry them as wheels in .whl/.
+# The device image lacks the serving stack: carry the wheels gpu_env.sh lists in .whl/.
 set -uo pipefail
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/adapters/test_loader_gpu.py tests/app/test_gpu_serve.py \
   2>&1 | tee "$OUT/gpu_pytest.log"

@@ -99,3 +99,22 @@ def test_serve_refuses_a_routing_trace_path_it_cannot_write(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--record-routing", str(tmp_path / "no" / "t.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--record-routing" in bad.stderr and "does not exist" in bad.stderr
+
+
+def test_serve_refuses_the_graph_executor_where_it_cannot_run():
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--device", "cpu", "--executor", "cuda-graph",
+                          "--mmap-experts"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--executor cuda-graph" in bad.stderr
+    assert "--device cpu" in bad.stderr and "--mmap-experts" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_graph_executor_is_chosen_only_where_it_can_run():
+    from types import SimpleNamespace
+
+    from app.containers import _use_fast_path
+    from app.settings import ServeSettings
+
+    unpinned = SimpleNamespace(experts=SimpleNamespace(rows=None))
+    assert not _use_fast_path(ServeSettings(), unpinned, "cpu")  # auto: the reference path here
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # --device auto resolved to the CPU
+        _use_fast_path(ServeSettings(executor="cuda-graph"), unpinned, "cpu")
