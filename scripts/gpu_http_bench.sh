@@ -35,4 +35,4 @@ if serve 8102 "$OUT/serve_24gib.log" --gpu-budget-gib 24 --kv-tokens 8k --max-ru
     --kv 8k,64k --batch 1,4 --out "$OUT/sweep_24gib.json" 2>&1 | tail -15
   kill $SERVER; wait $SERVER 2>/dev/null
 fi
-grep -h -E "captured|Error|error" "$OUT"/serve_*.log | head -10
+grep -h -E "captured|Error|error" "$OUT"/serve_*.log | head -10 || true  # none on a clean reference run
