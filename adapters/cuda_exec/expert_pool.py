@@ -103,9 +103,11 @@ class DeviceExpertPool:
         if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
+            # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
+            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
+                layer, ids, valid, self.num_slots + layer if shared else None)
             gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-            return fused_moe(x, self._with_shared(layer, slot_ids, shared), weights, self.all_slots, self.layout)
+            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         if flat.numel() <= self.num_slots:  # a prefill chunk whose keys fit: tensor ops, no host sync
             big = torch.iinfo(torch.int64).max

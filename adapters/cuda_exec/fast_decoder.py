@@ -44,7 +44,10 @@ def fast_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
 class FastDecoder(MoeDecoder):
     """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step."""
 
-    def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None):
+    def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
+             h32: torch.Tensor | None = None):
+        """The MoE block's output [T, H] for h [T, H]; h32: h.float() when the caller has it already (the
+        decode step's norm writes it), for the fp32 router."""
         prefix, k = f"layers.{i}.mlp.", self.opts.top_k
         router = self.w[prefix + "gate.weight"]
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
@@ -56,7 +59,7 @@ class FastDecoder(MoeDecoder):
         else:
             # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
             # the shared expert's sigmoid gate (column K) in one launch
-            logits = F.linear(h.to(router.dtype), router)  # [T, E] fp32
+            logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
             ids = ids[:, :k]
         if gate_w is None:
@@ -68,6 +71,10 @@ class FastDecoder(MoeDecoder):
         up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
         act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
         return out + weights[:, k:].to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+
+    def _router_reads_fp32(self, i: int, h: torch.Tensor) -> bool:
+        router = self.w[f"layers.{i}.mlp.gate.weight"]
+        return not isinstance(router, QTensor) and router.dtype == torch.float32 and h.dtype != torch.float32
 
     def pack_shared_experts(self, layout) -> torch.Tensor | None:
         """uint8 [L, R]: every layer's shared expert packed like a routed expert, or None when its format
@@ -103,8 +110,12 @@ class FastDecoder(MoeDecoder):
                 h = self._attention_decode(i, mixer, h, buf, kv, cos_sin)
             else:
                 h = self._gdn_decode(i, mixer, h, buf, state, self.linear_layers.index(i))
-            x, h = fused_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps, unit_offset=unit, residual=h)
-            delta = self._moe(i, h, experts, buf.valid)
+            norm_w = w[f"layers.{i}.post_attention_layernorm.weight"]
+            if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
+                x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)
+            else:
+                (x, h), h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h), None
+            delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
         logits = fast_linear(h, self.lm_head).float()  # [B, V]
