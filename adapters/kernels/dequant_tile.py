@@ -106,10 +106,25 @@ def scale_dtype(fmt_code: int) -> tl.dtype:
 
 # Tiles of the grouped MoE GEMMs tried on CUDA, (BLOCK_N, num_warps, num_stages); BLOCK_M is fixed by the
 # alignment (moe_align) and BLOCK_K = 128 (one block-FP8 scale per step; BLOCK_N <= 128 divides 128).
-GROUPED_TILES = ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4))
+GROUPED_TILES = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4))
 GROUPED_BLOCK_K = 128
+MAX_ACC_PER_THREAD = 64  # fp32 accumulator registers per thread a tile may take (of 255, spills beyond)
 
 
 def grouped_configs() -> list:
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K}, num_warps=w, num_stages=st)
             for bn, w, st in GROUPED_TILES]
+
+
+def grouped_pruner(accumulators: int):
+    """early_config_prune for the grouped GEMMs: drop tiles whose `accumulators` fp32 [BLOCK_M, BLOCK_N]
+    accumulators need more than MAX_ACC_PER_THREAD registers per thread at the alignment's BLOCK_M
+    (gate_up holds two); keeps the smallest tile if none fits."""
+
+    def prune(configs, named_args, **kwargs):
+        block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+        fits = [c for c in configs
+                if accumulators * block_m * c.kwargs["BLOCK_N"] <= MAX_ACC_PER_THREAD * 32 * c.num_warps]
+        return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+
+    return prune

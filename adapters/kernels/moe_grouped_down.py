@@ -27,6 +27,7 @@ from adapters.kernels.dequant_tile import (
     dot_modes,
     dot_step,
     grouped_configs,
+    grouped_pruner,
     row_scale,
     scale_dtype,
     w_tile,
@@ -70,7 +71,8 @@ def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slo
                  mask=live[:, None] & (n < H)[None, :])
 
 
-_TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"])(_moe_grouped_down_kernel)
+_TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"],
+                         prune_configs_by={"early_config_prune": grouped_pruner(1)})(_moe_grouped_down_kernel)
 
 
 def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,

@@ -26,6 +26,7 @@ from adapters.kernels.dequant_tile import (
     dot_modes,
     dot_step,
     grouped_configs,
+    grouped_pruner,
     row_scale,
     scale_dtype,
     w_tile,
@@ -79,8 +80,8 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
                  mask=(n < I)[None, :])
 
 
-_TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"])(
-    _moe_grouped_gate_up_kernel)
+_TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"],
+                         prune_configs_by={"early_config_prune": grouped_pruner(2)})(_moe_grouped_gate_up_kernel)
 
 
 def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: torch.Tensor, layout: ExpertLayout,

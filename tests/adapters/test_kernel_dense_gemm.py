@@ -92,3 +92,18 @@ def test_supports_and_refusals():
 
 def test_m_bucket_keeps_tuning_keys_few():
     assert [m_bucket(m) for m in (1, 16, 17, 1000, 4096, 70000)] == [1, 16, 32, 1024, 4096, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.FP8_CHANNEL, WeightFormat.MXFP4],
+                         ids=lambda f: f.value)
+@pytest.mark.parametrize("rows", [40, 1000])
+def test_dense_gemm_real_shapes_on_gpu(fmt, rows):
+    """Autotuned tiles at a Qwen3.6 projection shape (N=4096, K=2048)."""
+    x, q = _case(fmt, rows, 4096, 2048, seed=5)
+    x, q = x.cuda(), q.to("cuda")
+    exact = x.double() @ dequantize(q, torch.float64).T
+    assert _err(dense_gemm(x, q), exact) < 1e-5  # fp32 activations: exact products ("ieee" dots)
+    xb = x.bfloat16()
+    assert _err(dense_gemm(xb, q), xb.double() @ dequantize(q, torch.float64).T) < 8e-3
+    assert _err(dense_gemm(xb, q), qlinear(xb, q)) < 8e-3
