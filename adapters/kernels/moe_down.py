@@ -9,7 +9,7 @@ its weighted partial y[t, k] in fp32 (every pair streams its expert at once: K t
 one program per token); moe_sum then adds the K partials in order k = 0..K-1. Deterministic, no
 atomics, and independent of which slot holds an expert (only the slot's bytes are read).
 Graph-capturable: no host syncs, grid from shapes only.
-NOTE: small-M (decode) path; a large-M (prefill) tensor-core path grouped by expert is future work.
+NOTE: small-M (decode) path; the large-M (prefill) path grouped by expert is moe_grouped_down.
 """
 
 from __future__ import annotations

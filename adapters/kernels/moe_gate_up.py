@@ -6,7 +6,7 @@ Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row
 Grid: (T * K, cdiv(I, BLOCK_N)); one program streams BLOCK_N rows of gate and of up for one (t, k).
 Graph-capturable: shapes and grid depend only on T, K and the layout; no host syncs.
 NOTE: this is the small-M (decode, T <= ~16) path: a tl.sum GEMV per (t, k) that re-reads an expert
-shared by several tokens from L2. A large-M (prefill) tensor-core path grouped by expert is future work.
+shared by several tokens from L2. The large-M (prefill) path grouped by expert is moe_grouped_gate_up.
 """
 
 from __future__ import annotations
