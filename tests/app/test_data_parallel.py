@@ -293,3 +293,12 @@ def test_killed_workers_are_reported_and_their_requests_fail_cleanly(front):
     with pytest.raises(openai.APIStatusError) as refused:
         ask(dp, QUESTIONS[0])
     assert refused.value.status_code == 503 and refused.value.body["code"] == "worker_down"
+
+
+def test_bad_data_parallel_arguments_exit_2_before_any_worker_starts(capsys):
+    from app.cli import main
+
+    assert main(["serve", "--data-parallel", "2", "--device", "cuda:1", "--port", "0"]) == 2
+    assert "use --device cuda" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel", "0", "--device", "cpu", "--port", "0"]) == 2
+    assert ">= 1" in capsys.readouterr().err
