@@ -60,9 +60,11 @@ def _gdn_chunk_scan_kernel(
                     mask=qk_mask, other=0.0).to(tl.float32)  # [Q, BK]
         q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * q_scale)[:, None]
         k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        gc = tl.load(gc_ptr + head * stride_gh + offs_t * stride_gt, mask=t_mask, other=0.0)  # [Q]
-        # the decay through the chunk's last real token (padding has g = 0: the reference's gc_last)
+        # the decay through the chunk's last real token: padding has g = 0 (the reference's gc_last), so
+        # padded rows carry it too (keeps every exponent below <= 0; their outputs are not stored)
         g_last = tl.load(gc_ptr + head * stride_gh + tl.minimum(chunk * CHUNK + CHUNK, T) * stride_gt - stride_gt)
+        gc = tl.load(gc_ptr + head * stride_gh + offs_t * stride_gt, mask=t_mask, other=0.0)  # [Q]
+        gc = tl.where(t_mask, gc, g_last)
         w = tl.load(w_ptr + head * stride_wh + t64 * stride_wt + offs_k[None, :] * stride_wk,
                     mask=qk_mask, other=0.0)  # [Q, BK]
         u = tl.load(u_ptr + head * stride_uh + t64 * stride_ut + offs_v[None, :] * stride_uv,
