@@ -112,6 +112,55 @@ def dense_points(mods: dict) -> list[dict]:
     return points
 
 
+def _timed(fn) -> float | str:
+    """bench_us after one warm-up call (autotuning), or the error a failed kernel raised."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return round(bench_us(fn), 2)
+    except Exception as exc:  # a failed kernel is recorded, not fatal to the run
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def crossover_points() -> dict:
+    """Where the tensor-core kernels overtake the per-row GEMVs: dense_gemv vs dense_gemm per row count
+    (decode buckets and short prefill) and fused_moe (per-pair GEMV) vs grouped_moe per token count."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.checkpoint.quantize import quantize
+    from adapters.kernels.dense_gemm import dense_gemm
+    from adapters.kernels.dense_gemv import dense_gemv
+    from adapters.kernels.fused_moe import fused_moe
+    from adapters.kernels.grouped_moe import grouped_moe
+    from domain.model_spec import WeightFormat
+
+    dense = []
+    for shape_name, (n, k) in DENSE.items():
+        q = quantize(torch.randn(n, k) * 0.05, WeightFormat.FP8_BLOCK).to("cuda")
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"matrix": shape_name, "rows": m}
+            for name, fn in (("gemv", dense_gemv), ("gemm", dense_gemm)):
+                row[f"{name}_us"] = _timed(lambda f=fn, x=x, q=q: f(x, q))
+            dense.append(row)
+            print(row, flush=True)
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
+    pool = random_pool(layout)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    moe = []
+    for t in (4, 16, 28, 32, 64, 256):
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        # 8 routed experts of 256 per token (real collisions) + one shared slot for every token
+        ids = torch.stack([torch.randperm(256, device="cuda", generator=gen)[:8] for _ in range(t)])
+        ids = torch.cat((ids, torch.full((t, 1), 300, device="cuda")), 1).to(torch.int32)
+        weights = torch.rand(t, 9, device="cuda", generator=gen)
+        row = {"tokens": t, "pairs": t * 9}
+        for name, fn in (("gemv", fused_moe), ("grouped", grouped_moe)):
+            row[f"{name}_us"] = _timed(lambda f=fn, x=x, i=ids, w=weights: f(x, i, w, pool, layout))
+        moe.append(row)
+        print(row, flush=True)
+    return {"dense": dense, "moe": moe}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -128,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         dense_mods["v0"] = v("dense_gemv_v0")
     record = {"kind": "bench_kernels", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "hardware": hardware_profile("cuda"), "args": vars(args),
-              "moe": moe_points(moe_mods, args.tokens), "dense": dense_points(dense_mods)}
+              "moe": moe_points(moe_mods, args.tokens), "dense": dense_points(dense_mods),
+              "crossover": crossover_points()}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_kernels.json").write_text(json.dumps(record, indent=1, default=str))
     return 0
