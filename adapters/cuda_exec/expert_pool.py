@@ -19,9 +19,11 @@ from adapters.kernels.residency_lookup import MAX_KEYS
 
 # Above this many (token, top-k) pairs a layer's experts run as grouped tensor-core GEMMs (grouped_moe),
 # at or below it as per-pair GEMVs (fused_moe). NOTE: the choice depends on T*K only, never on the pool
-# size, so a chunk gives the same bits at any slot count (MAX_KEYS: the most pairs the graph-captured
-# one-launch lookup takes, so decode steps always stay on the GEMVs).
-GEMV_MAX_PAIRS = MAX_KEYS
+# size, so a chunk gives the same bits at any slot count. Measured on the H200 (Qwen3.6 block FP8, 8
+# routed + shared, docs/bench/2026-12-01-bench-kernels-h200.json): 288 pairs GEMV 248 us vs grouped 334 us,
+# 576 pairs 472 vs 418 us. Decode steps (at most MAX_KEYS pairs) always stay on the GEMVs.
+GEMV_MAX_PAIRS = 512
+assert GEMV_MAX_PAIRS >= MAX_KEYS
 
 
 class DeviceExpertPool:

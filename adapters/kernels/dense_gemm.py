@@ -62,7 +62,7 @@ def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), measured per (M bucket, N, K, format) on CUDA before use;
 # BLOCK_N <= 128 keeps a block-FP8 scale one scalar per step. The interpreter runs the launcher default.
 TUNE_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
-              (16, 128, 4, 4), (16, 64, 4, 5))
+              (16, 128, 4, 4), (16, 64, 4, 5), (16, 32, 4, 6), (16, 16, 4, 8))  # narrow N: more programs at small M
 _TUNED = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
                            num_stages=st) for bm, bn, w, st in TUNE_TILES],

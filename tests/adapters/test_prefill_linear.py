@@ -30,8 +30,14 @@ def test_quantized_weights_match_the_reference_for_any_row_count(fmt, rows, monk
     out = pl.prefill_linear(x, q)
     assert out.shape == (2, rows, 48)
     assert _err(out, x.double().cpu() @ dequantize(q.to("cpu"), torch.float64).T) < 1e-5
-    gemv_ok = fmt == WeightFormat.FP8_BLOCK and 2 * rows <= pl.GEMV_MAX_ROWS
+    gemv_ok = fmt == WeightFormat.FP8_BLOCK and pl.use_gemv(2 * rows, 256)
     assert called == ["dense_gemv" if gemv_ok else "dense_gemm"]
+
+
+def test_the_gemv_gemm_crossover_follows_the_h200_measurement():
+    # narrow K (qkv projections): the GEMM from 4 rows; wide K (o/out projections): from 9 rows
+    assert [pl.use_gemv(r, 2048) for r in (1, 3, 4, 16)] == [True, True, False, False]
+    assert [pl.use_gemv(r, 4096) for r in (1, 8, 9, 16)] == [True, True, False, False]
 
 
 def test_float_weights_and_refusals():
