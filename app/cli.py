@@ -41,6 +41,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
                    help="cuda-graph: captured decode steps, device-side expert cache, Triton kernels (CUDA only); "
                         "reference: the plain torch path (CPU, parity oracle); auto: cuda-graph where it can run")
+    p.add_argument("--prefill-kernels", default="reference", choices=("reference", "triton"),
+                   help="the fast path's prefill: reference (the torch token mixers and projections) or triton "
+                        "(GDN chunk kernels, flash attention over the pages, tensor-core projections; verified "
+                        "on the CPU, not yet on a GPU)")
     p.add_argument("--tool-call-parser", default="auto",
                    help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
     p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
@@ -102,6 +106,7 @@ def _serve(args, parser) -> int:
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
             executor=args.executor,
+            prefill_kernels=args.prefill_kernels,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

@@ -149,7 +149,7 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
-                                 on_phase=progress)
+                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton")
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder

@@ -27,6 +27,7 @@ class ServeSettings:
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
+    prefill_kernels: str = "reference"  # the fast path's prefill: "reference" | "triton"
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
@@ -41,6 +42,8 @@ class ServeSettings:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:
             raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
+        if self.prefill_kernels not in ("reference", "triton"):
+            raise ValueError(f"--prefill-kernels must be reference or triton, got {self.prefill_kernels!r}")
         if self.executor not in ("auto", "reference", "cuda-graph"):
             raise ValueError(f"--executor must be auto, reference or cuda-graph, got {self.executor!r}")
         if self.executor == "cuda-graph":

@@ -52,8 +52,10 @@ class CudaGraphExecutor(ExecutorPools):
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
-                 on_phase: Callable[[str], None] | None = None):
-        """on_phase(name): told when the first graph capture starts and ends (a start-up milestone)."""
+                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False):
+        """on_phase(name): told when the first graph capture starts and ends (a start-up milestone).
+        prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
+        False keeps the reference token mixers there (the default until the kernels are GPU-verified)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -62,6 +64,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
         self.model.prepare_fast_path()
+        self.model.prefill_kernels = prefill_kernels
         self.bank = checkpoint.experts
         # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)

@@ -150,7 +150,11 @@ class FastDecoder(MoeDecoder):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fused_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)[1]
 
+    prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton)
+
     def _attention(self, mixer: FullAttention, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache) -> torch.Tensor:
+        if not self.prefill_kernels:
+            return super()._attention(mixer, h, inp, kv)
         out = torch.empty_like(h)  # [T, H]
         for span in inp.spans:
             out[span.rows] = attention_prefill(mixer, h[span.rows], kv, span.page_ids, span.start_position,
@@ -159,10 +163,14 @@ class FastDecoder(MoeDecoder):
 
     def _gdn_sequence(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
                       slot: int) -> torch.Tensor:
+        if not self.prefill_kernels:
+            return super()._gdn_sequence(mixer, h, state, layer, slot)
         return gdn_prefill(mixer, h, state, layer, slot, linear_fn=prefill_linear)
 
     def _gdn_decode_rows(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
                          slots: torch.Tensor) -> torch.Tensor:
+        if not self.prefill_kernels:
+            return super()._gdn_decode_rows(mixer, h, state, layer, slots)
         return self._gdn_decode(self.linear_layers[layer], mixer, h, slots.to(torch.int32), state, layer)
 
     def _gdn_decode(self, i: int, mixer: GatedDeltaNet, x: torch.Tensor, state_slots: torch.Tensor,

@@ -38,7 +38,26 @@ def _run(executor, record):
 
 
 def _fast(ckpt, slots, **kw):
+    """The fast path with the Triton prefill on (--prefill-kernels triton): prefill chunks, mixed steps and
+    decode graphs all through the fast kernels."""
+    kw.setdefault("prefill_kernels", True)
     return CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32, max_decode_rows=4, **kw)
+
+
+def test_the_default_prefill_keeps_the_reference_token_mixers(ckpt, monkeypatch):
+    import adapters.cuda_exec.fast_decoder as fd
+
+    def refuse(*a, **k):
+        raise AssertionError("a Triton prefill kernel ran with prefill_kernels off")
+
+    monkeypatch.setattr(fd, "gdn_prefill", refuse)
+    monkeypatch.setattr(fd, "attention_prefill", refuse)
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), DEVICE, torch.float32,
+                             max_decode_rows=4)
+    seqs = [Sequence("r0", PROMPTS[0], pages_for(0, len(PROMPTS[0]) + 3), state_slot=0)]
+    run_requests(fast, seqs, 2, chunk=4)
+    assert len(seqs[0].output) == 2
+    fast.check_valid()
 
 
 def test_fast_path_matches_the_reference_executor(ckpt):
