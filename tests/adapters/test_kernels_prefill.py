@@ -38,6 +38,8 @@ GEOMETRIES = {
     "gqa": GdnGeometry(2, 4, 8, 8, 4),  # test_parity_layers' geometry: value head h reads key head h // 2
     "odd": GdnGeometry(2, 2, 12, 10, 3),  # non-power-of-two head dims, W = 3: masked lanes
 }
+# Dk = 80 > 64: the scan's state tile in two halves, the second part-masked (the kernels only)
+WIDE = GdnGeometry(1, 2, 80, 24, 4)
 
 # ---------------------------------------------------------------- conv
 
@@ -100,12 +102,12 @@ def reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state):
     return out.transpose(0, 1), state
 
 
-@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+@pytest.mark.parametrize("name", [*sorted(GEOMETRIES), "wide"])
 @pytest.mark.parametrize("tokens", [1, 64, 130])
 def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
     """WY + scan against the reference on the same conv output, from a non-zero state; 130 = 2 full chunks
     and a 2-token tail, block_v 16 over Dv = 8/10 (masked columns)."""
-    geo = GEOMETRIES[name]
+    geo = GEOMETRIES.get(name, WIDE)
     gen = torch.Generator().manual_seed(tokens)
     nv = geo.num_v_heads
     mixed = torch.randn(tokens, geo.conv_channels, generator=gen).to(DEVICE)
