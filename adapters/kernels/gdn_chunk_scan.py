@@ -23,6 +23,7 @@ import triton.language as tl
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
 CHUNK = 64
+LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
 HALF = 64  # key rows per half of the state tile
 MAX_DK = 2 * HALF
 
@@ -159,6 +160,6 @@ def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: to
         SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise),
         # NOTE: one stage: the chunk loop is a serial recurrence, and the pipeliner's prefetch buffers
         # (num_stages=3) take 288 KB of shared memory at Dk = Dv = 128, more than an H200 SM has.
-        num_warps=8, num_stages=1,
+        **LAUNCH,
     )
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64
+LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
 TILE = 64  # key / value columns per tile
 
 
@@ -151,6 +152,6 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
         mixed, a, b, neg_a, dt_bias, w, u, gc, tokens,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
-        BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise), num_warps=8, num_stages=1,
+        BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise), **LAUNCH,
     )
     return w, u, gc
