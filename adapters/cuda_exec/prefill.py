@@ -43,7 +43,8 @@ def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, la
 
     Numerics: the conv, the delta rule and the norm statistics in fp32 (the reference rounds the conv
     output to the model dtype first); fp32 models use full-precision fp32 products, bf16/fp16 models tf32.
-    Scratch: ~4*T*(C + Nv*(Dk + Dv + 1)) bytes of fp32 besides the projections.
+    Scratch: ~4*T*(C + Nv*(Dk + 2*Dv + 1)) bytes of fp32 besides the projections (80 KiB per token for
+    Qwen3.6: 640 MiB at 8k tokens).
     linear_fn: the projection matmul (default the reference linear; the fast path may pass its own).
     Raises ValueError on a bad span, layer or slot.
     """
