@@ -49,15 +49,16 @@ def _gdn_conv_prefill_kernel(
     out = acc * tl.sigmoid(acc)
     tl.store(out_ptr + t2.to(tl.int64) * stride_ot + c2 * stride_oc, out, mask=(t2 < T) & c_mask[None, :])
 
-    if tblock == tl.cdiv(T, BLOCK_T) - 1:
-        offs_w = tl.arange(0, BLOCK_W)
-        # NOTE: names of their own: the compiler rejects re-binding a loop/outer tensor with a new shape
-        ps = T - (KERNEL - 1) + offs_w[:, None]  # [BLOCK_W, 1]
-        w_ok = (offs_w[:, None] < KERNEL - 1) & c_mask[None, :]
-        sx = tl.load(x_ptr + ps.to(tl.int64) * stride_xt + c2 * stride_xc, mask=w_ok & (ps >= 0), other=0.0)
-        sh = tl.load(hist_ptr + c2 * stride_hc + (KERNEL - 1 + ps) * stride_hw, mask=w_ok & (ps < 0), other=0.0)
-        new = tl.where(ps >= 0, sx.to(sh.dtype), sh)  # [BLOCK_W, BLOCK_C], the state's dtype
-        tl.store(state_ptr + c2 * stride_sc + offs_w[:, None] * stride_sw, new, mask=w_ok)
+    # The last t-block hands the window's last W-1 inputs to the state. A mask rather than an `if`: Triton
+    # 3.6 rejects the branch (it confuses the unrolled loop's `p` with names bound inside the branch).
+    offs_w = tl.arange(0, BLOCK_W)
+    last = (offs_w * 0 + tblock) == tl.cdiv(T, BLOCK_T) - 1  # [BLOCK_W] as a vector: see gdn_conv_decode
+    ps = T - (KERNEL - 1) + offs_w[:, None]  # [BLOCK_W, 1]
+    w_ok = ((offs_w < KERNEL - 1) & last)[:, None] & c_mask[None, :]
+    sx = tl.load(x_ptr + ps.to(tl.int64) * stride_xt + c2 * stride_xc, mask=w_ok & (ps >= 0), other=0.0)
+    sh = tl.load(hist_ptr + c2 * stride_hc + (KERNEL - 1 + ps) * stride_hw, mask=w_ok & (ps < 0), other=0.0)
+    new = tl.where(ps >= 0, sx.to(sh.dtype), sh)  # [BLOCK_W, BLOCK_C], the state's dtype
+    tl.store(state_ptr + c2 * stride_sc + offs_w[:, None] * stride_sw, new, mask=w_ok)
 
 
 def gdn_conv_prefill(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, *,
