@@ -219,6 +219,12 @@ def test_gdn_prefill_rejects_bad_spans():
         with pytest.raises(ValueError):
             prefill.gdn_prefill(gdn, *args)
     assert pool.recurrent.abs().sum() == 0 and pool.conv.abs().sum() == 0
+    wide = GdnGeometry(1, 1, 136, 8, 4)  # Dk > 128: refused before the conv writes the state
+    big, _ = make_gdn(wide, hidden=32, dtype=torch.float32)
+    big_pool = LinearStatePool(1, 1, wide, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="136"):
+        prefill.gdn_prefill(big, x, big_pool, 0, 0)
+    assert big_pool.conv.abs().sum() == 0
 
 
 # ---------------------------------------------------------------- attention_prefill vs FullAttention.forward
