@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from adapters.kernels.gated_rms_norm import gated_rms_norm
-from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
+from adapters.kernels.gdn_chunk_scan import MAX_DK, gdn_chunk_scan
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
 from adapters.kernels.qk_norm_rope import qk_norm_rope
@@ -42,12 +42,16 @@ def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, la
     next chunk read). Returns [T, H] in x's dtype.
 
     Numerics: the conv, the delta rule and the norm statistics in fp32 (the reference rounds the conv
-    output to the model dtype first); fp32 models use full-precision fp32 products, bf16/fp16 models tf32.
-    Scratch: ~4*T*(C + Nv*(Dk + Dv + 1)) bytes of fp32 besides the projections.
+    output to the model dtype first); fp32 models take fp32-accurate products (3xTF32 on a GPU), bf16/fp16
+    models one TF32 pass.
+    Scratch: ~4*T*(C + Nv*(Dk + 2*Dv + 1)) bytes of fp32 besides the projections (80 KiB per token for
+    Qwen3.6: 640 MiB at 8k tokens).
     linear_fn: the projection matmul (default the reference linear; the fast path may pass its own).
-    Raises ValueError on a bad span, layer or slot.
+    Raises ValueError on a bad span, layer or slot, or Dk > 128, before any state is touched.
     """
     geo, w = mixer.geo, mixer.w
+    if geo.k_head_dim > MAX_DK:
+        raise ValueError(f"key head dim {geo.k_head_dim} > {MAX_DK} is not supported by gdn_chunk_scan")
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty [T, H], got {tuple(x.shape)}")
     if not 0 <= layer < pool.num_layers or not pool.can_use(slot):

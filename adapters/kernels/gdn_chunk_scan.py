@@ -2,23 +2,30 @@
 64-token chunks of one sequence in order from the slot's fp32 state, writing the final state back.
 
 Shape legend: T tokens of the chunk, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
-(value head h reads key head h // (Nv/Nk)), Dk key head dim, Dv value head dim, Q tokens per chunk,
-BV value columns per program.
+(value head h reads key head h // (Nv/Nk)), Dk key head dim (<= 128), Dv value head dim, Q tokens per
+chunk, KB key rows per half (64), BV value columns per program.
 
 Per chunk, with w, u, gc from gdn_chunk_wy and h the [Dk, Dv] state entering the chunk (fp32):
   v' = u - w h
   o  = (q * exp(gc)) h + tril(q k^T * exp(gc_i - gc_j)) v'       (q = l2norm(q) * Dk**-0.5, k = l2norm(k))
   h  = h * exp(gc_last) + (k * exp(gc_last - gc))^T v'
 Grid (Nv, Dv / BV): columns of the state are independent, so each program owns a [Dk, BV] state tile
-in registers for the whole walk (no grid-wide sync, one launch per layer); the small q k^T product is
-recomputed by the Dv / BV programs of a head instead of being stored.
+in registers for the whole walk (no grid-wide sync, no per-chunk state stored, one launch per layer);
+the small q k^T product is recomputed by the Dv / BV programs of a head instead of being stored.
+The state tile and every [Q, Dk] operand are split into two named halves of 64 key rows (Dk = 128 as
+in Qwen3.5/3.6): whole [Q, 128] fp32 tiles spill registers on sm_90 (checked with ptxas).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
+
 CHUNK = 64
+LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
+HALF = 64  # key rows per half of the state tile
+MAX_DK = 2 * HALF
 
 
 @triton.jit
@@ -32,56 +39,79 @@ def _gdn_chunk_scan_kernel(
     stride_sh, stride_sk, stride_sv,
     stride_ot, stride_oh, stride_ov,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Program (h, v-block): state tile [Dk, BV] of value head h through all chunks; out[t, h, v-block]."""
+    """Program (h, v-block): state tile [Dk, BV] of value head h (halves h1, h2) through all chunks;
+    out[t, h, v-block]. SPLIT: Dk > BLOCK_KB (h2 holds key rows BLOCK_KB..Dk-1)."""
     head = tl.program_id(0)
     vblock = tl.program_id(1)
     key_head = head // (VALUE_HEADS // KEY_HEADS)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
-    k_mask = offs_k < DK
     v_mask = offs_v < DV
     causal = offs_i[:, None] >= offs_i[None, :]
 
-    tile = head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
-    tile_mask = k_mask[:, None] & v_mask[None, :]
-    h = tl.load(state_ptr + tile, mask=tile_mask, other=0.0)  # [BK, BV] fp32
+    s_base = state_ptr + head * stride_sh
+    s_tile = offs_kb[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    h1 = tl.load(s_base + s_tile, mask=(offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)  # [KB, BV] fp32
+    if SPLIT:
+        h2 = tl.load(s_base + BLOCK_KB * stride_sk + s_tile,
+                     mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)
+    else:
+        h2 = h1  # unused
 
+    q_base = mixed_ptr + key_head * DK * stride_mc
+    k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
+    w_base = w_ptr + head * stride_wh
     for chunk in range(0, tl.cdiv(T, CHUNK)):
-        offs_t = chunk * CHUNK + offs_i
-        t_mask = offs_t < T
-        t64 = offs_t.to(tl.int64)[:, None]
-        qk_mask = t_mask[:, None] & k_mask[None, :]
-        q = tl.load(mixed_ptr + t64 * stride_mt + (key_head * DK + offs_k[None, :]) * stride_mc,
-                    mask=qk_mask, other=0.0).to(tl.float32)  # [Q, BK]
-        k = tl.load(mixed_ptr + t64 * stride_mt + (KEY_HEADS * DK + key_head * DK + offs_k[None, :]) * stride_mc,
-                    mask=qk_mask, other=0.0).to(tl.float32)  # [Q, BK]
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * q_scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        t0 = chunk * CHUNK
+        t_mask = t0 + offs_i < T
         # the decay through the chunk's last real token: padding has g = 0 (the reference's gc_last), so
         # padded rows carry it too (keeps every exponent below <= 0; their outputs are not stored)
-        g_last = tl.load(gc_ptr + head * stride_gh + tl.minimum(chunk * CHUNK + CHUNK, T) * stride_gt - stride_gt)
-        gc = tl.load(gc_ptr + head * stride_gh + offs_t * stride_gt, mask=t_mask, other=0.0)  # [Q]
-        gc = tl.where(t_mask, gc, g_last)
-        w = tl.load(w_ptr + head * stride_wh + t64 * stride_wt + offs_k[None, :] * stride_wk,
-                    mask=qk_mask, other=0.0)  # [Q, BK]
-        u = tl.load(u_ptr + head * stride_uh + t64 * stride_ut + offs_v[None, :] * stride_uv,
-                    mask=t_mask[:, None] & v_mask[None, :], other=0.0)  # [Q, BV]
+        g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
+        gc = tl.load(gc_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)
+        gc = tl.where(t_mask, gc, g_last)  # [Q]
+        u = load_rows(u_ptr + head * stride_uh, t0, T, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK,
+                       BLOCK_V)  # [Q, BV]
 
-        v_new = u - tl.dot(w, h, input_precision=DOT_PRECISION)  # [Q, BV]
+        w1 = load_rows(w_base, t0, T, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+        v_new = u - tl.dot(w1, h1, input_precision=DOT_PRECISION)  # [Q, BV]
+        q1 = load_rows(q_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
+        k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
+        sq = tl.sum(q1 * q1, 1)
+        sk = tl.sum(k1 * k1, 1)
+        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)  # [Q, Q] before the norms
+        if SPLIT:
+            w2 = load_rows(w_base, t0, T, stride_wt, stride_wk, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            v_new -= tl.dot(w2, h2, input_precision=DOT_PRECISION)
+            q2 = load_rows(q_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            sq += tl.sum(q2 * q2, 1)
+            sk += tl.sum(k2 * k2, 1)
+            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+        rq = tl.rsqrt(sq + 1e-6) * q_scale  # [Q] l2norm then Dk**-0.5
+        rk = tl.rsqrt(sk + 1e-6)
         # NOTE: exp only on the causal half: there gc_i - gc_j <= 0, above it it could overflow.
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        attn = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)  # [Q, Q]
-        o = tl.dot(q * tl.exp(gc)[:, None], h, input_precision=DOT_PRECISION)
-        o = o + tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
-        tl.store(out_ptr + t64 * stride_ot + head * stride_oh + offs_v[None, :] * stride_ov, o,
-                 mask=t_mask[:, None] & v_mask[None, :])
-        k_decayed = k * tl.exp(g_last - gc)[:, None]  # [Q, BK]
-        h = h * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=DOT_PRECISION)
+        attn = tl.where(causal, qk * (rq[:, None] * rk[None, :]) * decay, 0.0)  # [Q, Q]
+        o = tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
+        q_row = rq * tl.exp(gc)
+        k_row = rk * tl.exp(g_last - gc)
+        decay_last = tl.exp(g_last)
+        o += tl.dot(q1 * q_row[:, None], h1, input_precision=DOT_PRECISION)
+        h1 = h1 * decay_last + tl.dot(tl.trans(k1 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
+        if SPLIT:
+            o += tl.dot(q2 * q_row[:, None], h2, input_precision=DOT_PRECISION)
+            h2 = h2 * decay_last + tl.dot(tl.trans(k2 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
+        o_ptrs = out_ptr + head * stride_oh + t0.to(tl.int64) * stride_ot + offs_i[:, None] * stride_ot \
+            + offs_v[None, :] * stride_ov
+        tl.store(o_ptrs, o, mask=t_mask[:, None] & v_mask[None, :])
 
-    tl.store(state_ptr + tile, h, mask=tile_mask)
+    tl.store(s_base + s_tile, h1, mask=(offs_kb < DK)[:, None] & v_mask[None, :])
+    if SPLIT:
+        tl.store(s_base + BLOCK_KB * stride_sk + s_tile, h2, mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :])
 
 
 def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, state: torch.Tensor,
@@ -90,16 +120,18 @@ def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: to
     """The chunked delta rule's recurrence and output for one sequence's prefill chunk.
 
     mixed fp32 [T, C] the conv output (q, k read from it and l2-normed here); w fp32 [Nv, T, Dk],
-    u fp32 [Nv, T, Dv], gc fp32 [Nv, T] from gdn_chunk_wy; state fp32 [Nv, Dk, Dv] the slot's recurrent
-    state (pool.recurrent[layer, slot]), read as the state before token 0 and overwritten with the state
-    after token T-1. block_v: value columns per program (power of two >= 16). precise: fp32 products in
-    full precision; False lets the GPU use tf32. out: optional fp32 [T, Nv, Dv] buffer.
-    Returns core fp32 [T, Nv, Dv] (before the gated RMSNorm). T = 0: state untouched.
-    Raises ValueError on mismatched shapes, dtypes or devices.
+    u fp32 [Nv, T, Dv], gc fp32 [Nv, T] from gdn_chunk_wy; state fp32 [Nv, Dk, Dv] (Dk <= 128) the slot's
+    recurrent state (pool.recurrent[layer, slot]), read as the state before token 0 and overwritten with
+    the state after token T-1. block_v: value columns per program (power of two >= 16). precise:
+    fp32-accurate products (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models).
+    out: optional fp32 [T, Nv, Dv] buffer. Returns core fp32 [T, Nv, Dv] (before the gated RMSNorm).
+    T = 0: state untouched. Raises ValueError on mismatched shapes, dtypes or devices.
     """
     if state.dim() != 3 or state.dtype != torch.float32:
         raise ValueError(f"state must be fp32 [Nv, Dk, Dv], got {state.dtype} {tuple(state.shape)}")
     nv, dk, dv = state.shape
+    if dk > MAX_DK:
+        raise ValueError(f"key head dim {dk} > {MAX_DK} is not supported (the state tile has two halves of {HALF})")
     tokens = mixed.shape[0] if mixed.dim() == 2 else -1
     if mixed.dtype != torch.float32 or tokens < 0 or mixed.shape[1] != 2 * num_k_heads * dk + nv * dv:
         raise ValueError(f"mixed must be fp32 [T, 2*{num_k_heads}*{dk} + {nv}*{dv}], got {mixed.dtype} "
@@ -120,11 +152,14 @@ def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: to
     if tokens == 0:
         return out
     block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
+    block_kb = min(HALF, max(16, triton.next_power_of_2(dk)))
     _gdn_chunk_scan_kernel[(nv, triton.cdiv(dv, block_v))](
         mixed, w, u, gc, state, out, tokens, dk ** -0.5,
         *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state.stride(), *out.stride(),
-        KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK,
-        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v,
-        DOT_PRECISION="ieee" if precise else "tf32", num_warps=4,
+        KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise),
+        # NOTE: one stage: the chunk loop is a serial recurrence, and the pipeliner's prefetch buffers
+        # (num_stages=3) take 288 KB of shared memory at Dk = Dv = 128, more than an H200 SM has.
+        **LAUNCH,
     )
     return out

@@ -18,6 +18,25 @@ import triton
 import triton.language as tl
 
 CHUNK = 64
+LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
+TILE = 64  # key / value columns per tile
+
+
+def dot_precision(precise: bool) -> str:
+    """tl.dot's input precision: 3xTF32 (fp32-accurate on tensor cores; plain "ieee" fp32 dots run on the
+    FMA units and spill kilobytes of registers at these shapes) or one TF32 pass for bf16/fp16 models."""
+    return "tf32x3" if precise else "tf32"
+
+
+@triton.jit
+def load_rows(base, t0, T, stride_t, stride_c, col0, COLS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """[ROWS, BLOCK] fp32 tile: rows t0.. (< T) and columns col0.. (< COLS) of a row-major view; zeros outside
+    (the reference's zero padding of the last chunk)."""
+    offs_r = tl.arange(0, ROWS)
+    offs_c = col0 + tl.arange(0, BLOCK)
+    ptrs = base + t0.to(tl.int64) * stride_t + offs_r[:, None] * stride_t + offs_c[None, :] * stride_c
+    mask = ((t0 + offs_r) < T)[:, None] & (offs_c < COLS)[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -31,23 +50,20 @@ def _gdn_chunk_wy_kernel(
     stride_uh, stride_ut, stride_uv,
     stride_gh, stride_gt,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Program (chunk, value head): writes gc [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32)."""
+    """Program (chunk, value head): writes gc [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32). Key and value
+    columns go in tiles of TILE (whole [Q, 128] fp32 tiles spill registers on sm_90)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // (VALUE_HEADS // KEY_HEADS)
-    offs_t = chunk * CHUNK + tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
+    t0 = chunk * CHUNK
+    offs_i = tl.arange(0, CHUNK)
+    offs_t = t0 + offs_i
     t_mask = offs_t < T
-    rows = offs_t.to(tl.int64)[:, None] * stride_mt
-
-    k = tl.load(mixed_ptr + rows + (KEY_HEADS * DK + key_head * DK + offs_k[None, :]) * stride_mc,
-                mask=t_mask[:, None] & (offs_k[None, :] < DK), other=0.0).to(tl.float32)  # [Q, BK]
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    v = tl.load(mixed_ptr + rows + (2 * KEY_HEADS * DK + head * DV + offs_v[None, :]) * stride_mc,
-                mask=t_mask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)  # [Q, BV]
+    k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
+    v_base = mixed_ptr + (2 * KEY_HEADS * DK + head * DV) * stride_mc
 
     beta = tl.sigmoid(tl.load(b_ptr + offs_t * stride_bt + head * stride_bh, mask=t_mask, other=0.0).to(tl.float32))
     beta = tl.where(t_mask, beta, 0.0)
@@ -58,13 +74,19 @@ def _gdn_chunk_wy_kernel(
     g = tl.where(t_mask, tl.load(neg_a_ptr + head) * softplus, 0.0)
     gc = tl.cumsum(g, 0)  # [Q] log decay from the chunk start through token i
 
-    offs_i = tl.arange(0, CHUNK)
+    # k k^T and the row norms over key-column tiles; normalising after the product is the same math
+    sk = tl.zeros((CHUNK,), dtype=tl.float32)
+    kk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+    for k0 in tl.static_range(0, BLOCK_K, TILE):
+        kt = load_rows(k_base, t0, T, stride_mt, stride_mc, k0, DK, CHUNK, TILE)  # [Q, TILE]
+        sk += tl.sum(kt * kt, 1)
+        kk += tl.dot(kt, tl.trans(kt), input_precision=DOT_PRECISION)
+    rk = tl.rsqrt(sk + 1e-6)  # [Q] l2norm of k
+
     lower = offs_i[:, None] > offs_i[None, :]  # strictly lower
-    k_beta = k * beta[:, None]
     # NOTE: exp only where i > j: gc_i - gc_j <= 0 there; above the diagonal it could overflow.
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
-    kk = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION)  # [Q, Q]
-    neg = tl.where(lower, -kk * decay, 0.0)  # -A
+    neg = tl.where(lower, -kk * ((beta * rk)[:, None] * rk[None, :]) * decay, 0.0)  # -A
 
     # Forward substitution: row i of N = X - I is -A[i] + sum_{j<i} (-A[i, j]) N[j]; rows above i already
     # hold N, rows below still hold -A.
@@ -75,14 +97,20 @@ def _gdn_chunk_wy_kernel(
         neg = tl.where(pick[:, None], row[None, :], neg)
     inv = neg + tl.where(offs_i[:, None] == offs_i[None, :], 1.0, 0.0)  # X = (I + A)^-1
 
-    u = tl.dot(inv, v * beta[:, None], input_precision=DOT_PRECISION)  # [Q, BV]
-    w = tl.dot(inv, k_beta * tl.exp(gc)[:, None], input_precision=DOT_PRECISION)  # [Q, BK]
-    tl.store(gc_ptr + head * stride_gh + offs_t * stride_gt, gc, mask=t_mask)
     t64 = offs_t.to(tl.int64)[:, None]
-    tl.store(w_ptr + head * stride_wh + t64 * stride_wt + offs_k[None, :] * stride_wk, w,
-             mask=t_mask[:, None] & (offs_k[None, :] < DK))
-    tl.store(u_ptr + head * stride_uh + t64 * stride_ut + offs_v[None, :] * stride_uv, u,
-             mask=t_mask[:, None] & (offs_v[None, :] < DV))
+    offs_c = tl.arange(0, TILE)
+    k_scale = beta * rk * tl.exp(gc)  # [Q]
+    for k0 in tl.static_range(0, BLOCK_K, TILE):
+        kt = load_rows(k_base, t0, T, stride_mt, stride_mc, k0, DK, CHUNK, TILE)
+        w = tl.dot(inv, kt * k_scale[:, None], input_precision=DOT_PRECISION)  # [Q, TILE]
+        tl.store(w_ptr + head * stride_wh + t64 * stride_wt + (k0 + offs_c)[None, :] * stride_wk, w,
+                 mask=t_mask[:, None] & ((k0 + offs_c) < DK)[None, :])
+    for v0 in tl.static_range(0, BLOCK_V, TILE):
+        vt = load_rows(v_base, t0, T, stride_mt, stride_mc, v0, DV, CHUNK, TILE)
+        u = tl.dot(inv, vt * beta[:, None], input_precision=DOT_PRECISION)  # [Q, TILE]
+        tl.store(u_ptr + head * stride_uh + t64 * stride_ut + (v0 + offs_c)[None, :] * stride_uv, u,
+                 mask=t_mask[:, None] & ((v0 + offs_c) < DV)[None, :])
+    tl.store(gc_ptr + head * stride_gh + offs_t * stride_gt, gc, mask=t_mask)
 
 
 def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
@@ -92,7 +120,7 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
 
     mixed fp32 [T, C] the conv output ([q | k | v] channels, q and k not yet normalised); a, b [T, Nv]
     in_proj_a / in_proj_b outputs (any float dtype); neg_a = -exp(A_log), dt_bias fp32 [Nv].
-    precise: fp32 products in full precision (fp32 models); False lets the GPU use tf32 (bf16 models).
+    precise: fp32-accurate products (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models).
     Returns (w fp32 [Nv, T, Dk], u fp32 [Nv, T, Dv], gc fp32 [Nv, T]) as defined in the module docstring;
     gc restarts at every 64-token boundary. Raises ValueError on mismatched shapes, dtypes or devices.
     """
@@ -117,11 +145,13 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
     gc = torch.empty(nv, tokens, dtype=torch.float32, device=dev)
     if tokens == 0:
         return w, u, gc
+    block_k = max(16, triton.next_power_of_2(k_head_dim))
+    block_v = max(16, triton.next_power_of_2(v_head_dim))
+    tile = min(TILE, block_k, block_v)
     _gdn_chunk_wy_kernel[(triton.cdiv(tokens, CHUNK), nv)](
         mixed, a, b, neg_a, dt_bias, w, u, gc, tokens,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
-        BLOCK_K=max(16, triton.next_power_of_2(k_head_dim)), BLOCK_V=max(16, triton.next_power_of_2(v_head_dim)),
-        DOT_PRECISION="ieee" if precise else "tf32", num_warps=4,
+        BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise), **LAUNCH,
     )
     return w, u, gc

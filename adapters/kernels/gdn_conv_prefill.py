@@ -49,18 +49,20 @@ def _gdn_conv_prefill_kernel(
     out = acc * tl.sigmoid(acc)
     tl.store(out_ptr + t2.to(tl.int64) * stride_ot + c2 * stride_oc, out, mask=(t2 < T) & c_mask[None, :])
 
-    if tblock == tl.cdiv(T, BLOCK_T) - 1:
-        offs_w = tl.arange(0, BLOCK_W)
-        p = T - (KERNEL - 1) + offs_w[:, None]  # [BLOCK_W, 1]
-        w_ok = (offs_w[:, None] < KERNEL - 1) & c_mask[None, :]
-        from_x = tl.load(x_ptr + p.to(tl.int64) * stride_xt + c2 * stride_xc, mask=w_ok & (p >= 0), other=0.0)
-        from_h = tl.load(hist_ptr + c2 * stride_hc + (KERNEL - 1 + p) * stride_hw, mask=w_ok & (p < 0), other=0.0)
-        new = tl.where(p >= 0, from_x.to(from_h.dtype), from_h)  # [BLOCK_W, BLOCK_C], the state's dtype
-        tl.store(state_ptr + c2 * stride_sc + offs_w[:, None] * stride_sw, new, mask=w_ok)
+    # The last t-block hands the window's last W-1 inputs to the state. A mask rather than an `if`: Triton
+    # 3.6 rejects the branch (it confuses the unrolled loop's `p` with names bound inside the branch).
+    offs_w = tl.arange(0, BLOCK_W)
+    last = (offs_w * 0 + tblock) == tl.cdiv(T, BLOCK_T) - 1  # [BLOCK_W] as a vector: see gdn_conv_decode
+    ps = T - (KERNEL - 1) + offs_w[:, None]  # [BLOCK_W, 1]
+    w_ok = ((offs_w < KERNEL - 1) & last)[:, None] & c_mask[None, :]
+    sx = tl.load(x_ptr + ps.to(tl.int64) * stride_xt + c2 * stride_xc, mask=w_ok & (ps >= 0), other=0.0)
+    sh = tl.load(hist_ptr + c2 * stride_hc + (KERNEL - 1 + ps) * stride_hw, mask=w_ok & (ps < 0), other=0.0)
+    new = tl.where(ps >= 0, sx.to(sh.dtype), sh)  # [BLOCK_W, BLOCK_C], the state's dtype
+    tl.store(state_ptr + c2 * stride_sc + offs_w[:, None] * stride_sw, new, mask=w_ok)
 
 
 def gdn_conv_prefill(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, *,
-                     block_t: int = 64, block_c: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_t: int = 16, block_c: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal depthwise conv + SiLU of one sequence's prefill chunk.
 
     qkv [T, C] in_proj_qkv output (model dtype); conv_state [C, W-1] the slot's state (pool.conv[layer, slot],
@@ -68,6 +70,7 @@ def gdn_conv_prefill(qkv: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
     (a bitwise copy of those inputs, old state columns included when T < W-1); conv_weight [C, W].
     Returns mixed fp32 [T, C] computed in fp32 (the reference rounds the window, products and SiLU to the
     model dtype). out: optional fp32 [T, C] buffer. T = 0 returns an empty result, state untouched.
+    block_t x block_c: the tile of one program (16 x 128 keeps sm_90 at 96 registers, no spill).
     Raises ValueError on mismatched shapes, dtypes, devices or bad block sizes.
     """
     if qkv.dim() != 2 or conv_state.dim() != 2 or conv_weight.dim() != 2:
