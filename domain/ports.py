@@ -26,12 +26,21 @@ class SequenceWork:
     - token_ids are positions [start_position, start_position + len(token_ids)) of the
       sequence; len(token_ids) >= 1.
     - start_position == 0 means a fresh sequence: reset the linear-attention state in
-      state_slot. Otherwise start_position equals the end of the previous work with this
-      state_slot (no gaps, no repeats).
+      state_slot. With restore_from set (start_position > 0, a prefix-cache hit) copy that
+      snapshot slot into state_slot first: it holds the state after exactly start_position
+      tokens of this sequence. Otherwise start_position equals the end of the previous work
+      with this state_slot (no gaps, no repeats).
+    - snapshots: (position, snapshot slot) pairs, positions strictly increasing in
+      (start_position, end_position]: once the tokens before `position` are computed, copy the
+      linear-attention state (recurrent + conv, every layer) of state_slot into that slot.
+      Executors without linear-attention layers ignore restore_from and snapshots.
     - page_ids cover positions [0, start_position + len(token_ids)): position p lives in
       page_ids[p // page_size] at offset p % page_size. Pages holding positions
       < start_position keep what earlier steps wrote there.
-    - Within one StepBatch no two works share a state_slot or a page they write to.
+    - Within one StepBatch no two works share a state_slot or a page they write to, no two
+      works write the same snapshot slot, and no work writes a slot another one restores from.
+      Pages holding positions < start_position may be shared with other works (a cached
+      prefix); nobody writes them.
     """
 
     request_id: str
@@ -42,6 +51,8 @@ class SequenceWork:
     sample: bool  # True: sample a token after the last one (decode, or last prefill chunk)
     sampling: SamplingParams
     output_index: int  # tokens generated so far (seeded sampling uses (seed, output_index))
+    restore_from: int | None = None  # snapshot slot to load into state_slot first (prefix-cache hit)
+    snapshots: tuple[tuple[int, int], ...] = ()  # (position, snapshot slot) to take in this work
 
     @property
     def end_position(self) -> int:
