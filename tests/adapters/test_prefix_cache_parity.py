@@ -26,11 +26,18 @@ LOGIT_TOL = 1e-5
 INTERVAL = 2 * PAGE_SIZE  # a snapshot every 8 tokens: prefixes of any length end mid-interval often
 
 
-def make_engine(ckpt, cache: bool, *, kv_tokens=1024, snapshot_slots=48, max_running=3, max_step_tokens=7):
+def make_engine(ckpt, cache: bool, *, kv_tokens=1024, snapshot_slots=48, max_running=3, max_step_tokens=7,
+                fast: bool = False):
     plan = plan_pools(ckpt.spec, GpuBudget(total_bytes=1 << 40),
                       PoolRequest(kv_tokens=kv_tokens, expert_slots=ckpt.spec.total_experts, state_slots=max_running,
                                   snapshot_slots=snapshot_slots if cache else 0, page_size=PAGE_SIZE))
-    executor = TorchExecutor(ckpt, plan, "cpu", torch.float32)
+    if fast:  # the fast path's executor: Triton's interpreter on the CPU, no graphs
+        from adapters.cuda_exec.executor import CudaGraphExecutor
+
+        executor = CudaGraphExecutor(ckpt, plan, "cuda" if torch.cuda.is_available() else "cpu", torch.float32,
+                                     max_decode_rows=max_running)
+    else:
+        executor = TorchExecutor(ckpt, plan, "cpu", torch.float32)
     config = SchedulerConfig(max_running=max_running, max_step_tokens=max_step_tokens, page_size=PAGE_SIZE,
                              max_context=kv_tokens, prefix_cache=cache, snapshot_interval=INTERVAL,
                              linear_state=bool(executor.model.linear_layers))
@@ -164,3 +171,21 @@ def test_tiny_hybrid_configs_multi_turn_parity(name, tmp_path):
     plain = conversation(*make_engine(ckpt, cache=False), turns, sampling, "p")
     assert_same((c_tokens, c_logits), plain[:2], name)
     assert len(hits(works)) == 2
+
+
+def test_fast_path_executor_resumes_from_the_cache_like_it_computes_without(tmp_path):
+    """CudaGraphExecutor through the same ExecutorPools hooks: restores before a (graph-shaped) decode or a
+    prefill, snapshots after; on the CPU its Triton kernels run in the interpreter."""
+    ckpt = save_and_load(build_hf_model("qwen3_5_moe", QWEN3_5_CONFIGS["hybrid_3to1"]), tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    # turn 1: 5 + 4 tokens, 8 computed, the last decode ends on the page boundary 8 (a snapshot); turn 2
+    # resends those 9 tokens (a regenerate): resumed at 8, one token left
+    turns = [torch.randint(0, 96, (5,), generator=gen).tolist(), []]
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    scheduler, executor = make_engine(ckpt, cache=True, fast=True)
+    c_tokens, c_logits, works = conversation(scheduler, executor, turns, sampling, "c")
+    plain = conversation(*make_engine(ckpt, cache=False, fast=True), turns, sampling, "p")
+    assert_same((c_tokens, c_logits), plain[:2], "fast path")
+    (resumed,) = [w for w in works if w.restore_from is not None]
+    assert (resumed.start_position, len(resumed.token_ids), resumed.sample) == (8, 1, True)
+    assert any(w.snapshots for w in works if len(w.token_ids) == 1)  # an end snapshot after a decode
