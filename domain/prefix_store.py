@@ -11,6 +11,8 @@ why (no copy-on-write of partial pages) and how the snapshot interval was chosen
 Where snapshots are taken, per request (all page boundaries, each only if a slot is free, else
 after evicting LRU cache entries, else skipped: a missing snapshot only shortens later matches):
 - every multiple of ``interval`` tokens (kept until the request ends);
+- the branch point: where the cached KV of its prefix ends when no snapshot was there (it was
+  cut back): the next request sharing that prefix (a common system prompt) resumes exactly there;
 - the last page boundary of the prompt, in the last prefill chunk (kept);
 - every page boundary a decode reaches (``rolling``: the newer replaces the older, so at the end
   it is the end-of-output snapshot the next turn of a conversation resumes from).
@@ -90,6 +92,10 @@ class PrefixStore:
         """Start a request on `match` (lock it; its pages lead request.pages; state restored from its
         snapshot) or, with None, from position 0."""
         assert not request.pages and request.prefix is None, request
+        if self.cache is not None and self.needs_snapshots:
+            depth = self.cache.match(request.all_token_ids[:-1]).num_tokens
+            if depth > (match.num_tokens if match is not None else 0):
+                request.branch_point = depth
         if match is None:
             request.num_computed_tokens = 0
             return
@@ -109,7 +115,9 @@ class PrefixStore:
         points: list[tuple[int, bool]] = []
         if self.interval:
             first = (start // self.interval + 1) * self.interval
-            points = [(p, False) for p in range(first, end + 1, self.interval)]
+            points = [(p, False) for p in range(first, end + 1, self.interval) if p != request.branch_point]
+        if start < request.branch_point <= end:
+            points.append((request.branch_point, False))
         kept = {p for p, _ in points}
         if request.state is RequestState.PREFILLING and sample:  # last prefill chunk: end of the prompt
             boundary = end // self.page_size * self.page_size
@@ -169,6 +177,7 @@ class PrefixStore:
         request.prefix = None
         request.num_shared_pages = 0
         request.restore_snapshot = None
+        request.branch_point = 0
         request.snapshots = []
         request.rolling_snapshot = None
         request.pending_snapshots = []

@@ -86,6 +86,7 @@ class Request:
     prefix: object | None = None  # the locked domain.prefix_cache.PrefixMatch whose pages lead `pages`
     num_shared_pages: int = 0  # pages[:num_shared_pages] belong to the cache (shared, read-only)
     restore_snapshot: int | None = None  # snapshot slot the next work restores the state from
+    branch_point: int = 0  # cached KV reaches here but no snapshot does: snapshot it on the way (0 = none)
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # kept (position, slot), taken
     rolling_snapshot: tuple[int, int] | None = None  # latest decode page boundary (replaced as it moves)
     pending_snapshots: list[tuple[int, int, bool]] = field(default_factory=list)  # in flight: (pos, slot, rolling)
@@ -133,7 +134,7 @@ class Request:
             held.append(self.rolling_snapshot[1])
         assert len(held) == len(set(held)), f"{self.request_id}: snapshot slot held twice"
         if self.state is RequestState.WAITING or self.is_done:
-            assert self.prefix is None and not held and self.restore_snapshot is None, self
+            assert self.prefix is None and not held and self.restore_snapshot is None and not self.branch_point, self
         if self.state is RequestState.WAITING:
             assert not self.pages and self.state_slot is None and self.num_computed_tokens == 0, self
         if self.state in (RequestState.PREFILLING, RequestState.DECODING):

@@ -315,3 +315,16 @@ def test_replace_pools_clears_the_cache_unless_kv_and_snapshots_are_kept():
 def test_config_refuses_an_interval_that_is_not_whole_pages():
     with pytest.raises(ValueError, match="multiple"):
         SchedulerConfig(page_size=4, snapshot_interval=6)
+
+
+def test_a_shared_system_prompt_gets_a_branch_snapshot_so_the_third_conversation_resumes_at_its_end():
+    scheduler, _, executor = make(interval=16)
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+    system = [(7 * i + 3) % VOCAB for i in range(26)]  # 26 tokens: KV of 24 can be shared (6 pages)
+    run(scheduler, executor, Request("a", system + [1, 1, 1, 1, 1, 1], sampling))
+    works, _ = run(scheduler, executor, Request("b", system + [2, 2, 2, 2, 2, 2], sampling))
+    assert works[0].start_position == 16  # cut back to the interval snapshot ("a"'s prompt end is at 32)
+    assert 24 in [p for w in works for p, _ in w.snapshots]  # the branch point: where a's KV ended
+    works, out = run(scheduler, executor, Request("c", system + [3, 3, 3, 3, 3, 3], sampling))
+    assert works[0].start_position == 24 and works[0].restore_from is not None
+    assert out == solo_output(system + [3] * 6, sampling)[0]
