@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from domain.model_spec import ModelSpec
 
 DEFAULT_STATE_SLOTS = 4
+# Prefix-cache state snapshots per running request when the operator does not size the pool (`ft serve`):
+# a 16k-token conversation takes 6 at the 4096-token interval (docs/adr/0004-prefix-cache.md).
+DEFAULT_SNAPSHOTS_PER_STATE_SLOT = 4
 POOLS = ("kv", "moe", "state", "snapshot", "budget")
 
 
