@@ -13,7 +13,7 @@ after evicting LRU cache entries, else skipped: a missing snapshot only shortens
 - every multiple of ``interval`` tokens (kept until the request ends);
 - the branch point: where the cached KV of its prefix ends when no snapshot was there (it was
   cut back): the next request sharing that prefix (a common system prompt) resumes exactly there;
-- the last page boundary of the prompt, in the last prefill chunk (kept);
+- the last page boundary of the prompt, in the prefill chunk that reaches it (kept);
 - every page boundary a decode reaches (``rolling``: the newer replaces the older, so at the end
   it is the end-of-output snapshot the next turn of a conversation resumes from).
 
@@ -130,9 +130,9 @@ class PrefixStore:
         if start < request.branch_point <= end:
             points.append((request.branch_point, False))
         kept = {p for p, _ in points}
-        if request.state is RequestState.PREFILLING and sample:  # last prefill chunk: end of the prompt
-            boundary = end // self.page_size * self.page_size
-            if boundary > start and boundary not in kept:
+        if request.state is RequestState.PREFILLING:  # the prompt's last page boundary, in whichever chunk
+            boundary = request.num_tokens // self.page_size * self.page_size
+            if start < boundary <= end and boundary not in kept:
                 points.append((boundary, False))
         elif request.state is RequestState.DECODING and end % self.page_size == 0 and end not in kept:
             points.append((end, True))
