@@ -20,7 +20,14 @@ from app.engine import Engine
 from app.runtime import ModelInfo
 from app.settings import ServeSettings
 from app.stats import ServingStats
-from domain.budget import DEFAULT_SNAPSHOTS_PER_STATE_SLOT, GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.budget import (
+    DEFAULT_SNAPSHOTS_PER_STATE_SLOT,
+    GpuBudget,
+    PlanRefusal,
+    PoolPlan,
+    PoolRequest,
+    plan_pools,
+)
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.ports import Tokenizer

@@ -30,7 +30,6 @@ from domain.prefix_cache import PrefixMatch, RadixPrefixCache
 from domain.request import Request, RequestState
 from domain.snapshot_pool import SnapshotPool
 
-
 # Tokens between kept snapshots, chosen in docs/adr/0004-prefix-cache.md from scripts/snapshot_interval.py:
 # on Qwen3.6-35B-A3B one snapshot (61.4 MiB) is the KV of 3,144 tokens; at 4096 snapshots cost 0.77x the
 # KV of the tokens they serve, and a diverging prefix recomputes 302 tokens on average (branch points help).

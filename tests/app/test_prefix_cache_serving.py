@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from tests.app.conftest import MODEL, fake_model_output, make_container, start_server, stats, wait_until_idle
+from tests.app.conftest import MODEL, make_container, start_server, stats, wait_until_idle
 
 SYSTEM = "You are a careful assistant. " * 6  # ~170 tokens of the fake byte tokenizer: many pages
 
