@@ -132,9 +132,10 @@ class PlanRefusal:
 def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> PoolPlan | PlanRefusal:
     """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
 
-    Order of claims: state slots, snapshot slots; then the floors of unsized pools (one token's working set of
-    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV.
-    A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
+    Order of claims: state slots; then the floors of unsized pools (one token's working set of
+    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV; last
+    the prefix cache's snapshot slots (an optimisation: a refusal they cause names them, not a pool
+    the model needs). A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
     when experts are explicit or all resident.
     """
     pool = budget.pool_bytes
@@ -167,7 +168,8 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
     kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
     sized = ((moe_claim, slots_explicit), (kv_claim, kv_explicit))
-    claims = [state_claim, snapshot_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit)]
+    claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit),
+              snapshot_claim]
     needed = sum(size for _, size, _ in claims)
     if pool <= 0:
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "

@@ -189,3 +189,50 @@ def test_fast_path_executor_resumes_from_the_cache_like_it_computes_without(tmp_
     (resumed,) = [w for w in works if w.restore_from is not None]
     assert (resumed.start_position, len(resumed.token_ids), resumed.sample) == (8, 1, True)
     assert any(w.snapshots for w in works if len(w.token_ids) == 1)  # an end snapshot after a decode
+
+
+def test_executor_pools_build_keep_and_check_the_snapshot_pool(tmp_path):
+    ckpt = save_and_load(build_hf_model("qwen3_5_moe", QWEN3_5_CONFIGS["wide_router"]), tmp_path)
+    scheduler, executor = make_engine(ckpt, cache=True, snapshot_slots=5)
+    assert executor.snapshots.num_slots == 5 and executor.pool_bytes()["snapshot"] == executor.snapshots.nbytes()
+    state = executor.state
+    state.recurrent[:, 1].normal_()
+    state.conv[:, 1].normal_()
+    state.copy_slot(1, executor.snapshots, 4)  # a snapshot, then its restore into another slot: exact copies
+    executor.snapshots.copy_slot(4, state, 2)
+    assert torch.equal(state.recurrent[:, 2], state.recurrent[:, 1]) and torch.equal(state.conv[:, 2], state.conv[:, 1])
+    with pytest.raises(ValueError, match="outside"):
+        state.copy_slot(1, executor.snapshots, 5)
+    kept = executor.snapshots
+    plan = executor.plan
+    executor.resize_pools(plan_pools(ckpt.spec, GpuBudget(total_bytes=1 << 40), PoolRequest(
+        kv_tokens=plan.kv_tokens * 2, expert_slots=plan.expert_slots, state_slots=plan.state_slots,
+        snapshot_slots=5, page_size=PAGE_SIZE)))
+    assert executor.snapshots is kept  # unchanged size: kept with its contents (the cache may survive)
+    executor.resize_pools(plan_pools(ckpt.spec, GpuBudget(total_bytes=1 << 40), PoolRequest(
+        kv_tokens=plan.kv_tokens, expert_slots=plan.expert_slots, state_slots=plan.state_slots,
+        snapshot_slots=0, page_size=PAGE_SIZE)))
+    assert executor.snapshots is None
+    executor.check_valid()
+
+
+def test_a_batch_naming_bad_snapshot_slots_is_refused_before_it_runs(tmp_path):
+    from domain.ports import SequenceWork, StepBatch
+
+    ckpt = save_and_load(build_hf_model("qwen3_5_moe", QWEN3_5_CONFIGS["wide_router"]), tmp_path)
+    _, executor = make_engine(ckpt, cache=True, snapshot_slots=2)
+    greedy = SamplingParams(temperature=0.0)
+
+    def work(rid, slot, **kw):
+        return SequenceWork(rid, (1, 2, 3, 4), kw.pop("start", 0), (slot, slot + 4), slot, True, greedy, 0, **kw)
+
+    assert executor.can_execute(StepBatch((work("a", 0, snapshots=((4, 1),)),))) is None
+    assert "outside" in executor.can_execute(StepBatch((work("a", 0, snapshots=((5, 1),)),)))
+    assert "out of the pool" in executor.can_execute(StepBatch((work("a", 0, snapshots=((4, 2),)),)))
+    two = StepBatch((work("a", 0, snapshots=((4, 1),)), work("b", 1, snapshots=((4, 1),))))
+    assert "twice" in executor.can_execute(two)
+    clash = StepBatch((work("a", 0, start=4, restore_from=1), work("b", 1, snapshots=((4, 1),))))
+    assert "restored from" in executor.can_execute(clash)
+    assert "restore" in executor.can_execute(StepBatch((work("a", 0, restore_from=0),)))  # at position 0
+    with pytest.raises(ValueError, match="cannot execute"):
+        executor.compute_logits(two)
