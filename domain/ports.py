@@ -108,9 +108,11 @@ class ModelExecutor(Protocol):
 
     resize_pools(plan): called only while no step is in flight and no request is live.
     Frees the old pools before allocating the new ones (old and new never coexist), so the
-    peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages and
-    state slots < plan.state_slots are valid; KV and state contents are undefined and the
-    expert slots may be cold. If it raises, calling it again with the previous plan must
+    peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages,
+    state slots < plan.state_slots and snapshot slots < plan.snapshot_slots are valid; state
+    contents are undefined, the expert slots may be cold, and KV pages and snapshots keep their
+    contents exactly when their pool kept its size (the prefix cache relies on it: the engine keeps
+    the cache only then). If it raises, calling it again with the previous plan must
     restore working pools (the rollback), whatever the failed call had already freed.
 
     check_valid() (optional): asserts every pool exists at the size of the plan last applied;
