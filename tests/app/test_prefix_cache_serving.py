@@ -163,3 +163,28 @@ def test_soak_conversations_sharing_a_system_prompt_with_aborts_and_a_resize_lea
     prefix = engine.scheduler.prefix
     assert prefix.snapshots.num_used == len(prefix.cache.snapshot_handles())
     assert engine._allocator.num_used == prefix.num_cached_pages
+
+
+def test_cache_options_are_checked_and_a_default_snapshot_pool_that_does_not_fit_is_dropped():
+    from app.cli import main
+    from app.containers import _pool_plan
+    from app.settings import ServeSettings
+    from domain.budget import GpuBudget
+    from tests.app.conftest import TINY_SPEC
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--cache-type", "lru"])
+    assert info.value.code == 2
+    with pytest.raises(ValueError, match="--cache-type"):
+        ServeSettings(cache_type="lru")
+    with pytest.raises(ValueError, match="--snapshot-slots"):
+        ServeSettings(snapshot_slots=-1)
+    settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_running_requests=4)
+    roomy = _pool_plan(settings, TINY_SPEC, GpuBudget(total_bytes=1 << 30, memory_ratio=1.0))
+    assert roomy.snapshot_slots == 16  # 4 per running request
+    assert _pool_plan(ServeSettings(kv_tokens=1024, moe_slots=8, cache_type="none"), TINY_SPEC,
+                      GpuBudget(total_bytes=1 << 30, memory_ratio=1.0)).snapshot_slots == 0
+    tight = GpuBudget(total_bytes=roomy.used_bytes - roomy.snapshot_bytes + 1, memory_ratio=1.0)
+    assert _pool_plan(settings, TINY_SPEC, tight).snapshot_slots == 0  # started without them (and logged)
+    with pytest.raises(ValueError, match="snapshot"):  # asked for explicitly: refused, naming the pool
+        _pool_plan(ServeSettings(kv_tokens=1024, moe_slots=8, snapshot_slots=16), TINY_SPEC, tight)
