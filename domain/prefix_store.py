@@ -117,7 +117,7 @@ class PrefixStore:
         request.restore_snapshot = match.snapshot if self.needs_snapshots else None
 
     # ---- snapshots -------------------------------------------------------------------------------------
-    def take_snapshots(self, request: Request, start: int, end: int, sample: bool) -> tuple[tuple[int, int], ...]:
+    def take_snapshots(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
         """Snapshot slots for a work computing positions [start, end) of `request` (pending until
         commit). Returns the work's (position, slot) pairs."""
         if self.cache is None or not self.needs_snapshots:

@@ -308,7 +308,7 @@ class Scheduler:
             sampling=request.sampling,
             output_index=len(request.output_token_ids),
             restore_from=restore,
-            snapshots=self.prefix.take_snapshots(request, start, start + num_tokens, sample),
+            snapshots=self.prefix.take_snapshots(request, start, start + num_tokens),
         )
 
     def _preempt(self, request: Request) -> None:
