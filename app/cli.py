@@ -55,6 +55,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--snapshot-slots", type=_count, default=None,
                    help="GDN state snapshots the prefix cache may hold (default: 4 per running request)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
+    return p
 
 
 def _add_check(sub) -> None:
@@ -75,7 +78,7 @@ def _check(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
+def _serve(args, parser) -> int:
     import logging
 
     from app.containers import Container, environment_api_key
@@ -113,6 +116,10 @@ def _serve(args) -> int:
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
+    if args.data_parallel != 1:
+        from app.data_parallel.serve import serve_data_parallel
+
+        return serve_data_parallel(args, parser, settings)
     server = RunningServer(Container(), settings, echo=True)
     try:
         server.start()
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(synth_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="ft", description="fluxtide: edge-native MoE serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
+    serve_parser = _add_serve(sub)
     _add_check(sub)
     from app.ctl import add_ctl_parser
 
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser)")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return _serve(args)
+        return _serve(args, serve_parser)
     if args.command == "check":
         return _check(args)
     if args.command == "ctl":

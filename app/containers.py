@@ -80,6 +80,13 @@ def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
     return load_tokenizer(_model_dir(settings))
 
 
+def cuda_device_count() -> int:
+    """GPUs this process sees (0 without CUDA); `ft serve --data-parallel` gives one to each worker."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _device_total_bytes(settings: ServeSettings, device: str) -> int:
     cap = int(settings.gpu_budget_gib * GiB) if settings.gpu_budget_gib else None
     if device.startswith("cuda"):

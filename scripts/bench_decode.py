@@ -60,6 +60,7 @@ def profile_step(ex, rows: int, steps: int = 3) -> dict:
                 ex.model.decode_step(buf, ex.kv, ex.state, ex.experts)
             torch.cuda.synchronize()
     by_family: dict[str, float] = {}
+    per_kernel: list[tuple[float, int, str]] = []
     kernels = 0
     for evt in prof.key_averages():
         dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
@@ -67,9 +68,13 @@ def profile_step(ex, rows: int, steps: int = 3) -> dict:
             continue
         fam = classify(evt.key)
         by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
+        per_kernel.append((dev_us / steps, evt.count // steps, evt.key))
         kernels += evt.count
+    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
+           for us, n, key in sorted(per_kernel, reverse=True)[:30]]
     return {"ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())},
-            "kernel_ms_per_step": round(sum(by_family.values()), 4), "kernels_per_step": kernels // steps}
+            "kernel_ms_per_step": round(sum(by_family.values()), 4), "kernels_per_step": kernels // steps,
+            "top_kernels": top}
 
 
 def preload_all(ex) -> None:

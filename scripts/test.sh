@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# The router of the multi-host tests (tests/app/test_router_replicas.py), pinned in the `router` extra,
+# in a venv of its own (it needs openai<3; the tests use the current client).
+python -m venv .venv-router
+.venv-router/bin/python -m pip install -q "$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["router"][0])')"
 ruff check domain adapters app simulator tests
 lint-imports
 # pytest's exit 5 (no tests collected) fails this script like any other non-zero status.

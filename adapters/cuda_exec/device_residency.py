@@ -131,21 +131,24 @@ class DeviceResidency:
             evicted=torch.where(evicting[evict_order], old_key[evict_order], -1),
         )
 
-    def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor
+    def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor, shared_slot: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode step's lookup: layer `layer`'s experts ids [T, K] of rows with valid [T] True, in
         ascending expert order, released at once (no pins kept), in one kernel launch.
 
         Returns (fill_keys int64 [T*K], fill_slots int64 [T*K], slot_ids int32 [T, K]): the misses to
         gather (then -1) and every entry's slot (-1 for invalid rows). Needs T*K <= S and no pinned keys.
+        shared_slot: slot_ids gets a column K holding it on valid rows (-1 on the others): [T, K+1].
         """
         t, k = ids.shape
         fill_keys = torch.empty(t * k, dtype=torch.int64, device=self.device)
         fill_slots = torch.empty(t * k, dtype=torch.int64, device=self.device)
-        slot_ids = torch.empty((t, k), dtype=torch.int32, device=self.device)
-        layer_lookup(ids.contiguous().to(torch.int64), valid, layer * self.num_experts, self.slot_of_key,
+        slot_ids = torch.empty((t, k + (shared_slot is not None)), dtype=torch.int32, device=self.device)
+        if ids.dtype != torch.int64 or ids.stride(1) != 1:  # the router's ids pass as they are (a [T, K] view)
+            ids = ids.contiguous().to(torch.int64)
+        layer_lookup(ids, valid, layer * self.num_experts, self.slot_of_key,
                      self.key_of_slot, self.stamp, self.clock, self._counters, fill_keys, fill_slots, slot_ids,
-                     self.num_slots)
+                     self.num_slots, shared_slot)
         return fill_keys, fill_slots, slot_ids
 
     def release_all(self) -> None:

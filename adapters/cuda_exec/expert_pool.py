@@ -13,8 +13,17 @@ from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
+from adapters.kernels.grouped_moe import grouped_moe
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.residency_lookup import MAX_KEYS
+
+# Above this many (token, top-k) pairs a layer's experts run as grouped tensor-core GEMMs (grouped_moe),
+# at or below it as per-pair GEMVs (fused_moe). NOTE: the choice depends on T*K only, never on the pool
+# size, so a chunk gives the same bits at any slot count. Measured on the H200 (Qwen3.6 block FP8, 8
+# routed + shared, docs/bench/2026-12-01-bench-kernels-h200.json): 288 pairs GEMV 248 us vs grouped 334 us,
+# 576 pairs 472 vs 418 us. Decode steps (at most MAX_KEYS pairs) always stay on the GEMVs.
+GEMV_MAX_PAIRS = 512
+assert GEMV_MAX_PAIRS >= MAX_KEYS
 
 
 class DeviceExpertPool:
@@ -85,6 +94,16 @@ class DeviceExpertPool:
         fused_moe(x, self._with_shared(0, slot_ids.to(torch.int32), self.has_shared), weights, self.all_slots,
                   self.layout)
 
+    def _experts(self, pairs: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
+                 partials: torch.Tensor | None = None) -> torch.Tensor:
+        """The fused MoE over all_slots: per-pair GEMVs for `pairs` (= T*K routed pairs) up to
+        GEMV_MAX_PAIRS, grouped GEMMs above (bounding the distinct slots of a call by the layer's experts
+        plus the shared one, which keeps their block size, and so their bits, the same in every call)."""
+        if pairs <= GEMV_MAX_PAIRS:
+            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
+        return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
+                           max_groups=self.bank.num_experts + 1)
+
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K(+1)], ids [T, K];
@@ -94,7 +113,8 @@ class DeviceExpertPool:
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
         residency decisions. Otherwise (long prefill chunks on a small pool) the layer's experts go in
-        groups of S with a host sync per group.
+        groups of S with a host sync per group. More than GEMV_MAX_PAIRS pairs (prefill chunks) run on
+        the grouped tensor-core GEMMs, fewer on the per-pair GEMVs; either way bitwise the same at any S.
         """
         if weights.shape != (ids.shape[0], ids.shape[1] + shared):
             raise ValueError(f"weights {tuple(weights.shape)} do not fit ids {tuple(ids.shape)} (shared={shared})")
@@ -103,16 +123,18 @@ class DeviceExpertPool:
         if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(layer, ids, valid)
+            # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
+            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
+                layer, ids, valid, self.num_slots + layer if shared else None)
             gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-            return fused_moe(x, self._with_shared(layer, slot_ids, shared), weights, self.all_slots, self.layout)
+            return self._experts(ids.numel(), x, slot_ids, weights)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         if flat.numel() <= self.num_slots:  # a prefill chunk whose keys fit: tensor ops, no host sync
             big = torch.iinfo(torch.int64).max
             ordered = torch.sort(torch.where(flat < 0, big, flat)).values  # ascending, as the reference asks
             self._fetch(torch.where(ordered == big, -1, ordered))
             slot_ids = self._with_shared(layer, self._slot_ids(flat, ids.shape), shared)
-            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
+            return self._experts(ids.numel(), x, slot_ids, weights)
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
         # NOTE: each group fills its (token, k) partials; one ordered sum at the end makes the result
         # bitwise the same as the one-launch path, whatever the pool size. A pair whose slot is -1 in
@@ -125,10 +147,10 @@ class DeviceExpertPool:
             slot_ids = self._slot_ids(torch.where(torch.isin(flat, group), flat, -1), ids.shape)
             if shared:  # the shared column is filled once, below
                 slot_ids = torch.cat((slot_ids, skip), 1)
-            fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
+            self._experts(ids.numel(), x, slot_ids, weights, partials)
         if shared:
             none = self._with_shared(layer, skip.expand(-1, ids.shape[1]).contiguous(), True)
-            fused_moe(x, none, weights, self.all_slots, self.layout, partials=partials)
+            self._experts(ids.numel(), x, none, weights, partials)
         return moe_sum(partials, torch.empty_like(x))
 
     def counters(self) -> tuple[int, int]:

@@ -13,11 +13,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
+from adapters.checkpoint.quant import QTensor, as_linear_weight
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
-from adapters.kernels import dense_gemv as gemv
+from adapters.cuda_exec.prefill import attention_prefill, gdn_prefill
+from adapters.cuda_exec.prefill_linear import prefill_linear
 from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.kernels.moe_router import moe_router
@@ -29,22 +30,25 @@ from adapters.torch_exec.full_attention import FullAttention
 from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
 from adapters.torch_exec.moe import route
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.step_inputs import StepInputs
 
 
 def fast_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
-    """x [B, I] @ w^T: float weights through cuBLAS, FP8/INT8 through the Triton GEMV (dequantized in
-    the K loop), other formats through the reference qlinear (still capturable, more kernels)."""
-    if not isinstance(w, QTensor):
-        return F.linear(x, w)
-    if gemv.supports(w):
-        return gemv.dense_gemv(x, w)
-    return qlinear(x, w)
+    """x [B, I] @ w^T: float weights through cuBLAS, quantized ones through the Triton GEMV (few rows) or
+    the tensor-core GEMM (more rows; prefill_linear chooses), other formats through the reference qlinear
+    (still capturable, more kernels)."""
+    return prefill_linear(x, w)
 
 
 class FastDecoder(MoeDecoder):
-    """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step."""
+    """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step.
+    Prefill and mixed steps run the shared forward with the prefill kernels (adapters/cuda_exec/prefill.py:
+    the Gated DeltaNet chunk kernels, flash attention over the gathered pages, tensor-core projections)."""
 
-    def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None):
+    def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
+             h32: torch.Tensor | None = None):
+        """The MoE block's output [T, H] for h [T, H]; h32: h.float() when the caller has it already (the
+        decode step's norm writes it), for the fp32 router."""
         prefix, k = f"layers.{i}.mlp.", self.opts.top_k
         router = self.w[prefix + "gate.weight"]
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
@@ -56,7 +60,7 @@ class FastDecoder(MoeDecoder):
         else:
             # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
             # the shared expert's sigmoid gate (column K) in one launch
-            logits = F.linear(h.to(router.dtype), router)  # [T, E] fp32
+            logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
             ids = ids[:, :k]
         if gate_w is None:
@@ -68,6 +72,10 @@ class FastDecoder(MoeDecoder):
         up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
         act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
         return out + weights[:, k:].to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+
+    def _router_reads_fp32(self, i: int, h: torch.Tensor) -> bool:
+        router = self.w[f"layers.{i}.mlp.gate.weight"]
+        return not isinstance(router, QTensor) and router.dtype == torch.float32 and h.dtype != torch.float32
 
     def pack_shared_experts(self, layout) -> torch.Tensor | None:
         """uint8 [L, R]: every layer's shared expert packed like a routed expert, or None when its format
@@ -102,9 +110,13 @@ class FastDecoder(MoeDecoder):
             if isinstance(mixer, FullAttention):
                 h = self._attention_decode(i, mixer, h, buf, kv, cos_sin)
             else:
-                h = self._gdn_decode(i, mixer, h, buf, state, self.linear_layers.index(i))
-            x, h = fused_norm(x, w[f"layers.{i}.post_attention_layernorm.weight"], eps, unit_offset=unit, residual=h)
-            delta = self._moe(i, h, experts, buf.valid)
+                h = self._gdn_decode(i, mixer, h, buf.state_slots, state, self.linear_layers.index(i))
+            norm_w = w[f"layers.{i}.post_attention_layernorm.weight"]
+            if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
+                x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)
+            else:
+                (x, h), h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h), None
+            delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
         logits = fast_linear(h, self.lm_head).float()  # [B, V]
@@ -134,13 +146,33 @@ class FastDecoder(MoeDecoder):
             out = out * torch.sigmoid(gate)
         return _biased(fast_linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
-    def _gdn_decode(self, i: int, mixer: GatedDeltaNet, x: torch.Tensor, buf: _Rows, state: LinearStatePool,
-                    layer: int) -> torch.Tensor:
+    # ---- prefill and mixed steps (eager): the prefill kernels, span by span -----------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return fused_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)[1]
+
+    def _attention(self, mixer: FullAttention, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache) -> torch.Tensor:
+        out = torch.empty_like(h)  # [T, H]
+        for span in inp.spans:
+            out[span.rows] = attention_prefill(mixer, h[span.rows], kv, span.page_ids, span.start_position,
+                                               linear_fn=prefill_linear)
+        return out
+
+    def _gdn_sequence(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
+                      slot: int) -> torch.Tensor:
+        return gdn_prefill(mixer, h, state, layer, slot, linear_fn=prefill_linear)
+
+    def _gdn_decode_rows(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
+                         slots: torch.Tensor) -> torch.Tensor:
+        return self._gdn_decode(self.linear_layers[layer], mixer, h, slots.to(torch.int32), state, layer)
+
+    def _gdn_decode(self, i: int, mixer: GatedDeltaNet, x: torch.Tensor, state_slots: torch.Tensor,
+                    state: LinearStatePool, layer: int) -> torch.Tensor:
+        """[B, H] for one token per row of x [B, H] in state slots int32 [B] (-1: a padded row)."""
         geo, w = mixer.geo, mixer.w
         qkv, z = self._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z"))  # [B, C], [B, Nv*Dv]
         z = z.reshape(-1, geo.num_v_heads, geo.v_head_dim)  # [B, Nv, Dv]
         b, a = self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a"))  # [B, Nv] each
-        core = gdn_decode_step(qkv, a, b, state.conv[layer], state.recurrent[layer], buf.state_slots,
+        core = gdn_decode_step(qkv, a, b, state.conv[layer], state.recurrent[layer], state_slots,
                                mixer.conv_weight_2d, mixer.neg_a, mixer.dt_bias, geo)  # [B, Nv, Dv] fp32
         normed = fused_gated_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [B, Nv, Dv]
         return fast_linear(normed.reshape(x.shape[0], -1), w["out_proj.weight"])  # [B, H]

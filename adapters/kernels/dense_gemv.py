@@ -24,28 +24,39 @@ SUPPORTED = {WeightFormat.FP8_BLOCK: SCALE_BLOCK, WeightFormat.FP8_TENSOR: SCALE
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_ym, scale_cols,
-                       SCALE_MODE: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, stride_xm, stride_ym,
+                       scale_cols: tl.constexpr, SCALE_MODE: tl.constexpr, G: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < N
+    # NOTE: a tile that divides the matrix needs no masks, and a block-FP8 tile inside one scale row folds
+    # its scales into x: the loop is one convert and one FMA per weight byte (see packed_gemv's note)
+    EVEN: tl.constexpr = (N % BLOCK_N == 0) and (K % BLOCK_K == 0)
     # NOTE: a [BN, BK] fp32 accumulator, reduced once after the loop: each step is loads and FMAs only,
     # so several weight tiles can be in flight (decode GEMVs are bound by HBM latency x bytes in flight)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         mask_k = offs_k < K
-        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        if EVEN:
+            x = tl.load(x_ptr + row * stride_xm + offs_k).to(tl.float32)  # [BK]
+            w = tl.load(w_ptrs).to(tl.float32)  # [BN, BK]
+        else:
+            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
         if SCALE_MODE == 0:  # block scales: BLOCK_K is a multiple of G, one scale per G columns
-            s = tl.load(s_ptr + (offs_n // G)[:, None] * scale_cols + (k0 // G + tl.arange(0, BLOCK_K // G))[None, :],
-                        mask=mask_n[:, None] & ((k0 // G + tl.arange(0, BLOCK_K // G)) < scale_cols)[None, :],
-                        other=0.0)  # [BN, BK/G]
-            prod = tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // G, G)) * s[:, :, None]
-            acc += tl.reshape(prod, (BLOCK_N, BLOCK_K))
+            if EVEN and BLOCK_N <= G:  # the tile lies in one scale row
+                acc += w * (x * tl.load(s_ptr + (n0 // G) * scale_cols + offs_k // G))[None, :]
+            else:
+                s = tl.load(s_ptr + (offs_n // G)[:, None] * scale_cols + (k0 // G + tl.arange(0, BLOCK_K // G))[None, :],
+                            mask=mask_n[:, None] & ((k0 // G + tl.arange(0, BLOCK_K // G)) < scale_cols)[None, :],
+                            other=0.0)  # [BN, BK/G]
+                prod = tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // G, G)) * s[:, :, None]
+                acc += tl.reshape(prod, (BLOCK_N, BLOCK_K))
         else:
             acc += w * x[None, :]
     out = tl.sum(acc, axis=1)  # [BN]

@@ -9,7 +9,7 @@ its weighted partial y[t, k] in fp32 (every pair streams its expert at once: K t
 one program per token); moe_sum then adds the K partials in order k = 0..K-1. Deterministic, no
 atomics, and independent of which slot holds an expert (only the slot's bytes are read).
 Graph-capturable: no host syncs, grid from shapes only.
-NOTE: small-M (decode) path; a large-M (prefill) tensor-core path grouped by expert is future work.
+NOTE: small-M (decode) path; the large-M (prefill) path grouped by expert is moe_grouped_down.
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
                      W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, WRITE_SKIPPED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tk = tl.program_id(0)  # t * K + k
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of out
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of out
     slot = tl.load(slot_ids_ptr + tk)
     tl.device_assert(slot < S, "slot id past the pool")
     dst = y_ptr + tk.to(tl.int64) * H + n
     if slot >= 0:
         row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
         h_row = h_ptr + tk.to(tl.int64) * I
-        part = packed_gemv(row, h_row, n, H, I, D_DATA, D_SCALE, D_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
+        part = packed_gemv(row, h_row, n0, H, I, D_DATA, D_SCALE, D_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
         tl.store(dst, tl.load(weights_ptr + tk) * part, mask=n < H)
     elif WRITE_SKIPPED:
         tl.store(dst, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n < H)

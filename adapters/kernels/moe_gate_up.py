@@ -6,7 +6,7 @@ Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row
 Grid: (T * K, cdiv(I, BLOCK_N)); one program streams BLOCK_N rows of gate and of up for one (t, k).
 Graph-capturable: shapes and grid depend only on T, K and the layout; no host syncs.
 NOTE: this is the small-M (decode, T <= ~16) path: a tl.sum GEMV per (t, k) that re-reads an expert
-shared by several tokens from L2. A large-M (prefill) tensor-core path grouped by expert is future work.
+shared by several tokens from L2. The large-M (prefill) path grouped by expert is moe_grouped_gate_up.
 """
 
 from __future__ import annotations
@@ -35,15 +35,16 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
                         W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tk = tl.program_id(0)  # t * K + k
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of gate/up = columns of h
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of gate/up = columns of h
     slot = tl.load(slot_ids_ptr + tk)
     tl.device_assert(slot < S, "slot id past the pool")
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if slot >= 0:
         row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
         x_row = x_ptr + (tk // K).to(tl.int64) * H
-        g = packed_gemv(row, x_row, n, I, H, G_DATA, G_SCALE, G_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
-        u = packed_gemv(row, x_row, n, I, H, U_DATA, U_SCALE, U_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
+        g = packed_gemv(row, x_row, n0, I, H, G_DATA, G_SCALE, G_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
+        u = packed_gemv(row, x_row, n0, I, H, U_DATA, U_SCALE, U_GSCALE, W_DTYPE, FMT, GROUP, BLOCK_N, BLOCK_K)
         h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + tk.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
 

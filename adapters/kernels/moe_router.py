@@ -7,7 +7,7 @@ Numerics follow adapters/torch_exec/moe.py `route` and `shared_expert`:
 - logits: fp32 router weight -> fp32 dot of x.float() (accumulation order is the kernel's own, so the
   fp32 result is within ~1e-6 relative, not bitwise); a router weight in x's dtype -> the logit is
   rounded to that dtype, as torch's F.linear output is;
-- softmax in fp32 (exp(l - max) / sum), top-k by K rounds of argmax with masking: descending weight,
+- softmax in fp32 (exp(l - max) / sum), top-k by K rounds of max over (probability, id) keys: descending weight,
   exact ties broken by the LOWEST expert id (what a stable descending sort gives; torch.topk does not
   document its tie order). Renormalisation divides by the sum of the K weights taken in that order;
 - shared gate: sigmoid(x . g) with the logit and the sigmoid rounded to g's dtype (bf16 g: the bf16
@@ -28,7 +28,8 @@ MAX_EXPERTS = 1024
 def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, E, H, stride_x, stride_l,
                        shared_id, K: tl.constexpr, HAS_LOGITS: tl.constexpr, ROUND_LOGITS: tl.constexpr,
                        KO: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND_GATE: tl.constexpr, RENORM: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     mask_e = offs_e < E
@@ -50,25 +51,29 @@ def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, E, H
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = tl.where(mask_e, p, 0.0)
     p = p / tl.sum(p, axis=0)  # [BE] fp32 softmax
-    # probabilities are >= 0, so -1 marks both padding lanes and experts already taken
-    vals = tl.where(mask_e, p, -1.0)
+    # NOTE: one max-reduction per round instead of a max and a min: a probability is >= 0, so its fp32
+    # bits order like the value; key = bits << 32 | (BLOCK_E - 1 - id) makes the largest key the largest
+    # probability and, among exact ties, the lowest id. -1 marks padding lanes and experts already taken.
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(mask_e, (bits << 32) | (BLOCK_E - 1 - offs_e), -1)  # [BE] int64
     offs_k = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
     total = 0.0
     for k in tl.static_range(K):
-        best = tl.max(vals, axis=0)
-        idx = tl.min(tl.where(vals == best, offs_e, BLOCK_E), axis=0)  # lowest id among exact ties
+        top = tl.max(keys, axis=0)
+        idx = BLOCK_E - 1 - (top & 0xFFFFFFFF)
+        best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         top_w = tl.where(offs_k == k, best, top_w)
-        top_i = tl.where(offs_k == k, idx.to(tl.int64), top_i)
-        vals = tl.where(offs_e == idx, -1.0, vals)
+        top_i = tl.where(offs_k == k, idx, top_i)
+        keys = tl.where(keys == top, -1, keys)
         total += best  # in selection order, as a sequential sum over the K column would
     if RENORM:
         top_w = top_w / total
     if HAS_SHARED:
-        gacc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
+        gacc = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_G):
+            offs_h = h0 + tl.arange(0, BLOCK_G)
             mask_h = offs_h < H
             x = tl.load(x_ptr + row * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             gacc += x * tl.load(g_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
@@ -133,12 +138,15 @@ def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renorma
     # NOTE: a ~4K-element weight tile over 8 warps compiles for sm_90 without spills up to E = 512
     # (checked with cuobjdump: 108-200 registers); 8K at E = 128 spilled under 4 warps
     block_h = max(16, min(256, triton.next_power_of_2(h), 4096 // block_e))
+    # NOTE: the shared gate is one [H] dot: a wide tile (two K steps at H = 2048) instead of the router
+    # tile's 16 columns, whose 128 dependent steps made the whole launch ~20 us on an H200
+    block_g = min(1024, triton.next_power_of_2(h))
     g = shared_gate_weight if has_shared else router_weight
     lg = logits if logits is not None else wout
     _moe_router_kernel[(t,)](x, router_weight, lg, g, wout, iout, e, h, x.stride(0), lg.stride(0), shared_id,
                              K=top_k, KO=ko, HAS_LOGITS=logits is not None,
                              ROUND_LOGITS=router_weight.dtype != torch.float32, HAS_SHARED=has_shared,
                              ROUND_GATE=has_shared and shared_gate_weight.dtype != torch.float32,
-                             RENORM=renormalize, BLOCK_E=block_e, BLOCK_H=block_h,
-                             BLOCK_K=triton.next_power_of_2(ko), num_warps=8)
+                             RENORM=renormalize, BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_G=block_g,
+                             BLOCK_K=triton.next_power_of_2(ko), num_warps=8 if logits is None else 4)
     return wout, iout

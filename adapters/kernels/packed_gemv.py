@@ -125,23 +125,34 @@ def _group_scaled(prod, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: 
 
 
 @triton.jit
-def packed_gemv(row_ptr, x_ptr, n, ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr,
+def packed_gemv(row_ptr, x_ptr, n0, ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr,
                 SCALE: tl.constexpr, GSCALE: tl.constexpr, W_DTYPE: tl.constexpr, FMT: tl.constexpr,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc[N] (fp32) = W[n, :] @ x for the rows n [BLOCK_N] of one packed matrix.
+    """acc[N] (fp32) = W[n0 : n0 + BLOCK_N, :] @ x for one row tile of one packed matrix (n0 a multiple
+    of BLOCK_N).
 
     row_ptr: uint8 pointer to the expert's row in the pool; x_ptr: x [COLS] in any float dtype.
     Each K step dequantizes one [BLOCK_N, BLOCK_K] tile in registers (nothing is written back) and adds
     it into a [BLOCK_N, BLOCK_K] fp32 accumulator; the one cross-thread reduction happens after the loop.
     Scales constant along a row (per tensor / per channel / NVFP4 global) are applied once at the end.
+    NOTE: decode GEMVs of 8-bit weights are bound by instructions per weight byte as much as by HBM
+    (one byte per element, ~18 B/clock/SM needed at full bandwidth), so the common shapes take a lean
+    loop: no masks when the tile divides the matrix (EVEN), and a block-FP8 tile of at most 128 rows
+    (one scale row) folds its scales into x ([BK] multiplies) instead of scaling every product, leaving
+    one convert and one FMA per weight.
     """
+    n = n0 + tl.arange(0, BLOCK_N)  # [N]
     n_ok = n < ROWS  # [N]
+    EVEN: tl.constexpr = (ROWS % BLOCK_N == 0) and (COLS % BLOCK_K == 0)
     kk = tl.arange(0, BLOCK_K)
     gi = tl.arange(0, BLOCK_K // GROUP)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, COLS, BLOCK_K):
         k_ok = k0 + kk < COLS
-        x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        if EVEN:
+            x = tl.load(x_ptr + k0 + kk).to(tl.float32)  # [BK]
+        else:
+            x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
         if FMT == 5 or FMT == 6:
             jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
             b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
@@ -158,19 +169,25 @@ def packed_gemv(row_ptr, x_ptr, n, ROWS: tl.constexpr, COLS: tl.constexpr, DATA:
                 s = tl.where(s_ok, s, 0.0)
             acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
         else:
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
-            w = tl.load((row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :],
-                        mask=w_ok)  # [N, BK]
-            prod = tl.where(w_ok, w.to(tl.float32), 0.0) * x[None, :]  # [N, BK]
+            w_ptrs = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :]
+            if EVEN:
+                w = tl.load(w_ptrs).to(tl.float32)  # [N, BK]
+            else:
+                w_ok = n_ok[:, None] & k_ok[None, :]
+                # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
+                w = tl.where(w_ok, tl.load(w_ptrs, mask=w_ok).to(tl.float32), 0.0)  # [N, BK]
             if FMT == 1:  # block FP8: one fp32 scale per (128 rows, 128 columns)
                 KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
-                s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
-                s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
-                s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + s_off, mask=s_ok, other=0.0)
-                acc2 += _group_scaled(prod, s, BLOCK_N, BLOCK_K, GROUP)
+                scales = (row_ptr + SCALE).to(tl.pointer_type(tl.float32))
+                if EVEN and BLOCK_N <= GROUP:  # the tile lies in one scale row: scale x, not the products
+                    acc2 += w * (x * tl.load(scales + (n0 // GROUP) * KB + (k0 + kk) // GROUP))[None, :]
+                else:
+                    s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
+                    s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+                    s = tl.load(scales + s_off, mask=s_ok, other=0.0)
+                    acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
             else:
-                acc2 += prod
+                acc2 += w * x[None, :]
     acc = tl.sum(acc2, axis=1)  # [N]
     if FMT == 2:
         acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))

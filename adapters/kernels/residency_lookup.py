@@ -29,12 +29,12 @@ MAX_KEYS = 256
 
 @triton.jit
 def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
-                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, shared_slot, stride_ids, K: tl.constexpr,
+                         KO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     offs = tl.arange(0, BLOCK_N)
     in_range = offs < n
     row_valid = tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
+    ids = tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=in_range, other=0)  # a [T, K] view
     valid = in_range & row_valid
     key = tl.where(valid, ids + base, -1)  # [BN]
     # pairwise: first occurrences (distinct), rank among distinct keys in ascending order
@@ -88,7 +88,11 @@ def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr,
         tl.debug_barrier()
     # 3. every entry's slot (duplicates and padding included), the clock and the counters
     slot_after = tl.load(slot_of_ptr + key, mask=valid, other=-1)
-    tl.store(slot_ids_ptr + offs, slot_after.to(tl.int32), mask=in_range)
+    tl.store(slot_ids_ptr + (offs // K) * KO + offs % K, slot_after.to(tl.int32), mask=in_range)
+    if KO > K:  # the layer's resident shared expert as top-k column K, for valid rows only
+        rows_ok = offs < n // K
+        live = tl.load(valid_ptr + offs, mask=rows_ok, other=0) != 0
+        tl.store(slot_ids_ptr + offs * KO + K, tl.where(live, shared_slot, -1).to(tl.int32), mask=rows_ok)
     tl.store(clock_ptr, clock + n_distinct)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     tl.store(counters_ptr, tl.load(counters_ptr) + n_hit)
@@ -98,19 +102,23 @@ def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr,
 
 def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
                  key_of_slot: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor, counters: torch.Tensor,
-                 fill_keys: torch.Tensor, fill_slots: torch.Tensor, slot_ids: torch.Tensor, num_slots: int) -> None:
+                 fill_keys: torch.Tensor, fill_slots: torch.Tensor, slot_ids: torch.Tensor, num_slots: int,
+                 shared_slot: int | None = None) -> None:
     """Look up the experts `ids` [T, K] (rows with valid [T] False route nowhere) of the layer whose
     flat keys start at `base` (= layer * E); writes fill_keys/fill_slots int64 [T*K] (misses in
     ascending key order, then -1) and slot_ids int32 [T, K] (-1 for padded rows), updates the tables.
+    shared_slot: slot_ids is [T, K+1] and column K gets this slot (a resident shared expert outside the
+    LRU's slots) on valid rows, -1 on padded ones: the fused MoE kernels take it as it is.
 
     The caller guarantees T*K <= num_slots and no pinned slots (the decode step's buckets do).
     """
     t, k = ids.shape
     n = t * k
     assert valid.shape == (t,) and valid.dtype == torch.bool, f"valid must be bool [{t}], got {valid.dtype} {tuple(valid.shape)}"
-    assert ids.is_contiguous() and ids.dtype == torch.int64, "ids must be contiguous int64 [T, K]"
+    assert ids.dtype == torch.int64 and ids.stride(1) == 1, "ids must be int64 [T, K] with unit column stride"
     assert fill_keys.shape == fill_slots.shape == (n,), f"fill lists must be [{n}]"
-    assert slot_ids.shape == (t, k) and slot_ids.dtype == torch.int32 and slot_ids.is_contiguous()
+    ko = k + (shared_slot is not None)
+    assert slot_ids.shape == (t, ko) and slot_ids.dtype == torch.int32 and slot_ids.is_contiguous()
     assert n <= num_slots, f"{n} keys cannot all be resident in {num_slots} slots"
     assert n <= MAX_KEYS, f"{n} keys: the one-program lookup is for decode steps (<= {MAX_KEYS} keys)"
     assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
@@ -118,5 +126,6 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
         return
     block_n = max(16, triton.next_power_of_2(n))
     _layer_lookup_kernel[(1,)](ids, valid, slot_of_key, key_of_slot, stamp, clock, counters, fill_keys, fill_slots,
-                               slot_ids, n, base, num_slots, K=k, BLOCK_N=block_n, BLOCK_S=1024,
+                               slot_ids, n, base, num_slots, -1 if shared_slot is None else shared_slot, ids.stride(0), K=k,
+                               KO=ko, BLOCK_N=block_n, BLOCK_S=1024,
                                num_warps=8 if block_n >= 64 else 4)

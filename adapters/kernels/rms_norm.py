@@ -13,8 +13,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, D, eps, HAS_RES: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, out32_ptr, D, eps, HAS_RES: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -31,14 +31,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, D, eps, HAS_RES: t
         y = xn * (1.0 + w)
     else:
         y = xn.to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + offs, y, mask=mask)
+    if FP32_COPY:  # the rounded output widened, as out.float() would give it
+        tl.store(out32_ptr + row * D + offs, y.to(tl.float32), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: torch.Tensor | None = None, fp32_copy: bool = False) -> tuple[torch.Tensor, ...]:
     """(x + residual, norm(x + residual)) for x [..., D] (residual None: (x, norm(x))), in x.dtype.
 
-    weight [D] (any float dtype). Raises ValueError on mismatched shapes.
+    weight [D] (any float dtype). fp32_copy: also return norm(...).float() as a third tensor, written by
+    the same launch (an fp32 router reads it without a cast kernel of its own).
+    Raises ValueError on mismatched shapes.
     """
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -49,9 +54,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     rows = x2.shape[0]
     out = torch.empty_like(x2)
     total = torch.empty_like(x2) if residual is not None else x2
+    out32 = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if fp32_copy else out
     if rows:
         res = residual.reshape(-1, d).contiguous() if residual is not None else x2
-        _rms_norm_kernel[(rows,)](x2, res, weight, total, out, d, eps, HAS_RES=residual is not None,
-                                  UNIT_OFFSET=unit_offset, BLOCK_D=triton.next_power_of_2(d),
-                                  num_warps=4 if d <= 2048 else 8)
+        _rms_norm_kernel[(rows,)](x2, res, weight, total, out, out32, d, eps, HAS_RES=residual is not None,
+                                  UNIT_OFFSET=unit_offset, FP32_COPY=fp32_copy,
+                                  BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    if fp32_copy:
+        return total.view(x.shape), out.view(x.shape), out32.view(x.shape)
     return total.view(x.shape), out.view(x.shape)

@@ -94,7 +94,7 @@ class MoeDecoder:
             w = self.w
             h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
             if isinstance(mixer, FullAttention):
-                h = mixer.forward(h, inp, kv)
+                h = self._attention(mixer, h, inp, kv)
             else:
                 h = self._linear_attention(mixer, h, inp, state, self.linear_layers.index(i),
                                            decode_spans, decode_rows, decode_slots, snapshots)
@@ -114,14 +114,30 @@ class MoeDecoder:
                 start = span.offset
                 inner = [(p - span.start_position, s) for p, s in span.work.snapshots if p < span.end_position]
                 for cut, snap in inner if snapshots is not None else ():
-                    out[start:span.offset + cut] = mixer.forward_sequence(h[start:span.offset + cut], state, layer, slot)
+                    out[start:span.offset + cut] = self._gdn_sequence(mixer, h[start:span.offset + cut], state, layer,
+                                                                      slot)
                     state.copy_slot(slot, snapshots, snap, layer)
                     start = span.offset + cut
-                out[start:span.offset + span.length] = mixer.forward_sequence(
-                    h[start:span.offset + span.length], state, layer, slot)
+                out[start:span.offset + span.length] = self._gdn_sequence(
+                    mixer, h[start:span.offset + span.length], state, layer, slot)
         if decode_spans:  # every single-token sequence in one recurrent step
-            out[decode_rows] = mixer.forward_decode(h[decode_rows], state, layer, decode_slots)
+            out[decode_rows] = self._gdn_decode_rows(mixer, h[decode_rows], state, layer, decode_slots)
         return out
+
+    # The token mixers' kernels; the fast path overrides these three with its own (same contracts).
+    def _attention(self, mixer: FullAttention, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache) -> torch.Tensor:
+        """[T, H] attention output of every span of the step (FullAttention.forward's contract)."""
+        return mixer.forward(h, inp, kv)
+
+    def _gdn_sequence(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
+                      slot: int) -> torch.Tensor:
+        """[T, H] for one prefill chunk h [T, H] continuing state slot `slot` (forward_sequence's contract)."""
+        return mixer.forward_sequence(h, state, layer, slot)
+
+    def _gdn_decode_rows(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
+                         slots: torch.Tensor) -> torch.Tensor:
+        """[n, H] for n single-token sequences h [n, H] in state slots `slots` long [n] (forward_decode's)."""
+        return mixer.forward_decode(h, state, layer, slots)
 
     def _moe(self, i: int, h: torch.Tensor, experts: ExpertSlotCache) -> torch.Tensor:
         prefix = f"layers.{i}.mlp."

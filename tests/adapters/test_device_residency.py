@@ -66,16 +66,21 @@ def test_layer_lookup_kernel_matches_the_domain(num_slots, seed):
     for _step in range(6):
         live = rng.randint(1, rows)
         for layer in range(layers):
-            ids = torch.tensor([[rng.randrange(experts) for _ in range(top_k)] for _ in range(rows)], device=DEVICE)
+            # the router's [T, K+1] output sliced to [T, K] half the time: a strided view, read in place
+            wide = torch.tensor([[rng.randrange(experts) for _ in range(top_k + 1)] for _ in range(rows)],
+                                device=DEVICE)
+            ids = wide[:, :top_k] if rng.random() < 0.5 else wide[:, :top_k].contiguous()
             valid = torch.tensor([r < live for r in range(rows)], device=DEVICE)
             distinct = sorted({int(e) for e in ids[:live].flatten().tolist()})
             expected = ref.lookup([(layer, e) for e in distinct])
             ref.release()
-            fill_keys, fill_slots, slot_ids = dev.lookup_layer(layer, ids, valid)
+            shared = num_slots + layer if layer % 2 else None  # a resident shared expert's slot as column K
+            fill_keys, fill_slots, slot_ids = dev.lookup_layer(layer, ids, valid, shared)
             fills = [(divmod(k, experts), s) for k, s in zip(fill_keys.tolist(), fill_slots.tolist(), strict=True)
                      if k >= 0]
             assert fills == list(expected.fills)
-            want = [[ref.slot_of((layer, e)) if r < live else -1 for e in ids[r].tolist()] for r in range(rows)]
+            want = [[ref.slot_of((layer, e)) if r < live else -1 for e in ids[r].tolist()]
+                    + ([] if shared is None else [shared if r < live else -1]) for r in range(rows)]
             assert slot_ids.tolist() == want
     assert (dev.hits, dev.misses, dev.evictions) == (ref.hits, ref.misses, ref.evictions)
     assert dev.lru_order() == ref.lru_order()

@@ -28,6 +28,10 @@ def test_fused_norm_matches_the_reference(unit_offset, dtype):
     assert ((out.float() - want.float()).norm() / want.float().norm()).item() < tol
     same, plain = rms_norm(x.to(dev), w.to(dev), 1e-6, unit_offset=unit_offset)
     assert torch.equal(same.cpu(), x) and plain.shape == x.shape
+    total2, out2, out32 = rms_norm(x.to(dev), w.to(dev), 1e-6, unit_offset=unit_offset, residual=res.to(dev),
+                                   fp32_copy=True)
+    assert torch.equal(out2.cpu(), out) and torch.equal(total2.cpu(), total)
+    assert out32.dtype == torch.float32 and torch.equal(out32.cpu(), out.float())  # the rounded output, widened
 
 
 def test_norm_refuses_a_wrong_weight():

@@ -1,0 +1,121 @@
+"""Fast prefill of the token mixers for one sequence's span (a prompt chunk): Gated DeltaNet through the
+Triton chunk kernels, full attention through qk_norm_rope and the flash backend of
+scaled_dot_product_attention over the K/V gathered from the span's pages. Each entry point keeps the
+contract of its reference (GatedDeltaNet.forward_sequence, FullAttention.forward for one span), so the
+prefill of fast_decoder can call it span by span in place of the reference.
+
+Shape legend: T tokens of the span, H hidden, C conv channels, Nv value heads, Dv value head dim,
+N query heads, M kv heads, D head dim, X context tokens (cached prefix + span).
+
+Why attention goes through SDPA and not a paged Triton kernel: for 8k-32k prompts the cost is the
+O(T*X*N*D) score/value products (~8.8 TFLOP per layer at 32k, D = 256), where torch's flash kernels
+(FlashAttention-2, tuned for D = 256 on sm_90, native GQA, lower-right causal for a span after a prefix)
+are the strongest we can get; gathering the context out of the pages costs O(X*M*D) bytes (~64 MiB per
+layer at 32k: tens of microseconds), and no [T, X] mask is ever built (the reference's boolean mask is
+1 GiB at 32k and sends SDPA to the math backend, which would need 64 GiB of scores).
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from adapters.kernels.gated_rms_norm import gated_rms_norm
+from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
+from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
+from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
+from adapters.kernels.qk_norm_rope import qk_norm_rope
+from adapters.torch_exec.full_attention import FullAttention
+from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
+from adapters.torch_exec.linear import linear
+from adapters.torch_exec.paged_attention import PagedKVCache
+
+Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, I], weight [O, I] or QTensor) -> [T, O]
+
+
+def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, layer: int, slot: int, *,
+                linear_fn: Linear = linear) -> torch.Tensor:
+    """GatedDeltaNet.forward_sequence through the Triton prefill kernels: x [T, H] (T >= 1, the model
+    dtype) is a prompt chunk of the sequence in state slot `slot`; continues from pool.conv[layer, slot]
+    and pool.recurrent[layer, slot] and leaves there the states after x[T-1] (what gdn_decode_step and the
+    next chunk read). Returns [T, H] in x's dtype.
+
+    Numerics: the conv, the delta rule and the norm statistics in fp32 (the reference rounds the conv
+    output to the model dtype first); fp32 models use full-precision fp32 products, bf16/fp16 models tf32.
+    Scratch: ~4*T*(C + Nv*(Dk + Dv + 1)) bytes of fp32 besides the projections.
+    linear_fn: the projection matmul (default the reference linear; the fast path may pass its own).
+    Raises ValueError on a bad span, layer or slot.
+    """
+    geo, w = mixer.geo, mixer.w
+    if x.dim() != 2 or x.shape[0] == 0:
+        raise ValueError(f"x must be a non-empty [T, H], got {tuple(x.shape)}")
+    if not 0 <= layer < pool.num_layers or not pool.can_use(slot):
+        raise ValueError(f"layer {layer} / slot {slot} outside the state pool "
+                         f"({pool.num_layers} layers, {pool.num_slots} slots)")
+    if pool.geo != geo:
+        raise ValueError(f"state pool geometry {pool.geo} differs from the layer's {geo}")
+    tokens = x.shape[0]
+    qkv = linear_fn(x, w["in_proj_qkv.weight"])  # [T, C]
+    z = linear_fn(x, w["in_proj_z.weight"]).reshape(tokens, geo.num_v_heads, geo.v_head_dim)  # [T, Nv, Dv]
+    b = linear_fn(x, w["in_proj_b.weight"])  # [T, Nv]
+    a = linear_fn(x, w["in_proj_a.weight"])  # [T, Nv]
+    conv_weight = getattr(mixer, "conv_weight_2d", None)  # [C, W] once fast_decoder prepared it
+    if conv_weight is None:
+        conv_weight = w["conv1d.weight"][:, 0, :]
+    mixed = gdn_conv_prefill(qkv, pool.conv[layer, slot], conv_weight)  # [T, C] fp32
+    precise = x.dtype == torch.float32
+    wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim,
+                      precise=precise)
+    core = gdn_chunk_scan(mixed, *wy, pool.recurrent[layer, slot], geo.num_k_heads, precise=precise)  # [T, Nv, Dv]
+    normed = gated_rms_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [T, Nv, Dv]
+    return linear_fn(normed.reshape(tokens, -1), w["out_proj.weight"])  # [T, H]
+
+
+def attention_prefill(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, page_ids: torch.Tensor,
+                      start_position: int, *, linear_fn: Linear = linear) -> torch.Tensor:
+    """FullAttention.forward for one span: x [T, H] (T >= 1) holds positions start_position ..
+    start_position+T-1 of a sequence whose positions 0 .. start_position-1 are already in its pages;
+    page_ids long [pages] (on x's device) must cover start_position+T positions. Writes the span's K/V
+    into those pages (layer mixer.kv_layer), attends causally over the whole context, applies the
+    sigmoid output gate when the model has one. Returns [T, H] in x's dtype.
+
+    On CUDA with bf16/fp16 this runs SDPA's flash kernel (causal, lower-right aligned when there is a
+    prefix; GQA without repeating K/V). linear_fn: as in gdn_prefill.
+    Raises ValueError on an empty span, a negative start or pages that do not cover the context.
+    """
+    geo, tokens = mixer.geo, x.shape[0]
+    if x.dim() != 2 or tokens == 0:
+        raise ValueError(f"x must be a non-empty [T, H], got {tuple(x.shape)}")
+    end = start_position + tokens
+    if start_position < 0 or page_ids.dim() != 1 or page_ids.shape[0] * kv.page_size < end:
+        raise ValueError(f"{tuple(page_ids.shape)} pages of {kv.page_size} do not cover positions "
+                         f"{start_position}..{end - 1}")
+
+    def proj(inp: torch.Tensor, name: str) -> torch.Tensor:
+        out = linear_fn(inp, mixer.w[f"{name}.weight"])
+        return out if mixer.bias[name] is None else out + mixer.bias[name]
+
+    q, gate = proj(x, "q_proj"), None  # [T, N*D] or [T, N*2D]
+    if geo.output_gate:
+        q, gate = torch.chunk(q.view(tokens, geo.num_heads, 2 * geo.head_dim), 2, dim=-1)  # [T, N, D] x2
+        gate = gate.reshape(tokens, -1)  # [T, N*D]
+    q = q.reshape(tokens, geo.num_heads, geo.head_dim)  # [T, N, D]
+    k = proj(x, "k_proj").view(tokens, geo.num_kv_heads, geo.head_dim)  # [T, M, D]
+    v = proj(x, "v_proj").view(tokens, geo.num_kv_heads, geo.head_dim)  # [T, M, D]
+    positions = torch.arange(start_position, end, device=x.device)  # [T]
+    cos, sin = mixer.rotary.cos_sin(positions, x.dtype)  # [T, R]
+    layer = mixer.kv_layer
+    # q/k norms and rotary in one launch; the span's rotated k and raw v land in its pages
+    q = qk_norm_rope(q, k, v, mixer.w["q_norm.weight"], mixer.w["k_norm.weight"], geo.eps, geo.unit_offset_norm,
+                     cos, sin, kv.k[layer], kv.v[layer], kv.flat_slots(page_ids, positions))  # [T, N, D]
+    k_ctx, v_ctx = kv.read(layer, kv.flat_slots(page_ids, torch.arange(end, device=x.device)))  # [X, M, D]
+    # NOTE: kv head m serves query heads m*groups .. (transformers' repeat_kv), which is SDPA's GQA grouping.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_ctx.to(q.dtype).transpose(0, 1)[None], v_ctx.to(q.dtype).transpose(0, 1)[None],
+        attn_mask=causal_lower_right(tokens, end), scale=geo.head_dim ** -0.5, enable_gqa=True,
+    )[0]  # [N, T, D]
+    out = out.transpose(0, 1).reshape(tokens, -1)  # [T, N*D]
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return proj(out, "o_proj")  # [T, H]

@@ -1,0 +1,50 @@
+"""Dense projections for prefill and mixed steps (any row count): the quantized weight is read by a Triton
+kernel that dequantizes in registers, never materialised (qlinear, the reference, dequantizes whole K
+blocks per call). The decode step keeps fast_decoder.fast_linear.
+
+Shape legend: M rows (tokens), I in features, O out features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from adapters.checkpoint.quant import QTensor, qlinear
+from adapters.kernels import dense_gemm as gemm
+from adapters.kernels import dense_gemv as gemv
+
+# Below these row counts the GEMV (one weight pass per row, re-read from L2) beats the tensor-core GEMM,
+# whose tile is mostly padding (tl.dot needs 16 rows). Measured on the H200 at the Qwen3.6 block-FP8
+# shapes (docs/bench/2026-12-01-bench-kernels-h200.json): K = 2048 (qkv/qkvz) GEMV 18.6 us vs GEMM 17.5 us
+# at 4 rows; K = 4096 (o/out projections) GEMV 15.8 vs 23.9 us at 8 rows, 29.2 vs 25.3 us at 16.
+GEMV_MAX_ROWS = 8  # K <= 2048: GEMV below 4 rows; wider K: GEMV up to 8 rows
+GEMV_MAX_ROWS_NARROW_K = 3
+
+
+def use_gemv(rows: int, in_features: int) -> bool:
+    """True when the GEMV is the faster kernel for `rows` rows of a matrix with in_features columns."""
+    return rows <= (GEMV_MAX_ROWS_NARROW_K if in_features <= 2048 else GEMV_MAX_ROWS)
+
+
+def prefill_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
+    """x [..., I] @ w^T -> [..., O] in x.dtype, fp32 accumulation.
+
+    Float weights (tensors or bf16-format QTensors): F.linear / qlinear. Quantized: dense_gemv for the few rows
+    where it is faster (use_gemv) in a format it reads, else the tensor-core dense_gemm (every quantized format).
+    Raises ValueError when x's last dimension is not I.
+    """
+    if not isinstance(w, QTensor):
+        return F.linear(x, w)
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"prefill_linear: x has {x.shape[-1]} features, weight expects {w.shape[1]}")
+    if not gemm.supports(w):
+        return qlinear(x, w)
+    rows = x.reshape(-1, w.shape[1])  # [M, I]
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if use_gemv(rows.shape[0], w.shape[1]) and gemv.supports(w):
+        out = gemv.dense_gemv(rows, w)  # [M, O]
+    else:
+        out = gemm.dense_gemm(rows, w)  # [M, O]
+    return out.reshape(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,124 @@
+"""Dense quantized GEMM for prefill rows: y = x @ dequant(W)^T on tensor cores, W dequantized one
+[BLOCK_N, BLOCK_K] tile at a time in registers (no dequantized copy of W is ever written to memory).
+
+Shape legend: M rows of x (prefill tokens), K in features, N out features.
+  x [M, K] bf16/fp16/fp32; W a QTensor [N, K] (adapters/checkpoint/quant.py); y [M, N] in x.dtype.
+Formats: FP8_BLOCK (fp32 scale per 128x128 block), FP8_TENSOR, FP8_CHANNEL, INT8_CHANNEL, NVFP4, MXFP4
+(dequant_tile.py says how each is split between the operand tile and fp32 scales); float weights belong
+to F.linear. Each program owns a [BLOCK_M, BLOCK_N] tile of y and runs BLOCK_K = 128 columns per step
+(one block-FP8 scale per step), fp32 accumulation, operands in x.dtype (weights converted in registers:
+exactly, see dequant_tile.py). Programs are ordered in groups of GROUP_M row tiles so a weight tile is
+reused from L2 by the row tiles that need it. Small M (decode) belongs to dense_gemv.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.quant import QTensor
+from adapters.kernels.dequant_tile import block_scale, dot_modes, dot_step, row_scale, w_tile
+from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
+from domain.model_spec import WeightFormat
+
+BLOCK_K = 128  # one 128x128 block-FP8 scale per K step; a whole number of 4-bit scale groups
+SUPPORTED = tuple(f for f in FORMAT_CODES if f != WeightFormat.BF16)
+
+
+@triton.jit
+def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm, stride_ym,
+                       N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # M_BUCKET: only an autotune key (a power of two near M), so a new prompt length does not re-tune
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    # NOTE: GROUP_M row tiles walk the N tiles together: their weight tiles are read once into L2
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
+        w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
+        s = 1.0
+        if FMT == 1:
+            s = block_scale(s_ptr, pid_n * BLOCK_N, k0, K, GROUP)
+        acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+    acc = row_scale(acc, s_ptr, g_ptr, n, N, FMT)
+    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (n < N)[None, :])
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), measured per (M bucket, N, K, format) on CUDA before use;
+# BLOCK_N <= 128 keeps a block-FP8 scale one scalar per step. The interpreter runs the launcher default.
+TUNE_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
+              (16, 128, 4, 4), (16, 64, 4, 5), (16, 32, 4, 6), (16, 16, 4, 8))  # narrow N: more programs at small M
+_TUNED = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
+                           num_stages=st) for bm, bn, w, st in TUNE_TILES],
+    key=["M_BUCKET", "N", "K", "FMT"],
+)(_dense_gemm_kernel)
+
+
+def supports(q: QTensor) -> bool:
+    """True when dense_gemm reads q's format (every quantized format; float weights go to F.linear)."""
+    return q.fmt in SUPPORTED
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for M rows: the next power of two, at most 4096 (bigger M tunes alike)."""
+    return min(triton.next_power_of_2(max(m, 1)), 4096)
+
+
+def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
+               block_n: int | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32 accumulation.
+
+    The weight is dequantized to x.dtype tile by tile (exact for bf16 activations); block/tensor/channel
+    scales multiply fp32 partial sums. out: optional [M, N] x.dtype with unit column stride, written in
+    place. block_m/block_n: a fixed tile (powers of two, 16 <= block_m, 16 <= block_n <= 128); None: on
+    CUDA the measured best tile for this shape (triton.autotune), elsewhere 16 x 64.
+    Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, bad tiles.
+    """
+    if q.fmt not in SUPPORTED:
+        raise ValueError(f"dense_gemm does not read {q.fmt.value} weights (float weights: F.linear; "
+                         f"supported: {sorted(f.value for f in SUPPORTED)})")
+    if x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dense_gemm: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
+        raise ValueError("dense_gemm: x rows, q.data and q.scale must be contiguous")
+    if not x.device == q.data.device == q.scale.device:
+        raise ValueError(f"dense_gemm: x on {x.device}, weight on {q.data.device}, scale on {q.scale.device}")
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if block is not None and (block < 16 or block & (block - 1)):
+            raise ValueError(f"dense_gemm: {name}={block} must be a power of two >= 16")
+    if block_n is not None and block_n > 128:
+        raise ValueError(f"dense_gemm: block_n={block_n} must be <= 128 (one block-FP8 scale per tile)")
+    m, (n, k) = x.shape[0], q.shape
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"dense_gemm: out must be {x.dtype} [{m}, {n}] with unit column stride on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if m == 0:
+        return out
+    glob = q.global_scale if q.global_scale is not None else q.scale
+    args = (x, q.data, q.scale, glob, out, m, m_bucket(m), x.stride(0), out.stride(0))
+    consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), **dot_modes(x))
+    if x.is_cuda and block_m is None and block_n is None:
+        _TUNED[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
+    else:
+        bm, bn = block_m or 16, block_n or 64
+        _dense_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=4)
+    return out

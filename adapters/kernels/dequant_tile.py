@@ -1,0 +1,130 @@
+"""Tensor-core operand tiles of a quantized weight matrix (Triton device functions shared by the prefill
+GEMMs: dense_gemm, moe_grouped_gate_up, moe_grouped_down). No kernel of its own.
+
+Shape legend: N rows of a tile (BLOCK_N), BK columns per K step (BLOCK_K), ROWS x COLS the matrix,
+G columns per scale group.
+Formats: the FMT codes of packed_gemv.FORMAT_CODES (0 float, 1 FP8 block, 2 FP8 tensor, 3 FP8 channel,
+4 INT8 channel, 5 NVFP4, 6 MXFP4), canonical forms of adapters/checkpoint/quant.py.
+
+Split of the dequantization so that the tile fed to tl.dot is EXACT in bf16 (no rounding added):
+  * the tile (w_tile) carries the raw values (e4m3 and int8 are subsets of bf16) or, for the 4-bit
+    formats, e2m1 x group scale (at most 5 significant bits: exact in bf16);
+  * a block-FP8 scale is one scalar per (128-row, 128-column) block: the caller multiplies the dot of
+    each K step by it (block_scale; needs BLOCK_K == 128 and BLOCK_N dividing 128);
+  * scales constant along a row (tensor, channel, NVFP4 global) are applied once after the K loop
+    (row_scale).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.kernels.packed_gemv import _e2m1, _e8m0, _group_scaled
+
+
+@triton.jit
+def w_tile(data_ptr, scale_ptr, n, k0, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
+           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[N, BK] tile of W[n, k0:k0+BK] in OUT_DTYPE; zeros outside the matrix.
+
+    data_ptr: typed pointer to the data ([ROWS, COLS] elements, or uint8 [ROWS, COLS/2] for 4-bit);
+    scale_ptr: typed pointer to the scales (fp32 for FMT 1-4, e4m3 [ROWS, COLS/16] for NVFP4, uint8 e8m0
+    [ROWS, COLS/32] for MXFP4; unused for FMT 0-4 here). n: int32 row indices [N].
+    """
+    n_ok = n < ROWS  # [N]
+    kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    if FMT == 5 or FMT == 6:
+        jb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j (low nibble) and 2j+1 (high)
+        b_ok = n_ok[:, None] & (jb < COLS // 2)[None, :]
+        b = tl.load(data_ptr + n[:, None].to(tl.int64) * (COLS // 2) + jb[None, :], mask=b_ok, other=0)
+        w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK] fp32
+        gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s_ok = n_ok[:, None] & (gi < COLS // GROUP)[None, :]
+        s_off = n[:, None].to(tl.int64) * (COLS // GROUP) + gi[None, :]  # [N, BK/G]
+        if FMT == 5:
+            s = tl.load(scale_ptr + s_off, mask=s_ok)
+            s = tl.where(s_ok, s.to(tl.float32), 0.0)
+        else:
+            s = tl.where(s_ok, _e8m0(tl.load(scale_ptr + s_off, mask=s_ok, other=0)), 0.0)
+        return _group_scaled(w, s, BLOCK_N, BLOCK_K, GROUP).to(OUT_DTYPE)
+    else:
+        w_ok = n_ok[:, None] & (kk < COLS)[None, :]
+        # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
+        w = tl.load(data_ptr + n[:, None].to(tl.int64) * COLS + kk[None, :], mask=w_ok)  # [N, BK]
+        if FMT == 4:  # int8 through fp32: the interpreter's int8 -> bf16 cast is a bit copy
+            w = w.to(tl.float32)
+        return tl.where(w_ok, w.to(OUT_DTYPE), 0.0)
+
+
+@triton.jit
+def block_scale(scale_ptr, n0, k0, COLS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 scale of the 128x128 block holding W[n0, k0] (block FP8; scale_ptr fp32 [ceil(ROWS/128),
+    ceil(COLS/128)])."""
+    kb: tl.constexpr = (COLS + GROUP - 1) // GROUP
+    return tl.load(scale_ptr + (n0 // GROUP) * kb + k0 // GROUP)
+
+
+@triton.jit
+def row_scale(acc, scale_ptr, gscale_ptr, n, ROWS: tl.constexpr, FMT: tl.constexpr):
+    """acc [M, N] (fp32, columns = rows n of W) times the scales that are constant along a row of W."""
+    if FMT == 2:
+        acc = acc * tl.load(scale_ptr)
+    elif FMT == 3 or FMT == 4:
+        acc = acc * tl.load(scale_ptr + n, mask=n < ROWS, other=0.0)[None, :]
+    elif FMT == 5:
+        acc = acc * tl.load(gscale_ptr)
+    return acc
+
+
+@triton.jit
+def dot_step(acc, a, w, FMT: tl.constexpr, s, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [M, N] fp32 += a [M, BK] @ w[N, BK]^T (times the block-FP8 scalar s when FMT == 1).
+
+    F32_DOT: both operands cast to fp32 first (Triton's interpreter computes bf16 dots wrongly)."""
+    if F32_DOT:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if FMT == 1:
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION) * s
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+def dot_modes(x: torch.Tensor) -> dict:
+    """Launch constants of dot_step for activations x: exact fp32 products ("ieee", not TF32) when x is
+    fp32 (the fp32 parity bound), fp32 operands under the interpreter (no CUDA tensor)."""
+    return {"F32_DOT": not x.is_cuda, "PRECISION": "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"}
+
+
+def scale_dtype(fmt_code: int) -> tl.dtype:
+    """Element type w_tile reads scales as: e4m3 (NVFP4), uint8 e8m0 (MXFP4), fp32 otherwise."""
+    return {5: tl.float8e4nv, 6: tl.uint8}.get(fmt_code, tl.float32)
+
+
+# Tiles of the grouped MoE GEMMs tried on CUDA, (BLOCK_N, num_warps, num_stages); BLOCK_M is fixed by the
+# alignment (moe_align) and BLOCK_K = 128 (one block-FP8 scale per step; BLOCK_N <= 128 divides 128).
+GROUPED_TILES = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4))
+GROUPED_BLOCK_K = 128
+MAX_ACC_PER_THREAD = 64  # fp32 accumulator registers per thread a tile may take (of 255, spills beyond)
+
+
+def grouped_configs() -> list:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K}, num_warps=w, num_stages=st)
+            for bn, w, st in GROUPED_TILES]
+
+
+def grouped_pruner(accumulators: int):
+    """early_config_prune for the grouped GEMMs: drop tiles whose `accumulators` fp32 [BLOCK_M, BLOCK_N]
+    accumulators need more than MAX_ACC_PER_THREAD registers per thread at the alignment's BLOCK_M
+    (gate_up holds two); keeps the smallest tile if none fits."""
+
+    def prune(configs, named_args, **kwargs):
+        block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+        fits = [c for c in configs
+                if accumulators * block_m * c.kwargs["BLOCK_N"] <= MAX_ACC_PER_THREAD * 32 * c.num_warps]
+        return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+
+    return prune

@@ -1,0 +1,127 @@
+"""Gated DeltaNet prefill, step 2 of 3: per chunk of Q = 64 tokens and value head, the gates and the WY
+(UT-transform) form of the chunk's delta-rule updates; every chunk independent (fully parallel).
+
+Shape legend: T tokens of the chunk, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
+(value head h reads key head h // (Nv/Nk)), Dk key head dim, Dv value head dim, Q tokens per chunk.
+
+Math (adapters/torch_exec/gated_deltanet.py chunked_delta_rule, per chunk and head, fp32):
+  beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), gc = cumsum of g inside the chunk,
+  k = l2norm(k), A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for i > j else 0,
+  X = (I + A)^-1, u = X (v * beta), w = X (k * beta * exp(gc)).
+The inverse by forward substitution over the rows of the [Q, Q] tile (stable: X is unit lower triangular,
+each row a combination of the rows above it); the products on tensor cores.
+Tokens past T in the last chunk act as the reference's zero padding (g = 0, beta = 0, k = v = 0).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+
+
+@triton.jit
+def _gdn_chunk_wy_kernel(
+    mixed_ptr, a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, w_ptr, u_ptr, gc_ptr,
+    T,
+    stride_mt, stride_mc,
+    stride_at, stride_ah,
+    stride_bt, stride_bh,
+    stride_wh, stride_wt, stride_wk,
+    stride_uh, stride_ut, stride_uv,
+    stride_gh, stride_gt,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (chunk, value head): writes gc [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // (VALUE_HEADS // KEY_HEADS)
+    offs_t = chunk * CHUNK + tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    t_mask = offs_t < T
+    rows = offs_t.to(tl.int64)[:, None] * stride_mt
+
+    k = tl.load(mixed_ptr + rows + (KEY_HEADS * DK + key_head * DK + offs_k[None, :]) * stride_mc,
+                mask=t_mask[:, None] & (offs_k[None, :] < DK), other=0.0).to(tl.float32)  # [Q, BK]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    v = tl.load(mixed_ptr + rows + (2 * KEY_HEADS * DK + head * DV + offs_v[None, :]) * stride_mc,
+                mask=t_mask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)  # [Q, BV]
+
+    beta = tl.sigmoid(tl.load(b_ptr + offs_t * stride_bt + head * stride_bh, mask=t_mask, other=0.0).to(tl.float32))
+    beta = tl.where(t_mask, beta, 0.0)
+    x = tl.load(a_ptr + offs_t * stride_at + head * stride_ah, mask=t_mask, other=0.0).to(tl.float32)
+    x = x + tl.load(dt_bias_ptr + head)
+    # softplus with torch's threshold 20 (linear above it)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = tl.where(t_mask, tl.load(neg_a_ptr + head) * softplus, 0.0)
+    gc = tl.cumsum(g, 0)  # [Q] log decay from the chunk start through token i
+
+    offs_i = tl.arange(0, CHUNK)
+    lower = offs_i[:, None] > offs_i[None, :]  # strictly lower
+    k_beta = k * beta[:, None]
+    # NOTE: exp only where i > j: gc_i - gc_j <= 0 there; above the diagonal it could overflow.
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
+    kk = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION)  # [Q, Q]
+    neg = tl.where(lower, -kk * decay, 0.0)  # -A
+
+    # Forward substitution: row i of N = X - I is -A[i] + sum_{j<i} (-A[i, j]) N[j]; rows above i already
+    # hold N, rows below still hold -A.
+    for i in range(1, CHUNK):
+        pick = offs_i == i
+        row = tl.sum(tl.where(pick[:, None], neg, 0.0), 0)  # [Q] = -A[i]
+        row = row + tl.sum(row[:, None] * neg, 0) * (offs_i < i)
+        neg = tl.where(pick[:, None], row[None, :], neg)
+    inv = neg + tl.where(offs_i[:, None] == offs_i[None, :], 1.0, 0.0)  # X = (I + A)^-1
+
+    u = tl.dot(inv, v * beta[:, None], input_precision=DOT_PRECISION)  # [Q, BV]
+    w = tl.dot(inv, k_beta * tl.exp(gc)[:, None], input_precision=DOT_PRECISION)  # [Q, BK]
+    tl.store(gc_ptr + head * stride_gh + offs_t * stride_gt, gc, mask=t_mask)
+    t64 = offs_t.to(tl.int64)[:, None]
+    tl.store(w_ptr + head * stride_wh + t64 * stride_wt + offs_k[None, :] * stride_wk, w,
+             mask=t_mask[:, None] & (offs_k[None, :] < DK))
+    tl.store(u_ptr + head * stride_uh + t64 * stride_ut + offs_v[None, :] * stride_uv, u,
+             mask=t_mask[:, None] & (offs_v[None, :] < DV))
+
+
+def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+                 dt_bias: torch.Tensor, num_k_heads: int, k_head_dim: int, v_head_dim: int, *,
+                 precise: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gates and WY form of one sequence's prefill chunk, per 64-token chunk and value head.
+
+    mixed fp32 [T, C] the conv output ([q | k | v] channels, q and k not yet normalised); a, b [T, Nv]
+    in_proj_a / in_proj_b outputs (any float dtype); neg_a = -exp(A_log), dt_bias fp32 [Nv].
+    precise: fp32 products in full precision (fp32 models); False lets the GPU use tf32 (bf16 models).
+    Returns (w fp32 [Nv, T, Dk], u fp32 [Nv, T, Dv], gc fp32 [Nv, T]) as defined in the module docstring;
+    gc restarts at every 64-token boundary. Raises ValueError on mismatched shapes, dtypes or devices.
+    """
+    if mixed.dim() != 2 or mixed.dtype != torch.float32:
+        raise ValueError(f"mixed must be fp32 [T, C], got {mixed.dtype} {tuple(mixed.shape)}")
+    tokens = mixed.shape[0]
+    nv = neg_a.shape[0] if neg_a.dim() == 1 else -1
+    if nv <= 0 or num_k_heads <= 0 or nv % num_k_heads:
+        raise ValueError(f"value heads {nv} must be a positive multiple of key heads {num_k_heads}")
+    if mixed.shape[1] != 2 * num_k_heads * k_head_dim + nv * v_head_dim:
+        raise ValueError(f"mixed has {mixed.shape[1]} channels, need 2*{num_k_heads}*{k_head_dim} + {nv}*{v_head_dim}")
+    if a.shape != (tokens, nv) or b.shape != (tokens, nv):
+        raise ValueError(f"a and b must be [T, Nv] = {(tokens, nv)}, got {tuple(a.shape)} and {tuple(b.shape)}")
+    for name, t in (("neg_a", neg_a), ("dt_bias", dt_bias)):
+        if t.shape != (nv,) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [Nv={nv}], got {t.dtype} {tuple(t.shape)}")
+    if len({t.device for t in (mixed, a, b, neg_a, dt_bias)}) != 1:
+        raise ValueError("all gdn_chunk_wy tensors must be on one device")
+    dev = mixed.device
+    w = torch.empty(nv, tokens, k_head_dim, dtype=torch.float32, device=dev)
+    u = torch.empty(nv, tokens, v_head_dim, dtype=torch.float32, device=dev)
+    gc = torch.empty(nv, tokens, dtype=torch.float32, device=dev)
+    if tokens == 0:
+        return w, u, gc
+    _gdn_chunk_wy_kernel[(triton.cdiv(tokens, CHUNK), nv)](
+        mixed, a, b, neg_a, dt_bias, w, u, gc, tokens,
+        *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
+        KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
+        BLOCK_K=max(16, triton.next_power_of_2(k_head_dim)), BLOCK_V=max(16, triton.next_power_of_2(v_head_dim)),
+        DOT_PRECISION="ieee" if precise else "tf32", num_warps=4,
+    )
+    return w, u, gc

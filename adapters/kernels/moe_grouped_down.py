@@ -1,0 +1,125 @@
+"""Routed experts for prefill, second half, on tensor cores: the weighted partial
+y[t, k] = weights[t, k] * (h[t, k] @ down^T) of every (token, top-k) pair, its rows grouped by expert slot
+(moe_align), down read straight from the expert's packed row and dequantized inside the K loop (all seven
+formats, dequant_tile.py). moe_sum then adds the K partials of a token in order k = 0..K-1, exactly as
+after the decode kernel (moe_down), so the two paths share their arithmetic order after the GEMMs.
+
+Shape legend: T tokens, K top-k columns, H hidden, I expert intermediate, S slots, R row bytes,
+BM rows per block, B blocks, P = B*BM padded rows.
+  h [P, I] float (moe_grouped_gate_up's output); alignment (pairs int32 [P], block_slots int32 [B]);
+  weights fp32 [T, K]; slots uint8 [S, R]; partials fp32 [T, K, H].
+Grid: (B, cdiv(H, BLOCK_N)): one program multiplies the BM contiguous rows of h of one block by a
+BLOCK_N-row tile of down, BLOCK_K = 128 columns per step, fp32 accumulation, and scatters each live row
+to its pair's partial (padding rows and pairs not in the alignment are not written). Deterministic, no
+atomics; a pair's partial depends only on its token and expert. No host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.dequant_tile import (
+    GROUPED_BLOCK_K,
+    block_scale,
+    dot_modes,
+    dot_step,
+    grouped_configs,
+    grouped_pruner,
+    row_scale,
+    scale_dtype,
+    w_tile,
+)
+from adapters.kernels.moe_align import Alignment, check_alignment
+from adapters.kernels.packed_gemv import layout_consts
+
+
+@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
+def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slots_ptr, y_ptr, S,
+                             H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
+                             D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
+                             W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                             F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slots_ptr + pid_m)
+    tl.device_assert(slot < S, "slot id past the pool")
+    if slot >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        pair = tl.load(pairs_ptr + rows)  # [BM]; -1 on padding rows
+        live = pair >= 0
+        row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
+        d_data = (row + D_DATA).to(tl.pointer_type(W_DTYPE))
+        d_scale = (row + D_SCALE).to(tl.pointer_type(S_DTYPE))
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of down = columns of the output
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            # no row mask: a padding row of h only feeds its own output row, which is never stored
+            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + kk[None, :], mask=(kk < I)[None, :], other=0.0)
+            w = w_tile(d_data, d_scale, n, k0, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty)
+            s = 1.0
+            if FMT == 1:
+                s = block_scale(d_scale, pid_n * BLOCK_N, k0, I, GROUP)
+            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+        part = row_scale(acc, d_scale, (row + D_GSCALE).to(tl.pointer_type(tl.float32)), n, H, FMT)  # [BM, BN]
+        weight = tl.load(weights_ptr + pair, mask=live, other=0.0)  # [BM]
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], weight[:, None] * part,
+                 mask=live[:, None] & (n < H)[None, :])
+
+
+_TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"],
+                         prune_configs_by={"early_config_prune": grouped_pruner(1)})(_moe_grouped_down_kernel)
+
+
+def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
+                     layout: ExpertLayout, partials: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+    """Write partials[t, k] = weights[t, k] * (h_row @ down^T) (fp32) for every pair of `align`; returns partials.
+
+    h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`; weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
+    `layout`; partials contiguous fp32 [T, K, H]: pairs absent from `align` (slot -1) are left as they
+    are (the caller zeroes them, or fills them in another call). block_n: as moe_grouped_gate_up.
+    Raises ValueError on any shape, dtype, device or block-size mismatch.
+    """
+    if h.dim() != 2 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not h.is_contiguous():
+        raise ValueError(f"moe_grouped_down: h must be contiguous bf16/fp16/fp32 [P, I], got {h.dtype} {tuple(h.shape)}")
+    rows = check_alignment(align, slots, "moe_grouped_down")
+    if h.shape != (rows, layout.intermediate):
+        raise ValueError(f"moe_grouped_down: h must be [{rows}, {layout.intermediate}] (the alignment's rows, "
+                         f"the layout's I), got {tuple(h.shape)}")
+    if slots.dtype != torch.uint8 or slots.dim() != 2 or slots.shape[1] != layout.row_bytes or not slots.is_contiguous():
+        raise ValueError(f"moe_grouped_down: slots must be contiguous uint8 [S, {layout.row_bytes}], "
+                         f"got {slots.dtype} {tuple(slots.shape)}")
+    if weights.dtype != torch.float32 or weights.dim() != 2 or not weights.is_contiguous():
+        raise ValueError(f"moe_grouped_down: weights must be contiguous fp32 [T, K], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    tokens, top_k = weights.shape
+    if (partials.shape != (tokens, top_k, layout.hidden) or partials.dtype != torch.float32
+            or not partials.is_contiguous()):
+        raise ValueError(f"moe_grouped_down: partials must be contiguous fp32 [{tokens}, {top_k}, {layout.hidden}], "
+                         f"got {partials.dtype} {tuple(partials.shape)}")
+    if not h.device == weights.device == slots.device == partials.device:
+        raise ValueError(f"moe_grouped_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}, "
+                         f"partials on {partials.device}")
+    if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
+        raise ValueError(f"moe_grouped_down: block_n={block_n} must be a power of two in 16..128")
+    if rows == 0 or tokens == 0:
+        return partials
+    c = layout_consts(layout)
+    hidden = layout.hidden
+    args = (h, align.pairs, align.block_slots, weights, slots, partials, slots.shape[0])
+    consts = dict(H=hidden, I=layout.intermediate, R=c.row_bytes,
+                  D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
+                  W_DTYPE=c.down.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
+                  BLOCK_M=align.block_m, **dot_modes(h))
+    blocks = align.block_slots.numel()
+    if slots.is_cuda and block_n is None:
+        _TUNED[lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args, **consts)
+    else:
+        bn = block_n or 64
+        _moe_grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](*args, **consts, BLOCK_N=bn,
+                                                                    BLOCK_K=GROUPED_BLOCK_K, num_warps=4)
+    return partials

@@ -1,0 +1,134 @@
+"""Routed experts for prefill, first half, on tensor cores: h = silu(x @ gate^T) * (x @ up^T) for the
+(token, top-k) pairs grouped by expert slot (moe_align), gate and up read straight from the expert's
+packed row in the slot pool and dequantized inside the K loop (all seven formats, dequant_tile.py).
+
+Shape legend: T tokens, K top-k columns, H hidden, I expert intermediate, S slots, R row bytes,
+BM rows per block, B blocks, P = B*BM padded rows.
+  x [T, H] float; alignment (pairs int32 [P], block_slots int32 [B]); slots uint8 [S, R];
+  h [P, I] in x.dtype, row p belonging to pair pairs[p] (padding rows: zeros).
+Grid: (B, cdiv(I, BLOCK_N)): one program multiplies the BM gathered rows of x of one block (all of one
+slot) by a BLOCK_N-row tile of gate and of up, BLOCK_K = 128 columns per step, fp32 accumulators.
+Blocks whose slot is -1 (past the last used block) exit at once. A row's result depends only on its
+token and its expert, not on the other rows of its block (so not on the pool size or the grouping).
+No host syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.dequant_tile import (
+    GROUPED_BLOCK_K,
+    block_scale,
+    dot_modes,
+    dot_step,
+    grouped_configs,
+    grouped_pruner,
+    row_scale,
+    scale_dtype,
+    w_tile,
+)
+from adapters.kernels.moe_align import Alignment, check_alignment
+from adapters.kernels.packed_gemv import layout_consts
+
+
+@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
+def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_ptr, S,
+                                K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
+                                G_DATA: tl.constexpr, G_SCALE: tl.constexpr, G_GSCALE: tl.constexpr,
+                                U_DATA: tl.constexpr, U_SCALE: tl.constexpr, U_GSCALE: tl.constexpr,
+                                W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr,
+                                GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slots_ptr + pid_m)
+    tl.device_assert(slot < S, "slot id past the pool")
+    if slot >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        pair = tl.load(pairs_ptr + rows)  # [BM]; -1 on padding rows
+        live = pair >= 0
+        x_rows = x_ptr + tl.where(live, pair // K, 0).to(tl.int64) * H  # [BM] token rows of x
+        row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
+        g_data = (row + G_DATA).to(tl.pointer_type(W_DTYPE))
+        u_data = (row + U_DATA).to(tl.pointer_type(W_DTYPE))
+        g_scale = (row + G_SCALE).to(tl.pointer_type(S_DTYPE))
+        u_scale = (row + U_SCALE).to(tl.pointer_type(S_DTYPE))
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of gate/up = columns of h
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows[:, None] + kk[None, :], mask=live[:, None] & (kk < H)[None, :], other=0.0)  # [BM, BK]
+            dt = x_ptr.dtype.element_ty
+            w_g = w_tile(g_data, g_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+            w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+            s_g = 1.0
+            s_u = 1.0
+            if FMT == 1:
+                s_g = block_scale(g_scale, pid_n * BLOCK_N, k0, H, GROUP)
+                s_u = block_scale(u_scale, pid_n * BLOCK_N, k0, H, GROUP)
+            acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
+            acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
+        g = row_scale(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+        u = row_scale(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+        h = g * tl.sigmoid(g) * u  # [BM, BN], the decode kernel's expression
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=(n < I)[None, :])
+
+
+_TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"],
+                         prune_configs_by={"early_config_prune": grouped_pruner(2)})(_moe_grouped_gate_up_kernel)
+
+
+def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: torch.Tensor, layout: ExpertLayout,
+                        out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+    """h [P, I] in x.dtype: silu(x[t] @ gate^T) * (x[t] @ up^T) for each padded row of `align`, t = pair // top_k,
+    gate/up those of the block's slot; fp32 accumulation, h rounded once to x.dtype (as the decode path).
+
+    x [T, H] bf16/fp16/fp32 contiguous; align: moe_align.align_by_slot(slot_ids [T, top_k], S, BM) with
+    BM >= 16 (pair indices must be < T * top_k, slots < S: checked on the device only in debug builds);
+    slots uint8 [S, R] contiguous, rows packed by `layout`. out: optional contiguous [P, I] x.dtype.
+    block_n: a fixed tile width (power of two, 16..128); None: on CUDA the measured best tile, else 64.
+    Rows of blocks past the last used one are left unwritten. Raises ValueError on any mismatch.
+    """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"moe_grouped_gate_up: x must be bf16/fp16/fp32 [T, H], got {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] != layout.hidden:
+        raise ValueError(f"moe_grouped_gate_up: x has H={x.shape[1]}, layout has H={layout.hidden}")
+    if slots.dtype != torch.uint8 or slots.dim() != 2 or slots.shape[1] != layout.row_bytes or not slots.is_contiguous():
+        raise ValueError(f"moe_grouped_gate_up: slots must be contiguous uint8 [S, {layout.row_bytes}], "
+                         f"got {slots.dtype} {tuple(slots.shape)}")
+    if x.device != slots.device:
+        raise ValueError(f"moe_grouped_gate_up: x on {x.device}, slots on {slots.device}")
+    if top_k < 1:
+        raise ValueError(f"moe_grouped_gate_up: top_k must be >= 1, got {top_k}")
+    if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
+        raise ValueError(f"moe_grouped_gate_up: block_n={block_n} must be a power of two in 16..128")
+    rows = check_alignment(align, slots, "moe_grouped_gate_up")
+    inter = layout.intermediate
+    if out is None:
+        out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, inter) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"moe_grouped_gate_up: out must be contiguous {x.dtype} [{rows}, {inter}], "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if rows == 0:
+        return out
+    c = layout_consts(layout)
+    args = (x.contiguous(), align.pairs, align.block_slots, slots, out, slots.shape[0])
+    consts = dict(K=top_k, H=layout.hidden, I=inter, R=c.row_bytes,
+                  G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
+                  U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
+                  W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
+                  BLOCK_M=align.block_m, **dot_modes(x))
+    blocks = align.block_slots.numel()
+    if slots.is_cuda and block_n is None:
+        _TUNED[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args, **consts)
+    else:
+        bn = block_n or 64
+        _moe_grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](*args, **consts, BLOCK_N=bn,
+                                                                      BLOCK_K=GROUPED_BLOCK_K, num_warps=4)
+    return out

@@ -1,0 +1,74 @@
+"""`ft serve --data-parallel N`: N worker processes behind one HTTP front, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+
+# NOTE: the front's own choices; every other `ft serve` flag given goes to each worker as it is.
+FRONT_ONLY = frozenset({"host", "port", "api_key", "device", "data_parallel", "allowed_origins", "help"})
+
+
+def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The `ft serve` arguments of one worker: every serve flag whose value differs from its
+    default (so flags added later travel without a change here), then loopback and any free port."""
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in FRONT_ONLY:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return [*argv, "--host", "127.0.0.1", "--port", "0"]
+
+
+def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, settings) -> int:
+    """Start the front (bound first, so /health answers while the workers load), then the workers."""
+    from app.containers import cuda_device_count
+    from app.data_parallel.front import Front, create_front_app
+    from app.data_parallel.workers import WorkerPool, WorkerProcess, assign_devices
+    from app.server import ServerThread
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per health poll otherwise
+    try:
+        cuda = cuda_device_count() if args.device in ("auto", "cuda") else 0
+        devices = assign_devices(args.device, args.data_parallel, cuda, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 2
+    internal_key = secrets.token_urlsafe(32)  # NOTE: front <-> workers only; in the env, never on argv
+    base = worker_argv(parser, args)
+    workers = [WorkerProcess(i, [*base, "--device", d.flag], {**d.env, "FT_API_KEY": internal_key}, d.label, echo=True)
+               for i, d in enumerate(devices)]
+    pool = WorkerPool(workers, internal_key)
+    front = Front(pool, api_key=settings.api_key)
+    http = ServerThread(create_front_app(front, settings.allowed_origins), settings.host, settings.port)
+    try:
+        http.start()
+    except RuntimeError as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 1
+    port = next((s.getsockname()[1] for srv in http.server.servers for s in srv.sockets), settings.port)
+    auth = "on" if settings.api_key else "off"
+    print(f"listening on http://{settings.host}:{port} (API key {auth}); starting {len(workers)} workers "
+          f"({', '.join(d.label for d in devices)}) ...", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    pool.start()
+    while not stop.wait(0.5):
+        if not http.thread.is_alive():
+            break
+    pool.stop()
+    http.stop()
+    return 0

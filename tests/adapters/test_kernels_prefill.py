@@ -1,0 +1,341 @@
+"""Prefill kernels (Gated DeltaNet chunked prefill, attention prefill over the paged cache) against the torch
+reference path, kernel by kernel, layer by layer (adapters/cuda_exec/prefill.py) and end to end through the
+fast executor with its prefill routed through those entry points.
+
+Without CUDA the kernels run in Triton's interpreter at tiny shapes. Error measure: relative Frobenius norm
+|got - ref| / |ref| (rel_err). Bounds: fp32 1e-5 (only summation order differs); bf16 see each test.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adapters.cuda_exec import prefill
+from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
+from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
+from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
+from adapters.kernels.gdn_decode import gdn_decode_step
+from adapters.torch_exec.full_attention import AttentionGeometry, FullAttention
+from adapters.torch_exec.gated_deltanet import (
+    GatedDeltaNet,
+    GdnGeometry,
+    LinearStatePool,
+    _l2norm,
+    causal_conv,
+    chunked_delta_rule,
+)
+from adapters.torch_exec.linear import linear
+from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.rotary import Rotary
+from adapters.torch_exec.step_inputs import flatten
+from domain.ports import SequenceWork, StepBatch
+from domain.request import SamplingParams
+from tests.adapters.test_kernels_attention_gdn import DEVICE, make_gdn, make_pool, rel_err
+
+torch.set_num_threads(1)
+
+GEOMETRIES = {
+    "gqa": GdnGeometry(2, 4, 8, 8, 4),  # test_parity_layers' geometry: value head h reads key head h // 2
+    "odd": GdnGeometry(2, 2, 12, 10, 3),  # non-power-of-two head dims, W = 3: masked lanes
+}
+
+# ---------------------------------------------------------------- conv
+
+
+@pytest.mark.parametrize("tokens,kernel", [(1, 4), (2, 4), (3, 4), (37, 4), (70, 3), (5, 2)])
+def test_conv_prefill_matches_causal_conv_and_hands_over_the_state(tokens, kernel):
+    """T < W-1 keeps old state columns in the new state; T > block_t spans several programs (the last
+    one writes the state while the first still reads the old one)."""
+    gen = torch.Generator().manual_seed(tokens * 10 + kernel)
+    channels = 40  # block_c 16: three channel blocks, the last part-masked
+    x = torch.randn(tokens, channels, generator=gen).to(DEVICE)
+    pool = torch.randn(3, channels, kernel - 1, generator=gen).to(DEVICE)  # [S, C, W-1]
+    before = pool.clone()
+    weight = torch.randn(channels, 1, kernel, generator=gen).to(DEVICE)
+    want, want_state = causal_conv(x, before[1], weight)
+    out = torch.full((tokens, channels), float("nan"), device=DEVICE)
+    got = gdn_conv_prefill(x, pool[1], weight[:, 0, :], block_t=16, block_c=16, out=out)
+    assert got is out
+    assert rel_err(got, want) < 1e-6
+    assert torch.equal(pool[1], want_state)
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
+
+
+def test_conv_prefill_bf16_state_is_a_bitwise_copy_of_the_inputs():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 24, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    state = torch.randn(24, 3, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.randn(24, 4, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    window = torch.cat((state.float(), x.float().t()), dim=1)  # [C, W-1+T]
+    want = F.silu(F.conv1d(window[None], weight.float()[:, None, :], groups=24)[0]).t()  # fp32 math
+    got = gdn_conv_prefill(x, state, weight)
+    assert torch.equal(state, x[-3:].t())
+    assert rel_err(got, want) < 1e-6
+
+
+def test_conv_prefill_rejects_bad_input():
+    good = dict(qkv=torch.zeros(4, 24), conv_state=torch.zeros(24, 3), conv_weight=torch.zeros(24, 4))
+    bad = [dict(qkv=torch.zeros(4, 25)), dict(conv_state=torch.zeros(24, 4)), dict(conv_weight=torch.zeros(24, 1)),
+           dict(conv_state=torch.zeros(2, 24, 3)), dict(block_t=24), dict(block_c=8),
+           dict(out=torch.zeros(4, 24, dtype=torch.bfloat16))]
+    for change in bad:
+        with pytest.raises(ValueError):
+            gdn_conv_prefill(**{**good, **change})
+
+
+# ---------------------------------------------------------------- chunked delta rule
+
+
+def reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state):
+    """chunked_delta_rule on the same conv output: (core [T, Nv, Dv], final state)."""
+    nk, nv, dk, dv = geo.num_k_heads, geo.num_v_heads, geo.k_head_dim, geo.v_head_dim
+    tokens = mixed.shape[0]
+    q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], -1)
+    q = q.reshape(tokens, nk, dk).repeat_interleave(nv // nk, 1)
+    k = k.reshape(tokens, nk, dk).repeat_interleave(nv // nk, 1)
+    q, k, v = _l2norm(q) * dk ** -0.5, _l2norm(k), v.reshape(tokens, nv, dv)
+    beta, g = b.float().sigmoid(), neg_a * F.softplus(a.float() + dt_bias)
+    out, state = chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
+                                    state.clone())
+    return out.transpose(0, 1), state
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+@pytest.mark.parametrize("tokens", [1, 64, 130])
+def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
+    """WY + scan against the reference on the same conv output, from a non-zero state; 130 = 2 full chunks
+    and a 2-token tail, block_v 16 over Dv = 8/10 (masked columns)."""
+    geo = GEOMETRIES[name]
+    gen = torch.Generator().manual_seed(tokens)
+    nv = geo.num_v_heads
+    mixed = torch.randn(tokens, geo.conv_channels, generator=gen).to(DEVICE)
+    a, b = torch.randn(tokens, nv, generator=gen).to(DEVICE), torch.randn(tokens, nv, generator=gen).to(DEVICE)
+    neg_a = -(torch.rand(nv, generator=gen) * 2 - 1).exp().to(DEVICE)
+    dt_bias = torch.randn(nv, generator=gen).to(DEVICE)
+    state = (torch.randn(nv, geo.k_head_dim, geo.v_head_dim, generator=gen) * 0.3).to(DEVICE)
+    want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
+    w, u, gc = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    # gc restarts at each 64-token chunk
+    g = neg_a[:, None] * F.softplus(a.t() + dt_bias[:, None])  # [Nv, T]
+    assert rel_err(gc[:, :min(tokens, 64)], g[:, :64].cumsum(-1)) < 1e-6
+    out = torch.full((tokens, nv, geo.v_head_dim), float("nan"), device=DEVICE)
+    got = gdn_chunk_scan(mixed, w, u, gc, state, geo.num_k_heads, block_v=16, out=out)
+    assert got is out
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(state, want_state) < 1e-5
+
+
+def test_chunk_kernels_reject_bad_input():
+    geo = GEOMETRIES["gqa"]
+    c, nv = geo.conv_channels, geo.num_v_heads
+    wy = dict(mixed=torch.zeros(5, c), a=torch.zeros(5, nv), b=torch.zeros(5, nv), neg_a=torch.zeros(nv),
+              dt_bias=torch.zeros(nv), num_k_heads=2, k_head_dim=8, v_head_dim=8)
+    for change in [dict(mixed=torch.zeros(5, c, dtype=torch.bfloat16)), dict(mixed=torch.zeros(5, c + 1)),
+                   dict(a=torch.zeros(4, nv)), dict(neg_a=torch.zeros(nv, dtype=torch.float64)),
+                   dict(num_k_heads=3), dict(dt_bias=torch.zeros(nv + 1))]:
+        with pytest.raises(ValueError):
+            gdn_chunk_wy(**{**wy, **change})
+    scan = dict(mixed=torch.zeros(5, c), w=torch.zeros(nv, 5, 8), u=torch.zeros(nv, 5, 8), gc=torch.zeros(nv, 5),
+                state=torch.zeros(nv, 8, 8), num_k_heads=2)
+    for change in [dict(state=torch.zeros(nv, 8, 8, dtype=torch.bfloat16)), dict(w=torch.zeros(nv, 4, 8)),
+                   dict(u=torch.zeros(nv, 5, 4)), dict(gc=torch.zeros(nv, 6)), dict(num_k_heads=3),
+                   dict(block_v=24), dict(out=torch.zeros(5, nv, 4))]:
+        with pytest.raises(ValueError):
+            gdn_chunk_scan(**{**scan, **change})
+
+
+# ---------------------------------------------------------------- gdn_prefill vs forward_sequence
+
+
+def twin_pools(geo, dtype, gen, slots=3):
+    ref = make_pool(geo, slots, dtype, gen)
+    ours = LinearStatePool(1, slots, geo, dtype, DEVICE)
+    ours.conv.copy_(ref.conv)
+    ours.recurrent.copy_(ref.recurrent)
+    return ref, ours
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+@pytest.mark.parametrize("splits", [(130,), (64, 66), (70, 1, 59)])
+def test_gdn_prefill_matches_forward_sequence_then_decode_kernels_continue(name, splits):
+    """A prompt in the given chunks (consecutive steps of one slot, lengths not multiples of 64, a
+    one-token span), from a non-zero state, then 3 decode steps through gdn_decode_step: every output and
+    both states within fp32 tolerance of the reference, the other slots untouched."""
+    geo = GEOMETRIES[name]
+    gdn, gen = make_gdn(geo, hidden=32, dtype=torch.float32, seed=len(splits))
+    ref_pool, pool = twin_pools(geo, torch.float32, gen)
+    untouched = pool.recurrent[0, 0].clone(), pool.conv[0, 0].clone()
+    x = torch.randn(sum(splits) + 3, 32, generator=gen).to(DEVICE)
+    start = 0
+    for n in splits:
+        want = gdn.forward_sequence(x[start:start + n], ref_pool, 0, 2)
+        got = prefill.gdn_prefill(gdn, x[start:start + n], pool, 0, 2)
+        assert rel_err(got, want) < 1e-5, (start, n)
+        assert rel_err(pool.recurrent[0, 2], ref_pool.recurrent[0, 2]) < 1e-5, (start, n)
+        assert rel_err(pool.conv[0, 2], ref_pool.conv[0, 2]) < 1e-6, (start, n)
+        start += n
+    slots = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    w = gdn.w
+    for t in range(start, start + 3):
+        row = x[t:t + 1]
+        want = gdn.forward_decode(row, ref_pool, 0, slots.long())
+        core = gdn_decode_step(linear(row, w["in_proj_qkv.weight"]), linear(row, w["in_proj_a.weight"]),
+                               linear(row, w["in_proj_b.weight"]), pool.conv[0], pool.recurrent[0], slots,
+                               w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo)
+        got = gdn._output(core, linear(row, w["in_proj_z.weight"]).reshape(1, geo.num_v_heads, -1), row.dtype)
+        assert rel_err(got, want) < 1e-5, t
+    assert rel_err(pool.recurrent[0, 2], ref_pool.recurrent[0, 2]) < 1e-5
+    assert torch.equal(pool.recurrent[0, 0], untouched[0]) and torch.equal(pool.conv[0, 0], untouched[1])
+
+
+def test_gdn_prefill_bf16_model_within_reference_tolerance():
+    """bf16 weights, activations and conv state: the conv state is a bitwise copy of the inputs; the output
+    differs from the bf16 reference (conv output rounded to bf16 there, fp32 here; tf32 allowed on a GPU)
+    by a few 1e-3 relative (bound 2e-2), the fp32 state by less."""
+    geo = GEOMETRIES["gqa"]
+    gdn, gen = make_gdn(geo, hidden=32, dtype=torch.bfloat16, seed=9)
+    ref_pool, pool = twin_pools(geo, torch.bfloat16, gen)
+    x = torch.randn(100, 32, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    for span in (slice(0, 70), slice(70, 100)):
+        want = gdn.forward_sequence(x[span], ref_pool, 0, 1)
+        got = prefill.gdn_prefill(gdn, x[span], pool, 0, 1)
+        assert got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 2e-2
+        assert torch.equal(pool.conv[0, 1], ref_pool.conv[0, 1])
+        assert rel_err(pool.recurrent[0, 1], ref_pool.recurrent[0, 1]) < 1e-2
+
+
+def test_gdn_prefill_rejects_bad_spans():
+    geo = GEOMETRIES["gqa"]
+    gdn, gen = make_gdn(geo, hidden=32, dtype=torch.float32)
+    pool = LinearStatePool(2, 3, geo, torch.float32, DEVICE)
+    x = torch.randn(4, 32, generator=gen).to(DEVICE)
+    for args in [(x[:0], pool, 0, 1), (x[0], pool, 0, 1), (x, pool, 2, 1), (x, pool, 0, 3), (x, pool, -1, 0),
+                 (x, LinearStatePool(1, 3, GEOMETRIES["odd"], torch.float32, DEVICE), 0, 0)]:
+        with pytest.raises(ValueError):
+            prefill.gdn_prefill(gdn, *args)
+    assert pool.recurrent.abs().sum() == 0 and pool.conv.abs().sum() == 0
+
+
+# ---------------------------------------------------------------- attention_prefill vs FullAttention.forward
+
+
+def make_attention(heads, kv_heads, head_dim, hidden, dtype, partial=0.5, gate=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std):
+        return (torch.randn(*shape, generator=gen) * std).to(dtype=dtype, device=DEVICE)
+
+    q_rows = heads * head_dim * (2 if gate else 1)
+    weights = {"q_proj.weight": rand(q_rows, hidden, std=hidden ** -0.5),
+               "k_proj.weight": rand(kv_heads * head_dim, hidden, std=hidden ** -0.5),
+               "v_proj.weight": rand(kv_heads * head_dim, hidden, std=hidden ** -0.5),
+               "o_proj.weight": rand(hidden, heads * head_dim, std=(heads * head_dim) ** -0.5),
+               "q_norm.weight": rand(head_dim, std=0.2), "k_norm.weight": rand(head_dim, std=0.2)}
+    geo = AttentionGeometry(heads, kv_heads, head_dim, output_gate=gate, unit_offset_norm=gate, eps=1e-6)
+    return FullAttention(weights, geo, Rotary(head_dim, 10000.0, partial, DEVICE), kv_layer=1), gen
+
+
+def one_span(start, length, pages):
+    work = SequenceWork("r", tuple([0] * length), start, pages, 0, True, SamplingParams(temperature=0.0, max_tokens=1), 0)
+    return flatten(StepBatch((work,)), DEVICE)
+
+
+def twin_caches(kv_heads, head_dim, dtype, gen, pages=24, page_size=4):
+    """Two identical caches whose every slot holds NaN: a read of anything not written shows up."""
+    caches = [PagedKVCache(2, pages, page_size, kv_heads, head_dim, dtype, DEVICE) for _ in range(2)]
+    for kv in caches:
+        kv.k.fill_(float("nan"))
+        kv.v.fill_(float("nan"))
+    return caches
+
+
+@pytest.mark.parametrize("heads,kv_heads,gate,dtype,bound", [
+    (4, 2, True, torch.float32, 1e-5), (4, 1, False, torch.float32, 1e-5), (4, 2, True, torch.bfloat16, 2e-2)])
+def test_attention_prefill_matches_forward_over_two_spans(heads, kv_heads, gate, dtype, bound):
+    """A prompt of 57 in two spans (37 from position 0, then 20 after the cached prefix) over shuffled pages:
+    outputs match FullAttention.forward, and the pools hold the same K/V in the same slots, nothing else."""
+    head_dim, hidden = 16, 32
+    attn, gen = make_attention(heads, kv_heads, head_dim, hidden, dtype, gate=gate)
+    ref_kv, kv = twin_caches(kv_heads, head_dim, dtype, gen)
+    pages = tuple(int(p) for p in torch.randperm(24, generator=gen)[:15])  # 15 pages of 4 cover 57 (+3)
+    page_ids = torch.tensor(pages, dtype=torch.long, device=DEVICE)
+    x = torch.randn(57, hidden, generator=gen).to(dtype=dtype, device=DEVICE)
+    for start, n in ((0, 37), (37, 20)):
+        want = attn.forward(x[start:start + n], one_span(start, n, pages), ref_kv)
+        got = prefill.attention_prefill(attn, x[start:start + n], kv, page_ids, start)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert rel_err(got, want) < bound, (start, n)
+        written = ~torch.isnan(ref_kv.k)
+        assert torch.equal(written, ~torch.isnan(kv.k))
+        assert torch.equal(kv.v[written], ref_kv.v[written])  # v is a copy
+        # k: qk_norm_rope reduces the norm's sum of squares in its own order (an ulp here and there)
+        assert rel_err(kv.k[written], ref_kv.k[written]) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_attention_prefill_rejects_bad_spans():
+    attn, gen = make_attention(4, 2, 16, 32, torch.float32)
+    kv = PagedKVCache(2, 8, 4, 2, 16, torch.float32, DEVICE)
+    x = torch.randn(6, 32, generator=gen).to(DEVICE)
+    pages = torch.tensor([3, 5], dtype=torch.long, device=DEVICE)  # 8 positions
+    for args in [(x[:0], kv, pages, 0), (x, kv, pages, 3), (x, kv, pages, -1), (x, kv, pages[None], 0)]:
+        with pytest.raises(ValueError):
+            prefill.attention_prefill(attn, *args)
+    assert kv.k.abs().sum() == 0
+
+
+# ---------------------------------------------------------------- end to end: prefill -> decode kernels
+
+
+def test_fast_executor_with_kernel_prefill_gives_the_reference_tokens(tmp_path, monkeypatch):
+    """The fast executor (decode through its Triton kernels) with every prefill span's mixers routed
+    through gdn_prefill / attention_prefill, as fast_decoder's prefill would call them: prompts of 130
+    (spans 80 + 50: chunks of 64 inside a span and across spans) and 7 tokens, in one continuous batch,
+    give the reference executor's greedy tokens, and logits within 1e-4 of the logit scale."""
+    from adapters.cuda_exec.executor import CudaGraphExecutor
+    from adapters.torch_exec.executor import TorchExecutor
+    from tests.adapters.torch_exec_models import (
+        QWEN3_5_CONFIGS,
+        Sequence,
+        build_hf_model,
+        make_plan,
+        pages_for,
+        run_requests,
+        save_and_load,
+    )
+
+    ckpt = save_and_load(build_hf_model("qwen3_5_moe", QWEN3_5_CONFIGS["hybrid_3to1"]), tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (130,), generator=gen).tolist(), torch.randint(0, 96, (7,), generator=gen).tolist()]
+
+    def run(executor):
+        seqs = [Sequence(f"r{i}", p, pages_for(i, len(p) + 4), state_slot=i) for i, p in enumerate(prompts)]
+        record: dict = {}
+        run_requests(executor, seqs, 3, chunk=80, record=record)
+        return [s.output for s in seqs], record
+
+    slots = ckpt.spec.top_k * 8
+    want_tokens, want_logits = run(TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32))
+    calls = {"gdn": 0, "attn": 0}
+
+    def gdn_sequence(self, x, pool, layer, slot):
+        calls["gdn"] += 1
+        return prefill.gdn_prefill(self, x, pool, layer, slot)
+
+    def attention_forward(self, x, inp, kv):
+        out = torch.empty_like(x)
+        for span in inp.spans:  # a decode row of a mixed step is a one-token span: also valid here
+            calls["attn"] += 1
+            out[span.rows] = prefill.attention_prefill(self, x[span.rows], kv, span.page_ids, span.start_position)
+        return out
+
+    monkeypatch.setattr(GatedDeltaNet, "forward_sequence", gdn_sequence)
+    monkeypatch.setattr(FullAttention, "forward", attention_forward)
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32, max_decode_rows=4)
+    got_tokens, got_logits = run(fast)
+    assert calls["gdn"] >= 3 * 2 and calls["attn"] >= 2  # both prompts' spans went through the kernels
+    assert got_tokens == want_tokens
+    for rid, rows in want_logits.items():
+        for step, (ours, want) in enumerate(zip(got_logits[rid], rows, strict=True)):
+            assert (ours - want).abs().max().item() <= 1e-4 * want.abs().max().item(), (rid, step)
+    fast.check_valid()
