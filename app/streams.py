@@ -42,6 +42,7 @@ class StreamEvent:
     error: str | None = None
     error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
     stop_string: str | None = None  # on the last event: the stop string that ended the text, if one did
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once the request started)
 
 
 @dataclass
@@ -113,6 +114,7 @@ def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> St
         prompt_tokens=len(live.request.prompt_token_ids),
         completion_tokens=live.generated,
         stop_string=live.matcher.matched if finish_reason == "stop" else None,
+        cached_tokens=live.request.num_cached_tokens,
     )
 
 
@@ -158,6 +160,7 @@ class RequestStreams:
             if live.first_token_at is None:
                 live.first_token_at = now
                 self._stats.record_ttft(now - live.arrival)
+                self._stats.record_prefix_cache(len(live.request.prompt_token_ids), live.request.num_cached_tokens)
             logprob = None
             if event.logprob is not None:
                 logprob = TokenLogprob(event.token_id, event.logprob, event.top_logprobs)
@@ -167,8 +170,9 @@ class RequestStreams:
             if not finishing_eos:
                 text = live.matcher.feed(produced)
         if live.matcher.stopped and not event.finished:
-            # A stop string ended the text: free the pages and state slot now.
-            self._scheduler.abort(event.request_id)
+            # A stop string ended the text: free the pages and state slot now (what was computed goes
+            # to the prefix cache, like a finish: an agent's next turn resumes from it).
+            self._scheduler.abort(event.request_id, keep_prefix=True)
             self.live.pop(event.request_id, None)
             self._stats.record_finished("stop")
             self.emit(live, progress_event(live, text, "stop"))
@@ -187,11 +191,12 @@ class RequestStreams:
             self.emit(live, progress_event(live, text, None))
 
     def abort(self, request_id: str) -> None:
-        """The client went away: free its pages and state slot and end its stream."""
+        """The client went away: free its pages and state slot (its computed prefix goes to the prefix
+        cache: a client retrying the same conversation resumes from it) and end its stream."""
         live = self.live.pop(request_id, None)
         if live is None:
             return
-        self._scheduler.abort(request_id)
+        self._scheduler.abort(request_id, keep_prefix=True)
         self._stats.record_finished("abort")
         self.finish(live, "abort")
 

@@ -209,6 +209,8 @@ def usage(event: StreamEvent) -> dict:
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
+        # prompt tokens whose KV (and GDN state) came from the prefix cache instead of being computed
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }
 
 
