@@ -35,6 +35,9 @@ class ServeSettings:
     # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
     cache_type: str = "radix"  # "radix" | "none"
     snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
+    # streamed-prefill staging rows (docs/adr/0008-streamed-prefill.md); None = auto: the geometry's default on
+    # the fast path when not every expert is resident, else 0; 0 = prefill through the expert LRU
+    staging_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -61,6 +64,8 @@ class ServeSettings:
             raise ValueError(f"--cache-type must be radix or none, got {self.cache_type!r}")
         if self.snapshot_slots is not None and self.snapshot_slots < 0:
             raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
+        if self.staging_experts is not None and self.staging_experts < 0:
+            raise ValueError(f"--staging-experts must be >= 0, got {self.staging_experts}")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
