@@ -102,9 +102,11 @@ class PrefillStream:
         self.needed = torch.zeros((), dtype=torch.int64, device=dev)  # routed (layer, expert)s not resident
 
     # ---- copies ----------------------------------------------------------------------------------
-    def _issue(self, r: int, routed: torch.Tensor | None, routed_ready) -> None:
+    def _issue(self, r: int, routed: torch.Tensor | None) -> None:
         """Copy round r into its staging half unless that half already holds it. routed: bool [E + 1] of
-        the round's layer when its router has run (then a later round copies only routed experts)."""
+        the round's layer when its router has run (then a later round copies only routed experts, unless
+        the step speculates). The copy waits for the step's tables, for the compute that last read the
+        half and, when masked, for the masked keys."""
         rnd = self.rounds[r]
         if self.holds[rnd.buffer] == r:
             return
@@ -113,7 +115,7 @@ class PrefillStream:
             index = torch.where(keys >= 0, keys - rnd.layer * self.experts, self.experts)  # [g]
             keys = torch.where(routed[index], keys, -1)  # [g]
             self.masked += (keys >= 0).sum()
-            waits.append(routed_ready)
+            waits.append(self.lane.mark())  # NOTE: after the masked keys exist, not just the routing
             keep = (keys,)
         else:
             self.staged_rows += len(rnd.experts)
@@ -138,13 +140,12 @@ class PrefillStream:
         routed[experts] = False
         resident = self.resident[layer]  # [E]
         self.needed += (routed[:experts] & (resident < 0)).sum()
-        routed_ready = self.lane.mark()
         mine = self.of_layer[layer]
         for j, r in enumerate(mine):
-            self._issue(r, routed, routed_ready)
+            self._issue(r, routed)
             if self.buffers > 1 and r + 1 < len(self.rounds):  # the next round copies while this one computes
                 same_layer = j + 1 < len(mine)
-                self._issue(r + 1, routed if same_layer else None, routed_ready)
+                self._issue(r + 1, routed if same_layer else None)
             self.lane.wait(self.copied[r])
             rnd = self.rounds[r]
             col = self.maps[r][safe]  # [T, K] staging rows of this round's experts, else -1

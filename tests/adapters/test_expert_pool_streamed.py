@@ -129,3 +129,47 @@ def test_outside_a_streamed_step_and_for_decode_sized_calls_the_residency_decide
     pool.check_valid()
     with pytest.raises(ValueError, match="staging_slots"):
         DeviceExpertPool(bank, 10, DEVICE, staging_slots=-1)
+
+
+class _LateLane:
+    """A copy lane that runs each copy as late as a stream may: only when the compute stream waits for it
+    (or at the end of the step). With the inline CPU lane (as early as possible) it brackets the schedules
+    a side stream can produce, so a missing wait or a premature overwrite of a staging half shows."""
+
+    def __init__(self):
+        self.pending, self.ran = [], 0
+
+    def mark(self):
+        return None
+
+    def copy(self, fn, waits, keep=()):
+        event = object()
+        self.pending.append((event, fn))
+        return event
+
+    def wait(self, event):
+        while any(e is event for e, _ in self.pending):
+            _, fn = self.pending.pop(0)
+            fn()
+            self.ran += 1
+
+    def drain(self):
+        while self.pending:
+            self.pending.pop(0)[1]()
+            self.ran += 1
+
+
+def test_copies_run_as_late_as_a_side_stream_may_and_still_give_the_same_bits(bank_and_shared):
+    bank, shared = bank_and_shared
+    x, ids, weights, valid = _chunk(20, seed=20)
+    outs = []
+    for late in (False, True):
+        pool = DeviceExpertPool(bank, 10, DEVICE, shared_rows=shared, staging_slots=3)
+        _warm(pool)
+        if late:
+            pool._lane = lane = _LateLane()
+        with pool.streamed_step():
+            outs.append([pool.routed(layer, x, weights, ids, valid, shared=True) for layer in range(L)])
+    assert lane.ran > L and not lane.pending
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

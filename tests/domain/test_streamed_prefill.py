@@ -18,7 +18,7 @@ from domain.streamed_prefill import (
     speculate_whole_layers,
     staging_buffers,
 )
-from tests.domain.test_budget import QWEN_FP8, TINY, pool_budget
+from tests.domain.test_budget import QWEN_FP8, TINY, cases, pool_budget
 
 GiB = 1024**3
 
@@ -122,3 +122,18 @@ def test_a_live_resize_keeps_the_staging_rows():
         plan_resize(spec, budget, dataclasses.replace(current, staging_bytes=1, used_bytes=current.used_bytes
                                                       - current.staging_bytes + 1,
                                                       free_bytes=current.free_bytes + current.staging_bytes - 1))
+
+
+@given(cases(), st.integers(0, 600))
+def test_staging_rows_are_honoured_exactly_and_never_over_budget(case, staging):
+    spec, request, pool = case
+    request = dataclasses.replace(request, staging_experts=staging)
+    plan = plan_pools(spec, pool_budget(pool), request)
+    if isinstance(plan, PlanRefusal):
+        if plan.shortfall_bytes:  # a budget that many bytes larger fits the same request
+            assert not isinstance(plan_pools(spec, pool_budget(pool + plan.shortfall_bytes), request), PlanRefusal)
+        return
+    assert (plan.staging_experts, plan.staging_bytes) == (staging, staging * spec.expert_bytes())
+    assert plan.used_bytes <= pool
+    bare = plan_pools(spec, pool_budget(pool), dataclasses.replace(request, staging_experts=0))
+    assert plan.expert_slots <= bare.expert_slots and plan.kv_tokens <= bare.kv_tokens
