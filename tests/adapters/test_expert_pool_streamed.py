@@ -41,11 +41,11 @@ def _chunk(tokens, seed):
     return x, ids, weights, valid
 
 
-def _warm(pool, seed=9):
+def _warm(pool, seed=9, rounds=2):
     """Decode-sized lookups through the residency (one launch), so some experts are resident."""
     gen = torch.Generator().manual_seed(seed)
     for layer in range(L):
-        for _ in range(2):
+        for _ in range(rounds):
             ids = torch.randperm(E, generator=gen)[:K].view(1, K).to(DEVICE)
             pool.routed(layer, torch.randn(1, H, generator=gen).to(DEVICE), torch.rand(1, K + 1, generator=gen)
                         .to(DEVICE), ids, shared=True)
@@ -61,11 +61,10 @@ def _same_state(a, b):
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
 
 
-# (slots, staging): pools smaller than a layer's experts and all resident; staging of one row (no double
-# buffering), odd halves, fewer rows than a layer's misses, two whole layers. The grouped case (many
-# interpreter launches per round) takes the fewer.
-CASES = {"grouped": (GEMV_MAX_PAIRS // K + 5, ((10, 5), (30, 7))),
-         "gemv": (20, ((10, 1), (10, 2 * E), (L * E, 4), (30, 3)))}
+# (slots, staging) with the real kernels in the interpreter (slow: a few launches per round); the fake-kernel
+# test below sweeps many more sizes. grouped: > GEMV_MAX_PAIRS pairs, every round unmasked (speculation);
+# gemv: a short chunk, rounds after a layer's first masked by its routing.
+CASES = {"grouped": (GEMV_MAX_PAIRS // K + 5, ((10, 9),)), "gemv": (12, ((10, 5),))}
 
 
 @pytest.mark.parametrize("path", sorted(CASES))
@@ -161,7 +160,7 @@ class _LateLane:
 
 def test_copies_run_as_late_as_a_side_stream_may_and_still_give_the_same_bits(bank_and_shared):
     bank, shared = bank_and_shared
-    x, ids, weights, valid = _chunk(20, seed=20)
+    x, ids, weights, valid = _chunk(12, seed=20)
     outs = []
     for late in (False, True):
         pool = DeviceExpertPool(bank, 10, DEVICE, shared_rows=shared, staging_slots=3)
@@ -173,3 +172,56 @@ def test_copies_run_as_late_as_a_side_stream_may_and_still_give_the_same_bits(ba
     assert lane.ran > L and not lane.pending
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+def _fake_kernels(monkeypatch):
+    """Replace the MoE kernels by a cheap stand-in with their contract (fill the partials of pairs whose
+    slot is not -1 from that slot's row, or return the ordered sum): expert(row)(x) = x * (row bytes @ P).
+    Any pair read from the wrong row, twice, or not at all changes the result."""
+    proj = torch.randn(_LAYOUT_BYTES[0], H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def experts(self, pairs, x, slot_ids, weights, partials=None):
+        out = torch.zeros((x.shape[0], slot_ids.shape[1], H), device=x.device) if partials is None else partials
+        live = slot_ids >= 0  # [T, K]
+        rows = self.all_slots[slot_ids.clamp(min=0).long()].float() @ proj  # [T, K, H]
+        y = weights[:, :, None] * rows * x[:, None, :]
+        out[live] = y[live]
+        if partials is not None:
+            return out
+        total = torch.zeros_like(x, dtype=torch.float32)
+        for k in range(out.shape[1]):  # in top-k order, as moe_sum
+            total += out[:, k]
+        return total
+
+    monkeypatch.setattr(DeviceExpertPool, "_experts", experts)
+
+
+_LAYOUT_BYTES = [0]
+
+
+@pytest.mark.parametrize("tokens", [12, 40])  # 40 tokens x 6 = 240 pairs >= 8 per expert: speculation
+def test_every_pool_and_staging_size_routes_each_pair_to_its_experts_row(bank_and_shared, monkeypatch, tokens):
+    bank, shared = bank_and_shared
+    _LAYOUT_BYTES[0] = bank.layout.row_bytes
+    _fake_kernels(monkeypatch)
+    x, ids, weights, valid = _chunk(tokens, seed=tokens + 1)
+    legacy = DeviceExpertPool(bank, 10, DEVICE, shared_rows=shared)
+    _warm(legacy, rounds=1)
+    want = [legacy.routed(layer, x, weights, ids, valid, shared=True) for layer in range(L)]
+    assert speculate_whole_layers(ids.numel(), E) == (tokens == 40)
+    # slots: one token's experts, fewer than a layer's, all but one (a chunk of T*K <= S would take the
+    # one-launch lookup instead); staging: one row (no double buffering), odd halves, more than a layer
+    for slots in (K, 10, L * E - 1):
+        for staging in (1, 3, 7, 2 * E + 1):
+            pool = DeviceExpertPool(bank, slots, DEVICE, shared_rows=shared, staging_slots=staging)
+            _warm(pool, rounds=1)
+            before = _residency_state(pool)
+            for late in (False, True):
+                if late:
+                    pool._lane = _LateLane()
+                with pool.streamed_step():
+                    got = [pool.routed(layer, x, weights, ids, valid, shared=True) for layer in range(L)]
+                for a, b in zip(got, want, strict=True):
+                    assert torch.equal(a, b), (slots, staging, late)
+                assert _same_state(_residency_state(pool), before)
+            pool.check_valid()
