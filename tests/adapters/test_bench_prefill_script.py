@@ -18,7 +18,8 @@ def test_bench_prefill_records_ttft_bounds_and_cache_effects_at_tiny_scale(tmp_p
     record = bench_prefill.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--geometry", "tiny",
                                  "--synth-dir", str(tmp_path / "ckpt"), "--prompts", "24", "--chunk", "16",
                                  "--moe-slots", "8", "--staging", "6", "--prefill-kernels", "reference",
-                                 "--format", "bf16", "--link-gbps", "1e-6"])
+                                 "--format", "bf16", "--link-gbps", "1e-6",
+                                 "--scenarios", "resident,slots,lru"])
     saved = json.loads((tmp_path / "out" / "bench_prefill.json").read_text())
     assert saved["scenarios"].keys() == {"resident", "slots", "lru"} and "error" not in saved
     assert saved["link_bytes_per_s"] == pytest.approx(1e3)
