@@ -81,6 +81,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival_time: float = 0.0
     num_preemptions: int = 0
+    # Output tokens decided by the caller, not the model (``Scheduler.force_tokens``): each replaces the
+    # next sampled token, in order. They survive preemption (they are not yet part of the sequence).
+    forced_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -118,6 +121,7 @@ class Request:
         assert 0 <= self.num_computed_tokens <= self.num_tokens, self
         assert len(self.output_token_ids) <= self.sampling.max_tokens, self
         assert len(set(self.pages)) == len(self.pages), f"{self.request_id}: page owned twice"
+        assert all(isinstance(t, int) and t >= 0 for t in self.forced_token_ids), self
         if self.state is RequestState.WAITING:
             assert not self.pages and self.state_slot is None and self.num_computed_tokens == 0, self
         if self.state in (RequestState.PREFILLING, RequestState.DECODING):
@@ -133,7 +137,8 @@ class Request:
 class RequestEvent:
     """One thing that happened to a request in a step: a new token, a finish, or both.
 
-    An abort yields token_id=None, finished=True, finish_reason="abort".
+    An abort yields token_id=None, finished=True, finish_reason="abort". ``forced``: the token was
+    one of ``Scheduler.force_tokens``' (the model's sample was replaced; logprob 0.0, no top list).
     """
 
     request_id: str
@@ -142,3 +147,4 @@ class RequestEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    forced: bool = False
