@@ -6,13 +6,23 @@ the output itself begins with ``<think>``. Text up to ``</think>`` is reasoning,
 content; an output that never closes its reasoning is all reasoning. Whitespace at the edges of
 the reasoning and at the start of the answer is dropped. As with the tool parsers, any split of
 the same text gives the same result and no markup is released.
+
+``ReasoningTokens`` counts, on the engine thread, which generated *tokens* the same rules make
+reasoning (usage's ``reasoning_tokens``) and decides when a thinking budget forces the close
+(docs/adr/0006-thinking-budget.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
 from app.tool_parsers.base import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
+# What the engine forces to end reasoning: the close as Qwen3-style templates render it between a
+# turn's reasoning and its answer (``<think>\n…\n</think>\n\n``), so the model reads its usual layout.
+FORCED_CLOSE = "\n</think>\n\n"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # the same <think> format under its two usual names
 DEFAULT_BY_ARCHITECTURE = {"qwen3_5_moe": "qwen3", "qwen3_moe": "qwen3"}
 
@@ -75,3 +85,135 @@ class ThinkParser:
         out = self._held + stripped
         self._held = text[len(stripped) :]
         return out
+
+
+@dataclass(frozen=True)
+class ThinkingPlan:
+    """How one request's reasoning is counted and bounded. ``budget``: reasoning tokens the model may
+    generate before the close is forced (None = unbounded); ``encode``: the tokenizer's text -> ids,
+    for the forced close."""
+
+    starts_inside: bool
+    budget: int | None = None
+    encode: Callable[[str], Sequence[int]] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and (self.budget < 0 or self.encode is None):
+            raise ValueError(f"a thinking budget needs budget >= 0 and an encoder, got {self.budget}")
+
+
+class ReasoningTokens:
+    """Which generated tokens are reasoning, from the text each one released, and the thinking
+    budget's state machine. Engine thread; one per request; fed token by token in output order.
+
+    A token is reasoning when its text overlaps the reasoning *body*: after ``<think>`` (or from the
+    start of the output when the prompt opened the block) and before ``</think>``, by the rules of
+    ``ThinkParser`` (so the count and the split text agree). Hence:
+    - a token straddling a tag counts when it carries any body text ("ok</th" does; "ink>\n\n" does not);
+    - the tags' own tokens, and everything after the close, do not; an output that never closes its
+      reasoning is all reasoning; one that never opens it (and was not opened by the prompt) has none;
+    - a token with no text yet (part of a UTF-8 character) is classified with the next token that
+      releases text (the one completing the character, or a forced token that cut it short); a token whose text may still be the start of ``</think>`` waits until that is
+      decided (it is reasoning unless the close completes);
+    - forced tokens (the budget's close) are never reasoning: they are the engine's, not the model's.
+
+    Budget: ``should_force()`` is true once the reasoning is open and ``spent`` (the reasoning tokens
+    so far plus the undecided ones, counted as reasoning so the budget can never be overshot)
+    reached the budget; the caller then forces ``close_ids()``: ``FORCED_CLOSE``, or, when the model
+    was half-way through writing ``</think>`` itself (a tokenizer that spells the tag in pieces), the
+    rest of its tag and the blank line, so its own close stands and the half is not made reasoning.
+    """
+
+    def __init__(self, plan: ThinkingPlan) -> None:
+        self.plan = plan
+        self.count = 0  # decided reasoning tokens
+        self._text = ""
+        self._body_start: int | None = 0 if plan.starts_inside else None  # None: not known yet
+        self._no_body = False  # decided: the output has no reasoning block
+        self._body_end: int | None = None  # where </think> starts, once seen
+        self._pending: list[tuple[int, int]] = []  # undecided model tokens' [start, end) text spans
+        self._textless = 0  # model tokens waiting for the token that completes their character
+        self._forced = False
+        self._final = False
+
+    @property
+    def open(self) -> bool:
+        """Inside the reasoning body: it started and has not closed."""
+        return self._body_start is not None and self._body_end is None and not self._final
+
+    @property
+    def spent(self) -> int:
+        """Reasoning tokens for the budget: decided ones plus every undecided one inside an open body."""
+        return self.count + (len(self._pending) + self._textless if self.open else 0)
+
+    def should_force(self) -> bool:
+        budget = self.plan.budget
+        return budget is not None and not self._forced and self.open and self.spent >= budget
+
+    def close_ids(self) -> list[int]:
+        """The tokens to force now (call when ``should_force()``); marks the close as forced (the
+        tokens that follow come back with ``forced=True``)."""
+        assert self.should_force() and self._body_start is not None
+        self._forced = True
+        # NOTE: a character still incomplete (textless tokens) would come between: not a tag then.
+        begun = 0 if self._textless else partial_suffix(self._text[self._body_start :], CLOSE)
+        text = CLOSE[begun:] + FORCED_CLOSE[FORCED_CLOSE.index(CLOSE) + len(CLOSE) :] if begun else FORCED_CLOSE
+        return list(self.plan.encode(text))
+
+    def push(self, text: str, forced: bool = False) -> None:
+        """One generated token and the text its detokenization released ("" while a character is incomplete)."""
+        start, end = len(self._text), len(self._text) + len(text)
+        if text and self._textless:  # their character is complete (U+FFFD if a forced token cut it short)
+            self._pending += [(start, end)] * self._textless
+            self._textless = 0
+        if not forced:
+            if text:
+                self._pending.append((start, end))
+            else:
+                self._textless += 1
+        self._text += text
+        self._decide()
+
+    def finish(self, text: str = "") -> int:
+        """End of the output (``text``: what the detokenizer flushed, completing any textless tokens);
+        returns the final count."""
+        if text or self._textless:
+            start = len(self._text)
+            self._pending += [(start, start + len(text))] * self._textless
+            self._textless = 0
+            self._text += text
+        self._final = True
+        self._decide()
+        assert not self._pending, "undecided tokens after the end of the output"
+        return self.count
+
+    def _decide(self) -> None:
+        if self._body_start is None and not self._no_body:
+            body = self._text.lstrip()
+            if body.startswith(OPEN):
+                self._body_start = len(self._text) - len(body) + len(OPEN)
+            elif self._final or not OPEN.startswith(body):
+                self._no_body = True
+        if self._no_body:
+            self._pending.clear()
+            return
+        if self._body_start is None:
+            return  # still possibly "<think>": undecided
+        start = self._body_start
+        if self._body_end is None:
+            found = self._text.find(CLOSE, start)
+            self._body_end = found if found != -1 else None
+        if self._body_end is not None:
+            frontier = self._body_end
+        elif self._final:
+            frontier = len(self._text)
+        else:  # text that may yet become </think> is not known to be body
+            frontier = len(self._text) - partial_suffix(self._text[start:], CLOSE)
+        decided = 0
+        for begin, end in self._pending:
+            if begin < frontier and end > start:
+                self.count += 1
+            elif not (end <= start or self._body_end is not None or self._final):
+                break  # inside a possible close tag: wait
+            decided += 1
+        del self._pending[:decided]
