@@ -113,8 +113,9 @@ class ReasoningTokens:
     - the tags' own tokens, and everything after the close, do not; an output that never closes its
       reasoning is all reasoning; one that never opens it (and was not opened by the prompt) has none;
     - a token with no text yet (part of a UTF-8 character) is classified with the next token that
-      releases text (the one completing the character, or a forced token that cut it short); a token whose text may still be the start of ``</think>`` waits until that is
-      decided (it is reasoning unless the close completes);
+      releases text (the one completing the character, or a forced token that cut it short);
+    - a token whose text may still be the start of ``</think>`` waits until that is decided (it is
+      reasoning unless the close completes);
     - forced tokens (the budget's close) are never reasoning: they are the engine's, not the model's.
 
     Budget: ``should_force()`` is true once the reasoning is open and ``spent`` (the reasoning tokens
@@ -127,7 +128,12 @@ class ReasoningTokens:
     def __init__(self, plan: ThinkingPlan) -> None:
         self.plan = plan
         self.count = 0  # decided reasoning tokens
-        self._text = ""
+        # NOTE: the output's text is not kept (appending to a long str attribute copies it each time):
+        # its length, the text while the start is undecided, and a window of the newest text with the
+        # tag's length before it, enough to see a tag split across tokens.
+        self._len = 0
+        self._head = ""  # the whole output while it is not known whether it opens a block
+        self._window, self._window_at = "", 0  # newest text (with the previous tail), and its offset
         self._body_start: int | None = 0 if plan.starts_inside else None  # None: not known yet
         self._no_body = False  # decided: the output has no reasoning block
         self._body_end: int | None = None  # where </think> starts, once seen
@@ -153,16 +159,16 @@ class ReasoningTokens:
     def close_ids(self) -> list[int]:
         """The tokens to force now (call when ``should_force()``); marks the close as forced (the
         tokens that follow come back with ``forced=True``)."""
-        assert self.should_force() and self._body_start is not None
+        assert self.should_force()
         self._forced = True
         # NOTE: a character still incomplete (textless tokens) would come between: not a tag then.
-        begun = 0 if self._textless else partial_suffix(self._text[self._body_start :], CLOSE)
+        begun = 0 if self._textless else self._partial_close()
         text = CLOSE[begun:] + FORCED_CLOSE[FORCED_CLOSE.index(CLOSE) + len(CLOSE) :] if begun else FORCED_CLOSE
         return list(self.plan.encode(text))
 
     def push(self, text: str, forced: bool = False) -> None:
         """One generated token and the text its detokenization released ("" while a character is incomplete)."""
-        start, end = len(self._text), len(self._text) + len(text)
+        start, end = self._len, self._len + len(text)
         if text and self._textless:  # their character is complete (U+FFFD if a forced token cut it short)
             self._pending += [(start, end)] * self._textless
             self._textless = 0
@@ -171,27 +177,40 @@ class ReasoningTokens:
                 self._pending.append((start, end))
             else:
                 self._textless += 1
-        self._text += text
+        self._append(text)
         self._decide()
 
     def finish(self, text: str = "") -> int:
         """End of the output (``text``: what the detokenizer flushed, completing any textless tokens);
         returns the final count."""
-        if text or self._textless:
-            start = len(self._text)
-            self._pending += [(start, start + len(text))] * self._textless
-            self._textless = 0
-            self._text += text
+        self._pending += [(self._len, self._len + len(text))] * self._textless
+        self._textless = 0
+        self._append(text)
         self._final = True
         self._decide()
         assert not self._pending, "undecided tokens after the end of the output"
         return self.count
 
+    def _append(self, text: str) -> None:
+        tail = self._window[-len(CLOSE) :]
+        self._window, self._window_at = tail + text, self._len - len(tail)
+        self._len += len(text)
+        if self._body_start is None and not self._no_body:
+            self._head += text
+
+    def _body_window(self) -> str:
+        """The newest text from the body's start on (the body has started)."""
+        return self._window[max(0, self._body_start - self._window_at) :]
+
+    def _partial_close(self) -> int:
+        """Length of the body's tail that is a proper prefix of </think>."""
+        return partial_suffix(self._body_window(), CLOSE)
+
     def _decide(self) -> None:
         if self._body_start is None and not self._no_body:
-            body = self._text.lstrip()
+            body = self._head.lstrip()
             if body.startswith(OPEN):
-                self._body_start = len(self._text) - len(body) + len(OPEN)
+                self._body_start = len(self._head) - len(body) + len(OPEN)
             elif self._final or not OPEN.startswith(body):
                 self._no_body = True
         if self._no_body:
@@ -201,14 +220,16 @@ class ReasoningTokens:
             return  # still possibly "<think>": undecided
         start = self._body_start
         if self._body_end is None:
-            found = self._text.find(CLOSE, start)
-            self._body_end = found if found != -1 else None
+            # NOTE: the body's text before the window was searched already (the window overlaps it by a tag).
+            found = self._body_window().find(CLOSE)
+            if found != -1:
+                self._body_end = self._window_at + max(0, start - self._window_at) + found
         if self._body_end is not None:
             frontier = self._body_end
         elif self._final:
-            frontier = len(self._text)
+            frontier = self._len
         else:  # text that may yet become </think> is not known to be body
-            frontier = len(self._text) - partial_suffix(self._text[start:], CLOSE)
+            frontier = self._len - self._partial_close()
         decided = 0
         for begin, end in self._pending:
             if begin < frontier and end > start:
