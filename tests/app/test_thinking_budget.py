@@ -105,6 +105,14 @@ def test_chat_max_tokens_bounds_the_total_inside_the_thinking_and_inside_the_for
     assert not content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_stop_string_inside_the_thinking_counts_what_was_generated(oai, stream):
+    reasoning, content, finish, usage = chat(oai, stream, stop=["carefully"], extra_body={"thinking_token_budget": 500})
+    assert finish == "stop" and reasoning == "Let me think about this" and not content
+    generated = len("Let me think about this carefully")  # the token completing the stop string is the last
+    assert usage.completion_tokens == generated and usage.completion_tokens_details.reasoning_tokens == generated
+
+
 def test_chat_budget_zero_and_thinking_off(oai, scripted):
     reasoning, content, _, usage = chat(oai, False, extra_body={"thinking_token_budget": 0})
     assert not reasoning and content == ANSWER and usage.completion_tokens_details.reasoning_tokens == 0
