@@ -53,6 +53,11 @@ def _add_serve(sub) -> None:
                         "preflight requests never need the API key")
     p.add_argument("--verify-weights", action="store_true",
                    help="scan every weight for NaN/Inf before serving (quantization scales are always checked)")
+    p.add_argument("--cache-type", default="radix", choices=("radix", "none"),
+                   help="prefix cache: radix = resume repeated prefixes (multi-turn) from cached KV pages and "
+                        "Gated DeltaNet state snapshots; none = recompute every prompt")
+    p.add_argument("--snapshot-slots", type=_count, default=None,
+                   help="GDN state snapshots the prefix cache may hold (default: 4 per running request)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
@@ -110,6 +115,8 @@ def _serve(args, parser) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+            cache_type=args.cache_type,
+            snapshot_slots=args.snapshot_slots,
         )
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ ever read. Adapter imports sit inside the factories so `ft ctl` starts without t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,12 +20,21 @@ from app.engine import Engine
 from app.runtime import ModelInfo
 from app.settings import ServeSettings
 from app.stats import ServingStats
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.budget import (
+    DEFAULT_SNAPSHOTS_PER_STATE_SLOT,
+    GpuBudget,
+    PlanRefusal,
+    PoolPlan,
+    PoolRequest,
+    plan_pools,
+)
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.ports import Tokenizer
+from domain.prefix_store import snapshot_interval
 from domain.scheduler import Scheduler, SchedulerConfig
 
+log = logging.getLogger("fluxtide.serve")
 GiB = 1024**3
 # NOTE: without a GPU the "card" is emulated in host RAM; keep it small unless told otherwise.
 CPU_DEFAULT_BUDGET_GIB = 0.5
@@ -95,14 +105,30 @@ def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
     )
 
 
+def _snapshot_slots(settings: ServeSettings) -> int:
+    if settings.cache_type == "none":
+        return 0
+    if settings.snapshot_slots is not None:
+        return settings.snapshot_slots
+    return DEFAULT_SNAPSHOTS_PER_STATE_SLOT * settings.max_running_requests
+
+
 def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget) -> PoolPlan:
     request = PoolRequest(
         kv_tokens=settings.kv_tokens,
         expert_slots=settings.moe_slots,
         state_slots=settings.max_running_requests,
+        snapshot_slots=_snapshot_slots(settings),
         kv_reserve_tokens=settings.kv_reserve_tokens,
     )
     plan = plan_pools(spec, budget, request)
+    if isinstance(plan, PlanRefusal) and plan.pool == "snapshot" and settings.snapshot_slots is None:
+        # NOTE: the default snapshot pool must not stop a server that fits without it: it then serves
+        # with a KV-only cache (which a hybrid model cannot resume from, so effectively none) and says so.
+        log.warning("the default %d state snapshot slots do not fit (%s); serving without them",
+                    request.snapshot_slots, plan.message)
+        request = replace(request, snapshot_slots=0)
+        plan = plan_pools(spec, budget, request)
     if isinstance(plan, PlanRefusal):
         raise ValueError(f"the pools do not fit: {plan.message}")
     # NOTE: KV beyond every running sequence at full context can never be used; on a small
@@ -132,6 +158,9 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
         page_size=plan.page_size,
         max_context=spec.max_context,
         eos_token_ids=eos,
+        prefix_cache=settings.cache_type == "radix",
+        snapshot_interval=snapshot_interval(plan.page_size),
+        linear_state=spec.linear_state_bytes_per_sequence() > 0,
     )
 
 
@@ -221,7 +250,7 @@ class Container(containers.DeclarativeContainer):
     allocator = providers.Singleton(lambda plan: PageAllocator(plan.kv_pages), pool_plan)
     scheduler_config = providers.Singleton(_scheduler_config, settings, model_spec, pool_plan, eos_token_ids)
     scheduler = providers.Singleton(
-        lambda config, allocator, plan: Scheduler(config, allocator, plan.state_slots),
+        lambda config, allocator, plan: Scheduler(config, allocator, plan.state_slots, plan.snapshot_slots),
         scheduler_config,
         allocator,
         pool_plan,

@@ -236,13 +236,22 @@ class Engine:
             self._streams.on_event(event)
 
     # -- resize hooks (engine thread) ----------------------------------------------------------
-    def _install_pools(self, target: PoolPlan) -> None:
-        """The executor already rebuilt its pools for `target`; adopt them on this side."""
-        allocator = PageAllocator(target.kv_pages)
-        self.scheduler.replace_pools(allocator, target.state_slots)
+    def _install_pools(self, target: PoolPlan) -> str:
+        """The executor already rebuilt its pools for `target`; adopt them on this side. The prefix cache
+        survives only when the KV and snapshot pools kept their sizes (the executor kept them and their
+        contents); otherwise it is cleared. Returns what happened to it, for the resize's message."""
+        kept = (target.kv_pages, target.page_size, target.snapshot_slots) == (
+            self.plan.kv_pages, self.plan.page_size, self.plan.snapshot_slots)
+        allocator = self._allocator if kept else PageAllocator(target.kv_pages)
+        dropped = self.scheduler.replace_pools(allocator, target.state_slots, target.snapshot_slots)
         self._allocator = allocator
         self.plan = target
         self._publisher.reset_expert_counters()
+        if kept:
+            return f"prefix cache kept ({self.scheduler.num_cached_pages} cached pages)"
+        note = f"prefix cache cleared ({dropped} cached pages dropped: the KV or snapshot pool was rebuilt)"
+        log.info("%s", note)
+        return note
 
     def _report_error(self, message: str) -> None:
         self.last_error = message
@@ -288,8 +297,9 @@ class Engine:
         self._streams.check_valid()
         self._resizer.check_valid()
         self._publisher.check_valid()
-        if self.scheduler.is_idle():
-            assert self._allocator.num_free == self._allocator.num_pages, "idle engine holds KV pages"
+        if self.scheduler.is_idle():  # every used page is the prefix cache's
+            assert self._allocator.num_free + self.scheduler.num_cached_pages == self._allocator.num_pages, (
+                "idle engine holds KV pages outside the prefix cache")
 
     def _republish(self) -> None:
         self._publish_pools()

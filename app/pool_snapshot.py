@@ -38,6 +38,24 @@ def pool_snapshot(
         "residency": plan.residency,
         "phase": phase,
         "expert_pins": expert_pins,  # None: the executor keeps no pins (fakes)
+        "prefix_cache": prefix_cache_snapshot(scheduler),
+    }
+
+
+def prefix_cache_snapshot(scheduler: Scheduler) -> dict:
+    """The prefix cache's share of the pools: cached / evictable KV pages, snapshot slots used."""
+    store = getattr(scheduler, "prefix", None)
+    if store is None:
+        return {"enabled": False, "cached_pages": 0, "evictable_pages": 0, "evicted_pages": 0,
+                "snapshot_slots_total": 0, "snapshot_slots_used": 0, "snapshot_interval": 0}
+    return {
+        "enabled": store.enabled,
+        "cached_pages": store.num_cached_pages,
+        "evictable_pages": store.evictable_pages(),
+        "evicted_pages": store.evicted_pages,
+        "snapshot_slots_total": store.snapshots.num_slots,
+        "snapshot_slots_used": store.snapshots.num_used,
+        "snapshot_interval": store.interval,
     }
 
 

@@ -9,7 +9,7 @@ the same text gives the same result and no markup is released.
 
 ``ReasoningTokens`` counts, on the engine thread, which generated *tokens* the same rules make
 reasoning (usage's ``reasoning_tokens``) and decides when a thinking budget forces the close
-(docs/adr/0006-thinking-budget.md).
+(docs/adr/0007-thinking-budget.md).
 """
 
 from __future__ import annotations

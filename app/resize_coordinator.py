@@ -62,6 +62,7 @@ def fill_auto(
         expert_slots=None if expert_slots == "auto" else (
             current.expert_slots if expert_slots is None else expert_slots),
         state_slots=current.state_slots if state_slots is None else state_slots,
+        snapshot_slots=current.snapshot_slots,
         kv_reserve_tokens=current.page_size,
         page_size=current.page_size,
     )
@@ -96,7 +97,7 @@ class ResizeCoordinator:
         clock: Callable[[], float],
         send: Callable[[tuple], None],  # puts a command on the engine thread's queue
         admit: Callable[[Any], None],  # admits a held submission (engine thread)
-        install: Callable[[PoolPlan], None],  # adopts the rebuilt pools' plan and allocator
+        install: Callable[[PoolPlan], str | None],  # adopts the rebuilt pools' plan and allocator; a note
         report_error: Callable[[str], None],
         republish: Callable[[], None],  # republishes the pools snapshot, then flushes events
         verify: Callable[[], str | None] = lambda: None,  # engine self-check: None, or why it cannot serve
@@ -186,21 +187,26 @@ class ResizeCoordinator:
             except Exception as rollback_exc:
                 self._fail(pending, f"resize failed ({exc}) and rollback failed ({rollback_exc})")
                 return
+            # NOTE: the failed attempt may have rebuilt the KV or snapshot pool: what the prefix cache points
+            # at is gone, so it is cleared (idle here: the engine drained before the swap).
+            dropped = self._scheduler.clear_prefix_cache()
             problem = self._verify()  # NOTE: a rollback is proven by the self-check, not assumed
             if problem is not None:
                 self._fail(pending, f"resize failed ({exc}); the rollback left an engine that cannot serve: "
                                     f"{problem}")
                 return
             self._end(
-                ResizeOutcome(False, f"resize failed, old pools restored: {exc}", pending.plan, rolled_back=True)
+                ResizeOutcome(False, f"resize failed, old pools restored: {exc}; prefix cache cleared "
+                                     f"({dropped} cached pages dropped)", pending.plan, rolled_back=True)
             )
             return
-        self._install(target)
+        note = self._install(target)
         problem = self._verify()
         if problem is not None:
             self._fail(pending, f"pools rebuilt but the engine cannot serve on them: {problem}")
             return
-        self._end(ResizeOutcome(True, "pools rebuilt", pending.plan, waited_s=self._clock() - pending.started))
+        message = "pools rebuilt" + (f"; {note}" if note else "")
+        self._end(ResizeOutcome(True, message, pending.plan, waited_s=self._clock() - pending.started))
 
     def _fail(self, pending: _PendingResize, message: str) -> None:
         """The engine cannot serve after this resize: phase "error", held submissions get the error."""

@@ -32,6 +32,9 @@ class ServeSettings:
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
     verify_weights: bool = False  # scan every stored value for NaN/Inf at load (scales are always checked)
+    # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
+    cache_type: str = "radix"  # "radix" | "none"
+    snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -54,6 +57,10 @@ class ServeSettings:
             if clash:
                 raise ValueError(f"--executor cuda-graph cannot run with {', '.join(clash)} (use --executor auto or "
                                  "reference)")
+        if self.cache_type not in ("radix", "none"):
+            raise ValueError(f"--cache-type must be radix or none, got {self.cache_type!r}")
+        if self.snapshot_slots is not None and self.snapshot_slots < 0:
+            raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

@@ -69,6 +69,17 @@ class ServingStats:
         self.state_slots_used = Gauge("ft_state_slots_used", "Linear-attention state slots in use", registry=r)
         self.state_slots_total = Gauge("ft_state_slots_total", "Linear-attention state slots", registry=r)
         self.expert_slots_total = Gauge("ft_expert_slots_total", "Expert cache slots", registry=r)
+        # prefix cache: a request is a hit when part of its prompt came from the cache
+        self.prefix_requests = Counter("ft_prefix_cache_requests", "Requests started (prefix-cache lookups)", registry=r)
+        self.prefix_hits = Counter("ft_prefix_cache_hits", "Requests that resumed from the prefix cache", registry=r)
+        self.prefix_prompt_tokens = Counter("ft_prefix_cache_prompt_tokens", "Prompt tokens of started requests",
+                                            registry=r)
+        self.prefix_cached_tokens = Counter("ft_prefix_cache_cached_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
+        self.prefix_cached_pages = Gauge("ft_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
+        self.snapshot_slots_used = Gauge("ft_snapshot_slots_used", "GDN state snapshot slots in use", registry=r)
+        self.snapshot_slots_total = Gauge("ft_snapshot_slots_total", "GDN state snapshot slots", registry=r)
+        self._prefix = [0, 0, 0, 0]  # requests, hits, prompt tokens, cached tokens (cumulative)
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
@@ -96,6 +107,27 @@ class ServingStats:
         self.admitted.inc()
         self.prompt_tokens.inc(prompt_tokens)
 
+    def record_prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One request started: `cached_tokens` of its `prompt_tokens` came from the prefix cache."""
+        with self._lock:
+            self._prefix[0] += 1
+            self._prefix[1] += cached_tokens > 0
+            self._prefix[2] += prompt_tokens
+            self._prefix[3] += cached_tokens
+        self.prefix_requests.inc()
+        if cached_tokens:
+            self.prefix_hits.inc()
+        self.prefix_prompt_tokens.inc(prompt_tokens)
+        self.prefix_cached_tokens.inc(cached_tokens)
+
+    def prefix_cache(self) -> dict:
+        """Cumulative prefix-cache hit rates since start."""
+        with self._lock:
+            requests, hits, prompt, cached = self._prefix
+        return {"requests": requests, "hits": hits, "hit_rate": hits / requests if requests else None,
+                "prompt_tokens": prompt, "cached_tokens": cached,
+                "token_hit_rate": cached / prompt if prompt else None}
+
     def record_finished(self, finish_reason: str) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
 
@@ -107,6 +139,10 @@ class ServingStats:
         self.state_slots_used.set(pools["state_slots_used"])
         self.state_slots_total.set(pools["state_slots_total"])
         self.expert_slots_total.set(pools["expert_slots"])
+        cache = pools.get("prefix_cache") or {}
+        self.prefix_cached_pages.set(cache.get("cached_pages", 0))
+        self.snapshot_slots_used.set(cache.get("snapshot_slots_used", 0))
+        self.snapshot_slots_total.set(cache.get("snapshot_slots_total", 0))
 
     # -- readers ----------------------------------------------------------------------------
     def window(self) -> dict:
@@ -157,3 +193,5 @@ class ServingStats:
             times = [s.at for s in self._steps]
             assert times == sorted(times), "steps out of time order"
             assert all(s.seconds >= 0 and s.decode_tokens >= 0 and s.prefill_tokens >= 0 for s in self._steps)
+            requests, hits, prompt, cached = self._prefix
+            assert 0 <= hits <= requests and 0 <= cached <= prompt, "prefix-cache counters out of order"

@@ -44,6 +44,7 @@ class StreamEvent:
     error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
     stop_string: str | None = None  # on the last event: the stop string that ended the text, if one did
     reasoning_tokens: int = 0  # generated tokens inside the reasoning so far (final on the last event)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once the request started)
 
 
 @dataclass
@@ -119,6 +120,7 @@ def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> St
         completion_tokens=live.generated,
         stop_string=live.matcher.matched if finish_reason == "stop" else None,
         reasoning_tokens=live.reasoning.count if live.reasoning is not None else 0,
+        cached_tokens=live.request.num_cached_tokens,
     )
 
 
@@ -165,6 +167,7 @@ class RequestStreams:
             if live.first_token_at is None:
                 live.first_token_at = now
                 self._stats.record_ttft(now - live.arrival)
+                self._stats.record_prefix_cache(len(live.request.prompt_token_ids), live.request.num_cached_tokens)
             logprob = None
             if event.logprob is not None:
                 logprob = TokenLogprob(event.token_id, event.logprob, event.top_logprobs)
@@ -176,8 +179,9 @@ class RequestStreams:
                 if live.reasoning is not None:
                     live.reasoning.push(produced, forced=event.forced)
         if live.matcher.stopped and not event.finished:
-            # A stop string ended the text: free the pages and state slot now.
-            self._scheduler.abort(event.request_id)
+            # A stop string ended the text: free the pages and state slot now (what was computed goes
+            # to the prefix cache, like a finish: an agent's next turn resumes from it).
+            self._scheduler.abort(event.request_id, keep_prefix=True)
             self.live.pop(event.request_id, None)
             if live.reasoning is not None:
                 live.reasoning.finish()
@@ -207,11 +211,12 @@ class RequestStreams:
             self._scheduler.force_tokens(live.request.request_id, live.reasoning.close_ids())
 
     def abort(self, request_id: str) -> None:
-        """The client went away: free its pages and state slot and end its stream."""
+        """The client went away: free its pages and state slot (its computed prefix goes to the prefix
+        cache: a client retrying the same conversation resumes from it) and end its stream."""
         live = self.live.pop(request_id, None)
         if live is None:
             return
-        self._scheduler.abort(request_id)
+        self._scheduler.abort(request_id, keep_prefix=True)
         self._stats.record_finished("abort")
         self.finish(live, "abort")
 

@@ -1,5 +1,6 @@
-"""Pool budgeting: split the GPU memory left after weights between expert slots, KV pages and
-linear-attention state slots (MoE first), or refuse and say which pool is short by how much."""
+"""Pool budgeting: split the GPU memory left after weights between expert slots, KV pages,
+linear-attention state slots and the prefix cache's state snapshot slots (MoE first), or refuse
+and say which pool is short by how much."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from dataclasses import dataclass
 from domain.model_spec import ModelSpec
 
 DEFAULT_STATE_SLOTS = 4
-POOLS = ("kv", "moe", "state", "budget")
+# Prefix-cache state snapshots per running request when the operator does not size the pool (`ft serve`):
+# a 16k-token conversation takes 6 at the 4096-token interval (docs/adr/0004-prefix-cache.md).
+DEFAULT_SNAPSHOTS_PER_STATE_SLOT = 4
+POOLS = ("kv", "moe", "state", "snapshot", "budget")
 
 
 def working_set_slots(spec: ModelSpec) -> int:
@@ -53,6 +57,7 @@ class PoolRequest:
     kv_tokens: int | None = None  # rounded down to whole pages
     expert_slots: int | None = None
     state_slots: int | None = None  # None = DEFAULT_STATE_SLOTS
+    snapshot_slots: int = 0  # prefix-cache state snapshots (each one state slot's bytes)
     kv_reserve_tokens: int = 8192  # KV floor when kv_tokens is None (rounded up to whole pages)
     page_size: int = 16
 
@@ -67,11 +72,13 @@ class PoolRequest:
             raise ValueError(f"expert_slots must be >= 0, got {self.expert_slots}")
         if self.state_slots is not None and self.state_slots < 1:
             raise ValueError(f"state_slots must be >= 1, got {self.state_slots}")
+        if self.snapshot_slots < 0:
+            raise ValueError(f"snapshot_slots must be >= 0, got {self.snapshot_slots}")
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """Sizes of the three GPU pools and their bytes; used_bytes <= pool_bytes always."""
+    """Sizes of the GPU pools and their bytes; used_bytes <= pool_bytes always."""
 
     page_size: int
     kv_pages: int
@@ -85,18 +92,20 @@ class PoolPlan:
     used_bytes: int
     free_bytes: int
     residency: float  # expert_slots / total experts, 0..1
+    snapshot_slots: int = 0  # prefix-cache snapshots of the linear-attention state
+    snapshot_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.check_valid()
 
     def check_valid(self) -> None:
         sizes = (self.page_size, self.kv_pages, self.expert_slots, self.state_slots, self.kv_bytes,
-                 self.expert_bytes, self.state_bytes, self.free_bytes)
+                 self.expert_bytes, self.state_bytes, self.free_bytes, self.snapshot_slots, self.snapshot_bytes)
         if min(sizes) < 0 or self.page_size < 1:
             raise ValueError(f"negative size in {self}")
         if self.kv_tokens != self.kv_pages * self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} != kv_pages * page_size in {self}")
-        if self.used_bytes != self.kv_bytes + self.expert_bytes + self.state_bytes:
+        if self.used_bytes != self.kv_bytes + self.expert_bytes + self.state_bytes + self.snapshot_bytes:
             raise ValueError(f"used_bytes is not the sum of the pools in {self}")
         if self.used_bytes + self.free_bytes != self.pool_bytes:
             raise ValueError(f"used + free != pool_bytes in {self}")
@@ -124,8 +133,9 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
 
     Order of claims: state slots; then the floors of unsized pools (one token's working set of
-    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV.
-    A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
+    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV; last
+    the prefix cache's snapshot slots (an optimisation: a refusal they cause names them, not a pool
+    the model needs). A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
     when experts are explicit or all resident.
     """
     pool = budget.pool_bytes
@@ -152,10 +162,14 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     slots_what = "expert slots" if slots_explicit else "expert slots (one token's working set)"
     kv_what = "KV tokens" if kv_explicit else "KV tokens (reserve floor)"
     state_claim = ("state", state_slots * per_state, f"{state_slots} state slots")
+    # NOTE: a model without linear-attention layers has no state to snapshot (0 bytes, 0 slots).
+    snapshot_slots = request.snapshot_slots if per_state else 0
+    snapshot_claim = ("snapshot", snapshot_slots * per_state, f"{snapshot_slots} state snapshot slots")
     moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
     kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
     sized = ((moe_claim, slots_explicit), (kv_claim, kv_explicit))
-    claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit)]
+    claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit),
+              snapshot_claim]
     needed = sum(size for _, size, _ in claims)
     if pool <= 0:
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
@@ -186,7 +200,8 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     kv_bytes = kv_pages * per_page
     expert_bytes = expert_slots * per_slot
     state_bytes = state_slots * per_state
-    used = kv_bytes + expert_bytes + state_bytes
+    snapshot_bytes = snapshot_slots * per_state
+    used = kv_bytes + expert_bytes + state_bytes + snapshot_bytes
     return PoolPlan(
         page_size=request.page_size,
         kv_pages=kv_pages,
@@ -200,4 +215,6 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
         used_bytes=used,
         free_bytes=pool - used,
         residency=expert_slots / spec.total_experts,
+        snapshot_slots=snapshot_slots,
+        snapshot_bytes=snapshot_bytes,
     )

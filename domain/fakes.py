@@ -40,23 +40,40 @@ class FakeExecutor:
     The token depends only on the sequence, so a batched run must equal each request run alone.
     """
 
-    def __init__(self, page_size: int, num_pages: int, num_state_slots: int, vocab_size: int = 64) -> None:
-        if min(page_size, vocab_size) < 1 or min(num_pages, num_state_slots) < 0:
+    def __init__(self, page_size: int, num_pages: int, num_state_slots: int, vocab_size: int = 64,
+                 num_snapshot_slots: int = 0, linear_state: bool = True) -> None:
+        """linear_state=False models a KV-only model: a sequence may resume at any position its
+        pages cover, with no state to restore."""
+        if min(page_size, vocab_size) < 1 or min(num_pages, num_state_slots, num_snapshot_slots) < 0:
             raise ValueError("FakeExecutor needs page_size, vocab_size >= 1 and pools >= 0")
         self.vocab_size = vocab_size
+        self.linear_state = linear_state
         self.num_steps = 0
         self.num_tokens = 0
+        self.num_restores = 0
+        self.num_snapshots = 0
         self.plans: list[PoolPlan] = []
-        self._set_pools(page_size, num_pages, num_state_slots)
+        self._kv: dict[int, list[int | None]] = {}
+        self._snapshots: dict[int, list[int]] = {}
+        self._set_pools(page_size, num_pages, num_state_slots, num_snapshot_slots)
 
-    def _set_pools(self, page_size: int, num_pages: int, num_state_slots: int) -> None:
+    def _set_pools(self, page_size: int, num_pages: int, num_state_slots: int, num_snapshot_slots: int,
+                   keep_kv: bool = False, keep_snapshots: bool = False) -> None:
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        self._kv: dict[int, list[int | None]] = {}  # page -> [page_size] token written at each offset
+        self.num_snapshot_slots = num_snapshot_slots
+        if not keep_kv:
+            self._kv = {}  # page -> [page_size] token written at each offset
+        if not keep_snapshots:
+            self._snapshots = {}  # snapshot slot -> tokens folded into the state it holds
         self._history: dict[int, list[int]] = {}  # state slot -> tokens folded into its state
 
     def resize_pools(self, plan: PoolPlan) -> None:
+        """Like the real executors: a pool whose size is unchanged keeps its contents."""
+        keep_kv = (plan.page_size, plan.kv_pages) == (self.page_size, self.num_pages)
+        snapshot_slots = getattr(plan, "snapshot_slots", 0)
+        keep_snapshots = snapshot_slots == self.num_snapshot_slots
         self.plans.append(plan)
-        self._set_pools(plan.page_size, plan.kv_pages, plan.state_slots)
+        self._set_pools(plan.page_size, plan.kv_pages, plan.state_slots, snapshot_slots, keep_kv, keep_snapshots)
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         self._check_batch(batch)
@@ -78,6 +95,10 @@ class FakeExecutor:
         _require(len(set(ids)) == len(ids), "a request appears twice in one batch")
         _require(len(set(slots)) == len(slots), "a state slot appears twice in one batch")
         written: dict[int, str] = {}
+        snap_writes = [s for w in batch.works for _, s in w.snapshots]
+        restores = {w.restore_from for w in batch.works if w.restore_from is not None}
+        _require(len(snap_writes) == len(set(snap_writes)), "a snapshot slot is written twice in one batch")
+        _require(not restores & set(snap_writes), "a snapshot slot is restored from and written in one batch")
         for w in batch.works:
             _require(len(w.token_ids) >= 1, f"{w.request_id}: empty work")
             _require(0 <= w.state_slot < self.num_state_slots, f"{w.request_id}: state slot out of range")
@@ -85,7 +106,24 @@ class FakeExecutor:
             _require(all(0 <= p < self.num_pages for p in w.page_ids), f"{w.request_id}: page out of range")
             needed = -(-w.end_position // self.page_size)
             _require(len(w.page_ids) >= needed, f"{w.request_id}: pages cover < {w.end_position} positions")
-            expected = 0 if w.start_position == 0 else len(self._history.get(w.state_slot, ()))
+            if w.restore_from is not None:
+                _require(0 <= w.restore_from < self.num_snapshot_slots, f"{w.request_id}: restore slot out of range")
+                _require(w.start_position > 0, f"{w.request_id}: restore at position 0")
+                held = self._snapshots.get(w.restore_from)
+                _require(held is not None and len(held) == w.start_position,
+                         f"{w.request_id}: snapshot {w.restore_from} holds {None if held is None else len(held)} "
+                         f"tokens, the work resumes at {w.start_position}")
+                expected = w.start_position
+            elif not self.linear_state:
+                expected = w.start_position  # nothing but KV: the pages alone carry the prefix
+            else:
+                expected = 0 if w.start_position == 0 else len(self._history.get(w.state_slot, ()))
+            positions = [p for p, _ in w.snapshots]
+            _require(positions == sorted(set(positions)) and all(w.start_position < p <= w.end_position
+                                                                 for p in positions),
+                     f"{w.request_id}: snapshot positions {positions} outside ({w.start_position}, {w.end_position}]")
+            _require(all(0 <= s < self.num_snapshot_slots for _, s in w.snapshots),
+                     f"{w.request_id}: snapshot slot out of range")
             _require(
                 w.start_position == expected,
                 f"{w.request_id}: start_position {w.start_position} but slot {w.state_slot} holds {expected}",
@@ -97,7 +135,16 @@ class FakeExecutor:
     def _write(self, work: SequenceWork) -> None:
         if work.start_position == 0:
             self._history[work.state_slot] = []
-        self._history[work.state_slot].extend(work.token_ids)
+        elif work.restore_from is not None:
+            self._history[work.state_slot] = list(self._snapshots[work.restore_from])
+            self.num_restores += 1
+        elif not self.linear_state:
+            self._history[work.state_slot] = self._read(work)[: work.start_position]
+        history = self._history[work.state_slot]
+        for position, slot in work.snapshots:
+            self._snapshots[slot] = history + list(work.token_ids[: position - work.start_position])
+            self.num_snapshots += 1
+        history.extend(work.token_ids)
         for offset, token in enumerate(work.token_ids):
             pos = work.start_position + offset
             page = self._kv.setdefault(work.page_ids[pos // self.page_size], [None] * self.page_size)
@@ -121,6 +168,7 @@ class FakeExecutor:
     def check_valid(self) -> None:
         assert all(0 <= s < self.num_state_slots for s in self._history), "history for a slot out of range"
         assert all(0 <= p < self.num_pages and len(v) == self.page_size for p, v in self._kv.items())
+        assert all(0 <= s < self.num_snapshot_slots for s in self._snapshots), "snapshot slot out of range"
 
 
 class FakeClock:

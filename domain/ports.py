@@ -26,12 +26,21 @@ class SequenceWork:
     - token_ids are positions [start_position, start_position + len(token_ids)) of the
       sequence; len(token_ids) >= 1.
     - start_position == 0 means a fresh sequence: reset the linear-attention state in
-      state_slot. Otherwise start_position equals the end of the previous work with this
-      state_slot (no gaps, no repeats).
+      state_slot. With restore_from set (start_position > 0, a prefix-cache hit) copy that
+      snapshot slot into state_slot first: it holds the state after exactly start_position
+      tokens of this sequence. Otherwise start_position equals the end of the previous work
+      with this state_slot (no gaps, no repeats).
+    - snapshots: (position, snapshot slot) pairs, positions strictly increasing in
+      (start_position, end_position]: once the tokens before `position` are computed, copy the
+      linear-attention state (recurrent + conv, every layer) of state_slot into that slot.
+      Executors without linear-attention layers ignore restore_from and snapshots.
     - page_ids cover positions [0, start_position + len(token_ids)): position p lives in
       page_ids[p // page_size] at offset p % page_size. Pages holding positions
       < start_position keep what earlier steps wrote there.
-    - Within one StepBatch no two works share a state_slot or a page they write to.
+    - Within one StepBatch no two works share a state_slot or a page they write to, no two
+      works write the same snapshot slot, and no work writes a slot another one restores from.
+      Pages holding positions < start_position may be shared with other works (a cached
+      prefix); nobody writes them.
     """
 
     request_id: str
@@ -42,6 +51,8 @@ class SequenceWork:
     sample: bool  # True: sample a token after the last one (decode, or last prefill chunk)
     sampling: SamplingParams
     output_index: int  # tokens generated so far (seeded sampling uses (seed, output_index))
+    restore_from: int | None = None  # snapshot slot to load into state_slot first (prefix-cache hit)
+    snapshots: tuple[tuple[int, int], ...] = ()  # (position, snapshot slot) to take in this work
 
     @property
     def end_position(self) -> int:
@@ -97,9 +108,11 @@ class ModelExecutor(Protocol):
 
     resize_pools(plan): called only while no step is in flight and no request is live.
     Frees the old pools before allocating the new ones (old and new never coexist), so the
-    peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages and
-    state slots < plan.state_slots are valid; KV and state contents are undefined and the
-    expert slots may be cold. If it raises, calling it again with the previous plan must
+    peak stays inside the plan's budget. After it returns, page ids < plan.kv_pages,
+    state slots < plan.state_slots and snapshot slots < plan.snapshot_slots are valid; state
+    contents are undefined, the expert slots may be cold, and KV pages and snapshots keep their
+    contents exactly when their pool kept its size (the prefix cache relies on it: the engine keeps
+    the cache only then). If it raises, calling it again with the previous plan must
     restore working pools (the rollback), whatever the failed call had already freed.
 
     check_valid() (optional): asserts every pool exists at the size of the plan last applied;

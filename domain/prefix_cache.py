@@ -13,7 +13,7 @@ Ownership contract (what the caller must do):
 - ``match`` is read-only; ``lock`` the match before using its pages and ``unlock`` it when done.
   Locked pages (and their ancestors) are never evicted. A match gone stale (its node evicted
   between match and lock) is refused by ``lock``; probe with ``can_lock``.
-- ``insert(tokens, pages, snapshot)``: ``pages[i]`` holds ``tokens[i*P:(i+1)*P]``. The cache
+- ``insert(tokens, pages, snapshot, snapshots=)``: ``pages[i]`` holds ``tokens[i*P:(i+1)*P]``. The cache
   adopts the pages of the whole-page prefix it did not have yet. It returns the pages it did NOT
   adopt — pages for a part that was already cached under a different page id, the page of a
   partial last page, and any extra pages — and the caller still owns and must free those. A
@@ -21,6 +21,9 @@ Ownership contract (what the caller must do):
   shared, not returned. The snapshot, if given, must sit at a page boundary
   (``len(tokens) % P == 0``); the cache owns it from then on and hands it to
   ``on_evict_snapshot`` when it drops it (at once if that boundary already has a snapshot).
+  ``snapshots`` maps more boundaries inside the prefix (token counts, multiples of P, at most
+  the whole-page length) to snapshots taken there, with the same ownership rule: one insert
+  of a whole sequence with all its snapshots instead of one walk per snapshot.
 - ``evict(n)`` frees unreferenced leaves least-recently-used first (recency = last lock or
   insert touching the node) through the allocator, and returns the number of pages freed.
 - A request that needs logits for its last prompt token should match ``prompt[:-1]``.
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from domain.kv_pages import PageAllocator
@@ -140,6 +143,22 @@ class RadixPrefixCache:
             _node=best,
         )
 
+    def unreferenced_in(self, match: PrefixMatch) -> int:
+        """Pages of ``match`` that are evictable now (locking it would take them out of
+        ``evictable_pages``): the admission probe counts them before it locks."""
+        node = match._node
+        if node is None or not node.alive:
+            return 0
+        return sum(1 for n in node.path() if n.ref == 0)
+
+    def prefixes_pages(self) -> set[int]:
+        """Every cached page id."""
+        return set(self._page_owner)
+
+    def snapshot_handles(self) -> list[object]:
+        """Every snapshot the cache owns. O(cached pages)."""
+        return [n.snapshot for n in self._page_owner.values() if n.snapshot is not None]
+
     def can_lock(self, match: PrefixMatch) -> bool:
         node = match._node
         return node is not None and node.alive
@@ -172,7 +191,8 @@ class RadixPrefixCache:
             self._push_leaf(node)
 
     def insert_error(
-        self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None
+        self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None,
+        snapshots: Mapping[int, object] | None = None,
     ) -> str | None:
         """Why ``insert`` would refuse these arguments, or None when it would accept them."""
         num_whole = len(tokens) // self.page_size
@@ -185,6 +205,15 @@ class RadixPrefixCache:
                 return f"page {page!r} is not an allocated page of this cache's allocator"
         if snapshot is not None and (num_whole == 0 or len(tokens) % self.page_size):
             return f"a snapshot needs a non-empty page-aligned prefix; got {len(tokens)} tokens (page {self.page_size})"
+        for boundary, handle in (snapshots or {}).items():
+            if not isinstance(boundary, int) or not 0 < boundary <= num_whole * self.page_size \
+                    or boundary % self.page_size:
+                return (f"snapshot boundary {boundary!r} is not a page boundary inside the "
+                        f"{num_whole * self.page_size}-token whole-page prefix (page {self.page_size})")
+            if handle is None:
+                return f"snapshot at boundary {boundary} is None"
+            if snapshot is not None and boundary == len(tokens):
+                return f"two snapshots for boundary {boundary} (snapshot and snapshots)"
         node = self._root
         for i, chunk in enumerate(self._chunks(tokens)):
             node = node.children.get(chunk) if node is not None else None
@@ -196,21 +225,26 @@ class RadixPrefixCache:
                 return f"page {page} is already cached; it cannot hold a partial or extra page"
         return None
 
-    def can_insert(self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None) -> bool:
-        return self.insert_error(tokens, pages, snapshot) is None
+    def can_insert(self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None,
+                   snapshots: Mapping[int, object] | None = None) -> bool:
+        return self.insert_error(tokens, pages, snapshot, snapshots) is None
 
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None
+        self, tokens: Sequence[int], pages: Sequence[int], snapshot: object | None = None,
+        snapshots: Mapping[int, object] | None = None,
     ) -> list[int]:
         """Cache the whole-page prefix of ``tokens``; returns the pages the caller still owns."""
-        error = self.insert_error(tokens, pages, snapshot)
+        error = self.insert_error(tokens, pages, snapshot, snapshots)
         if error is not None:
             raise ValueError(f"insert refused: {error}")
         chunks = self._chunks(tokens)
         self._tick += 1
         not_adopted: list[int] = []
+        inner = dict(snapshots or {})
+        if snapshot is not None:
+            inner[len(tokens)] = snapshot
         node = self._root
-        for chunk, page in zip(chunks, pages, strict=False):
+        for i, (chunk, page) in enumerate(zip(chunks, pages, strict=False)):
             child = node.children.get(chunk)
             if child is None:
                 child = _Node(next(self._ids), node, chunk, page, self._tick)
@@ -221,12 +255,13 @@ class RadixPrefixCache:
                 not_adopted.append(page)
             child.tick = self._tick
             node = child
+            handle = inner.pop((i + 1) * self.page_size, None)
+            if handle is not None:
+                if node.snapshot is None:
+                    node.snapshot = handle
+                else:  # keep the one already there: a locked match may be resuming from it
+                    self._drop_snapshot(handle)
         not_adopted.extend(pages[len(chunks) :])
-        if snapshot is not None:
-            if node.snapshot is None:
-                node.snapshot = snapshot
-            else:  # keep the one already there: a locked match may be resuming from it
-                self._drop_snapshot(snapshot)
         if node is not self._root and node.ref == 0 and not node.children:
             self._push_leaf(node)
         return not_adopted

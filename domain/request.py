@@ -84,6 +84,15 @@ class Request:
     # Output tokens decided by the caller, not the model (``Scheduler.force_tokens``): each replaces the
     # next sampled token, in order. They survive preemption (they are not yet part of the sequence).
     forced_token_ids: list[int] = field(default_factory=list)
+    # ---- prefix cache (scheduler-owned; all empty while WAITING and once done) ----
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
+    prefix: object | None = None  # the locked domain.prefix_cache.PrefixMatch whose pages lead `pages`
+    num_shared_pages: int = 0  # pages[:num_shared_pages] belong to the cache (shared, read-only)
+    restore_snapshot: int | None = None  # snapshot slot the next work restores the state from
+    branch_point: int = 0  # cached KV reaches here but no snapshot does: snapshot it on the way (0 = none)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # kept (position, slot), taken
+    rolling_snapshot: tuple[int, int] | None = None  # latest decode page boundary (replaced as it moves)
+    pending_snapshots: list[tuple[int, int, bool]] = field(default_factory=list)  # in flight: (pos, slot, rolling)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -122,6 +131,14 @@ class Request:
         assert len(self.output_token_ids) <= self.sampling.max_tokens, self
         assert len(set(self.pages)) == len(self.pages), f"{self.request_id}: page owned twice"
         assert all(isinstance(t, int) and t >= 0 for t in self.forced_token_ids), self
+        assert 0 <= self.num_shared_pages <= len(self.pages), self
+        assert (self.prefix is None) == (self.num_shared_pages == 0), self
+        held = [s for _, s in self.snapshots] + [s for _, s, _ in self.pending_snapshots]
+        if self.rolling_snapshot is not None:
+            held.append(self.rolling_snapshot[1])
+        assert len(held) == len(set(held)), f"{self.request_id}: snapshot slot held twice"
+        if self.state is RequestState.WAITING or self.is_done:
+            assert self.prefix is None and not held and self.restore_snapshot is None and not self.branch_point, self
         if self.state is RequestState.WAITING:
             assert not self.pages and self.state_slot is None and self.num_computed_tokens == 0, self
         if self.state in (RequestState.PREFILLING, RequestState.DECODING):

@@ -8,23 +8,25 @@ from dataclasses import dataclass
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
 from domain.model_spec import ModelSpec
 
-# Pool sizes are counted in tokens for "kv" and in slots for "moe" and "state".
-POOL_ORDER = ("kv", "moe", "state")
+# Pool sizes are counted in tokens for "kv" and in slots for "moe", "state" and "snapshot".
+POOL_ORDER = ("kv", "moe", "state", "snapshot")
 
 
 def pool_sizes(plan: PoolPlan) -> dict[str, int]:
-    return {"kv": plan.kv_tokens, "moe": plan.expert_slots, "state": plan.state_slots}
+    return {"kv": plan.kv_tokens, "moe": plan.expert_slots, "state": plan.state_slots,
+            "snapshot": plan.snapshot_slots}
 
 
 def pool_bytes(plan: PoolPlan) -> dict[str, int]:
-    return {"kv": plan.kv_bytes, "moe": plan.expert_bytes, "state": plan.state_bytes}
+    return {"kv": plan.kv_bytes, "moe": plan.expert_bytes, "state": plan.state_bytes,
+            "snapshot": plan.snapshot_bytes}
 
 
 @dataclass(frozen=True)
 class ResizeStep:
     """Free a whole pool (size_from -> 0) or allocate a whole new one (0 -> size_to)."""
 
-    pool: str  # "kv" | "moe" | "state"
+    pool: str  # "kv" | "moe" | "state" | "snapshot"
     action: str  # "free" | "allocate"
     size_from: int
     size_to: int
@@ -52,9 +54,15 @@ class ResizePlan:
 
     @property
     def needs_idle(self) -> bool:
-        """KV pages and state slots belong to running sequences: rebuilding them needs an idle
-        scheduler. An expert-pool rebuild only costs cold slots and can happen between steps."""
-        return any(step.pool in ("kv", "state") for step in self.steps)
+        """KV pages, state and snapshot slots belong to running sequences (and the prefix cache):
+        rebuilding them needs an idle scheduler. An expert-pool rebuild only costs cold slots and
+        can happen between steps."""
+        return any(step.pool in ("kv", "state", "snapshot") for step in self.steps)
+
+    @property
+    def clears_prefix_cache(self) -> bool:
+        """A rebuilt KV or snapshot pool loses what the prefix cache points at: the cache is cleared."""
+        return any(step.pool in ("kv", "snapshot") for step in self.steps)
 
     def check_valid(self) -> None:
         sizes, held = pool_sizes(self.current), self.current.used_bytes
@@ -80,10 +88,12 @@ class ResizePlan:
             raise ValueError("experts_kept must be False exactly when the expert slot count changes")
 
 
-def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: int | None) -> PlanRefusal | None:
+def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: int | None,
+                  snapshot_slots: int | None = None) -> PlanRefusal | None:
     """Sizes no budget can make work (an operator's typo, not a shortage): refused, never raised."""
     for pool, size, least, what in (("kv", kv_tokens, 0, "kv_tokens"), ("moe", expert_slots, 0, "expert_slots"),
-                                    ("state", state_slots, 1, "state_slots")):
+                                    ("state", state_slots, 1, "state_slots"),
+                                    ("snapshot", snapshot_slots, 0, "snapshot_slots")):
         if size is not None and size < least:
             why = " (every running sequence needs one)" if pool == "state" else ""
             return PlanRefusal(pool, 0, f"{what} must be >= {least}{why}, got {size}")
@@ -91,27 +101,29 @@ def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: 
 
 
 def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens: int | None = None,
-                expert_slots: int | None = None, state_slots: int | None = None) -> ResizePlan | PlanRefusal:
+                expert_slots: int | None = None, state_slots: int | None = None,
+                snapshot_slots: int | None = None) -> ResizePlan | PlanRefusal:
     """Plan a change of pool sizes; pools not given keep their current size.
 
     Every pool whose size changes is rebuilt: freed whole, then allocated whole, all frees
     before any allocation. A refusal leaves `current` as it is (plans are immutable).
     """
     per = {"kv": spec.kv_bytes_per_token(), "moe": spec.expert_bytes(),
-           "state": spec.linear_state_bytes_per_sequence()}
+           "state": spec.linear_state_bytes_per_sequence(), "snapshot": spec.linear_state_bytes_per_sequence()}
     for name in POOL_ORDER:
         if pool_bytes(current)[name] != pool_sizes(current)[name] * per[name]:
             raise ValueError(f"current plan's {name} pool was not sized for {spec.name}")
     if current.used_bytes > budget.pool_bytes:
         raise ValueError(f"current plan uses {current.used_bytes} bytes, more than the budget's "
                          f"{budget.pool_bytes}: it was made for another budget")
-    unusable = unusable_size(kv_tokens, expert_slots, state_slots)
+    unusable = unusable_size(kv_tokens, expert_slots, state_slots, snapshot_slots)
     if unusable is not None:
         return unusable
     request = PoolRequest(
         kv_tokens=current.kv_tokens if kv_tokens is None else kv_tokens,
         expert_slots=current.expert_slots if expert_slots is None else expert_slots,
         state_slots=current.state_slots if state_slots is None else state_slots,
+        snapshot_slots=current.snapshot_slots if snapshot_slots is None else snapshot_slots,
         page_size=current.page_size,
     )
     target = plan_pools(spec, budget, request)

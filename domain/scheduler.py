@@ -7,6 +7,14 @@ lazily as sequences grow. When a decode cannot get a page, the newest running re
 preempted (pages + state slot freed, put back at the head of the queue; it re-prefills
 prompt + output later). docs/adr/0002-pool-exhaustion.md says why.
 
+With the prefix cache on (``SchedulerConfig.prefix_cache``, domain/prefix_store.py), admission
+matches everything the request has against the radix cache: the matched pages are shared
+(locked, never evicted while referenced), the linear-attention state is restored from the
+snapshot at the match end, and only the rest is prefilled. A request that finishes (or is
+preempted) gives its computed tokens, pages and snapshots to the cache; unreferenced cached
+prefixes are evicted LRU whenever pages or snapshot slots are short.
+docs/adr/0004-prefix-cache.md says why it is built this way.
+
 The scheduler owns its PageAllocator exclusively (check_valid counts every used page).
 Call order: schedule() -> executor -> complete(); abort() may come at any time.
 """
@@ -20,6 +28,7 @@ from dataclasses import dataclass
 
 from domain.kv_pages import PageAllocator
 from domain.ports import SampledToken, SequenceWork, StepBatch
+from domain.prefix_store import PrefixStore
 from domain.request import Request, RequestEvent, RequestState
 
 _RUNNING_STATES = (RequestState.PREFILLING, RequestState.DECODING)
@@ -32,11 +41,17 @@ class SchedulerConfig:
     page_size: int = 16
     max_context: int = 262144
     eos_token_ids: tuple[int, ...] = ()
+    prefix_cache: bool = False  # radix prefix cache (ft serve --cache-type radix)
+    snapshot_interval: int = 0  # tokens between kept state snapshots; a multiple of page_size (0 = none)
+    linear_state: bool = True  # the model has linear-attention state: a cache hit needs a snapshot
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "page_size", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_interval < 0 or self.snapshot_interval % self.page_size:
+            raise ValueError(f"snapshot_interval ({self.snapshot_interval}) must be a non-negative multiple "
+                             f"of page_size ({self.page_size})")
         if self.max_step_tokens < self.max_running:
             # NOTE: every running request must be able to decode in the same step.
             raise ValueError(
@@ -50,7 +65,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, num_state_slots: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, num_state_slots: int,
+                 num_snapshot_slots: int = 0) -> None:
         self.config = config
         self.num_preemptions = 0
         self._waiting: deque[Request] = deque()
@@ -58,27 +74,55 @@ class Scheduler:
         self._live: dict[str, Request] = {}
         self._in_flight: StepBatch | None = None
         self._in_flight_owners: dict[str, Request] = {}
-        self._set_pools(allocator, num_state_slots)
+        self.prefix: PrefixStore | None = None
+        self._set_pools(allocator, num_state_slots, num_snapshot_slots)
 
     # ---- pools ---------------------------------------------------------------------------
 
-    def _set_pools(self, allocator: PageAllocator, num_state_slots: int) -> None:
+    def _set_pools(self, allocator: PageAllocator, num_state_slots: int, num_snapshot_slots: int) -> None:
         if num_state_slots < 0:
             raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        if num_snapshot_slots < 0:
+            raise ValueError(f"num_snapshot_slots must be >= 0, got {num_snapshot_slots}")
         self.allocator = allocator
         self.num_state_slots = num_state_slots
         self._free_slots = list(range(num_state_slots))  # min-heap: lowest slot first
+        if self.prefix is not None and self.prefix.allocator is allocator \
+                and self.prefix.num_snapshot_slots == num_snapshot_slots:
+            return  # same KV pages and snapshot slots: the cached prefixes stay valid
+        self.prefix = PrefixStore(
+            allocator, self.config.page_size, enabled=self.config.prefix_cache,
+            num_snapshot_slots=num_snapshot_slots, interval=self.config.snapshot_interval,
+            needs_snapshots=self.config.linear_state)
 
     def can_replace_pools(self) -> bool:
         return self.is_idle()
 
-    def replace_pools(self, allocator: PageAllocator, num_state_slots: int) -> None:
+    def replace_pools(self, allocator: PageAllocator, num_state_slots: int, num_snapshot_slots: int = 0) -> int:
+        """New pools (idle only). The prefix cache survives only when `allocator` is the current one and
+        the snapshot slot count is unchanged (the executor kept those pools and their contents);
+        otherwise it is cleared. Returns the cached pages dropped (0 when kept)."""
         if not self.can_replace_pools():
             raise RuntimeError(
                 f"replace_pools needs an idle scheduler ({self.num_running} running, "
                 f"{self.num_waiting} waiting, batch in flight: {self._in_flight is not None})"
             )
-        self._set_pools(allocator, num_state_slots)
+        before = self.prefix
+        self._set_pools(allocator, num_state_slots, num_snapshot_slots)
+        if self.prefix is before:
+            return 0
+        return before.clear()
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (idle only: their pages and snapshots may no longer hold what the
+        cache says, e.g. after a failed resize rebuilt a pool); returns the cached pages dropped."""
+        if not self.is_idle():
+            raise RuntimeError("clear_prefix_cache needs an idle scheduler")
+        return self.prefix.clear()
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.prefix.num_cached_pages
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -131,16 +175,20 @@ class Scheduler:
         self._live[request.request_id] = request
         self._waiting.append(request)
 
-    def abort(self, request_id: str) -> RequestEvent | None:
-        """Ends a live request at once, freeing its pages and state slot; None if not live."""
+    def abort(self, request_id: str, *, keep_prefix: bool = False) -> RequestEvent | None:
+        """Ends a live request at once, freeing its pages and state slot; None if not live.
+        keep_prefix=True (a stop string, a client gone) gives its computed tokens to the prefix cache
+        like a finish; never for a request in the batch in flight (its step may not have run) and
+        never after a failed step (default False)."""
         request = self._live.pop(request_id, None)
         if request is None:
             return None
         if request.state is RequestState.WAITING:
             self._waiting.remove(request)
         else:
+            in_flight = self._in_flight_owners.get(request_id) is request
             self._running.remove(request)
-            self._release(request)
+            self._release(request, keep=keep_prefix and not in_flight)
         request.finish_reason = "abort"
         request.transition(RequestState.ABORTED)
         return RequestEvent(request_id, None, finished=True, finish_reason="abort")
@@ -202,12 +250,12 @@ class Scheduler:
     def _grow_or_preempt(self, request: Request) -> bool:
         """Pages for one more token of `request`, preempting the newest until they fit."""
         need = _ceil_div(request.num_tokens, self.config.page_size) - len(request.pages)
-        while not self.allocator.can_allocate(need):
+        while need > self.prefix.available_pages():
             victim = self._running[-1]
             self._preempt(victim)
             if victim is request:
                 return False
-        request.pages += self.allocator.allocate(need)
+        request.pages += self.prefix.allocate(need)
         return True
 
     def _schedule_prefills(self, budget: int) -> tuple[list[SequenceWork], bool]:
@@ -218,7 +266,7 @@ class Scheduler:
             if request.state is not RequestState.PREFILLING:
                 continue
             wanted = min(request.num_pending_tokens, budget)
-            coverable = (len(request.pages) + self.allocator.num_free) * self.config.page_size
+            coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
             chunk = min(wanted, coverable - request.num_computed_tokens)
             starved |= chunk < wanted
             if chunk <= 0:
@@ -235,14 +283,20 @@ class Scheduler:
         headroom = sum(1 for r in self._running if r.state is RequestState.DECODING)
         while self._waiting and budget > 0 and self.can_admit_more():
             request = self._waiting[0]
-            chunk = min(request.num_pending_tokens, budget)
-            if not self.allocator.can_allocate(_ceil_div(chunk, self.config.page_size) + headroom):
+            match = self.prefix.match(request)
+            start = match.num_tokens if match is not None else 0
+            chunk = min(request.num_tokens - start, budget)
+            need = _ceil_div(start + chunk, self.config.page_size) - (len(match.pages) if match else 0)
+            if need + headroom > self.prefix.available_pages() - self.prefix.pages_locked_by(match):
                 break  # FIFO: the head is never skipped
             self._waiting.popleft()
+            self.prefix.attach(request, match)
+            if not request.output_token_ids and not request.num_preemptions:
+                request.num_cached_tokens = start
             request.state_slot = heapq.heappop(self._free_slots)
             request.transition(RequestState.PREFILLING)
             self._running.append(request)
-            self._grow_to(request, chunk)
+            self._grow_to(request, start + chunk)
             works.append(self._work(request, chunk))
             budget -= chunk
         return works
@@ -253,34 +307,39 @@ class Scheduler:
     def _grow_to(self, request: Request, num_tokens: int) -> None:
         need = _ceil_div(num_tokens, self.config.page_size) - len(request.pages)
         if need > 0:
-            request.pages += self.allocator.allocate(need)
+            request.pages += self.prefix.allocate(need)
 
     def _work(self, request: Request, num_tokens: int) -> SequenceWork:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + num_tokens]
+        sample = start + num_tokens == request.num_tokens
+        restore, request.restore_snapshot = request.restore_snapshot, None
         return SequenceWork(
             request_id=request.request_id,
             token_ids=tuple(tokens),
             start_position=start,
             page_ids=tuple(request.pages),
             state_slot=request.state_slot,
-            sample=start + num_tokens == request.num_tokens,
+            sample=sample,
             sampling=request.sampling,
             output_index=len(request.output_token_ids),
+            restore_from=restore,
+            snapshots=self.prefix.take_snapshots(request, start, start + num_tokens),
         )
 
     def _preempt(self, request: Request) -> None:
         self._running.remove(request)
-        self._release(request)
+        # NOTE: what it computed goes to the cache (evictable, so the pressure is relieved all the
+        # same); re-admitted, it resumes from there unless the pages were needed meanwhile.
+        self._release(request, keep=True)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.transition(RequestState.WAITING)
         self._waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _release(self, request: Request) -> None:
-        self.allocator.free(request.pages)
-        request.pages = []
+    def _release(self, request: Request, *, keep: bool) -> None:
+        self.prefix.release(request, keep=keep)
         heapq.heappush(self._free_slots, request.state_slot)
         request.state_slot = None
 
@@ -301,6 +360,7 @@ class Scheduler:
         for work in current:
             request = self._live[work.request_id]
             request.num_computed_tokens = work.end_position
+            self.prefix.commit(request)
             if work.sample:
                 events.append(self._append_token(request, sampled[work.request_id]))
         return events
@@ -316,7 +376,7 @@ class Scheduler:
         reason = self._finish_reason(request, token.token_id)
         if reason is not None:
             self._running.remove(request)
-            self._release(request)
+            self._release(request, keep=True)
             del self._live[request.request_id]
             request.finish_reason = reason
             request.transition(RequestState.FINISHED)
@@ -368,11 +428,10 @@ class Scheduler:
                     assert request.num_computed_tokens < request.num_tokens, request
             owned_pages += request.pages
             owned_slots.append(request.state_slot)
-        assert len(owned_pages) == len(set(owned_pages)), "a KV page is owned twice"
         assert all(0 <= p < self.allocator.num_pages for p in owned_pages), "page out of range"
-        assert len(owned_pages) == self.allocator.num_used, (
-            f"pages owned by requests ({len(owned_pages)}) != allocator used ({self.allocator.num_used})"
-        )
+        # NOTE: shared (cached) pages may appear in several requests; PrefixStore checks ownership:
+        # own pages distinct, own + cached == allocator used, snapshot slots likewise.
+        self.prefix.check_valid(self._running)
         assert len(owned_slots) == len(set(owned_slots)), "a state slot is owned twice"
         assert not set(owned_slots) & set(self._free_slots), "a state slot is both free and owned"
         assert sorted(owned_slots + self._free_slots) == list(range(self.num_state_slots)), (

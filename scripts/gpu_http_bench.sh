@@ -3,8 +3,9 @@
 # 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
 #    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
 # 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1 and 4).
-# Records land in $OUT. Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200
-# attempt failed on the missing sniffio).
+# Records land in $OUT. PREFILL_KERNELS=triton serves with the Triton prefill (default: reference).
+# Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
+# missing sniffio).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 CKPT=${CKPT:-/tmp/qwen36-fp8}
@@ -13,7 +14,8 @@ CKPT=${CKPT:-/tmp/qwen36-fp8}
 
 serve() {  # serve PORT LOG ARGS... ; waits for /health ok (or gives up)
   local port=$1 log=$2; shift 2
-  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} --port "$port" "$@" >"$log" 2>&1 &
+  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} \
+    --prefill-kernels ${PREFILL_KERNELS:-reference} --port "$port" "$@" >"$log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 150); do
     if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null; then

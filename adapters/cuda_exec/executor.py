@@ -142,23 +142,22 @@ class CudaGraphExecutor(ExecutorPools):
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots)
+        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots())
 
     def _decode(self, works) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits [n, V], greedy tokens [n]) of n single-token works, by graph replay (or eagerly)."""
         n = len(works)
-        if self.state is not None:
-            for w in works:
-                if w.start_position == 0:
-                    self.state.reset(w.state_slot)
+        self._prepare_states(works)  # prefix cache: reset, or restore a snapshot (ExecutorPools)
         self.inputs.stage(works, self.state is not None)
         if self.graphs:
             bucket = next(b for b in sorted(self.graphs) if b >= n)
             graph, logits, tokens = self.graphs[bucket]
             graph.replay()
+            self._take_end_snapshots(works)  # prefix cache: eager copies after the replay, same stream
             return logits[:n], tokens[:n]
         with torch.inference_mode():
             logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        self._take_end_snapshots(works)
         return logits, tokens
 
     def _is_graph_step(self, batch: StepBatch) -> bool:
@@ -176,11 +175,9 @@ class CudaGraphExecutor(ExecutorPools):
             # NOTE: a graph's logits live in its static output, which the next replay overwrites
             return {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(batch.works)}
         inp = flatten(batch, self.device)
-        if self.state is not None:
-            for span in inp.spans:
-                if span.start_position == 0:
-                    self.state.reset(span.work.state_slot)
-        hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+        self._prepare_states(batch.works)  # prefix cache (ExecutorPools)
+        hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+        self._take_end_snapshots(batch.works)
         wanted = [s for s in inp.spans if s.work.sample]
         if not wanted:
             return {}

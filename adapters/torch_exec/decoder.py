@@ -82,8 +82,10 @@ class MoeDecoder:
         return rms_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)
 
     def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None,
-                experts: ExpertSlotCache) -> torch.Tensor:
-        """Hidden states [T, H] after the last layer (before the final norm)."""
+                experts: ExpertSlotCache, snapshots: LinearStatePool | None = None) -> torch.Tensor:
+        """Hidden states [T, H] after the last layer (before the final norm). Snapshots a work asks for
+        strictly inside its prefill chunk are copied into `snapshots` here, layer by layer (the
+        executor takes the ones at a work's end, and restores, around this call)."""
         x = self.embed[inp.token_ids]  # [T, H]
         decode_spans = [s for s in inp.spans if s.length == 1]
         decode_rows = torch.tensor([s.offset for s in decode_spans], dtype=torch.long, device=self.device)
@@ -95,17 +97,29 @@ class MoeDecoder:
                 h = self._attention(mixer, h, inp, kv)
             else:
                 h = self._linear_attention(mixer, h, inp, state, self.linear_layers.index(i),
-                                           decode_spans, decode_rows, decode_slots)
+                                           decode_spans, decode_rows, decode_slots, snapshots)
             x = x + h
             h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])
             x = x + self._moe(i, h, experts)
         return x
 
-    def _linear_attention(self, mixer: GatedDeltaNet, h, inp, state, layer, decode_spans, decode_rows, decode_slots):
+    def _linear_attention(self, mixer: GatedDeltaNet, h, inp, state, layer, decode_spans, decode_rows, decode_slots,
+                          snapshots=None):
         out = torch.empty_like(h)  # [T, H]
         for span in inp.spans:
             if span.length > 1:  # prefill chunk: chunked delta rule from the slot's state
-                out[span.rows] = self._gdn_sequence(mixer, h[span.rows], state, layer, span.work.state_slot)
+                slot = span.work.state_slot
+                # NOTE: a snapshot inside the chunk splits it there: the state after exactly that many
+                # tokens exists only between the two parts (the delta rule's own chunks are relative).
+                start = span.offset
+                inner = [(p - span.start_position, s) for p, s in span.work.snapshots if p < span.end_position]
+                for cut, snap in inner if snapshots is not None else ():
+                    out[start:span.offset + cut] = self._gdn_sequence(mixer, h[start:span.offset + cut], state, layer,
+                                                                      slot)
+                    state.copy_slot(slot, snapshots, snap, layer)
+                    start = span.offset + cut
+                out[start:span.offset + span.length] = self._gdn_sequence(
+                    mixer, h[start:span.offset + span.length], state, layer, slot)
         if decode_spans:  # every single-token sequence in one recurrent step
             out[decode_rows] = self._gdn_decode_rows(mixer, h[decode_rows], state, layer, decode_slots)
         return out

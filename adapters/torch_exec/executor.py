@@ -74,7 +74,7 @@ class TorchExecutor(ExecutorPools):
     def can_execute(self, batch: StepBatch) -> str | None:
         """None when `batch` fits the current pools, else the reason (read-only probe)."""
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots)
+        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots, self._snapshot_slots())
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch, all_positions: bool = False) -> dict[str, torch.Tensor]:
@@ -84,11 +84,9 @@ class TorchExecutor(ExecutorPools):
         if reason is not None:
             raise ValueError(f"cannot execute step: {reason}")
         inp = flatten(batch, self.device)
-        if self.state is not None:
-            for span in inp.spans:
-                if span.start_position == 0:
-                    self.state.reset(span.work.state_slot)
+        self._prepare_states(batch.works)
         hidden = self._forward(inp)  # [T, H]
+        self._take_end_snapshots(batch.works)
         if all_positions:
             return {s.work.request_id: self.model.logits(hidden[s.rows]) for s in inp.spans}
         wanted = [s for s in inp.spans if s.work.sample]
@@ -101,10 +99,10 @@ class TorchExecutor(ExecutorPools):
     def _forward(self, inp) -> torch.Tensor:
         recorder = self.routing_recorder
         if recorder is None:
-            return self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+            return self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
         recorder.begin_pass([(s.work.request_id, s.start_position, s.length) for s in inp.spans])
         try:
-            hidden = self.model.forward(inp, self.kv, self.state, self.experts)  # [T, H]
+            hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
         except BaseException:
             recorder.abort_pass()
             raise

@@ -1,6 +1,10 @@
 """What both executors (the reference TorchExecutor and the fast CudaGraphExecutor) do alike with their
-three pools: swap them to a new plan freeing before allocating, check them against the plan, report their
-bytes and expert counters, and sample one sequence with its failure confined to it.
+pools: swap them to a new plan freeing before allocating, check them against the plan, report their
+bytes and expert counters, reset / restore / snapshot linear-attention state slots for the prefix cache,
+and sample one sequence with its failure confined to it.
+
+The snapshot pool (prefix cache) is a LinearStatePool of plan.snapshot_slots slots built here for both
+executors (None when the model has no linear-attention layers or the plan no snapshot slots).
 
 Each executor builds its own pools (`_new_kv`, `_new_state`, `_new_experts`) and says how many KV pages
 its pool holds for a plan (`_kv_pool_pages`: the fast path adds a scratch page for padded rows).
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.torch_exec.gated_deltanet import LinearStatePool
 from domain.ports import SampledToken
 
 if TYPE_CHECKING:
@@ -21,7 +26,18 @@ if TYPE_CHECKING:
 
 class ExecutorPools:
     """Mixin for an executor with `kv`, `state` (None without linear-attention layers), `experts`,
-    `plan`, `bank`, `model`, `device` and `sampler`."""
+    `plan`, `bank`, `model`, `device`, `dtype` and `sampler`; it owns `snapshots`."""
+
+    snapshots: LinearStatePool | None = None
+
+    def _new_snapshots(self, plan: PoolPlan) -> LinearStatePool | None:
+        if not self.model.linear_layers or plan.snapshot_slots == 0:
+            return None
+        return LinearStatePool(len(self.model.linear_layers), plan.snapshot_slots, self.model.opts.gdn, self.dtype,
+                               self.device)
+
+    def _snapshot_slots(self) -> int:
+        return self.snapshots.num_slots if self.snapshots is not None else 0
 
     def _kv_pool_pages(self, plan: PoolPlan) -> int:
         return plan.kv_pages
@@ -45,8 +61,12 @@ class ExecutorPools:
         keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
             and old.state_slots == plan.state_slots
         keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        want_snapshots = plan.snapshot_slots if self.model.linear_layers else 0
+        keep_snapshots = old is not None and self._snapshot_slots() == want_snapshots
         if not keep_kv:
             self.kv = None
+        if not keep_snapshots:
+            self.snapshots = None
         if not keep_state:
             self.state = None
         if not keep_experts:
@@ -60,6 +80,8 @@ class ExecutorPools:
             self.state = self._new_state(plan)
         if not keep_experts:
             self.experts = self._new_experts(plan)
+        if not keep_snapshots:
+            self.snapshots = self._new_snapshots(plan)
         self.plan = plan
 
     def _check_pools(self) -> None:
@@ -72,10 +94,38 @@ class ExecutorPools:
         assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
         if self.model.linear_layers:
             assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
+            assert self._snapshot_slots() == plan.snapshot_slots, "snapshot pool != plan"
+            if self.snapshots is not None:
+                self.snapshots.check_valid()
         self.kv.check_valid()
         self.experts.check_valid()
         if self.state is not None:
             self.state.check_valid()
+
+    # ---- linear-attention state around a step (prefix cache) ---------------------------------------------
+    def _prepare_states(self, works) -> None:
+        """Before a step: a sequence starting at 0 gets a zeroed slot; one resuming from the prefix cache
+        gets its snapshot copied in (SequenceWork contract)."""
+        if self.state is None:
+            return
+        for w in works:
+            if w.start_position == 0:
+                self.state.reset(w.state_slot)
+            elif w.restore_from is not None:
+                if self.snapshots is None:
+                    raise ValueError(f"{w.request_id}: restore from snapshot {w.restore_from} without a snapshot pool")
+                self.snapshots.copy_slot(w.restore_from, self.state, w.state_slot)
+
+    def _take_end_snapshots(self, works) -> None:
+        """After a step: the snapshots works asked for at their end (the decoder took the inner ones)."""
+        if self.state is None:
+            return
+        for w in works:
+            for position, slot in w.snapshots:
+                if position == w.end_position:
+                    if self.snapshots is None:
+                        raise ValueError(f"{w.request_id}: snapshot {slot} asked without a snapshot pool")
+                    self.state.copy_slot(w.state_slot, self.snapshots, slot)
 
     def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
         """One sequence's token; a failure here is that sequence's alone (SampledToken.error), so one
@@ -87,7 +137,8 @@ class ExecutorPools:
 
     def pool_bytes(self) -> dict[str, int]:
         return {"kv": self.kv.nbytes(), "moe": self.experts.nbytes(),
-                "state": self.state.nbytes() if self.state is not None else 0}
+                "state": self.state.nbytes() if self.state is not None else 0,
+                "snapshot": self.snapshots.nbytes() if self.snapshots is not None else 0}
 
     def expert_counters(self) -> tuple[int, int]:
         """Cumulative (expert hits, expert misses) in one read (one sync on the fast path, not two)."""

@@ -58,6 +58,19 @@ class LinearStatePool:
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
 
+    def copy_slot(self, src_slot: int, dst: "LinearStatePool", dst_slot: int, layer: int | None = None) -> None:
+        """Copy slot `src_slot` (every layer, or one) into `dst_slot` of `dst`, a pool of the same geometry:
+        a prefix-cache snapshot (state pool -> snapshot pool) or its restore (the other way). Exact copies,
+        on the pools' device, ordered on the current stream."""
+        if not (self.can_use(src_slot) and dst.can_use(dst_slot)):
+            raise ValueError(f"state copy {src_slot} -> {dst_slot} outside pools of {self.num_slots} and {dst.num_slots}")
+        if dst.conv.shape[2:] != self.conv.shape[2:] or dst.recurrent.shape[2:] != self.recurrent.shape[2:] \
+                or dst.num_layers != self.num_layers:
+            raise ValueError("state copy between pools of different geometry")
+        layers = slice(None) if layer is None else layer
+        dst.conv[layers, dst_slot] = self.conv[layers, src_slot]
+        dst.recurrent[layers, dst_slot] = self.recurrent[layers, src_slot]
+
     def check_valid(self) -> None:
         assert self.recurrent.dtype == torch.float32, "recurrent state must stay fp32"
         assert self.conv.shape[:2] == self.recurrent.shape[:2] == (self.num_layers, self.num_slots)

@@ -41,9 +41,12 @@ class StepInputs:
         return int(self.token_ids.shape[0])
 
 
-def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slots: int | None) -> str | None:
-    """None when the executor can run `batch` on pools of this size, else the reason (read-only probe)."""
-    ids, slots = set(), set()
+def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slots: int | None,
+                num_snapshot_slots: int = 0) -> str | None:
+    """None when the executor can run `batch` on pools of this size, else the reason (read-only probe).
+    Snapshot slots (prefix cache) are checked only where there is linear-attention state."""
+    ids, slots, written = set(), set(), set()
+    restored = {w.restore_from for w in batch.works if w.restore_from is not None}
     for w in batch.works:
         if not w.token_ids:
             return f"{w.request_id}: no tokens to compute"
@@ -61,6 +64,17 @@ def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slot
             if w.state_slot in slots:
                 return f"{w.request_id}: state slot {w.state_slot} used twice in one step"
             slots.add(w.state_slot)
+            if w.restore_from is not None and not (0 <= w.restore_from < num_snapshot_slots and w.start_position > 0):
+                return f"{w.request_id}: restore from snapshot {w.restore_from} (pool of {num_snapshot_slots}) at " \
+                       f"position {w.start_position}"
+            positions = [p for p, _ in w.snapshots]
+            if positions != sorted(set(positions)) or any(not w.start_position < p <= end for p in positions):
+                return f"{w.request_id}: snapshot positions {positions} outside ({w.start_position}, {end}]"
+            for _, s in w.snapshots:
+                if not 0 <= s < num_snapshot_slots or s in written or s in restored:
+                    return f"{w.request_id}: snapshot slot {s} out of the pool of {num_snapshot_slots}, written " \
+                           "twice or restored from in one step"
+                written.add(s)
     return None
 
 

@@ -57,6 +57,7 @@ def stats(request: Request) -> dict:
         "engine": engine.phase,
         "pools": engine.pools(),
         "window": engine.stats.window(),
+        "prefix_cache": {**engine.stats.prefix_cache(), **(engine.pools().get("prefix_cache") or {})},
         "plan": _plan(engine.plan),
     }
 

@@ -212,6 +212,8 @@ def usage(event: StreamEvent) -> dict:
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
         "completion_tokens_details": {"reasoning_tokens": event.reasoning_tokens},  # tokens, not characters
+        # prompt tokens whose KV (and GDN state) came from the prefix cache instead of being computed
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }
 
 

@@ -256,7 +256,7 @@ async def messages(request: Request) -> Response | Stream:
     return Response(content={
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
         "stop_reason": _stop_reason(parser, last), "stop_sequence": last.stop_string,
-        "usage": _usage(last.prompt_tokens, last.completion_tokens),
+        "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
     })
 
 
@@ -285,9 +285,10 @@ def _stop_reason(parser: OutputParser, last) -> str | None:
     return "stop_sequence" if last.stop_string is not None else "end_turn"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "output_tokens": completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    # NOTE: Anthropic counts cache reads apart: input_tokens + cache_read_input_tokens = the whole prompt.
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -340,5 +341,7 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
                 yield _event("content_block_stop", {"index": open_block[1]})
             yield _event("message_delta", {
                 "delta": {"stop_reason": _stop_reason(parser, event), "stop_sequence": event.stop_string},
-                "usage": {"output_tokens": event.completion_tokens}})
+                # NOTE: cache reads are known only once the request started, after message_start went out
+                "usage": {"output_tokens": event.completion_tokens,
+                          "cache_read_input_tokens": event.cached_tokens}})
             yield _event("message_stop", {})

@@ -33,10 +33,15 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorBody
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class AssistantMessage(msgspec.Struct):

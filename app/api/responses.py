@@ -269,7 +269,7 @@ def _finished(shell: dict, output: list[dict], last) -> dict:
     complete = last.finish_reason != "length"
     return {**shell, "status": "completed" if complete else "incomplete", "output": output,
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
-            "usage": {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
                       "output_tokens": last.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": last.reasoning_tokens},
                       "total_tokens": last.prompt_tokens + last.completion_tokens}}

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-SAME_KEYS = frozenset({"page_size", "window_s"})
+SAME_KEYS = frozenset({"page_size", "window_s", "snapshot_interval"})
 MEAN_KEYS = frozenset({"residency"})
 MAX_KEYS = frozenset({"p50", "p90", "p99"})
 

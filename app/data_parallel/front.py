@@ -115,6 +115,7 @@ async def stats(request: Request) -> dict:
         "engine": merge([{"engine": b.get("engine")} for b in bodies])["engine"],
         "pools": merge([b["pools"] for b in bodies]),
         "window": merge([b["window"] for b in bodies]),
+        "prefix_cache": merge([b.get("prefix_cache") or {} for b in bodies]),  # counts add, rates are means
         "plan": common(plans),  # one worker's plan (all alike); the sums are under totals
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),

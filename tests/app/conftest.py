@@ -49,7 +49,8 @@ class SlowExecutor:
     ``fail_sampling_seed``: sampling a request with that seed fails for that request alone."""
 
     def __init__(self, plan, delay: float = 0.0) -> None:
-        self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=TINY_SPEC.vocab_size)
+        self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=TINY_SPEC.vocab_size,
+                                  num_snapshot_slots=plan.snapshot_slots)
         self.delay = delay
         self.fail_resize_to: int | None = None
         self.resize_gate: threading.Event | None = None  # set: resize_pools blocks until it is released

@@ -36,16 +36,14 @@ class ScriptedExecutor(SlowExecutor):
         self.script = script
         self.reactive = reactive
         self.prompts: dict[str, str] = {}
-        self._seqs: dict[str, list[int]] = {}
         self._prompt_len: dict[str, int] = {}
 
     def execute(self, batch):
         sampled = self.inner.execute(batch)  # the fake still checks the executor contract
         for work in batch.works:
-            seq = self._seqs.setdefault(work.request_id, [])
-            if work.start_position == 0:
-                seq.clear()
-            seq.extend(work.token_ids)
+            # NOTE: the whole sequence from the KV pages, not just this request's works: with the prefix
+            # cache a request's first work may start past a cached prefix it never computed itself.
+            seq = self.inner._read(work)
             if not work.sample:
                 continue
             n = self._prompt_len.setdefault(work.request_id, len(seq))

@@ -188,7 +188,11 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert stats["totals"]["state_slots"] == sum(w["plan"]["state_slots"] for w in per)
     assert stats["plan"]["kv_tokens"] == 4096  # one worker's plan: what one request can use
     assert stats["window"]["decode_tokens"] == sum(w["window"]["decode_tokens"] for w in per) > 0
-    assert stats["pools"]["running"] == 0 and stats["pools"]["kv_pages_used"] == 0
+    # idle: every used page is a worker's prefix cache's
+    assert stats["pools"]["running"] == 0
+    assert stats["pools"]["kv_pages_used"] == stats["pools"]["prefix_cache"]["cached_pages"]
+    assert stats["prefix_cache"]["requests"] == sum(w["prefix_cache"]["requests"] for w in per) > 0
+    assert stats["pools"]["prefix_cache"]["snapshot_interval"] == per[0]["pools"]["prefix_cache"]["snapshot_interval"]
 
 
 def _admitted(front) -> dict[str, float]:

@@ -75,7 +75,7 @@ def test_heldout_arithmetic_is_answered_exactly(client, demo_server):
           f"in {time.monotonic() - started:.1f}s")
     assert accuracy >= 0.95
     pools = httpx.get(demo_server.base_url + "/v1/stats").json()["pools"]
-    assert pools["kv_pages_used"] == 0 and pools["state_slots_used"] == 0
+    assert pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"] and pools["state_slots_used"] == 0
 
 
 def test_sixteen_concurrent_greedy_streams_equal_sequential(demo_server):
@@ -97,7 +97,7 @@ def test_sixteen_concurrent_greedy_streams_equal_sequential(demo_server):
     together, alone = asyncio.run(both())
     assert together == alone
     pools = httpx.get(demo_server.base_url + "/v1/stats").json()["pools"]
-    assert pools["running"] == 0 and pools["kv_pages_used"] == 0 and pools["state_slots_used"] == 0
+    assert pools["running"] == 0 and pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"] and pools["state_slots_used"] == 0
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -228,3 +228,28 @@ def test_automatic_expert_pool_holds_at_least_one_tokens_working_set():
     assert isinstance(fits, PlanRefusal) is False and fits.expert_slots >= 320
     explicit = plan_pools(spec, budget, PoolRequest(kv_tokens=800_000, expert_slots=8, state_slots=24))
     assert isinstance(explicit, PoolPlan) and explicit.expert_slots == 8
+
+
+# ---- the prefix cache's snapshot pool --------------------------------------------------------------------
+
+
+def test_snapshot_slots_are_claimed_after_the_state_slots_and_counted():
+    request = PoolRequest(kv_tokens=2048, expert_slots=8, state_slots=2, snapshot_slots=5)
+    plan = plan_pools(TINY, pool_budget(scale(TINY)), request)
+    assert plan.snapshot_slots == 5 and plan.snapshot_bytes == 5 * TINY.linear_state_bytes_per_sequence()
+    assert plan.used_bytes == plan.kv_bytes + plan.expert_bytes + plan.state_bytes + plan.snapshot_bytes
+    # exactly the snapshot claim short: refused by name, with the exact shortfall
+    without = plan_pools(TINY, pool_budget(scale(TINY)), dataclasses.replace(request, snapshot_slots=0))
+    tight = pool_budget(without.used_bytes + 4 * TINY.linear_state_bytes_per_sequence())
+    refusal = plan_pools(TINY, tight, request)
+    assert isinstance(refusal, PlanRefusal) and refusal.shortfall_bytes == TINY.linear_state_bytes_per_sequence()
+    assert refusal.pool == "snapshot" and "state snapshot slots" in refusal.message
+    assert isinstance(plan_pools(TINY, pool_budget(tight.pool_bytes + refusal.shortfall_bytes), request), PoolPlan)
+    with pytest.raises(ValueError, match="snapshot_slots"):
+        PoolRequest(snapshot_slots=-1)
+
+
+def test_a_model_without_linear_attention_has_no_snapshot_pool():
+    plan = plan_pools(QWEN3_MOE_LIKE, pool_budget(scale(QWEN3_MOE_LIKE)),
+                      PoolRequest(kv_tokens=2048, expert_slots=8, snapshot_slots=7))
+    assert (plan.snapshot_slots, plan.snapshot_bytes) == (0, 0)

@@ -17,7 +17,8 @@ GiB = 1024**3
 
 def replay(current: PoolPlan, steps) -> tuple[dict[str, int], int, int]:
     """Apply steps to the current sizes the way an executor would; return sizes, held, peak."""
-    sizes = {"kv": current.kv_tokens, "moe": current.expert_slots, "state": current.state_slots}
+    sizes = {"kv": current.kv_tokens, "moe": current.expert_slots, "state": current.state_slots,
+             "snapshot": current.snapshot_slots}
     held = peak = current.used_bytes
     for step in steps:
         if step.action == "free":
@@ -39,28 +40,31 @@ def resize_cases(draw):
     page_size = draw(st.sampled_from([1, 16]))
     current = plan_pools(spec, pool_budget(pool), PoolRequest(
         kv_reserve_tokens=draw(st.integers(0, 20_000)), state_slots=draw(st.integers(1, 32)),
-        page_size=page_size))
+        snapshot_slots=draw(st.integers(0, 16)), page_size=page_size))
     kv = draw(st.none() | st.integers(0, 60_000))
     slots = draw(st.none() | st.integers(0, spec.total_experts + 1))
     states = draw(st.none() | st.integers(1, 48))
+    snaps = draw(st.none() | st.integers(0, 24))
     # the budget may also have changed since the current plan was made (never below its use)
     new_pool = pool if draw(st.booleans()) or isinstance(current, PlanRefusal) else \
         draw(st.integers(current.used_bytes, 2 * pool))
-    return spec, pool_budget(new_pool), current, kv, slots, states
+    return spec, pool_budget(new_pool), current, kv, slots, states, snaps
 
 
 @given(resize_cases())
 def test_resize_properties(case):
-    spec, budget, current, kv, slots, states = case
+    spec, budget, current, kv, slots, states, snaps = case
     if isinstance(current, PlanRefusal):
         return
     before = copy.deepcopy(current)
-    result = plan_resize(spec, budget, current, kv_tokens=kv, expert_slots=slots, state_slots=states)
+    result = plan_resize(spec, budget, current, kv_tokens=kv, expert_slots=slots, state_slots=states,
+                         snapshot_slots=snaps)
     assert current == before  # a refusal or a plan never touches the current plan
     direct = plan_pools(spec, budget, PoolRequest(
         kv_tokens=current.kv_tokens if kv is None else kv,
         expert_slots=current.expert_slots if slots is None else slots,
-        state_slots=current.state_slots if states is None else states, page_size=current.page_size))
+        state_slots=current.state_slots if states is None else states,
+        snapshot_slots=current.snapshot_slots if snaps is None else snaps, page_size=current.page_size))
     assert isinstance(result, PlanRefusal) == isinstance(direct, PlanRefusal)
     if isinstance(result, PlanRefusal):
         assert result == direct
@@ -68,7 +72,9 @@ def test_resize_properties(case):
     assert result.target == direct
     sizes, held, peak = replay(current, result.steps)
     assert sizes == {"kv": result.target.kv_tokens, "moe": result.target.expert_slots,
-                     "state": result.target.state_slots}
+                     "state": result.target.state_slots, "snapshot": result.target.snapshot_slots}
+    assert result.clears_prefix_cache == (sizes["kv"] != current.kv_tokens
+                                          or sizes["snapshot"] != current.snapshot_slots)
     assert held == result.target.used_bytes
     assert result.peak_bytes == peak <= budget.pool_bytes
     actions = [step.action for step in result.steps]
@@ -78,7 +84,7 @@ def test_resize_properties(case):
         assert result.experts_kept
     unchanged = {name for name, size in sizes.items()
                  if size == {"kv": current.kv_tokens, "moe": current.expert_slots,
-                             "state": current.state_slots}[name]}
+                             "state": current.state_slots, "snapshot": current.snapshot_slots}[name]}
     assert not unchanged & {step.pool for step in result.steps}  # untouched pools stay put
 
 
@@ -150,3 +156,37 @@ def test_resize_plan_check_valid_rejects_bad_orders():
         dataclasses.replace(plan, peak_bytes=plan.peak_bytes - 1)
     with pytest.raises(ValueError):
         dataclasses.replace(plan, steps=plan.steps[:-1])
+
+
+# ---- the prefix cache's snapshot pool --------------------------------------------------------------------
+
+
+def test_the_snapshot_pool_is_kept_across_resizes_and_rebuilt_when_asked():
+    budget = pool_budget(scale(TINY))
+    current = plan_pools(TINY, budget, PoolRequest(kv_tokens=4096, expert_slots=8, state_slots=2, snapshot_slots=6))
+    per = TINY.linear_state_bytes_per_sequence()
+    assert current.snapshot_bytes == 6 * per and current.used_bytes == (
+        current.kv_bytes + current.expert_bytes + current.state_bytes + 6 * per)
+    kv = plan_resize(TINY, budget, current, kv_tokens=8192)
+    assert kv.target.snapshot_slots == 6 and kv.clears_prefix_cache and kv.needs_idle
+    moe = plan_resize(TINY, budget, current, expert_slots=6)
+    assert not moe.clears_prefix_cache and not moe.needs_idle
+    state = plan_resize(TINY, budget, current, state_slots=3)
+    assert not state.clears_prefix_cache and state.needs_idle
+    snap = plan_resize(TINY, budget, current, snapshot_slots=10)
+    assert [(s.pool, s.action) for s in snap.steps] == [("snapshot", "free"), ("snapshot", "allocate")]
+    assert snap.clears_prefix_cache and snap.target.snapshot_bytes == 10 * per
+    assert snap.peak_bytes == max(current.used_bytes, snap.target.used_bytes)
+    sizes, held, peak = replay(current, snap.steps)
+    assert sizes["snapshot"] == 10 and held == snap.target.used_bytes and peak == snap.peak_bytes
+
+
+def test_a_snapshot_pool_that_does_not_fit_is_refused_by_name_and_a_negative_one_never_fits():
+    current = plan_pools(TINY, pool_budget(scale(TINY)), PoolRequest(kv_tokens=4096, expert_slots=8))
+    tight = pool_budget(current.used_bytes + 3 * TINY.linear_state_bytes_per_sequence())
+    refusal = plan_resize(TINY, tight, current, snapshot_slots=5)
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "snapshot"
+    assert refusal.shortfall_bytes == 2 * TINY.linear_state_bytes_per_sequence()
+    assert isinstance(plan_resize(TINY, tight, current, snapshot_slots=3), ResizePlan)
+    bad = plan_resize(TINY, tight, current, snapshot_slots=-1)
+    assert isinstance(bad, PlanRefusal) and bad.pool == "snapshot" and bad.shortfall_bytes == 0

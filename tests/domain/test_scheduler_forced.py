@@ -16,10 +16,15 @@ VOCAB = 16
 EOS = (0,)
 
 
-def make(num_pages=16, num_slots=4, **config):
+def make(num_pages=16, num_slots=4, prefix_cache=False, **config):
+    """prefix_cache: with the radix cache and GDN state snapshots (4 slots, every 2 pages)."""
     config.setdefault("eos_token_ids", EOS)
+    snapshots = 4 if prefix_cache else 0
+    if prefix_cache:
+        config.update(prefix_cache=True, snapshot_interval=2 * config.get("page_size", 16))
     cfg = SchedulerConfig(**config)
-    return Scheduler(cfg, PageAllocator(num_pages), num_slots), FakeExecutor(cfg.page_size, num_pages, num_slots, VOCAB)
+    return (Scheduler(cfg, PageAllocator(num_pages), num_slots, snapshots),
+            FakeExecutor(cfg.page_size, num_pages, num_slots, VOCAB, num_snapshot_slots=snapshots))
 
 
 def reference(prompt: list[int], max_tokens: int, force_at: int, forced: list[int]) -> list[int]:
@@ -133,15 +138,19 @@ def test_force_tokens_refuses_bad_calls():
 @settings(max_examples=40, deadline=None)
 @given(
     specs=st.lists(
-        st.tuples(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=5), st.integers(1, 8), st.integers(0, 8),
+        st.tuples(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=6), st.integers(1, 8), st.integers(0, 8),
                   st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)),
         min_size=1, max_size=4),
     num_pages=st.integers(5, 12),
     page_size=st.integers(1, 3),
+    prefix_cache=st.booleans(),
 )
-def test_batched_and_preempted_runs_equal_each_request_alone_with_its_forced_tokens(specs, num_pages, page_size):
+def test_batched_and_preempted_runs_equal_each_request_alone_with_its_forced_tokens(specs, num_pages, page_size,
+                                                                                   prefix_cache):
+    # NOTE: with the prefix cache, requests sharing a prompt share its pages, and forced outputs are
+    # cached and branched from like sampled ones
     scheduler, executor = make(num_pages=num_pages, page_size=page_size, max_running=3, max_step_tokens=5,
-                               max_context=64)
+                               max_context=64, prefix_cache=prefix_cache)
     force, expected = {}, {}
     for i, (prompt, max_tokens, at, ids) in enumerate(specs):
         request = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -153,4 +162,4 @@ def test_batched_and_preempted_runs_equal_each_request_alone_with_its_forced_tok
         expected[request.request_id] = reference(prompt, max_tokens, at if at < max_tokens else max_tokens, ids)
     outputs, _, _ = run(scheduler, executor, force)
     assert outputs == expected
-    assert scheduler.is_idle() and scheduler.allocator.num_used == 0
+    assert scheduler.is_idle() and scheduler.allocator.num_used == scheduler.num_cached_pages

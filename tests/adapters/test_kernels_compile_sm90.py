@@ -1,0 +1,46 @@
+"""The decode step's small kernels lowered for an H200 (sm_90) without a GPU: catches what Triton's
+interpreter does not check (type and shape rules of the compiler, resource limits), at the Qwen3.6
+shapes the decode graph runs them with. The MoE GEMVs have their own check in test_kernels_moe.py and
+the prefill kernels in test_kernels_prefill.py."""
+
+import pytest
+
+from tests.adapters.sm90 import build_for_sm90
+
+_COMPILE_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from adapters.kernels import dense_gemv, moe_router, residency_lookup, rms_norm
+
+def build(kernel, sig, consts):
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32))
+    assert compiled.metadata.shared <= 232448, (kernel.__name__, compiled.metadata.shared)
+
+build(moe_router._moe_router_kernel,
+      {"x_ptr": "*bf16", "w_ptr": "*fp32", "logits_ptr": "*fp32", "g_ptr": "*bf16", "wout_ptr": "*fp32",
+       "iout_ptr": "*i64", "E": "i32", "H": "i32", "stride_x": "i32", "stride_l": "i32", "shared_id": "i32"},
+      dict(K=8, HAS_LOGITS=True, ROUND_LOGITS=False, KO=9, HAS_SHARED=True, ROUND_GATE=True, RENORM=True,
+           BLOCK_E=256, BLOCK_H=16, BLOCK_G=1024, BLOCK_K=16))
+build(residency_lookup._layer_lookup_kernel,
+      {"ids_ptr": "*i64", "valid_ptr": "*i1", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
+       "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
+       "slot_ids_ptr": "*i32", "n": "i32", "base": "i32", "S": "i32", "shared_slot": "i32", "stride_ids": "i32"},
+      dict(K=8, KO=9, BLOCK_N=16, BLOCK_S=1024))
+build(rms_norm._rms_norm_kernel,
+      {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
+       "out32_ptr": "*fp32", "D": "i32", "eps": "fp32"},
+      dict(HAS_RES=True, UNIT_OFFSET=True, FP32_COPY=True, BLOCK_D=2048))
+for n, k, bn, bk in ((12288, 2048, 16, 256), (2048, 4096, 8, 512), (200, 384, 16, 128)):  # even and ragged
+    build(dense_gemv._dense_gemv_kernel,
+          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "stride_xm": "i32",
+           "stride_ym": "i32"},
+          dict(N=n, K=k, scale_cols=-(-k // 128), SCALE_MODE=0, G=128, BLOCK_N=bn, BLOCK_K=bk))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_decode_kernels_compile_for_sm90():
+    assert build_for_sm90(_COMPILE_CHECK, timeout=300).strip() == "ok"
