@@ -64,7 +64,9 @@ class CudaGraphExecutor(ExecutorPools):
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
         self.model.prepare_fast_path()
-        self.model.prefill_kernels = prefill_kernels
+        # NOTE: the Triton prefill (mixers, tensor-core projections and grouped MoE GEMMs) is opt-in until a
+        # GPU run has verified it; off, every step runs the kernels the H200 runs have checked
+        self.prefill_kernels = self.model.prefill_kernels = prefill_kernels
         self.bank = checkpoint.experts
         # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
@@ -110,7 +112,8 @@ class CudaGraphExecutor(ExecutorPools):
                                self.device)
 
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
-        return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows)
+        return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
+                                grouped=self.prefill_kernels)
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""

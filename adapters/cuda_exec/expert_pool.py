@@ -31,10 +31,12 @@ class DeviceExpertPool:
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
-                 shared_rows: torch.Tensor | None = None):
+                 shared_rows: torch.Tensor | None = None, grouped: bool = True):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
-        expert per token. None: the caller computes the shared expert itself."""
+        expert per token. None: the caller computes the shared expert itself.
+        grouped: chunks of more than GEMV_MAX_PAIRS pairs take the grouped tensor-core GEMMs (False: the
+        per-pair GEMVs at every size, as before they existed)."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if bank.rows is None:
@@ -52,6 +54,7 @@ class DeviceExpertPool:
                                      device=self.device)  # [S + L, R]
         self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
         self.has_shared = shared_rows is not None
+        self.grouped = grouped
         if shared_rows is not None:
             self.all_slots[num_slots:].copy_(shared_rows)
         self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device)
@@ -99,7 +102,7 @@ class DeviceExpertPool:
         """The fused MoE over all_slots: per-pair GEMVs for `pairs` (= T*K routed pairs) up to
         GEMV_MAX_PAIRS, grouped GEMMs above (bounding the distinct slots of a call by the layer's experts
         plus the shared one, which keeps their block size, and so their bits, the same in every call)."""
-        if pairs <= GEMV_MAX_PAIRS:
+        if pairs <= GEMV_MAX_PAIRS or not self.grouped:
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
         return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                            max_groups=self.bank.num_experts + 1)
