@@ -118,3 +118,14 @@ def test_cli_prints_speedups_as_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 1.6
     assert rows[1]["expert_slots_per_rank"] == [5120, 5120]
+
+
+def test_the_large_synthetic_geometry_is_what_ft_synth_writes():
+    import dataclasses
+
+    from adapters.checkpoint.synth_config import GEOMETRIES, config_json
+    from domain.model_spec import ModelSpec
+
+    written = ModelSpec.from_hf_config(config_json(GEOMETRIES["synthetic-moe-155b"], "fp8_block", "nested"))
+    ours = large_synthetic()
+    assert dataclasses.replace(written, name=ours.name, max_context=ours.max_context) == ours
