@@ -63,7 +63,7 @@ def _add_serve(sub) -> None:
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="one model over N GPUs (or N CPU processes): the experts split between them, the dense "
-                        "layers on each; this process serves HTTP (docs/adr/0007-expert-parallel.md)")
+                        "layers on each; this process serves HTTP (docs/adr/0008-expert-parallel.md)")
     p.add_argument("--ep-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks --expert-parallel starts
     p.add_argument("--ep-address", default=None, help=argparse.SUPPRESS)
     return p

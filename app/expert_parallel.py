@@ -1,4 +1,4 @@
-"""`ft serve --expert-parallel N` ([adr/0007](../docs/adr/0007-expert-parallel.md)): this process is rank 0
+"""`ft serve --expert-parallel N` ([adr/0008](../docs/adr/0008-expert-parallel.md)): this process is rank 0
 (HTTP, the scheduler, the engine loop) and starts ranks 1..N-1 as `python -m app serve ... --ep-rank r`
 children that load the same model, plan the same pools, join the torch.distributed group and then run
 every step rank 0 broadcasts. Until SIGINT/SIGTERM, or until a rank exits.

@@ -35,7 +35,7 @@ class ServeSettings:
     # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
     cache_type: str = "radix"  # "radix" | "none"
     snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
-    # expert parallelism (docs/adr/0007-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
+    # expert parallelism (docs/adr/0008-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
     expert_parallel: int = 1
     ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
     ep_address: str | None = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT), set with ep_rank

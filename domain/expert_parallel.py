@@ -1,5 +1,5 @@
 """Expert parallelism for one model over N GPUs: which GPU (rank) owns each (layer, expert) key, and the
-pools of every rank checked against its own budget ([adr/0007](../docs/adr/0007-expert-parallel.md)).
+pools of every rank checked against its own budget ([adr/0008](../docs/adr/0008-expert-parallel.md)).
 
 Every rank runs the dense layers (attention, Gated DeltaNet, router, shared expert) on the same tokens, so
 each holds the dense weights, the KV pages and the linear-attention state slots of every sequence (the one

@@ -8,7 +8,7 @@
 # 3. the same greedy prompts on both servers: the answers must be identical (correctness on GPUs + NCCL);
 # 4. the simulator's prediction for the same points (python -m simulator expert-parallel), for the ADR.
 # NOTE: --expert-parallel runs the reference executor today (the fast path's EP pool is the next step,
-# docs/adr/0007-expert-parallel.md), so both servers run EXECUTOR=reference by default: the ratio then
+# docs/adr/0008-expert-parallel.md), so both servers run EXECUTOR=reference by default: the ratio then
 # measures the bigger cache and the N links on the reference path, not the fast path's absolute speed.
 # Env: N (ranks, default: every visible GPU, at most 4), GEOMETRY (qwen3.6-35b-a3b | synthetic-moe-155b),
 # CKPT, EXECUTOR, CAP_GIB (24). The large geometry needs ~155 GB of disk and uses --mmap-experts (every rank

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
     p.add_argument("--plot", help="write a PNG of tok/s against KV pool size per batch size")
     e = sub.add_parser("expert-parallel", help="predict bs1..bsN decode on 1..N GPUs with the experts split "
-                                               "over them (docs/adr/0007-expert-parallel.md)")
+                                               "over them (docs/adr/0008-expert-parallel.md)")
     e.add_argument("--hardware", default="h200")
     e.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
                    help=f"one of {sorted(BUILTIN_MODELS)}, synthetic-moe-155b, or a checkpoint directory")

@@ -5,7 +5,7 @@ its experts, and then the ranks exchange the MoE partials (one collective per Mo
 layer can start. The layer's time is therefore the slowest rank's plus the exchange.
 
 Exchange model (ExchangeParams): a ring all-reduce of the [T, K+1, H] fp32 partials (the exact exchange,
-docs/adr/0007-expert-parallel.md), latency + 2(N-1)/N x bytes / link bandwidth. Host memory may cap the
+docs/adr/0008-expert-parallel.md), latency + 2(N-1)/N x bytes / link bandwidth. Host memory may cap the
 links together: with `host_bytes_per_s` set, k ranks copying at once get min(link, host / k) each.
 
 Shape legend: T tokens of a step, K top-k, H hidden, N ranks.
@@ -225,7 +225,7 @@ def large_synthetic(expert_format: WeightFormat = WeightFormat.FP8_BLOCK) -> Mod
     """A geometry whose experts do not fit one GPU's budget even at 141 GB: 48 layers (3 GDN : 1 attention)
     of 256 experts, top-8, H 4096, expert intermediate 1024 (≈12.6 MB an expert in block FP8, 155 GB in
     all) — in size between Qwen3-235B-A22B and the 400B-class models the customer runs. `ft synth` makes
-    it from this config (docs/adr/0007-expert-parallel.md)."""
+    it from this config (docs/adr/0008-expert-parallel.md)."""
     kinds = ((LayerKind.LINEAR_ATTENTION,) * 3 + (LayerKind.FULL_ATTENTION,)) * 12
     return ModelSpec(
         name="synthetic-moe-155b", architecture="qwen3_5_moe", hidden_size=4096, layer_kinds=kinds,

@@ -2,7 +2,7 @@
 same tokens and computes only the routed experts it owns (domain.expert_parallel.ExpertPartition) from its
 own slot cache; the MoE partials are summed across ranks with torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Exactness (docs/adr/0007-expert-parallel.md): each rank writes the weighted output of the (token, k) pairs it
+Exactness (docs/adr/0008-expert-parallel.md): each rank writes the weighted output of the (token, k) pairs it
 owns into a zeroed [T, K, H] tensor and the ranks all-reduce it. Every entry has exactly one non-zero writer,
 and x + 0 = x exactly in IEEE arithmetic, so every rank holds the same bits whatever order or algorithm the
 collective uses. Each rank then adds the pairs in the reference order (ascending expert id, index_add_ of
