@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from app.pool_snapshot import PoolPublisher
+from app.reasoning import ThinkingPlan
 from app.resize_coordinator import ResizeCoordinator, ResizeOutcome, plan_live_resize
 from app.self_check import first_failure
 from app.stats import ServingStats
@@ -124,14 +125,15 @@ class Engine:
                                 state_slots=state_slots)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-               stop: Sequence[str] = ()) -> asyncio.Queue:
-        """Queue a request; its StreamEvents arrive on the returned queue (last one has finish_reason)."""
+               stop: Sequence[str] = (), thinking: ThinkingPlan | None = None) -> asyncio.Queue:
+        """Queue a request; its StreamEvents arrive on the returned queue (last one has finish_reason).
+        ``thinking``: count the output's reasoning tokens and enforce its budget (app.reasoning)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                           arrival_time=self._clock())
         reason = self.scheduler.check_request(request)
         if reason is not None:
             raise RequestRejected(reason)
-        live = LiveStream.start(request, self.tokenizer, stop)
+        live = LiveStream.start(request, self.tokenizer, stop, thinking)
         self._command(("submit", live))
         return live.events
 

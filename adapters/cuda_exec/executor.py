@@ -194,25 +194,40 @@ class CudaGraphExecutor(ExecutorPools):
                 raise ValueError(f"cannot execute step: {reason}")
             with torch.inference_mode():
                 logits_rows, tokens = self._decode(batch.works)
-            # greedy rows: the graph's own argmax, one device->host copy for the whole step
-            greedy = tokens.tolist()
-            logits = {}
+                tokens = self._draw(batch.works, logits_rows, tokens)
+            # every row's token in one device->host copy; log-probabilities only where asked for
+            drawn = tokens.tolist()
             for i, w in enumerate(batch.works):
-                if _greedy(w):
-                    out[w.request_id] = SampledToken(w.request_id, greedy[i])
-                else:
-                    logits[w.request_id] = logits_rows[i:i + 1]
-        else:
-            logits = self.compute_logits(batch)
+                p = w.sampling
+                if drawn[i] >= 0 and not (p.logprobs or p.top_logprobs):
+                    out[w.request_id] = SampledToken(w.request_id, drawn[i])
+                else:  # -1: the batched draw failed; the row is sampled alone (its error stays its own)
+                    out[w.request_id] = self._sample(w.request_id, logits_rows[i], w, drawn[i] if drawn[i] >= 0 else None)
+            return out
+        logits = self.compute_logits(batch)
         for rid, row in logits.items():
-            if works[rid].sample and rid not in out:
+            if works[rid].sample:
                 out[rid] = self._sample(rid, row[0], works[rid])
         return out
+
+    def _draw(self, works, logits_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [n] with the non-greedy rows drawn on the device in one batch (Sampler.sample_batch);
+        the greedy rows keep the graph's argmax. A failed draw marks its rows -1."""
+        rows = [i for i, w in enumerate(works) if not _greedy(w.sampling)]
+        if not rows:
+            return tokens
+        tokens = tokens.clone()
+        idx = torch.tensor(rows, device=tokens.device)
+        try:
+            tokens[idx] = self.sampler.sample_batch(logits_rows[idx], [works[i].sampling for i in rows],
+                                                    [works[i].output_index for i in rows])
+        except Exception:  # NOTE: confined: those rows go through the per-row path, which reports errors
+            tokens[idx] = -1
+        return tokens
 
     def check_valid(self) -> None:
         self._check_pools()
 
-def _greedy(work) -> bool:
-    p = work.sampling
-    return (p.temperature == 0.0 or p.top_k == 1) and not (p.logprobs or p.top_logprobs)
+def _greedy(p) -> bool:
+    return p.temperature == 0.0 or p.top_k == 1
 

@@ -55,6 +55,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None  # vLLM's extension: reasoning tokens before the close is forced
 
 
 class CompletionRequest(_Sampling, kw_only=True):
