@@ -61,6 +61,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="one model over N GPUs (or N CPU processes): the experts split between them, the dense "
+                        "layers on each; this process serves HTTP (docs/adr/0008-expert-parallel.md)")
+    p.add_argument("--ep-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks --expert-parallel starts
+    p.add_argument("--ep-address", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -117,10 +122,19 @@ def _serve(args, parser) -> int:
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
             cache_type=args.cache_type,
             snapshot_slots=args.snapshot_slots,
+            expert_parallel=args.expert_parallel,
+            ep_rank=args.ep_rank,
+            ep_address=args.ep_address,
         )
+        if args.data_parallel != 1 and args.expert_parallel != 1:
+            raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
+    if args.expert_parallel != 1:
+        from app.expert_parallel import serve_expert_parallel
+
+        return serve_expert_parallel(args, parser, settings)
     if args.data_parallel != 1:
         from app.data_parallel.serve import serve_data_parallel
 

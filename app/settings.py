@@ -35,6 +35,10 @@ class ServeSettings:
     # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
     cache_type: str = "radix"  # "radix" | "none"
     snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
+    # expert parallelism (docs/adr/0008-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
+    expert_parallel: int = 1
+    ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
+    ep_address: str | None = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT), set with ep_rank
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -61,6 +65,13 @@ class ServeSettings:
             raise ValueError(f"--cache-type must be radix or none, got {self.cache_type!r}")
         if self.snapshot_slots is not None and self.snapshot_slots < 0:
             raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
+        if self.expert_parallel < 1 or not 0 <= self.ep_rank < self.expert_parallel:
+            raise ValueError(f"--expert-parallel must be >= 1 (rank {self.ep_rank} of it), got {self.expert_parallel}")
+        if self.expert_parallel > 1:
+            clash = [flag for flag, on in (("--executor cuda-graph", self.executor == "cuda-graph"),
+                                           ("--record-routing", self.record_routing is not None)) if on]
+            if clash:
+                raise ValueError(f"--expert-parallel runs the reference executor for now; not with {', '.join(clash)}")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
