@@ -69,6 +69,13 @@ class ServingStats:
         self.state_slots_used = Gauge("ft_state_slots_used", "Linear-attention state slots in use", registry=r)
         self.state_slots_total = Gauge("ft_state_slots_total", "Linear-attention state slots", registry=r)
         self.expert_slots_total = Gauge("ft_expert_slots_total", "Expert cache slots", registry=r)
+        self.routing_mode = Gauge("ft_routing", "1 on the routing mode in force: natural, or the --routing-replay "
+                                  "spec (benchmark-only)", ["mode", "spec"], registry=r)
+        self.routing_replayed = Gauge("ft_routing_replay_tokens", "Tokens whose experts the routing replay chose "
+                                      "(cumulative)", registry=r)
+        self.routing_host_seconds = Gauge("ft_routing_replay_host_seconds", "Host seconds spent producing the "
+                                          "replayed expert ids (cumulative)", registry=r)
+        self.record_routing({"mode": "natural"})
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
@@ -107,6 +114,16 @@ class ServingStats:
         self.state_slots_used.set(pools["state_slots_used"])
         self.state_slots_total.set(pools["state_slots_total"])
         self.expert_slots_total.set(pools["expert_slots"])
+
+    def record_routing(self, routing: dict) -> None:
+        """The engine's routing() description into the routing gauges (the /metrics handler calls it)."""
+        replay = routing.get("mode", "natural") != "natural"
+        active = replay and bool(routing.get("active", True))
+        if replay:
+            self.routing_mode.labels(mode=routing["mode"], spec=routing.get("spec", routing["mode"])).set(int(active))
+            self.routing_replayed.set(routing.get("tokens_replaced", 0))
+            self.routing_host_seconds.set(routing.get("host_seconds", 0.0))
+        self.routing_mode.labels(mode="natural", spec="natural").set(int(not active))
 
     # -- readers ----------------------------------------------------------------------------
     def window(self) -> dict:

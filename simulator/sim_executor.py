@@ -26,7 +26,6 @@ from simulator.host import SimHost
 from simulator.routing import RoutingModel
 
 
-
 @dataclass
 class ExecutorCounters:
     steps: int = 0
