@@ -181,3 +181,30 @@ def test_locality_yields_its_hit_rate_at_a_small_slot_count(sticky):
     # the demo model's trained router sits between the two configurations (measured: 0.88, 0.72, 0.21)
     assert rate("sticky") > 0.85 and rate("scattered") < 0.3, measured
     assert rate("sticky") > rate("natural") > rate("scattered"), measured
+
+
+def test_ft_bench_measures_the_replay_and_natural_routing_beside_it(sticky, tmp_path):
+    from app.cli import main
+
+    out = tmp_path / "sweep.json"
+    code = main(["bench", "sweep", "--base-url", sticky.base_url, "--kv", "current", "--batch", "1", "--warmup", "1",
+                 "--warmup-tokens", "4", "--iterations", "1", "--tokens", "12", "--no-bandwidth", "--quiet",
+                 "--out", str(out)])
+    assert code == 0
+    replay = json.loads(out.read_text())
+    natural_out = tmp_path / "sweep-natural.json"
+    natural = json.loads(natural_out.read_text())
+    spec = replay["routing_replay"]["spec"]
+    assert replay["routing"] == spec and spec.startswith("locality:p_prev=1.0")
+    assert natural["routing"] == "natural" and natural["routing_replay"]["active"] is False
+    assert replay["linked_records"] == {"natural": str(natural_out)} and natural["linked_records"] == {"replay": str(out)}
+    assert replay["settings"]["routing"] == "both"
+    # the figures differ where the routing does: the sticky replay hits more often than the demo's router
+    assert replay["points"][0]["hit_rate"] > natural["points"][0]["hit_rate"]
+    assert httpx.get(sticky.base_url + "/health").json()["routing"]["active"] is True  # left as found
+    code = main(["bench", "smoke", "--base-url", sticky.base_url, "--routing", "natural", "--no-bandwidth", "--quiet",
+                 "--out", str(tmp_path / "smoke.json")])
+    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    assert smoke["routing"] == "natural" and smoke["linked_records"] == {} and smoke["ok"] is True
+    assert not (tmp_path / "smoke-natural.json").exists()
+    assert httpx.get(sticky.base_url + "/health").json()["routing"]["active"] is True
