@@ -208,3 +208,10 @@ def test_ft_bench_measures_the_replay_and_natural_routing_beside_it(sticky, tmp_
     assert smoke["routing"] == "natural" and smoke["linked_records"] == {} and smoke["ok"] is True
     assert not (tmp_path / "smoke-natural.json").exists()
     assert httpx.get(sticky.base_url + "/health").json()["routing"]["active"] is True
+
+
+def test_ft_serve_exits_2_on_a_bad_spec_before_loading(capsys):
+    from app.cli import main
+
+    assert main(["serve", "--port", "0", "--device", "cpu", "--routing-replay", "locality:p_prev=3"]) == 2
+    assert "p_prev" in capsys.readouterr().err
