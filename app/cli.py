@@ -36,6 +36,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
+    p.add_argument("--routing-replay", default=None, metavar="SPEC",
+                   help="benchmark only: replace the routers' expert choice by the simulator's locality model or a "
+                        "recorded trace: locality[:NAME=VALUE,...] | uniform[:seed=N] | trace:FILE (docs/serving.md)")
     p.add_argument("--mmap-experts", action="store_true",
                    help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
@@ -90,7 +93,7 @@ def _check(args) -> int:
 def _serve(args, parser) -> int:
     import logging
 
-    from app.containers import Container, environment_api_key
+    from app.containers import Container, check_routing_replay, environment_api_key
     from app.serving import RunningServer
     from app.settings import ServeSettings
 
@@ -115,6 +118,7 @@ def _serve(args, parser) -> int:
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
+            routing_replay=args.routing_replay,
             executor=args.executor,
             prefill_kernels=args.prefill_kernels,
             tool_call_parser=args.tool_call_parser,
@@ -128,6 +132,7 @@ def _serve(args, parser) -> int:
         )
         if args.data_parallel != 1 and args.expert_parallel != 1:
             raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
+        check_routing_replay(settings)
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2

@@ -179,7 +179,27 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
     )
 
 
-def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, progress=None):
+def check_routing_replay(settings: ServeSettings) -> None:
+    """--routing-replay parsed by the simulator before anything loads; ValueError naming what is wrong."""
+    if settings.routing_replay:
+        from simulator.replay_source import parse_replay_spec
+
+        parse_replay_spec(settings.routing_replay)
+
+
+def _routing_replay(settings: ServeSettings, spec: ModelSpec):
+    """The executors' routing replay over the simulator's routing model (None: natural routing)."""
+    if not settings.routing_replay:
+        return None
+    from adapters.torch_exec.routing_replay import RoutingReplayer
+    from simulator.replay_source import replay_source
+
+    source = replay_source(settings.routing_replay, spec.num_layers, spec.num_experts, spec.top_k)
+    return RoutingReplayer(source, spec.num_layers, spec.num_experts, spec.top_k)
+
+
+def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, progress=None,
+                    routing_replay=None):
     import torch
 
     from adapters.torch_exec.executor import TorchExecutor
@@ -195,13 +215,14 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
-                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton")
+                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
+                                 routing_replay=routing_replay)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
-    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder)
+    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder, routing_replay=routing_replay)
 
 
 def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, dtype):
@@ -306,7 +327,8 @@ class Container(containers.DeclarativeContainer):
         allocator,
         pool_plan,
     )
-    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device, progress)
+    routing_replay = providers.Singleton(_routing_replay, settings, model_spec)
+    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device, progress, routing_replay)
     stats = providers.Singleton(ServingStats)
     model_info = providers.Singleton(_model_info, settings, model_spec, generation_config)
     engine = providers.Singleton(
@@ -321,6 +343,7 @@ class Container(containers.DeclarativeContainer):
         plan=pool_plan,
         stats=stats,
         eos_token_ids=eos_token_ids,
+        routing_replay=routing_replay,
     )
 
 

@@ -30,7 +30,7 @@ from app.streams import LiveStream, RequestStreams
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
-from domain.ports import ModelExecutor, SampledToken, Tokenizer
+from domain.ports import ModelExecutor, RoutingReplayControl, SampledToken, Tokenizer
 from domain.request import Request, SamplingParams
 from domain.resize import ResizePlan
 from domain.scheduler import Scheduler
@@ -59,6 +59,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         debug: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        routing_replay: RoutingReplayControl | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -68,6 +69,7 @@ class Engine:
         self.plan = plan
         self.stats = stats
         self.debug = debug
+        self.routing_replay = routing_replay  # --routing-replay (benchmark-only); None: natural routing
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self._allocator = allocator
         self._clock = clock
@@ -106,6 +108,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def routing(self) -> dict:
+        """How tokens are routed: {"mode": "natural"}, or the replay's description with "active"."""
+        return {"mode": "natural"} if self.routing_replay is None else self.routing_replay.describe()
 
     @property
     def alive(self) -> bool:

@@ -24,6 +24,8 @@ class ServeSettings:
     debug: bool = False
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
     record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
+    # benchmark-only: replace the routers' choice: "locality[:NAME=VALUE,...]" | "uniform[:seed=N]" | "trace:FILE"
+    routing_replay: str | None = None
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
@@ -85,6 +87,11 @@ class ServeSettings:
         if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
             raise ValueError(f"--reasoning-parser must be auto, none or one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.routing_replay is not None and self.routing_replay.partition(":")[0] not in ("locality", "uniform",
+                                                                                               "trace"):
+            # NOTE: the spec's parameters are checked by app.containers.check_routing_replay (the simulator parses)
+            raise ValueError(f"--routing-replay must be locality[:NAME=VALUE,...], uniform[:seed=N] or trace:FILE, "
+                             f"got {self.routing_replay!r}")
         if self.record_routing is not None:
             # NOTE: checked before the model loads; otherwise the bad path surfaces only as a load error
             folder = os.path.dirname(os.path.abspath(self.record_routing))

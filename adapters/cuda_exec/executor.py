@@ -21,10 +21,12 @@ from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.cuda_exec.routing_replay import DeviceRoutingTable
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
@@ -52,10 +54,12 @@ class CudaGraphExecutor(ExecutorPools):
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
-                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False):
+                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
+                 routing_replay: RoutingReplayer | None = None):
         """on_phase(name): told when the first graph capture starts and ends (a start-up milestone).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
-        False keeps the reference token mixers there (the default until the kernels are GPU-verified)."""
+        False keeps the reference token mixers there (the default until the kernels are GPU-verified).
+        routing_replay: replace the routers' top-k choice (benchmark-only; adapters/cuda_exec/routing_replay.py)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -74,6 +78,12 @@ class CudaGraphExecutor(ExecutorPools):
         self.max_decode_rows = max_decode_rows
         self.max_context = max_context or self.spec.max_context
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if routing_replay is not None and (routing_replay.num_layers, routing_replay.top_k) != (
+                len(self.model.mixers), self.model.opts.top_k):
+            raise ValueError(f"routing replay for L={routing_replay.num_layers} K={routing_replay.top_k}, the model "
+                             f"routes top-{self.model.opts.top_k} in {len(self.model.mixers)} layers")
+        self.routing_replay = routing_replay
+        self.replay_table: DeviceRoutingTable | None = None
         self.kv: PagedKVCache | None = None
         self.state: LinearStatePool | None = None
         self.experts: DeviceExpertPool | None = None
@@ -96,6 +106,9 @@ class CudaGraphExecutor(ExecutorPools):
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
+        if self.routing_replay is not None:
+            self.replay_table = DeviceRoutingTable(self.inputs.rows, len(self.model.mixers), self.model.opts.top_k,
+                                                   self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
 
@@ -128,14 +141,17 @@ class CudaGraphExecutor(ExecutorPools):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for b in buckets:  # warm-up: compiles the Triton kernels, creates cuBLAS handles
+                self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
+            self._set_replay_rows(b)
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 logits, tokens = self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
             self.graphs[b] = (graph, logits, tokens)
+        self.model.replay_ids = None
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
@@ -152,16 +168,26 @@ class CudaGraphExecutor(ExecutorPools):
         n = len(works)
         self._prepare_states(works)  # prefix cache: reset, or restore a snapshot (ExecutorPools)
         self.inputs.stage(works, self.state is not None)
+        if self.replay_table is not None:
+            self.replay_table.stage(self.routing_replay.step_table(works), n)
         if self.graphs:
             bucket = next(b for b in sorted(self.graphs) if b >= n)
             graph, logits, tokens = self.graphs[bucket]
             graph.replay()
             self._take_end_snapshots(works)  # prefix cache: eager copies after the replay, same stream
             return logits[:n], tokens[:n]
-        with torch.inference_mode():
-            logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        self._set_replay_rows(n)
+        try:
+            with torch.inference_mode():
+                logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        finally:
+            self.model.replay_ids = None
         self._take_end_snapshots(works)
         return logits, tokens
+
+    def _set_replay_rows(self, n: int) -> None:
+        """decode_step's replacement ids: the static table's first n rows (a graph captures that storage)."""
+        self.model.replay_ids = self.replay_table.view(n) if self.replay_table is not None else None
 
     def _is_graph_step(self, batch: StepBatch) -> bool:
         works = batch.works
@@ -179,7 +205,12 @@ class CudaGraphExecutor(ExecutorPools):
             return {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(batch.works)}
         inp = flatten(batch, self.device)
         self._prepare_states(batch.works)  # prefix cache (ExecutorPools)
-        hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+        table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
+        self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
+        try:
+            hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+        finally:
+            self.model.replay_ids = None
         self._take_end_snapshots(batch.works)
         wanted = [s for s in inp.spans if s.work.sample]
         if not wanted:
@@ -230,6 +261,8 @@ class CudaGraphExecutor(ExecutorPools):
 
     def check_valid(self) -> None:
         self._check_pools()
+        if self.routing_replay is not None:
+            self.routing_replay.check_valid()
 
 def _greedy(p) -> bool:
     return p.temperature == 0.0 or p.top_k == 1

@@ -19,6 +19,7 @@ from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
 from adapters.cuda_exec.prefill import attention_prefill, gdn_prefill
 from adapters.cuda_exec.prefill_linear import prefill_linear
+from adapters.cuda_exec.routing_replay import replace_routing
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
@@ -66,6 +67,7 @@ class FastDecoder(MoeDecoder):
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
         if isinstance(router, QTensor):  # a quantized router: the reference route (rare; not fused)
             weights, ids = route(h, router, k, self.opts.renormalize)  # [T, K]
+            logits = None
             if gate_w is not None:
                 gate = torch.sigmoid(self._linear(h, gate_w)).float()  # [T, 1]
                 weights = torch.cat((weights, gate), 1)  # [T, K+1], as moe_router lays it out
@@ -75,6 +77,8 @@ class FastDecoder(MoeDecoder):
             logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
             ids = ids[:, :k]
+        if self.replay_ids is not None:  # --routing-replay (benchmark-only): in place, graph-safe
+            replace_routing(self.replay_ids[:, i], h, router, weights, ids, logits, self.opts.renormalize)
         if gate_w is None:
             return experts.routed(i, h, weights, ids, valid)  # [T, H]
         if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels

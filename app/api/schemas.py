@@ -68,6 +68,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     suffix: str | None = None
 
 
+class RoutingRequest(msgspec.Struct, kw_only=True):
+    replay: bool  # True: replace the routers' choice (--routing-replay); False: natural routing
+
+
 class CacheRebuildRequest(msgspec.Struct, kw_only=True):
     kv_tokens: int | str | None = None
     moe_slots: int | str | None = None
