@@ -40,6 +40,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
+    p.add_argument("--routing-replay", default=None, metavar="SPEC",
+                   help="benchmark only: replace the routers' expert choice by the simulator's locality model or a "
+                        "recorded trace: locality[:NAME=VALUE,...] | uniform[:seed=N] | trace:FILE (docs/serving.md)")
     p.add_argument("--mmap-experts", action="store_true",
                    help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
@@ -70,6 +73,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="one model over N GPUs (or N CPU processes): the experts split between them, the dense "
+                        "layers on each; this process serves HTTP (docs/adr/0008-expert-parallel.md)")
+    p.add_argument("--ep-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks --expert-parallel starts
+    p.add_argument("--ep-address", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -94,7 +102,7 @@ def _check(args) -> int:
 def _serve(args, parser) -> int:
     import logging
 
-    from app.containers import Container, environment_api_key
+    from app.containers import Container, check_routing_replay, environment_api_key
     from app.serving import RunningServer
     from app.settings import ServeSettings
 
@@ -119,6 +127,7 @@ def _serve(args, parser) -> int:
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
+            routing_replay=args.routing_replay,
             executor=args.executor,
             prefill_kernels=args.prefill_kernels,
             tool_call_parser=args.tool_call_parser,
@@ -127,10 +136,20 @@ def _serve(args, parser) -> int:
             cache_type=args.cache_type,
             snapshot_slots=args.snapshot_slots,
             staging_experts=args.staging_experts,
+            expert_parallel=args.expert_parallel,
+            ep_rank=args.ep_rank,
+            ep_address=args.ep_address,
         )
+        if args.data_parallel != 1 and args.expert_parallel != 1:
+            raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
+        check_routing_replay(settings)
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
+    if args.expert_parallel != 1:
+        from app.expert_parallel import serve_expert_parallel
+
+        return serve_expert_parallel(args, parser, settings)
     if args.data_parallel != 1:
         from app.data_parallel.serve import serve_data_parallel
 

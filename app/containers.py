@@ -115,15 +115,29 @@ def _snapshot_slots(settings: ServeSettings) -> int:
 
 def _staging_experts(settings: ServeSettings, device: str) -> int | None:
     """Explicit rows as asked; auto: the planner's default (None) where the fast path will likely run
-    (it alone streams prefill, ADR 0008), else 0 (the reference executor would leave them unused)."""
+    (it alone streams prefill, ADR 0010), else 0 (the reference executor would leave them unused)."""
     if settings.staging_experts is not None:
         return settings.staging_experts
     fast = (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
-            and not settings.record_routing)
+            and not settings.record_routing and settings.expert_parallel == 1)
     return None if fast else 0
 
 
 def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, device: str = "cpu") -> PoolPlan:
+    """This process's pools; with --expert-parallel N its rank's share of plan_expert_parallel (the KV, state
+    and snapshot pools alike on every rank, the expert slots over the keys the rank owns)."""
+    if settings.expert_parallel == 1:
+        return _plan(settings, spec, budget, plan_pools, device)
+    from domain.expert_parallel import ExpertPartition, plan_expert_parallel
+
+    partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
+    plan = _plan(settings, spec, budget, lambda s, b, r: plan_expert_parallel(s, b, r, partition), device)
+    return plan.ranks[settings.ep_rank]
+
+
+def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, device: str = "cpu"):
+    """planner(spec, budget, request) -> a plan (PoolPlan, or the expert-parallel plan of every rank) or a
+    PlanRefusal."""
     request = PoolRequest(
         kv_tokens=settings.kv_tokens,
         expert_slots=settings.moe_slots,
@@ -132,28 +146,29 @@ def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, devi
         kv_reserve_tokens=settings.kv_reserve_tokens,
         staging_experts=_staging_experts(settings, device),
     )
-    plan = plan_pools(spec, budget, request)
+    plan = planner(spec, budget, request)
     if isinstance(plan, PlanRefusal) and plan.pool == "staging" and settings.staging_experts is None:
         # NOTE: as the default snapshot pool below: the default staging rows must not stop a server that
         # fits without them; it then prefills through the expert cache (which evicts) and says so.
         log.warning("the default prefill staging rows do not fit (%s); prefill goes through the expert cache",
                     plan.message)
         request = replace(request, staging_experts=0)
-        plan = plan_pools(spec, budget, request)
+        plan = planner(spec, budget, request)
     if isinstance(plan, PlanRefusal) and plan.pool == "snapshot" and settings.snapshot_slots is None:
         # NOTE: the default snapshot pool must not stop a server that fits without it: it then serves
         # with a KV-only cache (which a hybrid model cannot resume from, so effectively none) and says so.
         log.warning("the default %d state snapshot slots do not fit (%s); serving without them",
                     request.snapshot_slots, plan.message)
         request = replace(request, snapshot_slots=0)
-        plan = plan_pools(spec, budget, request)
+        plan = planner(spec, budget, request)
     if isinstance(plan, PlanRefusal):
         raise ValueError(f"the pools do not fit: {plan.message}")
     # NOTE: KV beyond every running sequence at full context can never be used; on a small
     # model the MoE-first split would otherwise hand it gigabytes. Give it back to the card.
     useful = settings.max_running_requests * spec.max_context
-    if settings.kv_tokens is None and plan.kv_tokens > useful:
-        capped = plan_pools(spec, budget, replace(request, kv_tokens=useful))
+    kv_tokens = getattr(plan, "shared", plan).kv_tokens
+    if settings.kv_tokens is None and kv_tokens > useful:
+        capped = planner(spec, budget, replace(request, kv_tokens=useful))
         if not isinstance(capped, PlanRefusal):
             plan = capped
     plan.check_valid()
@@ -182,7 +197,27 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
     )
 
 
-def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, progress=None):
+def check_routing_replay(settings: ServeSettings) -> None:
+    """--routing-replay parsed by the simulator before anything loads; ValueError naming what is wrong."""
+    if settings.routing_replay:
+        from simulator.replay_source import parse_replay_spec
+
+        parse_replay_spec(settings.routing_replay)
+
+
+def _routing_replay(settings: ServeSettings, spec: ModelSpec):
+    """The executors' routing replay over the simulator's routing model (None: natural routing)."""
+    if not settings.routing_replay:
+        return None
+    from adapters.torch_exec.routing_replay import RoutingReplayer
+    from simulator.replay_source import replay_source
+
+    source = replay_source(settings.routing_replay, spec.num_layers, spec.num_experts, spec.top_k)
+    return RoutingReplayer(source, spec.num_layers, spec.num_experts, spec.top_k)
+
+
+def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, progress=None,
+                    routing_replay=None):
     import torch
 
     from adapters.torch_exec.executor import TorchExecutor
@@ -192,17 +227,54 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         # one intra-op thread and 20-300 ms with two (thread-pool wake-ups under contention).
         torch.set_num_threads(settings.cpu_threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if settings.expert_parallel > 1:
+        return _expert_parallel_executor(settings, checkpoint, plan, device, dtype)
     if _use_fast_path(settings, checkpoint, device):
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
-                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton")
+                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
+                                 routing_replay=routing_replay)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
-    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder)
+    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder, routing_replay=routing_replay)
+
+
+def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, dtype):
+    """This rank's ExpertParallelExecutor once every rank has joined the group (gloo on the CPU, NCCL on
+    CUDA); rank 0's wrapped in the StepLeader that sends each step to the others."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from adapters.torch_exec.expert_parallel import ExpertParallelExecutor, StepLeader
+    from domain.expert_parallel import ExpertPartition
+
+    if settings.ep_address is None:
+        raise ValueError("--expert-parallel: no rendezvous address (ft serve sets it for every rank)")
+    # NOTE: a rank that dies leaves the others in a collective; the timeout bounds how long they wait
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=settings.ep_address,
+                            rank=settings.ep_rank, world_size=settings.expert_parallel, timeout=timedelta(minutes=10))
+    spec = checkpoint.spec
+    partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
+    executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
+    return StepLeader(executor) if settings.ep_rank == 0 else executor
+
+
+def run_expert_parallel_follower(settings: ServeSettings) -> int:
+    """Rank 1..N-1 of `ft serve --expert-parallel N`: load, plan, join the group, then run every step rank 0
+    sends until it says stop. No HTTP, no scheduler: rank 0's are the only ones."""
+    from adapters.torch_exec.expert_parallel import follow
+
+    container = Container()
+    container.settings.override(providers.Object(settings))
+    executor = container.executor()
+    steps = follow(executor)
+    log.info("rank %d: stopped after %d steps", settings.ep_rank, steps)
+    return 0
 
 
 def _use_fast_path(settings: ServeSettings, checkpoint, device: str) -> bool:
@@ -273,7 +345,8 @@ class Container(containers.DeclarativeContainer):
         allocator,
         pool_plan,
     )
-    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device, progress)
+    routing_replay = providers.Singleton(_routing_replay, settings, model_spec)
+    executor = providers.Singleton(_torch_executor, settings, checkpoint, pool_plan, device, progress, routing_replay)
     stats = providers.Singleton(ServingStats)
     model_info = providers.Singleton(_model_info, settings, model_spec, generation_config)
     engine = providers.Singleton(
@@ -288,6 +361,7 @@ class Container(containers.DeclarativeContainer):
         plan=pool_plan,
         stats=stats,
         eos_token_ids=eos_token_ids,
+        routing_replay=routing_replay,
     )
 
 

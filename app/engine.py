@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from app.pool_snapshot import PoolPublisher
+from app.reasoning import ThinkingPlan
 from app.resize_coordinator import ResizeCoordinator, ResizeOutcome, plan_live_resize
 from app.self_check import first_failure
 from app.stats import ServingStats
@@ -29,7 +30,7 @@ from app.streams import LiveStream, RequestStreams
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
-from domain.ports import ModelExecutor, SampledToken, Tokenizer
+from domain.ports import ModelExecutor, RoutingReplayControl, SampledToken, Tokenizer
 from domain.request import Request, SamplingParams
 from domain.resize import ResizePlan
 from domain.scheduler import Scheduler
@@ -58,6 +59,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         debug: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        routing_replay: RoutingReplayControl | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -67,6 +69,7 @@ class Engine:
         self.plan = plan
         self.stats = stats
         self.debug = debug
+        self.routing_replay = routing_replay  # --routing-replay (benchmark-only); None: natural routing
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self._allocator = allocator
         self._clock = clock
@@ -106,6 +109,10 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
+    def routing(self) -> dict:
+        """How tokens are routed: {"mode": "natural"}, or the replay's description with "active"."""
+        return {"mode": "natural"} if self.routing_replay is None else self.routing_replay.describe()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -124,14 +131,15 @@ class Engine:
                                 state_slots=state_slots)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-               stop: Sequence[str] = ()) -> asyncio.Queue:
-        """Queue a request; its StreamEvents arrive on the returned queue (last one has finish_reason)."""
+               stop: Sequence[str] = (), thinking: ThinkingPlan | None = None) -> asyncio.Queue:
+        """Queue a request; its StreamEvents arrive on the returned queue (last one has finish_reason).
+        ``thinking``: count the output's reasoning tokens and enforce its budget (app.reasoning)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                           arrival_time=self._clock())
         reason = self.scheduler.check_request(request)
         if reason is not None:
             raise RequestRejected(reason)
-        live = LiveStream.start(request, self.tokenizer, stop)
+        live = LiveStream.start(request, self.tokenizer, stop, thinking)
         self._command(("submit", live))
         return live.events
 

@@ -83,7 +83,7 @@ def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
 
 
 def prefill_streaming(executor: ModelExecutor) -> dict | None:
-    """The streamed prefill's cumulative counts and PCIe bound (docs/adr/0008-streamed-prefill.md) where the
+    """The streamed prefill's cumulative counts and PCIe bound (docs/adr/0010-streamed-prefill.md) where the
     executor streams prefill (the fast path's prefill_stats); None otherwise."""
     stats = getattr(executor, "prefill_stats", None)
     if stats is None:

@@ -10,7 +10,7 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 
-from app.api.admin import cache_rebuild, cache_status, health, metrics, stats
+from app.api.admin import cache_rebuild, cache_status, health, metrics, routing, stats
 from app.api.auth import require_api_key
 from app.api.chat import chat_completions
 from app.api.completions import completions
@@ -49,6 +49,7 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
             metrics,
             cache_status,
             cache_rebuild,
+            routing,
         ],
     )
     return Litestar(

@@ -24,6 +24,8 @@ class ServeSettings:
     debug: bool = False
     cpu_threads: int = 1  # torch intra-op threads on the CPU (small models: more threads only add overhead)
     record_routing: str | None = None  # write every token's routed experts here (the simulator's trace format)
+    # benchmark-only: replace the routers' choice: "locality[:NAME=VALUE,...]" | "uniform[:seed=N]" | "trace:FILE"
+    routing_replay: str | None = None
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
@@ -35,9 +37,13 @@ class ServeSettings:
     # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
     cache_type: str = "radix"  # "radix" | "none"
     snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
-    # streamed-prefill staging rows (docs/adr/0008-streamed-prefill.md); None = auto: the geometry's default on
+    # streamed-prefill staging rows (docs/adr/0010-streamed-prefill.md); None = auto: the geometry's default on
     # the fast path when not every expert is resident, else 0; 0 = prefill through the expert LRU
     staging_experts: int | None = None
+    # expert parallelism (docs/adr/0008-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
+    expert_parallel: int = 1
+    ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
+    ep_address: str | None = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT), set with ep_rank
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -66,6 +72,13 @@ class ServeSettings:
             raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
         if self.staging_experts is not None and self.staging_experts < 0:
             raise ValueError(f"--staging-experts must be >= 0, got {self.staging_experts}")
+        if self.expert_parallel < 1 or not 0 <= self.ep_rank < self.expert_parallel:
+            raise ValueError(f"--expert-parallel must be >= 1 (rank {self.ep_rank} of it), got {self.expert_parallel}")
+        if self.expert_parallel > 1:
+            clash = [flag for flag, on in (("--executor cuda-graph", self.executor == "cuda-graph"),
+                                           ("--record-routing", self.record_routing is not None)) if on]
+            if clash:
+                raise ValueError(f"--expert-parallel runs the reference executor for now; not with {', '.join(clash)}")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)
@@ -79,6 +92,11 @@ class ServeSettings:
         if self.reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
             raise ValueError(f"--reasoning-parser must be auto, none or one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.routing_replay is not None and self.routing_replay.partition(":")[0] not in ("locality", "uniform",
+                                                                                               "trace"):
+            # NOTE: the spec's parameters are checked by app.containers.check_routing_replay (the simulator parses)
+            raise ValueError(f"--routing-replay must be locality[:NAME=VALUE,...], uniform[:seed=N] or trace:FILE, "
+                             f"got {self.routing_replay!r}")
         if self.record_routing is not None:
             # NOTE: checked before the model loads; otherwise the bad path surfaces only as a load error
             folder = os.path.dirname(os.path.abspath(self.record_routing))

@@ -80,6 +80,13 @@ class ServingStats:
         self.snapshot_slots_used = Gauge("ft_snapshot_slots_used", "GDN state snapshot slots in use", registry=r)
         self.snapshot_slots_total = Gauge("ft_snapshot_slots_total", "GDN state snapshot slots", registry=r)
         self._prefix = [0, 0, 0, 0]  # requests, hits, prompt tokens, cached tokens (cumulative)
+        self.routing_mode = Gauge("ft_routing", "1 on the routing mode in force: natural, or the --routing-replay "
+                                  "spec (benchmark-only)", ["mode", "spec"], registry=r)
+        self.routing_replayed = Gauge("ft_routing_replay_tokens", "Tokens whose experts the routing replay chose "
+                                      "(cumulative)", registry=r)
+        self.routing_host_seconds = Gauge("ft_routing_replay_host_seconds", "Host seconds spent producing the "
+                                          "replayed expert ids (cumulative)", registry=r)
+        self.record_routing({"mode": "natural"})
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
@@ -143,6 +150,16 @@ class ServingStats:
         self.prefix_cached_pages.set(cache.get("cached_pages", 0))
         self.snapshot_slots_used.set(cache.get("snapshot_slots_used", 0))
         self.snapshot_slots_total.set(cache.get("snapshot_slots_total", 0))
+
+    def record_routing(self, routing: dict) -> None:
+        """The engine's routing() description into the routing gauges (the /metrics handler calls it)."""
+        replay = routing.get("mode", "natural") != "natural"
+        active = replay and bool(routing.get("active", True))
+        if replay:
+            self.routing_mode.labels(mode=routing["mode"], spec=routing.get("spec", routing["mode"])).set(int(active))
+            self.routing_replayed.set(routing.get("tokens_replaced", 0))
+            self.routing_host_seconds.set(routing.get("host_seconds", 0.0))
+        self.routing_mode.labels(mode="natural", spec="natural").set(int(not active))
 
     # -- readers ----------------------------------------------------------------------------
     def window(self) -> dict:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from app.detokenize import IncrementalDetokenizer, StopStringMatcher
+from app.reasoning import ReasoningTokens, ThinkingPlan
 from app.stats import ServingStats
 from domain.ports import Tokenizer
 from domain.request import Request, RequestEvent
@@ -42,6 +43,7 @@ class StreamEvent:
     error: str | None = None
     error_status: int = 500  # HTTP status a non-streamed answer should carry for this error
     stop_string: str | None = None  # on the last event: the stop string that ended the text, if one did
+    reasoning_tokens: int = 0  # generated tokens inside the reasoning so far (final on the last event)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once the request started)
 
 
@@ -63,6 +65,7 @@ class LiveStream:
     released_chars: int = 0  # text handed to the client so far
     textless: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not out yet
     pending_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # (text end, logprob)
+    reasoning: ReasoningTokens | None = None  # set when the output's reasoning is split (and maybe bounded)
 
     def add_token_text(self, logprob: TokenLogprob | None, text: str) -> None:
         """Record a token's logprob and the detokenized text its push produced (may be "": a
@@ -90,7 +93,8 @@ class LiveStream:
         return any(end <= self.released_chars for end, _ in self.pending_logprobs)
 
     @classmethod
-    def start(cls, request: Request, tokenizer: Tokenizer, stop: Sequence[str]) -> LiveStream:
+    def start(cls, request: Request, tokenizer: Tokenizer, stop: Sequence[str],
+              thinking: ThinkingPlan | None = None) -> LiveStream:
         """Call inside the handler's event loop: the stream's events are delivered to that loop."""
         return cls(
             request=request,
@@ -99,6 +103,7 @@ class LiveStream:
             detok=IncrementalDetokenizer(tokenizer),
             matcher=StopStringMatcher(stop),
             arrival=request.arrival_time,
+            reasoning=ReasoningTokens(thinking) if thinking is not None else None,
         )
 
 
@@ -114,6 +119,7 @@ def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> St
         prompt_tokens=len(live.request.prompt_token_ids),
         completion_tokens=live.generated,
         stop_string=live.matcher.matched if finish_reason == "stop" else None,
+        reasoning_tokens=live.reasoning.count if live.reasoning is not None else 0,
         cached_tokens=live.request.num_cached_tokens,
     )
 
@@ -145,6 +151,7 @@ class RequestStreams:
     def open(self, live: LiveStream) -> None:
         """Track an admitted request (the scheduler already holds it)."""
         self.live[live.request.request_id] = live
+        self._force_if_over_budget(live)  # a budget of 0 closes the reasoning the prompt opened at once
 
     def state_slots_used(self) -> int:
         return sum(1 for live in self.live.values() if live.request.state_slot is not None and not live.request.is_done)
@@ -169,26 +176,39 @@ class RequestStreams:
             live.add_token_text(logprob, produced)
             if not finishing_eos:
                 text = live.matcher.feed(produced)
+                if live.reasoning is not None:
+                    live.reasoning.push(produced, forced=event.forced)
         if live.matcher.stopped and not event.finished:
             # A stop string ended the text: free the pages and state slot now (what was computed goes
             # to the prefix cache, like a finish: an agent's next turn resumes from it).
             self._scheduler.abort(event.request_id, keep_prefix=True)
             self.live.pop(event.request_id, None)
+            if live.reasoning is not None:
+                live.reasoning.finish()
             self._stats.record_finished("stop")
             self.emit(live, progress_event(live, text, "stop"))
             return
         if event.finished:
             self.live.pop(event.request_id, None)
             reason = "stop" if live.matcher.stopped else (event.finish_reason or "stop")
+            flushed = "" if live.matcher.stopped else live.detok.flush()
+            if live.reasoning is not None:
+                live.reasoning.finish(flushed)
             if not live.matcher.stopped:
-                text += live.matcher.feed(live.detok.flush())
+                text += live.matcher.feed(flushed)
                 text += live.matcher.flush()
             self._stats.record_finished(reason)
             self.emit(live, progress_event(live, text, reason))
             return
+        self._force_if_over_budget(live)
         # NOTE: text held back by the stop-string matcher keeps its tokens' logprobs back with it.
         if text or live.has_ready_logprobs():
             self.emit(live, progress_event(live, text, None))
+
+    def _force_if_over_budget(self, live: LiveStream) -> None:
+        """The thinking budget is spent and the reasoning still open: the next tokens are its close."""
+        if live.reasoning is not None and live.reasoning.should_force():
+            self._scheduler.force_tokens(live.request.request_id, live.reasoning.close_ids())
 
     def abort(self, request_id: str) -> None:
         """The client went away: free its pages and state slot (its computed prefix goes to the prefix
@@ -264,3 +284,5 @@ class RequestStreams:
             assert not live.request.is_done, f"{request_id} finished but still live"
             live.detok.check_valid()
             live.matcher.check_valid()
+            if live.reasoning is not None:
+                assert live.reasoning.count <= live.generated, f"{request_id}: more reasoning tokens than tokens"

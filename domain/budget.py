@@ -16,11 +16,13 @@ DEFAULT_SNAPSHOTS_PER_STATE_SLOT = 4
 POOLS = ("kv", "moe", "state", "snapshot", "staging", "budget")
 
 
-def working_set_slots(spec: ModelSpec) -> int:
+def working_set_slots(spec: ModelSpec, expert_keys: int | None = None) -> int:
     """Expert slots one decoded token touches (top_k in every MoE layer): the floor of an
     automatically sized expert pool. Below it the LRU cannot keep a single expert from one
-    token to the next (every key's reuse distance exceeds the pool), so every lookup misses."""
-    return min(spec.top_k * spec.num_layers, spec.total_experts)
+    token to the next (every key's reuse distance exceeds the pool), so every lookup misses.
+    expert_keys: the keys this pool may hold (an expert-parallel rank's share; default all)."""
+    keys = spec.total_experts if expert_keys is None else expert_keys
+    return min(spec.top_k * spec.num_layers, keys)
 
 
 def _gib(n: int) -> str:
@@ -59,7 +61,7 @@ class PoolRequest:
     expert_slots: int | None = None
     state_slots: int | None = None  # None = DEFAULT_STATE_SLOTS
     snapshot_slots: int = 0  # prefix-cache state snapshots (each one state slot's bytes)
-    # streamed-prefill staging rows (each one expert's bytes, docs/adr/0008-streamed-prefill.md);
+    # streamed-prefill staging rows (each one expert's bytes, docs/adr/0010-streamed-prefill.md);
     # None = default_staging_experts of the geometry, or 0 when every expert ends up resident
     staging_experts: int | None = 0
     kv_reserve_tokens: int = 8192  # KV floor when kv_tokens is None (rounded up to whole pages)
@@ -139,8 +141,13 @@ class PlanRefusal:
             raise ValueError(f"shortfall_bytes must be >= 0, got {self.shortfall_bytes}")
 
 
-def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> PoolPlan | PlanRefusal:
+def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
+               expert_keys: int | None = None) -> PoolPlan | PlanRefusal:
     """Size the pools MoE-first, honouring every explicit size exactly (KV to whole pages).
+
+    expert_keys: how many (layer, expert) keys this GPU's expert pool may ever hold (default every key;
+    an expert-parallel rank passes the keys it owns, domain/expert_parallel.py): the cap of the expert
+    slots, of the automatic floor, and the denominator of `residency`.
 
     Order of claims: state slots; then the floors of unsized pools (one token's working set of
     expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV; then
@@ -151,12 +158,15 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     (default_staging_experts), unless the plan without staging holds every expert (then 0: nothing
     would ever stream).
     """
+    keys = spec.total_experts if expert_keys is None else expert_keys
+    if not isinstance(keys, int) or isinstance(keys, bool) or not 1 <= keys <= spec.total_experts:
+        raise ValueError(f"expert_keys must be an int in 1..{spec.total_experts}, got {expert_keys!r}")
     if request.staging_experts is None:
-        bare = plan_pools(spec, budget, replace(request, staging_experts=0))
-        if isinstance(bare, PlanRefusal) or bare.expert_slots == spec.total_experts:
+        bare = plan_pools(spec, budget, replace(request, staging_experts=0), expert_keys=expert_keys)
+        if isinstance(bare, PlanRefusal) or bare.expert_slots == keys:
             return bare
         staging = default_staging_experts(spec.expert_bytes(), spec.num_experts)
-        return plan_pools(spec, budget, replace(request, staging_experts=staging))
+        return plan_pools(spec, budget, replace(request, staging_experts=staging), expert_keys=expert_keys)
     pool = budget.pool_bytes
     per_slot = spec.expert_bytes()
     per_state = spec.linear_state_bytes_per_sequence()
@@ -169,12 +179,13 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
         # NOTE: rounded down to whole pages this is an empty KV pool: no sequence could ever run.
         return PlanRefusal("kv", 0, f"kv_tokens {request.kv_tokens} is below one page ({request.page_size} "
                                     f"tokens): a KV pool needs at least one page")
-    if slots_explicit and not spec.top_k <= request.expert_slots <= spec.total_experts:
+    if slots_explicit and not min(spec.top_k, keys) <= request.expert_slots <= keys:
+        what = "total experts" if expert_keys is None else "keys this rank owns"
         return PlanRefusal("moe", 0, f"expert_slots {request.expert_slots} outside "
-                                     f"[top_k {spec.top_k}, total experts {spec.total_experts}]")
+                                     f"[top_k {min(spec.top_k, keys)}, {what} {keys}]")
     # NOTE: an explicit size only needs top_k (an operator may choose to thrash, e.g. in tests);
     # an automatic one must at least hold one token's working set or it is no cache at all.
-    min_slots = request.expert_slots if slots_explicit else working_set_slots(spec)
+    min_slots = request.expert_slots if slots_explicit else working_set_slots(spec, keys)
     kv_pages = (request.kv_tokens // request.page_size if kv_explicit
                 else _ceil_div(request.kv_reserve_tokens, request.page_size))
 
@@ -208,12 +219,12 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
     free = pool - needed
     expert_slots = min_slots
     if not slots_explicit:
-        extra = min(spec.total_experts - min_slots, free // per_slot)
+        extra = min(keys - min_slots, free // per_slot)
         expert_slots += extra
         free -= extra * per_slot
     # NOTE: while experts are unsized and not all resident, the sub-slot remainder stays free:
     # handing it to KV would make KV tokens saw-tooth down as memory grows (not monotone).
-    if not kv_explicit and per_page and (slots_explicit or expert_slots == spec.total_experts):
+    if not kv_explicit and per_page and (slots_explicit or expert_slots == keys):
         extra_pages = free // per_page
         kv_pages += extra_pages
         free -= extra_pages * per_page
@@ -236,7 +247,7 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest) -> Pool
         pool_bytes=pool,
         used_bytes=used,
         free_bytes=pool - used,
-        residency=expert_slots / spec.total_experts,
+        residency=expert_slots / keys,
         snapshot_slots=snapshot_slots,
         snapshot_bytes=snapshot_bytes,
         staging_experts=staging,

@@ -124,6 +124,52 @@ class ModelExecutor(Protocol):
     def resize_pools(self, plan: PoolPlan) -> None: ...
 
 
+TokenRouting = tuple[tuple[int, ...], ...]  # [L][K] expert ids of one token
+
+
+@runtime_checkable
+class RoutingSource(Protocol):
+    """Expert choices that replace the routers' (benchmark-only routing replay, `ft serve --routing-replay`).
+
+    A source hands out *streams*: the routing of one token sequence, position p being the [L][K] expert
+    ids of the sequence's p-th token (prompt first, then generated tokens). Stream keys come from
+    domain.routing_streams.stream_key.
+    - num_layers L, num_experts E, top_k K: the geometry it serves; every row it returns holds exactly
+      K distinct ids in 0..E-1.
+    - tokens(key, start, count): [count][L][K] for positions start..start+count-1 of stream `key`.
+      Asking again for the same (key, position) returns the same ids (a preempted request re-prefills
+      with the routing it had). Deterministic for a given seed: a function of (seed, key, position),
+      except that trace replay hands recorded streams to keys in the order keys first appear.
+      Memory is bounded by the source, not by how long it serves. Raises ValueError on start < 0.
+    - describe(): a JSON-able dict: "mode" (e.g. "locality", "trace"), "spec" (the canonical text that
+      rebuilds it), and the mode's parameters.
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    def tokens(self, key: str, start: int, count: int) -> Sequence[TokenRouting]: ...
+
+    def describe(self) -> dict: ...
+
+
+@runtime_checkable
+class RoutingReplayControl(Protocol):
+    """What the server sees of an executor's routing replay.
+
+    describe(): the source's description plus "active" (bool: replacing the routers' choice now) and
+    counters ("tokens_replaced", "host_seconds": host time spent producing replacement ids).
+    set_active(on): from the next step on, replace the routers' choice (True) or let them route
+    naturally (False; `ft bench` measures the natural routing beside the replay this way). Safe from
+    any thread: an executor reads the flag once per step.
+    """
+
+    def describe(self) -> dict: ...
+
+    def set_active(self, on: bool) -> None: ...
+
+
 @runtime_checkable
 class ExpertTransfer(Protocol):
     """Copies routed experts from the host bank into device expert slots.

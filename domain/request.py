@@ -81,6 +81,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival_time: float = 0.0
     num_preemptions: int = 0
+    # Output tokens decided by the caller, not the model (``Scheduler.force_tokens``): each replaces the
+    # next sampled token, in order. They survive preemption (they are not yet part of the sequence).
+    forced_token_ids: list[int] = field(default_factory=list)
     # ---- prefix cache (scheduler-owned; all empty while WAITING and once done) ----
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
     prefix: object | None = None  # the locked domain.prefix_cache.PrefixMatch whose pages lead `pages`
@@ -127,6 +130,7 @@ class Request:
         assert 0 <= self.num_computed_tokens <= self.num_tokens, self
         assert len(self.output_token_ids) <= self.sampling.max_tokens, self
         assert len(set(self.pages)) == len(self.pages), f"{self.request_id}: page owned twice"
+        assert all(isinstance(t, int) and t >= 0 for t in self.forced_token_ids), self
         assert 0 <= self.num_shared_pages <= len(self.pages), self
         assert (self.prefix is None) == (self.num_shared_pages == 0), self
         held = [s for _, s in self.snapshots] + [s for _, s, _ in self.pending_snapshots]
@@ -150,7 +154,8 @@ class Request:
 class RequestEvent:
     """One thing that happened to a request in a step: a new token, a finish, or both.
 
-    An abort yields token_id=None, finished=True, finish_reason="abort".
+    An abort yields token_id=None, finished=True, finish_reason="abort". ``forced``: the token was
+    one of ``Scheduler.force_tokens``' (the model's sample was replaced; logprob 0.0, no top list).
     """
 
     request_id: str
@@ -159,3 +164,4 @@ class RequestEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" when finished
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    forced: bool = False

@@ -107,8 +107,9 @@ def unusable_size(kv_tokens: int | None, expert_slots: int | None, state_slots: 
 
 def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens: int | None = None,
                 expert_slots: int | None = None, state_slots: int | None = None,
-                snapshot_slots: int | None = None) -> ResizePlan | PlanRefusal:
+                snapshot_slots: int | None = None, expert_keys: int | None = None) -> ResizePlan | PlanRefusal:
     """Plan a change of pool sizes; pools not given keep their current size.
+    expert_keys: as plan_pools' (an expert-parallel rank's share of the keys; default every key).
 
     Every pool whose size changes is rebuilt: freed whole, then allocated whole, all frees
     before any allocation. A refusal leaves `current` as it is (plans are immutable).
@@ -134,7 +135,7 @@ def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tok
         staging_experts=current.staging_experts,
         page_size=current.page_size,
     )
-    target = plan_pools(spec, budget, request)
+    target = plan_pools(spec, budget, request, expert_keys=expert_keys)
     if isinstance(target, PlanRefusal):
         return target
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from domain.kv_pages import PageAllocator
@@ -193,6 +193,22 @@ class Scheduler:
         request.transition(RequestState.ABORTED)
         return RequestEvent(request_id, None, finished=True, finish_reason="abort")
 
+    def force_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The live request's next ``len(token_ids)`` output tokens are these, whatever the executor
+        samples (a thinking budget closing the reasoning). Each still takes one decode step like a
+        sampled token: it is appended when the step that sampled in its place completes, then computed
+        into the KV pages as the pending token of the next step; it counts against max_tokens (which
+        may end the request mid-sequence, "length") and the stop checks apply to it. Raises ValueError
+        if the request is not live, tokens are already being forced, or an id is not an int >= 0."""
+        request = self._live.get(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} is not live")
+        if request.forced_token_ids:
+            raise ValueError(f"request {request_id!r} already has forced tokens pending")
+        if not token_ids or not all(isinstance(t, int) and t >= 0 for t in token_ids):
+            raise ValueError(f"forced token ids must be a non-empty list of ints >= 0, got {list(token_ids)!r}")
+        request.forced_token_ids = list(token_ids)
+
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> StepBatch | None:
@@ -350,6 +366,10 @@ class Scheduler:
         return events
 
     def _append_token(self, request: Request, token: SampledToken) -> RequestEvent:
+        forced = None
+        if request.forced_token_ids:  # NOTE: the model's sample is dropped; the forced token is "certain"
+            forced = request.forced_token_ids.pop(0)
+            token = SampledToken(token.request_id, forced, 0.0 if token.logprob is not None else None)
         request.output_token_ids.append(token.token_id)
         if request.state is RequestState.PREFILLING:
             request.transition(RequestState.DECODING)
@@ -367,6 +387,7 @@ class Scheduler:
             finish_reason=reason,
             logprob=token.logprob,
             top_logprobs=token.top_logprobs,
+            forced=forced is not None,
         )
 
     def _finish_reason(self, request: Request, token_id: int) -> str | None:

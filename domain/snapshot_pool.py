@@ -12,51 +12,45 @@ refuses the whole call before changing anything when one is bad.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
+
+from domain.kv_pages import PageAllocator
 
 
 class SnapshotPool:
+    """A free list of snapshot slots: PageAllocator's (lowest first, all-or-nothing release) under the
+    snapshot pool's contract (``take`` may come back empty)."""
+
     def __init__(self, num_slots: int) -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
             raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
         self.num_slots = num_slots
-        self._free_heap: list[int] = list(range(num_slots))
-        self._free_set: set[int] = set(self._free_heap)
+        self._slots = PageAllocator(num_slots)
 
     @property
     def num_free(self) -> int:
-        return len(self._free_set)
+        return self._slots.num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_slots - len(self._free_set)
+        return self._slots.num_used
 
     def is_used(self, slot: int) -> bool:
-        return isinstance(slot, int) and 0 <= slot < self.num_slots and slot not in self._free_set
+        return isinstance(slot, int) and self._slots.is_used(slot)
 
     def take(self) -> int | None:
-        if not self._free_heap:
-            return None
-        slot = heapq.heappop(self._free_heap)
-        self._free_set.discard(slot)
-        return slot
+        return self._slots.allocate(1)[0] if self._slots.can_allocate(1) else None
 
     def release(self, slots: Iterable[int]) -> None:
         slots = list(slots)
-        seen: set[int] = set()
-        for slot in slots:
-            if not self.is_used(slot) or slot in seen:
-                raise ValueError(f"snapshot slot {slot!r} is not held (double release or never taken)")
-            seen.add(slot)
-        for slot in slots:
-            heapq.heappush(self._free_heap, slot)
-        self._free_set.update(slots)
+        try:
+            self._slots.free(slots)
+        except ValueError as exc:
+            raise ValueError(f"snapshot slots {slots!r} are not all held (double release or never taken): "
+                             f"{exc}") from None
 
     def check_valid(self) -> None:
-        assert len(self._free_heap) == len(self._free_set), "free heap and free set disagree in size"
-        assert set(self._free_heap) == self._free_set, "free heap and free set disagree"
-        assert all(0 <= s < self.num_slots for s in self._free_set), "free snapshot slot out of range"
+        self._slots.check_valid()
 
     def __repr__(self) -> str:
         return f"SnapshotPool(num_slots={self.num_slots}, num_free={self.num_free})"

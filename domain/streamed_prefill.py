@@ -1,4 +1,4 @@
-"""Streamed expert prefill (issue 9, docs/adr/0008-streamed-prefill.md): the policy, free of any tensor.
+"""Streamed expert prefill (issue 9, docs/adr/0010-streamed-prefill.md): the policy, free of any tensor.
 
 A prefill chunk that streams experts reads resident experts where they are and copies the others from
 the pinned host bank into a staging area of `staging` expert rows, in rounds of `per_round` experts
@@ -22,7 +22,7 @@ LINK_BYTES_PER_S = 51e9
 # Device time one prefetched round must cover at a layer boundary: the next layer's token mixer and
 # router, during which the copies of that layer cannot yet be masked by its routing. Estimated for a
 # 4k-8k chunk of Qwen3.6 on the H200 (GDN chunk kernels + projections, or flash attention): ~2-4 ms;
-# not yet measured (docs/adr/0008-streamed-prefill.md).
+# not yet measured (docs/adr/0010-streamed-prefill.md).
 STAGING_COVER_S = 0.004
 # A chunk with at least this many (token, top-k) pairs per expert of a layer touches practically every
 # expert (uniform routing leaves a fraction exp(-8) = 0.03 % untouched), so every round of a layer is

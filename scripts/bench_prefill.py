@@ -3,7 +3,7 @@ pool resident, at --moe-slots (20 % of Qwen3.6's experts) with the streamed pref
 staging (the expert-LRU path it replaces); each prompt's PCIe bound (bytes of routed experts not resident
 / link rate, from the executor's prefill_stats) against the issue's target of 1.2 x that bound; a profile
 of one prefill by component (PCIe, MoE, GDN, attention, dense projections); one JSON record with the
-hardware profile (docs/adr/0008-streamed-prefill.md).
+hardware profile (docs/adr/0010-streamed-prefill.md).
 
     python scripts/bench_prefill.py --out $OUT [--prompts 4096,8192,32768] [--scenarios resident,slots,lru]
         [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--format fp8_block] [--layers N]

@@ -60,7 +60,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="processes (default: up to 2)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
     p.add_argument("--plot", help="write a PNG of tok/s against KV pool size per batch size")
+    e = sub.add_parser("expert-parallel", help="predict bs1..bsN decode on 1..N GPUs with the experts split "
+                                               "over them (docs/adr/0008-expert-parallel.md)")
+    e.add_argument("--hardware", default="h200")
+    e.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
+                   help=f"one of {sorted(BUILTIN_MODELS)}, synthetic-moe-155b, or a checkpoint directory")
+    e.add_argument("--ranks", type=parse_list, default=[1, 2, 4], help="GPU counts, e.g. 1,2,4 (1 = the baseline)")
+    e.add_argument("--gpu-cap-gib", type=float, default=24.0, help="memory of each GPU the engine may use")
+    e.add_argument("--kv", type=parse_count, default=8192)
+    e.add_argument("--batch", type=parse_count, default=1)
+    e.add_argument("--routing", default="uniform", help="uniform (random-weight `ft synth` checkpoints) | locality | "
+                                                        "trace:FILE")
+    e.add_argument("--exchange-latency-us", type=float, default=20.0, help="one MoE layer's collective, fixed part")
+    e.add_argument("--link-gb-s", type=float, default=150.0, help="collective bus bandwidth (NVLink; ~20 for PCIe)")
+    e.add_argument("--host-gb-s", type=float, default=0.0, help="host memory bandwidth all links share (0: no cap)")
+    e.add_argument("--calibration", default="h200_v1")
+    e.add_argument("--json", action="store_true")
     return parser
+
+
+def expert_parallel_command(args) -> int:
+    from simulator.expert_parallel import ExchangeParams, large_synthetic, predict_expert_parallel
+    from simulator.routing import make_routing
+
+    hardware = get_profile(args.hardware).replace(vram_bytes=int(args.gpu_cap_gib * GIB))
+    if args.model == "synthetic-moe-155b":
+        model_name, spec = args.model, large_synthetic()
+    else:
+        model_name, spec = resolve_model(args.model)
+    calibration = Calibration.resolve(args.calibration)
+    workload = Workload.from_dict(calibration.workload)
+    routing = make_routing(args.routing, spec.num_layers, spec.num_experts, spec.top_k, calibration.seed,
+                           calibration.locality_params())
+    exchange = ExchangeParams(latency_s=args.exchange_latency_us * 1e-6, link_bytes_per_s=args.link_gb_s * 1e9,
+                              host_bytes_per_s=args.host_gb_s * 1e9)
+    results = [predict_expert_parallel(spec, model_name, hardware, calibration.deployment_params(),
+                                       calibration.cost_params(), routing, n, exchange, args.kv, args.batch, workload)
+               for n in args.ranks]
+    base = next((r.decode_tok_s for r in results if r.extra["ranks"] == 1 and r.fits), None)
+    rows = []
+    for r in results:
+        speedup = r.decode_tok_s / base if base and r.fits else None
+        rows.append({**r.to_json(), "speedup": speedup})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        if not row["fits"]:
+            print(f"{row['ranks']} GPU(s): does not fit: {row['reason']}")
+            continue
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        print(f"{row['ranks']} GPU(s): {row['decode_tok_s']:.1f} tok/s ({speedup}), slots/rank "
+              f"{row['expert_slots_per_rank']}, residency {row['residency']:.0%}, hit rate {row['hit_rate']:.1%}, "
+              f"exchange {row['exchange_share']:.0%} of the time")
+    return 0
 
 
 def predict_command(args) -> int:
@@ -101,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "predict":
             return predict_command(args)
+        if args.command == "expert-parallel":
+            return expert_parallel_command(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -79,6 +79,10 @@ class RoutingStream:
             self._tokens.append(self._generate_next(len(self._tokens), self._tokens))
         return self._tokens[position]
 
+    def __len__(self) -> int:
+        """Positions generated and memoised so far."""
+        return len(self._tokens)
+
     def tokens(self, start: int, count: int) -> list[TokenRouting]:
         self.at(start + count - 1) if count else None
         return self._tokens[start : start + count]
@@ -99,6 +103,10 @@ class RoutingModel:
         if key not in self._streams:
             self._streams[key] = RoutingStream(self._make_generator(key))
         return self._streams[key]
+
+    def forget(self, key: str) -> None:
+        """Drop the memoised stream of `key`; asking for it again regenerates the same routing."""
+        self._streams.pop(key, None)
 
     def _make_generator(self, key: str):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -185,6 +193,12 @@ class TraceRouting(RoutingModel):
 
     name = "trace"
 
+    def forget(self, key: str, assignment: bool = False) -> None:
+        """As RoutingModel.forget; assignment=True also forgets which recorded stream `key` replays."""
+        super().forget(key)
+        if assignment:
+            self._assigned.pop(key, None)
+
     def __init__(self, path: str | Path, seed: int = 0) -> None:
         self.path = Path(path)
         self.recorded = load_trace(self.path)
@@ -193,9 +207,14 @@ class TraceRouting(RoutingModel):
                          max(len(row) for s in self.recorded.values() for t in s for row in t), seed)
         self._names = list(self.recorded)
         self._assigned: dict[str, str] = {}
+        self._handed_out = 0  # keys ever assigned a recorded stream (the order of first use)
 
     def _make_generator(self, key: str):
-        name = self._names[len(self._assigned) % len(self._names)]
+        # NOTE: a key keeps its recorded stream when only its memo was forgotten (forget) and is rebuilt
+        name = self._assigned.get(key)
+        if name is None:
+            name = self._names[self._handed_out % len(self._names)]
+            self._handed_out += 1
         self._assigned[key] = name
         recorded = self.recorded[name]
 

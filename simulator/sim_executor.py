@@ -6,9 +6,10 @@ the SimHost: step overhead, then per layer the attention/GDN part, the expert lo
 the domain's ExpertResidency (the same LRU the GPU runs), the PCIe copies of the misses on the
 copy engine, the expert GEMMs, and finally lm_head + sampling.
 
-Routing: a request's tokens route through a RoutingModel stream. Greedy requests
-(temperature 0) are keyed by their prompt head, so requests with the same prompt produce the
-same tokens and route identically (as in the customer's benchmark); sampled requests get a
+Routing: a request's tokens route through a RoutingModel stream, keyed by the rule of
+domain.routing_streams (shared with `ft serve --routing-replay`): greedy requests (temperature 0)
+by their prompt head, so requests with the same prompt produce the same tokens and route
+identically (as in the customer's benchmark); sampled requests by seed and prompt head, or a
 stream of their own. Sampled token ids are a hash of (stream, position): deterministic.
 """
 
@@ -19,11 +20,10 @@ from dataclasses import dataclass
 
 from domain.ports import SampledToken, SequenceWork, StepBatch
 from domain.residency import ExpertResidency
+from domain.routing_streams import StreamKeys
 from simulator.cost_model import CostModel, SequenceLoad
 from simulator.host import SimHost
 from simulator.routing import RoutingModel
-
-_KEY_TOKENS = 64  # prompt-head length that names a greedy stream
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SimExecutor:
         self.host, self.cost, self.routing = host, cost, routing
         self.residency = ExpertResidency(expert_slots)
         self.counters = ExecutorCounters()
-        self._stream_keys: dict[str, str] = {}
+        self._stream_keys = StreamKeys()
         self._in_step = False
 
     # ---- ModelExecutor ---------------------------------------------------------------------
@@ -79,21 +79,12 @@ class SimExecutor:
     # ---- one step -----------------------------------------------------------------------------
 
     def _stream_key(self, work: SequenceWork) -> str:
-        key = self._stream_keys.get(work.request_id)
-        if key is None:
-            if work.start_position != 0:
-                raise ValueError(f"{work.request_id}: first work starts at {work.start_position}, not 0")
-            head = ",".join(map(str, work.token_ids[:_KEY_TOKENS]))
-            s = work.sampling
-            if s.temperature == 0:
-                key = f"greedy:{zlib.crc32(head.encode())}"
-            else:
-                key = f"sampled:{work.request_id}:{s.seed}"
-            self._stream_keys[work.request_id] = key
-        return key
+        if work.request_id not in self._stream_keys and work.start_position != 0:
+            raise ValueError(f"{work.request_id}: first work starts at {work.start_position}, not 0")
+        return self._stream_keys.key_for(work)
 
     def _sample(self, work: SequenceWork) -> SampledToken:
-        key = self._stream_keys[work.request_id]
+        key = self._stream_keys.key_for(work)
         token = zlib.crc32(f"{key}@{work.end_position}".encode()) % self.cost.spec.vocab_size
         return SampledToken(work.request_id, token)
 

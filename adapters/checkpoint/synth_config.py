@@ -67,6 +67,11 @@ class Geometry:
 
 GEOMETRIES = {
     "qwen3.6-35b-a3b": Geometry(),
+    # Expert parallelism's "does not fit one GPU" model (simulator.expert_parallel.large_synthetic): 155 GB of
+    # block-FP8 experts, more than one H200 holds.
+    "synthetic-moe-155b": Geometry(hidden_size=4096, num_hidden_layers=48, moe_intermediate_size=1024,
+                                   shared_expert_intermediate_size=1024, num_attention_heads=32,
+                                   num_key_value_heads=4, head_dim=128),
     # Small but not round: 160 is not a multiple of 128, so block-FP8 scales cover partial blocks.
     "tiny": Geometry(hidden_size=160, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
                      moe_intermediate_size=96, shared_expert_intermediate_size=64, num_attention_heads=4,

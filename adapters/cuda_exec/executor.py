@@ -21,10 +21,12 @@ from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.cuda_exec.routing_replay import DeviceRoutingTable
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
@@ -55,10 +57,12 @@ class CudaGraphExecutor(ExecutorPools):
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
-                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False):
+                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
+                 routing_replay: RoutingReplayer | None = None):
         """on_phase(name): told when the first graph capture starts and ends (a start-up milestone).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
-        False keeps the reference token mixers there (the default until the kernels are GPU-verified)."""
+        False keeps the reference token mixers there (the default until the kernels are GPU-verified).
+        routing_replay: replace the routers' top-k choice (benchmark-only; adapters/cuda_exec/routing_replay.py)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -67,7 +71,9 @@ class CudaGraphExecutor(ExecutorPools):
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
         self.model.prepare_fast_path()
-        self.model.prefill_kernels = prefill_kernels
+        # NOTE: the Triton prefill (mixers, tensor-core projections and grouped MoE GEMMs) is opt-in until a
+        # GPU run has verified it; off, every step runs the kernels the H200 runs have checked
+        self.prefill_kernels = self.model.prefill_kernels = prefill_kernels
         self.bank = checkpoint.experts
         # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
@@ -75,6 +81,12 @@ class CudaGraphExecutor(ExecutorPools):
         self.max_decode_rows = max_decode_rows
         self.max_context = max_context or self.spec.max_context
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if routing_replay is not None and (routing_replay.num_layers, routing_replay.top_k) != (
+                len(self.model.mixers), self.model.opts.top_k):
+            raise ValueError(f"routing replay for L={routing_replay.num_layers} K={routing_replay.top_k}, the model "
+                             f"routes top-{self.model.opts.top_k} in {len(self.model.mixers)} layers")
+        self.routing_replay = routing_replay
+        self.replay_table: DeviceRoutingTable | None = None
         self.kv: PagedKVCache | None = None
         self.state: LinearStatePool | None = None
         self.experts: DeviceExpertPool | None = None
@@ -97,6 +109,9 @@ class CudaGraphExecutor(ExecutorPools):
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
+        if self.routing_replay is not None:
+            self.replay_table = DeviceRoutingTable(self.inputs.rows, len(self.model.mixers), self.model.opts.top_k,
+                                                   self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
 
@@ -117,7 +132,7 @@ class CudaGraphExecutor(ExecutorPools):
 
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
         return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
-                                staging_slots=self._staging_slots(plan))
+                                grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan))
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
@@ -132,14 +147,17 @@ class CudaGraphExecutor(ExecutorPools):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for b in buckets:  # warm-up: compiles the Triton kernels, creates cuBLAS handles
+                self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
+            self._set_replay_rows(b)
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 logits, tokens = self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
             self.graphs[b] = (graph, logits, tokens)
+        self.model.replay_ids = None
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
@@ -156,16 +174,26 @@ class CudaGraphExecutor(ExecutorPools):
         n = len(works)
         self._prepare_states(works)  # prefix cache: reset, or restore a snapshot (ExecutorPools)
         self.inputs.stage(works, self.state is not None)
+        if self.replay_table is not None:
+            self.replay_table.stage(self.routing_replay.step_table(works), n)
         if self.graphs:
             bucket = next(b for b in sorted(self.graphs) if b >= n)
             graph, logits, tokens = self.graphs[bucket]
             graph.replay()
             self._take_end_snapshots(works)  # prefix cache: eager copies after the replay, same stream
             return logits[:n], tokens[:n]
-        with torch.inference_mode():
-            logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        self._set_replay_rows(n)
+        try:
+            with torch.inference_mode():
+                logits, tokens = self.model.decode_step(self.inputs.view(n), self.kv, self.state, self.experts)
+        finally:
+            self.model.replay_ids = None
         self._take_end_snapshots(works)
         return logits, tokens
+
+    def _set_replay_rows(self, n: int) -> None:
+        """decode_step's replacement ids: the static table's first n rows (a graph captures that storage)."""
+        self.model.replay_ids = self.replay_table.view(n) if self.replay_table is not None else None
 
     def _is_graph_step(self, batch: StepBatch) -> bool:
         works = batch.works
@@ -183,8 +211,13 @@ class CudaGraphExecutor(ExecutorPools):
             return {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(batch.works)}
         inp = flatten(batch, self.device)
         self._prepare_states(batch.works)  # prefix cache (ExecutorPools)
-        with self.experts.streamed_step():  # prefill chunks stream experts past the LRU (ADR 0008)
-            hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+        table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
+        self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
+        try:
+            with self.experts.streamed_step():  # prefill chunks stream experts past the LRU (ADR 0010)
+                hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+        finally:
+            self.model.replay_ids = None
         self._take_end_snapshots(batch.works)
         wanted = [s for s in inp.spans if s.work.sample]
         if not wanted:
@@ -202,18 +235,19 @@ class CudaGraphExecutor(ExecutorPools):
                 raise ValueError(f"cannot execute step: {reason}")
             with torch.inference_mode():
                 logits_rows, tokens = self._decode(batch.works)
-            # greedy rows: the graph's own argmax, one device->host copy for the whole step
-            greedy = tokens.tolist()
-            logits = {}
+                tokens = self._draw(batch.works, logits_rows, tokens)
+            # every row's token in one device->host copy; log-probabilities only where asked for
+            drawn = tokens.tolist()
             for i, w in enumerate(batch.works):
-                if _greedy(w):
-                    out[w.request_id] = SampledToken(w.request_id, greedy[i])
-                else:
-                    logits[w.request_id] = logits_rows[i:i + 1]
-        else:
-            logits = self.compute_logits(batch)
+                p = w.sampling
+                if drawn[i] >= 0 and not (p.logprobs or p.top_logprobs):
+                    out[w.request_id] = SampledToken(w.request_id, drawn[i])
+                else:  # -1: the batched draw failed; the row is sampled alone (its error stays its own)
+                    out[w.request_id] = self._sample(w.request_id, logits_rows[i], w, drawn[i] if drawn[i] >= 0 else None)
+            return out
+        logits = self.compute_logits(batch)
         for rid, row in logits.items():
-            if works[rid].sample and rid not in out:
+            if works[rid].sample:
                 out[rid] = self._sample(rid, row[0], works[rid])
         return out
 
@@ -224,10 +258,26 @@ class CudaGraphExecutor(ExecutorPools):
         return {**stats, "link_bytes_per_s": self.link_bytes_per_s,
                 "pcie_bound_s": pcie_bound_s(stats["bytes_not_resident"], self.link_bytes_per_s)}
 
+    def _draw(self, works, logits_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [n] with the non-greedy rows drawn on the device in one batch (Sampler.sample_batch);
+        the greedy rows keep the graph's argmax. A failed draw marks its rows -1."""
+        rows = [i for i, w in enumerate(works) if not _greedy(w.sampling)]
+        if not rows:
+            return tokens
+        tokens = tokens.clone()
+        idx = torch.tensor(rows, device=tokens.device)
+        try:
+            tokens[idx] = self.sampler.sample_batch(logits_rows[idx], [works[i].sampling for i in rows],
+                                                    [works[i].output_index for i in rows])
+        except Exception:  # NOTE: confined: those rows go through the per-row path, which reports errors
+            tokens[idx] = -1
+        return tokens
+
     def check_valid(self) -> None:
         self._check_pools()
+        if self.routing_replay is not None:
+            self.routing_replay.check_valid()
 
-def _greedy(work) -> bool:
-    p = work.sampling
-    return (p.temperature == 0.0 or p.top_k == 1) and not (p.logprobs or p.top_logprobs)
+def _greedy(p) -> bool:
+    return p.temperature == 0.0 or p.top_k == 1
 

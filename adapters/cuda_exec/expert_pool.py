@@ -36,10 +36,12 @@ class DeviceExpertPool:
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
-                 shared_rows: torch.Tensor | None = None, staging_slots: int = 0):
+                 shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
+        grouped: chunks of more than GEMV_MAX_PAIRS pairs take the grouped tensor-core GEMMs (False: the
+        per-pair GEMVs at every size, as before they existed).
         staging_slots: G rows after those (rows S + L .. S + L + G - 1) that a streamed prefill step
         (`streamed_step`) copies non-resident experts into; 0: prefill goes through the residency."""
         if num_slots <= 0:
@@ -63,6 +65,7 @@ class DeviceExpertPool:
                                      device=self.device)  # [S + L + G, R]
         self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
         self.has_shared = shared_rows is not None
+        self.grouped = grouped
         if shared_rows is not None:
             self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
         self.staging_slots, self.staging_base = staging_slots, num_slots + extra
@@ -118,7 +121,7 @@ class DeviceExpertPool:
         """The fused MoE over all_slots: per-pair GEMVs for `pairs` (= T*K routed pairs) up to
         GEMV_MAX_PAIRS, grouped GEMMs above (bounding the distinct slots of a call by the layer's experts
         plus the shared one, which keeps their block size, and so their bits, the same in every call)."""
-        if pairs <= GEMV_MAX_PAIRS:
+        if pairs <= GEMV_MAX_PAIRS or not self.grouped:
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
         return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                            max_groups=self.bank.num_experts + 1)
@@ -176,7 +179,7 @@ class DeviceExpertPool:
             self._experts(ids.numel(), x, none, weights, partials)
         return moe_sum(partials, torch.empty_like(x))
 
-    # ---- streamed prefill (docs/adr/0008-streamed-prefill.md) ------------------------------------------
+    # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager
     def streamed_step(self):
         """Open one step whose prefill-sized layer calls (those that do not take the one-launch decode

@@ -13,12 +13,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.checkpoint.quant import QTensor, as_linear_weight
+from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
 from adapters.cuda_exec.prefill import attention_prefill, gdn_prefill
 from adapters.cuda_exec.prefill_linear import prefill_linear
+from adapters.cuda_exec.routing_replay import replace_routing
+from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.kernels.moe_router import moe_router
@@ -34,16 +36,27 @@ from adapters.torch_exec.step_inputs import StepInputs
 
 
 def fast_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
-    """x [B, I] @ w^T: float weights through cuBLAS, quantized ones through the Triton GEMV (few rows) or
-    the tensor-core GEMM (more rows; prefill_linear chooses), other formats through the reference qlinear
-    (still capturable, more kernels)."""
-    return prefill_linear(x, w)
+    """x [B, I] @ w^T for the GPU-verified kernels: float weights through cuBLAS, FP8/INT8 through the
+    Triton GEMV (dequantized in the K loop, one weight pass per row), other formats through the reference
+    qlinear (still capturable, more kernels)."""
+    if not isinstance(w, QTensor):
+        return F.linear(x, w)
+    if gemv.supports(w):
+        return gemv.dense_gemv(x, w)
+    return qlinear(x, w)
 
 
 class FastDecoder(MoeDecoder):
     """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step.
     Prefill and mixed steps run the shared forward with the prefill kernels (adapters/cuda_exec/prefill.py:
     the Gated DeltaNet chunk kernels, flash attention over the gathered pages, tensor-core projections)."""
+
+    prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
+        """The step's projections: with the Triton prefill on, prefill_linear (the tensor-core GEMM from a
+        few rows up, decode buckets included); otherwise the GPU-verified GEMV path (fast_linear)."""
+        return prefill_linear(x, w) if self.prefill_kernels else fast_linear(x, w)
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
              h32: torch.Tensor | None = None):
@@ -54,8 +67,9 @@ class FastDecoder(MoeDecoder):
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
         if isinstance(router, QTensor):  # a quantized router: the reference route (rare; not fused)
             weights, ids = route(h, router, k, self.opts.renormalize)  # [T, K]
+            logits = None
             if gate_w is not None:
-                gate = torch.sigmoid(fast_linear(h, gate_w)).float()  # [T, 1]
+                gate = torch.sigmoid(self._linear(h, gate_w)).float()  # [T, 1]
                 weights = torch.cat((weights, gate), 1)  # [T, K+1], as moe_router lays it out
         else:
             # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
@@ -63,15 +77,17 @@ class FastDecoder(MoeDecoder):
             logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
             ids = ids[:, :k]
+        if self.replay_ids is not None:  # --routing-replay (benchmark-only): in place, graph-safe
+            replace_routing(self.replay_ids[:, i], h, router, weights, ids, logits, self.opts.renormalize)
         if gate_w is None:
             return experts.routed(i, h, weights, ids, valid)  # [T, H]
         if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels
             return experts.routed(i, h, weights, ids, valid, shared=True)
         w = self.w
         out = experts.routed(i, h, weights[:, :k], ids, valid)
-        up = fast_linear(h, w[prefix + "shared_expert.up_proj.weight"])
-        act = F.silu(fast_linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
-        return out + weights[:, k:].to(h.dtype) * fast_linear(act, w[prefix + "shared_expert.down_proj.weight"])
+        up = self._linear(h, w[prefix + "shared_expert.up_proj.weight"])
+        act = F.silu(self._linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
+        return out + weights[:, k:].to(h.dtype) * self._linear(act, w[prefix + "shared_expert.down_proj.weight"])
 
     def _router_reads_fp32(self, i: int, h: torch.Tensor) -> bool:
         router = self.w[f"layers.{i}.mlp.gate.weight"]
@@ -119,7 +135,7 @@ class FastDecoder(MoeDecoder):
             delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
-        logits = fast_linear(h, self.lm_head).float()  # [B, V]
+        logits = self._linear(h, self.lm_head).float()  # [B, V]
         return logits, logits.argmax(dim=-1)
 
     def _attention_decode(self, i: int, mixer: FullAttention, x: torch.Tensor, buf: _Rows,
@@ -144,13 +160,11 @@ class FastDecoder(MoeDecoder):
         out = out.reshape(rows, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return _biased(fast_linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
+        return _biased(self._linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
     # ---- prefill and mixed steps (eager): the prefill kernels, span by span -----------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fused_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)[1]
-
-    prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton)
 
     def _attention(self, mixer: FullAttention, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache) -> torch.Tensor:
         if not self.prefill_kernels:
@@ -183,7 +197,7 @@ class FastDecoder(MoeDecoder):
         core = gdn_decode_step(qkv, a, b, state.conv[layer], state.recurrent[layer], state_slots,
                                mixer.conv_weight_2d, mixer.neg_a, mixer.dt_bias, geo)  # [B, Nv, Dv] fp32
         normed = fused_gated_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [B, Nv, Dv]
-        return fast_linear(normed.reshape(x.shape[0], -1), w["out_proj.weight"])  # [B, H]
+        return self._linear(normed.reshape(x.shape[0], -1), w["out_proj.weight"])  # [B, H]
 
     def prepare_fast_path(self) -> None:
         """One-time layouts the kernels want: stacked projections (views replace the parts, no extra
@@ -214,9 +228,9 @@ class FastDecoder(MoeDecoder):
         """x @ W^T for each named projection: one GEMV over the stacked weight when there is one."""
         found = self.stacked.get((i, group))
         if found is None:
-            return [fast_linear(x, mixer.w[f"{n}.weight"]) for n in names]
+            return [self._linear(x, mixer.w[f"{n}.weight"]) for n in names]
         stacked, rows = found
-        return list(torch.split(fast_linear(x, stacked), rows, dim=-1))
+        return list(torch.split(self._linear(x, stacked), rows, dim=-1))
 
 
 class _Rows(NamedTuple):

@@ -1,6 +1,7 @@
 """Dense projections for prefill and mixed steps (any row count): the quantized weight is read by a Triton
 kernel that dequantizes in registers, never materialised (qlinear, the reference, dequantizes whole K
-blocks per call). The decode step keeps fast_decoder.fast_linear.
+blocks per call). With --prefill-kernels triton the decode step uses it too (tensor-core GEMM for
+decode buckets of several rows); otherwise it keeps fast_decoder.fast_linear (GEMV only).
 
 Shape legend: M rows (tokens), I in features, O out features.
 """

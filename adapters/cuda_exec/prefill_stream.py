@@ -1,4 +1,4 @@
-"""One streamed prefill step of the device expert pool (docs/adr/0008-streamed-prefill.md): the experts a
+"""One streamed prefill step of the device expert pool (docs/adr/0010-streamed-prefill.md): the experts a
 layer routes to that are not resident are copied from the pinned host bank into staging rows (never into
 the residency's slots), in rounds that alternate between two staging halves, and the MoE kernels read
 resident experts in place and the others from staging. The residency is only read (one snapshot of its

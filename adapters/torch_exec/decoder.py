@@ -41,6 +41,12 @@ class DecoderOptions:
 class MoeDecoder:
     # Callable(layer, ids [T, K]) told every layer's router choice (the routing-trace recorder); None: off.
     on_route = None
+    # The routed experts of one layer: (x [T, H], weights [T, K], ids [T, K], layer, cache) -> [T, H].
+    # NOTE: an instance may replace it (expert parallelism computes its own experts and exchanges partials).
+    routed = staticmethod(routed_experts)
+    # int [T, L, K] expert ids replacing the routers' top-k for the pass being run (--routing-replay; the
+    # executor sets it around a pass); None: natural routing.
+    replay_ids: torch.Tensor | None = None
 
     def __init__(self, dense: dict, opts: DecoderOptions, dtype: torch.dtype, device):
         self.opts, self.dtype, self.device = opts, dtype, torch.device(device)
@@ -141,10 +147,11 @@ class MoeDecoder:
 
     def _moe(self, i: int, h: torch.Tensor, experts: ExpertSlotCache) -> torch.Tensor:
         prefix = f"layers.{i}.mlp."
-        weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize)
+        replace = self.replay_ids[:, i] if self.replay_ids is not None else None  # [T, K]
+        weights, ids = route(h, self.w[prefix + "gate.weight"], self.opts.top_k, self.opts.renormalize, replace)
         if self.on_route is not None:
             self.on_route(i, ids)
-        out = routed_experts(h, weights, ids, i, experts)  # [T, H]
+        out = self.routed(h, weights, ids, i, experts)  # [T, H]
         if self.opts.shared_expert:
             out = out + shared_expert(h, self.w, prefix)
         return out

@@ -14,6 +14,7 @@ from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
+from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
@@ -30,7 +31,10 @@ class TorchExecutor(ExecutorPools):
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0,
-                 routing_recorder: RoutingTraceRecorder | None = None):
+                 routing_recorder: RoutingTraceRecorder | None = None,
+                 routing_replay: RoutingReplayer | None = None):
+        """routing_recorder records the ids the routers use (the replayed ones under routing_replay);
+        routing_replay replaces the routers' top-k choice (benchmark-only, `--routing-replay`)."""
         arch = checkpoint.spec.architecture
         if arch not in BUILDERS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(BUILDERS)})")
@@ -46,6 +50,11 @@ class TorchExecutor(ExecutorPools):
                 raise ValueError(f"routing recorder expects {routing_recorder.num_layers} layers, "
                                  f"the model routes in {len(self.model.mixers)}")
             self.model.on_route = routing_recorder.record_layer
+        if routing_replay is not None and (routing_replay.num_layers, routing_replay.top_k) != (
+                len(self.model.mixers), self.model.opts.top_k):
+            raise ValueError(f"routing replay for L={routing_replay.num_layers} K={routing_replay.top_k}, the model "
+                             f"routes top-{self.model.opts.top_k} in {len(self.model.mixers)} layers")
+        self.routing_replay = routing_replay
         self.kv: PagedKVCache | None = None
         self.state: LinearStatePool | None = None
         self.experts: ExpertSlotCache | None = None
@@ -85,7 +94,12 @@ class TorchExecutor(ExecutorPools):
             raise ValueError(f"cannot execute step: {reason}")
         inp = flatten(batch, self.device)
         self._prepare_states(batch.works)
-        hidden = self._forward(inp)  # [T, H]
+        table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
+        self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
+        try:
+            hidden = self._forward(inp)  # [T, H]
+        finally:
+            self.model.replay_ids = None
         self._take_end_snapshots(batch.works)
         if all_positions:
             return {s.work.request_id: self.model.logits(hidden[s.rows]) for s in inp.spans}
@@ -118,3 +132,5 @@ class TorchExecutor(ExecutorPools):
         self._check_pools()
         if self.routing_recorder is not None:
             self.routing_recorder.check_valid()
+        if self.routing_replay is not None:
+            self.routing_replay.check_valid()

@@ -136,11 +136,12 @@ class ExecutorPools:
                         raise ValueError(f"{w.request_id}: snapshot {slot} asked without a snapshot pool")
                     self.state.copy_slot(w.state_slot, self.snapshots, slot)
 
-    def _sample(self, rid: str, logits: torch.Tensor, work) -> SampledToken:
-        """One sequence's token; a failure here is that sequence's alone (SampledToken.error), so one
-        request's bad values never fail the other sequences of the step."""
+    def _sample(self, rid: str, logits: torch.Tensor, work, token: int | None = None) -> SampledToken:
+        """One sequence's token (token: drawn already for the whole step; log-probabilities added); a
+        failure here is that sequence's alone (SampledToken.error), so one request's bad values never fail
+        the other sequences of the step."""
         try:
-            return self.sampler.sample(rid, logits, work.sampling, work.output_index)
+            return self.sampler.sample(rid, logits, work.sampling, work.output_index, token=token)
         except Exception as exc:  # NOTE: confined on purpose; the engine aborts only this request
             return SampledToken(rid, -1, error=f"sampling failed: {exc!r}")
 

@@ -11,12 +11,19 @@ from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.linear import linear
 
 
-def route(x: torch.Tensor, router_weight, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, K] fp32, expert ids [T, K])."""
+def route(x: torch.Tensor, router_weight, top_k: int, renormalize: bool,
+          replace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, expert ids [T, K]). replace: [T, K] ids that replace the top-k choice
+    (`--routing-replay`); their weights are the router's probabilities at those ids, renormalised alike."""
     if isinstance(router_weight, torch.Tensor) and router_weight.dtype == torch.float32:
         x = x.float()  # fp32 router: activations are bf16-rounded already, the matmul need not be
     probs = torch.softmax(linear(x, router_weight), dim=-1, dtype=torch.float32)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if replace is None:
+        weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    else:
+        assert replace.shape == (x.shape[0], top_k), f"replacement ids {tuple(replace.shape)} for {x.shape[0]} tokens"
+        ids = replace.long()
+        weights = probs.gather(1, ids)  # [T, K]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids

@@ -1,4 +1,4 @@
-"""Operations routes: /health (open), /v1/stats, /metrics, /v1/cache/status, /v1/cache/rebuild."""
+"""Operations routes: /health (open), /v1/stats, /metrics, /v1/cache/status, /v1/cache/rebuild, /v1/routing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from litestar import Request, Response, post
 from app.api.errors import OpenAIError, bad_value
 from app.api.generation import require_engine, runtime_of
 from app.api.routing import get_or_head
-from app.api.schemas import CacheRebuildRequest, decode_body
+from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body
 from app.engine import Engine
 from app.units import parse_count
 
@@ -30,6 +30,7 @@ def health(request: Request) -> Response:
         "engine": engine.phase if engine else None,
         "model": runtime.model.served_name,
         "uptime_s": round(time.monotonic() - runtime.started_at, 3),
+        "routing": engine.routing() if engine else None,  # null while loading
     }
     if engine is not None and not engine.alive:
         body["status"], body["error"] = "error", engine.last_error or "engine thread stopped"
@@ -59,12 +60,14 @@ def stats(request: Request) -> dict:
         "window": engine.stats.window(),
         "prefix_cache": {**engine.stats.prefix_cache(), **(engine.pools().get("prefix_cache") or {})},
         "plan": _plan(engine.plan),
+        "routing": engine.routing(),
     }
 
 
 @get_or_head("/metrics", sync_to_thread=False)
 def metrics(request: Request) -> Response:
     engine = _engine(request)
+    engine.stats.record_routing(engine.routing())
     return Response(content=engine.stats.prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -80,6 +83,19 @@ def cache_status(request: Request) -> dict:
         "expert_bytes": engine.spec.expert_bytes(),
         "total_experts": engine.spec.total_experts,
     }
+
+
+@post("/v1/routing", status_code=200)
+async def routing(request: Request) -> dict:
+    """Switch a server started with --routing-replay between its replay and the natural routing (from the
+    next step on; `ft bench` measures both). 409 on a server that routes naturally only."""
+    engine = _engine(request)
+    body = decode_body(await request.body(), RoutingRequest)
+    if engine.routing_replay is None:
+        raise OpenAIError(409, "this server routes naturally only; start it with --routing-replay SPEC to replay",
+                          type="invalid_request_error", param="replay", code="no_routing_replay")
+    engine.routing_replay.set_active(body.replay)
+    return engine.routing()
 
 
 def _count(param: str, value: int | str | None, auto: bool = False) -> int | str | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from app.api.errors import OpenAIError, bad_value, unsupported
 from app.engine import Engine
-from app.reasoning import REASONING_PARSERS, ThinkParser, prompt_opens_reasoning
+from app.reasoning import FORCED_CLOSE, REASONING_PARSERS, ThinkingPlan, ThinkParser, prompt_opens_reasoning
 from app.runtime import Runtime
 from app.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
 from domain.ports import ChatTemplateError
@@ -32,7 +32,8 @@ Piece = str | Reasoning | ToolCallDelta  # str: answer text
 @dataclass
 class Conversation:
     """A request in the template's terms. tool_choice: "auto" | "none" | "required" | a function name
-    (already validated by ``check_tool_choice``)."""
+    (already validated by ``check_tool_choice``). thinking_budget: reasoning tokens allowed before the
+    close is forced (None: unbounded), as the client's parameter ``budget_param`` gave it."""
 
     messages: list[dict]
     tools: list[dict] = field(default_factory=list)  # OpenAI function tools {"type": "function", "function": {...}}
@@ -40,6 +41,8 @@ class Conversation:
     forced_function: str | None = None
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None
+    budget_param: str = "thinking_token_budget"
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Prompt:
     text: str
     ids: list[int]
     parser: OutputParser
+    thinking: ThinkingPlan | None = None  # for the engine: count reasoning tokens (and bound them)
 
 
 def function_tool(name, description, parameters, param: str) -> dict:
@@ -71,6 +75,29 @@ def check_tool_choice(conversation: Conversation, param: str = "tool_choice") ->
         raise bad_value(param, f"tool_choice {conversation.tool_choice!r} needs tools")
     if conversation.tool_choice == "function" and conversation.forced_function not in names:
         raise bad_value(param, f"tool_choice names {conversation.forced_function!r}, which is not among the tools")
+
+
+# OpenAI's reasoning_effort values. "none" turns thinking off in the template (enable_thinking=False);
+# the others leave it on: OpenAI ties no token count to a level, so none sets a budget (a hard cap is
+# thinking_token_budget). The value also reaches the template as ``reasoning_effort``, for templates
+# that read it (gpt-oss style); chat_template_kwargs the client sent win over both.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def apply_reasoning_effort(template_kwargs: dict, effort, param: str) -> None:
+    if effort is None:
+        return
+    if effort not in REASONING_EFFORTS:
+        raise bad_value(param, f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    template_kwargs.setdefault("enable_thinking", effort != "none")
+    template_kwargs.setdefault("reasoning_effort", effort)
+
+
+def thinking_budget(value, param: str = "thinking_token_budget") -> int | None:
+    """A client's reasoning-token budget: None or an int >= 0 (400 naming ``param`` otherwise)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise bad_value(param, f"{param} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def arguments_object(arguments, param: str) -> dict:
@@ -101,17 +128,22 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731
     tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id) if tools else None
     reasoning = runtime.model.reasoning_parser in REASONING_PARSERS
+    budget = conversation.thinking_budget
+    if budget is not None and not reasoning:
+        raise unsupported(conversation.budget_param, "this server splits no reasoning from the answer (start it "
+                          "with --reasoning-parser), so it can not count thinking tokens against a budget")
     primed: list[Piece] = []
     if tool_parser is not None and conversation.tool_choice in ("required", "function"):
         # NOTE: no grammar engine here: the call is forced by writing its opening into the prompt.
         if reasoning and prompt_opens_reasoning(text):
-            text += "\n</think>\n\n"
+            text += FORCED_CLOSE
         prefix = tool_parser.forced_prefix(conversation.forced_function)
         text += prefix
         primed = list(tool_parser.feed(prefix))
     think = ThinkParser(prompt_opens_reasoning(text)) if reasoning else None
     parser = OutputParser(think, tool_parser, primed, single_call=not conversation.parallel_tool_calls)
-    return Prompt(text, engine.tokenizer.encode(text), parser)
+    thinking = ThinkingPlan(prompt_opens_reasoning(text), budget, engine.tokenizer.encode) if reasoning else None
+    return Prompt(text, engine.tokenizer.encode(text), parser, thinking)
 
 
 def render(engine: Engine, messages: list[dict], tools, template_kwargs: dict, param: str) -> str:

@@ -12,10 +12,12 @@ from app.api.agent import (
     Conversation,
     OutputParser,
     Reasoning,
+    apply_reasoning_effort,
     arguments_object,
     check_tool_choice,
     function_tool,
     split,
+    thinking_budget,
 )
 from app.api.errors import bad_value, unsupported
 from app.api.generation import (
@@ -96,13 +98,16 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
         if choice.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
             raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
         choice, forced = "function", function["name"]
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    apply_reasoning_effort(template_kwargs, body.reasoning_effort, "reasoning_effort")
     conversation = Conversation(
         messages=_messages(body.messages),
         tools=tools,
         tool_choice=choice,
         forced_function=forced,
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        template_kwargs=dict(body.chat_template_kwargs or {}),
+        template_kwargs=template_kwargs,
+        thinking_budget=thinking_budget(body.thinking_token_budget),
     )
     check_tool_choice(conversation)
     return conversation
@@ -170,7 +175,7 @@ async def chat_completions(request: Request) -> Response | Stream:
         max_tokens_param=max_tokens_param,
     )
     request_id = engine.new_request_id("chatcmpl")
-    events = submit(engine, request_id, prompt_ids, sampling, stop)
+    events = submit(engine, request_id, prompt_ids, sampling, stop, prompt.thinking)
     created = int(time.time())
     model = runtime.model.served_name
     if body.stream:

@@ -11,6 +11,7 @@ from litestar import Request
 from app.api.errors import OpenAIError, bad_value, service_unavailable, unsupported
 from app.api.schemas import _Sampling
 from app.engine import Engine, RequestRejected
+from app.reasoning import ThinkingPlan
 from app.runtime import Runtime
 from app.streams import StreamEvent
 from domain.request import SamplingParams
@@ -140,10 +141,11 @@ def build_sampling(
 
 
 def submit(
-    engine: Engine, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: tuple[str, ...]
+    engine: Engine, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: tuple[str, ...],
+    thinking: ThinkingPlan | None = None,
 ) -> asyncio.Queue:
     try:
-        return engine.submit(request_id, prompt_ids, sampling, stop)
+        return engine.submit(request_id, prompt_ids, sampling, stop, thinking)
     except RequestRejected as exc:
         raise OpenAIError(400, f"request can not be served: {exc}", code="request_too_large") from None
 
@@ -209,6 +211,7 @@ def usage(event: StreamEvent) -> dict:
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "completion_tokens_details": {"reasoning_tokens": event.reasoning_tokens},  # tokens, not characters
         # prompt tokens whose KV (and GDN state) came from the prefix cache instead of being computed
         "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }

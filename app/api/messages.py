@@ -41,6 +41,8 @@ from app.engine import Engine
 from app.runtime import Runtime
 from app.tool_parsers import ToolCallDelta
 
+# Anthropic's documented floor for thinking.budget_tokens (smaller budgets are a 400 there too).
+MIN_THINKING_BUDGET = 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error"}
@@ -169,11 +171,7 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
     if kind is None:
         raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {choice.get('type')!r}")
-    kwargs = {}
-    if body.thinking is not None:
-        if body.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise bad_value("thinking.type", "thinking type must be enabled, disabled or adaptive")
-        kwargs["enable_thinking"] = body.thinking["type"] != "disabled"
+    kwargs, budget = _thinking(body.thinking)
     conversation = Conversation(
         messages=_messages(body.system, body.messages),
         tools=tools,
@@ -181,9 +179,32 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
         forced_function=choice.get("name"),
         parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
         template_kwargs=kwargs,
+        thinking_budget=budget,
+        budget_param="thinking.budget_tokens",
     )
     check_tool_choice(conversation, "tool_choice")
     return conversation
+
+
+def _thinking(thinking: dict | None) -> tuple[dict, int | None]:
+    """``thinking`` -> (chat template kwargs, reasoning-token budget). "disabled" renders the template
+    with enable_thinking=False; "enabled" needs budget_tokens >= 1024, enforced by forcing the close."""
+    if thinking is None:
+        return {}, None
+    kind, budget = thinking.get("type"), thinking.get("budget_tokens")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise bad_value("thinking.type", "thinking type must be enabled, disabled or adaptive")
+    if kind != "enabled":
+        if budget is not None:
+            raise bad_value("thinking.budget_tokens", f"budget_tokens is only allowed when thinking is enabled "
+                            f"(type {kind!r})")
+        return {"enable_thinking": kind != "disabled"}, None
+    if budget is None:
+        raise bad_value("thinking.budget_tokens", "thinking.budget_tokens is required when thinking is enabled")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_THINKING_BUDGET:
+        raise bad_value("thinking.budget_tokens", f"thinking.budget_tokens must be an integer >= "
+                        f"{MIN_THINKING_BUDGET}, got {budget!r}")
+    return {"enable_thinking": True}, budget
 
 
 async def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
@@ -208,10 +229,16 @@ async def messages(request: Request) -> Response | Stream:
         raise bad_value("max_tokens", "max_tokens is required")
     stop = stop_strings(body.stop_sequences)
     engine, prompt = await _prompt(runtime, body)
+    budget = prompt.thinking.budget if prompt.thinking is not None else None
+    # NOTE: Anthropic's rule; its interleaved-thinking beta lifts it (thinking then spans tool turns).
+    if budget is not None and budget >= body.max_tokens and "interleaved-thinking" not in request.headers.get(
+            "anthropic-beta", ""):
+        raise bad_value("max_tokens", f"max_tokens ({body.max_tokens}) must be greater than "
+                        f"thinking.budget_tokens ({budget})")
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_tokens,
                               prompt_param="messages")
     message_id = engine.new_request_id("msg")
-    events = submit(engine, message_id, prompt.ids, sampling, stop)
+    events = submit(engine, message_id, prompt.ids, sampling, stop, prompt.thinking)
     model = runtime.model.served_name
     if body.stream:
         return Stream(_sse(engine, message_id, events, model, prompt.parser, len(prompt.ids)),

@@ -15,7 +15,7 @@ import msgspec
 from litestar import Request
 from litestar.openapi.plugins import JsonRenderPlugin
 
-from app.api.schemas import CacheRebuildRequest, ChatCompletionRequest, CompletionRequest
+from app.api.schemas import CacheRebuildRequest, ChatCompletionRequest, CompletionRequest, RoutingRequest
 
 REF = "#/components/schemas/{name}"
 
@@ -102,6 +102,7 @@ class Health(msgspec.Struct):
     engine: str | None
     model: str
     uptime_s: float
+    routing: dict[str, Any] | None  # {"mode": "natural"} or the --routing-replay description; null while loading
 
 
 class CacheRebuildResult(msgspec.Struct):
@@ -119,6 +120,7 @@ _OPERATIONS: dict[tuple[str, str], tuple[type | None, type | None, bool, tuple[i
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletion, True, _GENERATION_ERRORS),
     ("/v1/completions", "post"): (CompletionRequest, Completion, True, _GENERATION_ERRORS),
     ("/v1/cache/rebuild", "post"): (CacheRebuildRequest, CacheRebuildResult, False, (400, 401, 409, 413, 422, 503)),
+    ("/v1/routing", "post"): (RoutingRequest, None, False, (400, 401, 409, 413, 422, 503)),
     ("/v1/models", "get"): (None, ModelList, False, (401, 503)),
     ("/v1/models/{model_id}", "get"): (None, Model, False, (401, 404, 503)),
     ("/health", "get"): (None, Health, False, (503,)),
@@ -127,7 +129,7 @@ _OPERATIONS: dict[tuple[str, str], tuple[type | None, type | None, bool, tuple[i
     ("/metrics", "get"): (None, None, False, (401, 503)),
 }
 _REASONS = {400: "Bad request", 401: "Missing or wrong API key", 404: "Unknown model or route",
-            409: "Resize refused or not applied", 413: "Body too large", 422: "Wrong type or missing field",
+            409: "Resize refused or not applied (/v1/routing: the server has no routing replay)", 413: "Body too large", 422: "Wrong type or missing field",
             499: "Client disconnected", 500: "The model step failed (this request only)",
             503: "Loading, pools being swapped, or the engine cannot serve (see /health)"}
 

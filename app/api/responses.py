@@ -20,9 +20,11 @@ from app.api.agent import (
     Conversation,
     OutputParser,
     Reasoning,
+    apply_reasoning_effort,
     arguments_object,
     check_tool_choice,
     function_tool,
+    thinking_budget,
 )
 from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
@@ -58,6 +60,7 @@ class ResponsesRequest(_Sampling, kw_only=True):
     metadata: dict[str, Any] | None = None
     include: list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None  # as on chat completions (vLLM's extension)
 
 
 def _refuse_stateful(body: ResponsesRequest) -> None:
@@ -141,10 +144,9 @@ def _conversation(body: ResponsesRequest) -> Conversation:
             raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "name": ...}')
         choice, forced = "function", choice["name"]
     kwargs = dict(body.chat_template_kwargs or {})
-    effort = (body.reasoning or {}).get("effort")
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", effort != "none")
-    conversation = Conversation(_messages(body), tools, choice, forced, body.parallel_tool_calls is not False, kwargs)
+    apply_reasoning_effort(kwargs, (body.reasoning or {}).get("effort"), "reasoning.effort")
+    conversation = Conversation(_messages(body), tools, choice, forced, body.parallel_tool_calls is not False, kwargs,
+                                thinking_budget(body.thinking_token_budget))
     check_tool_choice(conversation)
     return conversation
 
@@ -240,7 +242,7 @@ async def responses(request: Request) -> Response | Stream:
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
                               prompt_param="input")
     response_id = engine.new_request_id("resp")
-    events = submit(engine, response_id, prompt.ids, sampling, ())
+    events = submit(engine, response_id, prompt.ids, sampling, (), prompt.thinking)
     shell = {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": body.instructions,
@@ -269,8 +271,7 @@ def _finished(shell: dict, output: list[dict], last) -> dict:
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
             "usage": {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": last.cached_tokens},
                       "output_tokens": last.completion_tokens,
-                      # NOTE: reasoning is split on text, not counted per token
-                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": last.reasoning_tokens},
                       "total_tokens": last.prompt_tokens + last.completion_tokens}}
 
 

@@ -55,6 +55,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    thinking_token_budget: int | None = None  # vLLM's extension: reasoning tokens before the close is forced
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -64,6 +66,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+class RoutingRequest(msgspec.Struct, kw_only=True):
+    replay: bool  # True: replace the routers' choice (--routing-replay); False: natural routing
 
 
 class CacheRebuildRequest(msgspec.Struct, kw_only=True):

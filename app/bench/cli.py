@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from app.bench import cold_start, ladder, prefill, probe, smoke, sweep, target, view
+from app.bench import cold_start, ladder, prefill, probe, routing, smoke, sweep, target, view
 from app.bench.context import Ctx
 from app.bench.plot import plot
 from app.bench.record import Record, default_out
@@ -63,6 +64,9 @@ def _common(plot_option: bool) -> argparse.ArgumentParser:
                    help="ask for logprobs so every token gets its own arrival time (costs the server a little)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the pinned host->device copy measurement")
     p.add_argument("--quiet", action="store_true", help="no progress bars or tables")
+    p.add_argument("--routing", choices=routing.CHOICES, default="both",
+                   help="a server started with --routing-replay: both (its replay, then natural routing beside it "
+                        "into OUT-natural.json, linked), server (its mode only) or natural (replay switched off)")
     if plot_option:
         p.add_argument("--plot", default=None, metavar="FILE", help="also draw the figures (png, svg, pdf)")
     return p
@@ -177,15 +181,30 @@ def run_bench(args) -> int:
     kind = args.bench_command
     urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
     out = args.out or default_out(kind)
-    if kind == "cold-start" or len(urls) == 1:
+    if kind == "cold-start":
         args.base_url = urls[0]
         return _one(args, out)[0]
     codes, records = [], []
     for i, url in enumerate(urls, 1):
-        one = argparse.Namespace(**{**vars(args), "base_url": url, "plot": _numbered(getattr(args, "plot", None), i)})
-        code, record, _ = _one(one, _numbered(out, i))
+        several = len(urls) > 1
+        plot_path = _numbered(getattr(args, "plot", None), i) if several else getattr(args, "plot", None)
+        one = argparse.Namespace(**{**vars(args), "base_url": url, "plot": plot_path})
+        url_out = _numbered(out, i) if several else out
+
+        def one_pass(path: str, one=one, url_out=url_out) -> tuple[int, Record, str]:
+            natural = path != url_out  # the natural pass beside a replay: its own plot file
+            plot = routing.natural_path(one.plot) if natural and one.plot else one.plot
+            return _one(argparse.Namespace(**{**vars(one), "plot": plot}), path)
+
+        key = args.api_key or os.environ.get("FT_API_KEY")
+        try:
+            code, done = routing.run_passes(args.routing, url, key, url_out, one_pass,
+                                            routing.server_replay(url, key))
+        except BenchError as exc:
+            print(f"ft bench: {exc}", file=sys.stderr)
+            code, done = 1, []
         codes.append(code)
-        records.append(record.data)
-    if not args.quiet:
+        records += done
+    if len(records) > 1 and not args.quiet:
         Console().print(view.side_by_side(records))
     return max(codes)

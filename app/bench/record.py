@@ -30,6 +30,7 @@ class Record:
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
     data: dict = field(default_factory=dict)
     _t0: float = field(default_factory=time.monotonic)
+    _path: Path | None = None
 
     def __post_init__(self) -> None:
         self.data = {
@@ -46,6 +47,8 @@ class Record:
             "budget": None,
             "pool_plan": None,
             "routing": None,
+            "routing_replay": None,
+            "linked_records": {},
             "server": None,
             "points": [],
             "failures": [],
@@ -70,6 +73,7 @@ class Record:
             "budget": (server.get("cache_status") or {}).get("budget"),
             "pool_plan": plan,
             "routing": target.routing_mode(server),
+            "routing_replay": target.routing_replay(server),
             "server": server,
         })
         return server
@@ -85,7 +89,14 @@ class Record:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        self._path = path
         return path
+
+    def link(self, name: str, path: str | Path) -> None:
+        """Name a related record (the natural-routing pass beside a replay); rewrites a written record."""
+        self.data["linked_records"][name] = str(path)
+        if self._path is not None:
+            self._path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
 def default_out(kind: str) -> str:

@@ -157,10 +157,26 @@ def _first_model(server: dict) -> str | None:
     return data[0]["id"] if data else None
 
 
-def routing_mode(server: dict) -> str:
-    """How the server routes tokens to experts; 'natural' unless it says otherwise."""
+def _routing(server: dict):
     for part in ("health", "stats"):
         mode = (server.get(part) or {}).get("routing")
         if mode:
-            return mode if isinstance(mode, str) else json.dumps(mode)
-    return "natural"
+            return mode
+    return None
+
+
+def routing_mode(server: dict) -> str:
+    """How the server routed tokens to experts for this record's figures: 'natural' unless it says
+    otherwise; under fluxtide's --routing-replay, the replay's canonical spec while it is active."""
+    mode = _routing(server)
+    if isinstance(mode, dict):
+        if mode.get("mode", "natural") == "natural" or not mode.get("active", True):
+            return "natural"
+        return str(mode.get("spec") or mode["mode"])
+    return mode if isinstance(mode, str) else ("natural" if mode is None else json.dumps(mode))
+
+
+def routing_replay(server: dict) -> dict | None:
+    """The server's routing replay (fluxtide --routing-replay: mode, parameters, active), or None."""
+    mode = _routing(server)
+    return mode if isinstance(mode, dict) and mode.get("mode", "natural") != "natural" else None

@@ -83,8 +83,10 @@ def side_by_side(records: list[dict]) -> Table:
     figure, keys = HEADLINE[kind]
     t = Table(title=f"side by side: {figure} (ratio to the first server)")
     t.add_column(", ".join(keys))
+    routed = any(r.get("routing", "natural") != "natural" for r in records)
     for r in records:
-        t.add_column(f"{(r.get('target') or {}).get('base_url')}", justify="right")
+        label = f"{(r.get('target') or {}).get('base_url')}"
+        t.add_column(label + (f" [{_cell(r.get('routing'))[:32]}]" if routed else ""), justify="right")
     points = [{tuple(p.get(k) for k in keys): p.get(figure) for p in r["points"]} for r in records]
     for key in points[0]:
         base = points[0][key]

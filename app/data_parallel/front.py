@@ -88,6 +88,8 @@ def health(request: Request) -> Response:
         "error": "; ".join(failed) or None,
         "engine": engines.pop() if len(engines) == 1 else sorted(engines) or None,
         "model": next((w.health.get("model") for w in pool.workers if w.health.get("model")), None),
+        # every worker runs the same --routing-replay (switched together by POST /v1/routing): the first's
+        "routing": next((w.health.get("routing") for w in pool.workers if w.health.get("routing")), None),
         "data_parallel": len(workers),
         "workers": workers,
     }
@@ -117,6 +119,7 @@ async def stats(request: Request) -> dict:
         "window": merge([b["window"] for b in bodies]),
         "prefix_cache": merge([b.get("prefix_cache") or {} for b in bodies]),  # counts add, rates are means
         "plan": common(plans),  # one worker's plan (all alike); the sums are under totals
+        "routing": bodies[0].get("routing"),
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),
         "workers": [{"worker": w.index, "device": w.label, "in_flight": w.in_flight, "dispatched": w.dispatched,
@@ -164,6 +167,18 @@ async def metrics(request: Request) -> Response:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collected())
     return Response(content=generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@post("/v1/routing", status_code=200)
+async def routing(request: Request) -> Response:
+    """--routing-replay on or off on every worker (each answers as one server does; the first refusal wins)."""
+    results = await front_of(request).fan_out("POST", "/v1/routing", content=await request.body())
+    refused = [(status, b) for _, status, b in results if status != 200 or not isinstance(b, dict)]
+    if not results:
+        raise OpenAIError(503, "no worker has a port yet", type="server_error", code="worker_down")
+    if refused:
+        return Response(content=refused[0][1], status_code=refused[0][0] or 503)
+    return Response(content={**results[0][2], "workers": [{"worker": w.index, **b} for w, _, b in results]})
 
 
 @post("/v1/cache/rebuild", status_code=200)
@@ -360,7 +375,7 @@ async def _relay(worker: WorkerProcess, upstream: httpx.Response, path: str, poo
 
 def create_front_app(front: Front, allowed_origins: tuple[str, ...] = ()) -> Litestar:
     protected = Router(path="/", guards=[require_api_key],
-                       route_handlers=[stats, metrics, cache_status, cache_rebuild, proxy])
+                       route_handlers=[stats, metrics, cache_status, cache_rebuild, routing, proxy])
     return Litestar(
         route_handlers=[health, protected],
         state=State({"runtime": front}),

@@ -133,10 +133,10 @@ def test_one_sequences_sampling_fault_is_its_own(ckpt, monkeypatch):
     bad = SamplingParams(temperature=0.7, top_k=3, seed=13)
     real = ex.sampler.sample
 
-    def sample(rid, logits, params, output_index):
+    def sample(rid, logits, params, output_index, **kw):
         if params is bad:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(rid, logits, params, output_index)
+        return real(rid, logits, params, output_index, **kw)
 
     monkeypatch.setattr(ex.sampler, "sample", sample)
     batch = StepBatch((SequenceWork("good", (1, 2, 3), 0, (0,), 0, True, GREEDY, 0),

@@ -1,4 +1,4 @@
-"""DeviceExpertPool's streamed prefill (docs/adr/0008-streamed-prefill.md): inside `streamed_step`, a
+"""DeviceExpertPool's streamed prefill (docs/adr/0010-streamed-prefill.md): inside `streamed_step`, a
 prefill-sized chunk reads resident experts in place and stages the others in rounds, bitwise the same as
 the residency path at any pool and staging size, without touching the residency (the decode working set),
 and counting what it needed and what it copied."""

@@ -1,4 +1,4 @@
-"""The fast executor with staging rows (the streamed prefill, docs/adr/0008-streamed-prefill.md), Triton
+"""The fast executor with staging rows (the streamed prefill, docs/adr/0010-streamed-prefill.md), Triton
 prefill on (--prefill-kernels triton): bitwise the logits of the residency-path prefill, the reference
 executor's tokens, a decode working set that a long prefill leaves where it was, the PCIe bound in its
 stats, and live resizes that keep or rebuild the staging rows with the plan."""

@@ -3,11 +3,9 @@ interpreter does not check (type and shape rules of the compiler, resource limit
 shapes the decode graph runs them with. The MoE GEMVs have their own check in test_kernels_moe.py and
 the prefill kernels in test_kernels_prefill.py."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.adapters.sm90 import build_for_sm90
 
 _COMPILE_CHECK = """
 import triton
@@ -45,11 +43,4 @@ print("ok")
 
 @pytest.mark.slow
 def test_decode_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "ok"
+    assert build_for_sm90(_COMPILE_CHECK, timeout=300).strip() == "ok"

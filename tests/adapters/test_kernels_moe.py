@@ -10,10 +10,6 @@ group or per row instead of per element, ~1e-7 relative; anything wrong in a for
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +21,7 @@ from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.moe_down import moe_down
 from adapters.kernels.moe_gate_up import moe_gate_up
 from domain.model_spec import WeightFormat
+from tests.adapters.sm90 import build_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -231,14 +228,8 @@ for fmt in WeightFormat:
 def test_kernels_compile_for_sm90_with_16_byte_weight_loads():
     """Catches what the interpreter does not check (lowering to PTX) in CI, and guards the wide loads that a
     memory-bound decode GEMV lives on: every format streams its weight tiles with 16-byte loads."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    loads = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines()}
+    stdout = build_for_sm90(_COMPILE_CHECK, timeout=300)
+    loads = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in stdout.splitlines()}
     assert set(loads) == {f.value for f in F_}
     for fmt, (gate_up, down) in loads.items():
         assert gate_up >= 2 and down >= 1, f"{fmt}: weight tiles not read with 16-byte loads ({loads[fmt]})"

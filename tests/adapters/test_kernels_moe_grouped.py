@@ -9,10 +9,6 @@ of the output).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m,
 from adapters.kernels.moe_grouped_down import moe_grouped_down
 from adapters.kernels.moe_grouped_gate_up import moe_grouped_gate_up
 from domain.model_spec import WeightFormat
+from tests.adapters.sm90 import build_for_sm90
 from tests.adapters.test_kernels_moe import CASES, FP32_BOUND, make_batch, make_pool, reference, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -262,14 +259,8 @@ for fmt in WeightFormat:
 def test_prefill_kernels_compile_for_sm90_on_tensor_cores():
     """Lowering to PTX is what the interpreter does not check: every format's grouped GEMMs and dense GEMM
     build for an H200 and their dots become Hopper wgmma instructions (bf16 operands, not FMA loops)."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines()}
+    stdout = build_for_sm90(_COMPILE_CHECK)
+    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in stdout.splitlines()}
     assert set(counts) == {f.value for f in F_}
     for fmt, (gate_up, down, dense) in counts.items():
         assert gate_up > 0 and down > 0, f"{fmt}: grouped GEMMs without wgmma ({counts[fmt]})"

@@ -461,17 +461,10 @@ def test_prefill_kernels_compile_for_sm90_within_shared_memory():
     Qwen3.6 geometry with the launchers' settings, in a fresh process (no TRITON_INTERPRET); every kernel
     fits an H200 SM's 227 KiB of shared memory and stays within its spill bound."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    from tests.adapters.sm90 import build_for_sm90
+
+    usage = json.loads(build_for_sm90(_SM90_COMPILE).strip().splitlines()[-1])
     assert set(usage) == set(_STACK_BOUND)
     for name, found in usage.items():
         assert found["SMEM"] <= 227 * 1024, (name, found)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from adapters.torch_exec.sampler import Sampler, filtered_probs
+from adapters.torch_exec.sampler import Sampler, filtered_probs, sample_rows, uniforms
 from domain.request import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))  # probabilities 0.05 / 0.5 / 0.15 / 0.3
@@ -71,3 +71,44 @@ def test_logprobs_are_the_raw_distribution():
     assert [round(lp, 5) for _, lp in tok.top_logprobs] == [round(math.log(p), 5) for p in (0.5, 0.3, 0.15)]
     plain = Sampler().sample("r", LOGITS, SamplingParams(temperature=0.0), 0)
     assert plain.logprob is None and plain.top_logprobs == ()
+
+
+# ---- the batched device draw (sample_rows): what the fast path runs for a whole step -------------------
+
+
+def _rows(params: list[SamplingParams], logits: torch.Tensor, keys: list[int]) -> list[int]:
+    return sample_rows(logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
+                       torch.tensor([p.top_p for p in params]), torch.tensor(keys)).tolist()
+
+
+def test_a_rows_draw_depends_on_its_key_and_logits_only():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=gen)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              ((0.7, 0, 1.0), (1.0, 5, 1.0), (0.0, 0, 1.0), (1.3, 0, 0.8), (0.9, 1, 1.0), (1.0, 10, 0.5))]
+    keys = [11, 2**61 + 7, 3, 99, 5, 123456789]
+    batch = _rows(params, logits, keys)
+    alone = [_rows([p], logits[i:i + 1], [k])[0] for i, (p, k) in enumerate(zip(params, keys, strict=True))]
+    shuffled = _rows(params[::-1], logits.flip(0), keys[::-1])[::-1]
+    assert batch == alone == shuffled
+    assert batch[2] == int(logits[2].argmax()) and batch[4] == int(logits[4].argmax())  # greedy rows
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(top_k=4),
+                                    SamplingParams(temperature=1.5, top_p=0.7), SamplingParams(top_k=6, top_p=0.9)])
+def test_batched_draws_follow_the_filtered_distribution(params):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(1)) * 1.5
+    n = 20000
+    tokens = torch.tensor(_rows([params] * n, logits.expand(n, -1), list(range(n))))
+    freq = torch.bincount(tokens, minlength=12).float() / n
+    want = filtered_probs(logits, params)
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-3).all(), (freq, want)
+    assert (freq[want == 0] == 0).all()  # nothing outside the top-k / top-p set is ever drawn
+
+
+def test_uniforms_are_open_unit_interval_and_keyed():
+    u = uniforms(torch.tensor([0, 1, 2**62 - 1]), 100000)
+    assert ((u > 0) & (u < 1)).all()
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1]) and torch.equal(u, uniforms(torch.tensor([0, 1, 2**62 - 1]), 100000))
+    assert abs(float(torch.corrcoef(torch.stack((u[0, :-1], u[0, 1:])))[0, 1])) < 0.02  # neighbours unrelated

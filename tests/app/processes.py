@@ -33,7 +33,9 @@ class FtServe:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
-            match = LISTENING.match(line)  # NOTE: anchored: "[worker i] listening on ..." is not ours
+            # NOTE: searched, not anchored: the loading thread's progress may share the line ("[0.00s] loading
+            # modellistening on ..."); a "[worker i] listening on ..." line is a data-parallel worker's, not ours
+            match = None if line.startswith("[worker") else LISTENING.search(line)
             if match and self.url is None:
                 self.url = match.group(1)
                 self._listening.set()

@@ -1,7 +1,8 @@
 """A fake model that follows a script, for driving the tool-call and reasoning paths end to end:
 the real server, engine and scheduler, a byte-level tokenizer with a real (Qwen3-XML-style)
 chat template, and an executor whose next token is the next byte of ``script(prompt_text)``,
-then EOS."""
+then EOS. A *reactive* script is ``script(prompt_text, generated_text)`` and returns the whole output
+it wants given what was generated so far (which forced tokens may have changed)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ class TemplateTokenizer(FakeTokenizer):
 
 
 class ScriptedExecutor(SlowExecutor):
-    def __init__(self, plan, script: Callable[[str], str]) -> None:
+    def __init__(self, plan, script: Callable[..., str], reactive: bool = False) -> None:
         super().__init__(plan)
         self.script = script
+        self.reactive = reactive
         self.prompts: dict[str, str] = {}
         self._prompt_len: dict[str, int] = {}
 
@@ -47,15 +49,18 @@ class ScriptedExecutor(SlowExecutor):
             n = self._prompt_len.setdefault(work.request_id, len(seq))
             prompt = bytes(t for t in seq[:n] if t < 256).decode()
             self.prompts[work.request_id] = prompt
-            out = self.script(prompt).encode()
+            if self.reactive:  # NOTE: what the model "sees" is its KV: forced tokens included
+                out = self.script(prompt, bytes(t for t in seq[n:] if t < 256).decode(errors="replace")).encode()
+            else:
+                out = self.script(prompt).encode()
             done = len(seq) - n
             sampled[work.request_id] = SampledToken(work.request_id, out[done] if done < len(out) else EOS)
         return sampled
 
 
-def start_scripted_server(script: Callable[[str], str], **overrides):
+def start_scripted_server(script: Callable[..., str], reactive: bool = False, **overrides):
     container = make_container()
     container.tokenizer.override(providers.Singleton(TemplateTokenizer))
-    container.executor.override(providers.Singleton(ScriptedExecutor, container.pool_plan, script))
+    container.executor.override(providers.Singleton(ScriptedExecutor, container.pool_plan, script, reactive))
     server = start_server(container, **overrides)
     return server, container.executor()

@@ -152,6 +152,13 @@ def test_health_shows_each_worker_on_its_own_process(front):
     assert httpx.get(front.url + "/v1/models").status_code == 401  # the front's key guards the API
 
 
+def test_the_routing_mode_is_the_workers_and_its_switch_reaches_every_worker(front):
+    assert httpx.get(front.url + "/health").json()["routing"] == {"mode": "natural"}
+    assert admin(front, "/v1/stats").json()["routing"] == {"mode": "natural"}
+    r = admin(front, "/v1/routing", "POST", json={"replay": True})  # fanned out: the workers' own refusal
+    assert r.status_code == 409 and r.json()["error"]["code"] == "no_routing_replay"
+
+
 def test_greedy_answers_equal_a_single_server_and_both_workers_serve(front, single):
     dp, one = client_for(front.url), client_for(single.base_url)
     assert [ask(dp, q) for q in QUESTIONS] == [ask(one, q) for q in QUESTIONS]

@@ -105,7 +105,7 @@ def test_seeded_sampling_is_reproducible(client):
     a = ask(client, "What is 3 + 4?", seed=1234, **kw)
     b = ask(client, "What is 3 + 4?", seed=1234, **kw)
     assert a == b
-    others = {ask(client, "What is 3 + 4?", seed=s, **kw) for s in range(6)}
+    others = {ask(client, "What is 3 + 4?", seed=s, **kw) for s in range(24)}  # peaked model: enough seeds
     assert len(others) > 1, "different seeds all gave the same sample: the seed is ignored"
 
 

@@ -1,4 +1,4 @@
-"""`ft serve --staging-experts` (docs/adr/0008-streamed-prefill.md): checked, planned where the fast path
+"""`ft serve --staging-experts` (docs/adr/0010-streamed-prefill.md): checked, planned where the fast path
 runs (auto) or as asked, a default that does not fit dropped, an explicit one refused by name; the
 pools snapshot carries the executor's streamed-prefill stats."""
 
