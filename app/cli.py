@@ -17,6 +17,10 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _count_or_auto(text: str) -> int | None:
+    return None if text == "auto" else _count(text)
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
@@ -61,6 +65,11 @@ def _add_serve(sub) -> None:
                         "Gated DeltaNet state snapshots; none = recompute every prompt")
     p.add_argument("--snapshot-slots", type=_count, default=None,
                    help="GDN state snapshots the prefix cache may hold (default: 4 per running request)")
+    p.add_argument("--staging-experts", type=_count_or_auto, default=None, metavar="N|auto",
+                   help="fast path: expert rows a prefill chunk stages non-resident experts in (double-buffered, "
+                        "past the expert cache, which it leaves alone); 0 = prefill through the expert cache; "
+                        "auto (default): sized from the link rate and expert size (66 for Qwen3.6 FP8, 198 MiB), "
+                        "0 when every expert is resident")
     p.add_argument("--log-level", default="info")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
@@ -126,6 +135,7 @@ def _serve(args, parser) -> int:
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
             cache_type=args.cache_type,
             snapshot_slots=args.snapshot_slots,
+            staging_experts=args.staging_experts,
             expert_parallel=args.expert_parallel,
             ep_rank=args.ep_rank,
             ep_address=args.ep_address,

@@ -113,19 +113,31 @@ def _snapshot_slots(settings: ServeSettings) -> int:
     return DEFAULT_SNAPSHOTS_PER_STATE_SLOT * settings.max_running_requests
 
 
-def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget) -> PoolPlan:
+def _staging_experts(settings: ServeSettings, device: str) -> int | None:
+    """Explicit rows as asked; auto: the planner's default (None) where the fast path will likely run with
+    the Triton prefill (--prefill-kernels triton: streaming is part of that not yet GPU-verified prefill,
+    ADR 0010), else 0 (prefill goes through the expert cache as before)."""
+    if settings.staging_experts is not None:
+        return settings.staging_experts
+    fast = (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
+            and not settings.record_routing and settings.expert_parallel == 1
+            and settings.prefill_kernels == "triton")
+    return None if fast else 0
+
+
+def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, device: str = "cpu") -> PoolPlan:
     """This process's pools; with --expert-parallel N its rank's share of plan_expert_parallel (the KV, state
     and snapshot pools alike on every rank, the expert slots over the keys the rank owns)."""
     if settings.expert_parallel == 1:
-        return _plan(settings, spec, budget, plan_pools)
+        return _plan(settings, spec, budget, plan_pools, device)
     from domain.expert_parallel import ExpertPartition, plan_expert_parallel
 
     partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
-    plan = _plan(settings, spec, budget, lambda s, b, r: plan_expert_parallel(s, b, r, partition))
+    plan = _plan(settings, spec, budget, lambda s, b, r: plan_expert_parallel(s, b, r, partition), device)
     return plan.ranks[settings.ep_rank]
 
 
-def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner):
+def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, device: str = "cpu"):
     """planner(spec, budget, request) -> a plan (PoolPlan, or the expert-parallel plan of every rank) or a
     PlanRefusal."""
     request = PoolRequest(
@@ -134,8 +146,16 @@ def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner):
         state_slots=settings.max_running_requests,
         snapshot_slots=_snapshot_slots(settings),
         kv_reserve_tokens=settings.kv_reserve_tokens,
+        staging_experts=_staging_experts(settings, device),
     )
     plan = planner(spec, budget, request)
+    if isinstance(plan, PlanRefusal) and plan.pool == "staging" and settings.staging_experts is None:
+        # NOTE: as the default snapshot pool below: the default staging rows must not stop a server that
+        # fits without them; it then prefills through the expert cache (which evicts) and says so.
+        log.warning("the default prefill staging rows do not fit (%s); prefill goes through the expert cache",
+                    plan.message)
+        request = replace(request, staging_experts=0)
+        plan = planner(spec, budget, request)
     if isinstance(plan, PlanRefusal) and plan.pool == "snapshot" and settings.snapshot_slots is None:
         # NOTE: the default snapshot pool must not stop a server that fits without it: it then serves
         # with a KV-only cache (which a hybrid model cannot resume from, so effectively none) and says so.
@@ -318,7 +338,7 @@ class Container(containers.DeclarativeContainer):
     eos_token_ids = providers.Singleton(_eos_ids, tokenizer, generation_config)
 
     budget = providers.Singleton(_budget, settings, model_spec, device)
-    pool_plan = providers.Singleton(_pool_plan, settings, model_spec, budget)
+    pool_plan = providers.Singleton(_pool_plan, settings, model_spec, budget, device)
     allocator = providers.Singleton(lambda plan: PageAllocator(plan.kv_pages), pool_plan)
     scheduler_config = providers.Singleton(_scheduler_config, settings, model_spec, pool_plan, eos_token_ids)
     scheduler = providers.Singleton(

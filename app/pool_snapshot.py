@@ -82,6 +82,18 @@ def expert_counters(executor: ModelExecutor) -> tuple[int, int]:
         return 0, 0
 
 
+def prefill_streaming(executor: ModelExecutor) -> dict | None:
+    """The streamed prefill's cumulative counts and PCIe bound (docs/adr/0010-streamed-prefill.md) where the
+    executor streams prefill (the fast path's prefill_stats); None otherwise."""
+    stats = getattr(executor, "prefill_stats", None)
+    if stats is None:
+        return None
+    try:
+        return stats()
+    except Exception:  # a half-built executor (pools being replaced) has no counters
+        return None
+
+
 class PoolPublisher:
     """Engine-thread side of the pools snapshot and of the per-step statistics."""
 
@@ -90,20 +102,25 @@ class PoolPublisher:
         self._executor = executor
         self.latest: dict = {}  # replaced, never mutated: handler threads read it without a lock
         self._hits_misses = expert_counters(executor)
+        self._prefill = prefill_streaming(executor)
 
     def publish(self, **parts) -> None:
         """`parts` are pool_snapshot's arguments."""
         pools = pool_snapshot(**parts, expert_pins=expert_pins(self._executor))
+        pools["prefill_streaming"] = self._prefill  # read after prefill steps only (one device read)
         self.latest = pools
         self._stats.record_pools(pools)
 
     def reset_expert_counters(self) -> None:
         """After the executor rebuilt its pools (its counters may have restarted)."""
         self._hits_misses = expert_counters(self._executor)
+        self._prefill = prefill_streaming(self._executor)
 
     def record_step(self, batch, seconds: float) -> None:
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
+        if batch.num_prefill_tokens:
+            self._prefill = prefill_streaming(self._executor)
         self._stats.record_step(
             prefill_tokens=batch.num_prefill_tokens,
             decode_tokens=batch.num_decode_tokens,

@@ -63,6 +63,7 @@ def fill_auto(
             current.expert_slots if expert_slots is None else expert_slots),
         state_slots=current.state_slots if state_slots is None else state_slots,
         snapshot_slots=current.snapshot_slots,
+        staging_experts=current.staging_experts,
         kv_reserve_tokens=current.page_size,
         page_size=current.page_size,
     )

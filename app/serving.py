@@ -45,7 +45,8 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         plan = container.pool_plan()
         progress(
             f"pools: {plan.kv_tokens} KV tokens, {plan.expert_slots}/{spec.total_experts} expert slots, "
-            f"{plan.state_slots} state slots, {plan.snapshot_slots} state snapshot slots (prefix cache)"
+            f"{plan.state_slots} state slots, {plan.snapshot_slots} state snapshot slots (prefix cache), "
+            f"{plan.staging_experts} prefill staging experts"
         )
         progress("building executor")
         engine = container.engine()

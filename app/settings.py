@@ -37,6 +37,9 @@ class ServeSettings:
     # prefix cache (docs/adr/0004-prefix-cache.md): "radix" = resume from cached KV pages + GDN state snapshots
     cache_type: str = "radix"  # "radix" | "none"
     snapshot_slots: int | None = None  # GDN state snapshots; None = 4 per running request (radix), 0 (none)
+    # streamed-prefill staging rows (docs/adr/0010-streamed-prefill.md); None = auto: the geometry's default on
+    # the fast path when not every expert is resident, else 0; 0 = prefill through the expert LRU
+    staging_experts: int | None = None
     # expert parallelism (docs/adr/0008-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
     expert_parallel: int = 1
     ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
@@ -67,6 +70,8 @@ class ServeSettings:
             raise ValueError(f"--cache-type must be radix or none, got {self.cache_type!r}")
         if self.snapshot_slots is not None and self.snapshot_slots < 0:
             raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
+        if self.staging_experts is not None and self.staging_experts < 0:
+            raise ValueError(f"--staging-experts must be >= 0, got {self.staging_experts}")
         if self.expert_parallel < 1 or not 0 <= self.ep_rank < self.expert_parallel:
             raise ValueError(f"--expert-parallel must be >= 1 (rank {self.ep_rank} of it), got {self.expert_parallel}")
         if self.expert_parallel > 1:

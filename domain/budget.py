@@ -1,18 +1,19 @@
 """Pool budgeting: split the GPU memory left after weights between expert slots, KV pages,
-linear-attention state slots and the prefix cache's state snapshot slots (MoE first), or refuse
-and say which pool is short by how much."""
+linear-attention state slots, the prefix cache's state snapshot slots and the streamed prefill's
+staging rows (MoE first), or refuse and say which pool is short by how much."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from domain.model_spec import ModelSpec
+from domain.streamed_prefill import default_staging_experts
 
 DEFAULT_STATE_SLOTS = 4
 # Prefix-cache state snapshots per running request when the operator does not size the pool (`ft serve`):
 # a 16k-token conversation takes 6 at the 4096-token interval (docs/adr/0004-prefix-cache.md).
 DEFAULT_SNAPSHOTS_PER_STATE_SLOT = 4
-POOLS = ("kv", "moe", "state", "snapshot", "budget")
+POOLS = ("kv", "moe", "state", "snapshot", "staging", "budget")
 
 
 def working_set_slots(spec: ModelSpec, expert_keys: int | None = None) -> int:
@@ -60,6 +61,9 @@ class PoolRequest:
     expert_slots: int | None = None
     state_slots: int | None = None  # None = DEFAULT_STATE_SLOTS
     snapshot_slots: int = 0  # prefix-cache state snapshots (each one state slot's bytes)
+    # streamed-prefill staging rows (each one expert's bytes, docs/adr/0010-streamed-prefill.md);
+    # None = default_staging_experts of the geometry, or 0 when every expert ends up resident
+    staging_experts: int | None = 0
     kv_reserve_tokens: int = 8192  # KV floor when kv_tokens is None (rounded up to whole pages)
     page_size: int = 16
 
@@ -76,6 +80,8 @@ class PoolRequest:
             raise ValueError(f"state_slots must be >= 1, got {self.state_slots}")
         if self.snapshot_slots < 0:
             raise ValueError(f"snapshot_slots must be >= 0, got {self.snapshot_slots}")
+        if self.staging_experts is not None and self.staging_experts < 0:
+            raise ValueError(f"staging_experts must be >= 0, got {self.staging_experts}")
 
 
 @dataclass(frozen=True)
@@ -96,18 +102,22 @@ class PoolPlan:
     residency: float  # expert_slots / total experts, 0..1
     snapshot_slots: int = 0  # prefix-cache snapshots of the linear-attention state
     snapshot_bytes: int = 0
+    staging_experts: int = 0  # streamed-prefill staging rows, outside the residency's slots
+    staging_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.check_valid()
 
     def check_valid(self) -> None:
         sizes = (self.page_size, self.kv_pages, self.expert_slots, self.state_slots, self.kv_bytes,
-                 self.expert_bytes, self.state_bytes, self.free_bytes, self.snapshot_slots, self.snapshot_bytes)
+                 self.expert_bytes, self.state_bytes, self.free_bytes, self.snapshot_slots, self.snapshot_bytes,
+                 self.staging_experts, self.staging_bytes)
         if min(sizes) < 0 or self.page_size < 1:
             raise ValueError(f"negative size in {self}")
         if self.kv_tokens != self.kv_pages * self.page_size:
             raise ValueError(f"kv_tokens {self.kv_tokens} != kv_pages * page_size in {self}")
-        if self.used_bytes != self.kv_bytes + self.expert_bytes + self.state_bytes + self.snapshot_bytes:
+        if self.used_bytes != (self.kv_bytes + self.expert_bytes + self.state_bytes + self.snapshot_bytes
+                               + self.staging_bytes):
             raise ValueError(f"used_bytes is not the sum of the pools in {self}")
         if self.used_bytes + self.free_bytes != self.pool_bytes:
             raise ValueError(f"used + free != pool_bytes in {self}")
@@ -120,7 +130,7 @@ class PlanRefusal:
     """The request does not fit. shortfall_bytes is exactly what is missing: a budget that many
     bytes larger fits the same request. 0 means no amount of memory helps (e.g. slots < top_k)."""
 
-    pool: str  # "kv" | "moe" | "state" | "budget"
+    pool: str  # "kv" | "moe" | "state" | "snapshot" | "staging" | "budget"
     shortfall_bytes: int
     message: str
 
@@ -140,14 +150,23 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
     slots, of the automatic floor, and the denominator of `residency`.
 
     Order of claims: state slots; then the floors of unsized pools (one token's working set of
-    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV; last
-    the prefix cache's snapshot slots (an optimisation: a refusal they cause names them, not a pool
-    the model needs). A refusal names the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and to KV only
-    when experts are explicit or all resident.
+    expert slots, see working_set_slots; the KV reserve); then explicit sizes, experts before KV; then
+    the streamed prefill's staging rows; last the prefix cache's snapshot slots (staging and snapshots
+    are optimisations: a refusal they cause names them, not a pool the model needs). A refusal names
+    the first claim that does not fit. Leftover memory goes to expert slots (up to every expert), and
+    to KV only when experts are explicit or all resident. staging_experts None: the geometry's default
+    (default_staging_experts), unless the plan without staging holds every expert (then 0: nothing
+    would ever stream).
     """
     keys = spec.total_experts if expert_keys is None else expert_keys
     if not isinstance(keys, int) or isinstance(keys, bool) or not 1 <= keys <= spec.total_experts:
         raise ValueError(f"expert_keys must be an int in 1..{spec.total_experts}, got {expert_keys!r}")
+    if request.staging_experts is None:
+        bare = plan_pools(spec, budget, replace(request, staging_experts=0), expert_keys=expert_keys)
+        if isinstance(bare, PlanRefusal) or bare.expert_slots == keys:
+            return bare
+        staging = default_staging_experts(spec.expert_bytes(), spec.num_experts)
+        return plan_pools(spec, budget, replace(request, staging_experts=staging), expert_keys=expert_keys)
     pool = budget.pool_bytes
     per_slot = spec.expert_bytes()
     per_state = spec.linear_state_bytes_per_sequence()
@@ -176,11 +195,13 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
     # NOTE: a model without linear-attention layers has no state to snapshot (0 bytes, 0 slots).
     snapshot_slots = request.snapshot_slots if per_state else 0
     snapshot_claim = ("snapshot", snapshot_slots * per_state, f"{snapshot_slots} state snapshot slots")
+    staging = request.staging_experts
+    staging_claim = ("staging", staging * per_slot, f"{staging} prefill staging experts")
     moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
     kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
     sized = ((moe_claim, slots_explicit), (kv_claim, kv_explicit))
     claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit),
-              snapshot_claim]
+              staging_claim, snapshot_claim]
     needed = sum(size for _, size, _ in claims)
     if pool <= 0:
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
@@ -212,7 +233,8 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
     expert_bytes = expert_slots * per_slot
     state_bytes = state_slots * per_state
     snapshot_bytes = snapshot_slots * per_state
-    used = kv_bytes + expert_bytes + state_bytes + snapshot_bytes
+    staging_bytes = staging * per_slot
+    used = kv_bytes + expert_bytes + state_bytes + snapshot_bytes + staging_bytes
     return PoolPlan(
         page_size=request.page_size,
         kv_pages=kv_pages,
@@ -228,4 +250,6 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
         residency=expert_slots / keys,
         snapshot_slots=snapshot_slots,
         snapshot_bytes=snapshot_bytes,
+        staging_experts=staging,
+        staging_bytes=staging_bytes,
     )

@@ -9,6 +9,8 @@ from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_po
 from domain.model_spec import ModelSpec
 
 # Pool sizes are counted in tokens for "kv" and in slots for "moe", "state" and "snapshot".
+# NOTE: the streamed prefill's staging rows are not resized live: a resize keeps plan.staging_experts
+# (and its bytes) as they are, so the steps below never touch them.
 POOL_ORDER = ("kv", "moe", "state", "snapshot")
 
 
@@ -65,6 +67,9 @@ class ResizePlan:
         return any(step.pool in ("kv", "snapshot") for step in self.steps)
 
     def check_valid(self) -> None:
+        if (self.current.staging_experts, self.current.staging_bytes) != (
+                self.target.staging_experts, self.target.staging_bytes):
+            raise ValueError("a resize keeps the staging rows as they are")
         sizes, held = pool_sizes(self.current), self.current.used_bytes
         peak, allocating = held, False
         for step in self.steps:
@@ -114,6 +119,8 @@ def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tok
     for name in POOL_ORDER:
         if pool_bytes(current)[name] != pool_sizes(current)[name] * per[name]:
             raise ValueError(f"current plan's {name} pool was not sized for {spec.name}")
+    if current.staging_bytes != current.staging_experts * per["moe"]:
+        raise ValueError(f"current plan's staging rows were not sized for {spec.name}")
     if current.used_bytes > budget.pool_bytes:
         raise ValueError(f"current plan uses {current.used_bytes} bytes, more than the budget's "
                          f"{budget.pool_bytes}: it was made for another budget")
@@ -125,6 +132,7 @@ def plan_resize(spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tok
         expert_slots=current.expert_slots if expert_slots is None else expert_slots,
         state_slots=current.state_slots if state_slots is None else state_slots,
         snapshot_slots=current.snapshot_slots if snapshot_slots is None else snapshot_slots,
+        staging_experts=current.staging_experts,
         page_size=current.page_size,
     )
     target = plan_pools(spec, budget, request, expert_keys=expert_keys)

@@ -30,6 +30,7 @@ from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten
 from domain.ports import SampledToken, StepBatch
+from domain.streamed_prefill import LINK_BYTES_PER_S, pcie_bound_s
 
 if TYPE_CHECKING:
     from domain.budget import PoolPlan
@@ -50,6 +51,8 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
 
 class CudaGraphExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
+
+    link_bytes_per_s = LINK_BYTES_PER_S  # the host link rate prefill_stats' PCIe bound divides by
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
@@ -124,9 +127,12 @@ class CudaGraphExecutor(ExecutorPools):
         return LinearStatePool(len(self.model.linear_layers), plan.state_slots, self.model.opts.gdn, self.dtype,
                                self.device)
 
+    def _staging_slots(self, plan: PoolPlan) -> int:
+        return plan.staging_experts
+
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
         return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
-                                grouped=self.prefill_kernels)
+                                grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan))
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
@@ -208,7 +214,8 @@ class CudaGraphExecutor(ExecutorPools):
         table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
         self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
         try:
-            hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
+            with self.experts.streamed_step():  # prefill chunks stream experts past the LRU (ADR 0010)
+                hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
         finally:
             self.model.replay_ids = None
         self._take_end_snapshots(batch.works)
@@ -243,6 +250,13 @@ class CudaGraphExecutor(ExecutorPools):
             if works[rid].sample:
                 out[rid] = self._sample(rid, row[0], works[rid])
         return out
+
+    def prefill_stats(self) -> dict:
+        """The streamed prefill's cumulative counts (DeviceExpertPool.streaming_stats) and its PCIe bound:
+        bytes of routed experts that were not resident / `link_bytes_per_s` (seconds). One device read."""
+        stats = self.experts.streaming_stats()
+        return {**stats, "link_bytes_per_s": self.link_bytes_per_s,
+                "pcie_bound_s": pcie_bound_s(stats["bytes_not_resident"], self.link_bytes_per_s)}
 
     def _draw(self, works, logits_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [n] with the non-greedy rows drawn on the device in one batch (Sampler.sample_batch);

@@ -1,16 +1,21 @@
 """The device expert pool of the fast path: slot bytes, the device-side residency that decides what
 sits in them, the miss gather from the pinned host bank and the fused MoE kernels, with no host round
-trip per layer (so a whole decode step can be captured in a CUDA graph).
+trip per layer (so a whole decode step can be captured in a CUDA graph). Optionally G staging rows for
+the streamed prefill (prefill_stream.py), which reads the residency without changing it.
 
-Shape legend: T tokens, K top-k, H hidden, S slots, R row bytes, L layers, E experts per layer.
+Shape legend: T tokens, K top-k, H hidden, S slots, R row bytes, L layers, E experts per layer,
+G staging rows.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
@@ -31,14 +36,18 @@ class DeviceExpertPool:
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
-                 shared_rows: torch.Tensor | None = None, grouped: bool = True):
+                 shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
         grouped: chunks of more than GEMV_MAX_PAIRS pairs take the grouped tensor-core GEMMs (False: the
-        per-pair GEMVs at every size, as before they existed)."""
+        per-pair GEMVs at every size, as before they existed).
+        staging_slots: G rows after those (rows S + L .. S + L + G - 1) that a streamed prefill step
+        (`streamed_step`) copies non-resident experts into; 0: prefill goes through the residency."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
+        if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
+            raise ValueError(f"staging_slots must be a non-negative int, got {staging_slots!r}")
         if bank.rows is None:
             raise ValueError("the fast path gathers misses from the host bank's rows; a memory-mapped bank "
                              "(--mmap-experts) has none: use the reference executor")
@@ -50,14 +59,24 @@ class DeviceExpertPool:
         if shared_rows is not None and tuple(shared_rows.shape) != (bank.num_layers, self.layout.row_bytes):
             raise ValueError(f"shared rows must be uint8 [{bank.num_layers}, {self.layout.row_bytes}], "
                              f"got {tuple(shared_rows.shape)}")
-        self.all_slots = torch.empty((num_slots + extra, self.layout.row_bytes), dtype=torch.uint8,
-                                     device=self.device)  # [S + L, R]
+        # NOTE: one allocation for slots, shared rows and staging, so the kernels index all three through
+        # one base pointer: a staged expert is just a slot id past the residency's.
+        self.all_slots = torch.empty((num_slots + extra + staging_slots, self.layout.row_bytes), dtype=torch.uint8,
+                                     device=self.device)  # [S + L + G, R]
         self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
         self.has_shared = shared_rows is not None
         self.grouped = grouped
         if shared_rows is not None:
-            self.all_slots[num_slots:].copy_(shared_rows)
+            self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
+        self.staging_slots, self.staging_base = staging_slots, num_slots + extra
         self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device)
+        self._lane = CopyLane(self.device) if staging_slots else None
+        self._step_open = False
+        self._stream: PrefillStream | None = None
+        # streamed-prefill totals: routed (layer, expert)s not resident, rows copied by masked rounds (device);
+        # rows copied by unmasked rounds, streamed steps and layer calls (host)
+        self._streamed = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._staged_unmasked = self._streamed_steps = self._streamed_layers = 0
 
     @property
     def num_slots(self) -> int:
@@ -115,9 +134,11 @@ class DeviceExpertPool:
 
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
-        residency decisions. Otherwise (long prefill chunks on a small pool) the layer's experts go in
-        groups of S with a host sync per group. More than GEMV_MAX_PAIRS pairs (prefill chunks) run on
-        the grouped tensor-core GEMMs, fewer on the per-pair GEMVs; either way bitwise the same at any S.
+        residency decisions. Otherwise, inside `streamed_step` with staging rows, the streamed prefill:
+        resident experts read in place, the others staged, the residency untouched. Otherwise (long
+        prefill chunks on a small pool) the layer's experts go in groups of S with a host sync per group.
+        More than GEMV_MAX_PAIRS pairs (prefill chunks) run on the grouped tensor-core GEMMs, fewer on the
+        per-pair GEMVs; every path is bitwise the same at any S and G.
         """
         if weights.shape != (ids.shape[0], ids.shape[1] + shared):
             raise ValueError(f"weights {tuple(weights.shape)} do not fit ids {tuple(ids.shape)} (shared={shared})")
@@ -131,6 +152,8 @@ class DeviceExpertPool:
                 layer, ids, valid, self.num_slots + layer if shared else None)
             gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
             return self._experts(ids.numel(), x, slot_ids, weights)
+        if self._step_open and self.staging_slots:
+            return self._routed_streamed(layer, x, weights, ids, valid, shared)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         if flat.numel() <= self.num_slots:  # a prefill chunk whose keys fit: tensor ops, no host sync
             big = torch.iinfo(torch.int64).max
@@ -156,6 +179,50 @@ class DeviceExpertPool:
             self._experts(ids.numel(), x, none, weights, partials)
         return moe_sum(partials, torch.empty_like(x))
 
+    # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
+    @contextmanager
+    def streamed_step(self):
+        """Open one step whose prefill-sized layer calls (those that do not take the one-launch decode
+        lookup) stream their non-resident experts through the staging rows; a no-op without staging.
+        Layers must come in ascending order with the same rows (as a forward pass calls them); the
+        residency must not change inside the step (nothing but the one-launch lookup changes it)."""
+        if self._step_open:
+            raise RuntimeError("a streamed step is already open")
+        self._step_open = True
+        try:
+            yield self
+        finally:
+            self._step_open = False
+            stream, self._stream = self._stream, None
+            if stream is not None:
+                stream.finish()
+                self._streamed += torch.stack((stream.needed, stream.masked))
+                self._staged_unmasked += stream.staged_rows
+                self._streamed_steps += 1
+
+    def _routed_streamed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         valid: torch.Tensor | None, shared: bool) -> torch.Tensor:
+        if self._stream is None:
+            self._stream = PrefillStream(self, self._lane, ids.numel())
+        # NOTE: as the grouped path, every call fills its pairs' partials and one ordered sum ends the
+        # layer, so staging in rounds gives the bits of the one-launch path at any S and G
+        partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+        self._stream.layer(layer, x, weights, ids, valid, shared, partials)
+        self._streamed_layers += 1
+        return moe_sum(partials, torch.empty_like(x))
+
+    def streaming_stats(self) -> dict[str, int]:
+        """Cumulative streamed-prefill counts (one device read): steps and layer calls streamed, the
+        routed (layer, expert)s that were not resident (`experts_not_resident`, each once per step) and
+        the rows copied into staging (`experts_staged`: those plus speculative copies never routed),
+        with their bytes."""
+        needed, masked = self._streamed.tolist()
+        staged = masked + self._staged_unmasked
+        row = self.layout.row_bytes
+        return {"staging_experts": self.staging_slots, "steps": self._streamed_steps,
+                "layers": self._streamed_layers, "experts_not_resident": needed, "experts_staged": staged,
+                "bytes_not_resident": needed * row, "bytes_staged": staged * row}
+
     def counters(self) -> tuple[int, int]:
         """(hits, misses) with one device read."""
         hits, misses, _ = self.residency.counters()
@@ -177,3 +244,4 @@ class DeviceExpertPool:
         self.residency.check_valid()
         assert self.residency.num_slots == self.num_slots, "residency and slot pool disagree on size"
         assert self.slots.dtype == torch.uint8 and self.slots.shape[1] == self.layout.row_bytes
+        assert self.all_slots.shape[0] == self.staging_base + self.staging_slots, "staging rows != plan"

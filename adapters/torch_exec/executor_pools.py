@@ -45,6 +45,15 @@ class ExecutorPools:
     def _expert_slots(self, plan: PoolPlan) -> int:
         return max(1, min(plan.expert_slots, self.bank.num_layers * self.bank.num_experts))
 
+    def _staging_slots(self, plan: PoolPlan) -> int:
+        """Streamed-prefill staging rows the expert pool holds for a plan: none here (the reference path
+        prefills through its LRU); the fast path holds plan.staging_experts."""
+        return 0
+
+    def _experts_fit(self, plan: PoolPlan) -> bool:
+        return (self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+                and getattr(self.experts, "staging_slots", 0) == self._staging_slots(plan))
+
     def _swap_pools(self, plan: PoolPlan) -> None:
         """Replace the pools with the plan's sizes; pools whose size is unchanged are kept (a warm expert
         cache stays warm). KV and state contents are dropped.
@@ -60,7 +69,7 @@ class ExecutorPools:
                    and (self.kv.num_pages, self.kv.page_size) == (self._kv_pool_pages(plan), plan.page_size))
         keep_state = (self.state is not None or not self.model.linear_layers) and old is not None \
             and old.state_slots == plan.state_slots
-        keep_experts = self.experts is not None and self.experts.num_slots == self._expert_slots(plan)
+        keep_experts = self._experts_fit(plan)
         want_snapshots = plan.snapshot_slots if self.model.linear_layers else 0
         keep_snapshots = old is not None and self._snapshot_slots() == want_snapshots
         if not keep_kv:
@@ -91,7 +100,7 @@ class ExecutorPools:
         assert plan is not None and self.kv is not None and self.experts is not None, "a pool is missing"
         assert (self.kv.num_pages, self.kv.page_size) == (self._kv_pool_pages(plan), plan.page_size), \
             "KV pool != plan"
-        assert self.experts.num_slots == self._expert_slots(plan), "expert pool != plan"
+        assert self._experts_fit(plan), "expert pool != plan"
         if self.model.linear_layers:
             assert self.state is not None and self.state.num_slots == plan.state_slots, "state pool != plan"
             assert self._snapshot_slots() == plan.snapshot_slots, "snapshot pool != plan"
