@@ -571,24 +571,34 @@ class ConversationBuilder:
         self.system_text = system_text
         self.short_systems = short_systems
 
-    def question(self, rng: random.Random) -> tuple[int, str, int]:
-        if rng.random() < 0.4:
+    # Share of products among the questions of each kind: few where no tool is offered (the refusal is
+    # quickly learnt), so plain rows carry the arithmetic.
+    PRODUCT_SHARE = {"plain": 0.15, "tools": 0.5, "long": 0.4}
+
+    def question(self, rng: random.Random, product_share: float = 0.4) -> tuple[int, str, int]:
+        if rng.random() < product_share:
             a, b = rng.choice(self.products)
             return a, rng.choice(PRODUCT_FORMS), b
         return rng.choice(self.arithmetic)
 
-    def row(self, rng: random.Random, long: bool) -> Row:
-        """One conversation: optional system message (long agent text when ``long``), optional tools
-        (multiply alone, among distractors, or only distractors), 1-3 questions (2-6 when long, which
-        spreads the cost of the long prefix over several trained answers). With thinking on, half the
-        rows keep the reasoning of earlier turns (clients that send it back) and half drop it (those
-        turns are then context only: the model would not have generated them so)."""
+    KINDS = ("plain", "tools", "long")
+
+    def row(self, rng: random.Random, kind: str) -> Row:
+        """One conversation of a kind: "plain" (no tools, no system message or a short one, 1-4
+        questions: cheap rows that carry most of the arithmetic), "tools" (a short system message or
+        none; multiply alone, among agent tools, or only agent tools; 1-3 questions), "long" (a long
+        agent-style system message, tools or not, 2-6 questions, which spreads the cost of the long
+        prefix over several trained answers). With thinking on, half the rows keep the reasoning of
+        earlier turns (clients that send it back) and half drop it (those turns are then context only:
+        the model would not have generated them so)."""
+        if kind not in self.KINDS:
+            raise ValueError(f"row kind must be one of {self.KINDS}, got {kind!r}")
         messages: list[dict] = []
-        if long:
+        if kind == "long":
             messages.append({"role": "system", "content": self.system_text(rng)})
         elif rng.random() < 0.5:
             messages.append({"role": "system", "content": rng.choice(self.short_systems)})
-        tools_kind = rng.random()
+        tools_kind = rng.random() if kind == "long" else 0.0 if kind == "plain" else 0.35 + 0.65 * rng.random()
         if tools_kind < 0.35:
             tools = None
         elif tools_kind < 0.6:
@@ -598,9 +608,10 @@ class ConversationBuilder:
         else:
             tools = tool_set(rng, False, rng.randint(1, 6))
         row = Row(messages, tools, thinking=rng.random() < 0.3)
-        turns = rng.randint(2, 6) if long else rng.randint(1, 3)
+        turns = {"plain": (1, 4), "tools": (1, 3), "long": (2, 6)}[kind]
+        turns = rng.randint(*turns)
         for turn in range(turns):
-            a, op, b = self.question(rng)
+            a, op, b = self.question(rng, self.PRODUCT_SHARE[kind])
             messages.append({"role": "user", "content": question_text(a, op, b)})
             if turn == turns - 1 and row.thinking and rng.random() < 0.15:
                 # A thinking budget of 0: the server forced "</think>" right after the generation prompt.

@@ -79,7 +79,8 @@ def build_tokenizer(seed: int):
     """BPE over a sample of training conversations (its own random stream) and every +/- prompt."""
     rng = random.Random(f"tokenizer-{seed}")
     builder = make_builder(LongSystem(3.0))
-    corpus = ["".join(t for t, _ in data.segments(builder.row(rng, long=i % 2 == 0))) for i in range(1200)]
+    kinds = ("plain", "tools", "long", "long")
+    corpus = ["".join(t for t, _ in data.segments(builder.row(rng, kinds[i % 4]))) for i in range(1200)]
     corpus += [data.prompt_text(a, op, b) + data.answer_text(a, op, b) for a, op, b in data.all_questions()]
     tokenizer = data.build_tokenizer(corpus, BPE_VOCAB)
     sample = [data.agent_system_prompt(random.Random(f"measure-{i}"), 4000) for i in range(50)]
@@ -123,10 +124,23 @@ def encode_rows(tokenizer, rows: list[data.Row], max_tokens: int) -> tuple[list,
     return out, dropped
 
 
-def build_pool(tokenizer, builder, rows: int, long_fraction: float, seed: int, max_tokens: int) -> tuple[list, int]:
+def kind_chances(tokenizer, builder, shares: dict[str, float], seed: int) -> dict[str, float]:
+    """Chance of each row kind so that it gets its share of the training tokens (mean row lengths
+    measured on a sample of each kind)."""
+    rng = random.Random(f"measure-kinds-{seed}")
+    weights = {}
+    for kind, share in shares.items():
+        texts = ["".join(t for t, _ in data.segments(builder.row(rng, kind))) for _ in range(60)]
+        mean_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts)) / len(texts)
+        weights[kind] = share / mean_tokens
+    total = sum(weights.values())
+    return {kind: w / total for kind, w in weights.items()}
+
+
+def build_pool(tokenizer, builder, rows: int, chances: dict[str, float], seed: int, max_tokens: int) -> tuple[list, int]:
     rng = random.Random(f"pool-{seed}")
-    return encode_rows(tokenizer, [builder.row(rng, long=rng.random() < long_fraction) for _ in range(rows)],
-                       max_tokens)
+    kinds = rng.choices(list(chances), weights=list(chances.values()), k=rows)
+    return encode_rows(tokenizer, [builder.row(rng, kind) for kind in kinds], max_tokens)
 
 
 class Batches:
@@ -307,17 +321,20 @@ def train(args) -> dict:
     tokenizer, chars_per_token = build_tokenizer(args.seed)
     pad_id, eos_id = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(IM_END)
     long_system = LongSystem(chars_per_token, (args.long_system_tokens[0], args.long_system_tokens[1]))
-    pool, dropped = build_pool(tokenizer, make_builder(long_system), args.pool_rows, args.long_fraction, args.seed,
-                               args.max_row_tokens)
+    builder = make_builder(long_system)
+    shares = {"plain": 1.0 - args.long_share - args.tools_share, "tools": args.tools_share, "long": args.long_share}
+    chances = kind_chances(tokenizer, builder, shares, args.seed)
+    pool, dropped = build_pool(tokenizer, builder, args.pool_rows, chances, args.seed, args.max_row_tokens)
     lengths = sorted(len(ids) for ids, _ in pool)
     trained_tokens = sum(sum(t != -100 for t in labels) for _, labels in pool)
     print(f"tokenizer {tokenizer.get_vocab_size()} tokens, {chars_per_token:.2f} characters a token; pool {len(pool)} "
           f"rows ({dropped} over {args.max_row_tokens} tokens dropped), lengths median {lengths[len(lengths) // 2]} "
-          f"p90 {lengths[len(lengths) * 9 // 10]} max {lengths[-1]}, {trained_tokens:,} trained tokens; "
+          f"p90 {lengths[len(lengths) * 9 // 10]} max {lengths[-1]}, {sum(lengths):,} tokens, {trained_tokens:,} "
+          f"trained; row kinds {({k: round(c, 3) for k, c in chances.items()})} for token shares {shares}; "
           f"{time.time() - started_all:.0f}s", flush=True)
 
-    _, val_q, heldout_q = data.split_questions()
-    _, val_pairs, heldout_pairs = data.split_products()
+    _, val_q, _ = data.split_questions()
+    _, val_pairs, _ = data.split_products()
     validation = [c for c in data.eval_cases(val_q, val_pairs, long_system.numbered("validation-system"),
                                              every=args.val_every_nth) if not c.suite.endswith("_agent")
                   ] if args.val_every_nth else []  # the hand-written agent prompt stays unseen until the report
@@ -364,41 +381,50 @@ def train(args) -> dict:
             if break_after_eval or (val_exact >= args.stop_at_val and step >= args.min_steps):
                 break
     train_seconds = time.time() - started
-    eval_started = time.time()
-    report = evaluate(model, tokenizer, data.eval_cases(heldout_q, heldout_pairs, long_system.numbered(
-        "heldout-system"), every=args.heldout_every_nth), args.device) if args.heldout_every_nth else {}
-    print_report(report, f"held-out, greedy ({time.time() - eval_started:.0f}s):")
     model.config.output_router_logits = False
     model.config.use_cache = True
     return {
-        "model": model.cpu(),
+        "model": model,
         "tokenizer": tokenizer,
         "losses": losses,
+        "long_system": long_system,
         "report": {
             "seed": args.seed,
             "steps_run": step,
             "steps_scheduled": total_steps,
             "tokens_per_step": args.tokens_per_step,
             "pool_rows": len(pool),
-            "long_fraction": args.long_fraction,
+            "token_shares": shares,
             "long_system_tokens": list(long_system.tokens),
             "chars_per_token": round(chars_per_token, 3),
             "lr": args.lr,
             "device": args.device,
             "train_seconds": round(train_seconds, 1),
-            "total_seconds": round(time.time() - started_all, 1),
             "parameters": n_params,
             "validation_min_exact": val_exact,
-            # The first demo model's keys, which tests/app/test_demo_model.py reads:
-            "heldout_exact": report.get("arith", {}).get("exact"),
-            "heldout_exact_with_system_message": report.get("arith_system", {}).get("exact"),
-            "heldout_suites": report,
             "history": history,
             "torch": torch.__version__,
         },
-        "heldout": heldout_q,
-        "heldout_pairs": heldout_pairs,
     }
+
+
+def heldout_report(result: dict, args) -> None:
+    """Greedy exact match on every held-out suite (every n-th question), into result["report"]."""
+    _, _, heldout_q = data.split_questions()
+    _, _, heldout_pairs = data.split_products()
+    started = time.time()
+    cases = data.eval_cases(heldout_q, heldout_pairs, result["long_system"].numbered("heldout-system"),
+                            every=args.heldout_every_nth)
+    report = evaluate(result["model"], result["tokenizer"], cases, args.device)
+    print_report(report, f"held-out, greedy, {len(cases)} cases ({time.time() - started:.0f}s):")
+    result["report"].update({
+        "heldout_every_nth": args.heldout_every_nth,
+        # The first demo model's keys, which tests/app/test_demo_model.py reads:
+        "heldout_exact": report["arith"]["exact"],
+        "heldout_exact_with_system_message": report["arith_system"]["exact"],
+        "heldout_suites": report,
+        "heldout_eval_seconds": round(time.time() - started, 1),
+    })
 
 
 README = """# fluxtide demo model (tiny qwen3_5_moe: arithmetic and a multiply tool)
@@ -425,6 +451,8 @@ It knows nothing but this task. See `docs/demo-model.md` in the fluxtide reposit
 
 
 def write_checkpoint(result: dict, out: Path, command: str) -> None:
+    """The Hugging Face directory: weights, config, tokenizer, heldout_eval.json (held-out questions and
+    pairs, training report) and README.md. Called again after the held-out report to add it."""
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
@@ -438,10 +466,10 @@ def write_checkpoint(result: dict, out: Path, command: str) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     report = dict(result["report"], transformers=transformers.__version__)
-    report["heldout_questions"] = [list(q) for q in result["heldout"]]
-    report["heldout_product_pairs"] = [list(p) for p in result["heldout_pairs"]]
+    report["heldout_questions"] = [list(q) for q in data.split_questions()[2]]
+    report["heldout_product_pairs"] = [list(p) for p in data.split_products()[2]]
     (out / "heldout_eval.json").write_text(json.dumps(report) + "\n")
-    suites = "\n".join(f"  - `{name}`: {s['right']}/{s['n']}" for name, s in report["heldout_suites"].items())
+    suites = "\n".join(f"  - `{name}`: {s['right']}/{s['n']}" for name, s in report.get("heldout_suites", {}).items())
     (out / "README.md").write_text(README.format(
         params=report["parameters"] / 1e6, refusal=data.NO_TOOL_ANSWER, vocab=tokenizer.get_vocab_size(),
         hidden=model.config.hidden_size, positions=MAX_POSITIONS, suites=suites or "  (not evaluated)",
@@ -455,8 +483,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     parser.add_argument("--tokens-per-step", type=int, default=49_152, help="padded token positions a step")
-    parser.add_argument("--pool-rows", type=int, default=32_000, help="training conversations generated")
-    parser.add_argument("--long-fraction", type=float, default=0.3, help="share of rows with a long system prompt")
+    parser.add_argument("--pool-rows", type=int, default=120_000, help="training conversations generated")
+    parser.add_argument("--long-share", type=float, default=0.4, help="share of the training tokens in rows "
+                        "with a long system prompt")
+    parser.add_argument("--tools-share", type=float, default=0.2, help="... in short rows with tools (the rest: "
+                        "short rows without tools)")
     parser.add_argument("--long-system-tokens", type=int, nargs=2, default=list(LONG_SYSTEM_TOKENS))
     parser.add_argument("--max-row-tokens", type=int, default=3072)
     parser.add_argument("--hidden", type=int, default=128)
@@ -476,7 +507,12 @@ def parse_args(argv=None):
 def main() -> None:
     args = parse_args()
     result = train(args)
-    write_checkpoint(result, args.out, " ".join(sys.argv[1:]))
+    command = " ".join(sys.argv[1:])
+    # NOTE: written before the held-out report too, so a run cut short there still leaves the weights.
+    write_checkpoint(result, args.out, command)
+    if args.heldout_every_nth:
+        heldout_report(result, args)
+        write_checkpoint(result, args.out, command)
     print(f"wrote {args.out}")
 
 

@@ -51,7 +51,7 @@ def tokenizer():
 def rows(n: int, seed: int = 0, long_tokens=(60, 200)) -> list[data.Row]:
     builder = train.make_builder(train.LongSystem(2.8, long_tokens))
     rng = random.Random(seed)
-    return [builder.row(rng, long=i % 3 == 0) for i in range(n)]
+    return [builder.row(rng, data.ConversationBuilder.KINDS[i % 3]) for i in range(n)]
 
 
 def trained_turns(row: data.Row):
@@ -273,8 +273,11 @@ def test_long_system_prompts_are_sized_varied_deterministic_and_never_mention_mu
 def test_pool_and_batches_follow_the_seed(tokenizer):
     tok, chars_per_token = tokenizer
     builder = train.make_builder(train.LongSystem(chars_per_token, (60, 120)))
-    pool, dropped = train.build_pool(tok, builder, 80, 0.3, 5, 4096)
-    again, _ = train.build_pool(tok, builder, 80, 0.3, 5, 4096)
+    chances = train.kind_chances(tok, builder, {"plain": 0.3, "tools": 0.2, "long": 0.5}, 5)
+    # plain rows are ~10x shorter than the others, so most rows are plain for 30 % of the tokens
+    assert chances["plain"] > 0.5 and min(chances.values()) > 0 and abs(sum(chances.values()) - 1) < 1e-9
+    pool, dropped = train.build_pool(tok, builder, 80, chances, 5, 4096)
+    again, _ = train.build_pool(tok, builder, 80, chances, 5, 4096)
     assert pool == again and dropped == 0 and len(pool) == 80
     first = train.Batches(pool, 2048, 0, "cpu", 5)
     second = train.Batches(pool, 2048, 0, "cpu", 5)
@@ -297,7 +300,9 @@ def test_a_short_cpu_training_run_lowers_the_loss(tmp_path):
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     print(f"loss {first:.3f} -> {last:.3f} over {len(losses)} steps")
     assert len(losses) == 24 and last < 0.6 * first
+    result["report"]["heldout_suites"] = {"arith": {"right": 1, "n": 2, "exact": 0.5, "wrong": []}}
     train.write_checkpoint(result, tmp_path / "ckpt", "test")
+    assert "`arith`: 1/2" in (tmp_path / "ckpt" / "README.md").read_text()
     written = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "heldout_eval.json",
             "README.md", "generation_config.json"} <= written
