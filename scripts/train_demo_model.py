@@ -227,9 +227,12 @@ def greedy(model, tokenizer, prompts: list[str], max_new: list[int], device: str
     out = [""] * len(prompts)
     start = 0
     while start < len(order):
-        end = start + 1
-        while end < len(order) and (end - start + 1) * (len(encoded[order[end]]) + max_new[order[end]]) <= tokens_per_batch:
-            end += 1
+        end, longest = start + 1, len(encoded[order[start]]) + max_new[order[start]]
+        while end < len(order):
+            longest_with = max(longest, len(encoded[order[end]]) + max_new[order[end]])
+            if (end - start + 1) * longest_with > tokens_per_batch:
+                break
+            end, longest = end + 1, longest_with
         rows = order[start:end]
         width = max(len(encoded[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, L]
