@@ -423,8 +423,8 @@ def heldout_report(result: dict, args) -> None:
     result["report"].update({
         "heldout_every_nth": args.heldout_every_nth,
         # The first demo model's keys, which tests/app/test_demo_model.py reads:
-        "heldout_exact": report["arith"]["exact"],
-        "heldout_exact_with_system_message": report["arith_system"]["exact"],
+        "heldout_exact": report.get("arith", {}).get("exact"),
+        "heldout_exact_with_system_message": report.get("arith_system", {}).get("exact"),
         "heldout_suites": report,
         "heldout_eval_seconds": round(time.time() - started, 1),
     })

@@ -247,6 +247,8 @@ def test_tokenizer_digits_markup_and_piecewise_encoding(tokenizer):
     digits = [t for t in tok.encode("x 9876543210 y").tokens if t.strip("Ġ").isdigit()]
     assert digits == list("9876543210")
     assert 2.0 < chars_per_token < 4.0
+    again, _ = train.build_tokenizer(0)
+    assert again.get_vocab() == tok.get_vocab() and again.to_str() == tok.to_str()  # follows the seed
     # encode_rows encodes each piece on its own; that must equal encoding the whole text, as the server does
     for row in rows(60, seed=3):
         [(ids, labels)], _ = train.encode_rows(tok, [row], 100_000)
