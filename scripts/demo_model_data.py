@@ -573,7 +573,7 @@ class ConversationBuilder:
 
     # Share of products among the questions of each kind: few where no tool is offered (the refusal is
     # quickly learnt), so plain rows carry the arithmetic.
-    PRODUCT_SHARE = {"plain": 0.15, "tools": 0.5, "long": 0.4}
+    PRODUCT_SHARE = {"plain": 0.15, "tools": 0.6, "long": 0.4}
 
     def question(self, rng: random.Random, product_share: float = 0.4) -> tuple[int, str, int]:
         if rng.random() < product_share:

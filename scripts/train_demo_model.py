@@ -108,19 +108,20 @@ def encode_rows(tokenizer, rows: list[data.Row], max_tokens: int) -> tuple[list,
     pieces meet at special tokens or before a newline, where BPE never merges, so this equals encoding
     the whole text (as the server encodes a prompt) and the trained piece is what the model generates
     after the prompt. Rows longer than max_tokens are dropped; returns (rows, dropped)."""
-    pieces = [data.segments(r) for r in rows]
-    encoded = iter(tokenizer.encode_batch([text for p in pieces for text, _ in p]))
     out, dropped = [], 0
-    for p in pieces:
-        ids, labels = [], []
-        for _, trained in p:
-            piece = next(encoded).ids
-            ids += piece
-            labels += piece if trained else [-100] * len(piece)
-        if len(ids) > max_tokens:
-            dropped += 1
-        else:
-            out.append((ids, labels))
+    for first in range(0, len(rows), 2000):  # NOTE: in chunks: tokenizers' Encoding objects are large
+        pieces = [data.segments(r) for r in rows[first : first + 2000]]
+        encoded = iter(tokenizer.encode_batch([text for p in pieces for text, _ in p]))
+        for p in pieces:
+            ids, labels = [], []
+            for _, trained in p:
+                piece = next(encoded).ids
+                ids += piece
+                labels += piece if trained else [-100] * len(piece)
+            if len(ids) > max_tokens:
+                dropped += 1
+            else:
+                out.append((ids, labels))
     return out, dropped
 
 
@@ -489,7 +490,7 @@ def parse_args(argv=None):
     parser.add_argument("--pool-rows", type=int, default=120_000, help="training conversations generated")
     parser.add_argument("--long-share", type=float, default=0.4, help="share of the training tokens in rows "
                         "with a long system prompt")
-    parser.add_argument("--tools-share", type=float, default=0.2, help="... in short rows with tools (the rest: "
+    parser.add_argument("--tools-share", type=float, default=0.25, help="... in short rows with tools (the rest: "
                         "short rows without tools)")
     parser.add_argument("--long-system-tokens", type=int, nargs=2, default=list(LONG_SYSTEM_TOKENS))
     parser.add_argument("--max-row-tokens", type=int, default=3072)
