@@ -505,7 +505,10 @@ def parse_args(argv=None):
     parser.add_argument("--stop-at-val", type=float, default=1.0, help="stop once every validation suite >= this")
     parser.add_argument("--time-budget-s", type=float, default=float("inf"),
                         help="cap --steps to what fits this many seconds of training (timed over the first steps)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not (0 <= args.long_share and 0 <= args.tools_share and args.long_share + args.tools_share <= 1):
+        parser.error("--long-share and --tools-share must be >= 0 and add up to at most 1")
+    return args
 
 
 def main() -> None:
