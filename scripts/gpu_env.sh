@@ -12,3 +12,14 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+
+wait_healthy() {  # wait_healthy PORT PID LOG TRIES: polls /health every 2 s until 200, the server dies, or TRIES run out
+  local port=$1 pid=$2 log=$3 tries=$4
+  for _ in $(seq 1 "$tries"); do
+    if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null; then
+      echo "server on $port ready after ${SECONDS}s"; return 0; fi
+    kill -0 "$pid" 2>/dev/null || { echo "server on $port died"; tail -20 "$log"; return 1; }
+    sleep 2
+  done
+  echo "server on $port not ready"; tail -20 "$log"; return 1
+}

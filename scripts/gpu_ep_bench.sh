@@ -37,13 +37,7 @@ serve() {  # serve PORT LOG ARGS... ; waits for /health 200 or gives up
   python3 -m app serve --model "$CKPT" --device cuda --executor "${EXECUTOR:-reference}" --port "$port" \
     --gpu-budget-gib "$CAP_GIB" --max-running-requests 1 --kv-tokens 16k "${EXTRA[@]}" "$@" >"$log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 240); do
-    if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null; then
-      echo "server on $port ready after ${SECONDS}s"; return 0; fi
-    kill -0 $SERVER 2>/dev/null || { echo "server on $port died"; tail -20 "$log"; return 1; }
-    sleep 2
-  done
-  echo "server on $port not ready"; tail -20 "$log"; return 1
+  wait_healthy "$port" "$SERVER" "$log" 240
 }
 
 measure() {  # measure PORT NAME: greedy answers (the correctness check), then the bs1 ladder and stats

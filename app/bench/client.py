@@ -63,16 +63,7 @@ class RequestResult:
 def chat_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True,
               logprobs: bool = False) -> tuple[str, dict]:
     """(path, JSON body) of a greedy streamed chat completion."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if ignore_eos:
-        body["ignore_eos"] = True
+    body = _greedy_stream(model, max_tokens, ignore_eos, messages=[{"role": "user", "content": prompt}])
     if logprobs:
         body["logprobs"], body["top_logprobs"] = True, 0
     return "/v1/chat/completions", body
@@ -80,17 +71,16 @@ def chat_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = Tr
 
 def completion_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True) -> tuple[str, dict]:
     """(path, JSON body) of a greedy streamed text completion (no chat template: exact prompt sizes)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    return "/v1/completions", _greedy_stream(model, max_tokens, ignore_eos, prompt=prompt)
+
+
+def _greedy_stream(model: str, max_tokens: int, ignore_eos: bool, **fields) -> dict:
+    """The body both routes share: greedy, streamed, usage in the last chunk; `fields` the route's input."""
+    body = {"model": model, **fields, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    return "/v1/completions", body
+    return body
 
 
 def _chunk_tokens(choice: dict) -> tuple[str, int | None]:
