@@ -108,11 +108,12 @@ class Sampler:
         """tokens int64 [B] (on logits' device) for logits [B, V]: one small host->device copy of the rows'
         settings, the draw on the device (sample_rows)."""
         dev = logits.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64).to(dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(dev)
-        keys = torch.tensor([self.key(p, i) for p, i in zip(params, output_indices, strict=True)],
-                            dtype=torch.int64).to(dev)
+        # two transfers per step, not four: the float settings and the integer ones each in one tensor
+        temperature, top_p = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
+                                          dtype=torch.float32).to(dev)
+        top_k, keys = torch.tensor([[p.top_k for p in params],
+                                    [self.key(p, i) for p, i in zip(params, output_indices, strict=True)]],
+                                   dtype=torch.int64).to(dev)
         return sample_rows(logits, temperature, top_k, top_p, keys)
 
     def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams,
