@@ -7,6 +7,17 @@ Every GPU operation is costed with a roofline, max(bytes / bandwidth, flops / th
 so small batches are weight-read bound (GEMV) and large prefill chunks compute bound (GEMM).
 What the roofline cannot know (Python dispatch, kernel launches or graph replay, sampling,
 per-expert copy set-up) lives in CostParams, which a calibration fits per machine and engine.
+
+Three named terms describe how a step's pieces line up in time (docs/simulator.md, "Step terms"):
+- fetch/compute overlap per layer (`layer_expert_time`): a layer's misses can be fetched only once
+  its router has run, so the link idles during the layer's attention/GDN, shared expert and router,
+  and at best hides behind the GEMMs of that layer's resident experts. A step is the sum of its
+  layers, never max(total compute, total copy);
+- graph bucket padding (`padded_rows`): a graph-captured decode step of B rows runs as the smallest
+  captured bucket >= B; the padded rows pay the dense compute and lm_head; they skip the experts
+  (no misses) unless padding_fetches says the engine routes them;
+- host overhead outside the graph (`host_overhead`): per step and per real row, during which the
+  GPU and the link are both idle.
 """
 
 from __future__ import annotations
@@ -37,10 +48,31 @@ class CostParams(StrictParams):
     h2d_efficiency: float = 1.0  # share of the profile's pinned H2D bandwidth per copy
     overlap_copy_compute: bool = False  # hit-expert GEMMs run while misses are copied
     kv_dtype_bytes: int = 2
+    # Graph batch buckets of decode steps ([1, 2, 4, 8, 16] on our fast executor): B decode rows run
+    # as the smallest bucket >= B; () = no padding (eager engines, and the older calibrations).
+    graph_buckets: tuple[int, ...] = ()
+    # Padded rows route (their stale inputs pick experts) and their misses are fetched: an engine that
+    # does not mask padding. Off for our executor (it masks the padded rows' lookups).
+    padding_fetches: bool = False
+    # Host work outside the graph, per step and per real row (scheduler, sampling bookkeeping, result
+    # copy-back): GPU and link both idle. bench_decode measures it as execute - graph replay.
+    host_step_s: float = 0.0
+    host_row_s: float = 0.0
+    # Per step of a server measured through HTTP (ft bench): streaming, detokenising, the engine loop's
+    # Python. Not part of an execute() step; predict's workload is the HTTP benchmark, so it applies there.
+    server_step_s: float = 0.0
 
     def check_valid(self) -> None:
+        if isinstance(self.graph_buckets, list):  # from JSON
+            object.__setattr__(self, "graph_buckets", tuple(self.graph_buckets))
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
-                         "layer_overhead_s", allow_zero=True)
+                         "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", allow_zero=True)
+        buckets = self.graph_buckets
+        if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                                 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"CostParams.graph_buckets must be strictly increasing integers >= 1, got {buckets!r}")
+        if not isinstance(self.padding_fetches, bool):
+            raise ValueError("CostParams.padding_fetches must be a bool")
         require_positive(self, "memory_efficiency", "compute_efficiency", "h2d_efficiency", "kv_dtype_bytes")
         for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency"):
             if getattr(self, name) > 1:
@@ -82,6 +114,32 @@ class CostModel:
 
     def step_overhead(self, num_sequences: int) -> float:
         return self.params.step_overhead_s + self.params.sequence_overhead_s * num_sequences
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows a graph-captured decode step of `rows` real rows computes: the smallest graph bucket
+        >= rows; `rows` itself without buckets or above the largest (that step runs uncaptured)."""
+        if rows < 1:
+            raise ValueError(f"a step has at least one row, got {rows}")
+        return next((b for b in self.params.graph_buckets if b >= rows), rows)
+
+    def host_overhead(self, rows: int, via_server: bool = True) -> float:
+        """Seconds of host work outside the graph for a step of `rows` real rows (GPU and link idle):
+        host_step_s + host_row_s * rows, plus server_step_s when the step is served over HTTP."""
+        if rows < 0:
+            raise ValueError(f"negative rows {rows}")
+        p = self.params
+        return p.host_step_s + p.host_row_s * rows + (p.server_step_s if via_server else 0.0)
+
+    def layer_expert_time(self, copy_s: float, hit_gemm_s: float, miss_gemm_s: float) -> float:
+        """Seconds from a layer's router output to its expert outputs, given the copy time of its
+        misses and the GEMM times of its resident and missed experts. The copy cannot start before
+        the router (it needs the routing); with overlap_copy_compute it hides behind the resident
+        experts' GEMMs, max(copy, hit) + miss, else copy + hit + miss (the gather runs first)."""
+        if min(copy_s, hit_gemm_s, miss_gemm_s) < 0:
+            raise ValueError(f"negative times {copy_s}, {hit_gemm_s}, {miss_gemm_s}")
+        if self.params.overlap_copy_compute:
+            return max(copy_s, hit_gemm_s) + miss_gemm_s
+        return copy_s + hit_gemm_s + miss_gemm_s
 
     def layer_pre_expert(self, layer: int, loads: Sequence[SequenceLoad]) -> float:
         """Attention or GDN, shared expert and router of one layer, for every sequence."""
@@ -132,3 +190,71 @@ def _bytes_per_param(spec: ModelSpec) -> float:
     from domain.model_spec import matrix_bytes
 
     return matrix_bytes(spec.dense_format, 1024, 1024) / (1024 * 1024)
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """One decode step's time by named term (seconds); total = host + graph."""
+
+    rows: int  # real rows B
+    padded_rows: int  # rows computed (graph bucket)
+    host_s: float  # outside the graph: GPU and link idle
+    fixed_s: float  # in-graph fixed + per computed row (step_overhead_s, sequence_overhead_s)
+    dense_s: float  # attention/GDN, shared expert, router, lm_head of the computed rows
+    expert_s: float  # routed-expert GEMMs (resident and missed experts)
+    copy_s: float  # misses' host->device copies (link busy)
+    exposed_copy_s: float  # part of copy_s not hidden behind resident-expert GEMMs
+    total_s: float
+
+    @property
+    def graph_s(self) -> float:
+        return self.total_s - self.host_s
+
+    @property
+    def link_idle_s(self) -> float:
+        """Time in the step during which the link copies nothing (host work, dense compute,
+        GEMMs that wait for or follow their layer's copy)."""
+        return self.total_s - self.copy_s
+
+
+def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: float,
+                misses_per_step: float = 0.0, layers_with_misses: float | None = None,
+                via_server: bool = False) -> StepBreakdown:
+    """Closed-form time of one decode step of `rows` real rows at `context` KV positions each.
+
+    distinct_per_layer: expected distinct routed experts one layer reads for the real rows (<= E);
+    misses_per_step: expert rows copied in the step (over all layers), spread evenly over
+    `layers_with_misses` layers (default: every layer when there are misses). The padded rows of
+    the graph bucket pay dense compute and lm_head and skip the experts (no misses). Per layer:
+    pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs), summed over layers (never a
+    per-step max of compute and copy). ValueError on counts out of range.
+    """
+    spec = model.spec
+    if rows < 1 or context < 1:
+        raise ValueError(f"rows and context must be >= 1, got {rows}, {context}")
+    if not 0 <= distinct_per_layer <= spec.num_experts:
+        raise ValueError(f"distinct_per_layer {distinct_per_layer} outside [0, {spec.num_experts}]")
+    layers = spec.num_layers
+    if misses_per_step < 0 or misses_per_step / layers > distinct_per_layer + 1e-9:
+        raise ValueError(f"misses_per_step {misses_per_step} must be in [0, layers x distinct_per_layer]")
+    if layers_with_misses is None:
+        layers_with_misses = float(layers) if misses_per_step > 0 else 0.0
+    if not 0 <= layers_with_misses <= layers:
+        raise ValueError(f"layers_with_misses {layers_with_misses} outside [0, {layers}]")
+    padded = model.padded_rows(rows)
+    loads = [SequenceLoad(1, context)] * rows + [SequenceLoad(1, 1)] * (padded - rows)
+    routed = rows * spec.top_k
+    miss_l = misses_per_step / layers
+    hit_l = distinct_per_layer - miss_l
+    copy_l = model.transfer(miss_l, layers_with_misses / layers) if misses_per_step else 0.0
+    share = miss_l / distinct_per_layer if distinct_per_layer else 0.0
+    hit_gemm = model.expert_read(hit_l, routed * (1 - share))
+    miss_gemm = model.expert_read(miss_l, routed * share)
+    dense = sum(model.layer_pre_expert(layer, loads) for layer in range(layers)) + model.head(padded)
+    expert_phase = layers * model.layer_expert_time(copy_l, hit_gemm, miss_gemm)
+    copy = layers * copy_l
+    expert = layers * (hit_gemm + miss_gemm)
+    host = model.host_overhead(rows, via_server)
+    fixed = model.step_overhead(padded)
+    total = host + fixed + dense + expert_phase
+    return StepBreakdown(rows, padded, host, fixed, dense, expert, copy, expert_phase - expert, total)

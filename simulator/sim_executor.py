@@ -11,6 +11,11 @@ domain.routing_streams (shared with `ft serve --routing-replay`): greedy request
 by their prompt head, so requests with the same prompt produce the same tokens and route
 identically (as in the customer's benchmark); sampled requests by seed and prompt head, or a
 stream of their own. Sampled token ids are a hash of (stream, position): deterministic.
+
+Step terms (cost_model docstring): every step first spends the host overhead outside the graph
+(GPU and link idle); a decode-only step runs as its graph bucket, the padded rows paying dense and
+lm_head compute and skipping the experts (with padding_fetches they route through streams of their own
+and their misses are copied); prefill or mixed steps run uncaptured at their real row count.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ class ExecutorCounters:
 
 
 class SimExecutor:
-    def __init__(self, host: SimHost, cost: CostModel, routing: RoutingModel, expert_slots: int) -> None:
+    def __init__(self, host: SimHost, cost: CostModel, routing: RoutingModel, expert_slots: int,
+                 via_server: bool = True) -> None:
         spec = cost.spec
         if (routing.num_layers, routing.top_k) != (spec.num_layers, spec.top_k) or routing.num_experts > spec.num_experts:
             raise ValueError(
@@ -56,6 +62,8 @@ class SimExecutor:
         self.counters = ExecutorCounters()
         self._stream_keys = StreamKeys()
         self._in_step = False
+        self.via_server = via_server  # steps are served over HTTP (predict's benchmark): server_step_s applies
+        self._padding_position = 0  # next position of the padding-row streams (padding_fetches)
 
     # ---- ModelExecutor ---------------------------------------------------------------------
 
@@ -100,8 +108,19 @@ class SimExecutor:
                 routes[key][0] += 1
             else:
                 routes[key] = [1, self.routing.stream(key[0]).tokens(w.start_position, len(w.token_ids))]
-        weighted = list(routes.values())
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
+        decode_only = batch.num_prefill_tokens == 0 and all(len(w.token_ids) == 1 for w in works)
+        padding = cost.padded_rows(len(works)) - len(works) if decode_only else 0
+        loads += [SequenceLoad(1, 1)] * padding  # a padded row attends over nothing
+        if padding and cost.params.padding_fetches:
+            # NOTE: stale inputs route somewhere else than the real rows: one stream per padded slot.
+            for i in range(padding):
+                routes[(f"padding-row-{i}", self._padding_position, 1)] = [
+                    1, self.routing.stream(f"padding-row-{i}").tokens(self._padding_position, 1)]
+            self._padding_position += 1
+        # NOTE: otherwise padded rows skip every expert (their lookup key is -1, as in
+        # adapters/cuda_exec/expert_pool.py): no lookups, no misses, no routed FLOPs.
+        weighted = list(routes.values())
         c.steps += 1
         c.sequence_steps += len(works)
         c.prefill_tokens += batch.num_prefill_tokens
@@ -109,7 +128,10 @@ class SimExecutor:
         # NOTE: the GPU stream has one user (this step), so back-to-back kernels are merged into
         # one busy period and handed to simpy only where the copy engine must synchronise with
         # it. Same timeline as one event per kernel, far fewer events.
-        pending = cost.step_overhead(len(works))
+        host_s = cost.host_overhead(len(works), self.via_server)
+        if host_s:
+            yield host.env.timeout(host_s)  # outside the graph: neither the GPU nor the link works
+        pending = cost.step_overhead(len(works) + padding)
         for layer in range(cost.spec.num_layers):
             pending += cost.layer_pre_expert(layer, loads)
             tokens_per_expert: dict[int, int] = {}  # expert -> tokens routed to it, first-seen order
@@ -121,7 +143,7 @@ class SimExecutor:
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending)
-        pending += cost.head(sum(1 for w in works if w.sample))
+        pending += cost.head(sum(1 for w in works if w.sample) + padding)
         yield from host.gpu.use(pending)
 
     def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float):
