@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.containers import synth_main
 
         return int(synth_main(argv[1:]) or 0)
+    if argv[:1] == ["sim"]:
+        from app.containers import sim_main
+
+        return int(sim_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="ft", description="fluxtide: edge-native MoE serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = _add_serve(sub)
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
     sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser)")
+    sub.add_parser("sim", help="the simulator: predict, calibrate, expert-parallel (arguments go to "
+                               "`python -m simulator`)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, serve_parser)

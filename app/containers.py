@@ -374,6 +374,13 @@ def synth_main(argv: list[str]) -> int | None:
     return main(argv)
 
 
+def sim_main(argv: list[str]) -> int:
+    """`ft sim ...`: the simulator's CLI (`python -m simulator`), arguments forwarded."""
+    from simulator.__main__ import main
+
+    return main(argv)
+
+
 def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     """`ft check DIR`: every load-time check without allocating or serving; a summary line, or
     CheckpointFormatError (a ValueError) / FileNotFoundError naming the file and tensor."""

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host-gb-s", type=float, default=0.0, help="host memory bandwidth all links share (0: no cap)")
     e.add_argument("--calibration", default="h200_v1")
     e.add_argument("--json", action="store_true")
+    from simulator.fit_records import add_arguments
+
+    c = sub.add_parser("calibrate", help="fit a hardware profile to ft bench / bench_decode records and report "
+                                         "held-out error (simulator/fit_records.py)")
+    add_arguments(c)
     return parser
 
 
@@ -156,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             return predict_command(args)
         if args.command == "expert-parallel":
             return expert_parallel_command(args)
+        if args.command == "calibrate":
+            from simulator.fit_records import run
+
+            return run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
