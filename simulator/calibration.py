@@ -272,6 +272,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pool-gib", type=float, help="pool budget of the measured deployment (default 17.6)")
     parser.add_argument("--state-slots", type=int, default=RTX3090_STATE_SLOTS)
     parser.add_argument("--overlap", action="store_true", help="the measured engine overlaps copies with compute")
+    parser.add_argument("--graph-buckets", default="",
+                        help="decode batch buckets the engine pads to, e.g. 1,2,4,8,16 (default: none)")
+    parser.add_argument("--padding-fetches", action="store_true",
+                        help="padded rows route and their misses are fetched (docs/simulator.md, step terms)")
     parser.add_argument("--out", type=Path, default=CALIBRATION_DIR / "rtx3090_v1.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -279,7 +283,9 @@ def main(argv=None) -> int:
     pool = RTX3090_POOL_BYTES if args.pool_gib is None else int(args.pool_gib * GIB)
     deployment = deployment_for(args.hardware, pool, args.state_slots)
     calibrate(measurements, args.out, args.seed, args.hardware, deployment,
-              CostParams(overlap_copy_compute=args.overlap))
+              CostParams(overlap_copy_compute=args.overlap,
+                         graph_buckets=tuple(int(b) for b in args.graph_buckets.split(",") if b.strip()),
+                         padding_fetches=args.padding_fetches))
     return 0
 
 
