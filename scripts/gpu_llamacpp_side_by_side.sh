@@ -33,9 +33,9 @@ if [ $DRY = 1 ]; then  # a CPU machine: tiny everything; every default below can
   : "${CKPT:=/tmp/sbs-dry/ckpt}" "${GGUF:=/tmp/sbs-dry/model-q8_0.gguf}" "${WORK:=/tmp/sbs-dry/work}"
   : "${LLAMA_SRC:=/tmp/sbs-dry/llama-src}" "${LLAMA_BUILD:=/tmp/sbs-dry/llama-build}"
   : "${RESIDENT_KV:=2k}" "${SWEEP_KV:=1k,2k}" "${BUDGET_GIB:=24}" "${LLAMA_MARGIN_GIB:=0}"
-  # the tiny model's trunk is ~41 MB on a "GPU": a 0.0405 GiB budget leaves room for some expert layers only,
+  # the tiny model's trunk is ~43 MB on a "GPU": a 0.041 GiB budget leaves room for some expert layers only,
   # so the --n-cpu-moe plan is exercised (a CPU build accepts the option and keeps everything in host memory)
-  : "${LLAMA_BUDGET_GIB:=0.0405}"
+  : "${LLAMA_BUDGET_GIB:=0.041}"
   : "${LADDER_ARGS:=--levels 1,2 --tokens 8 --warmup-tokens 4 --no-bandwidth}"
   : "${SWEEP_ARGS:=--batch 1,2 --tokens 8 --warmup-tokens 4 --warmup 1 --iterations 1 --no-bandwidth}"
   : "${BENCH_TIMEOUT:=300}" "${READY_TRIES:=120}" "${OUT:=/tmp/sbs-dry/out}"
@@ -79,7 +79,16 @@ detached() {  # detached NAME DONE_TEST COMMAND: run COMMAND under setsid unless
   mark "$name: started (log $WORK/logs/$name.log)"
 }
 
+job_state() {  # job_state NAME DONE_TEST: running | done | failed (rc N)
+  local pidf="$WORK/$1.pid" rc
+  if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then echo running; return; fi
+  rc=$(cat "$WORK/$1.rc" 2>/dev/null)
+  if [ -n "$rc" ] && [ "$rc" != 0 ]; then echo "failed (rc $rc)"; elif eval "$2"; then echo done; else echo "failed"; fi
+}
+
 phase_build() {
+  # CMake finds the toolkit through nvcc; the image may leave it off PATH
+  command -v nvcc > /dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH=$PATH:/usr/local/cuda/bin; }
   mark "nvcc: $(command -v nvcc || echo none) $(nvcc --version 2>/dev/null | tail -1)"
   mark "cmake: $(cmake --version 2>/dev/null | head -1); ninja: $(ninja --version 2>/dev/null || echo none); $(nproc) cores"
   [ -f "$TARBALL" ] || { echo "no $TARBALL: run scripts/pack_llamacpp.sh here and carry .llamacpp"; return 1; }
@@ -93,11 +102,12 @@ phase_build() {
     "set -e; synth_start=\$(date +%s); $(declare -f synth_ckpt); CKPT='$CKPT' GEOMETRY=${GEOMETRY:-qwen3.6-35b-a3b} DEVICE=${DEVICE:-cuda} synth_ckpt;
      echo \"synth done after \$(( \$(date +%s) - synth_start ))s\"; mkdir -p '$(dirname "$GGUF")';
      '$HERE/llama_cpp/convert.sh' '$LLAMA_SRC/llama.cpp' '$CKPT' '$GGUF.part' q8_0 && mv '$GGUF.part' '$GGUF';
-     echo \"convert done after \$(( \$(date +%s) - synth_start ))s\""
+     echo \"convert done after \$(( \$(date +%s) - synth_start ))s\";
+     PYTHONPATH='$LLAMA_SRC/llama.cpp/gguf-py' python3 '$HERE/llama_cpp/sbs.py' layout '$GGUF'"
   local waited=0 b c
   while [ $waited -lt "$BUILD_WAIT" ]; do
-    b=$([ -x "$LLAMA_SERVER" ] && echo done || cat "$WORK/llama_build.rc" 2>/dev/null || echo running)
-    c=$([ -f "$GGUF" ] && echo done || cat "$WORK/convert.rc" 2>/dev/null || echo running)
+    b=$(job_state llama_build "[ -x '$LLAMA_SERVER' ]")
+    c=$(job_state convert "[ -f '$GGUF' ]")
     [ "$b" != running ] && [ "$c" != running ] && break
     if [ $(( waited % 30 )) = 0 ]; then
       mark "build: $b $(grep -o '^\[[0-9]*/[0-9]*\]' "$WORK/logs/llama_build.log" 2>/dev/null | tail -1); convert: $c" \

@@ -158,6 +158,10 @@ def model_facts(server: dict, model_dir: str | None) -> dict:
         facts["geometry"] = {k: text.get(k) for k in keys if k in text}
         facts["format"] = _format(config, text)
         facts["source"] = f"server + {model_dir}/config.json"
+    model_path = (server.get("props") or {}).get("model_path")
+    if model_path:  # llama.cpp serves the GGUF converted from --model-dir, in its own format
+        facts["checkpoint_format"] = facts["format"]
+        facts["format"] = f"gguf {Path(model_path).name}"
     return facts
 
 

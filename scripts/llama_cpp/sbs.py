@@ -1,5 +1,7 @@
 """Helpers of scripts/gpu_llamacpp_side_by_side.sh (run with llama.cpp's gguf-py on PYTHONPATH for `plan`).
 
+  layout GGUF
+      Read the GGUF's tensor sizes and shapes once into GGUF.layout.json (plan reuses it).
   plan GGUF --budget-gib G --ctx N --parallel P [--margin-gib M]
       How many layers' experts llama-server must keep in host memory (--n-cpu-moe N) so that what it
       puts on the GPU fits G GiB, like fluxtide's --gpu-budget-gib G: every tensor but the trunk
@@ -31,10 +33,20 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def plan(args) -> dict:
+def layout(gguf: str) -> dict:
+    """What `plan` needs from a GGUF: bytes per layer of routed experts, the other tensors, the
+    attention and recurrent-state shapes. Cached beside the file (GGUF.layout.json): reading the
+    header of a Qwen3.6 GGUF takes ~17 s, most of it its 248k-token vocabulary."""
+    cache = Path(gguf + ".layout.json")
+    stat = Path(gguf).stat()
+    key = {"size": stat.st_size, "mtime": stat.st_mtime}
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return cached
     from gguf import GGUFReader  # llama.cpp's gguf-py, from the packed tree
 
-    reader = GGUFReader(args.gguf)
+    reader = GGUFReader(gguf)
     arch = _field(reader, "general.architecture")
     blocks = int(_field(reader, f"{arch}.block_count"))
     nextn = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
@@ -43,7 +55,6 @@ def plan(args) -> dict:
     if recurrent is None:
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
         recurrent = [(i + 1) % interval != 0 for i in range(trunk)]
-    recurrent = [bool(r) for r in recurrent[:trunk]]
     experts_per_layer, gpu_other, host_other = [0] * trunk, 0, 0
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -56,21 +67,32 @@ def plan(args) -> dict:
             host_other += int(t.n_bytes)  # llama.cpp keeps the input embedding in host memory
         else:
             gpu_other += int(t.n_bytes)
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv"))
-    k_len = int(_field(reader, f"{arch}.attention.key_length"))
-    v_len = int(_field(reader, f"{arch}.attention.value_length"))
+    ssm = {k: _field(reader, f"{arch}.ssm.{k}") for k in ("state_size", "time_step_rank", "group_count",
+                                                          "inner_size", "conv_kernel")}
+    result = {"key": key, "architecture": arch, "trunk_layers": trunk, "mtp_layers": nextn,
+              "recurrent": [bool(r) for r in recurrent[:trunk]], "experts_per_layer": experts_per_layer,
+              "gpu_dense_bytes": gpu_other, "host_embedding_bytes": host_other,
+              "kv_heads": int(_field(reader, f"{arch}.attention.head_count_kv")),
+              "key_length": int(_field(reader, f"{arch}.attention.key_length")),
+              "value_length": int(_field(reader, f"{arch}.attention.value_length")),
+              "ssm": {k: None if v is None else int(v) for k, v in ssm.items()}}
+    cache.write_text(json.dumps(result))
+    return result
+
+
+def plan(args) -> dict:
+    g = layout(args.gguf)
+    trunk, recurrent, experts_per_layer = g["trunk_layers"], g["recurrent"], g["experts_per_layer"]
     full_layers = trunk - sum(recurrent)
-    kv_bytes = args.ctx * full_layers * kv_heads * (k_len + v_len) * 2  # f16 K and V
+    kv_bytes = args.ctx * full_layers * g["kv_heads"] * (g["key_length"] + g["value_length"]) * 2  # f16 K, V
     state_bytes = 0
     if any(recurrent):  # GDN: fp32 state [v_heads, k_dim, v_dim] + conv window per slot and layer
-        d_state = int(_field(reader, f"{arch}.ssm.state_size"))
-        v_heads = int(_field(reader, f"{arch}.ssm.time_step_rank"))
-        groups = int(_field(reader, f"{arch}.ssm.group_count"))
-        inner = int(_field(reader, f"{arch}.ssm.inner_size"))
-        conv = int(_field(reader, f"{arch}.ssm.conv_kernel"))
-        per_layer = v_heads * d_state * d_state * 4 + (conv - 1) * (2 * groups * d_state + inner) * 4
+        ssm = g["ssm"]
+        d_state, v_heads = ssm["state_size"], ssm["time_step_rank"]
+        conv_channels = 2 * ssm["group_count"] * d_state + ssm["inner_size"]
+        per_layer = v_heads * d_state * d_state * 4 + (ssm["conv_kernel"] - 1) * conv_channels * 4
         state_bytes = args.parallel * sum(recurrent) * per_layer
-    fixed = gpu_other + kv_bytes + state_bytes + args.margin_gib * GIB
+    fixed = g["gpu_dense_bytes"] + kv_bytes + state_bytes + args.margin_gib * GIB
     room = args.budget_gib * GIB - fixed
     on_gpu, used = 0, 0
     # --n-cpu-moe N keeps layers 0..N-1 in host memory: the GPU holds the experts of the LAST layers
@@ -79,14 +101,13 @@ def plan(args) -> dict:
             break
         used += experts_per_layer[layer]
         on_gpu += 1
-    return {"gguf": args.gguf, "architecture": arch, "trunk_layers": trunk, "mtp_layers": nextn,
+    return {"gguf": args.gguf, "architecture": g["architecture"], "trunk_layers": trunk, "mtp_layers": g["mtp_layers"],
             "budget_gib": args.budget_gib, "ctx": args.ctx, "parallel": args.parallel, "margin_gib": args.margin_gib,
             "n_cpu_moe": trunk - on_gpu, "expert_layers_on_gpu": on_gpu,
             "expert_bytes_per_layer": max(experts_per_layer) if experts_per_layer else 0,
-            "gpu_dense_bytes": gpu_other, "host_embedding_bytes": host_other, "kv_bytes": kv_bytes,
-            "recurrent_state_bytes": state_bytes,
-            "planned_gpu_gib": round((fixed + used) / GIB, 2),
-            "fits": room >= 0}
+            "gpu_dense_bytes": g["gpu_dense_bytes"], "host_embedding_bytes": g["host_embedding_bytes"],
+            "kv_bytes": kv_bytes, "recurrent_state_bytes": state_bytes,
+            "planned_gpu_gib": round((fixed + used) / GIB, 2), "fits": room >= 0}
 
 
 def engine(args) -> dict:
@@ -162,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--ctx", type=int, required=True)
     s.add_argument("--parallel", type=int, required=True)
     s.add_argument("--margin-gib", type=float, default=1.5)
+    s = sub.add_parser("layout")
+    s.add_argument("gguf")
     s = sub.add_parser("engine")
     s.add_argument("name")
     s.add_argument("out")
@@ -170,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("out")
     s.add_argument("engines", nargs="+")
     args = p.parse_args(argv)
+    if args.cmd == "layout":
+        result = layout(args.gguf)
+        print(f"{args.gguf}: {result['trunk_layers']} layers (+{result['mtp_layers']} MTP), "
+              f"{max(result['experts_per_layer']) / GIB:.3f} GiB of experts per layer")
+        return 0
     if args.cmd == "plan":
         result = plan(args)
         print(json.dumps(result))

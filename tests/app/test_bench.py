@@ -271,3 +271,15 @@ def test_llama_cpp_load_comes_from_its_metrics_gauges():
     assert asyncio.run(load(501, "metrics disabled")) is None  # llama-server without --metrics
     assert asyncio.run(load(200, "ft_expert_hits_total 3\n")) is None  # neither gauge: not llama.cpp
     assert asyncio.run(load(200, "<html>not prometheus</html>")) is None
+
+
+def test_llama_cpp_records_the_gguf_it_serves_beside_the_checkpoint_format(tmp_path):
+    from app.bench import target
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 2048},
+                                                      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}))
+    llama = {"props": {"model_path": "/dev/shm/qwen36-q8_0.gguf", "total_slots": 4}}
+    facts = target.model_facts(llama, str(tmp_path))
+    assert facts["format"] == "gguf qwen36-q8_0.gguf" and facts["checkpoint_format"] == "fp8 e4m3"
+    assert facts["geometry"] == {"hidden_size": 2048}
+    assert target.model_facts({}, str(tmp_path))["format"] == "fp8 e4m3"  # fluxtide serves the checkpoint
