@@ -6,29 +6,64 @@
 # Records land in $OUT. PREFILL_KERNELS=triton serves with the Triton prefill (default: reference).
 # Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
 # missing sniffio).
+# Sourced (not run), it only defines the pieces below: scripts/gpu_llamacpp_side_by_side.sh measures
+# llama.cpp with the same server shapes and the same ft bench arguments.
 set -uo pipefail
-. "$(dirname "$0")/gpu_env.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 CKPT=${CKPT:-/tmp/qwen36-fp8}
-[ -f "$CKPT/config.json" ] || timeout 120 python3 -m app synth --out "$CKPT" --geometry ${GEOMETRY:-qwen3.6-35b-a3b} \
-  --format fp8_block --device ${DEVICE:-cuda} 2>&1 | tail -2
+# the two server shapes and the ft bench arguments of each measurement
+RESIDENT_BUDGET_GIB=${RESIDENT_BUDGET_GIB:-130}
+RESIDENT_KV=${RESIDENT_KV:-64k}
+RESIDENT_RUNNING=${RESIDENT_RUNNING:-16}
+BUDGET_GIB=${BUDGET_GIB:-24}
+BUDGET_RUNNING=${BUDGET_RUNNING:-4}
+SWEEP_KV=${SWEEP_KV:-8k,64k}             # the budget server starts at the first size (the customer's "restart at 8k")
+SWEEP_ARGS=${SWEEP_ARGS:---batch 1,4}
+LADDER_ARGS=${LADDER_ARGS:-}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}      # seconds per ft bench run
+READY_TRIES=${READY_TRIES:-150}          # /health polls, 2 s apart
 
-serve() {  # serve PORT LOG ARGS... ; waits for /health ok (or gives up)
-  local port=$1 log=$2; shift 2
-  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} \
-    --prefill-kernels ${PREFILL_KERNELS:-reference} --port "$port" "$@" >"$log" 2>&1 &
-  SERVER=$!
-  wait_healthy "$port" "$SERVER" "$log" 150
+synth_ckpt() {  # the checkpoint both engines serve (ft synth writes config.json last: its presence = complete)
+  [ -f "$CKPT/config.json" ] || timeout 120 python3 -m app synth --out "$CKPT" --geometry ${GEOMETRY:-qwen3.6-35b-a3b} \
+    --format fp8_block --device ${DEVICE:-cuda} 2>&1 | tail -2
 }
 
-SECONDS=0
-if serve 8101 "$OUT/serve_resident.log" --gpu-budget-gib 130 --kv-tokens 64k --max-running-requests 16; then
-  timeout 200 python3 -m app bench ladder --base-url http://127.0.0.1:8101 --model-dir "$CKPT" --quiet \
-    --out "$OUT/ladder_resident.json" 2>&1 | tail -15
-  kill $SERVER; wait $SERVER 2>/dev/null
+serve() {  # serve PORT LOG ARGS... ; sets SERVER, waits for /health ok (or gives up)
+  local port=$1 log=$2; shift 2
+  # shellcheck disable=SC2086  # EXTRA_SERVE_ARGS is a list of options
+  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} \
+    --prefill-kernels ${PREFILL_KERNELS:-reference} --port "$port" ${EXTRA_SERVE_ARGS:-} "$@" >"$log" 2>&1 &
+  SERVER=$!
+  wait_healthy "$port" "$SERVER" "$log" "$READY_TRIES"
+}
+
+resident_serve_args() { echo "--gpu-budget-gib $RESIDENT_BUDGET_GIB --kv-tokens $RESIDENT_KV --max-running-requests $RESIDENT_RUNNING"; }
+budget_serve_args() { echo "--gpu-budget-gib $BUDGET_GIB --kv-tokens ${SWEEP_KV%%,*} --max-running-requests $BUDGET_RUNNING"; }
+
+bench_ladder() {  # bench_ladder BASE_URL OUT.json: the resident measurement's ft bench call
+  # shellcheck disable=SC2086
+  timeout "$BENCH_TIMEOUT" python3 -m app bench ladder --base-url "$1" --model-dir "$CKPT" --quiet \
+    --out "$2" $LADDER_ARGS 2>&1 | tail -15
+}
+
+bench_sweep() {  # bench_sweep BASE_URL OUT.json KV: the budget measurement's ft bench call (KV: sizes or current)
+  # shellcheck disable=SC2086
+  timeout "$BENCH_TIMEOUT" python3 -m app bench sweep --base-url "$1" --model-dir "$CKPT" --quiet \
+    --kv "$3" --out "$2" $SWEEP_ARGS 2>&1 | tail -15
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  synth_ckpt
+  SECONDS=0
+  # shellcheck disable=SC2046
+  if serve 8101 "$OUT/serve_resident.log" $(resident_serve_args); then
+    bench_ladder http://127.0.0.1:8101 "$OUT/ladder_resident.json"
+    kill $SERVER; wait $SERVER 2>/dev/null
+  fi
+  # shellcheck disable=SC2046
+  if serve 8102 "$OUT/serve_24gib.log" $(budget_serve_args); then
+    bench_sweep http://127.0.0.1:8102 "$OUT/sweep_24gib.json" "$SWEEP_KV"
+    kill $SERVER; wait $SERVER 2>/dev/null
+  fi
+  grep -h -E "captured|Error|error" "$OUT"/serve_*.log | head -10 || true  # none on a clean reference run
 fi
-if serve 8102 "$OUT/serve_24gib.log" --gpu-budget-gib 24 --kv-tokens 8k --max-running-requests 4; then
-  timeout 200 python3 -m app bench sweep --base-url http://127.0.0.1:8102 --model-dir "$CKPT" --quiet \
-    --kv 8k,64k --batch 1,4 --out "$OUT/sweep_24gib.json" 2>&1 | tail -15
-  kill $SERVER; wait $SERVER 2>/dev/null
-fi
-grep -h -E "captured|Error|error" "$OUT"/serve_*.log | head -10 || true  # none on a clean reference run

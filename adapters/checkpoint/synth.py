@@ -268,6 +268,21 @@ class _TensorMaker:
             out += self.linear(f"{p}.{e}.down_proj.weight", (h, i), fmt != "bf16", gen)
         return out
 
+    def mtp(self, experts: str, gen) -> list[tuple[str, torch.Tensor]]:
+        """The multi-token-prediction block as Qwen3-Next / Qwen3.5 / Qwen3.6 checkpoints store it, at
+        the top level (``mtp.*``, outside ``model.``) in both layouts: ``mtp.fc`` [H, 2H] (projects
+        [embedding; hidden] back to H), three (1+w) RMSNorms, and ``mtp.layers.0.*``, one
+        full-attention decoder layer with the same MoE as the trunk, in the checkpoint's format.
+        llama.cpp's converter maps them to its nextn tensors (blk.L.nextn.eh_proj, ...); the
+        transformers models and our loader ignore them."""
+        g, h = self.g, self.g.hidden_size
+        out = [("mtp.fc.weight", init_tensor((h, 2 * h), "linear", gen).bfloat16())]
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out.append((f"mtp.{norm}.weight", init_tensor((h,), "zero_norm", gen).bfloat16()))
+        block = _TensorMaker(replace(g, num_hidden_layers=1, full_attention_interval=1), self.fmt, "mtp.",
+                             self.direct, None)  # one full-attention layer; no float originals kept
+        return out + block.layer(0, experts, gen)
+
     def head(self, gen) -> list[tuple[str, torch.Tensor]]:
         g = self.g
         norm = "zero_norm" if g.architecture == "qwen3_5_moe" else "one_norm"
@@ -301,9 +316,15 @@ def synthesize(
     progress: bool = False,
     float_weights: dict[str, torch.Tensor] | None = None,
     device: str = "cpu",
+    mtp: bool = True,
 ) -> Path:
     """Write config.json, safetensors shards (+ index), generation_config.json and, with
     `tokenizer`, tokenizer.json + tokenizer_config.json into `out_dir`. Returns out_dir.
+
+    A qwen3_5_moe geometry also gets the MTP block real checkpoints carry (``mtp.*``, one layer,
+    declared by ``mtp_num_hidden_layers: 1``; see `_TensorMaker.mtp`) unless `mtp` is False, in
+    which case the config declares 0 MTP layers. Its random draws come from their own generator
+    after everything else, so the other tensors are the same bytes with and without it.
 
     `float_weights`, when given, receives the float original of every quantized linear (keyed
     by its on-disk base name) so tests can measure the quantization error end to end.
@@ -348,9 +369,14 @@ def synthesize(
                   f"{time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     for name, t in make.head(gen):
         writer.add(name, t)
+    mtp_layers = 1 if mtp and g.architecture == "qwen3_5_moe" else 0
+    if mtp_layers:
+        mtp_gen = torch.Generator(draw_on).manual_seed(seed * 1_000_003 + g.num_hidden_layers + 1)
+        for name, t in make.mtp(experts, mtp_gen):
+            writer.add(name, t)
     writer.finish()
 
-    (out / "config.json").write_text(json.dumps(config_json(g, fmt, layout), indent=2))
+    (out / "config.json").write_text(json.dumps(config_json(g, fmt, layout, mtp_layers), indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation_config(), indent=2))
     if tokenizer:
         from adapters.checkpoint.hf_tokenizer import write_tokenizer_files
@@ -377,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GiB")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the geometry's vocabulary")
     parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="leave out the MTP block (mtp.*) that qwen3_5_moe checkpoints carry; the config "
+                             "then declares mtp_num_hidden_layers: 0")
     parser.add_argument("--device", default="cpu",
                         help="where to draw the random weights of large geometries (cpu | cuda | cuda:N)")
     args = parser.parse_args(argv)
@@ -389,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
                shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True,
-               device=args.device)
+               device=args.device, mtp=not args.no_mtp)
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
     print(f"wrote {args.out} ({args.geometry}, {args.fmt}): {size / 2**30:.2f} GiB in "
           f"{time.monotonic() - started:.1f}s")

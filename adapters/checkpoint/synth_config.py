@@ -96,7 +96,7 @@ def is_quantized_linear(canonical: str) -> bool:
     return "proj" in module and not any(canonical.endswith(f"{u}.weight") for u in UNQUANTIZED)
 
 
-def text_config(g: Geometry) -> dict:
+def text_config(g: Geometry, mtp_layers: int = 1) -> dict:
     cfg = {
         "model_type": "qwen3_5_moe_text" if g.architecture == "qwen3_5_moe" else "qwen3_moe",
         "hidden_size": g.hidden_size,
@@ -134,7 +134,7 @@ def text_config(g: Geometry) -> dict:
             "attn_output_gate": True,
             "partial_rotary_factor": 0.25,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-            "mtp_num_hidden_layers": 1,
+            "mtp_num_hidden_layers": mtp_layers,
         })
     else:
         cfg.update({
@@ -158,12 +158,14 @@ def _exclusions(style: str, architecture: str) -> list[str]:
     return names  # Qwen fp8: substrings
 
 
-def _quantized_layers(g: Geometry, prefix: str) -> dict:
-    """ModelOpt MIXED_PRECISION's map: every quantized module by its full name -> its algo."""
+def _quantized_layers(g: Geometry, prefix: str, mtp_layers: int = 0) -> dict:
+    """ModelOpt MIXED_PRECISION's map: every quantized module by its full name -> its algo (the MTP
+    block's full-attention layers under ``mtp.layers.N.``, outside the text prefix)."""
     algo = {"fp8_tensor": {"quant_algo": "FP8"}, "nvfp4_modelopt": {"quant_algo": "NVFP4", "group_size": 16}}
     names = []
-    for layer, kind in enumerate(g.layer_types):
-        p = f"layers.{layer}."
+    layers = [(prefix + f"layers.{i}.", kind) for i, kind in enumerate(g.layer_types)]
+    layers += [(f"mtp.layers.{i}.", "full_attention") for i in range(mtp_layers)]
+    for p, kind in layers:
         if kind == "linear_attention":
             names += [p + f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
         else:
@@ -171,10 +173,11 @@ def _quantized_layers(g: Geometry, prefix: str) -> dict:
         if g.architecture == "qwen3_5_moe" and g.shared_expert_intermediate_size:
             names += [p + f"mlp.shared_expert.{m}_proj" for m in ("gate", "up", "down")]
         names += [p + f"mlp.experts.{e}.{m}_proj" for e in range(g.num_experts) for m in ("gate", "up", "down")]
-    return {prefix + n: algo[module_variant("mixed_modelopt", n)] for n in names}
+    return {n: algo[module_variant("mixed_modelopt", n)] for n in names}
 
 
-def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, prefix: str = "model.") -> dict | None:
+def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, prefix: str = "model.",
+                        mtp_layers: int = 0) -> dict | None:
     if fmt == "bf16":
         return None
     if fmt == "fp8_autofp8":  # AutoFP8's config.json: no weight_block_size
@@ -187,7 +190,7 @@ def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, 
         if g is None:
             raise ValueError("mixed_modelopt needs the geometry (its config lists every quantized module)")
         return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-                "quantized_layers": _quantized_layers(g, prefix),
+                "quantized_layers": _quantized_layers(g, prefix, mtp_layers),
                 "exclude_modules": _exclusions("glob", architecture),
                 "producer": {"name": "modelopt", "version": "0.37.0"}}
     if fmt == "fp8_block_ct_256x128":
@@ -256,10 +259,13 @@ def quantization_config(fmt: str, architecture: str, g: Geometry | None = None, 
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def config_json(g: Geometry, fmt: str, layout: str) -> dict:
-    text = text_config(g)
+def config_json(g: Geometry, fmt: str, layout: str, mtp_layers: int = 1) -> dict:
+    """config.json of a synthesized checkpoint; `mtp_layers` is what it declares as
+    mtp_num_hidden_layers (qwen3_5_moe only; `ft synth` writes that many MTP layers)."""
+    text = text_config(g, mtp_layers)
     prefix = "model.language_model." if layout == "nested" and g.architecture == "qwen3_5_moe" else "model."
-    qc = quantization_config(fmt, g.architecture, g, prefix)
+    mtp_layers = mtp_layers if g.architecture == "qwen3_5_moe" else 0
+    qc = quantization_config(fmt, g.architecture, g, prefix, mtp_layers)
     if layout == "flat":
         arch = "Qwen3_5MoeForCausalLM" if g.architecture == "qwen3_5_moe" else "Qwen3MoeForCausalLM"
         cfg = {"architectures": [arch], **text}

@@ -17,10 +17,12 @@ from app.bench.figures import failures_of, rounds_figures, short_outputs
 
 
 class PoolSampler:
-    """Polls /v1/stats' pools while a rung runs; keeps the peaks of running and waiting requests."""
+    """Polls /v1/stats' pools (fluxtide) or /metrics' request gauges (llama.cpp's llama-server with
+    --metrics) while a rung runs; keeps the peaks of running and waiting requests."""
 
-    def __init__(self, ctx: Ctx, interval_s: float) -> None:
+    def __init__(self, ctx: Ctx, interval_s: float, fluxtide: bool = True) -> None:
         self.ctx, self.interval_s = ctx, interval_s
+        self.read = target.pools if fluxtide else target.llama_cpp_load
         self.max_running: int | None = None
         self.max_waiting: int | None = None
         self.samples = 0
@@ -28,7 +30,7 @@ class PoolSampler:
 
     async def _loop(self) -> None:
         while True:
-            pools = await target.pools(self.ctx.client)
+            pools = await self.read(self.ctx.client)
             if pools is not None:
                 self.samples += 1
                 self.max_running = max(self.max_running or 0, pools["running"])
@@ -49,22 +51,25 @@ async def run(ctx: Ctx, *, levels: list[int], tokens: int, rounds: int, warmup: 
               sample_s: float) -> None:
     record = ctx.record
     fluxtide = record.data["target"]["fluxtide"]
-    capacity = (record.data["pool_plan"] or {}).get("state_slots")
+    props = (record.data.get("server") or {}).get("props") or {}
+    # fluxtide: its GDN state slots; llama.cpp: its server slots (/props)
+    capacity = (record.data["pool_plan"] or {}).get("state_slots") or props.get("total_slots")
     task = ctx.progress.add_task("ladder", total=len(levels))
     for c in levels:
         where = f"c={c}"
         ctx.progress.update(task, description=where)
         point = {"concurrency": c, "warmup": await ctx.warm_up(c, warmup, warmup_tokens, where)}
-        async with PoolSampler(ctx, sample_s) as sampler:
+        async with PoolSampler(ctx, sample_s, fluxtide) as sampler:
             measured = [await ctx.chat_round(c, tokens) for _ in range(rounds)]
         results = [r for rnd in measured for r in rnd.results]
         short_outputs(results, tokens)
         point.update(rounds_figures(measured, c))
         point.update({
             # NOTE: measured, not inferred: the peaks of running (admitted) and waiting (queued)
-            # requests that /v1/stats showed during the measured rounds (null off fluxtide).
-            "admitted": sampler.max_running if fluxtide else None,
-            "queued": sampler.max_waiting if fluxtide else None,
+            # requests that /v1/stats (llama.cpp: /metrics) showed during the measured rounds; null
+            # on a server that publishes neither
+            "admitted": sampler.max_running,
+            "queued": sampler.max_waiting,
             "stats_samples": sampler.samples,
             "running_capacity": capacity,
         })

@@ -55,12 +55,14 @@ async def model_id(client: httpx.AsyncClient, wanted: str | None) -> str:
 
 
 async def describe(client: httpx.AsyncClient) -> dict:
-    """Everything the server reports about itself (None where it has no such route)."""
+    """Everything the server reports about itself (None where it has no such route). ``props`` is
+    llama.cpp's ``/props`` (its build, context size, slot count, model path); fluxtide has none."""
     return {
         "health": await _get_json(client, "/health"),
         "models": await _get_json(client, "/v1/models"),
         "stats": await _get_json(client, "/v1/stats"),
         "cache_status": await _get_json(client, "/v1/cache/status"),
+        "props": await _get_json(client, "/props"),
     }
 
 
@@ -82,6 +84,30 @@ async def expert_counters(client: httpx.AsyncClient) -> dict | None:
         for sample in family.samples:
             if sample.name in ("ft_expert_hits_total", "ft_expert_misses_total"):
                 found[sample.name.removeprefix("ft_expert_").removesuffix("_total")] = int(sample.value)
+    return found if len(found) == 2 else None
+
+
+# llama.cpp's llama-server (--metrics): requests being decoded and requests waiting for a free slot
+LLAMA_CPP_LOAD = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
+
+
+async def llama_cpp_load(client: httpx.AsyncClient) -> dict | None:
+    """{'running', 'waiting'} from llama-server's /metrics gauges, or None (no such route or gauges:
+    another server, or llama-server started without --metrics)."""
+    try:
+        r = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found = {}
+    try:
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name in LLAMA_CPP_LOAD:
+                    found[LLAMA_CPP_LOAD[sample.name]] = int(sample.value)
+    except ValueError:  # not Prometheus text
+        return None
     return found if len(found) == 2 else None
 
 
@@ -132,6 +158,10 @@ def model_facts(server: dict, model_dir: str | None) -> dict:
         facts["geometry"] = {k: text.get(k) for k in keys if k in text}
         facts["format"] = _format(config, text)
         facts["source"] = f"server + {model_dir}/config.json"
+    model_path = (server.get("props") or {}).get("model_path")
+    if model_path:  # llama.cpp serves the GGUF converted from --model-dir, in its own format
+        facts["checkpoint_format"] = facts["format"]
+        facts["format"] = f"gguf {Path(model_path).name}"
     return facts
 
 

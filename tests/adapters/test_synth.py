@@ -117,3 +117,74 @@ def test_cli_refuses_a_device_it_does_not_have(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--out", str(tmp_path), "--device", "cuda"])
     assert exc.value.code == 2 and "no such device" in capsys.readouterr().err
+
+
+# What llama.cpp's converter (conversion/qwen.py, _QwenMtpMixin) maps to its nextn tensors and what
+# its qwen35moe loader (src/models/qwen35moe.cpp, load_block_mtp) then asks for in the MTP layer.
+MTP_TOP = {"mtp.fc.weight": (160, 320), "mtp.pre_fc_norm_embedding.weight": (160,),
+           "mtp.pre_fc_norm_hidden.weight": (160,), "mtp.norm.weight": (160,)}
+MTP_LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+             "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+             "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
+             "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+             "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"]
+
+
+def _tensor_shapes(out) -> dict:
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in out.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_mtp_block_is_written_as_real_checkpoints_have_it(layout, tmp_path, caplog):
+    out = synthesize(tmp_path / layout, TINY, "fp8_block", layout=layout, tokenizer=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("text_config", config)["mtp_num_hidden_layers"] == 1
+    shapes = _tensor_shapes(out)
+    mtp = {n: s for n, s in shapes.items() if n.startswith("mtp.")}
+    for name, shape in MTP_TOP.items():
+        assert mtp[name] == shape, name
+    for name in MTP_LAYER:
+        assert f"mtp.layers.0.{name}" in mtp, name
+    # a full-attention layer: q_proj carries the output gate ([2 * heads * head_dim, H]); no GDN tensors
+    assert mtp["mtp.layers.0.self_attn.q_proj.weight"] == (2 * 4 * 32, 160)
+    assert not any("linear_attn" in n for n in mtp)
+    # same format rules as the trunk: block-FP8 projections with their scales, bf16 router and fc
+    for m in ("gate", "up", "down"):
+        for e in range(TINY.num_experts):
+            assert f"mtp.layers.0.mlp.experts.{e}.{m}_proj.weight_scale_inv" in mtp
+    assert "mtp.layers.0.self_attn.o_proj.weight_scale_inv" in mtp
+    assert "mtp.layers.0.mlp.gate.weight_scale_inv" not in mtp and "mtp.fc.weight_scale_inv" not in mtp
+    # nothing of the trunk moved under mtp., and our loader serves the trunk and ignores the block
+    trunk = {n for n in shapes if not n.startswith("mtp.")}
+    assert trunk == set(_tensor_shapes(synthesize(tmp_path / "no-mtp", TINY, "fp8_block", layout=layout,
+                                                  tokenizer=False, mtp=False)))
+    with caplog.at_level("INFO"):
+        ckpt = load_checkpoint(out, progress=False)
+    assert f"ignoring {len(mtp)} mtp tensors" in caplog.text
+    assert not any(n.startswith("mtp") for n in ckpt.dense) and ckpt.spec.num_layers == TINY.num_hidden_layers
+
+
+def test_no_mtp_declares_none_and_keeps_the_other_bytes(tmp_path):
+    a = synthesize(tmp_path / "a", TINY, "nvfp4_modelopt", seed=2, tokenizer=False, mtp=False)
+    b = synthesize(tmp_path / "b", TINY, "nvfp4_modelopt", seed=2, tokenizer=False)
+    assert json.loads((a / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 0
+    assert not any(n.startswith("mtp.") for n in _tensor_shapes(a))
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert all(torch.equal(t, tb[name]) for name, t in ta.items())  # the MTP draws come last, on their own
+    assert len(tb) > len(ta)
+
+
+def test_mixed_modelopt_lists_the_mtp_modules_it_quantizes():
+    config = config_json(TINY, "mixed_modelopt", "nested")
+    layers = config["quantization_config"]["quantized_layers"]
+    assert layers["mtp.layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
+    assert layers["mtp.layers.0.mlp.experts.7.down_proj"]["quant_algo"] == "NVFP4"
+    assert "model.language_model.layers.3.self_attn.q_proj" in layers

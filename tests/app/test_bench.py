@@ -244,3 +244,42 @@ def test_several_servers_in_one_call_give_one_record_each(tmp_path, demo, capsys
     assert [r["target"]["base_url"] for r in records] == [demo.base_url, demo.base_url + "/"]
     assert all(r["points"][0]["passed"] for r in records)
     assert "side by side" in capsys.readouterr().out
+
+
+# llama-server --metrics (tools/server/server-task.cpp): the gauges the ladder samples off fluxtide
+LLAMA_CPP_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 120
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 3
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+"""
+
+
+def test_llama_cpp_load_comes_from_its_metrics_gauges():
+    from app.bench import target
+
+    async def load(status: int, text: str):
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, text=text))
+        async with httpx.AsyncClient(transport=transport, base_url="http://llama") as client:
+            return await target.llama_cpp_load(client)
+
+    assert asyncio.run(load(200, LLAMA_CPP_METRICS)) == {"running": 3, "waiting": 2}
+    assert asyncio.run(load(501, "metrics disabled")) is None  # llama-server without --metrics
+    assert asyncio.run(load(200, "ft_expert_hits_total 3\n")) is None  # neither gauge: not llama.cpp
+    assert asyncio.run(load(200, "<html>not prometheus</html>")) is None
+
+
+def test_llama_cpp_records_the_gguf_it_serves_beside_the_checkpoint_format(tmp_path):
+    from app.bench import target
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 2048},
+                                                      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}))
+    llama = {"props": {"model_path": "/dev/shm/qwen36-q8_0.gguf", "total_slots": 4}}
+    facts = target.model_facts(llama, str(tmp_path))
+    assert facts["format"] == "gguf qwen36-q8_0.gguf" and facts["checkpoint_format"] == "fp8 e4m3"
+    assert facts["geometry"] == {"hidden_size": 2048}
+    assert target.model_facts({}, str(tmp_path))["format"] == "fp8 e4m3"  # fluxtide serves the checkpoint
