@@ -251,6 +251,39 @@ def test_gdn_step_bf16_model_dtype():
     assert rel_err(core, captured["core"]) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_step_projects_a_and_b_itself(dtype):
+    """project_ab (the decode step's path for float a/b weights): the recurrence computes a and b from x and
+    the two [Nv, H] weights; the same core and states as with the GEMV outputs handed in (fp32: dot order
+    only; bf16: both round a and b to bf16, the interpreter by truncation), padded rows untouched."""
+    geo, block_v = GEOMETRIES["gqa"]
+    gdn, gen = make_gdn(geo, hidden=40, dtype=dtype, seed=5)
+    w = gdn.w
+    pools = [make_pool(geo, 4, dtype, torch.Generator().manual_seed(9)) for _ in range(2)]
+    slots = torch.tensor([3, -1, 1], dtype=torch.int32, device=DEVICE)
+    for _step in range(2):
+        x = torch.randn(3, 40, generator=gen).to(dtype=dtype, device=DEVICE)
+        x[1] = float("nan")  # a padded row
+        want = kernel_step(gdn, x, pools[0], slots, block_v=block_v)
+        got = gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), None, None, pools[1].conv[0], pools[1].recurrent[0],
+                              slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo, block_v=block_v,
+                              project_ab=(x, w["in_proj_a.weight"], w["in_proj_b.weight"]))
+        bound = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+        assert rel_err(got, want) < bound
+        assert torch.equal(pools[1].conv, pools[0].conv)
+        assert rel_err(pools[1].recurrent, pools[0].recurrent) < bound
+        assert torch.equal(pools[1].recurrent[0, 0], pools[0].recurrent[0, 0])  # no row's slot: untouched
+    with pytest.raises(ValueError, match="not both"):
+        gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), want, None, pools[1].conv[0], pools[1].recurrent[0],
+                        slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo,
+                        project_ab=(x, w["in_proj_a.weight"], w["in_proj_b.weight"]))
+    with pytest.raises(ValueError, match="in_proj_a"):
+        gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), None, None, pools[1].conv[0], pools[1].recurrent[0],
+                        slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo,
+                        project_ab=(x, w["in_proj_a.weight"][:, :8], w["in_proj_b.weight"]))
+
+
 def test_gdn_conv_decode_writes_each_channel_once_and_skips_padded_rows():
     geo = GdnGeometry(1, 1, 8, 8, 4)  # C = 24, block_c 16: two channel blocks, the second part-masked
     gen = torch.Generator().manual_seed(4)
@@ -427,10 +460,12 @@ out["combine"] = usage(comb._paged_decode_combine_kernel, dict(
 out["gdn_conv"] = usage(conv._gdn_conv_decode_kernel, dict(
     x_ptr="*bf16", state_ptr="*bf16", slots_ptr="*i32", w_ptr="*bf16", mixed_ptr="*fp32"),
     dict(CHANNELS=8192, KERNEL=4, BLOCK_C=256, BLOCK_W=4), 4)
-out["gdn_recurrent"] = usage(gdn._gdn_recurrent_decode_kernel, dict(
-    mixed_ptr="*fp32", a_ptr="*bf16", b_ptr="*bf16", state_ptr="*fp32", slots_ptr="*i32", neg_a_ptr="*fp32",
-    dt_bias_ptr="*fp32", core_ptr="*fp32"),
-    dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32), 4)
+for project in (False, True):  # a/b handed in, or projected from x by the kernel (project_ab)
+    out["gdn_recurrent" + ("_project_ab" if project else "")] = usage(gdn._gdn_recurrent_decode_kernel, dict(
+        mixed_ptr="*fp32", a_ptr="*bf16", b_ptr="*bf16", state_ptr="*fp32", slots_ptr="*i32", neg_a_ptr="*fp32",
+        dt_bias_ptr="*fp32", core_ptr="*fp32", x_ptr="*bf16", H="i32"),
+        dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, PROJECT_AB=project,
+             ROUND_AB=project, BLOCK_H=1024), 4)
 print(json.dumps(out))
 """
 
@@ -450,6 +485,7 @@ def test_kernels_compile_for_sm90_without_register_spills():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     usage = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(usage) == {"split_bf16", "split_fp32", "combine", "gdn_conv", "gdn_recurrent"}
+    assert set(usage) == {"split_bf16", "split_fp32", "combine", "gdn_conv", "gdn_recurrent",
+                          "gdn_recurrent_project_ab"}
     for name, regs in usage.items():
         assert regs["STACK"] == 0, (name, regs)
