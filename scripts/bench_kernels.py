@@ -165,7 +165,7 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     """Each decode-step fusion A/B on the same inputs: the fused kernel against the unfused sequence it
     replaced (both replayed from CUDA graphs, so the saving shown is device time; launch gaps come on top
     of the unfused side in the real step). Qwen3.6-35B-A3B shapes: H 2048, 256 experts, top-8 + shared,
-    GDN 16 key / 32 value heads of 128 (geo None). dev/experts/geo/timer (default _timed) let a CPU test
+    GDN 16 key / 32 value heads of 128 (geo None), attention 16 query / 2 kv heads of 256 over 64 tokens. dev/experts/geo/timer (default _timed) let a CPU test
     run the same code at tiny shapes in Triton's interpreter."""
     import torch.nn.functional as F
 
@@ -176,6 +176,7 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     from adapters.kernels.moe_gate_up import moe_gate_up
     from adapters.kernels.moe_router import moe_router
     from adapters.kernels.moe_sum import moe_sum
+    from adapters.kernels.paged_decode_attention import paged_decode_attention
     from adapters.kernels.rms_norm import rms_norm
     from adapters.kernels.rms_norm_router import rms_norm_router
     from adapters.torch_exec.gated_deltanet import GdnGeometry, LinearStatePool
@@ -196,6 +197,7 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     conv_w = torch.randn(geo.conv_channels, 4, device=dev, generator=gen).bfloat16()
     neg_a = -torch.rand(geo.num_v_heads, device=dev, generator=gen)
     dt_bias = torch.randn(geo.num_v_heads, device=dev, generator=gen)
+    k_pool, v_pool = (torch.randn(64, 16, 2, 256, device=dev, generator=gen).bfloat16() for _ in range(2))
     points = []
     for t in tokens:
         bf = lambda *shape: torch.randn(*shape, device=dev, generator=gen).bfloat16()  # noqa: E731
@@ -249,6 +251,18 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
         row["gdn_ab_fused_us"] = timer(lambda x=x, qkv=qkv, slots=slots: gdn_decode_step(
             qkv, None, None, states.conv[0], states.recurrent[0], slots, conv_w, neg_a, dt_bias, geo,
             project_ab=(x, w_a, w_b)))
+        # attention output gate: combine then the gate's copy, sigmoid and product, or inside the combine
+        pages = torch.randperm(64, device=dev, generator=gen)[:t * 4].view(t, 4).to(torch.int32)
+        lens = torch.full((t,), 4 * 16, dtype=torch.int32, device=dev)
+        q, qg = bf(t, 16, 256), bf(t, 16, 512)
+
+        def attend_then_gate(q=q, qg=qg, pages=pages, lens=lens):
+            out = paged_decode_attention(q, k_pool, v_pool, pages, lens, 256 ** -0.5)
+            return out.reshape(q.shape[0], -1) * torch.sigmoid(qg[:, :, 256:].reshape(q.shape[0], -1))
+
+        row["attn_gate_unfused_us"] = timer(attend_then_gate)
+        row["attn_gate_fused_us"] = timer(lambda q=q, qg=qg, pages=pages, lens=lens: paged_decode_attention(
+            q, k_pool, v_pool, pages, lens, 256 ** -0.5, gate=qg[:, :, 256:]).reshape(q.shape[0], -1))
         points.append(row)
         print(row, flush=True)
     return points

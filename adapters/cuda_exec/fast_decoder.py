@@ -164,9 +164,8 @@ class FastDecoder(MoeDecoder):
             self._projections(i, mixer, x, "qkv", ("q_proj", "k_proj", "v_proj")), ("q_proj", "k_proj", "v_proj"),
             strict=True))
         gate = None
-        if geo.output_gate:
+        if geo.output_gate:  # the gate stays a strided view: the attention's combine step applies it
             q, gate = torch.chunk(q.reshape(rows, geo.num_heads, 2 * geo.head_dim), 2, dim=-1)  # [B, N, D] x2
-            gate = gate.reshape(rows, -1)  # [B, N*D]
         q = q.reshape(rows, geo.num_heads, geo.head_dim)
         k = k.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
         v = v.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
@@ -175,10 +174,8 @@ class FastDecoder(MoeDecoder):
         q = qk_norm_rope(q, k, v, mixer.w["q_norm.weight"], mixer.w["k_norm.weight"], geo.eps,
                          geo.unit_offset_norm, *cos_sin, kv.k[layer], kv.v[layer], buf.kv_rows)  # [B, N, D]
         out = paged_decode_attention(q, kv.k[layer], kv.v[layer], buf.page_table, buf.seq_lens,
-                                     geo.head_dim ** -0.5)  # [B, N, D]
+                                     geo.head_dim ** -0.5, gate=gate)  # [B, N, D], gated
         out = out.reshape(rows, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
         return _biased(self._linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
     # ---- prefill and mixed steps (eager): the prefill kernels, span by span -----------------------------

@@ -26,11 +26,12 @@ def test_fusion_points_run_both_sides_of_every_fusion(monkeypatch):
         return 1.0
 
     rows = bench_kernels.fusion_points([1, 2], dev="cpu", experts=16, geo=GdnGeometry(2, 4, 16, 16, 4), timer=timer)
-    pairs = ("norm_router", "route_lookup", "down_sum", "gdn_ab")
+    pairs = ("norm_router", "route_lookup", "down_sum", "gdn_ab", "attn_gate")
     assert [r["tokens"] for r in rows] == [1, 2]
     for row in rows:
         assert set(row) == {"tokens"} | {f"{p}_{side}_us" for p in pairs for side in ("fused", "unfused")}
     assert len(calls) == 2 * 2 * len(pairs)
     # down + sum: the two sides wrote the same bits (calls 4 and 5 of a token: fused first, then unfused)
-    for fused, unfused in ((calls[4], calls[5]), (calls[12], calls[13])):
+    per_token = 2 * len(pairs)
+    for fused, unfused in ((calls[4], calls[5]), (calls[per_token + 4], calls[per_token + 5])):
         assert fused is not unfused and torch.equal(fused, unfused)

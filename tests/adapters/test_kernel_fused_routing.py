@@ -121,3 +121,29 @@ def test_route_lookup_bounds_and_bad_input():
     with pytest.raises(ValueError, match="gate_weight"):
         moe_route_lookup(torch.randn(2, 6, device=DEVICE), x, 2, True, torch.randn(1, 5, device=DEVICE), valid,
                          0, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fused_routing_at_the_qwen3_6_geometry_on_gpu(rows):
+    """H 2048, 256 experts, top-8 + a resident shared expert, 2,048 slots, bf16 activations: the norm's
+    logits against F.linear on its output, the routing and lookup against the unfused pair."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    h, e, k, slots = 2048, 256, 8, 2048
+    x, res = (torch.randn(rows, h, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    norm_w = torch.randn(h, device="cuda", generator=gen).bfloat16()
+    router = torch.randn(e, h, device="cuda", generator=gen) * 0.02
+    g = (torch.randn(1, h, device="cuda", generator=gen) * 0.02).bfloat16()
+    total, out, logits = rms_norm_router(x, res, norm_w, router, 1e-6, unit_offset=True)
+    assert torch.equal(total, rms_norm(x, norm_w, 1e-6, unit_offset=True, residual=res)[0])
+    assert rel(logits, F.linear(out.float(), router)) < 1e-5
+    fused, twin = (DeviceResidency(slots, 40, e, "cuda") for _ in range(2))
+    valid = torch.ones(rows, dtype=torch.bool, device="cuda")
+    for layer in (3, 3, 7):  # misses, then all hits, then another layer
+        weights, slot_ids, fk, fs = fused.route_layer(layer, logits, out, k, True, g, valid, slots + layer)
+        want_w, want_i = moe_router(out, router, k, True, g, logits=logits)
+        want_fk, want_fs, want_slots = twin.lookup_layer(layer, want_i[:, :k], valid, slots + layer)
+        assert rel(weights, want_w) < 1e-6
+        assert torch.equal(slot_ids, want_slots) and torch.equal(fk, want_fk) and torch.equal(fs, want_fs)
+        for ours, theirs in zip(_tables(fused), _tables(twin), strict=True):
+            assert torch.equal(ours, theirs)

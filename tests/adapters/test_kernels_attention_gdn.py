@@ -93,6 +93,30 @@ def test_paged_attention_matches_reference(heads, kv_heads, head_dim, page_size)
             assert rel_err(got[row], ref[row]) < 1e-5, (row, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_applies_the_output_gate_in_its_combine(dtype):
+    """gate= (the decode step's Qwen3.5 output gate, a strided half of the q projection): bitwise the ungated
+    output times sigmoid(gate) as the reference's torch ops compute it in the model dtype (fp32: up to the
+    sigmoid's last bit); a padded row stays zeros."""
+    lens = [21, 0, 6]
+    q, kv, table, seq_lens = make_paged_case(lens, 4, 2, 16, 4, width=8, dtype=dtype, seed=3)
+    qg = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(4)).to(dtype=dtype, device=q.device)
+    gate = qg[:, :, 16:]  # [B, N, D] view with stride 32 between heads, as torch.chunk leaves it
+    plain = paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, num_splits=2, block_n=16)
+    gated = paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, num_splits=2, block_n=16, gate=gate)
+    want = plain * torch.sigmoid(gate)
+    if dtype == torch.float32:
+        assert rel_err(gated, want) < 1e-6
+    else:  # NOTE: the interpreter truncates fp32 -> bf16 where torch rounds (the sigmoid and the product):
+        # within 2 bf16 ulps (2^-7 relative each)
+        assert ((gated.float() - want.float()).abs() <= 2 * want.float().abs() * 2.0 ** -7).all()
+        if torch.cuda.is_available():
+            assert torch.equal(gated, want)
+    assert torch.equal(gated[1], torch.zeros_like(gated[1]))
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, gate=gate[:, :2])
+
+
 def test_paged_attention_split_count_does_not_change_the_result():
     lens = [45, 9]
     q, kv, table, seq_lens = make_paged_case(lens, 4, 1, 16, 4, width=12, dtype=torch.float32, seed=1)
@@ -454,9 +478,10 @@ for dt, tdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         part_o_ptr="*fp32", part_lse_ptr="*fp32"), dict(
         GROUP=8, HEAD_DIM=256, PAGE_SIZE=16, MAX_PAGES=16384, NUM_SPLITS=64, BLOCK_H=16, BLOCK_D=256,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"), warps)
-out["combine"] = usage(comb._paged_decode_combine_kernel, dict(
-    part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
-    dict(NUM_SPLITS=64, HEAD_DIM=256, BLOCK_S=64, BLOCK_D=64), 4)
+for gated in (False, True):
+    out["combine" + ("_gated" if gated else "")] = usage(comb._paged_decode_combine_kernel, dict(
+        part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", gate_ptr="*bf16"),
+        dict(NUM_SPLITS=64, HEAD_DIM=256, BLOCK_S=64, BLOCK_D=64, HAS_GATE=gated), 4)
 out["gdn_conv"] = usage(conv._gdn_conv_decode_kernel, dict(
     x_ptr="*bf16", state_ptr="*bf16", slots_ptr="*i32", w_ptr="*bf16", mixed_ptr="*fp32"),
     dict(CHANNELS=8192, KERNEL=4, BLOCK_C=256, BLOCK_W=4), 4)
@@ -485,7 +510,7 @@ def test_kernels_compile_for_sm90_without_register_spills():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     usage = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(usage) == {"split_bf16", "split_fp32", "combine", "gdn_conv", "gdn_recurrent",
+    assert set(usage) == {"split_bf16", "split_fp32", "combine", "combine_gated", "gdn_conv", "gdn_recurrent",
                           "gdn_recurrent_project_ab"}
     for name, regs in usage.items():
         assert regs["STACK"] == 0, (name, regs)
