@@ -7,14 +7,16 @@ Shape legend: T tokens, K top-k, H hidden, I expert intermediate, S slots, R row
 Two modes of the one kernel (SUM_PAIRS), sharing one tile choice:
 - summed (the decode step, `out`): grid (T, cdiv(H, BLOCK_N)); a program owns BLOCK_N columns of one
   token, walks its K pairs in order k = 0..K-1 and writes out[t] = ((0 + y[t, 0]) + y[t, 1]) + ... cast
-  once, with y[t, k] = weights[t, k] * part rounded to fp32 before the add (mul.rn on the GPU: no FMA
+  once, with y[t, k] = weights[t, k] * part rounded to fp32 before the add (PTX mul.rn on the GPU: no FMA
   contraction), so it is bitwise moe_sum over the per-pair partials, in one launch instead of two.
 - per pair (`partials`): grid (T*K, cdiv(H, BLOCK_N)); one program per (pair, column tile) writes the
   weighted partial y[t, k] in fp32; the grouped and streamed paths fill them over several calls and
   moe_sum adds them in the same order.
-NOTE: both modes go through one autotuner whose key leaves the mode out, so they run the same tile (and
-so the same per-pair dot-product order): the summed result is bitwise the per-pair partials summed, which
-keeps outputs identical at any slot count (small pools take the partials path for prefill chunks).
+NOTE: both modes go through one autotuner and present it the same key (its shape keys, and the dtypes of
+all tensor arguments: each mode passes both `out` and `y`, a one-element stand-in for the one it does not
+write), so they run the same tile and so the same per-pair dot-product order: the summed result is
+bitwise the per-pair partials summed, which keeps outputs identical at any slot count (small pools take
+the partials path for prefill chunks).
 Deterministic, no atomics, independent of which slot holds an expert (only the slot's bytes are read).
 Graph-capturable: no host syncs, grid from shapes only.
 NOTE: small-M (decode) path; the large-M (prefill) path grouped by expert is moe_grouped_down.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels.packed_gemv import (
@@ -39,8 +40,17 @@ from adapters.kernels.packed_gemv import (
 )
 
 
+@triton.jit
+def _mul_rn(a, b):
+    """a * b rounded to fp32 on its own: PTX's mul.rn is never contracted into an FMA with a later add
+    (libdevice's mul_rn lowers to mul.rn.ftz, which would flush denormal products the per-pair mode keeps).
+    CUDA only; the interpreter multiplies in numpy, which never contracts."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
+def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, y_ptr, S,
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                      D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
                      W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, SUM_PAIRS: tl.constexpr,
@@ -60,10 +70,10 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
                                    FMT, GROUP, BLOCK_N, BLOCK_K)
                 wk = tl.load(weights_ptr + tk)
                 if MUL_RN:  # the product rounded on its own, as the per-pair mode stores it
-                    acc = acc + libdevice.mul_rn(tl.full([BLOCK_N], 0.0, tl.float32) + wk, part)
+                    acc = acc + _mul_rn(tl.full([BLOCK_N], 0.0, tl.float32) + wk, part)
                 else:
                     acc = acc + wk * part
-        tl.store(y_ptr + t.to(tl.int64) * H + n, acc.to(y_ptr.dtype.element_ty), mask=n < H)
+        tl.store(out_ptr + t.to(tl.int64) * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
     else:
         tk = tl.program_id(0)  # t * K + k
         slot = tl.load(slot_ids_ptr + tk)
@@ -122,8 +132,11 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
         return out if partials is None else partials
     c = layout_consts(layout)
     summed = partials is None
+    # one-element stand-ins for the output a mode does not write (same argument dtypes: see the NOTE above)
+    out_arg = out if summed else torch.empty(1, dtype=h.dtype, device=h.device)
+    y_arg = torch.empty(1, dtype=torch.float32, device=h.device) if summed else partials
     launch(_TUNED, _moe_down_kernel, tuned, tokens if summed else tokens * k, hidden, block_n, block_k, num_warps,
-           h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, out if summed else partials,
+           h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, out_arg, y_arg,
            slots.shape[0], K=k, H=hidden, I=inter, R=c.row_bytes,
            D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
            W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), SUM_PAIRS=summed, MUL_RN=slots.is_cuda)

@@ -239,7 +239,7 @@ for fmt in WeightFormat:
                          U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common))
     downs = [build(moe_down._moe_down_kernel,
                    {"h_ptr": "*bf16", "slot_ids_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8",
-                    "y_ptr": "*bf16" if summed else "*fp32"},
+                    "out_ptr": "*bf16", "y_ptr": "*fp32"},
                    dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
                         SUM_PAIRS=summed, MUL_RN=True, **common)) for summed in (False, True)]
     # the summed mode's weighted products must stay mul.rn (not contracted into an FMA with the sum)
