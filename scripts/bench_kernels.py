@@ -1,7 +1,7 @@
 """Decode kernels one by one on a CUDA device: device time per launch (CUDA-graph replays, so no
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
-    python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--variants scripts.scratch]
+    python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--variants scripts.scratch] [--only fusions]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -35,11 +35,11 @@ def bench_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
 
 
-def random_pool(layout) -> torch.Tensor:
+def random_pool(layout, device: str = "cuda") -> torch.Tensor:
     """uint8 [S, R]: fp8 data bytes kept finite (no 0x7f/0xff NaNs), scales set to 1/64."""
     from adapters.kernels.packed_gemv import layout_consts
 
-    pool = torch.randint(0, 0x7E, (SLOTS, layout.row_bytes), dtype=torch.uint8, device="cuda")
+    pool = torch.randint(0, 0x7E, (SLOTS, layout.row_bytes), dtype=torch.uint8, device=device)
     c = layout_consts(layout)
     for m in (c.gate, c.up, c.down):
         n_scales = -(-m.rows // 128) * -(-m.cols // 128)
@@ -161,11 +161,120 @@ def crossover_points() -> dict:
     return {"dense": dense, "moe": moe}
 
 
+def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=None, timer=None) -> list[dict]:
+    """Each decode-step fusion A/B on the same inputs: the fused kernel against the unfused sequence it
+    replaced (both replayed from CUDA graphs, so the saving shown is device time; launch gaps come on top
+    of the unfused side in the real step). Qwen3.6-35B-A3B shapes: H 2048, 256 experts, top-8 + shared,
+    GDN 16 key / 32 value heads of 128 (geo None), attention 16 query / 2 kv heads of 256 over 64 tokens. dev/experts/geo/timer (default _timed) let a CPU test
+    run the same code at tiny shapes in Triton's interpreter."""
+    import torch.nn.functional as F
+
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.cuda_exec.device_residency import DeviceResidency
+    from adapters.kernels.gdn_decode import gdn_decode_step
+    from adapters.kernels.moe_down import moe_down
+    from adapters.kernels.moe_gate_up import moe_gate_up
+    from adapters.kernels.moe_router import moe_router
+    from adapters.kernels.moe_sum import moe_sum
+    from adapters.kernels.paged_decode_attention import paged_decode_attention
+    from adapters.kernels.rms_norm import rms_norm
+    from adapters.kernels.rms_norm_router import rms_norm_router
+    from adapters.torch_exec.gated_deltanet import GdnGeometry, LinearStatePool
+    from domain.model_spec import WeightFormat
+
+    layers, routed = 40, TOP_K - 1
+    gen = torch.Generator(device=dev).manual_seed(2)
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
+    pool = random_pool(layout, dev)
+    router = torch.randn(experts, HIDDEN, device=dev, generator=gen) * 0.02
+    gate = (torch.randn(1, HIDDEN, device=dev, generator=gen) * 0.02).bfloat16()
+    norm_w = torch.randn(HIDDEN, device=dev, generator=gen).bfloat16()
+    geo = geo or GdnGeometry(16, 32, 128, 128, 4)
+    timer = timer or _timed
+    states = LinearStatePool(1, max(tokens), geo, torch.bfloat16, dev)
+    ab_w = (torch.randn(2 * geo.num_v_heads, HIDDEN, device=dev, generator=gen) * 0.02).bfloat16()
+    w_b, w_a = ab_w[:geo.num_v_heads], ab_w[geo.num_v_heads:]  # [Nv, H] each, as prepare_fast_path leaves them
+    conv_w = torch.randn(geo.conv_channels, 4, device=dev, generator=gen).bfloat16()
+    neg_a = -torch.rand(geo.num_v_heads, device=dev, generator=gen)
+    dt_bias = torch.randn(geo.num_v_heads, device=dev, generator=gen)
+    k_pool, v_pool = (torch.randn(64, 16, 2, 256, device=dev, generator=gen).bfloat16() for _ in range(2))
+    points = []
+    for t in tokens:
+        bf = lambda *shape: torch.randn(*shape, device=dev, generator=gen).bfloat16()  # noqa: E731
+        x, res = bf(t, HIDDEN), bf(t, HIDDEN)
+        row = {"tokens": t}
+
+        def norm_then_gemv(x=x, res=res):
+            _, _, h32 = rms_norm(x, norm_w, 1e-6, unit_offset=True, residual=res, fp32_copy=True)
+            return F.linear(h32, router)
+
+        row["norm_router_unfused_us"] = timer(norm_then_gemv)
+        row["norm_router_fused_us"] = timer(lambda x=x, res=res: rms_norm_router(x, res, norm_w, router, 1e-6,
+                                                                                 unit_offset=True))
+        # router + lookup: a residency holding every expert of the layer after the first call (all hits)
+        h, logits = bf(t, HIDDEN), torch.randn(t, experts, device=dev, generator=gen)
+        valid = torch.ones(t, dtype=torch.bool, device=dev)
+        unfused_res, fused_res = (DeviceResidency(SLOTS, layers, experts, dev) for _ in range(2))
+
+        def route_then_lookup(h=h, logits=logits, valid=valid, r=unfused_res):
+            w, ids = moe_router(h, router, routed, True, gate, logits=logits)
+            return w, r.lookup_layer(3, ids[:, :routed], valid, SLOTS + 3)
+
+        row["route_lookup_unfused_us"] = timer(route_then_lookup)
+        row["route_lookup_fused_us"] = timer(lambda h=h, logits=logits, valid=valid, r=fused_res: r.route_layer(
+            3, logits, h, routed, True, gate, valid, SLOTS + 3))
+        # down + the ordered top-k sum (9 pairs per token, distinct slots)
+        ids = torch.randperm(SLOTS, device=dev, generator=gen)[:t * TOP_K].view(t, TOP_K).to(torch.int32)
+        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
+        hk = moe_gate_up(bf(t, HIDDEN), ids, pool, layout)
+        y = torch.zeros(t, TOP_K, HIDDEN, device=dev)
+        out, out_unfused = (torch.empty(t, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(2))
+
+        def down_then_sum(hk=hk, ids=ids, weights=weights, y=y, out=out_unfused):
+            moe_down(hk, ids, weights, pool, layout, partials=y)
+            return moe_sum(y, out)
+
+        # NOTE: the summed mode first: the two modes share one autotuned tile, and the decode step's
+        # warm-up (DeviceExpertPool.tune) tunes it on the summed mode too
+        row["down_sum_fused_us"] = timer(lambda hk=hk, ids=ids, weights=weights, out=out: moe_down(
+            hk, ids, weights, pool, layout, out=out))
+        row["down_sum_unfused_us"] = timer(down_then_sum)
+        # GDN: the [64, 2048] bf16 a/b GEMV (cuBLAS) + the recurrence, or the recurrence projecting a/b
+        slots = torch.arange(t, dtype=torch.int32, device=dev)
+        qkv = bf(t, geo.conv_channels)
+
+        def ab_gemv_then_gdn(x=x, qkv=qkv, slots=slots):
+            b, a = torch.split(F.linear(x, ab_w), geo.num_v_heads, dim=-1)
+            return gdn_decode_step(qkv, a, b, states.conv[0], states.recurrent[0], slots, conv_w, neg_a, dt_bias, geo)
+
+        row["gdn_ab_unfused_us"] = timer(ab_gemv_then_gdn)
+        row["gdn_ab_fused_us"] = timer(lambda x=x, qkv=qkv, slots=slots: gdn_decode_step(
+            qkv, None, None, states.conv[0], states.recurrent[0], slots, conv_w, neg_a, dt_bias, geo,
+            project_ab=(x, w_a, w_b)))
+        # attention output gate: combine then the gate's copy, sigmoid and product, or inside the combine
+        pages = torch.randperm(64, device=dev, generator=gen)[:t * 4].view(t, 4).to(torch.int32)
+        lens = torch.full((t,), 4 * 16, dtype=torch.int32, device=dev)
+        q, qg = bf(t, 16, 256), bf(t, 16, 512)
+
+        def attend_then_gate(q=q, qg=qg, pages=pages, lens=lens):
+            out = paged_decode_attention(q, k_pool, v_pool, pages, lens, 256 ** -0.5)
+            return out.reshape(q.shape[0], -1) * torch.sigmoid(qg[:, :, 256:].reshape(q.shape[0], -1))
+
+        row["attn_gate_unfused_us"] = timer(attend_then_gate)
+        row["attn_gate_fused_us"] = timer(lambda q=q, qg=qg, pages=pages, lens=lens: paged_decode_attention(
+            q, k_pool, v_pool, pages, lens, 256 ** -0.5, gate=qg[:, :, 256:]).reshape(q.shape[0], -1))
+        points.append(row)
+        print(row, flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
+    p.add_argument("--only", choices=("fusions",), default=None,
+                   help="fusions: only the fused-vs-unfused decode kernels (about 20 s)")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -176,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         moe_mods["v0"] = (v("moe_gate_up_v0"), v("moe_down_v0"))
         dense_mods["v0"] = v("dense_gemv_v0")
     record = {"kind": "bench_kernels", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "hardware": hardware_profile("cuda"), "args": vars(args),
-              "moe": moe_points(moe_mods, args.tokens), "dense": dense_points(dense_mods),
-              "crossover": crossover_points()}
+              "hardware": hardware_profile("cuda"), "args": vars(args), "fusions": fusion_points(args.tokens)}
+    if args.only is None:
+        record.update(moe=moe_points(moe_mods, args.tokens), dense=dense_points(dense_mods),
+                      crossover=crossover_points())
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_kernels.json").write_text(json.dumps(record, indent=1, default=str))
     return 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.kernels.moe_route_lookup import moe_route_lookup
 from adapters.kernels.residency_lookup import layer_lookup
 from domain.residency import Lookup, ResidencyExhausted
 
@@ -150,6 +151,17 @@ class DeviceResidency:
                      self.key_of_slot, self.stamp, self.clock, self._counters, fill_keys, fill_slots, slot_ids,
                      self.num_slots, shared_slot)
         return fill_keys, fill_slots, slot_ids
+
+    def route_layer(self, layer: int, logits: torch.Tensor, x: torch.Tensor, top_k: int, renormalize: bool,
+                    gate_weight: torch.Tensor | None, valid: torch.Tensor, shared_slot: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode step's routing and lookup in one launch (moe_route_lookup): router logits fp32 [T, E]
+        -> (weights fp32 [T, K(+1 with gate_weight)], slot_ids int32 [T, K(+1 with shared_slot)],
+        fill_keys int64 [T*K], fill_slots int64 [T*K]), making lookup_layer's decisions for the top-k ids.
+        Needs moe_route_lookup.fits(T, E, K, S) and no pinned keys."""
+        return moe_route_lookup(logits, x, top_k, renormalize, gate_weight, valid, layer * self.num_experts,
+                                self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
+                                self.num_slots, shared_slot)
 
     def release_all(self) -> None:
         self.pinned.zero_()

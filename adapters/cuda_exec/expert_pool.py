@@ -19,6 +19,7 @@ from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
+from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.residency_lookup import MAX_KEYS
 
@@ -183,6 +184,30 @@ class DeviceExpertPool:
             none = self._with_shared(layer, skip.expand(-1, ids.shape[1]).contiguous(), True)
             self._experts(ids.numel(), x, none, weights, partials)
         return moe_sum(partials, torch.empty_like(x))
+
+    def can_route(self, rows: int, top_k: int) -> bool:
+        """Whether `routed_logits` takes `rows` rows: the one-launch router + lookup fits (decode buckets)."""
+        return route_lookup_fits(rows, self.bank.num_experts, top_k, self.num_slots)
+
+    def routed_logits(self, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                      gate_weight: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`routed` for the decode step, straight from the router's logits fp32 [T, E]: softmax, top-k,
+        renormalisation, the shared gate (gate_weight [1, H]: the layer's resident shared expert, weighed
+        by sigmoid(x . g)) and the layer's residency decision in one launch (moe_route_lookup), then the
+        miss gather and the fused experts. Same routing as moe_router, same decisions as `routed`'s
+        one-launch lookup. Needs can_route(T, K); gate_weight needs shared rows. Returns [T, H]."""
+        if not self.can_route(x.shape[0], top_k):
+            raise ValueError(f"{x.shape[0]} rows x top-{top_k} do not fit one routing launch over "
+                             f"{self.num_slots} slots")
+        if gate_weight is not None and not self.has_shared:
+            raise ValueError("this pool holds no shared experts")
+        if valid is None:
+            valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        weights, slot_ids, fill_keys, fill_slots = self.residency.route_layer(
+            layer, logits, x, top_k, renormalize, gate_weight, valid,
+            None if gate_weight is None else self.num_slots + layer)
+        gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
+        return self._experts(x.shape[0] * top_k, x, slot_ids, weights)
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager

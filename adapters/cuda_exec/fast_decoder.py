@@ -27,6 +27,7 @@ from adapters.kernels.moe_router import moe_router
 from adapters.kernels.paged_decode_attention import paged_decode_attention
 from adapters.kernels.qk_norm_rope import qk_norm_rope
 from adapters.kernels.rms_norm import rms_norm as fused_norm
+from adapters.kernels.rms_norm_router import rms_norm_router as norm_router
 from adapters.torch_exec.decoder import MoeDecoder
 from adapters.torch_exec.full_attention import FullAttention
 from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
@@ -89,6 +90,16 @@ class FastDecoder(MoeDecoder):
         act = F.silu(self._linear(h, w[prefix + "shared_expert.gate_proj.weight"])) * up
         return out + weights[:, k:].to(h.dtype) * self._linear(act, w[prefix + "shared_expert.down_proj.weight"])
 
+    def _fused_routing(self, i: int, rows: int, experts: DeviceExpertPool) -> bool:
+        """Whether layer i's decode MoE enters through the fused kernels (rms_norm_router, then
+        moe_route_lookup inside routed_logits): an fp32 router, no routing replay (it rewrites the ids
+        between the router and the lookup), the shared expert resident in the pool or absent, and a bucket
+        whose lookup fits one launch. Otherwise the unfused path (_moe) runs, with the same decisions."""
+        router = self.w[f"layers.{i}.mlp.gate.weight"]
+        return (not isinstance(router, QTensor) and router.dtype == torch.float32 and self.replay_ids is None
+                and (experts.has_shared or not self.opts.shared_expert)
+                and experts.can_route(rows, self.opts.top_k))
+
     def _router_reads_fp32(self, i: int, h: torch.Tensor) -> bool:
         router = self.w[f"layers.{i}.mlp.gate.weight"]
         return not isinstance(router, QTensor) and router.dtype == torch.float32 and h.dtype != torch.float32
@@ -128,11 +139,19 @@ class FastDecoder(MoeDecoder):
             else:
                 h = self._gdn_decode(i, mixer, h, buf.state_slots, state, self.linear_layers.index(i))
             norm_w = w[f"layers.{i}.post_attention_layernorm.weight"]
-            if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
-                x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)
+            if self._fused_routing(i, h.shape[0], experts):
+                # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
+                # softmax/top-k/shared gate + the layer's residency decision (docs/fast-decode.md)
+                x, h, logits = norm_router(x, h, norm_w, w[f"layers.{i}.mlp.gate.weight"], eps, unit_offset=unit)
+                gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
+                delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
+                                              buf.valid)
             else:
-                (x, h), h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h), None
-            delta = self._moe(i, h, experts, buf.valid, h32)
+                if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
+                    x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)
+                else:
+                    (x, h), h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h), None
+                delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
         logits = self._linear(h, self.lm_head).float()  # [B, V]
@@ -145,9 +164,8 @@ class FastDecoder(MoeDecoder):
             self._projections(i, mixer, x, "qkv", ("q_proj", "k_proj", "v_proj")), ("q_proj", "k_proj", "v_proj"),
             strict=True))
         gate = None
-        if geo.output_gate:
+        if geo.output_gate:  # the gate stays a strided view: the attention's combine step applies it
             q, gate = torch.chunk(q.reshape(rows, geo.num_heads, 2 * geo.head_dim), 2, dim=-1)  # [B, N, D] x2
-            gate = gate.reshape(rows, -1)  # [B, N*D]
         q = q.reshape(rows, geo.num_heads, geo.head_dim)
         k = k.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
         v = v.reshape(rows, geo.num_kv_heads, geo.head_dim)  # [B, M, D]
@@ -156,10 +174,8 @@ class FastDecoder(MoeDecoder):
         q = qk_norm_rope(q, k, v, mixer.w["q_norm.weight"], mixer.w["k_norm.weight"], geo.eps,
                          geo.unit_offset_norm, *cos_sin, kv.k[layer], kv.v[layer], buf.kv_rows)  # [B, N, D]
         out = paged_decode_attention(q, kv.k[layer], kv.v[layer], buf.page_table, buf.seq_lens,
-                                     geo.head_dim ** -0.5)  # [B, N, D]
+                                     geo.head_dim ** -0.5, gate=gate)  # [B, N, D], gated
         out = out.reshape(rows, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
         return _biased(self._linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
     # ---- prefill and mixed steps (eager): the prefill kernels, span by span -----------------------------
@@ -193,9 +209,14 @@ class FastDecoder(MoeDecoder):
         geo, w = mixer.geo, mixer.w
         qkv, z = self._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z"))  # [B, C], [B, Nv*Dv]
         z = z.reshape(-1, geo.num_v_heads, geo.v_head_dim)  # [B, Nv, Dv]
-        b, a = self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a"))  # [B, Nv] each
+        ab = ({"project_ab": (x, w["in_proj_a.weight"], w["in_proj_b.weight"])} if _projects_ab(mixer, x.dtype)
+              else None)
+        if ab is None:  # quantized a/b: their GEMV (stacked), then the recurrence
+            b, a = self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a"))  # [B, Nv] each
+        else:  # NOTE: float a/b (the FP8 checkpoints keep them bf16): the recurrence projects them, no GEMV
+            a = b = None
         core = gdn_decode_step(qkv, a, b, state.conv[layer], state.recurrent[layer], state_slots,
-                               mixer.conv_weight_2d, mixer.neg_a, mixer.dt_bias, geo)  # [B, Nv, Dv] fp32
+                               mixer.conv_weight_2d, mixer.neg_a, mixer.dt_bias, geo, **(ab or {}))  # [B, Nv, Dv] fp32
         normed = fused_gated_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [B, Nv, Dv]
         return self._linear(normed.reshape(x.shape[0], -1), w["out_proj.weight"])  # [B, H]
 
@@ -207,7 +228,9 @@ class FastDecoder(MoeDecoder):
         for i, mixer in enumerate(self.mixers):
             if isinstance(mixer, GatedDeltaNet):
                 mixer.conv_weight_2d = mixer.w["conv1d.weight"][:, 0, :].contiguous()  # [C, W]
-                groups = {"qkvz": ("in_proj_qkv", "in_proj_z"), "ab": ("in_proj_b", "in_proj_a")}
+                groups = {"qkvz": ("in_proj_qkv", "in_proj_z")}
+                if not _projects_ab(mixer, self.dtype):  # float a/b are projected inside the recurrence kernel
+                    groups["ab"] = ("in_proj_b", "in_proj_a")
                 prefix = f"layers.{i}.linear_attn."
             else:
                 if any(b is not None for b in mixer.bias.values()):
@@ -241,6 +264,13 @@ class _Rows(NamedTuple):
     seq_lens: torch.Tensor  # [B] int32
     kv_rows: torch.Tensor  # [B] int64
     state_slots: torch.Tensor  # [B] int32
+
+
+def _projects_ab(mixer: GatedDeltaNet, dtype: torch.dtype) -> bool:
+    """Whether gdn_decode_step computes this layer's a/b itself: plain float weights with unit column
+    stride, in the activations' dtype or fp32; quantized ones keep their (stacked) GEMV."""
+    ws = [mixer.w["in_proj_a.weight"], mixer.w["in_proj_b.weight"]]
+    return all(not isinstance(w, QTensor) and w.dtype in (dtype, torch.float32) and w.stride(-1) == 1 for w in ws)
 
 
 def _rows(w: torch.Tensor | QTensor) -> int:

@@ -119,7 +119,7 @@ def _require(cond: bool, msg: str) -> None:
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, *, block_n: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one token per row over its paged context.
 
     q [B, N, D] (bf16/fp16/fp32); k_pool, v_pool [P, G, M, D] in q's dtype (one layer's pool view, any
@@ -128,7 +128,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     token, 0 for a padded row (its output is zeros). Kv head m serves query heads m*g .. m*g+g-1.
     scale: softmax scale (usually D**-0.5). num_splits: static KV splits (default: default_num_splits).
     block_n: tokens per inner step (default: launch_config). out: optional [B, N, D] buffer in
-    q's dtype (for CUDA graphs). Returns out [B, N, D] in q's dtype; softmax and accumulation in fp32.
+    q's dtype (for CUDA graphs). gate: optional [B, N, D] in q's dtype (any strides): the sigmoid output
+    gate, applied by the combine step (see paged_decode_combine). Returns out [B, N, D] in q's dtype;
+    softmax and accumulation in fp32.
     Page ids must lie in [0, P) and seq_len <= W*G (longer lengths are clamped to W*G); neither is checked
     on the device (no host sync). Raises ValueError on mismatched shapes, dtypes or devices.
     """
@@ -179,4 +181,4 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
     )
-    return paged_decode_combine(part_o, part_lse, out)
+    return paged_decode_combine(part_o, part_lse, out, gate)

@@ -28,18 +28,20 @@ MAX_KEYS = 256
 
 
 @triton.jit
-def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
-                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, shared_slot, stride_ids, K: tl.constexpr,
-                         KO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
-    offs = tl.arange(0, BLOCK_N)
-    in_range = offs < n
-    row_valid = tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0
-    ids = tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=in_range, other=0)  # a [T, K] view
-    valid = in_range & row_valid
-    key = tl.where(valid, ids + base, -1)  # [BN]
+def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr, fill_keys_ptr,
+                fill_slots_ptr, S, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The layer's residency decision for the flat keys `key` [BN] (lanes with valid False are -1 and route
+    nowhere), at positions `offs` [BN] (distinct, increasing: the request order, which only decides which
+    of two equal keys counts as the first); n: the length of the fill lists (>= the keys). A device
+    function shared by the lookup kernel below and the fused router (moe_route_lookup.py), so both make
+    the same decisions by construction. Returns every lane's slot after the lookup [BN] (-1 where not valid).
+    """
     # pairwise: first occurrences (distinct), rank among distinct keys in ascending order
-    key_i = key[:, None]
-    key_j = key[None, :]
+    # NOTE: compared as int32 (flat keys are < L*E, far below 2^31): the [BN, BN] tiles are the register
+    # peak of this code, half the size of int64 ones (no spills at 128 lanes with the fused router)
+    key32 = key.to(tl.int32)
+    key_i = key32[:, None]
+    key_j = key32[None, :]
     earlier = offs[None, :] < offs[:, None]
     valid_j = valid[None, :]
     dup = tl.sum((valid_j & (key_j == key_i) & earlier).to(tl.int32), axis=1) > 0
@@ -56,8 +58,9 @@ def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr,
     clock = tl.load(clock_ptr)
     # 1. hits become most recently used (in ascending key order)
     tl.store(stamp_ptr + slot_before, clock + rank, mask=hit)
-    tl.store(fill_keys_ptr + offs, tl.full((BLOCK_N,), -1, tl.int64), mask=in_range)
-    tl.store(fill_slots_ptr + offs, tl.full((BLOCK_N,), -1, tl.int64), mask=in_range)
+    fills = tl.arange(0, BLOCK_N)
+    tl.store(fill_keys_ptr + fills, tl.full((BLOCK_N,), -1, tl.int64), mask=fills < n)
+    tl.store(fill_slots_ptr + fills, tl.full((BLOCK_N,), -1, tl.int64), mask=fills < n)
     tl.debug_barrier()
     # 2. each miss takes the slot with the smallest stamp
     evictions = n_miss * 0
@@ -86,18 +89,32 @@ def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr,
         tl.store(fill_keys_ptr + m, key_m)
         tl.store(fill_slots_ptr + m, victim)
         tl.debug_barrier()
-    # 3. every entry's slot (duplicates and padding included), the clock and the counters
-    slot_after = tl.load(slot_of_ptr + key, mask=valid, other=-1)
-    tl.store(slot_ids_ptr + (offs // K) * KO + offs % K, slot_after.to(tl.int32), mask=in_range)
-    if KO > K:  # the layer's resident shared expert as top-k column K, for valid rows only
-        rows_ok = offs < n // K
-        live = tl.load(valid_ptr + offs, mask=rows_ok, other=0) != 0
-        tl.store(slot_ids_ptr + offs * KO + K, tl.where(live, shared_slot, -1).to(tl.int32), mask=rows_ok)
+    # 3. the clock and the counters; every lane's slot (duplicates and padding included)
     tl.store(clock_ptr, clock + n_distinct)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     tl.store(counters_ptr, tl.load(counters_ptr) + n_hit)
     tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_miss)
     tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + evictions)
+    return tl.load(slot_of_ptr + key, mask=valid, other=-1)
+
+
+@triton.jit
+def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
+                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, shared_slot, stride_ids, K: tl.constexpr,
+                         KO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    offs = tl.arange(0, BLOCK_N)
+    in_range = offs < n
+    row_valid = tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0
+    ids = tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=in_range, other=0)  # a [T, K] view
+    valid = in_range & row_valid
+    key = tl.where(valid, ids + base, -1)  # [BN]
+    slot_after = lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
+                             fill_keys_ptr, fill_slots_ptr, S, BLOCK_N, BLOCK_S)
+    tl.store(slot_ids_ptr + (offs // K) * KO + offs % K, slot_after.to(tl.int32), mask=in_range)
+    if KO > K:  # the layer's resident shared expert as top-k column K, for valid rows only
+        rows_ok = offs < n // K
+        live = tl.load(valid_ptr + offs, mask=rows_ok, other=0) != 0
+        tl.store(slot_ids_ptr + offs * KO + K, tl.where(live, shared_slot, -1).to(tl.int32), mask=rows_ok)
 
 
 def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
@@ -122,6 +139,7 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
     assert n <= num_slots, f"{n} keys cannot all be resident in {num_slots} slots"
     assert n <= MAX_KEYS, f"{n} keys: the one-program lookup is for decode steps (<= {MAX_KEYS} keys)"
     assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
+    assert slot_of_key.numel() <= 2**31, "flat keys are compared as int32 (lookup_keys)"
     if n == 0:
         return
     block_n = max(16, triton.next_power_of_2(n))

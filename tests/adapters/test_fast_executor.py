@@ -108,6 +108,45 @@ def test_padded_rows_route_nowhere_and_do_not_change_real_rows(ckpt):
     assert torch.isfinite(padded[0]).all()
 
 
+def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch):
+    """A decode step enters every MoE layer through rms_norm_router + moe_route_lookup (no moe_router, no
+    separate lookup launch) when the shared expert is resident in the pool (its shape is a routed
+    expert's), else through moe_router + the lookup kernel; every Gated DeltaNet layer projects a/b inside
+    the recurrence (no a/b GEMV); attention applies its output gate in the combine step. The parity tests
+    above hold these paths to the reference."""
+    import adapters.cuda_exec.fast_decoder as fd
+    from adapters.cuda_exec.device_residency import DeviceResidency
+
+    fast = _fast(ckpt, ckpt.spec.num_layers * ckpt.spec.num_experts, use_graphs=False)
+    seq = Sequence("p", PROMPTS[0], pages_for(0, 16), state_slot=0)
+    run_requests(fast, [seq], 1, chunk=8)  # prefill (its own paths)
+    calls: dict[str, int] = {}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            key = name + "".join(f"+{kw}" for kw in ("project_ab", "gate") if kwargs.get(kw) is not None)
+            calls[key] = calls.get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(DeviceResidency, "route_layer", count("route_layer", DeviceResidency.route_layer))
+    monkeypatch.setattr(DeviceResidency, "lookup_layer", count("lookup_layer", DeviceResidency.lookup_layer))
+    for name in ("moe_router", "norm_router", "gdn_decode_step", "paged_decode_attention"):
+        monkeypatch.setattr(fd, name, count(name, getattr(fd, name)))
+    fast.inputs.stage([seq.next_work(1)], has_state=True)
+    with torch.inference_mode():
+        fast.model.decode_step(fast.inputs.view(2), fast.kv, fast.state, fast.experts)
+    layers, linear = ckpt.spec.num_layers, len(fast.model.linear_layers)
+    spec = ckpt.spec
+    assert fast.experts.has_shared == (spec.shared_expert_intermediate == spec.expert_intermediate)
+    moe = ({"route_layer": layers, "norm_router": layers} if fast.experts.has_shared
+           else {"moe_router": layers, "lookup_layer": layers})
+    full = layers - linear
+    attention = {"paged_decode_attention" + ("+gate" if fast.model.opts.attention.output_gate else ""): full}
+    assert calls == {**moe, **({"gdn_decode_step+project_ab": linear} if linear else {}), **attention}
+    fast.check_valid()
+
+
 def test_sampled_decoding_draws_the_reference_executors_tokens(ckpt):
     """Non-greedy rows are drawn on the device for the whole step (Sampler.sample_batch after the graph);
     the reference executor draws each row alone with the same keys: same tokens, seeded or not, and a

@@ -93,6 +93,30 @@ def test_paged_attention_matches_reference(heads, kv_heads, head_dim, page_size)
             assert rel_err(got[row], ref[row]) < 1e-5, (row, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_applies_the_output_gate_in_its_combine(dtype):
+    """gate= (the decode step's Qwen3.5 output gate, a strided half of the q projection): bitwise the ungated
+    output times sigmoid(gate) as the reference's torch ops compute it in the model dtype (fp32: up to the
+    sigmoid's last bit); a padded row stays zeros."""
+    lens = [21, 0, 6]
+    q, kv, table, seq_lens = make_paged_case(lens, 4, 2, 16, 4, width=8, dtype=dtype, seed=3)
+    qg = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(4)).to(dtype=dtype, device=q.device)
+    gate = qg[:, :, 16:]  # [B, N, D] view with stride 32 between heads, as torch.chunk leaves it
+    plain = paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, num_splits=2, block_n=16)
+    gated = paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, num_splits=2, block_n=16, gate=gate)
+    want = plain * torch.sigmoid(gate)
+    if dtype == torch.float32:
+        assert rel_err(gated, want) < 1e-6
+    else:  # NOTE: the interpreter truncates fp32 -> bf16 where torch rounds (the sigmoid and the product):
+        # within 2 bf16 ulps (2^-7 relative each)
+        assert ((gated.float() - want.float()).abs() <= 2 * want.float().abs() * 2.0 ** -7).all()
+        if torch.cuda.is_available():
+            assert torch.equal(gated, want)
+    assert torch.equal(gated[1], torch.zeros_like(gated[1]))
+    with pytest.raises(ValueError, match="gate"):
+        paged_decode_attention(q, kv.k[0], kv.v[0], table, seq_lens, 0.25, gate=gate[:, :2])
+
+
 def test_paged_attention_split_count_does_not_change_the_result():
     lens = [45, 9]
     q, kv, table, seq_lens = make_paged_case(lens, 4, 1, 16, 4, width=12, dtype=torch.float32, seed=1)
@@ -249,6 +273,39 @@ def test_gdn_step_bf16_model_dtype():
     gdn._output = lambda c, z, dtype: captured.setdefault("core", c)  # the reference core, before the norm
     gdn.forward_decode(x, ref_pool, 0, slots.long())
     assert rel_err(core, captured["core"]) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_step_projects_a_and_b_itself(dtype):
+    """project_ab (the decode step's path for float a/b weights): the recurrence computes a and b from x and
+    the two [Nv, H] weights; the same core and states as with the GEMV outputs handed in (fp32: dot order
+    only; bf16: both round a and b to bf16, the interpreter by truncation), padded rows untouched."""
+    geo, block_v = GEOMETRIES["gqa"]
+    gdn, gen = make_gdn(geo, hidden=40, dtype=dtype, seed=5)
+    w = gdn.w
+    pools = [make_pool(geo, 4, dtype, torch.Generator().manual_seed(9)) for _ in range(2)]
+    slots = torch.tensor([3, -1, 1], dtype=torch.int32, device=DEVICE)
+    for _step in range(2):
+        x = torch.randn(3, 40, generator=gen).to(dtype=dtype, device=DEVICE)
+        x[1] = float("nan")  # a padded row
+        want = kernel_step(gdn, x, pools[0], slots, block_v=block_v)
+        got = gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), None, None, pools[1].conv[0], pools[1].recurrent[0],
+                              slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo, block_v=block_v,
+                              project_ab=(x, w["in_proj_a.weight"], w["in_proj_b.weight"]))
+        bound = 1e-6 if dtype == torch.float32 else 1e-2
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+        assert rel_err(got, want) < bound
+        assert torch.equal(pools[1].conv, pools[0].conv)
+        assert rel_err(pools[1].recurrent, pools[0].recurrent) < bound
+        assert torch.equal(pools[1].recurrent[0, 0], pools[0].recurrent[0, 0])  # no row's slot: untouched
+    with pytest.raises(ValueError, match="not both"):
+        gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), want, None, pools[1].conv[0], pools[1].recurrent[0],
+                        slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo,
+                        project_ab=(x, w["in_proj_a.weight"], w["in_proj_b.weight"]))
+    with pytest.raises(ValueError, match="in_proj_a"):
+        gdn_decode_step(linear(x, w["in_proj_qkv.weight"]), None, None, pools[1].conv[0], pools[1].recurrent[0],
+                        slots, w["conv1d.weight"][:, 0, :], gdn.neg_a, gdn.dt_bias, geo,
+                        project_ab=(x, w["in_proj_a.weight"][:, :8], w["in_proj_b.weight"]))
 
 
 def test_gdn_conv_decode_writes_each_channel_once_and_skips_padded_rows():
@@ -421,16 +478,19 @@ for dt, tdt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         part_o_ptr="*fp32", part_lse_ptr="*fp32"), dict(
         GROUP=8, HEAD_DIM=256, PAGE_SIZE=16, MAX_PAGES=16384, NUM_SPLITS=64, BLOCK_H=16, BLOCK_D=256,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"), warps)
-out["combine"] = usage(comb._paged_decode_combine_kernel, dict(
-    part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16"),
-    dict(NUM_SPLITS=64, HEAD_DIM=256, BLOCK_S=64, BLOCK_D=64), 4)
+for gated in (False, True):
+    out["combine" + ("_gated" if gated else "")] = usage(comb._paged_decode_combine_kernel, dict(
+        part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", gate_ptr="*bf16"),
+        dict(NUM_SPLITS=64, HEAD_DIM=256, BLOCK_S=64, BLOCK_D=64, HAS_GATE=gated), 4)
 out["gdn_conv"] = usage(conv._gdn_conv_decode_kernel, dict(
     x_ptr="*bf16", state_ptr="*bf16", slots_ptr="*i32", w_ptr="*bf16", mixed_ptr="*fp32"),
     dict(CHANNELS=8192, KERNEL=4, BLOCK_C=256, BLOCK_W=4), 4)
-out["gdn_recurrent"] = usage(gdn._gdn_recurrent_decode_kernel, dict(
-    mixed_ptr="*fp32", a_ptr="*bf16", b_ptr="*bf16", state_ptr="*fp32", slots_ptr="*i32", neg_a_ptr="*fp32",
-    dt_bias_ptr="*fp32", core_ptr="*fp32"),
-    dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32), 4)
+for project in (False, True):  # a/b handed in, or projected from x by the kernel (project_ab)
+    out["gdn_recurrent" + ("_project_ab" if project else "")] = usage(gdn._gdn_recurrent_decode_kernel, dict(
+        mixed_ptr="*fp32", a_ptr="*bf16", b_ptr="*bf16", state_ptr="*fp32", slots_ptr="*i32", neg_a_ptr="*fp32",
+        dt_bias_ptr="*fp32", core_ptr="*fp32", x_ptr="*bf16", H="i32"),
+        dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, PROJECT_AB=project,
+             ROUND_AB=project, BLOCK_H=1024), 4)
 print(json.dumps(out))
 """
 
@@ -450,6 +510,7 @@ def test_kernels_compile_for_sm90_without_register_spills():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     usage = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(usage) == {"split_bf16", "split_fp32", "combine", "gdn_conv", "gdn_recurrent"}
+    assert set(usage) == {"split_bf16", "split_fp32", "combine", "combine_gated", "gdn_conv", "gdn_recurrent",
+                          "gdn_recurrent_project_ab"}
     for name, regs in usage.items():
         assert regs["STACK"] == 0, (name, regs)

@@ -11,7 +11,7 @@ _COMPILE_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from adapters.kernels import dense_gemv, moe_router, residency_lookup, rms_norm
+from adapters.kernels import dense_gemv, moe_route_lookup, moe_router, residency_lookup, rms_norm, rms_norm_router
 
 def build(kernel, sig, consts):
     sig = {**sig, **{k: "constexpr" for k in consts}}
@@ -28,6 +28,19 @@ build(residency_lookup._layer_lookup_kernel,
        "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
        "slot_ids_ptr": "*i32", "n": "i32", "base": "i32", "S": "i32", "shared_slot": "i32", "stride_ids": "i32"},
       dict(K=8, KO=9, BLOCK_N=16, BLOCK_S=1024))
+for block_t, block_e in ((1, 256), (16, 256), (8, 512)):  # decode buckets 1 to 16 at E = 256, 8 at E = 512
+    build(moe_route_lookup._moe_route_lookup_kernel,
+          {"logits_ptr": "*fp32", "x_ptr": "*bf16", "g_ptr": "*bf16", "valid_ptr": "*i1", "wout_ptr": "*fp32",
+           "slot_ids_ptr": "*i32", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
+           "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
+           "T": "i32", "E": "i32", "H": "i32", "stride_l": "i32", "stride_x": "i32", "base": "i32", "S": "i32",
+           "shared_slot": "i32"},
+          dict(K=8, KO=9, KS=9, HAS_GATE=True, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t, BLOCK_E=block_e,
+               BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=1024))
+build(rms_norm_router._rms_norm_router_kernel,
+      {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*fp32", "sum_ptr": "*bf16",
+       "out_ptr": "*bf16", "logits_ptr": "*fp32", "D": "i32", "E": "i32", "eps": "fp32"},
+      dict(UNIT_OFFSET=True, BLOCK_D=2048, BLOCK_E=4, BLOCK_H=512))
 build(rms_norm._rms_norm_kernel,
       {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
        "out32_ptr": "*fp32", "D": "i32", "eps": "fp32"},

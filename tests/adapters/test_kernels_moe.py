@@ -141,6 +141,28 @@ def test_output_is_bitwise_identical_whichever_slot_holds_an_expert(fmt):
     assert torch.equal(fused_moe(x, remapped, weights, moved, layout), out)
 
 
+@pytest.mark.parametrize(("fmt", "dtype"), [(F_.FP8_BLOCK, torch.bfloat16), (F_.NVFP4, torch.float32),
+                                             (F_.BF16, torch.float32)])
+def test_summed_down_is_bitwise_the_partials_then_moe_sum(fmt, dtype):
+    """The decode path's one-launch down + sum against the per-pair partials plus moe_sum (the grouped and
+    streamed paths, and the unfused decode path before): identical bits, skipped pairs and padded rows
+    included, so a layer gives the same output whichever path a pool size sends it down."""
+    from adapters.kernels.moe_sum import moe_sum
+
+    layout, slots, where = make_pool(fmt, 256, 128, experts=5, num_slots=7, seed=21)
+    x, slot_ids, weights = make_batch(3, 3, where, seed=22, hidden=256, dtype=dtype)
+    slot_ids[2] = -1  # a padded row: every pair skipped
+    h = moe_gate_up(x, slot_ids, slots, layout)
+    partials = torch.zeros(3, 3, layout.hidden, dtype=torch.float32, device=DEVICE)
+    moe_down(h, slot_ids, weights, slots, layout, partials=partials)
+    want = moe_sum(partials, torch.empty_like(x))
+    out = torch.full_like(x, float("nan"))
+    assert moe_down(h, slot_ids, weights, slots, layout, out=out) is out
+    assert torch.equal(out, want)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert rel_err(out, reference(x, slot_ids, weights, slots, layout, round_h=dtype)[1]) < 8e-3
+
+
 @pytest.fixture(scope="module")
 def small():
     layout, slots, where = make_pool(F_.FP8_BLOCK, 256, 128, experts=2, num_slots=2, seed=11)
@@ -215,12 +237,15 @@ for fmt in WeightFormat:
                     {"x_ptr": "*bf16", "slot_ids_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*bf16"},
                     dict(G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
                          U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common))
-    down = build(moe_down._moe_down_kernel,
-                 {"h_ptr": "*bf16", "slot_ids_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8",
-                  "y_ptr": "*fp32"},
-                 dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
-                      WRITE_SKIPPED=True, **common))
-    print(fmt.value, len(re.findall(r"ld\\.global\\.v4", gate_up)), len(re.findall(r"ld\\.global\\.v4", down)))
+    downs = [build(moe_down._moe_down_kernel,
+                   {"h_ptr": "*bf16", "slot_ids_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8",
+                    "out_ptr": "*bf16", "y_ptr": "*fp32"},
+                   dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
+                        SUM_PAIRS=summed, MUL_RN=True, **common)) for summed in (False, True)]
+    # the summed mode's weighted products must stay mul.rn (not contracted into an FMA with the sum)
+    assert "mul.rn.f32" in downs[1], fmt
+    print(fmt.value, len(re.findall(r"ld\\.global\\.v4", gate_up)),
+          *(len(re.findall(r"ld\\.global\\.v4", d)) for d in downs))
 """
 
 
@@ -231,8 +256,9 @@ def test_kernels_compile_for_sm90_with_16_byte_weight_loads():
     stdout = build_for_sm90(_COMPILE_CHECK, timeout=300)
     loads = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in stdout.splitlines()}
     assert set(loads) == {f.value for f in F_}
-    for fmt, (gate_up, down) in loads.items():
-        assert gate_up >= 2 and down >= 1, f"{fmt}: weight tiles not read with 16-byte loads ({loads[fmt]})"
+    for fmt, (gate_up, down, down_summed) in loads.items():
+        assert gate_up >= 2 and min(down, down_summed) >= 1, \
+            f"{fmt}: weight tiles not read with 16-byte loads ({loads[fmt]})"
 
 
 # ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8) ------------------------
@@ -248,4 +274,12 @@ def test_real_geometry_on_gpu(fmt, tokens):
     assert rel_err(h, h_ref) < 1e-4 and rel_err(out, out_ref) < 1e-4  # fp32, no TF32 (tl.sum, not tl.dot)
     xb = x.bfloat16()
     _, out_ref_b = reference(xb, slot_ids, weights, slots, layout, round_h=torch.bfloat16)
-    assert rel_err(fused_moe(xb, slot_ids, weights, slots, layout), out_ref_b) < 8e-3
+    out_b = fused_moe(xb, slot_ids, weights, slots, layout)  # autotuned tiles, the summing down first
+    assert rel_err(out_b, out_ref_b) < 8e-3
+    # the partials path (grouped/streamed prefill) runs the same tuned tile: the same bits once summed
+    from adapters.kernels.moe_sum import moe_sum
+
+    hb = moe_gate_up(xb, slot_ids, slots, layout)
+    partials = torch.zeros(tokens, 8, layout.hidden, device="cuda")
+    moe_down(hb, slot_ids, weights, slots, layout, partials=partials)
+    assert torch.equal(moe_sum(partials, torch.empty_like(xb)), out_b)

@@ -1,0 +1,149 @@
+"""The fused MoE entry kernels against the unfused sequences they replace (Triton's interpreter on the CPU,
+compiled on a GPU):
+- rms_norm_router (norm + router GEMV) against rms_norm then F.linear on the norm's fp32 copy;
+- moe_route_lookup (router from logits + the layer's LRU lookup) against moe_router then
+  DeviceResidency.lookup_layer on a twin residency: the same weights, slot ids, miss lists and, bit for
+  bit, the same tables, stamps, clock and counters after every layer (lookup_layer itself is held to the
+  domain LRU in test_device_residency.py; the hit/miss counts are checked against it here as well).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.kernels.moe_route_lookup import MAX_TILE, fits, moe_route_lookup
+from adapters.kernels.moe_router import moe_router
+from adapters.kernels.rms_norm import rms_norm
+from adapters.kernels.rms_norm_router import rms_norm_router
+from domain.residency import ExpertResidency
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("unit_offset", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_router_matches_the_norm_then_the_router_gemv(unit_offset, dtype):
+    gen = torch.Generator().manual_seed(3)
+    t, d, e = 3, 80, 20  # D not a power of two (masked tail), E over several e-blocks with a ragged last one
+    x = torch.randn(t, d, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(t, d, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(d, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    router = (torch.randn(e, d, generator=gen) * 0.2).to(DEVICE)
+    total, out, logits = rms_norm_router(x, res, w, router, 1e-6, unit_offset=unit_offset, block_e=8, block_h=32)
+    want_total, want_out, want32 = rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=res, fp32_copy=True)
+    assert torch.equal(total, want_total)
+    # the statistics are one full-row reduction in both kernels; compiled, its order may differ by a bit
+    if DEVICE == "cpu":
+        assert torch.equal(out, want_out)
+    else:
+        assert rel(out.float(), want_out.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    want_logits = F.linear(out.float(), router)  # the router reads exactly the output it stored
+    assert logits.dtype == torch.float32 and logits.shape == (t, e)
+    assert rel(logits, want_logits) < 1e-5
+    assert rel(F.linear(want32, router), want_logits) < (1e-5 if dtype == torch.float32 or DEVICE == "cpu" else 1e-2)
+
+
+def test_norm_router_refuses_bad_input():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="router"):
+        rms_norm_router(x, x, torch.randn(8), torch.randn(4, 8).bfloat16(), 1e-6, unit_offset=True)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm_router(x, torch.randn(2, 6), torch.randn(8), torch.randn(4, 8), 1e-6, unit_offset=True)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_router(x, x, torch.randn(6), torch.randn(4, 8), 1e-6, unit_offset=True)
+    with pytest.raises(ValueError, match="block_e"):
+        rms_norm_router(x, x, torch.randn(8), torch.randn(4, 8), 1e-6, unit_offset=True, block_e=3)
+
+
+def _tables(r: DeviceResidency):
+    return [v.clone() for v in (r.slot_of_key, r.key_of_slot, r.stamp, r.clock, r._counters)]
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("gate", ["none", "fp32", "bf16"])
+def test_route_lookup_matches_the_router_then_the_lookup(renorm, gate):
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    layers, experts, top_k, rows, hidden, num_slots = 3, 12, 3, 4, 40, 14
+    dtype = torch.bfloat16 if gate == "bf16" else torch.float32
+    g = None if gate == "none" else (torch.randn(1, hidden, generator=gen) * 0.2).to(dtype).to(DEVICE)
+    fused = DeviceResidency(num_slots, layers, experts, DEVICE)
+    twin = DeviceResidency(num_slots, layers, experts, DEVICE)
+    domain = ExpertResidency(num_slots)
+    for _step in range(5):
+        live = rng.randint(1, rows)
+        valid = torch.tensor([r < live for r in range(rows)], device=DEVICE)
+        for layer in range(layers):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype).to(DEVICE)
+            logits = (torch.randn(rows, experts, generator=gen) * 2).to(DEVICE)
+            logits[0, 5] = logits[0, 7] = logits[0].max() + 1  # an exact tie in the top-k: lowest id first
+            shared = num_slots + layer if layer % 2 else None
+            weights, slot_ids, fill_keys, fill_slots = moe_route_lookup(
+                logits, x, top_k, renorm, g, valid, layer * experts, fused.slot_of_key, fused.key_of_slot,
+                fused.stamp, fused.clock, fused._counters, num_slots, shared)
+            want_w, want_i = moe_router(x, torch.zeros(experts, hidden, device=DEVICE), top_k, renorm, g,
+                                        logits=logits)
+            want_fk, want_fs, want_slots = twin.lookup_layer(layer, want_i[:, :top_k], valid, shared)
+            assert rel(weights, want_w) < 1e-6
+            assert torch.equal(slot_ids, want_slots)
+            assert torch.equal(fill_keys, want_fk) and torch.equal(fill_slots, want_fs)
+            for ours, theirs in zip(_tables(fused), _tables(twin), strict=True):
+                assert torch.equal(ours, theirs)
+            distinct = sorted({int(e) for e in want_i[:live, :top_k].flatten().tolist()})
+            domain.lookup([(layer, e) for e in distinct])
+            domain.release()
+    assert fused.counters()[:2] == (domain.hits, domain.misses) and domain.misses > 0 and domain.hits > 0
+    assert fused.lru_order() == domain.lru_order()
+    fused.check_valid()
+
+
+def test_route_lookup_bounds_and_bad_input():
+    assert fits(16, 256, 8, 2048) and not fits(16, 512, 8, 2048)  # 16 x 512 > MAX_TILE
+    assert fits(8, 512, 8, 2048) and fits(1, 1024, 8, 2048) and not fits(1, 1025, 8, 2048)
+    assert not fits(4, 8, 2, 7)  # 8 keys cannot all be resident in 7 slots
+    assert 16 * 256 <= MAX_TILE
+    r = DeviceResidency(8, 1, 6, DEVICE)
+    args = (r.slot_of_key, r.key_of_slot, r.stamp, r.clock, r._counters, 8)
+    x, valid = torch.randn(2, 8, device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="logits"):
+        moe_route_lookup(torch.randn(2, 6, device=DEVICE).double(), x, 2, True, None, valid, 0, *args)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_route_lookup(torch.randn(2, 6, device=DEVICE), x, 5, True, None, valid, 0, *args)
+    with pytest.raises(ValueError, match="valid"):
+        moe_route_lookup(torch.randn(2, 6, device=DEVICE), x, 2, True, None, valid[:1], 0, *args)
+    with pytest.raises(ValueError, match="gate_weight"):
+        moe_route_lookup(torch.randn(2, 6, device=DEVICE), x, 2, True, torch.randn(1, 5, device=DEVICE), valid,
+                         0, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fused_routing_at_the_qwen3_6_geometry_on_gpu(rows):
+    """H 2048, 256 experts, top-8 + a resident shared expert, 2,048 slots, bf16 activations: the norm's
+    logits against F.linear on its output, the routing and lookup against the unfused pair."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    h, e, k, slots = 2048, 256, 8, 2048
+    x, res = (torch.randn(rows, h, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    norm_w = torch.randn(h, device="cuda", generator=gen).bfloat16()
+    router = torch.randn(e, h, device="cuda", generator=gen) * 0.02
+    g = (torch.randn(1, h, device="cuda", generator=gen) * 0.02).bfloat16()
+    total, out, logits = rms_norm_router(x, res, norm_w, router, 1e-6, unit_offset=True)
+    assert torch.equal(total, rms_norm(x, norm_w, 1e-6, unit_offset=True, residual=res)[0])
+    assert rel(logits, F.linear(out.float(), router)) < 1e-5
+    fused, twin = (DeviceResidency(slots, 40, e, "cuda") for _ in range(2))
+    valid = torch.ones(rows, dtype=torch.bool, device="cuda")
+    for layer in (3, 3, 7):  # misses, then all hits, then another layer
+        weights, slot_ids, fk, fs = fused.route_layer(layer, logits, out, k, True, g, valid, slots + layer)
+        want_w, want_i = moe_router(out, router, k, True, g, logits=logits)
+        want_fk, want_fs, want_slots = twin.lookup_layer(layer, want_i[:, :k], valid, slots + layer)
+        assert rel(weights, want_w) < 1e-6
+        assert torch.equal(slot_ids, want_slots) and torch.equal(fk, want_fk) and torch.equal(fs, want_fs)
+        for ours, theirs in zip(_tables(fused), _tables(twin), strict=True):
+            assert torch.equal(ours, theirs)
