@@ -69,7 +69,7 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
     # the prompt went in chunks of MIXED - 3 tokens, and every mixed step gave each stream a token: each
     # stream saw about one gap per chunk while it prefilled (not one long freeze)
     chunks = math.ceil(point["prompt_tokens"] / (MIXED - 3))
-    assert point["gaps_in_window"] >= 3 * (chunks - 2)
+    assert point["gaps_in_window"] >= 2 * (chunks - 2)  # one budget of 1024 would give ~2 per stream
     assert point["gaps_in_window"] == len(point["window_gaps_ms"])
     assert point["gap_p50_ms"] <= point["gap_p99_ms"] <= point["gap_max_ms"]
     assert point["gap_max_ms"] == pytest.approx(max(point["window_gaps_ms"]), abs=1e-3)
