@@ -82,6 +82,7 @@ class Engine:
             verify=self.verify)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._last_call_end: float | None = None  # engine thread: when the last model call returned
         self._stopping = False
         self.last_error: str | None = None
         # Set when a self-check failed: the engine cannot serve (health 503, generation 503).
@@ -175,6 +176,7 @@ class Engine:
                 self._resizer.step()
                 batch = self.scheduler.schedule()
                 if batch is None:
+                    self._last_call_end = None  # an idle pause is not host overhead
                     if not was_idle:
                         self._on_idle()
                         was_idle = True
@@ -226,13 +228,16 @@ class Engine:
 
     def _step(self, batch) -> None:
         started = self._clock()
+        host = None if self._last_call_end is None else started - self._last_call_end
+        self._last_call_end = None
         try:
             sampled: dict[str, SampledToken] = self.executor.execute(batch)
         except Exception as exc:  # NOTE: fail this batch's requests, keep serving the rest
             self._fail_batch(batch, exc)
             self.verify()
             return
-        self._publisher.record_step(batch, self._clock() - started)
+        self._last_call_end = ended = self._clock()
+        self._publisher.record_step(batch, ended - started, host)
         faulty = {rid: token.error for rid, token in sampled.items() if getattr(token, "error", None)}
         for request_id, error in faulty.items():  # NOTE: confined to that request: abort it alone
             self._streams.fail_request(request_id, self._record_failure(f"request {request_id}: {error}"))

@@ -116,7 +116,7 @@ class PoolPublisher:
         self._hits_misses = expert_counters(self._executor)
         self._prefill = prefill_streaming(self._executor)
 
-    def record_step(self, batch, seconds: float) -> None:
+    def record_step(self, batch, seconds: float, host_seconds: float | None = None) -> None:
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
         if batch.num_prefill_tokens:
@@ -127,6 +127,7 @@ class PoolPublisher:
             seconds=seconds,
             expert_hits=self._hits_misses[0] - before[0],
             expert_misses=self._hits_misses[1] - before[1],
+            host_seconds=host_seconds,
         )
 
     def check_valid(self) -> None:

@@ -23,6 +23,7 @@ class _Step:
     seconds: float
     expert_hits: int
     expert_misses: int
+    host_seconds: float | None = None  # engine-thread time between this model call and the previous one
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -56,6 +57,10 @@ class ServingStats:
         self.expert_hits = Counter("ft_expert_hits", "Expert cache hits", registry=r)
         self.expert_misses = Counter("ft_expert_misses", "Expert cache misses", registry=r)
         self.step_seconds = Histogram("ft_step_seconds", "Engine step duration", registry=r)
+        self.host_seconds = Histogram(
+            "ft_step_host_seconds", "Engine-thread time between two consecutive model calls (finishing a step, "
+            "streaming its tokens, scheduling the next)",
+            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1), registry=r)
         self.ttft_seconds = Histogram(
             "ft_time_to_first_token_seconds",
             "Time from arrival to first token",
@@ -90,9 +95,10 @@ class ServingStats:
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
-        self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int
+        self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int,
+        host_seconds: float | None = None,
     ) -> None:
-        step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses)
+        step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses, host_seconds)
         with self._lock:
             self._steps.append(step)
             self._trim(step.at)
@@ -101,6 +107,8 @@ class ServingStats:
         self.expert_hits.inc(expert_hits)
         self.expert_misses.inc(expert_misses)
         self.step_seconds.observe(seconds)
+        if host_seconds is not None:
+            self.host_seconds.observe(host_seconds)
 
     # -- request lifecycle ------------------------------------------------------------------
     def record_ttft(self, seconds: float) -> None:
@@ -175,6 +183,8 @@ class ServingStats:
         hits = sum(s.expert_hits for s in steps)
         misses = sum(s.expert_misses for s in steps)
         busy = sum(s.seconds for s in steps)
+        host = [s.host_seconds for s in steps if s.host_seconds is not None]
+        decode_only = [s.seconds for s in steps if s.decode_tokens and not s.prefill_tokens]
         return {
             "window_s": self.window_s,
             "steps": len(steps),
@@ -193,6 +203,10 @@ class ServingStats:
                 "p99": _percentile(ttfts, 99),
             },
             "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
+            # Where a token's time goes: the model call (decode-only steps) and the engine thread's work
+            # between two model calls. Their sum is the step period a stream sees.
+            "step_s": {"decode_p50": _percentile(decode_only, 50), "decode_p90": _percentile(decode_only, 90)},
+            "host_s": {"count": len(host), "p50": _percentile(host, 50), "p90": _percentile(host, 90)},
         }
 
     def prometheus_text(self) -> bytes:

@@ -270,10 +270,16 @@ class RequestStreams:
         self._outbox.append((live, event))
 
     def flush(self) -> None:
+        """Hand the outbox to the handlers' loops: ONE ``call_soon_threadsafe`` per loop, not per event.
+        Each such call writes the loop's self-pipe (a syscall, ~0.1 ms on a loaded host); per event it
+        cost 16 writes a step at 16 streams. Events keep their order (per stream and overall)."""
         outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent]]] = {}
         for live, event in outbox:
+            by_loop.setdefault(live.loop, []).append((live.events, event))
+        for loop, deliveries in by_loop.items():
             try:
-                live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+                loop.call_soon_threadsafe(_deliver, deliveries)
             except RuntimeError:  # the handler's loop is gone (server shutting down)
                 pass
 
@@ -286,3 +292,9 @@ class RequestStreams:
             live.matcher.check_valid()
             if live.reasoning is not None:
                 assert live.reasoning.count <= live.generated, f"{request_id}: more reasoning tokens than tokens"
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, StreamEvent]]) -> None:
+    """On the handlers' loop: put each event on its stream's queue (unbounded: put_nowait never blocks)."""
+    for events, event in deliveries:
+        events.put_nowait(event)

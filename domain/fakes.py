@@ -243,7 +243,8 @@ class ListMetricsSink:
         self.steps: list[StepRecord] = []
 
     def record_step(
-        self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int
+        self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int,
+        host_seconds: float | None = None,
     ) -> None:
         self.steps.append(StepRecord(prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses))
 

@@ -251,4 +251,8 @@ class MetricsSink(Protocol):
         seconds: float,
         expert_hits: int,
         expert_misses: int,
-    ) -> None: ...
+        host_seconds: float | None = None,
+    ) -> None:
+        """host_seconds: the engine thread's time since the previous step's model call returned (finishing
+        that step, streaming its tokens, scheduling this one); None after an idle pause."""
+        ...

@@ -142,6 +142,33 @@ def test_an_executor_failure_fails_that_batch_and_the_engine_keeps_serving():
     assert engine._allocator.num_free + engine.scheduler.num_cached_pages == engine._allocator.num_pages
 
 
+def test_the_window_splits_a_tokens_time_into_the_model_call_and_the_host_work_between_calls():
+    clock = FakeClock(100.0)
+    stats = ServingStats(window_s=10, clock=clock.now)
+    stats.record_step(prefill_tokens=16, decode_tokens=0, seconds=0.2, expert_hits=0, expert_misses=0)
+    for seconds, host in ((0.003, 0.0004), (0.004, 0.0002), (0.005, None), (0.003, 0.0006)):
+        clock.advance(0.01)
+        stats.record_step(prefill_tokens=0, decode_tokens=1, seconds=seconds, expert_hits=0, expert_misses=0,
+                          host_seconds=host)
+    w = stats.window()
+    assert w["step_s"]["decode_p50"] == 0.0035  # decode-only steps: the prefill step is not one
+    assert w["host_s"]["count"] == 3 and w["host_s"]["p50"] == 0.0004  # after an idle pause: not counted
+    assert b"ft_step_host_seconds_count 3.0" in stats.prometheus_text()
+
+
+def test_the_engine_reports_host_time_between_consecutive_model_calls_only():
+    engine = make_engine()
+    engine.start()
+    try:
+        final, _ = asyncio.run(drive(engine, "cmpl-host", [1, 2, 3], 6, None))
+    finally:
+        engine.stop()
+    assert final.completion_tokens == 6
+    w = engine.stats.window()
+    # 1 prefill step + 5 decode steps back to back: at most 5 gaps between model calls, none before the first
+    assert w["steps"] == 6 and 1 <= w["host_s"]["count"] <= 5 and w["host_s"]["p50"] >= 0
+
+
 def test_sliding_window_percentiles_and_trimming():
     clock = FakeClock(100.0)
     stats = ServingStats(window_s=10, clock=clock.now)

@@ -184,3 +184,24 @@ def test_todays_records_reproduce_the_committed_profile_and_report_their_error(t
     assert rep["max_abs_held_out_error"] > fr.HELD_OUT_BOUND and rc == 3 and not rep["within_bound"]
     assert "OUTSIDE" in table and "kernel micro-benchmark" in table
     assert Calibration.load(out).cost_params().graph_buckets == tuple(BUCKETS)
+
+
+FAST = [REPO / "docs/bench" / n for n in ("2026-12-01-http-sweep-24gib-h200-triton-prefill.json",
+                                          "2026-12-01-http-ladder-resident-h200-triton-prefill.json",
+                                          "2026-12-01-bench-decode-h200-run5.json",
+                                          "2026-12-01-bench-kernels-h200-ab.json")]
+
+
+def test_the_fast_engines_records_reproduce_h200_v2_within_the_held_out_bound(tmp_path):
+    # The fast engine's own records (run 5 micro-benchmark + HTTP with the Triton prefill) fit one profile:
+    # held-out points (other KV size, c2, c8) within +-10 %, so it is the H200 default (h200_v2).
+    out, report = tmp_path / "h200_v2.json", tmp_path / "report.json"
+    rc = sim_main(["calibrate", "--records", *map(str, FAST), "--out", str(out), "--report", str(report), "--strict"])
+    fresh = json.loads(out.read_text())
+    committed = json.loads((REPO / "simulator/calibration/h200_v2.json").read_text())
+    fresh["provenance"]["records"] = committed["provenance"]["records"]
+    assert fresh == committed
+    rep = json.loads(report.read_text())
+    held = [p for p in rep["points"] if p["role"] == "held_out"]
+    assert len(held) == 4 and rc == 0 and rep["within_bound"]
+    assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
