@@ -8,7 +8,8 @@ streams' prefills are behind it: steady decode) the baseline window opens; once 
 more, one long prompt is sent (sized on the server's tokenizer as `ft bench prefill` sizes its prompts, a
 fresh nonce so no prefix cache serves it, max_tokens 1). The prefill window runs from that send to the long
 prompt's first token. When every stream has a token after the window, the streams are closed (the server
-aborts them) and the next repeat starts afresh.
+aborts them) and the next repeat starts afresh. `warmup_repeats` unrecorded repeats go first (the first long
+prefill and mixed steps compile and tune kernels).
 
 Gaps are the differences between consecutive token arrivals of one stream (client clock, seconds; tokens
 that arrive in one chunk give 0 gaps, as the user sees them). A gap is in the prefill window when it
@@ -124,13 +125,24 @@ def _budgets(record_data: dict) -> dict | None:
 
 
 async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int, warmup_tokens: int,
-              baseline_tokens: int, repeats: int, target_gap_p99_ms: float = TARGET_GAP_P99_MS) -> None:
+              baseline_tokens: int, repeats: int, warmup_repeats: int = 1,
+              target_gap_p99_ms: float = TARGET_GAP_P99_MS) -> None:
     record = ctx.record
     a, b = await calibrate(ctx)
     units = max(1, round((prompt_tokens - a) / b))
     record.data["settings"]["calibration"] = {"tokens_fixed": a, "tokens_per_filler_unit": b,
                                              "long_prompt_units": units}
-    task = ctx.progress.add_task("mixed", total=repeats)
+    task = ctx.progress.add_task("mixed", total=warmup_repeats + repeats)
+    for i in range(warmup_repeats):
+        # NOTE: unrecorded: the first long prefill and the first mixed steps compile and tune kernels for their
+        # shapes (seconds on the GPU), which would otherwise land in the first repeat's window
+        ctx.progress.update(task, description=f"warm-up {i}")
+        try:
+            await _repeat(ctx, streams=streams, long_units=units, stream_tokens=stream_tokens,
+                          warmup_tokens=warmup_tokens, baseline_tokens=baseline_tokens)
+        except _Broken as exc:
+            record.fail(f"warm-up {i}", str(exc))
+        ctx.progress.advance(task)
     all_window: list[float] = []
     all_baseline: list[float] = []
     ttfts: list[float] = []

@@ -59,7 +59,8 @@ def _idle(server) -> bool:
 
 def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, server):
     code, rec = bench(tmp_path, server, "--streams", "3", "--prompt-tokens", "300", "--stream-tokens", "700",
-                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1")
+                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1",
+                      "--warmup-repeats", "1")
     check_common(rec, "mixed")
     assert code == 0, rec["failures"]
     (point,) = rec["points"]
@@ -89,7 +90,8 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
 
 def test_a_stream_that_ends_too_soon_is_a_failure_not_a_figure(tmp_path, server):
     code, rec = bench(tmp_path, server, "--streams", "2", "--prompt-tokens", "100", "--stream-tokens", "6",
-                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1")
+                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1",
+                      "--warmup-repeats", "0")
     assert code == 1
     (point,) = rec["points"]
     assert point["ok"] is False and "ended while waiting for" in point["error"]
