@@ -28,7 +28,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=1919)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-running-requests", type=int, default=4, help="also the number of GDN state slots")
-    p.add_argument("--max-prefill-length", type=_count, default=2048, help="token budget of one step")
+    p.add_argument("--max-prefill-length", type=_count, default=8192,
+                   help="token budget of a step with no decode running (a long prompt's chunk; time to first token)")
+    p.add_argument("--mixed-prefill-length", type=_count, default=None,
+                   help="token budget of a step that carries decodes, decodes included (the gap the running "
+                        "streams see); default 512, at most --max-prefill-length (docs/adr/0011-mixed-step-budget.md)")
     p.add_argument("--memory-ratio", type=float, default=0.9)
     p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap device memory (emulate a smaller card)")
     p.add_argument("--kv-tokens", type=_count, default=None, help="KV pool size in tokens (8k, 1.5m ...)")
@@ -118,6 +122,7 @@ def _serve(args, parser) -> int:
             device=args.device,
             max_running_requests=args.max_running_requests,
             max_prefill_length=args.max_prefill_length,
+            mixed_prefill_length=args.mixed_prefill_length,
             memory_ratio=args.memory_ratio,
             gpu_budget_gib=args.gpu_budget_gib,
             kv_tokens=args.kv_tokens,

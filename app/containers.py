@@ -33,6 +33,7 @@ from domain.model_spec import ModelSpec
 from domain.ports import Tokenizer
 from domain.prefix_store import snapshot_interval
 from domain.scheduler import Scheduler, SchedulerConfig
+from domain.step_budget import blame_step, reserve_step, step_activation_bytes
 
 log = logging.getLogger("fluxtide.serve")
 GiB = 1024**3
@@ -97,12 +98,26 @@ def _device_total_bytes(settings: ServeSettings, device: str) -> int:
     return cap or int(CPU_DEFAULT_BUDGET_GIB * GiB)
 
 
+def _step_tokens(settings: ServeSettings, spec: ModelSpec) -> int:
+    """The most tokens one step can hold: --max-prefill-length, no more than every running sequence's context."""
+    return min(settings.max_prefill_length, settings.max_running_requests * spec.max_context)
+
+
+def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
+    """Bytes of the largest step's activations (domain/step_budget.py), in the executor's dtype."""
+    dtype_bytes = 2 if device.startswith("cuda") else 4  # bf16 on CUDA, fp32 on the CPU (_torch_executor)
+    return step_activation_bytes(spec, _step_tokens(settings, spec), settings.max_running_requests, dtype_bytes)
+
+
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
-    return GpuBudget(
+    """The card's budget with the largest step's activations held outside the pools (ADR 0011): every plan
+    made from it, live resizes included, leaves them room."""
+    budget = GpuBudget(
         total_bytes=_device_total_bytes(settings, device),
         memory_ratio=settings.memory_ratio,
         weights_bytes=spec.dense_weight_bytes(),
     )
+    return reserve_step(budget, _step_reserve(settings, spec, device))
 
 
 def _snapshot_slots(settings: ServeSettings) -> int:
@@ -164,6 +179,12 @@ def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, 
         request = replace(request, snapshot_slots=0)
         plan = planner(spec, budget, request)
     if isinstance(plan, PlanRefusal):
+        # NOTE: name the step size when it is what tips the plan over: the same pools fit without its reserve
+        # (a budget made elsewhere, without the reserve, is taken as it is)
+        reserve = _step_reserve(settings, spec, device)
+        if budget.fixed_bytes >= reserve:
+            bare = replace(budget, fixed_bytes=budget.fixed_bytes - reserve)
+            plan = blame_step(plan, planner(spec, bare, request), _step_tokens(settings, spec), reserve)
         raise ValueError(f"the pools do not fit: {plan.message}")
     # NOTE: KV beyond every running sequence at full context can never be used; on a small
     # model the MoE-first split would otherwise hand it gigabytes. Give it back to the card.
@@ -190,6 +211,7 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
     return SchedulerConfig(
         max_running=min(settings.max_running_requests, max(plan.state_slots, 1)),
         max_step_tokens=settings.max_prefill_length,
+        mixed_step_tokens=settings.mixed_step_tokens,
         page_size=plan.page_size,
         max_context=spec.max_context,
         eos_token_ids=eos,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -14,7 +16,10 @@ class ServeSettings:
     port: int = 1919
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     max_running_requests: int = 4
-    max_prefill_length: int = 2048  # token budget of one step (chunked prefill)
+    # step budgets (docs/adr/0011-mixed-step-budget.md): tokens of a step with no decode in it (time to first
+    # token), and of a step that carries decodes (the running streams' gap); None = min(512, max_prefill_length)
+    max_prefill_length: int = DEFAULT_MAX_STEP_TOKENS
+    mixed_prefill_length: int | None = None
     memory_ratio: float = 0.9
     gpu_budget_gib: float | None = None  # cap on the card's memory (emulate a smaller card)
     kv_tokens: int | None = None
@@ -45,11 +50,24 @@ class ServeSettings:
     ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
     ep_address: str | None = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT), set with ep_rank
 
+    @property
+    def mixed_step_tokens(self) -> int:
+        """The budget of a step that carries decodes: --mixed-prefill-length, else the default (512) bounded
+        by --max-prefill-length and raised to --max-running-requests (every running request decodes)."""
+        if self.mixed_prefill_length is not None:
+            return self.mixed_prefill_length
+        return min(self.max_prefill_length, max(DEFAULT_MIXED_STEP_TOKENS, self.max_running_requests))
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_prefill_length < self.max_running_requests:
-            raise ValueError("--max-prefill-length must be >= --max-running-requests (every request decodes each step)")
+            raise ValueError(f"--max-prefill-length ({self.max_prefill_length}) must be >= --max-running-requests "
+                             f"({self.max_running_requests}): every request decodes each step")
+        if self.mixed_prefill_length is not None and not (
+                self.max_running_requests <= self.mixed_prefill_length <= self.max_prefill_length):
+            raise ValueError(f"--mixed-prefill-length ({self.mixed_prefill_length}) must be >= --max-running-requests "
+                             f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
         if not 0 < self.memory_ratio <= 1:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:

@@ -13,7 +13,8 @@ DEFAULT_STATE_SLOTS = 4
 # Prefix-cache state snapshots per running request when the operator does not size the pool (`ft serve`):
 # a 16k-token conversation takes 6 at the 4096-token interval (docs/adr/0004-prefix-cache.md).
 DEFAULT_SNAPSHOTS_PER_STATE_SLOT = 4
-POOLS = ("kv", "moe", "state", "snapshot", "staging", "budget")
+# "activation": the largest step's activations, held beside the pools (domain/step_budget.py)
+POOLS = ("kv", "moe", "state", "snapshot", "staging", "budget", "activation")
 
 
 def working_set_slots(spec: ModelSpec, expert_keys: int | None = None) -> int:
@@ -130,7 +131,7 @@ class PlanRefusal:
     """The request does not fit. shortfall_bytes is exactly what is missing: a budget that many
     bytes larger fits the same request. 0 means no amount of memory helps (e.g. slots < top_k)."""
 
-    pool: str  # "kv" | "moe" | "state" | "snapshot" | "staging" | "budget"
+    pool: str  # "kv" | "moe" | "state" | "snapshot" | "staging" | "budget" | "activation"
     shortfall_bytes: int
     message: str
 

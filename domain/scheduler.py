@@ -2,7 +2,11 @@
 
 Each step: one decode token for every running request that has finished prefill, then
 prefill chunks (oldest admitted first) in the token budget the decodes left, then FIFO
-admission of waiting requests while slots, pages and budget allow. KV pages are allocated
+admission of waiting requests while slots, pages and budget allow. The budget has two sizes
+(docs/adr/0011-mixed-step-budget.md): `max_step_tokens` for a step with no decode in it (a long
+chunk: the fixed cost of a step is paid fewer times, so time to first token is short) and
+`mixed_step_tokens` for a step that carries decodes (a short chunk: the running streams wait one
+step between tokens, so that step must stay short). KV pages are allocated
 lazily as sequences grow. When a decode cannot get a page, the newest running request is
 preempted (pages + state slot freed, put back at the head of the queue; it re-prefills
 prompt + output later). docs/adr/0002-pool-exhaustion.md says why.
@@ -37,7 +41,9 @@ _RUNNING_STATES = (RequestState.PREFILLING, RequestState.DECODING)
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 4
-    max_step_tokens: int = 2048  # chunked-prefill token budget per step, decodes included
+    max_step_tokens: int = 2048  # token budget of a step with no decodes (chunked prefill alone)
+    # token budget of a step that carries decodes, decodes included; None = max_step_tokens (one budget)
+    mixed_step_tokens: int | None = None
     page_size: int = 16
     max_context: int = 262144
     eos_token_ids: tuple[int, ...] = ()
@@ -56,6 +62,15 @@ class SchedulerConfig:
             # NOTE: every running request must be able to decode in the same step.
             raise ValueError(
                 f"max_step_tokens ({self.max_step_tokens}) must be >= max_running ({self.max_running})"
+            )
+        if self.mixed_step_tokens is None:
+            object.__setattr__(self, "mixed_step_tokens", self.max_step_tokens)
+        if not self.max_running <= self.mixed_step_tokens <= self.max_step_tokens:
+            # NOTE: the lower bound as above; a mixed step larger than a step alone would make the
+            # running streams wait longer than a prefill alone does, which no setting wants.
+            raise ValueError(
+                f"mixed_step_tokens ({self.mixed_step_tokens}) must be in [max_running ({self.max_running}), "
+                f"max_step_tokens ({self.max_step_tokens})]"
             )
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
@@ -218,7 +233,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         while True:
             decodes = self._schedule_decodes()
-            budget = self.config.max_step_tokens - len(decodes)
+            budget = self.step_budget(bool(decodes)) - len(decodes)
             prefills, starved = self._schedule_prefills(budget)
             budget -= sum(len(w.token_ids) for w in prefills)
             # NOTE: no admission while a running request is short of pages or was just
@@ -237,6 +252,11 @@ class Scheduler:
         self._in_flight = batch
         self._in_flight_owners = {w.request_id: self._live[w.request_id] for w in batch.works}
         return batch
+
+    def step_budget(self, with_decodes: bool) -> int:
+        """Tokens one step may hold, decodes included: mixed_step_tokens when it carries decodes,
+        else max_step_tokens."""
+        return self.config.mixed_step_tokens if with_decodes else self.config.max_step_tokens
 
     def _schedule_decodes(self) -> list[SequenceWork]:
         works = []

@@ -61,7 +61,15 @@ def stats(request: Request) -> dict:
         "prefix_cache": {**engine.stats.prefix_cache(), **(engine.pools().get("prefix_cache") or {})},
         "plan": _plan(engine.plan),
         "routing": engine.routing(),
+        "scheduler": _step_budgets(engine),
     }
+
+
+def _step_budgets(engine: Engine) -> dict:
+    """The scheduler's step budgets (docs/adr/0011-mixed-step-budget.md): what `ft bench mixed` records."""
+    config = engine.scheduler.config
+    return {"max_running": config.max_running, "max_step_tokens": config.max_step_tokens,
+            "mixed_step_tokens": config.mixed_step_tokens}
 
 
 @get_or_head("/metrics", sync_to_thread=False)

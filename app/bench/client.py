@@ -69,9 +69,14 @@ def chat_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = Tr
     return "/v1/chat/completions", body
 
 
-def completion_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True) -> tuple[str, dict]:
-    """(path, JSON body) of a greedy streamed text completion (no chat template: exact prompt sizes)."""
-    return "/v1/completions", _greedy_stream(model, max_tokens, ignore_eos, prompt=prompt)
+def completion_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True,
+                    logprobs: bool = False) -> tuple[str, dict]:
+    """(path, JSON body) of a greedy streamed text completion (no chat template: exact prompt sizes).
+    logprobs: ask for the sampled tokens' logprobs (logprobs=0), so every token has its own arrival time."""
+    body = _greedy_stream(model, max_tokens, ignore_eos, prompt=prompt)
+    if logprobs:
+        body["logprobs"] = 0
+    return "/v1/completions", body
 
 
 def _greedy_stream(model: str, max_tokens: int, ignore_eos: bool, **fields) -> dict:
@@ -94,10 +99,14 @@ def _chunk_tokens(choice: dict) -> tuple[str, int | None]:
     return text, (len(tokens) if tokens is not None else None)
 
 
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeout: float) -> RequestResult:
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeout: float,
+                         result: RequestResult | None = None) -> RequestResult:
     """Send one streamed request and time it. Never raises for server or network errors: they
-    end up in ``result.error`` (a failed request is recorded, not dropped)."""
-    res = RequestResult(sent_at=time.perf_counter())
+    end up in ``result.error`` (a failed request is recorded, not dropped). result: the object to
+    fill as tokens arrive (a caller that watches the stream while it runs passes its own; its
+    sent_at is set at the send); default a new one."""
+    res = result if result is not None else RequestResult(sent_at=time.perf_counter())
+    res.sent_at = time.perf_counter()
     try:
         async with client.stream("POST", path, json=body, timeout=timeout) as r:
             res.status = r.status_code

@@ -20,6 +20,9 @@ COLUMNS = {
     "prefill": [("target", "prompt_tokens_target"), ("prompt tokens", "prompt_tokens"),
                 ("TTFT p50 s", "ttft_s_median"), ("prefill tok/s p50", "prefill_tok_s_median"),
                 ("failed", "failed_requests")],
+    "mixed": [("repeat", "repeat"), ("prompt tokens", "prompt_tokens"), ("TTFT s", "ttft_s"),
+              ("gaps", "gaps_in_window"), ("gap p50 ms", "gap_p50_ms"), ("gap p99 ms", "gap_p99_ms"),
+              ("gap max ms", "gap_max_ms"), ("baseline p99 ms", "baseline_gap_p99_ms"), ("ok", "ok")],
     "cold-start": [("milestone", "milestone"), ("seconds", "seconds"), ("source", "source")],
     "smoke": [("prompt", "prompt"), ("expected", "expected"), ("answer", "answer"), ("passed", "passed")],
 }
@@ -62,6 +65,13 @@ def show(record: dict, path, quiet: bool) -> None:
     gpu = ", ".join(g.get("name", "?") for g in hw.get("gpus") or []) or "no GPU"
     console.print(f"[dim]{gpu}; pinned H2D {_cell(hw.get('pinned_h2d_gb_s'))} GB/s; "
                   f"{len(record['failures'])} failure(s); record: {path}[/dim]")
+    summary = record.get("summary") or {}
+    if record["kind"] == "mixed" and summary.get("window"):
+        window, target = summary["window"], summary["target"]["gap_p99_ms"]
+        console.print(f"gaps while the prompt prefilled: p99 {_cell(window['p99_ms'])} ms over {window['count']} "
+                      f"gaps (target <= {_cell(target)} ms: {'met' if summary['meets_target'] else 'missed'}); "
+                      f"TTFT p50 {_cell(summary['ttft_s_median'])} s; step budgets "
+                      f"{summary.get('server_step_budgets') or 'unknown'}")
     for failure in record["failures"]:
         console.print(f"[red]failed {failure['where']}: {failure['error']}[/red]")
 
@@ -73,6 +83,7 @@ HEADLINE = {
     "probe": ("steady_decode_tok_s_median", ("max_tokens",)),
     "prefill": ("prefill_tok_s_median", ("prompt_tokens_target",)),
     "smoke": ("passed", ("prompt",)),
+    "mixed": ("gap_p99_ms", ("repeat",)),
 }
 
 

@@ -87,6 +87,7 @@ def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--model", "--port", "--served-model-name", "--max-running-requests", "--max-prefill-length",
+                 "--mixed-prefill-length",
                  "--memory-ratio", "--gpu-budget-gib", "--kv-tokens", "--moe-slots", "--kv-reserve-tokens",
                  "--device", "--api-key", "--mmap-experts"):
         assert flag in out.stdout, flag

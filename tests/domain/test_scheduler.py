@@ -50,15 +50,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         max_running=st.integers(1, 4),
         extra_budget=st.integers(0, 10),
+        mixed_cut=st.integers(0, 10),
         page_size=st.integers(1, 3),
         num_pages=st.integers(4, 12),
         num_slots=st.integers(1, 4),
         max_context=st.integers(8, 36),
     )
-    def setup(self, max_running, extra_budget, page_size, num_pages, num_slots, max_context):
+    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context):
         self.config = SchedulerConfig(
             max_running=max_running,
             max_step_tokens=max_running + extra_budget,
+            mixed_step_tokens=max_running + max(extra_budget - mixed_cut, 0),  # the two budgets, any split
             page_size=page_size,
             max_context=max_context,
             eos_token_ids=EOS,
@@ -138,10 +140,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_batch(self, batch, waiting_before, decoding_before):
         works = batch.works
-        assert batch.num_tokens <= self.config.max_step_tokens
         assert len(works) <= self.config.max_running
         decoding = [self.live[w.request_id].state is RequestState.DECODING for w in works]
         assert decoding == sorted(decoding), "decodes must come after prefill chunks"
+        # NOTE: the budget of a step depends on whether it carries decodes (ADR 0011)
+        limit = self.config.mixed_step_tokens if any(decoding) else self.config.max_step_tokens
+        assert batch.num_tokens <= limit, (batch.num_tokens, limit, any(decoding))
+        if any(decoding) and self.config.mixed_step_tokens < self.config.max_step_tokens:
+            event("a mixed step ran under the smaller budget")
         in_batch = {w.request_id for w in works}
         for request in decoding_before:  # every decoder decodes each step unless preempted
             assert request.request_id in in_batch or request.state is RequestState.WAITING, request.request_id
@@ -269,6 +275,41 @@ def test_duplicate_live_id_is_refused():
 def test_config_rejects_a_budget_smaller_than_the_decode_batch():
     with pytest.raises(ValueError, match="max_step_tokens"):
         SchedulerConfig(max_running=8, max_step_tokens=4)
+
+
+def test_config_checks_the_mixed_budget():
+    assert SchedulerConfig(max_running=2, max_step_tokens=8).mixed_step_tokens == 8  # one budget by default
+    assert SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=2).mixed_step_tokens == 2
+    with pytest.raises(ValueError, match=r"mixed_step_tokens \(9\) must be in \[max_running \(2\), max_step_tokens \(8\)\]"):
+        SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=9)
+    with pytest.raises(ValueError, match="mixed_step_tokens"):
+        SchedulerConfig(max_running=4, max_step_tokens=8, mixed_step_tokens=3)
+
+
+def test_a_prompt_prefills_in_mixed_chunks_while_streams_decode_and_in_long_ones_alone():
+    scheduler, _, executor = make(num_pages=64, page_size=4, max_running=3, max_step_tokens=16,
+                                  mixed_step_tokens=6)
+    for rid in ("s1", "s2"):
+        scheduler.add(Request(rid, [1, 2], SamplingParams(max_tokens=40, ignore_eos=True)))
+    batch = scheduler.schedule()  # both prompts in one step, no decode yet
+    assert [len(w.token_ids) for w in batch.works] == [2, 2]
+    scheduler.complete(batch, executor.execute(batch))
+    scheduler.add(Request("long", list(range(1, 50)), SamplingParams(max_tokens=1, ignore_eos=True)))
+    chunks = []
+    for _ in range(3):  # two streams decode: the long prompt gets 6 - 2 tokens a step
+        batch = scheduler.schedule()
+        chunks.append({w.request_id: len(w.token_ids) for w in batch.works})
+        scheduler.complete(batch, executor.execute(batch))
+        scheduler.check_valid()
+    assert chunks == [{"long": 4, "s1": 1, "s2": 1}] * 3
+    scheduler.abort("s1")
+    scheduler.abort("s2")
+    sizes = []
+    while (batch := scheduler.schedule()) is not None:  # alone: the full budget
+        sizes.append(sum(len(w.token_ids) for w in batch.works))
+        scheduler.complete(batch, executor.execute(batch))
+    assert sizes == [16, 16, 5]  # 49 - 12 = 37 = 16 + 16 + 5
+    assert scheduler.is_idle()
 
 
 def test_chunked_prefill_respects_the_budget_and_pages_cover_the_chunk():

@@ -25,6 +25,7 @@ class PrefixSchedulerMachine(SchedulerMachine):
     @initialize(
         max_running=st.integers(1, 4),
         extra_budget=st.integers(0, 10),
+        mixed_cut=st.integers(0, 10),
         page_size=st.integers(1, 3),
         num_pages=st.integers(4, 16),
         num_slots=st.integers(1, 4),
@@ -33,10 +34,11 @@ class PrefixSchedulerMachine(SchedulerMachine):
         interval_pages=st.integers(0, 3),
         linear_state=st.sampled_from([True, True, False]),
     )
-    def setup(self, max_running, extra_budget, page_size, num_pages, num_slots, max_context,
+    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context,
               snapshot_slots, interval_pages, linear_state):
         self.config = SchedulerConfig(
-            max_running=max_running, max_step_tokens=max_running + extra_budget, page_size=page_size,
+            max_running=max_running, max_step_tokens=max_running + extra_budget,
+            mixed_step_tokens=max_running + max(extra_budget - mixed_cut, 0), page_size=page_size,
             max_context=max_context, eos_token_ids=EOS, prefix_cache=True,
             snapshot_interval=interval_pages * page_size, linear_state=linear_state)
         self.allocator = PageAllocator(num_pages)

@@ -1,0 +1,195 @@
+"""`ft bench mixed`: the gaps between the tokens of running streams while one long prompt prefills (issue 9's
+mixed-batch target: with 3 streams running, an 8,192-token prompt arriving leaves a p99 gap <= 150 ms;
+docs/adr/0011-mixed-step-budget.md).
+
+One repeat: N streams are started (/v1/completions, short prompts, ignore_eos, long outputs, logprobs=0 so
+every token has its own arrival time). Once each has `warmup_tokens` tokens (admission and the other
+streams' prefills are behind it: steady decode) the baseline window opens; once each has `baseline_tokens`
+more, one long prompt is sent (sized on the server's tokenizer as `ft bench prefill` sizes its prompts, a
+fresh nonce so no prefix cache serves it, max_tokens 1). The prefill window runs from that send to the long
+prompt's first token. When every stream has a token after the window, the streams are closed (the server
+aborts them) and the next repeat starts afresh. `warmup_repeats` unrecorded repeats go first (the first long
+prefill and mixed steps compile and tune kernels).
+
+Gaps are the differences between consecutive token arrivals of one stream (client clock, seconds; tokens
+that arrive in one chunk give 0 gaps, as the user sees them). A gap is in the prefill window when it
+overlaps it (its later token arrives after the send, its earlier one before the first token): what a reader
+of that stream waited while the prompt prefilled, the gaps straddling either end included. Baseline: the
+gaps wholly inside the baseline window. Percentiles interpolate linearly between ranks; with few gaps p99 is
+close to the maximum, so the record keeps the counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from app.bench.client import RequestResult, completion_body, stream_request
+from app.bench.context import Ctx
+from app.bench.figures import median
+from app.bench.prefill import calibrate, make_prompt
+from app.bench.target import BenchError
+
+TARGET_GAP_P99_MS = 150.0  # issue 9
+POLL_S = 0.002  # how often the runner looks at the streams' progress (never on their clock)
+
+
+class _Broken(Exception):
+    """A repeat cannot be measured (a stream ended or failed, a wait timed out); the message says why."""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) of values, interpolated linearly between ranks; None for no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def gap_figures(gaps_s: list[float]) -> dict:
+    """count, p50, p99 and max of gaps given in seconds, in milliseconds (None without gaps)."""
+    ms = [g * 1e3 for g in gaps_s]
+    return {"count": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+            "max_ms": max(ms) if ms else None}
+
+
+def arrivals(res: RequestResult) -> list[float]:
+    """The stream's token arrivals on the absolute perf_counter clock."""
+    return [res.sent_at + t for t in res.token_times]
+
+
+def gaps_between(times: list[float], start: float, end: float, *, overlapping: bool) -> list[float]:
+    """Gaps of consecutive arrivals: overlapping=True those that overlap [start, end] (later token after
+    start, earlier one before end); False those wholly inside it."""
+    pairs = zip(times, times[1:], strict=False)
+    if overlapping:
+        return [b - a for a, b in pairs if b > start and a < end]
+    return [b - a for a, b in pairs if a >= start and b <= end]
+
+
+async def _until(condition, streams: list[RequestResult], tasks: list[asyncio.Task], deadline: float,
+                 what: str) -> None:
+    """Wait until condition() holds; _Broken if a stream ends first (finished or failed) or time runs out."""
+    while not condition():
+        for k, (res, task) in enumerate(zip(streams, tasks, strict=True)):
+            if task.done():
+                why = res.error or (f"finished ({res.finish_reason}) after {len(res.token_times)} tokens "
+                                    "(raise --stream-tokens?)")
+                raise _Broken(f"stream {k} ended while waiting for {what}: {why}")
+        if time.perf_counter() > deadline:
+            raise _Broken(f"timed out waiting for {what}")
+        await asyncio.sleep(POLL_S)
+
+
+async def _repeat(ctx: Ctx, *, streams: int, long_units: int, stream_tokens: int, warmup_tokens: int,
+                  baseline_tokens: int) -> dict:
+    deadline = time.perf_counter() + ctx.timeout
+    results = [RequestResult(sent_at=time.perf_counter()) for _ in range(streams)]
+    bodies = [completion_body(ctx.model, make_prompt(2), stream_tokens, logprobs=True) for _ in range(streams)]
+    tasks = [asyncio.create_task(stream_request(ctx.client, *body, ctx.timeout, result=res))
+             for body, res in zip(bodies, results, strict=True)]
+    try:
+        await _until(lambda: all(len(r.token_times) >= warmup_tokens for r in results), results, tasks, deadline,
+                     f"{warmup_tokens} tokens on every stream")
+        baseline_start = time.perf_counter()
+        counts = [len(r.token_times) for r in results]
+        await _until(lambda: all(len(r.token_times) >= c + baseline_tokens for r, c in zip(results, counts,
+                                                                                             strict=True)),
+                     results, tasks, deadline, f"{baseline_tokens} baseline tokens on every stream")
+        long = await stream_request(ctx.client, *completion_body(ctx.model, make_prompt(long_units), 1), ctx.timeout)
+        if not long.ok:
+            raise _Broken(f"the long prompt failed: {long.error}")
+        send, first = long.sent_at, long.sent_at + long.ttft_s
+        # NOTE: the gap that straddles the first token ends after it: wait for one token past the window
+        await _until(lambda: all(r.token_times and r.sent_at + r.token_times[-1] > first for r in results), results, tasks,
+                     deadline, "a token after the prefill window on every stream")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    window = [g for r in results for g in gaps_between(arrivals(r), send, first, overlapping=True)]
+    baseline = [g for r in results for g in gaps_between(arrivals(r), baseline_start, send, overlapping=False)]
+    return {"window_gaps_s": window, "baseline_gaps_s": baseline, "long": long,
+            "stream_tokens_seen": [len(r.token_times) for r in results], "window_s": first - send}
+
+
+def _budgets(record_data: dict) -> dict | None:
+    """The server's step budgets from /v1/stats (fluxtide only)."""
+    stats = ((record_data.get("server") or {}).get("stats") or {})
+    return stats.get("scheduler")
+
+
+async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int, warmup_tokens: int,
+              baseline_tokens: int, repeats: int, warmup_repeats: int = 1,
+              target_gap_p99_ms: float = TARGET_GAP_P99_MS) -> None:
+    record = ctx.record
+    a, b = await calibrate(ctx)
+    units = max(1, round((prompt_tokens - a) / b))
+    record.data["settings"]["calibration"] = {"tokens_fixed": a, "tokens_per_filler_unit": b,
+                                             "long_prompt_units": units}
+    task = ctx.progress.add_task("mixed", total=warmup_repeats + repeats)
+    for i in range(warmup_repeats):
+        # NOTE: unrecorded: the first long prefill and the first mixed steps compile and tune kernels for their
+        # shapes (seconds on the GPU), which would otherwise land in the first repeat's window
+        ctx.progress.update(task, description=f"warm-up {i}")
+        try:
+            await _repeat(ctx, streams=streams, long_units=units, stream_tokens=stream_tokens,
+                          warmup_tokens=warmup_tokens, baseline_tokens=baseline_tokens)
+        except _Broken as exc:
+            record.fail(f"warm-up {i}", str(exc))
+        ctx.progress.advance(task)
+    all_window: list[float] = []
+    all_baseline: list[float] = []
+    ttfts: list[float] = []
+    for i in range(repeats):
+        where = f"repeat {i}"
+        ctx.progress.update(task, description=where)
+        point: dict = {"repeat": i, "streams": streams, "prompt_tokens_target": prompt_tokens}
+        try:
+            got = await _repeat(ctx, streams=streams, long_units=units, stream_tokens=stream_tokens,
+                                 warmup_tokens=warmup_tokens, baseline_tokens=baseline_tokens)
+        except _Broken as exc:
+            record.fail(where, str(exc))
+            point.update({"ok": False, "error": str(exc)})
+            record.points.append(point)
+            ctx.progress.advance(task)
+            continue
+        window, baseline, long = got["window_gaps_s"], got["baseline_gaps_s"], got["long"]
+        figures = gap_figures(window)
+        base = gap_figures(baseline)
+        point.update({
+            "prompt_tokens": long.prompt_tokens,
+            "ttft_s": long.ttft_s,
+            "window_s": got["window_s"],
+            "gaps_in_window": figures["count"],
+            "gap_p50_ms": figures["p50_ms"], "gap_p99_ms": figures["p99_ms"], "gap_max_ms": figures["max_ms"],
+            "baseline": base,
+            "baseline_gap_p99_ms": base["p99_ms"],
+            "stream_tokens_seen": got["stream_tokens_seen"],
+            "window_gaps_ms": [round(g * 1e3, 3) for g in window],
+            "ok": True, "error": None,
+        })
+        if not window:
+            point.update({"ok": False, "error": "no stream token arrived in the prefill window"})
+            record.fail(where, point["error"])
+        all_window += window
+        all_baseline += baseline
+        ttfts.append(long.ttft_s)
+        record.points.append(point)
+        ctx.progress.advance(task)
+    pooled = gap_figures(all_window)
+    record.data["summary"] = {
+        "target": {"gap_p99_ms": target_gap_p99_ms, "streams": 3, "prompt_tokens": 8192, "source": "issue 9"},
+        "window": pooled,
+        "baseline": gap_figures(all_baseline),
+        "ttft_s_median": median(ttfts),
+        "meets_target": pooled["p99_ms"] <= target_gap_p99_ms if pooled["p99_ms"] is not None else None,
+        "server_step_budgets": _budgets(record.data),
+    }
+    if not ttfts:
+        raise BenchError("no repeat could be measured (see failures)")

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Mixed batches (issue 9, docs/adr/0011-mixed-step-budget.md) through the HTTP API on a CUDA host: the full-size
+# Qwen3.6-35B-A3B block-FP8 checkpoint (ft synth) served with --prefill-kernels triton and 4 running requests;
+# ft bench mixed (3 streams, one 8,192-token prompt, 3 repeats) at the new step budgets (--max-prefill-length
+# 8192 / --mixed-prefill-length 512, the defaults) and at the old single budget (2048 / 2048) for comparison.
+#   scripts/gpu_mixed_bench.sh [resident] [24gib]   (default: resident; each scenario is two server starts,
+#                                                    ~4-5 min: one scenario per 10-minute device call)
+#   resident: every expert resident (--gpu-budget-gib $RESIDENT_BUDGET_GIB, 64k KV): the ADR's cost model
+#   24gib:    --gpu-budget-gib $BUDGET_GIB, 16k KV: the issue's card, the prefill streams what is not resident
+#   MIXED_BUDGETS="8192:512 2048:2048" (max:mixed pairs), MIXED_ARGS (extra ft bench mixed arguments)
+# Records: $OUT/mixed_<scenario>_<max>-<mixed>.json, the server logs beside them (serve_mixed_*.log).
+# Sources gpu_http_bench.sh for the checkpoint, the server start and the budgets (carry .whl/ as there).
+set -uo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_http_bench.sh"
+export PREFILL_KERNELS=${PREFILL_KERNELS:-triton}
+MIXED_BUDGETS=${MIXED_BUDGETS:-8192:512 2048:2048}
+MIXED_ARGS=${MIXED_ARGS:---repeats 3}
+
+mixed_summary() {  # one line from a record: the gaps in the window against the target, the prompt's TTFT
+  python3 - "$1" <<'EOF'
+import json, sys
+try:
+    rec = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as exc:
+    sys.exit(f"{sys.argv[1]}: no record ({exc})")
+s = rec.get("summary") or {}
+w, b = s.get("window") or {}, s.get("baseline") or {}
+print(f"{sys.argv[1]}: budgets {s.get('server_step_budgets')}; window gaps {w.get('count')} p50 {w.get('p50_ms')} "
+      f"p99 {w.get('p99_ms')} max {w.get('max_ms')} ms (target {(s.get('target') or {}).get('gap_p99_ms')}: "
+      f"met={s.get('meets_target')}); baseline p99 {b.get('p99_ms')} ms; TTFT p50 {s.get('ttft_s_median')} s; "
+      f"failures {len(rec.get('failures') or [])}")
+EOF
+}
+
+run_scenario() {  # run_scenario NAME PORT: one server per budget pair, ft bench mixed against each
+  local scen=$1 port=$2 shape pair max mixed name
+  case $scen in
+    resident) shape="--gpu-budget-gib $RESIDENT_BUDGET_GIB --kv-tokens 64k" ;;
+    24gib) shape="--gpu-budget-gib $BUDGET_GIB --kv-tokens 16k" ;;
+    *) echo "unknown scenario $scen (resident | 24gib)"; return 2 ;;
+  esac
+  for pair in $MIXED_BUDGETS; do
+    max=${pair%%:*} mixed=${pair##*:} name=mixed_${scen}_${pair/:/-}
+    # shellcheck disable=SC2086  # shape is a list of options
+    if serve "$port" "$OUT/serve_$name.log" $shape --max-running-requests 4 --max-prefill-length "$max" \
+        --mixed-prefill-length "$mixed"; then
+      # shellcheck disable=SC2086
+      timeout "$BENCH_TIMEOUT" python3 -m app bench mixed --base-url "http://127.0.0.1:$port" --model-dir "$CKPT" \
+        --quiet --out "$OUT/$name.json" $MIXED_ARGS 2>&1 | grep -v "^INFO" | tail -5
+      mixed_summary "$OUT/$name.json"
+      kill "$SERVER"; wait "$SERVER" 2>/dev/null
+    fi
+    port=$((port + 1))
+  done
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  synth_ckpt
+  SECONDS=0
+  port=8111
+  for scen in "${@:-resident}"; do
+    echo "=== mixed $scen"
+    run_scenario "$scen" "$port"
+    port=$((port + 10))
+  done
+  grep -h -E "Error|error|Traceback" "$OUT"/serve_mixed_*.log | head -10 || true
+fi

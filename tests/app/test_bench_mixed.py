@@ -1,0 +1,100 @@
+"""`ft bench mixed` end to end against the demo model on 127.0.0.1 (tiny sizes: the figures are the CPU's, the
+structure and the bookkeeping are what is checked), and its gap arithmetic on made-up arrivals."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+
+from app.bench.mixed import gap_figures, gaps_between, percentile
+from app.cli import main
+from app.containers import Container
+from app.serving import RunningServer
+from app.settings import ServeSettings
+from tests.app.test_bench import check_common
+
+pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
+MIXED = 32  # the server's --mixed-prefill-length: a 300-token prompt prefills over ~11 steps beside 3 decodes
+
+
+def test_percentiles_and_window_membership():
+    assert percentile([], 99) is None
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+    with pytest.raises(ValueError, match="q must be"):
+        percentile([1.0], 101)
+    times = [0.0, 1.0, 2.0, 5.0, 6.0]
+    # overlapping [1.5, 4]: (1, 2) ends inside, (2, 5) straddles the end; (0, 1) and (5, 6) are outside
+    assert gaps_between(times, 1.5, 4.0, overlapping=True) == [1.0, 3.0]
+    assert gaps_between(times, 0.0, 2.0, overlapping=False) == [1.0, 1.0]  # wholly inside only
+    fig = gap_figures([0.010, 0.020, 0.200])
+    assert fig["count"] == 3 and fig["max_ms"] == pytest.approx(200.0) and fig["p50_ms"] == pytest.approx(20.0)
+    assert gap_figures([]) == {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = ServeSettings(port=0, device="cpu", max_running_requests=4, max_prefill_length=1024,
+                             mixed_prefill_length=MIXED)
+    running = RunningServer(Container(), settings).start(wait_ready=120)
+    yield running
+    running.stop()
+
+
+def bench(tmp_path, server, *args) -> tuple[int, dict]:
+    out = tmp_path / "record.json"
+    code = main(["bench", "mixed", *args, "--base-url", server.base_url, "--out", str(out), "--quiet"])
+    return code, json.loads(out.read_text())
+
+
+def _idle(server) -> bool:
+    pools = httpx.get(server.base_url + "/v1/stats").json()["pools"]
+    return pools["running"] == 0 and pools["waiting"] == 0
+
+
+def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, server):
+    code, rec = bench(tmp_path, server, "--streams", "3", "--prompt-tokens", "300", "--stream-tokens", "700",
+                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1",
+                      "--warmup-repeats", "1")
+    check_common(rec, "mixed")
+    assert code == 0, rec["failures"]
+    (point,) = rec["points"]
+    assert point["ok"] and point["streams"] == 3
+    cal = rec["settings"]["calibration"]
+    assert abs(point["prompt_tokens"] - 300) <= cal["tokens_per_filler_unit"]
+    # the prompt went in chunks of MIXED - 3 tokens, and every mixed step gave each stream a token: each
+    # stream saw about one gap per chunk while it prefilled (not one long freeze)
+    chunks = math.ceil(point["prompt_tokens"] / (MIXED - 3))
+    assert point["gaps_in_window"] >= 2 * (chunks - 2)  # one budget of 1024 would give ~2 per stream
+    assert point["gaps_in_window"] == len(point["window_gaps_ms"])
+    assert point["gap_p50_ms"] <= point["gap_p99_ms"] <= point["gap_max_ms"]
+    assert point["gap_max_ms"] == pytest.approx(max(point["window_gaps_ms"]), abs=1e-3)
+    assert point["ttft_s"] == pytest.approx(point["window_s"])
+    assert point["baseline"]["count"] >= 3 * 7  # 8 baseline tokens per stream: 7 gaps wholly inside the window
+    summary = rec["summary"]
+    assert summary["target"]["gap_p99_ms"] == 150.0 and isinstance(summary["meets_target"], bool)
+    assert summary["window"]["count"] == point["gaps_in_window"]
+    assert summary["server_step_budgets"] == {"max_running": 4, "max_step_tokens": 1024, "mixed_step_tokens": MIXED}
+    assert rec["budget"]["fixed_bytes"] > 0  # the step's activations, held outside the pools
+    # the streams were closed, and the server let them go (nothing left running)
+    deadline = time.monotonic() + 30
+    while not _idle(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _idle(server)
+
+
+def test_a_stream_that_ends_too_soon_is_a_failure_not_a_figure(tmp_path, server):
+    code, rec = bench(tmp_path, server, "--streams", "2", "--prompt-tokens", "100", "--stream-tokens", "6",
+                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1",
+                      "--warmup-repeats", "0")
+    assert code == 1
+    (point,) = rec["points"]
+    assert point["ok"] is False and "ended while waiting for" in point["error"]
+    assert "finished (length) after 6 tokens (raise --stream-tokens?)" in point["error"]
+    assert rec["summary"]["window"]["count"] == 0 and rec["summary"]["meets_target"] is None
+    assert [f["where"] for f in rec["failures"]] == ["repeat 0", "run"]

@@ -1,0 +1,72 @@
+"""`ft serve --max-prefill-length / --mixed-prefill-length` (docs/adr/0011-mixed-step-budget.md): checked with
+clear errors, handed to the scheduler, and the largest step's activations held outside the pools, a step
+size the budget cannot hold refused by name."""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from app.containers import _budget, _pool_plan, _scheduler_config, _step_reserve
+from app.settings import ServeSettings
+from domain.step_budget import step_activation_bytes
+from tests.app.conftest import TINY_SPEC
+
+GIB = 2**30
+
+
+def test_the_two_budgets_default_and_are_checked():
+    s = ServeSettings()
+    assert (s.max_prefill_length, s.mixed_step_tokens) == (8192, 512)
+    assert ServeSettings(max_prefill_length=256).mixed_step_tokens == 256  # the default never exceeds the step
+    assert ServeSettings(max_running_requests=600, max_prefill_length=8192).mixed_step_tokens == 600
+    assert ServeSettings(mixed_prefill_length=2048).mixed_step_tokens == 2048
+    with pytest.raises(ValueError, match=r"--mixed-prefill-length \(9000\) must be >= --max-running-requests \(4\) "
+                                         r"and <= --max-prefill-length \(8192\)"):
+        ServeSettings(mixed_prefill_length=9000)
+    with pytest.raises(ValueError, match="--mixed-prefill-length"):
+        ServeSettings(max_running_requests=8, mixed_prefill_length=4)
+    with pytest.raises(ValueError, match=r"--max-prefill-length \(2\) must be >= --max-running-requests \(4\)"):
+        ServeSettings(max_prefill_length=2)
+
+
+def test_serve_refuses_a_bad_mixed_budget_on_the_command_line():
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--max-prefill-length", "1k",
+                          "--mixed-prefill-length", "2k"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--mixed-prefill-length (2048) must be" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_the_scheduler_gets_both_budgets():
+    settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024, mixed_prefill_length=96)
+    plan = _pool_plan(settings, TINY_SPEC, _budget(settings, TINY_SPEC, "cpu"))
+    config = _scheduler_config(settings, TINY_SPEC, plan, ())
+    assert (config.max_step_tokens, config.mixed_step_tokens) == (1024, 96)
+
+
+def test_the_budget_holds_the_largest_steps_activations_outside_the_pools():
+    settings = ServeSettings(gpu_budget_gib=1.0, kv_tokens=1024, moe_slots=8, max_prefill_length=4096)
+    budget = _budget(settings, TINY_SPEC, "cpu")
+    step = min(4096, 4 * TINY_SPEC.max_context)
+    assert budget.fixed_bytes == step_activation_bytes(TINY_SPEC, step, 4, dtype_bytes=4) > 0  # fp32 on the CPU
+    assert _step_reserve(settings, TINY_SPEC, "cuda:0") == step_activation_bytes(TINY_SPEC, step, 4)  # bf16 there
+    small = replace(settings, max_prefill_length=64)
+    assert _budget(small, TINY_SPEC, "cpu").fixed_bytes < budget.fixed_bytes
+    plan = _pool_plan(settings, TINY_SPEC, budget)
+    assert plan.pool_bytes == int(GIB * settings.memory_ratio) - TINY_SPEC.dense_weight_bytes() - budget.fixed_bytes
+
+
+def test_a_step_size_the_budget_cannot_hold_is_refused_by_name():
+    fits = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=16, cache_type="none")
+    small = _pool_plan(fits, TINY_SPEC, _budget(fits, TINY_SPEC, "cpu"))
+    big = replace(fits, max_prefill_length=4096)
+    reserve = _budget(big, TINY_SPEC, "cpu").fixed_bytes
+    # a card that holds these pools and a 16-token step's activations, not a 4096-token step's
+    total = (small.used_bytes + TINY_SPEC.dense_weight_bytes() + reserve // 2) / 0.9
+    card = replace(fits, gpu_budget_gib=total / GIB)
+    assert _pool_plan(card, TINY_SPEC, _budget(card, TINY_SPEC, "cpu")).kv_tokens == 1024
+    refused = replace(card, max_prefill_length=4096)
+    with pytest.raises(ValueError, match=r"a prefill step of 4096 tokens \(--max-prefill-length\) needs .* GiB of "
+                                         r"activations beside the pools.*lower --max-prefill-length"):
+        _pool_plan(refused, TINY_SPEC, _budget(refused, TINY_SPEC, "cpu"))
