@@ -35,7 +35,12 @@ def parse_count(text: str) -> int:
 
 def parse_count_or_zero(text: str) -> int:
     """A count as parse_count, or 0."""
-    return 0 if text.strip() == "0" else parse_count(text)
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a count >= 0: {text!r}") from None
 
 
 def parse_count_or_auto(text: str) -> int | str:
@@ -153,7 +158,8 @@ def deployment_from_args(deployment: Deployment, args) -> Deployment:
     changes = {name: getattr(args, name) for name in ("memory_ratio", "cache_type", "snapshot_slots",
                                                       "prefill_kernels") if getattr(args, name) is not None}
     if args.gpu_budget_gib is not None:
-        changes["gpu_budget_bytes"] = cap_bytes(args.gpu_budget_gib)
+        # NOTE: the card's cap replaces a calibration's fixed pool, if it had one: the budget is read as the server's
+        changes.update(gpu_budget_bytes=cap_bytes(args.gpu_budget_gib), pool_bytes=None)
     if args.max_running_requests is not None:
         changes["state_slots"] = args.max_running_requests
     if args.staging_experts is not None:

@@ -150,7 +150,7 @@ class RunStats:
     ttft_probe_s: float | None = None
 
 
-def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int,
+def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
                     page_size: int = 16) -> ServePlan | str:
     """The server's plan for this point (domain.serve_plan: the defaults it drops and why included), or
     why it cannot run."""
@@ -164,10 +164,11 @@ def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Depl
     return planned
 
 
-def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int,
+def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
                page_size: int = 16) -> PoolPlan | str:
-    """The domain planner's plan for this point, or why it cannot run."""
-    planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size)
+    """The domain planner's plan for this point, or why it cannot run. Any batch fits a plan: requests
+    beyond its state slots queue (predict_point says how many)."""
+    planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size=page_size)
     return planned if isinstance(planned, str) else planned.plan
 
 
@@ -254,7 +255,7 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                   check: bool = False) -> PointResult:
     workload = workload or Workload()
     result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False, calibration=calibration)
-    planned = plan_deployment(spec, hardware, deployment, kv_tokens, workload.page_size)
+    planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size=workload.page_size)
     if isinstance(planned, str):
         result.reason = planned
         return result

@@ -2,6 +2,7 @@
 (domain/serve_plan.py), the same inputs (budget reading, dense weights, state, snapshot and staging pools),
 the same defaults. Checked against the pool plan the engine recorded on the H200."""
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -165,12 +166,24 @@ def test_unset_flags_keep_the_calibrations_deployment_and_set_ones_mean_what_ft_
                                       "--gpu-budget-gib", "24", "--memory-ratio", "0.8", "--max-running-requests",
                                       "6", "--cache-type", "none", "--snapshot-slots", "0", "--staging-experts",
                                       "auto", "--prefill-kernels", "triton"])
-    got = deployment_from_args(base.replace(staging_experts=8), args)
+    got = deployment_from_args(base.replace(staging_experts=8, pool_bytes=1 << 30), args)
     assert got == base.replace(gpu_budget_bytes=24 * 2**30, memory_ratio=0.8, state_slots=6, cache_type="none",
                                snapshot_slots=0, staging_experts=None, prefill_kernels="triton")
     args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", "m", "--kv", "8k",
                                       "--state-slots", "3", "--staging-experts", "0"])
     assert deployment_from_args(base, args) == base.replace(state_slots=3, staging_experts=0)
+
+
+
+@pytest.mark.parametrize("flags, message", [(["--gpu-budget-gib", "0"], "gpu-budget-gib"),
+                                            (["--memory-ratio", "1.5"], "memory_ratio"),
+                                            (["--snapshot-slots", "-1"], "not a count >= 0")])
+def test_bad_pool_flags_are_clear_errors(capsys, flags, message):
+    with pytest.raises(SystemExit) if message == "not a count >= 0" else contextlib.nullcontext():
+        rc = main(["predict", "--hardware", "h200", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k", *flags,
+                   "--workers", "1"])
+        assert rc == 2
+    assert message in capsys.readouterr().err
 
 
 SETTINGS = [
@@ -206,3 +219,29 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
         assert isinstance(simulated, str) and simulated in served
     else:
         assert simulated.plan == served
+
+
+def test_a_batch_above_the_running_limit_queues_as_on_the_server():
+    # `ft serve` runs at most --max-running-requests at once (scheduler max_running = the state slots) and
+    # queues the rest; the simulator did refuse such a batch. Three requests on two slots: the third waits
+    # for a slot, so the point is slower per request than on three slots and says how many queued.
+    from simulator.cost_model import CostParams
+    from simulator.predict import Workload, predict_point
+    from simulator.routing import UniformRouting
+
+    spec = tiny_spec()
+    fast = Workload(warmup_iterations=1, warmup_tokens=8, measure_iterations=1, measure_tokens=16)
+
+    def point(slots):
+        routing = UniformRouting(spec.num_layers, spec.num_experts, spec.top_k, seed=1)
+        deployment = Deployment(pool_bytes=1 << 30, state_slots=slots, cache_type="none")
+        return predict_point(spec, "tiny", get_profile("rtx3090"), deployment, CostParams(step_overhead_s=1e-3),
+                             routing, 1024, 3, fast, check=True)
+
+    queued, running = point(2), point(3)
+    assert queued.fits and queued.state_slots == 2 and queued.extra["queued"] == 1
+    assert "queued" not in running.extra
+    assert queued.extra["window"]["output_tokens"] == running.extra["window"]["output_tokens"] == 3 * 16
+    # every step runs at most two sequences: 3 x 16 tokens need at least 24 steps, against 16 on three slots
+    assert queued.extra["window"]["steps"] >= 24 and running.extra["window"]["steps"] < 24
+    assert queued.decode_tok_s_per_request < running.decode_tok_s_per_request
