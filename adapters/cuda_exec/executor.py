@@ -60,7 +60,7 @@ class CudaGraphExecutor(ExecutorPools):
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
                  routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
-                 warm_prefill: bool = True):
+                 warm_prefill: bool = False):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
@@ -69,7 +69,8 @@ class CudaGraphExecutor(ExecutorPools):
         max_step_tokens: the most tokens one step carries (the scheduler's max_step_tokens, --max-prefill-length);
         the prefill warm-up tunes every kernel key a step up to that size can produce.
         warm_prefill: with prefill_kernels on CUDA, tune and compile the Triton prefill at start-up
-        (prefill_warmup.py) so no request pays for it; False leaves that to the first requests (tests)."""
+        (prefill_warmup.py) so no request pays for it (the server asks for it); False leaves that to the
+        first steps that need each key (tests, benchmarks with their own warm-up)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")

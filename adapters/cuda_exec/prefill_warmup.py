@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -255,7 +255,7 @@ class ReadOnlyExperts:
 class WarmupReport:
     plan: WarmupPlan
     seconds: float = 0.0
-    skipped: list[str] | None = None  # items that ran out of memory (logged; a request that size would too)
+    skipped: list[str] = field(default_factory=list)  # items that ran out of memory (logged; a request that size would too)
 
 
 def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dtype: torch.dtype,
@@ -267,8 +267,7 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
     each item runs. Raises whatever a kernel raises other than running out of memory (a kernel that
     cannot build for this model would fail every request that reaches it)."""
     start = time.perf_counter()
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    scratch = _Scratch(model, experts, page_size, dtype, device, gen)
+    scratch = _Scratch(model, experts, page_size, dtype, device, seed)
     skipped: list[str] = []
     with torch.inference_mode():
         for kernel, item in plan.items():
@@ -289,9 +288,11 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
 class _Scratch:
     """Inputs of each warm-up item, on scratch memory (never the executor's KV, state or slot bytes)."""
 
-    def __init__(self, model, experts, page_size: int, dtype: torch.dtype, device: torch.device,
-                 gen: torch.Generator):
-        self.model, self.experts, self.dtype, self.device, self.gen = model, experts, dtype, device, gen
+    def __init__(self, model, experts, page_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+        self.model, self.experts, self.dtype, self.device = model, experts, dtype, device
+        # NOTE: inputs drawn on the device (a 16k x 2048 draw on the host takes longer than its GEMM's tuning)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.host_gen = torch.Generator().manual_seed(seed)  # token ids (host lists)
         self.page_size = page_size
         self.read_only = ReadOnlyExperts(experts)
         longest = max(PREFIX_TOKENS + PREFIX_SPAN, max(SPAN_TOKENS), MIXED_PREFILL)
@@ -303,7 +304,7 @@ class _Scratch:
             if model.linear_layers else None
 
     def _randn(self, *shape) -> torch.Tensor:
-        return (torch.randn(*shape, generator=self.gen) * 0.1).to(device=self.device, dtype=self.dtype)
+        return torch.randn(*shape, generator=self.gen, device=self.device, dtype=self.dtype).mul_(0.1)
 
     def run(self, kernel: str, item) -> None:
         getattr(self, "_" + kernel)(item)
@@ -318,8 +319,8 @@ class _Scratch:
         """(slot ids int32 [T, columns], weights fp32 [T, columns]): K distinct experts per token drawn
         uniformly (a router's spread), as slots of the pool; the shared row in the last column if packed."""
         top_k, pool = self.model.opts.top_k, self.experts
-        scores = torch.rand(tokens, pool.bank.num_experts, generator=self.gen)
-        ids = scores.topk(top_k, dim=1).indices.to(self.device)  # [T, K]
+        scores = torch.rand(tokens, pool.bank.num_experts, generator=self.gen, device=self.device)  # [T, E]
+        ids = scores.topk(top_k, dim=1).indices  # [T, K]
         slot_ids = self.read_only.slot_ids(0, ids, columns > top_k)
         weights = torch.full((tokens, columns), 1.0 / top_k, dtype=torch.float32, device=self.device)
         return slot_ids, weights
@@ -348,7 +349,7 @@ class _Scratch:
         works = [(length, start, 0, tuple(range(self.span_pages))) for length, start in item.spans]
         works += [(1, 0, 1, (self.span_pages,))] * item.decodes
         for i, (length, start, slot, pages) in enumerate(works):
-            work = SequenceWork(f"warmup-{i}", tuple(torch.randint(vocab, (length,), generator=self.gen).tolist()),
+            work = SequenceWork(f"warmup-{i}", tuple(torch.randint(vocab, (length,), generator=self.host_gen).tolist()),
                                 start, pages, slot, True, SamplingParams(), int(length == 1))
             spans.append(SeqSpan(work, offset, length, torch.tensor(pages, dtype=torch.long, device=self.device)))
             tokens += work.token_ids

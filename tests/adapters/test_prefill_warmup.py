@@ -52,11 +52,12 @@ def _cls(n: int):
 def ckpt(tmp_path_factory):
     geometry = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256)
     directory = synthesize(tmp_path_factory.mktemp("fp8"), geometry, "fp8_block", seed=11, tokenizer=False)
-    return load_checkpoint(directory, device="cpu")
+    return load_checkpoint(directory, device="cpu", progress=False)
 
 
 def _executor(ckpt, **kw):
     kw.setdefault("prefill_kernels", True)
+    kw.setdefault("warm_prefill", True)  # as the server builds it
     return CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), "cpu", torch.float32,
                              max_decode_rows=DECODE_ROWS, max_step_tokens=MAX_TOKENS, **kw)
 
@@ -193,3 +194,34 @@ print("dense_gemm_do_not_specialize", *(k if isinstance(k, str) else f.arg_names
                      "moe_grouped_gate_up": "True", "moe_grouped_down": "True",
                      # M and M_BUCKET only bound the row mask: one dense_gemm binary for every row count
                      "dense_gemm_do_not_specialize": "M M_BUCKET"}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)  # the warm-up itself: ~30 keys x 9 tiles benchmarked, plus their compiles
+def test_after_the_warm_up_no_step_on_the_gpu_tunes_or_compiles(ckpt, monkeypatch):
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    phases = []
+    ex = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), "cuda", torch.bfloat16,
+                           max_decode_rows=DECODE_ROWS, max_step_tokens=160, prefill_kernels=True,
+                           warm_prefill=True, on_phase=phases.append)
+    assert [p.split(" ")[0] for p in phases] == ["capturing", "decode", "tuning", "prefill"]
+    assert phases[-1] == f"prefill kernels tuned in {ex.warmup.seconds:.1f} s" and ex.warmup.skipped == []
+    events = []
+
+    def spy(name, original):
+        def recording(self, *args, **kwargs):
+            events.append((name, getattr(self, "__name__", None) or getattr(getattr(self, "fn", None), "__name__", "?")))
+            return original(self, *args, **kwargs)
+        return recording
+
+    monkeypatch.setattr(Autotuner, "_bench", spy("tune", Autotuner._bench))
+    if hasattr(JITFunction, "_do_compile"):  # Triton >= 3.4; before, only the tuning is checked
+        monkeypatch.setattr(JITFunction, "_do_compile", spy("compile", JITFunction._do_compile))
+    # three prompts in one continuous batch, chunks of up to 48 tokens (steps of up to 144), then decodes
+    # mixed with the last chunks: lengths whose buckets, BLOCK_M and specializations the warm-up covered
+    prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 70, 131))]
+    seqs = [Sequence(f"r{i}", p, pages_for(i, len(p) + 4), state_slot=i) for i, p in enumerate(prompts)]
+    run_requests(ex, seqs, 3, chunk=48)
+    assert events == [], f"tuned or compiled on a request's path: {sorted(set(events))}"
