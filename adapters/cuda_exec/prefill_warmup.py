@@ -20,6 +20,8 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               kernel (norms, router, GDN chunk kernels, conv, attention's rope, the residency lookup, the
               MoE sum) once per specialization class of the token counts it sees
   gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves)
+  moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
+              scratch residency), one per BLOCK_N and class of T*K
 Scratch: a 2-slot state pool, a KV cache of a few pages, a residency table of the pool's size (for the
 decode-style lookup kernel) and the activations; the expert pool's slots are only read (routed expert e
 reads slot e mod S, nothing is gathered, the pool's residency is not consulted). Peak extra memory is
@@ -33,11 +35,13 @@ S slots, M rows of a projection, N/K_in its out/in features.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
@@ -118,6 +122,18 @@ class ForwardItem:
 
 
 @dataclass(frozen=True)
+class MoeBlockItem:
+    tokens: int
+    top_k: int
+
+    @property
+    def key(self) -> tuple:
+        """The one-launch residency lookup's BLOCK_N and the specialization class of its T*K keys."""
+        n = self.tokens * self.top_k
+        return (max(16, triton.next_power_of_2(n)), spec_class(n))
+
+
+@dataclass(frozen=True)
 class GdnPieceItem:
     tokens: int  # a span piece gdn_prefill runs alone (a prefix-cache snapshot can cut a 1-token piece)
 
@@ -134,16 +150,33 @@ class WarmupPlan:
     fused: tuple[FusedItem, ...]
     forwards: tuple[ForwardItem, ...]
     gdn_pieces: tuple[GdnPieceItem, ...] = ()
+    moe_blocks: tuple[MoeBlockItem, ...] = ()
 
     def items(self) -> list[tuple[str, object]]:
         """(kernel, item) in the order they run: the tuned GEMMs first, at their representative sizes, so
         the scratch forwards find their keys tuned."""
         return ([("dense_gemm", i) for i in self.gemm] + [("dense_gemv", i) for i in self.gemv]
                 + [("moe_grouped", i) for i in self.grouped] + [("moe_fused", i) for i in self.fused]
-                + [("forward", i) for i in self.forwards] + [("gdn_prefill", i) for i in self.gdn_pieces])
+                + [("forward", i) for i in self.forwards] + [("gdn_prefill", i) for i in self.gdn_pieces]
+                + [("moe_block", i) for i in self.moe_blocks])
 
     def keys(self) -> set[tuple[str, tuple]]:
         return {(kernel, item.key) for kernel, item in self.items()}
+
+
+def spec_class(n: int):
+    """How Triton specializes an int argument n: 'one' for n == 1, else gcd(n, 16) (16: divisible by 16;
+    an argument c*n falls in a class set by this)."""
+    return "one" if n == 1 else math.gcd(n, 16)
+
+
+def lookup_tokens(max_tokens: int, top_k: int, max_keys: int) -> tuple[int, ...]:
+    """Chunk sizes (tokens) that take the one-launch residency lookup (T*top_k <= max_keys), one per
+    (BLOCK_N, specialization class of T*top_k): the kernel compiles once per pair."""
+    found: dict[tuple, int] = {}
+    for t in range(1, min(max_tokens, max_keys // top_k) + 1):
+        found[MoeBlockItem(t, top_k).key] = t
+    return tuple(sorted(found.values()))
 
 
 def gemm_rows(bound: int, in_features: int, gemv_ok: bool) -> tuple[int, ...]:
@@ -219,7 +252,9 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
         forwards.append(ForwardItem(((PREFIX_SPAN, PREFIX_TOKENS),), 0))
     forwards += [ForwardItem(((MIXED_PREFILL, 0),), n) for n in rows]
     pieces = (GdnPieceItem(1),) if model.linear_layers else ()  # forward's spans of 1 token are decode rows
-    return WarmupPlan(tuple(gemms), tuple(gemvs), tuple(grouped), (FusedItem(columns),), tuple(forwards), pieces)
+    blocks = tuple(MoeBlockItem(t, top_k) for t in lookup_tokens(max_tokens, top_k, min(experts.num_slots, MAX_KEYS)))
+    return WarmupPlan(tuple(gemms), tuple(gemvs), tuple(grouped), (FusedItem(columns),), tuple(forwards), pieces,
+                      blocks)
 
 
 class ReadOnlyExperts:
@@ -335,6 +370,13 @@ class _Scratch:
         partials = torch.zeros((1, item.columns, self.model.opts.hidden), dtype=torch.float32, device=self.device)
         fused_moe(self._randn(1, self.model.opts.hidden), slot_ids, weights, self.experts.all_slots,
                   self.experts.layout, partials=partials)
+
+    def _moe_block(self, item: MoeBlockItem) -> None:
+        """Every layer's MoE block (router, lookup, experts) on `tokens` rows: the lookup's integer
+        arguments (the layer's key base, its shared slot) differ by layer."""
+        h = self._randn(item.tokens, self.model.opts.hidden)
+        for i in range(len(self.model.mixers)):
+            self.model._moe(i, h, self.read_only)
 
     def _gdn_prefill(self, item: GdnPieceItem) -> None:
         mixer = self.model.mixers[self.model.linear_layers[0]]  # every GDN layer has the same shapes

@@ -19,10 +19,16 @@ import torch
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import GEOMETRIES
+from adapters.cuda_exec import device_residency, fast_decoder, prefill
 from adapters.cuda_exec import expert_pool as pool_mod
-from adapters.cuda_exec import fast_decoder, prefill
 from adapters.cuda_exec.executor import CudaGraphExecutor
-from adapters.cuda_exec.prefill_warmup import gemm_rows, grouped_tokens, plan_warmup, warm_prefill_kernels
+from adapters.cuda_exec.prefill_warmup import (
+    gemm_rows,
+    grouped_tokens,
+    lookup_tokens,
+    plan_warmup,
+    warm_prefill_kernels,
+)
 from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels import fused_moe as fused_mod
@@ -106,6 +112,8 @@ def warmed(ckpt):
              ("moe_fused", (ids.shape[1], "partials")) if partials is not None else None)
         wrap(prefill, "gdn_chunk_wy", lambda mixed, *a, **k: ("gdn_chunk_wy", _cls(mixed.shape[0])))
         wrap(prefill, "qk_norm_rope", lambda q, *a, **k: ("qk_norm_rope", _cls(q.shape[0])))
+        wrap(device_residency, "layer_lookup", lambda ids, *a, **k:
+             ("residency_lookup", (max(16, 1 << (ids.numel() - 1).bit_length()), _cls(ids.numel()))))
         wrap(fast_decoder, "gdn_decode_step", lambda qkv, *a, **k: ("gdn_decode_step", _cls(qkv.shape[0])))
         plan = plan_warmup(ex.model, ex.experts, MAX_TOKENS, DECODE_ROWS)
         ran = []
@@ -144,6 +152,9 @@ def test_the_warm_up_compiles_every_specialization_class_of_the_mixers(warmed):
     assert _kind(seen, "gdn_chunk_wy") == every  # spans of 17, 18, 20, 24, 32 (and 16) tokens, a 1-token piece
     assert _kind(seen, "qk_norm_rope") == every
     assert _kind(seen, "gdn_decode_step") == {"one", 2, 4}  # mixed steps' decode rows, up to 4 running
+    # chunks of 1-4 tokens x top-2 fit the one-launch lookup on 8 slots: 2, 4, 6, 8 keys in one 16-wide block
+    assert _kind(seen, "residency_lookup") == {(16, 2), (16, 4), (16, 8)}
+    assert _kind(warmed[3].keys(), "moe_block") == _kind(seen, "residency_lookup")
 
 
 def test_the_warm_up_leaves_every_pool_bitwise_unchanged(warmed):
@@ -175,6 +186,8 @@ def test_the_plan_at_the_qwen36_geometry_covers_the_block_sizes_the_h200_re_tune
     assert gemm_rows(16_500, 2048, True) == (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     assert gemm_rows(16_500, 4096, True) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # GEMV up to 8 rows
     assert gemm_rows(100, 2048, False) == (1, 2, 4, 8, 16, 32, 64, 100)  # 4-bit: no GEMV; bucket 128 at 100
+    # the one-launch lookup (up to 256 keys, 8 per token): one compile per BLOCK_N and class of 8T
+    assert lookup_tokens(16_500, 8, 256) == (1, 2, 3, 4, 7, 8, 15, 16, 31, 32)
     with pytest.raises(ValueError, match="max_tokens"):
         plan_warmup(None, None, 0, 4)
 
