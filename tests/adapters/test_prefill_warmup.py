@@ -36,6 +36,8 @@ from adapters.kernels import grouped_moe as grouped_mod
 from tests.adapters.sm90 import build_for_sm90
 from tests.adapters.torch_exec_models import Sequence, make_plan, pages_for, run_requests
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # fp32 on CUDA would tune FMA-loop tiles
 MAX_TOKENS, DECODE_ROWS = 40, 4
 # tiny geometry (hidden 160; attention 4 heads x 32 with the output gate, 2 kv heads; GDN 2 key and 4 value
 # heads of 32; shared expert 64 wide, so not packed): the quantized [N, K] projections a span reaches
@@ -61,11 +63,12 @@ def ckpt(tmp_path_factory):
     return load_checkpoint(directory, device="cpu", progress=False)
 
 
-def _executor(ckpt, **kw):
+def _executor(ckpt, device=DEVICE, **kw):
     kw.setdefault("prefill_kernels", True)
     kw.setdefault("warm_prefill", True)  # as the server builds it
-    return CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), "cpu", torch.float32,
-                             max_decode_rows=DECODE_ROWS, max_step_tokens=MAX_TOKENS, **kw)
+    return CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), device,
+                             DTYPE if device == DEVICE else torch.float32, max_decode_rows=DECODE_ROWS,
+                             max_step_tokens=MAX_TOKENS, **kw)
 
 
 def _pools(ex) -> dict[str, torch.Tensor]:
@@ -120,7 +123,7 @@ def warmed(ckpt):
         with warnings.catch_warnings():  # slots never filled hold garbage bytes: NaNs in the interpreter
             warnings.simplefilter("ignore", RuntimeWarning)
             report = warm_prefill_kernels(ex.model, ex.experts, plan, page_size=ex.plan.page_size,
-                                          dtype=torch.float32, device=torch.device("cpu"),
+                                          dtype=DTYPE, device=torch.device(DEVICE),
                                           on_item=lambda kernel, item: ran.append((kernel, item.key)))
     return ex, before, seen, plan, report, ran
 
@@ -168,8 +171,8 @@ def test_the_warm_up_leaves_every_pool_bitwise_unchanged(warmed):
 
 def test_the_executor_skips_the_warm_up_where_nothing_is_tuned_ahead(ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="adapters.cuda_exec.executor"):
-        ex = _executor(ckpt)
-        ref = _executor(ckpt, prefill_kernels=False)
+        ex = _executor(ckpt, "cpu")
+        ref = _executor(ckpt, "cpu", prefill_kernels=False)
     assert ex.warmup is None and ref.warmup is None
     text = caplog.text
     assert "prefill kernel warm-up skipped: cpu runs the kernels without autotuning" in text
