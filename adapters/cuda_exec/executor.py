@@ -180,8 +180,9 @@ class CudaGraphExecutor(ExecutorPools):
 
     def _warm_prefill(self) -> None:
         """Tune and compile every Triton prefill kernel key a step can produce (prefill_warmup.py), timed
-        and reported like the graph capture. A resize changes no key (slot counts are not specialized on),
-        so this runs once, at start-up."""
+        and reported like the graph capture. Runs once, at start-up: a resize changes no key (slot counts are
+        not specialized on), except that a pool of fewer than MAX_KEYS slots that grows lets bigger chunks
+        take the one-launch lookup, whose new block sizes then compile on first use."""
         if not self.prefill_kernels or self.device.type != "cuda":
             why = "the reference prefill runs (--prefill-kernels reference)" if not self.prefill_kernels else \
                 f"{self.device.type} runs the kernels without autotuning or compiling ahead"
