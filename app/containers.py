@@ -219,7 +219,8 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
 
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
                                  on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
-                                 routing_replay=routing_replay)
+                                 routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
+                                 warm_prefill=True)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
