@@ -3,7 +3,10 @@
 #   tests    GPU pytest of the fast-path kernels and executors, one pytest per file with a 60 s limit per test
 #            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
-#   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity
+#   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
+#            (GEMV projections) into $OUT/decode_reference, --prefill-kernels triton (tensor-core GEMM for
+#            decode buckets of a few rows and more) into $OUT/decode_triton
+#   formats  scripts/bench_decode.py resident bs1/4 for NVFP4 and BF16 checkpoints (issue 8's 300 / 200 tok/s)
 #   http     scripts/gpu_http_bench.sh with the Triton prefill (PREFILL_KERNELS=triton)
 # Usage: ./scripts/gpu_fast_path.sh tests kernels   (carry the serving wheels in .whl/ for http)
 set -uo pipefail
@@ -22,12 +25,14 @@ for phase in "$@"; do
       per_test=(--timeout 60)
       python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "pytest-timeout missing: no per-test limit" | tee -a "$log"; }
       start=$SECONDS
-      for f in tests/adapters/test_kernels_prefill.py tests/adapters/test_kernel_dense_gemm.py \
-               tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_prefill_linear.py \
-               tests/adapters/test_fast_executor.py tests/adapters/test_prefill_warmup.py \
-               tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py \
+      # the default decode path first (what every CUDA server runs), then the Triton prefill's files
+      for f in tests/adapters/test_fast_executor.py tests/adapters/test_kernel_fused_routing.py \
                tests/adapters/test_kernels_moe.py tests/adapters/test_kernel_moe_router.py \
-               tests/adapters/test_device_residency.py; do
+               tests/adapters/test_kernels_attention_gdn.py tests/adapters/test_device_residency.py \
+               tests/adapters/test_kernels_prefill.py tests/adapters/test_prefill_warmup.py \
+               tests/adapters/test_prefill_linear.py tests/adapters/test_kernel_dense_gemm.py \
+               tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py \
+               tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_fast_executor_streamed.py; do
         if (( SECONDS - start > 480 )); then echo "SKIPPED $f (phase past 480 s)" | tee -a "$log"; continue; fi
         echo "=== $f" >> "$log"
         t0=$SECONDS; lines=$(wc -l < "$log")
@@ -41,8 +46,17 @@ for phase in "$@"; do
       grep -E "^(FAILED|ERROR) |Timeout" "$log" | cut -c1-300 ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -3 ;;
     decode)
-      timeout 400 python3 scripts/bench_decode.py --out "$OUT" --synth-dir "$CKPT" --reuse --batch 1,4,16 \
-        --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 | grep -E "^resident|parity|Error" | cut -c1-300 ;;
+      for kernels in reference triton; do
+        timeout 270 python3 scripts/bench_decode.py --out "$OUT/decode_$kernels" --synth-dir "$CKPT" --reuse \
+          --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels "$kernels" 2>&1 \
+          | grep -E "^resident|parity|Error" | cut -c1-300
+      done ;;
+    formats)
+      for fmt in nvfp4 bf16; do
+        timeout 280 python3 scripts/bench_decode.py --out "$OUT/decode_$fmt" --synth-dir "/tmp/qwen36-$fmt" --reuse \
+          --format "$fmt" --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
+          | grep -E "^resident|parity|Error" | cut -c1-300
+      done ;;
     http) PREFILL_KERNELS=triton timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
