@@ -104,8 +104,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.graphs = {}
         self.inputs = None
         self._swap_pools(plan)
-        self.decode_rows = min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
-                               plan.state_slots if self.state is not None else self.max_decode_rows)
+        self.decode_rows = self._decode_rows(plan)
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
@@ -114,6 +113,12 @@ class CudaGraphExecutor(ExecutorPools):
                                                    self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
+
+    def _decode_rows(self, plan: PoolPlan) -> int:
+        """The largest decode batch a graph is captured for: every row's top-k fits the pool at once (the
+        one-launch lookup's bound) and has a state slot."""
+        return min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
+                   plan.state_slots if self.state is not None else self.max_decode_rows)
 
     def _kv_pool_pages(self, plan: PoolPlan) -> int:
         return plan.kv_pages + SCRATCH_PAGES

@@ -74,7 +74,9 @@ class PrefillStream:
         # the residency's table as the step starts; nothing changes it until the step ends
         self.resident = pool.residency.slot_of_key[:layers * experts].view(layers, experts).clone()  # [L, E]
         resident_host = self.resident.tolist()  # NOTE: the step's one host sync
-        missing = [[e for e, s in enumerate(row) if s < 0] for row in resident_host]
+        shard = pool.shard  # expert parallelism: only this rank's experts are ever staged
+        missing = [[e for e, s in enumerate(row) if s < 0 and (shard is None or shard.partition.owns(shard.rank, (l, e)))]
+                   for l, row in enumerate(resident_host)]
         self.rounds: tuple[StagingRound, ...] = plan_rounds(missing, pool.staging_slots)
         self.buffers, self.per_round = staging_buffers(pool.staging_slots)
         self.speculate = speculate_whole_layers(pairs, experts)
@@ -135,6 +137,9 @@ class PrefillStream:
             raise ValueError(f"a streamed step routes {self.pairs} pairs in every layer, got {ids.numel()}")
         pool, experts = self.pool, self.experts
         safe = ids.to(torch.int64) if valid is None else torch.where(valid[:, None], ids.to(torch.int64), experts)
+        if pool.shard is not None:  # pairs another rank owns route nowhere here (as padding does)
+            flat = torch.where(safe < experts, safe + layer * experts, -1).reshape(-1)
+            safe = torch.where(pool.residency.owned_only(flat).view(safe.shape) >= 0, safe, experts)
         routed = torch.zeros(experts + 1, dtype=torch.bool, device=ids.device)
         routed[safe.reshape(-1)] = True  # [E + 1], a scatter: no host sync
         routed[experts] = False
@@ -153,7 +158,7 @@ class PrefillStream:
                 slot = resident[safe.clamp(max=experts - 1)].to(torch.int32)  # [T, K]
                 col = torch.where((slot >= 0) & (safe < experts), slot, col)
             if shared:
-                column = pool.num_slots + layer if rnd.first else -1
+                column = pool.shared_slot(layer) if rnd.first else -1
                 col = torch.cat((col, torch.full_like(col[:, :1], column)), 1)  # [T, K+1]
             pool._experts(ids.numel(), x, col.contiguous(), weights, partials)
             self.free[rnd.buffer] = self.lane.mark()

@@ -1,0 +1,93 @@
+"""Expert parallelism on the fast path (docs/adr/0008-expert-parallel.md): one process per rank, each a
+CudaGraphExecutor whose DeviceExpertPool looks up, copies and computes only the (layer, expert) keys its
+rank owns, and whose MoE layers all-reduce exact fp32 partials (adapters/cuda_exec/expert_shard.py), inside
+the captured decode graphs on CUDA (NCCL) and eagerly on the CPU (gloo, Triton's interpreter).
+
+Rank 0 drives and the others follow with the reference path's machinery (StepLeader / follow in
+adapters/torch_exec/expert_parallel.py): every rank executes the same StepBatches and resizes in the same
+order, so the collectives pair up, and the same decode bucket is replayed on every rank.
+
+Shape legend: B decode rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from adapters.checkpoint.loader import LoadedCheckpoint
+from adapters.cuda_exec.executor import CudaGraphExecutor
+from adapters.cuda_exec.expert_pool import DeviceExpertPool
+from adapters.cuda_exec.expert_shard import ExpertShard
+from adapters.torch_exec.expert_parallel import check_replicas, group_rank
+from domain.expert_parallel import ExpertPartition
+
+if TYPE_CHECKING:
+    from domain.budget import PoolPlan
+
+
+class FastExpertParallelExecutor(CudaGraphExecutor):
+    """CudaGraphExecutor of one rank: the whole dense model, a device expert pool over its own keys (slots
+    at most the keys it owns, the per-rank plan of plan_expert_parallel), MoE partials exchanged."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, partition: ExpertPartition,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
+                 max_context: int | None = None, use_graphs: bool | None = None,
+                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False):
+        """Raises RuntimeError without an initialised torch.distributed, ValueError when the partition does
+        not fit the group or the checkpoint. Routing replay is not offered here (each rank would rewrite
+        its ids from its own replay state; not proven to stay in lockstep)."""
+        self.rank = group_rank(checkpoint, partition, group)
+        self.partition, self.group = partition, group
+        self.shard = ExpertShard(partition, self.rank, group, device)
+        # the decode step's MoE layers, one all-reduce each: what a graph replay issues
+        self._layer_exchanges = checkpoint.spec.num_layers
+        super().__init__(checkpoint, plan, device, dtype, sampler_seed, max_decode_rows, max_context, use_graphs,
+                         on_phase, prefill_kernels)
+
+    # ---- pools -------------------------------------------------------------------------------------
+    def _expert_slots(self, plan: PoolPlan) -> int:
+        return max(1, min(plan.expert_slots, self.partition.keys_of(self.rank)))
+
+    def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
+        return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
+                                grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan),
+                                shard=self.shard)
+
+    def _decode_rows(self, plan: PoolPlan) -> int:
+        """The smallest of every rank's own bound (MIN-reduce): ranks own different key counts, and all
+        must capture and replay the same buckets (their collectives pair up)."""
+        rows = torch.tensor([super()._decode_rows(plan)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(rows, op=dist.ReduceOp.MIN, group=self.group)
+        return int(rows.item())
+
+    def resize_pools(self, plan: PoolPlan) -> None:
+        """As CudaGraphExecutor.resize_pools, on every rank at once (StepLeader broadcasts the plans): the
+        static partials buffers go with the graphs that captured them."""
+        self.graphs = {}
+        self.shard.release_buffers()
+        super().resize_pools(plan)
+
+    # ---- execution ---------------------------------------------------------------------------------
+    def _decode(self, works):
+        before = self.shard.exchanges
+        out = super()._decode(works)
+        if self.shard.exchanges == before:  # a graph replay: its captured all-reduces ran again
+            self.shard.exchanges += self._layer_exchanges
+        return out
+
+    @property
+    def exchanges(self) -> int:
+        """All-reduces of MoE partials issued so far (eager ones and those of graph replays)."""
+        return self.shard.exchanges
+
+    def check_replicas(self, tensor: torch.Tensor) -> None:
+        check_replicas(tensor, self.rank, self.group)
+
+    def check_valid(self) -> None:
+        super().check_valid()  # the residency's check_valid also proves every resident key is this rank's
+        assert self.experts.num_slots <= self.partition.keys_of(self.rank), "more expert slots than owned keys"
