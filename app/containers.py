@@ -72,7 +72,20 @@ def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn 
         progress(f"reading {model_dir.name}")
     # NOTE: the loader reports its phases ("expert banks", "dense weights") with their own byte counts.
     return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress,
-                           mmap=settings.mmap_experts, verify_weights=settings.verify_weights)
+                           mmap=settings.mmap_experts, verify_weights=settings.verify_weights,
+                           expert_keys=_rank_keys(settings) if settings.expert_parallel > 1 else None)
+
+
+def _rank_keys(settings: ServeSettings):
+    """--expert-parallel N: the flat keys this rank owns (a function of the checkpoint's spec), so each rank
+    loads only its share of the host bank (one copy of the experts in host RAM over all ranks)."""
+    from domain.expert_parallel import ExpertPartition
+
+    def keys(spec: ModelSpec) -> list[int]:
+        partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
+        return [layer * spec.num_experts + e for layer in range(spec.num_layers)
+                for e in partition.experts_of(settings.ep_rank, layer)]
+    return keys
 
 
 def _load_tokenizer(settings: ServeSettings) -> Tokenizer:

@@ -79,6 +79,13 @@ class DeviceExpertPool:
             raise ValueError(f"rank {shard.rank}: {num_slots} expert slots for the "
                              f"{shard.partition.keys_of(shard.rank)} keys it owns")
         self.shard = shard
+        # a partial bank (an expert-parallel rank's own keys): flat key -> bank row, the sink entry -1
+        self._bank_row = None
+        if bank.row_of_key is not None:
+            self._bank_row = torch.tensor((*bank.row_of_key, -1), dtype=torch.int64, device=self.device)
+            if shard is None or not bool((self._bank_row[:-1][shard.owner_of_key.to(self.device) == shard.rank]
+                                          >= 0).all()):
+                raise ValueError("a partial host bank needs a shard whose every key it holds")
         # the most keys one layer can bring to a lookup: its E experts, or (a shard) those its rank owns
         self._layer_keys = bank.num_experts if shard is None else max(
             len(shard.partition.experts_of(shard.rank, layer)) for layer in range(bank.num_layers))
@@ -106,10 +113,19 @@ class DeviceExpertPool:
             flat = torch.where(valid[:, None], flat, -1)
         return self.residency.owned_only(flat.reshape(-1))  # [T*K], other ranks' keys -1
 
+    def bank_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Flat keys int64 [n] (-1 = none) -> rows of the host bank (the same on a whole bank)."""
+        if self._bank_row is None:
+            return keys
+        return self._bank_row[torch.where(keys < 0, self._bank_row.shape[0] - 1, keys)]
+
+    def _gather(self, fill_keys: torch.Tensor, fill_slots: torch.Tensor) -> None:
+        gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
+
     def _fetch(self, keys: torch.Tensor) -> None:
         """Look up flat keys (request order, -1 = padding) and gather the misses into their slots."""
         found = self.residency.lookup_flat(keys, pin=False)
-        gather_rows(self.bank.rows, self.slots, found.fill_keys, found.fill_slots)
+        self._gather(found.fill_keys, found.fill_slots)
 
     def _slot_ids(self, flat: torch.Tensor, shape) -> torch.Tensor:
         sink = self.residency.slot_of_key.shape[0] - 1
@@ -186,7 +202,7 @@ class DeviceExpertPool:
             # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
                 layer, ids, valid, self.shared_slot(layer) if shared else None)
-            gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
+            self._gather(fill_keys, fill_slots)
             return self._moe_out(ids.numel(), x, slot_ids, weights)
         if self._step_open and self.staging_slots:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
@@ -240,7 +256,7 @@ class DeviceExpertPool:
         weights, slot_ids, fill_keys, fill_slots = self.residency.route_layer(
             layer, logits, x, top_k, renormalize, gate_weight, valid,
             None if gate_weight is None else self.shared_slot(layer))
-        gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
+        self._gather(fill_keys, fill_slots)
         return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------

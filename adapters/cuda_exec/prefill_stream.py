@@ -95,6 +95,7 @@ class PrefillStream:
                 dst[r, :n] = rows
                 maps[r, ids] = rows.to(torch.int32)
         self.keys, self.dst, self.maps = keys.to(dev), dst.to(dev), maps.to(dev)
+        self.rows = pool.bank_rows(self.keys.view(-1)).view(self.keys.shape)  # [n, g] host bank rows
         self.ready = lane.mark()  # the tables above are on the device
         self.holds = [-1] * self.buffers  # the round each staging half holds (or is loading)
         self.free = [None] * self.buffers  # event: the last compute that read each half
@@ -113,17 +114,19 @@ class PrefillStream:
         if self.holds[rnd.buffer] == r:
             return
         keys, waits, keep = self.keys[r], [self.ready, self.free[rnd.buffer]], ()
+        src = self.rows[r]  # [g] the bank rows of keys (-1 where none)
         if routed is not None and not rnd.first and not self.speculate:
             index = torch.where(keys >= 0, keys - rnd.layer * self.experts, self.experts)  # [g]
             keys = torch.where(routed[index], keys, -1)  # [g]
+            src = torch.where(keys >= 0, src, -1)  # [g]
             self.masked += (keys >= 0).sum()
             waits.append(self.lane.mark())  # NOTE: after the masked keys exist, not just the routing
-            keep = (keys,)
+            keep = (src,)
         else:
             self.staged_rows += len(rnd.experts)
         if rnd.experts:
             bank, slots, dst = self.pool.bank.rows, self.pool.all_slots, self.dst[r]
-            self.copied[r] = self.lane.copy(lambda: gather_rows(bank, slots, keys, dst), waits, keep)
+            self.copied[r] = self.lane.copy(lambda: gather_rows(bank, slots, src, dst), waits, keep)
         else:
             self.copied[r] = None
         self.holds[rnd.buffer] = r

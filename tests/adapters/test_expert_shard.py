@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.checkpoint.host_bank import HostExpertBank
+from adapters.checkpoint.host_bank import HostExpertBank, PartialHostExpertBank
 from adapters.checkpoint.quantize import quantize
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
@@ -39,6 +39,15 @@ def bank_and_shared():
     if DEVICE == "cuda":
         rows = rows.pin_memory()
     return HostExpertBank(layout, L, E, rows), shared
+
+
+def partial(bank: HostExpertBank, rank: int) -> PartialHostExpertBank:
+    """The rank's own rows only (what an expert-parallel rank loads): one copy of the experts over the ranks."""
+    keys = [layer * E + e for layer in range(L) for e in PARTITION.experts_of(rank, layer)]
+    rows = bank.rows[torch.tensor(keys)].contiguous()
+    if DEVICE == "cuda":
+        rows = rows.pin_memory()
+    return PartialHostExpertBank(bank.layout, L, E, keys, rows)
 
 
 class PairedShard(ExpertShard):
@@ -91,7 +100,7 @@ def test_two_ranks_sum_to_the_one_gpu_output_bitwise_and_keep_only_their_keys(ba
 
     rows, one_slots, rank_slots, staging = CASES[case]
     bank, shared = bank_and_shared
-    copied: list[int] = []  # flat keys the streamed prefill copies into staging
+    copied: list[int] = []  # bank rows the streamed prefill copies into staging
 
     def spy(bank_rows, slots, keys, dst):
         copied.extend(k for k in keys.tolist() if k >= 0)
@@ -101,7 +110,8 @@ def test_two_ranks_sum_to_the_one_gpu_output_bitwise_and_keep_only_their_keys(ba
     monkeypatch.setattr(stream, "gather_rows", spy)
     one = DeviceExpertPool(bank, one_slots, DEVICE, shared_rows=shared)
     sent: list = []
-    ranks = {r: DeviceExpertPool(bank, rank_slots, DEVICE, shared_rows=shared, staging_slots=staging,
+    # each rank gathers from a bank of its own keys only (row = the key's place among them)
+    ranks = {r: DeviceExpertPool(partial(bank, r), rank_slots, DEVICE, shared_rows=shared, staging_slots=staging,
                                  shard=PairedShard(r, sent)) for r in (1, 0)}
     refs = {None: ExpertResidency(one_slots), 0: ExpertResidency(rank_slots), 1: ExpertResidency(rank_slots)}
     for step in range(3):
@@ -115,8 +125,8 @@ def test_two_ranks_sum_to_the_one_gpu_output_bitwise_and_keep_only_their_keys(ba
             if staging:
                 with pool.streamed_step():
                     got[r] = [pool.routed(layer, x, weights, ids, valid, shared=True) for layer in range(L)]
-                # only owned experts are staged: every copied key is this rank's
-                assert copied and all(PARTITION.owns(r, divmod(k, E)) for k in copied), (r, copied)
+                # only owned experts are staged: every copied row is one of this rank's bank
+                assert copied and max(copied) < PARTITION.keys_of(r), (r, copied)
                 copied.clear()
             else:
                 got[r] = [pool.routed(layer, x, weights, ids, valid, shared=True) for layer in range(L)]
@@ -188,3 +198,27 @@ def test_a_rank_pool_refuses_more_slots_than_its_keys(bank_and_shared):
     bank, _ = bank_and_shared
     with pytest.raises(ValueError, match="keys it owns"):
         DeviceExpertPool(bank, PARTITION.keys_of(1) + 1, DEVICE, shard=ExpertShard(PARTITION, 1))
+
+
+def test_a_partial_bank_holds_only_its_keys_and_the_loader_builds_it(tmp_path, bank_and_shared):
+    from adapters.checkpoint.loader import load_checkpoint
+    from tests.adapters.torch_exec_models import QWEN3_CONFIGS, build_hf_model
+
+    bank, _ = bank_and_shared
+    mine = partial(bank, 1)
+    assert mine.nbytes == PARTITION.keys_of(1) * bank.layout.row_bytes < bank.nbytes
+    layer, expert = 1, PARTITION.experts_of(1, 1)[2]
+    assert torch.equal(mine.row(layer, expert), bank.row(layer, expert))
+    with pytest.raises(KeyError, match="not in this rank's bank"):
+        mine.row(1, PARTITION.experts_of(0, 1)[0])
+    with pytest.raises(ValueError, match="every key it holds"):  # rank 0's pool cannot gather from rank 1's bank
+        DeviceExpertPool(mine, 4, DEVICE, shard=ExpertShard(PARTITION, 0))
+    build_hf_model("qwen3_moe", QWEN3_CONFIGS["renormalised"]).save_pretrained(tmp_path)
+    whole = load_checkpoint(tmp_path, progress=False)
+    spec = whole.spec
+    keys = [3, 5, spec.num_experts + 1]
+    part = load_checkpoint(tmp_path, progress=False, expert_keys=keys)
+    assert isinstance(part.experts, PartialHostExpertBank) and part.experts.rows.shape[0] == 3
+    for key in keys:
+        assert torch.equal(part.experts.row(*divmod(key, spec.num_experts)),
+                           whole.experts.row(*divmod(key, spec.num_experts)))
