@@ -208,8 +208,8 @@ class DeviceExpertPool:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
         # NOTE: a layer's keys are at most its E experts (a shard's: those it owns), so a pool of at least
-        # that many slots (every pool but a tiny one) takes any chunk in one lookup: tensor ops, no host sync. The sync of the grouped path
-        # below stalled the launch queue once per layer (~40 syncs per prefill step, measured as host
+        # that many slots (every pool but a tiny one) takes any chunk in one lookup: tensor ops, no host
+        # sync. The sync of the grouped path below stalled the launch queue once per layer (~40 syncs per prefill step, measured as host
         # time in bench_prefill's profile).
         if flat.numel() <= self.num_slots or self._layer_keys <= self.num_slots:
             big = torch.iinfo(torch.int64).max
