@@ -20,20 +20,14 @@ from app.engine import Engine
 from app.runtime import ModelInfo
 from app.settings import ServeSettings
 from app.stats import ServingStats
-from domain.budget import (
-    DEFAULT_SNAPSHOTS_PER_STATE_SLOT,
-    GpuBudget,
-    PlanRefusal,
-    PoolPlan,
-    PoolRequest,
-    plan_pools,
-)
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, plan_pools
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.ports import Tokenizer
 from domain.prefix_store import snapshot_interval
 from domain.scheduler import Scheduler, SchedulerConfig
-from domain.step_budget import blame_step, reserve_step, step_activation_bytes
+from domain.serve_plan import ServePools, cap_bytes, plan_serve_pools, serve_budget
+from domain.step_budget import blame_step, reserve_step, serve_step_reserve, serve_step_tokens
 
 log = logging.getLogger("fluxtide.serve")
 GiB = 1024**3
@@ -102,54 +96,49 @@ def cuda_device_count() -> int:
 
 
 def _device_total_bytes(settings: ServeSettings, device: str) -> int:
-    cap = int(settings.gpu_budget_gib * GiB) if settings.gpu_budget_gib else None
+    """The device's memory as the driver reports it (--gpu-budget-gib caps it in serve_budget); without a GPU
+    the emulated card is the cap, or CPU_DEFAULT_BUDGET_GIB."""
     if device.startswith("cuda"):
         import torch
 
         _, total = torch.cuda.mem_get_info(torch.device(device))
-        return min(total, cap) if cap else total
-    return cap or int(CPU_DEFAULT_BUDGET_GIB * GiB)
+        return total
+    return cap_bytes(settings.gpu_budget_gib) or int(CPU_DEFAULT_BUDGET_GIB * GiB)
 
 
 def _step_tokens(settings: ServeSettings, spec: ModelSpec) -> int:
-    """The most tokens one step can hold: --max-prefill-length, no more than every running sequence's context."""
-    return min(settings.max_prefill_length, settings.max_running_requests * spec.max_context)
+    return serve_step_tokens(spec, settings.max_prefill_length, settings.max_running_requests)
 
 
 def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
     """Bytes of the largest step's activations (domain/step_budget.py), in the executor's dtype."""
     dtype_bytes = 2 if device.startswith("cuda") else 4  # bf16 on CUDA, fp32 on the CPU (_torch_executor)
-    return step_activation_bytes(spec, _step_tokens(settings, spec), settings.max_running_requests, dtype_bytes)
+    return serve_step_reserve(spec, settings.max_prefill_length, settings.max_running_requests, dtype_bytes)
 
 
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
     """The card's budget with the largest step's activations held outside the pools (ADR 0011): every plan
     made from it, live resizes included, leaves them room."""
-    budget = GpuBudget(
-        total_bytes=_device_total_bytes(settings, device),
-        memory_ratio=settings.memory_ratio,
-        weights_bytes=spec.dense_weight_bytes(),
-    )
+    budget = serve_budget(spec, _device_total_bytes(settings, device), settings.memory_ratio,
+                          cap_bytes(settings.gpu_budget_gib))
     return reserve_step(budget, _step_reserve(settings, spec, device))
 
 
-def _snapshot_slots(settings: ServeSettings) -> int:
-    if settings.cache_type == "none":
-        return 0
-    if settings.snapshot_slots is not None:
-        return settings.snapshot_slots
-    return DEFAULT_SNAPSHOTS_PER_STATE_SLOT * settings.max_running_requests
-
-
-def _staging_experts(settings: ServeSettings, device: str) -> int | None:
-    """Explicit rows as asked; auto: the planner's default (None) where the fast path will likely run with
-    the Triton prefill (--prefill-kernels triton: streaming is part of that not yet GPU-verified prefill,
-    ADR 0010), else 0 (prefill goes through the expert cache as before)."""
-    if settings.staging_experts is not None:
-        return settings.staging_experts
-    fast = (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
+def _streams_prefill(settings: ServeSettings, device: str) -> bool:
+    """Where --staging-experts auto plans the geometry's default rows: the fast path will likely run with the
+    Triton prefill (--prefill-kernels triton: streaming is part of that not yet GPU-verified prefill, ADR 0010);
+    elsewhere auto is 0 (prefill goes through the expert cache as before)."""
+    return (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
             and not settings.record_routing and settings.prefill_kernels == "triton")
-    return None if fast else 0
+
+
+def serve_pools(settings: ServeSettings, device: str = "cpu") -> ServePools:
+    """The pool-sizing flags of these settings, as domain.serve_plan (and the simulator) take them."""
+    return ServePools(kv_tokens=settings.kv_tokens, expert_slots=settings.moe_slots,
+                      max_running_requests=settings.max_running_requests,
+                      kv_reserve_tokens=settings.kv_reserve_tokens, cache_type=settings.cache_type,
+                      snapshot_slots=settings.snapshot_slots, staging_experts=settings.staging_experts,
+                      streams_prefill=_streams_prefill(settings, device))
 
 
 def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, device: str = "cpu") -> PoolPlan:
@@ -166,48 +155,20 @@ def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, devi
 
 def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, device: str = "cpu"):
     """planner(spec, budget, request) -> a plan (PoolPlan, or the expert-parallel plan of every rank) or a
-    PlanRefusal."""
-    request = PoolRequest(
-        kv_tokens=settings.kv_tokens,
-        expert_slots=settings.moe_slots,
-        state_slots=settings.max_running_requests,
-        snapshot_slots=_snapshot_slots(settings),
-        kv_reserve_tokens=settings.kv_reserve_tokens,
-        staging_experts=_staging_experts(settings, device),
-    )
-    plan = planner(spec, budget, request)
-    if isinstance(plan, PlanRefusal) and plan.pool == "staging" and settings.staging_experts is None:
-        # NOTE: as the default snapshot pool below: the default staging rows must not stop a server that
-        # fits without them; it then prefills through the expert cache (which evicts) and says so.
-        log.warning("the default prefill staging rows do not fit (%s); prefill goes through the expert cache",
-                    plan.message)
-        request = replace(request, staging_experts=0)
-        plan = planner(spec, budget, request)
-    if isinstance(plan, PlanRefusal) and plan.pool == "snapshot" and settings.snapshot_slots is None:
-        # NOTE: the default snapshot pool must not stop a server that fits without it: it then serves
-        # with a KV-only cache (which a hybrid model cannot resume from, so effectively none) and says so.
-        log.warning("the default %d state snapshot slots do not fit (%s); serving without them",
-                    request.snapshot_slots, plan.message)
-        request = replace(request, snapshot_slots=0)
-        plan = planner(spec, budget, request)
-    if isinstance(plan, PlanRefusal):
-        # NOTE: name the step size when it is what tips the plan over: the same pools fit without its reserve
-        # (a budget made elsewhere, without the reserve, is taken as it is)
+    PlanRefusal; domain.serve_plan drops the defaults that do not fit (logged here) and caps the KV. A refusal
+    names the step size when it is what tips the plan over: the same pools fit without its reserve (a budget
+    made elsewhere, without the reserve, is taken as it is)."""
+    pools = serve_pools(settings, device)
+    planned = plan_serve_pools(spec, budget, pools, planner)
+    if isinstance(planned, PlanRefusal):
         reserve = _step_reserve(settings, spec, device)
         if budget.fixed_bytes >= reserve:
-            bare = replace(budget, fixed_bytes=budget.fixed_bytes - reserve)
-            plan = blame_step(plan, planner(spec, bare, request), _step_tokens(settings, spec), reserve)
-        raise ValueError(f"the pools do not fit: {plan.message}")
-    # NOTE: KV beyond every running sequence at full context can never be used; on a small
-    # model the MoE-first split would otherwise hand it gigabytes. Give it back to the card.
-    useful = settings.max_running_requests * spec.max_context
-    kv_tokens = getattr(plan, "shared", plan).kv_tokens
-    if settings.kv_tokens is None and kv_tokens > useful:
-        capped = planner(spec, budget, replace(request, kv_tokens=useful))
-        if not isinstance(capped, PlanRefusal):
-            plan = capped
-    plan.check_valid()
-    return plan
+            bare = plan_serve_pools(spec, replace(budget, fixed_bytes=budget.fixed_bytes - reserve), pools, planner)
+            planned = blame_step(planned, getattr(bare, "plan", bare), _step_tokens(settings, spec), reserve)
+        raise ValueError(f"the pools do not fit: {planned.message}")
+    for note in planned.notes:
+        log.warning("%s", note)
+    return planned.plan
 
 
 def _eos_ids(tokenizer: Tokenizer, generation_config: dict) -> tuple[int, ...]:
@@ -270,7 +231,8 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
 
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
                                  on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
-                                 routing_replay=routing_replay)
+                                 routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
+                                 warm_prefill=True)
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
@@ -311,7 +273,8 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
 
         executor = FastExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype,
                                               max_decode_rows=settings.max_running_requests, on_phase=progress,
-                                              prefill_kernels=settings.prefill_kernels == "triton")
+                                              prefill_kernels=settings.prefill_kernels == "triton",
+                                              max_step_tokens=settings.max_prefill_length, warm_prefill=True)
     else:
         executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
     return StepLeader(executor) if settings.ep_rank == 0 else executor

@@ -144,3 +144,17 @@ def blame_step(refused: PlanRefusal, without_reserve: PoolPlan | PlanRefusal, st
         "activation", refused.shortfall_bytes,
         f"a prefill step of {step_tokens} tokens ({option}) needs {activation_bytes / 2**30:.2f} GiB of activations "
         f"beside the pools, and with it: {refused.message}; lower {option} or raise the memory budget")
+
+
+def serve_step_tokens(spec: ModelSpec, max_prefill_length: int, max_running_requests: int) -> int:
+    """The most tokens one `ft serve` step can hold: --max-prefill-length, no more than every running
+    sequence's whole context."""
+    return min(max_prefill_length, max_running_requests * spec.max_context)
+
+
+def serve_step_reserve(spec: ModelSpec, max_prefill_length: int, max_running_requests: int,
+                       dtype_bytes: int = BF16_BYTES) -> int:
+    """Bytes `ft serve` holds outside the pools for its largest step's activations (ADR 0011); the server
+    and the simulator both size it here."""
+    return step_activation_bytes(spec, serve_step_tokens(spec, max_prefill_length, max_running_requests),
+                                 max_running_requests, dtype_bytes)

@@ -112,7 +112,8 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
     scen["plan"] = asdict(plan)
     scen["residency"] = round(min(plan.expert_slots, total) / total, 4)
     t = time.perf_counter()
-    ex = CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=rows_max)
+    ex = CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=rows_max,
+                           prefill_kernels=args.prefill_kernels == "triton")
     scen["init_and_capture_seconds"] = round(time.perf_counter() - t, 2)
     scen["capture_seconds"] = round(ex.capture_seconds, 2)
     scen["graph_buckets"] = sorted(ex.graphs)
@@ -204,7 +205,8 @@ def run_parity(args, ckpt, record: dict) -> None:
     res: dict = {}
     dtype = torch.float32
     for label, make in (("reference", lambda: TorchExecutor(ckpt, plan, "cuda", dtype)),
-                        ("fast", lambda: CudaGraphExecutor(ckpt, plan, "cuda", dtype, max_decode_rows=2))):
+                        ("fast", lambda: CudaGraphExecutor(ckpt, plan, "cuda", dtype, max_decode_rows=2,
+                                                           prefill_kernels=args.prefill_kernels == "triton"))):
         ex = make()
         logits, tokens = [], []
         row = ex.compute_logits(StepBatch((SequenceWork("p", prompt, 0, pages, 0, True, greedy, 0),)))["p"][0]
@@ -245,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--parity-steps", type=int, default=8)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--prefill-kernels", default="reference", choices=("reference", "triton"),
+                   help="as ft serve: triton also takes the tensor-core GEMM for the projections of decode "
+                        "buckets from a few rows up (prefill_linear), reference keeps the GEMV")
     args = p.parse_args(argv)
 
     from dataclasses import replace

@@ -2,7 +2,7 @@
 # The fast path measured through the HTTP API on a CUDA host (the customer's method, ft bench):
 # 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
 #    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
-# 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1 and 4).
+# 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1, 3, 4, 6).
 # Records land in $OUT. PREFILL_KERNELS=triton serves with the Triton prefill (default: reference).
 # Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
 # missing sniffio).
@@ -16,9 +16,9 @@ RESIDENT_BUDGET_GIB=${RESIDENT_BUDGET_GIB:-130}
 RESIDENT_KV=${RESIDENT_KV:-64k}
 RESIDENT_RUNNING=${RESIDENT_RUNNING:-16}
 BUDGET_GIB=${BUDGET_GIB:-24}
-BUDGET_RUNNING=${BUDGET_RUNNING:-4}
+BUDGET_RUNNING=${BUDGET_RUNNING:-6}
 SWEEP_KV=${SWEEP_KV:-8k,64k}             # the budget server starts at the first size (the customer's "restart at 8k")
-SWEEP_ARGS=${SWEEP_ARGS:---batch 1,4}
+SWEEP_ARGS=${SWEEP_ARGS:---batch 1,3,4,6}  # bs3 and bs6: held-out points of the simulator
 LADDER_ARGS=${LADDER_ARGS:-}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}      # seconds per ft bench run
 READY_TRIES=${READY_TRIES:-150}          # /health polls, 2 s apart

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from domain.serve_plan import cap_bytes
 from simulator.hardware import GIB, get_profile, load_profiles
-from simulator.predict import Workload
+from simulator.predict import Deployment, Workload
 from simulator.sweep import (
     BUILTIN_MODELS,
     Calibration,
@@ -32,6 +33,21 @@ def parse_count(text: str) -> int:
     return value
 
 
+def parse_count_or_zero(text: str) -> int:
+    """A count as parse_count, or 0."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a count >= 0: {text!r}") from None
+
+
+def parse_count_or_auto(text: str) -> int | str:
+    """'auto' or a count as parse_count_or_zero (None stays free to mean: not given)."""
+    return "auto" if text.strip().lower() == "auto" else parse_count_or_zero(text)
+
+
 def parse_list(text: str) -> list[int]:
     return [parse_count(x) for x in text.split(",") if x.strip()]
 
@@ -46,9 +62,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"one of {sorted(BUILTIN_MODELS)} or a checkpoint directory")
     p.add_argument("--kv", type=parse_list, required=True, help="KV pool sizes in tokens, e.g. 8192,64k,700000")
     p.add_argument("--batch", type=parse_list, default=[1], help="concurrent requests, e.g. 1,3,4,6")
-    p.add_argument("--gpu-budget-gib", type=float, help="pool budget after weights and fixed caches "
-                                                        "(default: from the hardware and the calibration)")
-    p.add_argument("--state-slots", type=int, help="GDN state slots to reserve (default: the calibration's)")
+    # NOTE: the pool flags below mean what `ft serve`'s flags of the same name mean, and the plan comes from the
+    # server's own planner (domain/serve_plan.py); unset, they take the calibration's deployment, which for
+    # our engine's calibrations is `ft serve`'s defaults (docs/simulator.md, "Pool plan").
+    p.add_argument("--gpu-budget-gib", type=float, help="cap on the card's memory, as `ft serve --gpu-budget-gib`: "
+                                                        "pools = cap x memory ratio - dense weights (default: the "
+                                                        "hardware profile's memory)")
+    p.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio` (default: the calibration's, 0.9)")
+    p.add_argument("--max-prefill-length", type=parse_count,
+                   help="as `ft serve --max-prefill-length`: the largest step, whose activations are held beside "
+                        "the pools (default: the calibration's, 8192)")
+    p.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
+                   help="as `ft serve --max-running-requests`: GDN state slots and the most requests running at "
+                        "once; a larger batch queues (default: the calibration's; ft serve's 4 for the H200)")
+    p.add_argument("--cache-type", choices=("radix", "none"),
+                   help="as `ft serve --cache-type`: radix plans 4 state snapshot slots per running request "
+                        "(default: the calibration's; ft serve's radix for the H200)")
+    p.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
+    p.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto",
+                   help="as `ft serve --staging-experts` (auto: the geometry's rows with --prefill-kernels triton)")
+    p.add_argument("--prefill-kernels", choices=("reference", "triton"),
+                   help="as `ft serve --prefill-kernels`; triton turns on the auto staging rows (default: the "
+                        "calibration's; ft serve's reference)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--distinct-prompts", action="store_true",
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")
@@ -121,6 +156,21 @@ def expert_parallel_command(args) -> int:
     return 0
 
 
+def deployment_from_args(deployment: Deployment, args) -> Deployment:
+    """The calibration's deployment with the `ft serve` pool flags given on the command line."""
+    changes = {name: getattr(args, name) for name in ("memory_ratio", "cache_type", "snapshot_slots",
+                                                      "prefill_kernels", "max_prefill_length")
+               if getattr(args, name) is not None}
+    if args.gpu_budget_gib is not None:
+        # NOTE: the card's cap replaces a calibration's fixed pool, if it had one: the budget is read as the server's
+        changes.update(gpu_budget_bytes=cap_bytes(args.gpu_budget_gib), pool_bytes=None)
+    if args.max_running_requests is not None:
+        changes["state_slots"] = args.max_running_requests
+    if args.staging_experts is not None:
+        changes["staging_experts"] = None if args.staging_experts == "auto" else args.staging_experts
+    return deployment.replace(**changes) if changes else deployment
+
+
 def predict_command(args) -> int:
     extra = load_profiles(args.hardware_file) if args.hardware_file else None
     hardware = get_profile(args.hardware, extra)
@@ -129,11 +179,7 @@ def predict_command(args) -> int:
         calibration, measured_here = Calibration.resolve(args.calibration), True
     else:
         calibration, measured_here = find_calibration(hardware.name)
-    deployment = calibration.deployment_params()
-    if args.gpu_budget_gib is not None:
-        deployment = deployment.replace(pool_bytes=int(args.gpu_budget_gib * GIB))
-    if args.state_slots is not None:
-        deployment = deployment.replace(state_slots=args.state_slots)
+    deployment = deployment_from_args(calibration.deployment_params(), args)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"

@@ -104,7 +104,11 @@ def deployment_for(hardware: str, pool_bytes: int, state_slots: int) -> Deployme
     fixed = int(hw.vram_bytes * 0.9) - spec.dense_weight_bytes() - pool_bytes
     if fixed < 0:
         raise ValueError(f"a {pool_bytes / GIB:.1f} GiB pool does not fit {hardware} after the weights")
-    return Deployment(memory_ratio=0.9, fixed_bytes=fixed, state_slots=state_slots)
+    # NOTE: the reading has no prefix-cache snapshot pool and no staging rows (the 17.6 GiB held the state
+    # slots, the KV and the experts): cache_type none, and --prefill-kernels' reference default stages nothing.
+    # the customer's engine: its fixed caches are `fixed`, it holds no fluxtide step reserve
+    return Deployment(memory_ratio=0.9, fixed_bytes=fixed, state_slots=state_slots, cache_type="none",
+                      max_prefill_length=None)
 
 
 def rtx3090_deployment() -> Deployment:
@@ -132,10 +136,10 @@ def _decompose(spec, hw, deployment, base_cost, routing, m: Measurement, workloa
 def _explicit_slots(spec, hw, deployment: Deployment, m: Measurement) -> Deployment:
     """A deployment whose planner output has exactly m.expert_slots (the rest of the pool idle):
     the pool is shrunk to what the slots, the KV and the state need."""
-    plan = plan_point(spec, hw, deployment, m.kv_tokens, m.batch)
+    plan = plan_point(spec, hw, deployment, m.kv_tokens)
     if isinstance(plan, str):
         raise ValueError(plan)
-    pool = plan.kv_bytes + plan.state_bytes + m.expert_slots * spec.expert_bytes()
+    pool = plan.used_bytes - plan.expert_bytes + m.expert_slots * spec.expert_bytes()
     return deployment.replace(pool_bytes=pool)
 
 
@@ -230,7 +234,7 @@ def calibrate(measurements=None, out: Path | None = None, seed: int = 0, hardwar
     # The columns do not tell the candidates apart; the 544-slot point does (when there is one).
     best = min(fits, key=lambda f: (abs(f.low_residency.get("error", 0.0)), f.max_error))
     spec = qwen36_35b_a3b()
-    plan = plan_point(spec, get_profile(hardware), deployment, measurements[0].kv_tokens, 1)
+    plan = plan_point(spec, get_profile(hardware), deployment, measurements[0].kv_tokens)
     record = {
         "format_version": FORMAT_VERSION,
         "name": out.stem if out is not None else f"{hardware}_v?",

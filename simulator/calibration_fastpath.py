@@ -46,7 +46,7 @@ import numpy as np
 from domain.model_spec import qwen36_35b_a3b
 from simulator.calibration import CALIBRATION_DIR, minimax_fit
 from simulator.cost_model import CostModel, CostParams, SequenceLoad
-from simulator.hardware import GB, GIB, HardwareProfile, get_profile
+from simulator.hardware import GB, HardwareProfile, get_profile
 from simulator.predict import Deployment, Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,9 +196,9 @@ def fit(record: dict, probe: dict, hardware: HardwareProfile | None = None) -> F
 def calibration_record(result: FastPathFit, record: dict, hw: HardwareProfile,
                        check: FastPathFit | None = None) -> dict:
     """The calibration file (format of simulator/calibration/*.json, plus provenance)."""
-    args = record["args"]
-    deployment = Deployment(memory_ratio=0.9, fixed_bytes=int(args["fixed_gib"] * GIB),
-                            state_slots=max(record["scenarios"][FIT_SCENARIO]["graph_buckets"]))
+    # NOTE: a prediction plans what `ft serve` would with its defaults (domain/serve_plan.py), not the
+    # micro-benchmark's own pools (its fixed GiB and graph buckets entered the fit through the record).
+    deployment = Deployment()
     return {
         "format_version": 1,
         "name": OUT.stem,

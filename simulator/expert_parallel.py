@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import simpy
 
-from domain.budget import PlanRefusal, PoolRequest
+from domain.budget import PlanRefusal
 from domain.expert_parallel import ExpertParallelPlan, ExpertPartition, plan_expert_parallel
 from domain.model_spec import LayerKind, ModelSpec, WeightFormat
 from domain.ports import StepBatch
 from domain.residency import ExpertResidency
+from domain.serve_plan import plan_serve_pools
 from simulator.cost_model import CostModel, SequenceLoad
 from simulator.hardware import GB, HardwareProfile
 from simulator.host import HostSnapshot, TimedResource
@@ -193,18 +194,20 @@ def predict_expert_parallel(spec: ModelSpec, model_name: str, hardware: Hardware
     exchange = exchange or ExchangeParams()
     result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False)
     result.extra["ranks"] = ranks
-    if deployment.state_slots < batch:
-        result.reason = f"batch {batch} needs {batch} GDN state slots, the deployment reserves {deployment.state_slots}"
-        return result
     partition = partition or ExpertPartition.modulo(spec.num_layers, spec.num_experts, ranks)
-    plan = plan_expert_parallel(spec, deployment.budget(spec, hardware),
-                                PoolRequest(kv_tokens=kv_tokens, expert_slots=deployment.expert_slots,
-                                            state_slots=deployment.state_slots, page_size=workload.page_size),
-                                partition)
-    if isinstance(plan, PlanRefusal):
-        result.reason = plan.message
+    # NOTE: planned as `ft serve --expert-parallel N` plans (app/containers.py), through the same function.
+    planned = plan_serve_pools(spec, deployment.budget(spec, hardware),
+                               deployment.pools(kv_tokens, workload.page_size, expert_parallel=ranks > 1),
+                               lambda s, b, r: plan_expert_parallel(s, b, r, partition))
+    if isinstance(planned, PlanRefusal):
+        result.reason = planned.message
         return result
+    plan = planned.plan
     result.fits = True
+    if planned.notes:
+        result.extra["plan_notes"] = list(planned.notes)
+    if batch > plan.shared.state_slots:
+        result.extra["queued"] = batch - plan.shared.state_slots
     result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.shared.state_slots
     executor = ExpertParallelSimExecutor(CostModel(spec, hardware, cost), routing, plan, exchange)
     stats = run_workload(executor, plan.shared, workload, batch, spec.max_context, check=check)

@@ -200,8 +200,10 @@ def profile_record(report: FitReport, name: str, hardware: HardwareProfile, path
                    fit_batches: tuple[int, ...]) -> dict:
     """The profile file (Calibration format 1, simulator/sweep.py), provenance and errors included."""
     recs = report.records
-    deployment = Deployment(memory_ratio=0.9, fixed_bytes=recs.fixed_bytes or 0,
-                            state_slots=max(1, recs.state_slots))
+    # NOTE: a prediction plans what `ft serve` would with its defaults (domain/serve_plan.py); the records'
+    # own pools (a micro-benchmark's fixed GiB, the ladder's 16 state slots) entered the fit through the
+    # expert slots and misses they measured, not through this.
+    deployment = Deployment()
     held_out = report.max_abs_held_out_error
     return {
         "format_version": 1,

@@ -17,6 +17,7 @@ from simulator.params import StrictParams, require_positive
 
 GB = 1e9
 GIB = 2**30
+H200_TOTAL_MEMORY = 150_109_880_320  # bytes CUDA reports on the H200 (143,156 MiB; the datasheet says 141 GB)
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,11 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
                         source="SPEC.md: 52.7 GB/s measured pinned H2D, 1792 GB/s; 210 TFLOPS datasheet"),
         HardwareProfile("rtx4060-laptop", 8 * GIB, 11.8 * GB, 256 * GB, 45e12,
                         source="SPEC.md: 11.8 GB/s measured (x8), 256 GB/s; ~45 TFLOPS datasheet"),
-        HardwareProfile("h200", 141 * GB, 53.3 * GB, 4.2e12, 989e12, 512 * GIB, 6.8 * GB,
+        # NOTE: vram is what the server budgets from (torch's total_memory / mem_get_info total on the lent
+        # H200, docs/bench/2026-12-01-http-sweep-24gib-h200-triton-prefill.json), not the datasheet's 141 GB.
+        HardwareProfile("h200", H200_TOTAL_MEMORY, 53.3 * GB, 4.2e12, 989e12, 512 * GIB, 6.8 * GB,
                         source="SPEC.md: 53.3 GB/s measured pinned, 6.8 GB/s pageable, ~4.2 TB/s "
-                               "copy measured (4.8 spec); 989 TFLOPS datasheet"),
+                               "copy measured (4.8 spec); 989 TFLOPS datasheet; memory as CUDA reports it"),
     )
 }
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
+from domain.serve_plan import CACHE_TYPES, ServePlan, ServePools, plan_serve_pools, serve_budget
+from domain.step_budget import reserve_step, serve_step_reserve
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import GIB, HardwareProfile
 from simulator.host import SimHost
@@ -45,29 +47,66 @@ class Workload(StrictParams):
         require_positive(self, "warmup_iterations", allow_zero=True)
 
 
+PREFILL_KERNELS = ("reference", "triton")
+
+
 @dataclass(frozen=True)
 class Deployment(StrictParams):
-    """How the GPU budget is read: pool = vram * memory_ratio - dense weights - fixed_bytes,
-    unless pool_bytes is given (--gpu-budget-gib)."""
+    """How the deployment plans its pools: `ft serve`'s pool flags with `ft serve`'s defaults (planned by
+    domain.serve_plan, the code the server plans with), plus how the card's memory is read.
 
-    memory_ratio: float = 0.9
-    fixed_bytes: int = 0  # activations, graph pools, workspaces: outside the three pools
-    state_slots: int = 24  # GDN state slots reserved (the reference deployment runs 24)
-    pool_bytes: int | None = None
-    expert_slots: int | None = None  # explicit expert pool (like `ft ctl cache --moe`); None = fill
+    Budget: pool = int(min(vram, gpu_budget_bytes) * memory_ratio) - the model's dense weights - fixed_bytes,
+    as the server computes it, unless pool_bytes gives the pool itself (calibration fits, tests).
+    fixed_bytes is 0 for `ft serve`; the reference (rtx3090) calibration sets the other engine's fixed
+    caches there. state_slots is `--max-running-requests` (the GDN state slots and the most requests that
+    run at once; more concurrent requests queue, as on the server)."""
+
+    memory_ratio: float = 0.9  # --memory-ratio
+    fixed_bytes: int = 0  # outside the pools (activations, graph pools of another engine); ft serve: 0
+    state_slots: int = 4  # --max-running-requests
+    pool_bytes: int | None = None  # the pool budget itself, after weights and fixed caches (overrides the rest)
+    expert_slots: int | None = None  # --moe-slots (explicit expert pool, like `ft ctl cache --moe`); None = fill
+    gpu_budget_bytes: int | None = None  # --gpu-budget-gib in bytes: a cap on the card's memory
+    cache_type: str = "radix"  # --cache-type (radix: 4 state snapshot slots per running request by default)
+    snapshot_slots: int | None = None  # --snapshot-slots
+    staging_experts: int | None = None  # --staging-experts (None = auto: the geometry's rows with the Triton prefill)
+    prefill_kernels: str = "reference"  # --prefill-kernels (triton: auto staging rows are planned)
+    # --max-prefill-length: its step's bf16 activations are held beside the pools (ADR 0011), as the server
+    # does; None: no reserve (the server before that ADR, e.g. the 2026-12-01 H200 records)
+    max_prefill_length: int | None = 8192
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
-        if self.expert_slots is not None:
-            require_positive(self, "expert_slots")
+        for name in ("expert_slots", "pool_bytes", "gpu_budget_bytes", "max_prefill_length"):
+            if getattr(self, name) is not None:
+                require_positive(self, name)
+        for name in ("snapshot_slots", "staging_experts"):
+            if getattr(self, name) is not None:
+                require_positive(self, name, allow_zero=True)
         require_positive(self, "fixed_bytes", allow_zero=True)
-        if self.pool_bytes is not None:
-            require_positive(self, "pool_bytes")
+        if self.cache_type not in CACHE_TYPES:
+            raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
+        if self.prefill_kernels not in PREFILL_KERNELS:
+            raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
+                             f"got {self.prefill_kernels!r}")
 
     def budget(self, spec: ModelSpec, hardware: HardwareProfile) -> GpuBudget:
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
-        return GpuBudget(hardware.vram_bytes, self.memory_ratio, spec.dense_weight_bytes(), self.fixed_bytes)
+        budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
+        if self.max_prefill_length is None:
+            return budget
+        return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots))
+
+    def pools(self, kv_tokens: int, page_size: int = 16, expert_parallel: bool = False) -> ServePools:
+        """The server's pool flags for one point. The simulated executor is the CUDA-graph fast path, so
+        auto staging follows --prefill-kernels alone; expert parallelism runs the reference executor
+        (no staging on auto), as in app/containers.py."""
+        return ServePools(kv_tokens=kv_tokens, expert_slots=self.expert_slots, max_running_requests=self.state_slots,
+                          cache_type=self.cache_type, snapshot_slots=self.snapshot_slots,
+                          staging_experts=self.staging_experts,
+                          streams_prefill=self.prefill_kernels == "triton" and not expert_parallel,
+                          page_size=page_size)
 
 
 @dataclass
@@ -118,28 +157,43 @@ class RunStats:
     ttft_probe_s: float | None = None
 
 
-def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int,
-               batch: int, page_size: int = 16) -> PoolPlan | str:
-    """The domain planner's plan for this point, or why it cannot run."""
+def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
+                    page_size: int = 16) -> ServePlan | str:
+    """The server's plan for this point (domain.serve_plan: the defaults it drops and why included), or
+    why it cannot run."""
     bank = spec.total_experts * spec.expert_bytes()
     if bank > hardware.host_ram_bytes:
         return (f"expert bank needs {bank / GIB:.1f} GiB of host RAM, "
                 f"{hardware.name} has {hardware.host_ram_bytes / GIB:.1f} GiB")
-    if deployment.state_slots < batch:
-        return f"batch {batch} needs {batch} GDN state slots, the deployment reserves {deployment.state_slots}"
-    plan = plan_pools(spec, deployment.budget(spec, hardware),
-                      PoolRequest(kv_tokens=kv_tokens, expert_slots=deployment.expert_slots,
-                                  state_slots=deployment.state_slots, page_size=page_size))
-    if isinstance(plan, PlanRefusal):
-        return plan.message
-    return plan
+    planned = plan_serve_pools(spec, deployment.budget(spec, hardware), deployment.pools(kv_tokens, page_size))
+    if isinstance(planned, PlanRefusal):
+        return planned.message
+    return planned
+
+
+def plan_point(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
+               page_size: int = 16) -> PoolPlan | str:
+    """The domain planner's plan for this point, or why it cannot run. Any batch fits a plan: requests
+    beyond its state slots queue (predict_point says how many)."""
+    planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size=page_size)
+    return planned if isinstance(planned, str) else planned.plan
+
+
+def plan_summary(plan: PoolPlan) -> dict:
+    """The pool sizes a prediction reports (what `/v1/stats` shows as `plan` on the server)."""
+    return {"kv_pages": plan.kv_pages, "kv_tokens": plan.kv_tokens, "expert_slots": plan.expert_slots,
+            "state_slots": plan.state_slots, "snapshot_slots": plan.snapshot_slots,
+            "staging_experts": plan.staging_experts, "pool_bytes": plan.pool_bytes, "free_bytes": plan.free_bytes}
 
 
 def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
                  max_context: int, check: bool = False) -> RunStats:
     """Drives the domain scheduler with the simulated executor through the benchmark method."""
     host = executor.host
-    config = SchedulerConfig(max_running=batch, max_step_tokens=max(workload.max_step_tokens, batch),
+    # NOTE: as the server's scheduler (app/containers.py): at most state_slots requests run, the rest of the
+    # batch queues; the benchmark's per-request time counts from the request's arrival, queueing included.
+    config = SchedulerConfig(max_running=plan.state_slots,
+                             max_step_tokens=max(workload.max_step_tokens, plan.state_slots),
                              page_size=plan.page_size, max_context=max_context)
     scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots)
     iterations = ([(workload.warmup_tokens, False)] * workload.warmup_iterations
@@ -208,13 +262,19 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                   check: bool = False) -> PointResult:
     workload = workload or Workload()
     result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False, calibration=calibration)
-    plan = plan_point(spec, hardware, deployment, kv_tokens, batch, workload.page_size)
-    if isinstance(plan, str):
-        result.reason = plan
+    planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size=workload.page_size)
+    if isinstance(planned, str):
+        result.reason = planned
         return result
+    plan = planned.plan
     result.fits = True
     result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.state_slots
-    streams = 1 if workload.same_prompt else batch
+    result.extra["plan"] = plan_summary(plan)
+    if planned.notes:
+        result.extra["plan_notes"] = list(planned.notes)
+    if batch > plan.state_slots:
+        result.extra["queued"] = batch - plan.state_slots
+    streams = 1 if workload.same_prompt else min(batch, plan.state_slots)
     working_set = spec.top_k * spec.num_layers * streams
     if plan.expert_slots < working_set:
         # NOTE: the planner accepts this (its floor is top_k), but a global LRU smaller than one

@@ -14,6 +14,16 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _notes(r: PointResult) -> str:
+    """What a fitting point's row must say: requests that queue (batch above --max-running-requests),
+    pools the server would drop, the LRU warning."""
+    notes = []
+    if r.extra.get("queued"):
+        notes.append(f"{r.extra['queued']} of {r.batch} requests queue (max running {r.state_slots})")
+    notes += [f"[yellow]{n}[/yellow]" for n in (*r.extra.get("plan_notes", ()), r.extra.get("warning")) if n]
+    return "; ".join(notes)
+
+
 def print_table(results: list[PointResult], title: str = "", console: Console | None = None) -> None:
     table = Table(title=title)
     for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "tok/s",
@@ -29,7 +39,7 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
             f"{r.expert_slots:,}" if r.fits else "-", _fmt(r.residency if r.fits else None, ".0%"),
             _fmt(r.hit_rate, ".1%"), _fmt(r.decode_tok_s, ".1f"), _fmt(r.decode_tok_s_per_request, ".1f"),
             _fmt(r.pcie_utilisation, ".0%"), _fmt(r.gpu_utilisation, ".0%"), _fmt(r.ttft_s, ".0f", 1e3),
-            r.reason or (f"[yellow]{r.extra['warning']}[/yellow]" if "warning" in r.extra else ""),
+            r.reason or _notes(r),
             *probe_cells,
         )
     # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.

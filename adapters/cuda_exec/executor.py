@@ -21,6 +21,7 @@ from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.cuda_exec.prefill_warmup import WarmupReport, plan_warmup, warm_prefill_kernels
 from adapters.cuda_exec.routing_replay import DeviceRoutingTable
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.executor_pools import ExecutorPools
@@ -58,11 +59,18 @@ class CudaGraphExecutor(ExecutorPools):
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
-                 routing_replay: RoutingReplayer | None = None):
-        """on_phase(name): told when the first graph capture starts and ends (a start-up milestone).
+                 routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
+                 warm_prefill: bool = False):
+        """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
+        milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
         False keeps the reference token mixers there (the default until the kernels are GPU-verified).
-        routing_replay: replace the routers' top-k choice (benchmark-only; adapters/cuda_exec/routing_replay.py)."""
+        routing_replay: replace the routers' top-k choice (benchmark-only; adapters/cuda_exec/routing_replay.py).
+        max_step_tokens: the most tokens one step carries (the scheduler's max_step_tokens, --max-prefill-length);
+        the prefill warm-up tunes every kernel key a step up to that size can produce.
+        warm_prefill: with prefill_kernels on CUDA, tune and compile the Triton prefill at start-up
+        (prefill_warmup.py) so no request pays for it (the server asks for it); False leaves that to the
+        first steps that need each key (tests, benchmarks with their own warm-up)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -93,8 +101,14 @@ class CudaGraphExecutor(ExecutorPools):
         self.plan: PoolPlan | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        self.max_step_tokens = max_step_tokens
+        self.warmup: WarmupReport | None = None
         self._on_phase = on_phase
         self.resize_pools(plan)
+        if warm_prefill:
+            self._warm_prefill()
         self._on_phase = None  # later captures (after a resize) are not start-up phases
 
     # ---- pools -------------------------------------------------------------------------------------
@@ -168,6 +182,33 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
         if self._on_phase is not None:
             self._on_phase(f"decode graphs captured in {self.capture_seconds:.1f} s")
+
+    def _warm_prefill(self) -> None:
+        """Tune and compile every Triton prefill kernel key a step can produce (prefill_warmup.py), timed
+        and reported like the graph capture. Runs once, at start-up: a resize changes no key (slot counts are
+        not specialized on), except that a pool of fewer than MAX_KEYS slots that grows lets bigger chunks
+        take the one-launch lookup, whose new block sizes then compile on first use."""
+        if not self.prefill_kernels or self.device.type != "cuda":
+            why = "the reference prefill runs (--prefill-kernels reference)" if not self.prefill_kernels else \
+                f"{self.device.type} runs the kernels without autotuning or compiling ahead"
+            log.info("prefill kernel warm-up skipped: %s", why)
+            return
+        # the most sequences a step can carry (the scheduler's max_running): decode rows of a mixed step
+        running = min(self.max_decode_rows, self.plan.state_slots) if self.state is not None else self.max_decode_rows
+        if running < 1:
+            log.info("prefill kernel warm-up skipped: the pools admit no sequence")
+            return
+        plan = plan_warmup(self.model, self.experts, self.max_step_tokens, running)
+        if self._on_phase is not None:
+            self._on_phase(f"tuning prefill kernels: {len(plan.items())} keys for steps of up to "
+                           f"{self.max_step_tokens} tokens")
+        self.warmup = warm_prefill_kernels(self.model, self.experts, plan, page_size=self.plan.page_size,
+                                           dtype=self.dtype, device=self.device)
+        log.info("prefill kernels tuned in %.1f s (%d dense GEMM, %d GEMV, %d grouped MoE keys, %d scratch steps"
+                 "%s)", self.warmup.seconds, len(plan.gemm), len(plan.gemv), len(plan.grouped), len(plan.forwards),
+                 f"; out of memory: {', '.join(self.warmup.skipped)}" if self.warmup.skipped else "")
+        if self._on_phase is not None:
+            self._on_phase(f"prefill kernels tuned in {self.warmup.seconds:.1f} s")
 
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:

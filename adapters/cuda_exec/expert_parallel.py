@@ -37,7 +37,8 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
-                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False):
+                 on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
+                 max_step_tokens: int = 2048, warm_prefill: bool = False):
         """Raises RuntimeError without an initialised torch.distributed, ValueError when the partition does
         not fit the group or the checkpoint. Routing replay is not offered here (each rank would rewrite
         its ids from its own replay state; not proven to stay in lockstep)."""
@@ -46,8 +47,12 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
         self.shard = ExpertShard(partition, self.rank, group, device)
         # the decode step's MoE layers, one all-reduce each: what a graph replay issues
         self._layer_exchanges = checkpoint.spec.num_layers
-        super().__init__(checkpoint, plan, device, dtype, sampler_seed, max_decode_rows, max_context, use_graphs,
-                         on_phase, prefill_kernels)
+        # NOTE: the prefill warm-up (warm_prefill) tunes kernels on scratch inputs through a read-only view
+        # of the pool: no exchange, so it needs no lockstep beyond the one every rank's start-up has
+        super().__init__(checkpoint, plan, device=device, dtype=dtype, sampler_seed=sampler_seed,
+                         max_decode_rows=max_decode_rows, max_context=max_context, use_graphs=use_graphs,
+                         on_phase=on_phase, prefill_kernels=prefill_kernels, max_step_tokens=max_step_tokens,
+                         warm_prefill=warm_prefill)
 
     # ---- pools -------------------------------------------------------------------------------------
     def _expert_slots(self, plan: PoolPlan) -> int:

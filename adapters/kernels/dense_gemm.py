@@ -26,7 +26,9 @@ BLOCK_K = 128  # one 128x128 block-FP8 scale per K step; a whole number of 4-bit
 SUPPORTED = tuple(f for f in FORMAT_CODES if f != WeightFormat.BF16)
 
 
-@triton.jit
+# NOTE: M and M_BUCKET are not specialized (Triton would compile a variant for M == 1 and for M % 16 == 0):
+# they only bound the row mask, so one binary serves every row count (the arithmetic is the same)
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm, stride_ym,
                        N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
                        F32_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -67,6 +69,7 @@ _TUNED = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
                            num_stages=st) for bm, bn, w, st in TUNE_TILES],
     key=["M_BUCKET", "N", "K", "FMT"],
+    cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
 )(_dense_gemm_kernel)
 
 

@@ -74,6 +74,7 @@ _TUNED = triton.autotune(
              for bn, bk, w, st in ((16, 128, 4, 1), (16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3),
                                    (4, 1024, 4, 3), (8, 1024, 8, 2), (32, 256, 8, 3))],
     key=["N", "K", "SCALE_MODE"],
+    cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
 )(_dense_gemv_kernel)
 
 

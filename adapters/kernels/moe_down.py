@@ -86,7 +86,8 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, out_ptr, y_ptr
 
 
 _TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
-                         prune_configs_by={"early_config_prune": prune_tiles})(_moe_down_kernel)
+                         prune_configs_by={"early_config_prune": prune_tiles},
+                         cache_results=True)(_moe_down_kernel)
 
 
 def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,

@@ -50,7 +50,8 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
 
 
 _TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
-                         prune_configs_by={"early_config_prune": prune_tiles})(_moe_gate_up_kernel)
+                         prune_configs_by={"early_config_prune": prune_tiles},
+                         cache_results=True)(_moe_gate_up_kernel)
 
 
 def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout,

@@ -72,7 +72,8 @@ def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slo
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"],
-                         prune_configs_by={"early_config_prune": grouped_pruner(1)})(_moe_grouped_down_kernel)
+                         prune_configs_by={"early_config_prune": grouped_pruner(1)},
+                         cache_results=True)(_moe_grouped_down_kernel)
 
 
 def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,

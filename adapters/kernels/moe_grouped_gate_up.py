@@ -81,7 +81,8 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"],
-                         prune_configs_by={"early_config_prune": grouped_pruner(2)})(_moe_grouped_gate_up_kernel)
+                         prune_configs_by={"early_config_prune": grouped_pruner(2)},
+                         cache_results=True)(_moe_grouped_gate_up_kernel)
 
 
 def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: torch.Tensor, layout: ExpertLayout,

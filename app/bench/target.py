@@ -71,29 +71,9 @@ def is_fluxtide(server: dict) -> bool:
     return bool(server.get("cache_status") and "plan" in server["cache_status"])
 
 
-async def expert_counters(client: httpx.AsyncClient) -> dict | None:
-    """Cumulative expert cache hits and misses from /metrics (None if the server does not count them)."""
-    try:
-        r = await client.get("/metrics")
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    found = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name in ("ft_expert_hits_total", "ft_expert_misses_total"):
-                found[sample.name.removeprefix("ft_expert_").removesuffix("_total")] = int(sample.value)
-    return found if len(found) == 2 else None
-
-
-# llama.cpp's llama-server (--metrics): requests being decoded and requests waiting for a free slot
-LLAMA_CPP_LOAD = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
-
-
-async def llama_cpp_load(client: httpx.AsyncClient) -> dict | None:
-    """{'running', 'waiting'} from llama-server's /metrics gauges, or None (no such route or gauges:
-    another server, or llama-server started without --metrics)."""
+async def _metric_samples(client: httpx.AsyncClient, names: dict[str, str]) -> dict | None:
+    """{names[sample]: int value} for the named samples of the server's /metrics, or None when the route,
+    the text format or any of the samples is missing."""
     try:
         r = await client.get("/metrics")
     except httpx.HTTPError:
@@ -104,11 +84,26 @@ async def llama_cpp_load(client: httpx.AsyncClient) -> dict | None:
     try:
         for family in text_string_to_metric_families(r.text):
             for sample in family.samples:
-                if sample.name in LLAMA_CPP_LOAD:
-                    found[LLAMA_CPP_LOAD[sample.name]] = int(sample.value)
+                if sample.name in names:
+                    found[names[sample.name]] = int(sample.value)
     except ValueError:  # not Prometheus text
         return None
-    return found if len(found) == 2 else None
+    return found if len(found) == len(names) else None
+
+
+async def expert_counters(client: httpx.AsyncClient) -> dict | None:
+    """Cumulative expert cache hits and misses from /metrics (None if the server does not count them)."""
+    return await _metric_samples(client, {"ft_expert_hits_total": "hits", "ft_expert_misses_total": "misses"})
+
+
+# llama.cpp's llama-server (--metrics): requests being decoded and requests waiting for a free slot
+LLAMA_CPP_LOAD = {"llamacpp:requests_processing": "running", "llamacpp:requests_deferred": "waiting"}
+
+
+async def llama_cpp_load(client: httpx.AsyncClient) -> dict | None:
+    """{'running', 'waiting'} from llama-server's /metrics gauges, or None (no such route or gauges:
+    another server, or llama-server started without --metrics)."""
+    return await _metric_samples(client, LLAMA_CPP_LOAD)
 
 
 async def pools(client: httpx.AsyncClient) -> dict | None:

@@ -191,6 +191,7 @@ def test_cold_start_launches_ft_serve_and_orders_milestones(tmp_path):
     assert rec["model"]["geometry"]["num_experts"] == 8 and rec["model"]["format"] == "float32"
     t = {p["milestone"]: p["seconds"] for p in rec["points"]}
     assert t["graph_capture_done"] is None  # this engine reports no graph capture: null, not 0
+    assert t["prefill_kernels_tuned"] is None  # nor a prefill kernel warm-up (CPU, reference prefill)
     assert 0 < t["http_listening"] <= t["first_models_ok"] <= t["health_ok"] < t["first_token"]
     assert t["http_listening"] < t["expert_banks_loaded"] <= t["dense_weights_loaded"] <= t["health_ok"]
     phases = [p["phase"] for p in rec["cold_start"]["phases"]]
@@ -283,3 +284,15 @@ def test_llama_cpp_records_the_gguf_it_serves_beside_the_checkpoint_format(tmp_p
     assert facts["format"] == "gguf qwen36-q8_0.gguf" and facts["checkpoint_format"] == "fp8 e4m3"
     assert facts["geometry"] == {"hidden_size": 2048}
     assert target.model_facts({}, str(tmp_path))["format"] == "fp8 e4m3"  # fluxtide serves the checkpoint
+
+
+def test_cold_start_reads_the_graph_capture_and_the_prefill_warm_up_from_the_phase_lines():
+    from app.bench.cold_start import PHASE_MILESTONES, phase_end, phases
+
+    lines = [(1.0, "[  0.90s] capturing decode graphs for batch sizes 1, 2, 4"),
+             (4.5, "[  4.40s] decode graphs captured in 3.5 s"),
+             (4.6, "[  4.50s] tuning prefill kernels: 120 keys for steps of up to 2048 tokens"),
+             (40.0, "[ 39.90s] prefill kernels tuned in 35.4 s"), (40.1, "[ 40.00s] ready")]
+    order = phases(lines)
+    ends = {name: phase_end(order, needle) for name, needle in PHASE_MILESTONES}
+    assert ends["graph_capture_done"] == 4.5 and ends["prefill_kernels_tuned"] == 40.0

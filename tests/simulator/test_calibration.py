@@ -67,23 +67,21 @@ def _predict_with_slots(config, slots):
 def test_points_that_cannot_fit_are_refused_with_the_reason():
     deployment = rtx3090_deployment()
     # 900k tokens of KV (17.2 GiB) plus 24 GDN slots overflow the 17.6 GiB pool.
-    refusal = plan_point(SPEC, HW, deployment, 900_000, 1)
+    refusal = plan_point(SPEC, HW, deployment, 900_000)
     assert isinstance(refusal, str) and "does not fit" in refusal and "short by" in refusal
     # 800k would leave ~307 expert slots, fewer than one token's 320 experts: the planner refuses
     # an automatic expert pool that small, naming the working set (docs/simulator.md).
-    refusal = plan_point(SPEC, HW, deployment, 800_000, 1)
+    refusal = plan_point(SPEC, HW, deployment, 800_000)
     assert isinstance(refusal, str) and "working set" in refusal and "short by" in refusal
-    # A batch larger than the GDN state pool is refused before planning.
-    assert "state slots" in plan_point(SPEC, HW, deployment, 8192, 32)
     # BF16 experts (60 GiB) do not fit the reference box's 60 GiB of host RAM with the rest.
     from domain.model_spec import WeightFormat
 
-    assert "host RAM" in plan_point(qwen36_35b_a3b(WeightFormat.BF16), HW, deployment, 8192, 1)
+    assert "host RAM" in plan_point(qwen36_35b_a3b(WeightFormat.BF16), HW, deployment, 8192)
 
 
 def test_reading_gives_the_budget_and_slot_counts_documented():
     deployment = rtx3090_deployment()
-    plan = plan_point(SPEC, HW, deployment, 8192, 1)
+    plan = plan_point(SPEC, HW, deployment, 8192)
     assert plan.pool_bytes == int(17.6 * 2**30)
     assert plan.state_slots == 24
     assert 5400 < plan.expert_slots < 5500  # ~53 %, not the table's 89 %

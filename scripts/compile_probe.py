@@ -1,0 +1,107 @@
+"""Compiles the tensor-core GEMMs of the prefill (dense_gemm, moe_grouped_gate_up) for an H200 (sm_90) tile by
+tile, without a GPU, and prints per tile: compile seconds, registers and stack bytes per thread (ptxas spills,
+from cuobjdump), and whether the dot became wgmma (tensor cores) or FMA loops. The autotuner compiles every
+tile of a new key before it can benchmark, so the sum over tiles is what the first call of a key waits.
+
+    python scripts/compile_probe.py --kernel dense --fmt mxfp4 --act fp32
+    python scripts/compile_probe.py --kernel grouped --fmt nvfp4 --act bf16 --block-m 64
+
+fp32 activations take "ieee" dots, which Triton lowers to FMA loops (no tensor cores): the parity tests'
+path, not the served one (bf16). Each tile compiles in a fresh cache directory (no reuse between tiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)  # NOTE: before triton is imported: the probe compiles for real
+
+import triton  # noqa: E402
+import triton.backends.nvidia as nv  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from adapters.checkpoint.expert_layout import ExpertLayout  # noqa: E402
+from adapters.kernels import dense_gemm, moe_grouped_gate_up  # noqa: E402
+from adapters.kernels.dequant_tile import GROUPED_TILES, scale_dtype  # noqa: E402
+from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP, layout_consts  # noqa: E402
+from domain.model_spec import WeightFormat  # noqa: E402
+
+W_TYPES = {WeightFormat.FP8_BLOCK: "fp8e4nv", WeightFormat.FP8_TENSOR: "fp8e4nv", WeightFormat.FP8_CHANNEL: "fp8e4nv",
+           WeightFormat.INT8_CHANNEL: "i8"}
+S_TYPES = {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}
+
+
+def dense_source(fmt: WeightFormat, act: str, tile: tuple[int, int]) -> ASTSource:
+    ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + W_TYPES.get(fmt, "u8"), "s_ptr": "*" + S_TYPES.get(fmt, "fp32"),
+            "g_ptr": "*fp32", "y_ptr": "*" + act}
+    consts = dict(N=4096, K=2048, FMT=FORMAT_CODES[fmt], GROUP=SCALE_GROUP.get(fmt, 1), F32_DOT=False,
+                  PRECISION="ieee" if act == "fp32" else "tf32", BLOCK_M=tile[0], BLOCK_N=tile[1],
+                  BLOCK_K=dense_gemm.BLOCK_K, GROUP_M=8)
+    sig = {**ptrs, **{k: "i32" for k in ("M", "M_BUCKET", "stride_xm", "stride_ym")}, **dict.fromkeys(consts, "constexpr")}
+    return ASTSource(dense_gemm._dense_gemm_kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(5)})
+
+
+def grouped_source(fmt: WeightFormat, act: str, block_m: int, block_n: int) -> ASTSource:
+    c = layout_consts(ExpertLayout(fmt, 2048, 512))
+    consts = dict(K=9, H=2048, I=512, R=c.row_bytes, G_DATA=c.gate.data, G_SCALE=c.gate.scale,
+                  G_GSCALE=c.gate.global_scale, U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
+                  W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
+                  F32_DOT=False, PRECISION="ieee" if act == "fp32" else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=128)
+    ptrs = {"x_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*" + act}
+    sig = {**ptrs, "S": "i32", **dict.fromkeys(consts, "constexpr")}
+    return ASTSource(moe_grouped_gate_up._moe_grouped_gate_up_kernel, sig, consts,
+                     {(i,): [["tt.divisibility", 16]] for i in range(5)})
+
+
+def resources(cubin: bytes) -> str:
+    """cuobjdump's 'REG:.. STACK:..' line of the compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"regs {found.group(1)} stack {found.group(2)} B" if found else "resources unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("dense", "grouped"), default="dense")
+    ap.add_argument("--fmt", default="mxfp4", help="weight format (fp8_block, nvfp4, mxfp4, ...)")
+    ap.add_argument("--act", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--block-m", type=int, default=16, help="grouped: the alignment's BLOCK_M")
+    args = ap.parse_args()
+    fmt = WeightFormat(args.fmt)
+    if args.kernel == "dense":
+        tiles = [((bm, bn), w, st) for bm, bn, w, st in dense_gemm.TUNE_TILES]
+    else:
+        tiles = [((args.block_m, bn), w, st) for bn, w, st in GROUPED_TILES]
+    total = 0.0
+    for (bm, bn), warps, stages in tiles:
+        src = dense_source(fmt, args.act, (bm, bn)) if args.kernel == "dense" else grouped_source(fmt, args.act, bm, bn)
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["TRITON_CACHE_DIR"] = cache
+            start = time.perf_counter()
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=warps, num_stages=stages))
+            took = time.perf_counter() - start
+            ptx = kernel.asm["ptx"]
+            print(f"{args.kernel} {fmt.value} {args.act} {bm}x{bn} w{warps} s{stages}: {took:6.1f} s, "
+                  f"{resources(kernel.asm['cubin'])}, wgmma {len(re.findall('wgmma.mma_async', ptx))}, "
+                  f"fma.f32 {len(re.findall(r'fma.rn.f32', ptx))}", flush=True)
+        total += took
+    print(f"total {total:.1f} s over {len(tiles)} tiles")
+
+
+if __name__ == "__main__":
+    main()
