@@ -169,6 +169,7 @@ class CudaGraphExecutor(ExecutorPools):
                 self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._before_capture()
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
@@ -182,6 +183,9 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
         if self._on_phase is not None:
             self._on_phase(f"decode graphs captured in {self.capture_seconds:.1f} s")
+
+    def _before_capture(self) -> None:
+        """Hook between the eager warm-up steps (kernels compiled and tuned) and the capture; nothing here."""
 
     def _warm_prefill(self) -> None:
         """Tune and compile every Triton prefill kernel key a step can produce (prefill_warmup.py), timed

@@ -12,7 +12,8 @@ Shape legend: B decode rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,6 +78,15 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
         self.shard.release_buffers()
         super().resize_pools(plan)
 
+    # ---- one tile choice on every rank ---------------------------------------------------------------
+    def _before_capture(self) -> None:
+        """The warm-up steps tuned the decode kernels on each rank alone; the graphs capture rank 0's tiles."""
+        sync_autotune(self.rank, self.group)
+
+    def _warm_prefill(self) -> None:
+        super()._warm_prefill()
+        sync_autotune(self.rank, self.group)
+
     # ---- execution ---------------------------------------------------------------------------------
     def _decode(self, works):
         before = self.shard.exchanges
@@ -96,3 +106,50 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
     def check_valid(self) -> None:
         super().check_valid()  # the residency's check_valid also proves every resident key is this rank's
         assert self.experts.num_slots <= self.partition.keys_of(self.rank), "more expert slots than owned keys"
+
+
+def _autotuners() -> Iterator[tuple[str, object]]:
+    """Every triton.autotune'd kernel of adapters.kernels imported so far, by module and attribute name."""
+    from triton.runtime.autotuner import Autotuner
+
+    for mod_name, mod in sorted(sys.modules.items()):
+        if mod_name.startswith("adapters.kernels.") and mod is not None:
+            for attr, value in sorted(vars(mod).items()):
+                if isinstance(value, Autotuner):
+                    yield f"{mod_name}.{attr}", value
+
+
+def _describe(config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages, config.num_ctas
+
+
+def sync_autotune(rank: int, group: dist.ProcessGroup | None = None) -> int:
+    """Make every rank use rank 0's measured tile for every kernel key rank 0 has tuned (one broadcast;
+    call on all ranks at the same point). Returns how many of this rank's choices changed.
+
+    Why: each process times the autotuner's tiles itself, and near-equal tiles can win on one rank and lose
+    on another; a different tile is a different summation order, so the replicated dense compute (and the
+    MoE partials) would differ in the last bits between ranks, which then route differently (ADR 0008,
+    decision 5). Keys only this rank has tuned are kept."""
+    tuners = dict(_autotuners())
+    table = {name: {key: _describe(cfg) for key, cfg in t.cache.items()} for name, t in tuners.items()}
+    box = [table if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    changed = 0
+    for name, chosen in box[0].items():
+        tuner = tuners.get(name)
+        if tuner is None:  # a kernel module rank 0 imported and this rank did not: nothing tuned here
+            continue
+        for key, desc in chosen.items():
+            current = tuner.cache.get(key)
+            if current is not None and _describe(current) == desc:
+                continue
+            match = next((c for c in tuner.configs if _describe(c) == desc), None)
+            if match is None:
+                import triton
+
+                kwargs, warps, stages, ctas = desc
+                match = triton.Config(dict(kwargs), num_warps=warps, num_stages=stages, num_ctas=ctas)
+            tuner.cache[key] = match
+            changed += 1
+    return changed

@@ -226,3 +226,36 @@ def test_two_gpus_capture_the_exchange_in_the_decode_graphs_and_match_one_gpu(tm
         for rid, logits in want["logits"].items():
             assert torch.equal(got["logits"][rid], logits.cpu()), f"rank {rank} {rid}: not bitwise one GPU"
         assert got["exchanges"] > 0
+
+
+def _sync_main(rank: int, world: int, port: int, root: Path) -> None:
+    from adapters.cuda_exec.expert_parallel import _autotuners, sync_autotune
+    from adapters.kernels import dense_gemm, moe_down  # noqa: F401  (their autotuners exist once imported)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        tuners = dict(_autotuners())
+        down, gemm = tuners["adapters.kernels.moe_down._TUNED"], tuners["adapters.kernels.dense_gemm._TUNED"]
+        for t in (down, gemm):
+            t.cache.clear()
+        # rank 0 and rank 1 "measured" different winners for one key; rank 1 alone tuned another key
+        down.cache[(8, 64, 32, 96, 1)] = down.configs[0 if rank == 0 else 1]
+        gemm.cache[(16, 128, 64, 0)] = gemm.configs[2]
+        if rank == 1:
+            down.cache[("only", "rank1")] = down.configs[3]
+        changed = sync_autotune(rank, None)
+        torch.save({"changed": changed, "down": {k: down.configs.index(v) for k, v in down.cache.items()},
+                    "gemm": {k: gemm.configs.index(v) for k, v in gemm.cache.items()}}, root / f"sync{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_adopts_rank0s_autotuned_tiles(tmp_path):
+    """Near-equal tiles can win on one rank and lose on another; a different tile sums in another order, so
+    the replicated compute would drift apart: sync_autotune makes rank 0's choices everyone's."""
+    mp.start_processes(_sync_main, args=(2, free_port(), tmp_path), nprocs=2, join=True, start_method="spawn")
+    lead, follower = (torch.load(tmp_path / f"sync{r}.pt") for r in range(2))
+    assert lead["changed"] == 0 and follower["changed"] == 1  # only the disagreeing key moved
+    assert follower["down"][(8, 64, 32, 96, 1)] == lead["down"][(8, 64, 32, 96, 1)] == 0
+    assert follower["gemm"] == lead["gemm"] == {(16, 128, 64, 0): 2}
+    assert follower["down"][("only", "rank1")] == 3  # a key rank 0 never tuned stays as measured
