@@ -54,6 +54,7 @@ class CudaGraphExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
 
     link_bytes_per_s = LINK_BYTES_PER_S  # the host link rate prefill_stats' PCIe bound divides by
+    capture_error_mode = "global"  # torch.cuda.graph's: any thread's unsafe CUDA call fails the capture
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
@@ -174,7 +175,8 @@ class CudaGraphExecutor(ExecutorPools):
         for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
             self._set_replay_rows(b)
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode), \
+                    torch.inference_mode():
                 logits, tokens = self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
             self.graphs[b] = (graph, logits, tokens)
         self.model.replay_ids = None

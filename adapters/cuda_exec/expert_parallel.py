@@ -34,6 +34,10 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
     """CudaGraphExecutor of one rank: the whole dense model, a device expert pool over its own keys (slots
     at most the keys it owns, the per-rank plan of plan_expert_parallel), MoE partials exchanged."""
 
+    # NOTE: ProcessGroupNCCL's watchdog thread polls its events while this thread captures; "thread_local"
+    # confines the capture's checks to the capturing thread (what NCCL-in-graph users of torch do)
+    capture_error_mode = "thread_local"
+
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, partition: ExpertPartition,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
