@@ -66,7 +66,20 @@ def _load_checkpoint(settings: ServeSettings, device: str, progress: ProgressFn 
         progress(f"reading {model_dir.name}")
     # NOTE: the loader reports its phases ("expert banks", "dense weights") with their own byte counts.
     return load_checkpoint(model_dir, device=device, progress=True, on_progress=progress,
-                           mmap=settings.mmap_experts, verify_weights=settings.verify_weights)
+                           mmap=settings.mmap_experts, verify_weights=settings.verify_weights,
+                           expert_keys=_rank_keys(settings) if settings.expert_parallel > 1 else None)
+
+
+def _rank_keys(settings: ServeSettings):
+    """--expert-parallel N: the flat keys this rank owns (a function of the checkpoint's spec), so each rank
+    loads only its share of the host bank (one copy of the experts in host RAM over all ranks)."""
+    from domain.expert_parallel import ExpertPartition
+
+    def keys(spec: ModelSpec) -> list[int]:
+        partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
+        return [layer * spec.num_experts + e for layer in range(spec.num_layers)
+                for e in partition.experts_of(settings.ep_rank, layer)]
+    return keys
 
 
 def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
@@ -116,8 +129,7 @@ def _streams_prefill(settings: ServeSettings, device: str) -> bool:
     Triton prefill (--prefill-kernels triton: streaming is part of that not yet GPU-verified prefill, ADR 0010);
     elsewhere auto is 0 (prefill goes through the expert cache as before)."""
     return (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
-            and not settings.record_routing and settings.expert_parallel == 1
-            and settings.prefill_kernels == "triton")
+            and not settings.record_routing and settings.prefill_kernels == "triton")
 
 
 def serve_pools(settings: ServeSettings, device: str = "cpu") -> ServePools:
@@ -213,7 +225,7 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         torch.set_num_threads(settings.cpu_threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if settings.expert_parallel > 1:
-        return _expert_parallel_executor(settings, checkpoint, plan, device, dtype)
+        return _expert_parallel_executor(settings, checkpoint, plan, device, dtype, progress)
     if _use_fast_path(settings, checkpoint, device):
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
@@ -229,9 +241,13 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
     return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder, routing_replay=routing_replay)
 
 
-def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, dtype):
-    """This rank's ExpertParallelExecutor once every rank has joined the group (gloo on the CPU, NCCL on
-    CUDA); rank 0's wrapped in the StepLeader that sends each step to the others."""
+def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, dtype,
+                              progress=None):
+    """This rank's expert-parallel executor once every rank has joined the group (gloo on the CPU, NCCL on
+    CUDA): the fast path's (captured decode graphs with the all-reduces inside) where `_use_fast_path` takes
+    it, else the reference one; rank 0's wrapped in the StepLeader that sends each step to the others.
+    NOTE: every rank decides alike (the same flags, the same kind of device and bank), and must."""
+    import os
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -241,12 +257,26 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
 
     if settings.ep_address is None:
         raise ValueError("--expert-parallel: no rendezvous address (ft serve sets it for every rank)")
+    fast = _use_fast_path(settings, checkpoint, device)
+    if device.startswith("cuda"):
+        # NOTE: allocations on the capture stream stay in the graph's pool (no record_stream), and NVLink
+        # SHARP/multicast stays off (ADR 0005); an operator's own setting wins
+        os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     # NOTE: a rank that dies leaves the others in a collective; the timeout bounds how long they wait
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=settings.ep_address,
                             rank=settings.ep_rank, world_size=settings.expert_parallel, timeout=timedelta(minutes=10))
     spec = checkpoint.spec
     partition = ExpertPartition.modulo(spec.num_layers, spec.num_experts, settings.expert_parallel)
-    executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
+    if fast:
+        from adapters.cuda_exec.expert_parallel import FastExpertParallelExecutor
+
+        executor = FastExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype,
+                                              max_decode_rows=settings.max_running_requests, on_phase=progress,
+                                              prefill_kernels=settings.prefill_kernels == "triton",
+                                              max_step_tokens=settings.max_prefill_length, warm_prefill=True)
+    else:
+        executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
     return StepLeader(executor) if settings.ep_rank == 0 else executor
 
 

@@ -93,10 +93,12 @@ class ServeSettings:
         if self.expert_parallel < 1 or not 0 <= self.ep_rank < self.expert_parallel:
             raise ValueError(f"--expert-parallel must be >= 1 (rank {self.ep_rank} of it), got {self.expert_parallel}")
         if self.expert_parallel > 1:
-            clash = [flag for flag, on in (("--executor cuda-graph", self.executor == "cuda-graph"),
-                                           ("--record-routing", self.record_routing is not None)) if on]
+            # NOTE: routing replay rewrites each rank's ids from its own replay state (not proven to stay in
+            # lockstep across ranks); routing recording runs on the one-process reference executor
+            clash = [flag for flag, on in (("--record-routing", self.record_routing is not None),
+                                           ("--routing-replay", self.routing_replay is not None)) if on]
             if clash:
-                raise ValueError(f"--expert-parallel runs the reference executor for now; not with {', '.join(clash)}")
+                raise ValueError(f"--expert-parallel cannot run with {', '.join(clash)} yet")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

@@ -75,10 +75,16 @@ class HostExpertBank:
     def nbytes(self) -> int:
         return self.num_layers * self.num_experts * self.layout.row_bytes
 
+    row_of_key: tuple[int, ...] | None = None  # flat key -> row; None: row = flat key (every expert held)
+
     def index(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
             raise IndexError(f"expert ({layer}, {expert}) outside bank of {self.num_layers}x{self.num_experts}")
         return layer * self.num_experts + expert
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether this bank has a row for (layer, expert)."""
+        return 0 <= layer < self.num_layers and 0 <= expert < self.num_experts
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
         """uint8 [R] of expert (layer, expert); a view into the bank (a fresh tensor in mmap mode)."""
@@ -94,6 +100,45 @@ class HostExpertBank:
         want = (self.num_layers * self.num_experts, self.layout.row_bytes)
         if self.rows.dtype != torch.uint8 or tuple(self.rows.shape) != want:
             raise AssertionError(f"bank rows are {self.rows.dtype} {tuple(self.rows.shape)}, expected uint8 {want}")
+
+
+class PartialHostExpertBank(HostExpertBank):
+    """One rank's share of the bank (expert parallelism, ADR 0008): rows only for `keys`, the flat keys
+    (layer * E + expert) the rank owns, ascending, so N ranks hold one copy of the experts in total instead
+    of N. row_of_key maps a flat key to its row (-1: another rank's); asking for another rank's expert
+    raises KeyError."""
+
+    def __init__(self, layout: ExpertLayout, num_layers: int, num_experts: int, keys, rows: torch.Tensor):
+        keys = tuple(sorted(keys))
+        total = num_layers * num_experts
+        if not keys or len(set(keys)) != len(keys) or keys[0] < 0 or keys[-1] >= total:
+            raise ValueError(f"a partial bank needs distinct flat keys in 0..{total - 1}, got {len(keys)} keys")
+        self.keys = keys
+        table = [-1] * total
+        for row, key in enumerate(keys):
+            table[key] = row
+        self.row_of_key = tuple(table)
+        super().__init__(layout, num_layers, num_experts, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.layout.row_bytes
+
+    def index(self, layer: int, expert: int) -> int:
+        row = self.row_of_key[super().index(layer, expert)]
+        if row < 0:
+            raise KeyError(f"expert ({layer}, {expert}) is not in this rank's bank")
+        return row
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return super().holds(layer, expert) and self.row_of_key[layer * self.num_experts + expert] >= 0
+
+    def check_valid(self) -> None:
+        self.layout.check_valid()
+        want = (len(self.keys), self.layout.row_bytes)
+        if self.rows is None or self.rows.dtype != torch.uint8 or tuple(self.rows.shape) != want:
+            got = None if self.rows is None else (self.rows.dtype, tuple(self.rows.shape))
+            raise AssertionError(f"partial bank rows are {got}, expected uint8 {want}")
 
 
 class LazyHostExpertBank(HostExpertBank):

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from adapters.checkpoint.formats import ON_DISK_FORMATS, OnDiskFormat, read_weig
 from adapters.checkpoint.host_bank import (
     HostExpertBank,
     LazyHostExpertBank,
+    PartialHostExpertBank,
     allocate_rows,
     mem_available_bytes,
 )
@@ -166,14 +167,15 @@ def fill_bank(bank: HostExpertBank, build_row, workers: int, progress: bool,
               on_progress: ProgressCallback | None = None) -> None:
     """Pack every expert into the bank, one layer per task, in a thread pool; `on_progress`
     hears about every packed row (bar: per layer)."""
-    bar = _progress(bank.num_layers * bank.num_experts, progress)
+    bar = _progress(bank.rows.shape[0], progress)
     counter = PhaseCounter(PHASE_BANK, bank.nbytes, on_progress)
 
     def fill_layer(layer: int) -> int:
-        for expert in range(bank.num_experts):
+        held = [e for e in range(bank.num_experts) if bank.holds(layer, e)]  # a partial bank: its keys only
+        for expert in held:
             build_row(layer, expert, bank.rows[bank.index(layer, expert)])
             counter.add(bank.layout.row_bytes)
-        return bank.num_experts
+        return len(held)
 
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -209,6 +211,7 @@ def load_checkpoint(
     host_memory_bytes: int | None = None,
     on_progress: ProgressCallback | None = None,
     verify_weights: bool = False,
+    expert_keys: Sequence[int] | Callable[[ModelSpec], Sequence[int]] | None = None,
 ) -> LoadedCheckpoint:
     """Read a checkpoint directory. Experts go to a host bank (pinned on CUDA hosts unless
     `pin=False`; built lazily from the mapped files when `mmap=True`); dense weights go to
@@ -217,6 +220,9 @@ def load_checkpoint(
     such phase with mmap=True, where rows are built on demand) then "dense weights" (bytes of
     the stored tensors read), per row and per tensor, from any thread but one call at a time.
     `verify_weights` scans every stored value for NaN/Inf before allocating (scales always are).
+    `expert_keys`: flat keys (layer * E + expert) to load, or a function of the checkpoint's ModelSpec
+    giving them; the others are left out (an expert-parallel rank's own: a PartialHostExpertBank). Ignored
+    with mmap=True, whose rows are built only when asked for.
     Raises CheckpointFormatError naming the file and tensor (or config field) of any inconsistency.
     """
     model_dir = Path(path)
@@ -231,7 +237,11 @@ def load_checkpoint(
     dense_bytes = sum(
         e.end - e.begin for c, e in inv.canon.items() if parse_expert(c) is None
     ) if torch.device(device).type == "cpu" else 0
-    bank_bytes = 0 if mmap else spec.num_layers * spec.num_experts * layout.row_bytes
+    partial = expert_keys is not None and not mmap
+    if partial and callable(expert_keys):
+        expert_keys = expert_keys(spec)
+    bank_rows = len(set(expert_keys)) if partial else spec.num_layers * spec.num_experts
+    bank_bytes = 0 if mmap else bank_rows * layout.row_bytes
     available = host_memory_bytes if host_memory_bytes is not None else mem_available_bytes()
     check_host_memory(bank_bytes + dense_bytes, available,
                       f"the expert bank ({bank_bytes / GiB:.2f} GiB) plus dense weights")
@@ -242,8 +252,9 @@ def load_checkpoint(
     if mmap:
         bank: HostExpertBank = LazyHostExpertBank(layout, spec.num_layers, spec.num_experts, build_row)
     else:
-        rows = allocate_rows(spec.num_layers * spec.num_experts, layout.row_bytes, pin)  # [L*E, R]
-        bank = HostExpertBank(layout, spec.num_layers, spec.num_experts, rows)
+        rows = allocate_rows(bank_rows, layout.row_bytes, pin)  # [L*E (or the keys), R]
+        bank = (PartialHostExpertBank(layout, spec.num_layers, spec.num_experts, expert_keys, rows) if partial
+                else HostExpertBank(layout, spec.num_layers, spec.num_experts, rows))
         fill_bank(bank, build_row, workers or min(8, os.cpu_count() or 1), progress, on_progress)
 
     sources = {name: dense_sources(inv, disk, name) for name, disk in plan.items()}

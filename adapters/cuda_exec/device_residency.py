@@ -49,11 +49,24 @@ class DeviceLookup:
 class DeviceResidency:
     """The global LRU over (layer, expert) keys, as tensors on `device`."""
 
-    def __init__(self, num_slots: int, num_layers: int, num_experts: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int, device: torch.device | str = "cpu",
+                 owner: torch.Tensor | None = None, rank: int = 0):
+        """owner: int [L*E], the rank owning each flat key (expert parallelism, ADR 0008); then only keys
+        with owner == rank are ever looked up: every lookup path treats the others as padding (slot -1),
+        and the host-facing `lookup` refuses them. None: every key is this residency's."""
         if min(num_layers, num_experts) <= 0:
             raise ValueError(f"need at least one layer and expert, got {num_layers} x {num_experts}")
         self.num_layers, self.num_experts = num_layers, num_experts
         self.device = torch.device(device)
+        self.rank = rank
+        self.owner: torch.Tensor | None = None  # int32 [L*E + 1], the sink entry -1 (owned by no rank)
+        if owner is not None:
+            if tuple(owner.shape) != (num_layers * num_experts,):
+                raise ValueError(f"owner must be [{num_layers * num_experts}] (one rank per flat key), "
+                                 f"got {tuple(owner.shape)}")
+            if not bool((owner == rank).any()):
+                raise ValueError(f"rank {rank} owns no key of this residency")
+            self.owner = torch.cat((owner.to(torch.int32), torch.full((1,), -1, dtype=torch.int32))).to(self.device)
         # cumulative counters live on the device (one host read when someone asks)
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # hits, misses, evictions
         self._reset(num_slots)
@@ -80,6 +93,7 @@ class DeviceResidency:
         """
         keys = flat_keys.to(device=self.device, dtype=torch.int64).reshape(-1)  # [n]
         n, sink_key, sink_slot = keys.shape[0], self.slot_of_key.shape[0] - 1, self.num_slots
+        keys = self.owned_only(keys)
         if n == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return DeviceLookup(empty, empty, empty, empty)
@@ -132,6 +146,14 @@ class DeviceResidency:
             evicted=torch.where(evicting[evict_order], old_key[evict_order], -1),
         )
 
+    def owned_only(self, flat_keys: torch.Tensor) -> torch.Tensor:
+        """flat_keys (int64, -1 = padding) with the keys of other ranks replaced by -1 (tensor ops, no sync)."""
+        if self.owner is None:
+            return flat_keys
+        sink = self.owner.shape[0] - 1
+        mine = self.owner[torch.where(flat_keys < 0, sink, flat_keys)] == self.rank
+        return torch.where(mine, flat_keys, -1)
+
     def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor, shared_slot: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decode step's lookup: layer `layer`'s experts ids [T, K] of rows with valid [T] True, in
@@ -149,7 +171,7 @@ class DeviceResidency:
             ids = ids.contiguous().to(torch.int64)
         layer_lookup(ids, valid, layer * self.num_experts, self.slot_of_key,
                      self.key_of_slot, self.stamp, self.clock, self._counters, fill_keys, fill_slots, slot_ids,
-                     self.num_slots, shared_slot)
+                     self.num_slots, shared_slot, self.owner, self.rank)
         return fill_keys, fill_slots, slot_ids
 
     def route_layer(self, layer: int, logits: torch.Tensor, x: torch.Tensor, top_k: int, renormalize: bool,
@@ -161,7 +183,7 @@ class DeviceResidency:
         Needs moe_route_lookup.fits(T, E, K, S) and no pinned keys."""
         return moe_route_lookup(logits, x, top_k, renormalize, gate_weight, valid, layer * self.num_experts,
                                 self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
-                                self.num_slots, shared_slot)
+                                self.num_slots, shared_slot, self.owner, self.rank)
 
     def release_all(self) -> None:
         self.pinned.zero_()
@@ -193,6 +215,11 @@ class DeviceResidency:
 
     def lookup(self, keys) -> Lookup:
         keys = list(keys)
+        if self.owner is not None:
+            flat = self._flat(keys)
+            foreign = [k for k, o in zip(keys, self.owner[flat].tolist(), strict=True) if o != self.rank]
+            if foreign:
+                raise ValueError(f"rank {self.rank}: expert keys {foreign} belong to other ranks")
         if not self.can_lookup(keys):
             raise ResidencyExhausted(f"lookup of {len(set(keys))} distinct experts cannot fit in "
                                      f"{self.num_slots} slots with {int(self.pinned.sum())} pinned")
@@ -273,6 +300,10 @@ class DeviceResidency:
                 assert slot_of[key] == slot, f"slot {slot} holds {self._key(key)}, which maps elsewhere"
                 assert 0 <= stamp[slot] < int(self.clock), f"slot {slot} stamp {stamp[slot]} not in the past"
         used = [st for st, k in zip(stamp, key_of, strict=True) if k != NO_KEY]
+        if self.owner is not None:
+            owner = self.owner.tolist()
+            foreign = [self._key(k) for k in key_of if k != NO_KEY and owner[k] != self.rank]
+            assert not foreign, f"rank {self.rank} holds keys it does not own: {foreign}"
         assert len(set(used)) == len(used), "two resident keys share a stamp"
         assert not bool(self.pinned[s]), "the sink slot is pinned"
         assert all(key_of[i] != NO_KEY for i in range(s) if bool(self.pinned[i])), "an empty slot is pinned"

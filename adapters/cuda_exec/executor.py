@@ -54,6 +54,7 @@ class CudaGraphExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
 
     link_bytes_per_s = LINK_BYTES_PER_S  # the host link rate prefill_stats' PCIe bound divides by
+    capture_error_mode = "global"  # torch.cuda.graph's: any thread's unsafe CUDA call fails the capture
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
@@ -118,8 +119,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.graphs = {}
         self.inputs = None
         self._swap_pools(plan)
-        self.decode_rows = min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
-                               plan.state_slots if self.state is not None else self.max_decode_rows)
+        self.decode_rows = self._decode_rows(plan)
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
@@ -128,6 +128,12 @@ class CudaGraphExecutor(ExecutorPools):
                                                    self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
+
+    def _decode_rows(self, plan: PoolPlan) -> int:
+        """The largest decode batch a graph is captured for: every row's top-k fits the pool at once (the
+        one-launch lookup's bound) and has a state slot."""
+        return min(self.max_decode_rows, self.experts.num_slots // self.model.opts.top_k,
+                   plan.state_slots if self.state is not None else self.max_decode_rows)
 
     def _kv_pool_pages(self, plan: PoolPlan) -> int:
         return plan.kv_pages + SCRATCH_PAGES
@@ -164,11 +170,13 @@ class CudaGraphExecutor(ExecutorPools):
                 self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._before_capture()
         pool = torch.cuda.graph_pool_handle()
         for b in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
             self._set_replay_rows(b)
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode), \
+                    torch.inference_mode():
                 logits, tokens = self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
             self.graphs[b] = (graph, logits, tokens)
         self.model.replay_ids = None
@@ -177,6 +185,9 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
         if self._on_phase is not None:
             self._on_phase(f"decode graphs captured in {self.capture_seconds:.1f} s")
+
+    def _before_capture(self) -> None:
+        """Hook between the eager warm-up steps (kernels compiled and tuned) and the capture; nothing here."""
 
     def _warm_prefill(self) -> None:
         """Tune and compile every Triton prefill kernel key a step can produce (prefill_warmup.py), timed

@@ -15,6 +15,7 @@ import torch
 
 from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.cuda_exec.expert_shard import ExpertShard
 from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
@@ -37,14 +38,18 @@ class DeviceExpertPool:
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
-                 shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0):
+                 shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0,
+                 shard: ExpertShard | None = None):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
         grouped: chunks of more than GEMV_MAX_PAIRS pairs take the grouped tensor-core GEMMs (False: the
         per-pair GEMVs at every size, as before they existed).
         staging_slots: G rows after those (rows S + L .. S + L + G - 1) that a streamed prefill step
-        (`streamed_step`) copies non-resident experts into; 0: prefill goes through the residency."""
+        (`streamed_step`) copies non-resident experts into; 0: prefill goes through the residency.
+        shard: expert parallelism (ADR 0008): only the shard's rank's keys are looked up, copied and computed
+        (every other pair gets slot -1, the shared expert is rank 0's), and every layer's fp32 partials are
+        all-reduced over the shard's group before the ordered sum; None: one GPU, every key."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
@@ -70,7 +75,23 @@ class DeviceExpertPool:
         if shared_rows is not None:
             self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
         self.staging_slots, self.staging_base = staging_slots, num_slots + extra
-        self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device)
+        if shard is not None and num_slots > shard.partition.keys_of(shard.rank):
+            raise ValueError(f"rank {shard.rank}: {num_slots} expert slots for the "
+                             f"{shard.partition.keys_of(shard.rank)} keys it owns")
+        self.shard = shard
+        # a partial bank (an expert-parallel rank's own keys): flat key -> bank row, the sink entry -1
+        self._bank_row = None
+        if bank.row_of_key is not None:
+            self._bank_row = torch.tensor((*bank.row_of_key, -1), dtype=torch.int64, device=self.device)
+            if shard is None or not bool((self._bank_row[:-1][shard.owner_of_key.to(self.device) == shard.rank]
+                                          >= 0).all()):
+                raise ValueError("a partial host bank needs a shard whose every key it holds")
+        # the most keys one layer can bring to a lookup: its E experts, or (a shard) those its rank owns
+        self._layer_keys = bank.num_experts if shard is None else max(
+            len(shard.partition.experts_of(shard.rank, layer)) for layer in range(bank.num_layers))
+        self.residency = DeviceResidency(num_slots, bank.num_layers, bank.num_experts, self.device,
+                                         owner=None if shard is None else shard.owner_of_key,
+                                         rank=0 if shard is None else shard.rank)
         self._lane = CopyLane(self.device) if staging_slots else None
         self._step_open = False
         self._stream: PrefillStream | None = None
@@ -90,23 +111,52 @@ class DeviceExpertPool:
         flat = ids.to(torch.int64) + layer * self.bank.num_experts  # [T, K]
         if valid is not None:
             flat = torch.where(valid[:, None], flat, -1)
-        return flat.reshape(-1)  # [T*K]
+        return self.residency.owned_only(flat.reshape(-1))  # [T*K], other ranks' keys -1
+
+    def bank_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Flat keys int64 [n] (-1 = none) -> rows of the host bank (the same on a whole bank)."""
+        if self._bank_row is None:
+            return keys
+        return self._bank_row[torch.where(keys < 0, self._bank_row.shape[0] - 1, keys)]
+
+    def _gather(self, fill_keys: torch.Tensor, fill_slots: torch.Tensor) -> None:
+        gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
 
     def _fetch(self, keys: torch.Tensor) -> None:
         """Look up flat keys (request order, -1 = padding) and gather the misses into their slots."""
         found = self.residency.lookup_flat(keys, pin=False)
-        gather_rows(self.bank.rows, self.slots, found.fill_keys, found.fill_slots)
+        self._gather(found.fill_keys, found.fill_slots)
 
     def _slot_ids(self, flat: torch.Tensor, shape) -> torch.Tensor:
         sink = self.residency.slot_of_key.shape[0] - 1
         slots = self.residency.slot_of_key[torch.where(flat < 0, sink, flat)]
         return torch.where(flat < 0, -1, slots).to(torch.int32).reshape(shape)  # [T, K]
 
+    def shared_slot(self, layer: int) -> int:
+        """The slot the layer's resident shared expert is computed from on this rank (-1: another rank's)."""
+        slot = self.num_slots + layer
+        return slot if self.shard is None else self.shard.shared_slot(slot)
+
     def _with_shared(self, layer: int, slot_ids: torch.Tensor, shared: bool) -> torch.Tensor:
         """slot_ids [T, K] with the layer's resident shared expert appended as top-k position K."""
         if not shared:
             return slot_ids
-        return torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], self.num_slots + layer)), 1)  # [T, K+1]
+        return torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], self.shared_slot(layer))), 1)  # [T, K+1]
+
+    def _moe_out(self, pairs: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The MoE output [T, H] of one call covering every pair: the fused kernels as they are on one GPU;
+        with a shard, this rank's partials exchanged and summed (bitwise the one-GPU sum)."""
+        if self.shard is None:
+            return self._experts(pairs, x, slot_ids, weights)
+        partials = self.shard.partials(x, weights.shape[1])  # [T, K(+1), H] zeroed
+        self._experts(pairs, x, slot_ids, weights, partials)
+        return self._reduce(partials, x)
+
+    def _reduce(self, partials: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """partials fp32 [T, K(+1), H] -> [T, H] in x.dtype: all-reduced over the shard's group first."""
+        if self.shard is not None:
+            self.shard.all_reduce(partials)
+        return moe_sum(partials, torch.empty_like(x))
 
     def tune(self, x: torch.Tensor, top_k: int) -> None:
         """Run the fused kernels once on real slots so their tiles are measured on real work (the graph
@@ -151,22 +201,22 @@ class DeviceExpertPool:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
             # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
-                layer, ids, valid, self.num_slots + layer if shared else None)
-            gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-            return self._experts(ids.numel(), x, slot_ids, weights)
+                layer, ids, valid, self.shared_slot(layer) if shared else None)
+            self._gather(fill_keys, fill_slots)
+            return self._moe_out(ids.numel(), x, slot_ids, weights)
         if self._step_open and self.staging_slots:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
         flat = self._flat_keys(layer, ids, valid)  # [T*K]
-        # NOTE: a layer's keys are at most its E experts, so a pool of at least E slots (every pool but a
-        # tiny one) takes any chunk in one lookup: tensor ops, no host sync. The sync of the grouped path
-        # below stalled the launch queue once per layer (~40 syncs per prefill step, measured as host
+        # NOTE: a layer's keys are at most its E experts (a shard's: those it owns), so a pool of at least
+        # that many slots (every pool but a tiny one) takes any chunk in one lookup: tensor ops, no host
+        # sync. The sync of the grouped path below stalled the launch queue once per layer (~40 syncs per prefill step, measured as host
         # time in bench_prefill's profile).
-        if flat.numel() <= self.num_slots or self.bank.num_experts <= self.num_slots:
+        if flat.numel() <= self.num_slots or self._layer_keys <= self.num_slots:
             big = torch.iinfo(torch.int64).max
             ordered = torch.sort(torch.where(flat < 0, big, flat)).values  # ascending, as the reference asks
             self._fetch(torch.where(ordered == big, -1, ordered))
             slot_ids = self._with_shared(layer, self._slot_ids(flat, ids.shape), shared)
-            return self._experts(ids.numel(), x, slot_ids, weights)
+            return self._moe_out(ids.numel(), x, slot_ids, weights)
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below
         # NOTE: each group fills its (token, k) partials; one ordered sum at the end makes the result
         # bitwise the same as the one-launch path, whatever the pool size. A pair whose slot is -1 in
@@ -183,7 +233,7 @@ class DeviceExpertPool:
         if shared:
             none = self._with_shared(layer, skip.expand(-1, ids.shape[1]).contiguous(), True)
             self._experts(ids.numel(), x, none, weights, partials)
-        return moe_sum(partials, torch.empty_like(x))
+        return self._reduce(partials, x)
 
     def can_route(self, rows: int, top_k: int) -> bool:
         """Whether `routed_logits` takes `rows` rows: the one-launch router + lookup fits (decode buckets)."""
@@ -205,9 +255,9 @@ class DeviceExpertPool:
             valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         weights, slot_ids, fill_keys, fill_slots = self.residency.route_layer(
             layer, logits, x, top_k, renormalize, gate_weight, valid,
-            None if gate_weight is None else self.num_slots + layer)
-        gather_rows(self.bank.rows, self.slots, fill_keys, fill_slots)
-        return self._experts(x.shape[0] * top_k, x, slot_ids, weights)
+            None if gate_weight is None else self.shared_slot(layer))
+        self._gather(fill_keys, fill_slots)
+        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager
@@ -239,7 +289,7 @@ class DeviceExpertPool:
         partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
         self._stream.layer(layer, x, weights, ids, valid, shared, partials)
         self._streamed_layers += 1
-        return moe_sum(partials, torch.empty_like(x))
+        return self._reduce(partials, x)
 
     def streaming_stats(self) -> dict[str, int]:
         """Cumulative streamed-prefill counts (one device read): steps and layer calls streamed, the
@@ -271,7 +321,7 @@ class DeviceExpertPool:
         return self.residency.misses * self.layout.row_bytes
 
     def check_valid(self) -> None:
-        self.residency.check_valid()
+        self.residency.check_valid()  # with a shard: every resident key is the rank's
         assert self.residency.num_slots == self.num_slots, "residency and slot pool disagree on size"
         assert self.slots.dtype == torch.uint8 and self.slots.shape[1] == self.layout.row_bytes
         assert self.all_slots.shape[0] == self.staging_base + self.staging_slots, "staging rows != plan"

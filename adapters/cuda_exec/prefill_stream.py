@@ -74,7 +74,9 @@ class PrefillStream:
         # the residency's table as the step starts; nothing changes it until the step ends
         self.resident = pool.residency.slot_of_key[:layers * experts].view(layers, experts).clone()  # [L, E]
         resident_host = self.resident.tolist()  # NOTE: the step's one host sync
-        missing = [[e for e, s in enumerate(row) if s < 0] for row in resident_host]
+        shard = pool.shard  # expert parallelism: only this rank's experts are ever staged
+        missing = [[e for e, s in enumerate(row) if s < 0 and (shard is None or shard.partition.owns(shard.rank, (l, e)))]
+                   for l, row in enumerate(resident_host)]
         self.rounds: tuple[StagingRound, ...] = plan_rounds(missing, pool.staging_slots)
         self.buffers, self.per_round = staging_buffers(pool.staging_slots)
         self.speculate = speculate_whole_layers(pairs, experts)
@@ -93,6 +95,7 @@ class PrefillStream:
                 dst[r, :n] = rows
                 maps[r, ids] = rows.to(torch.int32)
         self.keys, self.dst, self.maps = keys.to(dev), dst.to(dev), maps.to(dev)
+        self.rows = pool.bank_rows(self.keys.view(-1)).view(self.keys.shape)  # [n, g] host bank rows
         self.ready = lane.mark()  # the tables above are on the device
         self.holds = [-1] * self.buffers  # the round each staging half holds (or is loading)
         self.free = [None] * self.buffers  # event: the last compute that read each half
@@ -111,17 +114,19 @@ class PrefillStream:
         if self.holds[rnd.buffer] == r:
             return
         keys, waits, keep = self.keys[r], [self.ready, self.free[rnd.buffer]], ()
+        src = self.rows[r]  # [g] the bank rows of keys (-1 where none)
         if routed is not None and not rnd.first and not self.speculate:
             index = torch.where(keys >= 0, keys - rnd.layer * self.experts, self.experts)  # [g]
             keys = torch.where(routed[index], keys, -1)  # [g]
+            src = torch.where(keys >= 0, src, -1)  # [g]
             self.masked += (keys >= 0).sum()
             waits.append(self.lane.mark())  # NOTE: after the masked keys exist, not just the routing
-            keep = (keys,)
+            keep = (src,)
         else:
             self.staged_rows += len(rnd.experts)
         if rnd.experts:
             bank, slots, dst = self.pool.bank.rows, self.pool.all_slots, self.dst[r]
-            self.copied[r] = self.lane.copy(lambda: gather_rows(bank, slots, keys, dst), waits, keep)
+            self.copied[r] = self.lane.copy(lambda: gather_rows(bank, slots, src, dst), waits, keep)
         else:
             self.copied[r] = None
         self.holds[rnd.buffer] = r
@@ -135,6 +140,9 @@ class PrefillStream:
             raise ValueError(f"a streamed step routes {self.pairs} pairs in every layer, got {ids.numel()}")
         pool, experts = self.pool, self.experts
         safe = ids.to(torch.int64) if valid is None else torch.where(valid[:, None], ids.to(torch.int64), experts)
+        if pool.shard is not None:  # pairs another rank owns route nowhere here (as padding does)
+            flat = torch.where(safe < experts, safe + layer * experts, -1).reshape(-1)
+            safe = torch.where(pool.residency.owned_only(flat).view(safe.shape) >= 0, safe, experts)
         routed = torch.zeros(experts + 1, dtype=torch.bool, device=ids.device)
         routed[safe.reshape(-1)] = True  # [E + 1], a scatter: no host sync
         routed[experts] = False
@@ -153,7 +161,7 @@ class PrefillStream:
                 slot = resident[safe.clamp(max=experts - 1)].to(torch.int32)  # [T, K]
                 col = torch.where((slot >= 0) & (safe < experts), slot, col)
             if shared:
-                column = pool.num_slots + layer if rnd.first else -1
+                column = pool.shared_slot(layer) if rnd.first else -1
                 col = torch.cat((col, torch.full_like(col[:, :1], column)), 1)  # [T, K+1]
             pool._experts(ids.numel(), x, col.contiguous(), weights, partials)
             self.free[rnd.buffer] = self.lane.mark()

@@ -33,8 +33,9 @@ MAX_TILE = 4096
 @triton.jit
 def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot_ids_ptr,
                              slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr, fill_keys_ptr,
-                             fill_slots_ptr, T, E, H, stride_l, stride_x, base, S, shared_slot,
+                             fill_slots_ptr, owner_ptr, T, E, H, stride_l, stride_x, base, S, shared_slot, rank,
                              K: tl.constexpr, KO: tl.constexpr, KS: tl.constexpr, HAS_GATE: tl.constexpr,
+                             HAS_OWNER: tl.constexpr,
                              ROUND_GATE: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -88,6 +89,8 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
     # (not KO), so a 16-row top-8 bucket keeps residency_lookup's 128 lanes
     live = tl.load(valid_ptr + offs_t, mask=t_ok, other=0) != 0  # [BT]
     pair_ok = (live[:, None] & (offs_r[None, :] < K))  # [BT, BR]
+    if HAS_OWNER:  # expert parallelism: a pair another rank owns routes nowhere here (no key, slot -1)
+        pair_ok = pair_ok & (tl.load(owner_ptr + top_i + base, mask=pair_ok, other=-1) == rank)
     key2 = tl.where(pair_ok, top_i + base, -1)  # [BT, BR]
     key = tl.reshape(key2, (BLOCK_T * BLOCK_R,))
     valid = tl.reshape(pair_ok, (BLOCK_T * BLOCK_R,))
@@ -111,8 +114,8 @@ def fits(rows: int, experts: int, top_k: int, num_slots: int) -> bool:
 def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormalize: bool,
                      gate_weight: torch.Tensor | None, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
                      key_of_slot: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor, counters: torch.Tensor,
-                     num_slots: int, shared_slot: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     num_slots: int, shared_slot: int | None = None, owner: torch.Tensor | None = None,
+                     rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, KO], slot_ids int32 [T, KS], fill_keys int64 [T*K], fill_slots int64 [T*K]).
 
     logits fp32 [T, E] (unit column stride): the router GEMV's output. x [T, H]: the router's input, read
@@ -120,7 +123,9 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
     sigmoid(x . g) (KO = K + 1). valid bool [T]: rows with False route nowhere (no key, slot -1).
     base = layer * E, the layer's first flat key; the residency tables are DeviceResidency's (updated in
     place, decisions as residency_lookup's). shared_slot: slot_ids gets column K = that slot on valid
-    rows, -1 on the others (KS = K + 1). fill_keys/fill_slots: the misses to gather, then -1.
+    rows, -1 on the others (KS = K + 1; -1 everywhere: no shared expert on this rank). fill_keys/fill_slots:
+    the misses to gather, then -1. owner: int32 [L*E(+1)], the rank owning each flat key (expert
+    parallelism): pairs another rank owns keep their weight but are not looked up (slot -1, zero output).
     Needs fits(T, E, K, num_slots) and no pinned slots (the decode step's buckets guarantee both).
     Raises ValueError on mismatched shapes or dtypes.
     """
@@ -143,6 +148,8 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
                          f"{gate_weight.dtype} {tuple(gate_weight.shape)}")
     assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
     assert slot_of_key.numel() <= 2**31, "flat keys are compared as int32 (lookup_keys)"
+    if owner is not None and (owner.dtype != torch.int32 or owner.numel() < slot_of_key.numel() - 1):
+        raise ValueError(f"owner must be int32 [L*E(+1)], got {owner.dtype} {tuple(owner.shape)}")
     ko, ks = top_k + has_gate, top_k + (shared_slot is not None)
     dev = logits.device
     weights = torch.empty((t, ko), dtype=torch.float32, device=dev)
@@ -153,9 +160,9 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
     block_g = min(triton.next_power_of_2(h), max(64, 8192 // block_t))
     _moe_route_lookup_kernel[(1,)](
         logits, x, gate_weight if has_gate else x, valid, weights, slot_ids, slot_of_key, key_of_slot, stamp,
-        clock, counters, fill_keys, fill_slots, t, e, h, logits.stride(0), x.stride(0), base, num_slots,
-        -1 if shared_slot is None else shared_slot,
-        K=top_k, KO=ko, KS=ks, HAS_GATE=has_gate, ROUND_GATE=has_gate and gate_weight.dtype != torch.float32,
+        clock, counters, fill_keys, fill_slots, owner if owner is not None else slot_of_key, t, e, h,
+        logits.stride(0), x.stride(0), base, num_slots, -1 if shared_slot is None else shared_slot, rank,
+        K=top_k, KO=ko, KS=ks, HAS_GATE=has_gate, HAS_OWNER=owner is not None, ROUND_GATE=has_gate and gate_weight.dtype != torch.float32,
         RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=block_g,
         BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k), BLOCK_S=1024,
         num_warps=4 if block_t * block_e <= 2048 else 8)

@@ -100,13 +100,16 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
 
 @triton.jit
 def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
-                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, n, base, S, shared_slot, stride_ids, K: tl.constexpr,
-                         KO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+                         fill_keys_ptr, fill_slots_ptr, slot_ids_ptr, owner_ptr, n, base, S, shared_slot, stride_ids,
+                         rank, K: tl.constexpr, KO: tl.constexpr, HAS_OWNER: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
     offs = tl.arange(0, BLOCK_N)
     in_range = offs < n
     row_valid = tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0
     ids = tl.load(ids_ptr + (offs // K) * stride_ids + offs % K, mask=in_range, other=0)  # a [T, K] view
     valid = in_range & row_valid
+    if HAS_OWNER:  # expert parallelism: a pair another rank owns routes nowhere here (no key, slot -1)
+        valid = valid & (tl.load(owner_ptr + ids + base, mask=valid, other=-1) == rank)
     key = tl.where(valid, ids + base, -1)  # [BN]
     slot_after = lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr,
                              fill_keys_ptr, fill_slots_ptr, S, BLOCK_N, BLOCK_S)
@@ -120,12 +123,15 @@ def _layer_lookup_kernel(ids_ptr, valid_ptr, slot_of_ptr, key_of_ptr, stamp_ptr,
 def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
                  key_of_slot: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor, counters: torch.Tensor,
                  fill_keys: torch.Tensor, fill_slots: torch.Tensor, slot_ids: torch.Tensor, num_slots: int,
-                 shared_slot: int | None = None) -> None:
+                 shared_slot: int | None = None, owner: torch.Tensor | None = None, rank: int = 0) -> None:
     """Look up the experts `ids` [T, K] (rows with valid [T] False route nowhere) of the layer whose
     flat keys start at `base` (= layer * E); writes fill_keys/fill_slots int64 [T*K] (misses in
     ascending key order, then -1) and slot_ids int32 [T, K] (-1 for padded rows), updates the tables.
     shared_slot: slot_ids is [T, K+1] and column K gets this slot (a resident shared expert outside the
-    LRU's slots) on valid rows, -1 on padded ones: the fused MoE kernels take it as it is.
+    LRU's slots) on valid rows, -1 on padded ones: the fused MoE kernels take it as it is (-1 for every
+    row: no shared expert on this rank).
+    owner: int32 [L*E(+1)], the rank owning each flat key (expert parallelism): pairs whose key another
+    rank owns are not looked up and get slot -1 (zero output), so the LRU only ever sees `rank`'s keys.
 
     The caller guarantees T*K <= num_slots and no pinned slots (the decode step's buckets do).
     """
@@ -140,10 +146,13 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
     assert n <= MAX_KEYS, f"{n} keys: the one-program lookup is for decode steps (<= {MAX_KEYS} keys)"
     assert stamp.dtype == key_of_slot.dtype == slot_of_key.dtype == torch.int64
     assert slot_of_key.numel() <= 2**31, "flat keys are compared as int32 (lookup_keys)"
+    assert owner is None or (owner.dtype == torch.int32 and owner.numel() >= slot_of_key.numel() - 1), \
+        "owner must be int32 [L*E(+1)]"
     if n == 0:
         return
     block_n = max(16, triton.next_power_of_2(n))
     _layer_lookup_kernel[(1,)](ids, valid, slot_of_key, key_of_slot, stamp, clock, counters, fill_keys, fill_slots,
-                               slot_ids, n, base, num_slots, -1 if shared_slot is None else shared_slot, ids.stride(0), K=k,
-                               KO=ko, BLOCK_N=block_n, BLOCK_S=1024,
+                               slot_ids, owner if owner is not None else slot_of_key, n, base, num_slots,
+                               -1 if shared_slot is None else shared_slot, ids.stride(0), rank, K=k,
+                               KO=ko, HAS_OWNER=owner is not None, BLOCK_N=block_n, BLOCK_S=1024,
                                num_warps=8 if block_n >= 64 else 4)

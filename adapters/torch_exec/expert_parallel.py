@@ -86,6 +86,31 @@ class ExpertParallelMoe:
         return out
 
 
+def group_rank(checkpoint: LoadedCheckpoint, partition: ExpertPartition, group: dist.ProcessGroup | None) -> int:
+    """This process's rank in `group`, once the group and the partition are checked against each other and
+    the checkpoint. Raises RuntimeError without torch.distributed, ValueError on a mismatch."""
+    if not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed initialised (init_process_group)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world != partition.num_ranks:
+        raise ValueError(f"the partition is over {partition.num_ranks} ranks, the process group has {world}")
+    spec = checkpoint.spec
+    if (partition.num_layers, partition.num_experts) != (spec.num_layers, spec.num_experts):
+        raise ValueError(f"the partition is [{partition.num_layers}][{partition.num_experts}], the checkpoint "
+                         f"[{spec.num_layers}][{spec.num_experts}]")
+    return rank
+
+
+def check_replicas(tensor: torch.Tensor, rank: int, group: dist.ProcessGroup | None = None) -> None:
+    """Raise unless `tensor` is bitwise the same on every rank (the replicated dense compute must be:
+    ranks that drift apart would route differently). Two all-reduces; for tests and debug checks."""
+    hi, lo = tensor.detach().float().clone(), tensor.detach().float().clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    if not (torch.equal(hi, lo) or torch.equal(torch.nan_to_num(hi), torch.nan_to_num(lo))):
+        raise RuntimeError(f"rank {rank}: replicas diverged (max |diff| {(hi - lo).abs().max().item():.3g})")
+
+
 class ExpertParallelExecutor(TorchExecutor):
     """TorchExecutor of one rank: the whole dense model, a slot cache over its own keys, and the MoE layers
     exchanging partials with the other ranks. Every rank must execute the same StepBatches in the same order
@@ -94,15 +119,7 @@ class ExpertParallelExecutor(TorchExecutor):
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, partition: ExpertPartition,
                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0):
-        if not dist.is_initialized():
-            raise RuntimeError("expert parallelism needs torch.distributed initialised (init_process_group)")
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if world != partition.num_ranks:
-            raise ValueError(f"the partition is over {partition.num_ranks} ranks, the process group has {world}")
-        spec = checkpoint.spec
-        if (partition.num_layers, partition.num_experts) != (spec.num_layers, spec.num_experts):
-            raise ValueError(f"the partition is [{partition.num_layers}][{partition.num_experts}], the checkpoint "
-                             f"[{spec.num_layers}][{spec.num_experts}]")
+        rank = group_rank(checkpoint, partition, group)
         self.partition, self.rank, self.group = partition, rank, group
         super().__init__(checkpoint, plan, device, dtype, sampler_seed)
         self.moe = ExpertParallelMoe(partition, rank, group)
@@ -115,13 +132,7 @@ class ExpertParallelExecutor(TorchExecutor):
         return PartitionedSlotCache(self.bank, self._expert_slots(plan), self.device, self.partition, self.rank)
 
     def check_replicas(self, tensor: torch.Tensor) -> None:
-        """Raise unless `tensor` is bitwise the same on every rank (the replicated dense compute must be:
-        ranks that drift apart would route differently). Two all-reduces; for tests and debug checks."""
-        hi, lo = tensor.detach().float().clone(), tensor.detach().float().clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
-        if not (torch.equal(hi, lo) or torch.equal(torch.nan_to_num(hi), torch.nan_to_num(lo))):
-            raise RuntimeError(f"rank {self.rank}: replicas diverged (max |diff| {(hi - lo).abs().max().item():.3g})")
+        check_replicas(tensor, self.rank, self.group)
 
 
 STEP, RESIZE, STOP = "step", "resize", "stop"
@@ -130,10 +141,11 @@ STEP, RESIZE, STOP = "step", "resize", "stop"
 class StepLeader:
     """Rank 0's side of the step broadcast: a ModelExecutor that sends every StepBatch (and every pool
     resize) to the followers before running it itself, so all ranks issue the same collectives in the same
-    order. NOTE: the batch goes as a pickled object over the group (broadcast_object_list); a StepBatch is a
+    order. The executor is any rank-0 expert-parallel executor with `rank`, `group`, `partition` and the
+    ModelExecutor surface: this reference one, or the fast path's (adapters/cuda_exec/expert_parallel.py). NOTE: the batch goes as a pickled object over the group (broadcast_object_list); a StepBatch is a
     few hundred bytes, the cost is one small collective per step."""
 
-    def __init__(self, executor: ExpertParallelExecutor):
+    def __init__(self, executor):
         if executor.rank != 0:
             raise ValueError(f"the leader is rank 0, this executor is rank {executor.rank}")
         self.executor = executor
@@ -167,9 +179,9 @@ class StepLeader:
         return getattr(self.executor, name)
 
 
-def follow(executor: ExpertParallelExecutor, after_step=None) -> int:
+def follow(executor, after_step=None) -> int:
     """A follower rank's loop: run every StepBatch and resize rank 0 broadcasts, until STOP; returns the
-    number of steps run. after_step(executor) runs after each step (tests: check_valid)."""
+    number of steps run. executor: this rank's expert-parallel executor (reference or fast path). after_step(executor) runs after each step (tests: check_valid)."""
     if executor.rank == 0:
         raise ValueError("rank 0 leads; follow() is for ranks 1..N-1")
     steps = 0

@@ -26,16 +26,20 @@ build(moe_router._moe_router_kernel,
 build(residency_lookup._layer_lookup_kernel,
       {"ids_ptr": "*i64", "valid_ptr": "*i1", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
        "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
-       "slot_ids_ptr": "*i32", "n": "i32", "base": "i32", "S": "i32", "shared_slot": "i32", "stride_ids": "i32"},
-      dict(K=8, KO=9, BLOCK_N=16, BLOCK_S=1024))
-for block_t, block_e in ((1, 256), (16, 256), (8, 512)):  # decode buckets 1 to 16 at E = 256, 8 at E = 512
+       "slot_ids_ptr": "*i32", "owner_ptr": "*i32", "n": "i32", "base": "i32", "S": "i32", "shared_slot": "i32",
+       "stride_ids": "i32", "rank": "i32"},
+      dict(K=8, KO=9, HAS_OWNER=True, BLOCK_N=16, BLOCK_S=1024))
+# decode buckets 1 to 16 at E = 256, 8 at E = 512; the 16-row bucket also with the owner table (expert
+# parallelism: one more load and compare in the biggest register tile)
+for block_t, block_e, owner in ((1, 256, False), (16, 256, False), (8, 512, False), (16, 256, True)):
     build(moe_route_lookup._moe_route_lookup_kernel,
           {"logits_ptr": "*fp32", "x_ptr": "*bf16", "g_ptr": "*bf16", "valid_ptr": "*i1", "wout_ptr": "*fp32",
            "slot_ids_ptr": "*i32", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
            "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
-           "T": "i32", "E": "i32", "H": "i32", "stride_l": "i32", "stride_x": "i32", "base": "i32", "S": "i32",
-           "shared_slot": "i32"},
-          dict(K=8, KO=9, KS=9, HAS_GATE=True, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t, BLOCK_E=block_e,
+           "owner_ptr": "*i32", "T": "i32", "E": "i32", "H": "i32", "stride_l": "i32", "stride_x": "i32",
+           "base": "i32", "S": "i32", "shared_slot": "i32", "rank": "i32"},
+          dict(K=8, KO=9, KS=9, HAS_GATE=True, HAS_OWNER=owner, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t,
+               BLOCK_E=block_e,
                BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=1024))
 build(rms_norm_router._rms_norm_router_kernel,
       {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*fp32", "sum_ptr": "*bf16",

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from app import demo_model as demo
 from app.containers import Container
@@ -94,9 +95,41 @@ def test_bad_expert_parallel_arguments_exit_2(capsys):
 
     assert main(["serve", "--expert-parallel", "0", "--device", "cpu", "--port", "0"]) == 2
     assert "--expert-parallel must be >= 1" in capsys.readouterr().err
-    assert main(["serve", "--expert-parallel", "2", "--executor", "cuda-graph", "--port", "0"]) == 2
-    assert "reference executor" in capsys.readouterr().err
+    # the fast path runs under expert parallelism; what does not compose with it yet is refused up front
+    assert main(["serve", "--expert-parallel", "2", "--routing-replay", "uniform", "--port", "0"]) == 2
+    assert "--expert-parallel cannot run with --routing-replay" in capsys.readouterr().err
+    assert main(["serve", "--expert-parallel", "2", "--executor", "cuda-graph", "--device", "cpu", "--port", "0"]) == 2
+    assert "--executor cuda-graph cannot run with --device cpu" in capsys.readouterr().err
     assert main(["serve", "--expert-parallel", "2", "--data-parallel", "2", "--device", "cpu", "--port", "0"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
     assert main(["serve", "--expert-parallel", "2", "--device", "cuda:1", "--port", "0"]) == 2
     assert "--expert-parallel" in capsys.readouterr().err
+
+
+def test_the_fast_path_is_wired_for_expert_parallelism_where_it_runs(monkeypatch):
+    """Where _use_fast_path takes the fast path (CUDA and a pinned bank; forced here, on the CPU), a rank's
+    executor is the fast path's FastExpertParallelExecutor, wrapped in the StepLeader on rank 0 (a group of
+    one rank, so nothing waits for a peer)."""
+    import socket
+
+    import torch.distributed as dist
+
+    import app.containers as containers
+    from adapters.checkpoint.loader import load_checkpoint
+    from adapters.cuda_exec.expert_parallel import FastExpertParallelExecutor
+    from adapters.torch_exec.expert_parallel import StepLeader
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    settings = ServeSettings(device="cpu", ep_address=address, max_running_requests=2)
+    ckpt = load_checkpoint(containers.default_model_dir(), progress=False)
+    plan = containers._pool_plan(settings, ckpt.spec, containers.GpuBudget(total_bytes=1 << 34))
+    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: True)
+    try:
+        run = containers._expert_parallel_executor(settings, ckpt, plan, "cpu", torch.float32)
+        assert isinstance(run, StepLeader) and isinstance(run.executor, FastExpertParallelExecutor)
+        assert run.executor.shard.computes_shared and run.executor.decode_rows >= 1
+        run.check_valid()
+    finally:
+        dist.destroy_process_group()
