@@ -103,13 +103,7 @@ class ExpertParallelSimExecutor(SimExecutor):
     def _step(self, batch: StepBatch):
         host, cost, c = self.host, self.cost, self.counters
         works, n = batch.works, len(self.ranks)
-        routes: dict[tuple[str, int, int], list] = {}
-        for w in works:  # NOTE: as SimExecutor: identical greedy streams route once, weighted
-            key = (self._stream_key(w), w.start_position, len(w.token_ids))
-            if key in routes:
-                routes[key][0] += 1
-            else:
-                routes[key] = [1, self.routing.stream(key[0]).tokens(w.start_position, len(w.token_ids))]
+        routes = self._routes(works)  # identical greedy streams route once, weighted
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
         c.steps += 1
         c.sequence_steps += len(works)

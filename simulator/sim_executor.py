@@ -86,6 +86,19 @@ class SimExecutor:
 
     # ---- one step -----------------------------------------------------------------------------
 
+    def _routes(self, works) -> dict[tuple[str, int, int], list]:
+        """(stream, start, T_i) -> [weight, [T_i][L][K] expert ids] for a step's works. Works that replay
+        the same stream positions (identical greedy requests) route identically; they are counted once
+        with a weight, which keeps first-seen order."""
+        routes: dict[tuple[str, int, int], list] = {}
+        for w in works:
+            key = (self._stream_key(w), w.start_position, len(w.token_ids))
+            if key in routes:
+                routes[key][0] += 1
+            else:
+                routes[key] = [1, self.routing.stream(key[0]).tokens(w.start_position, len(w.token_ids))]
+        return routes
+
     def _stream_key(self, work: SequenceWork) -> str:
         if work.request_id not in self._stream_keys and work.start_position != 0:
             raise ValueError(f"{work.request_id}: first work starts at {work.start_position}, not 0")
@@ -99,15 +112,7 @@ class SimExecutor:
     def _step(self, batch: StepBatch):
         host, cost, residency, c = self.host, self.cost, self.residency, self.counters
         works = batch.works
-        # NOTE: works that replay the same stream positions (identical greedy requests) route
-        # identically; they are counted once with a weight, which keeps first-seen order.
-        routes: dict[tuple[str, int, int], list] = {}  # (stream, start, T_i) -> [weight, [T_i][L][K]]
-        for w in works:
-            key = (self._stream_key(w), w.start_position, len(w.token_ids))
-            if key in routes:
-                routes[key][0] += 1
-            else:
-                routes[key] = [1, self.routing.stream(key[0]).tokens(w.start_position, len(w.token_ids))]
+        routes = self._routes(works)
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
         decode_only = batch.num_prefill_tokens == 0 and all(len(w.token_ids) == 1 for w in works)
         padding = cost.padded_rows(len(works)) - len(works) if decode_only else 0
