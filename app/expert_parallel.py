@@ -32,17 +32,16 @@ def follower_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, ran
 
 
 def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, settings) -> int:
-    from app.containers import Container, cuda_device_count, run_expert_parallel_follower
-    from app.data_parallel.workers import _die_with_parent, assign_devices
+    from app.containers import Container, run_expert_parallel_follower
+    from app.data_parallel.workers import _die_with_parent, host_devices
     from app.serving import RunningServer
 
     if settings.ep_rank > 0:
         return run_expert_parallel_follower(settings)
     try:
-        cuda = cuda_device_count() if args.device in ("auto", "cuda") else 0
-        devices = assign_devices(args.device, settings.expert_parallel, cuda, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = host_devices(args.device, settings.expert_parallel, "--expert-parallel")
     except ValueError as exc:
-        print(f"ft serve: {str(exc).replace('--data-parallel', '--expert-parallel')}", file=sys.stderr)
+        print(f"ft serve: {exc}", file=sys.stderr)
         return 2
     address = _free_address()
     settings = dataclasses.replace(settings, ep_address=address, device=devices[0].flag)

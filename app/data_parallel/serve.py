@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -34,15 +33,13 @@ def worker_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, settings) -> int:
     """Start the front (bound first, so /health answers while the workers load), then the workers."""
-    from app.containers import cuda_device_count
     from app.data_parallel.front import Front, create_front_app
-    from app.data_parallel.workers import WorkerPool, WorkerProcess, assign_devices
+    from app.data_parallel.workers import WorkerPool, WorkerProcess, host_devices
     from app.server import ServerThread
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per health poll otherwise
     try:
-        cuda = cuda_device_count() if args.device in ("auto", "cuda") else 0
-        devices = assign_devices(args.device, args.data_parallel, cuda, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = host_devices(args.device, args.data_parallel, "--data-parallel")
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2

@@ -42,28 +42,39 @@ class DeviceAssignment:
     label: str
 
 
-def assign_devices(device: str, n: int, cuda_count: int, visible: str | None) -> list[DeviceAssignment]:
+def assign_devices(device: str, n: int, cuda_count: int, visible: str | None,
+                   flag: str = "--data-parallel") -> list[DeviceAssignment]:
     """One device per worker. ``device``: the --device given (auto | cpu | cuda); ``cuda_count``:
-    GPUs the front sees; ``visible``: the front's CUDA_VISIBLE_DEVICES (None: unset).
+    GPUs the front sees; ``visible``: the front's CUDA_VISIBLE_DEVICES (None: unset); ``flag``: the
+    option that asked for n workers (--data-parallel, --expert-parallel), named in the errors.
 
     On CUDA, worker i sees only the i-th visible GPU (CUDA_VISIBLE_DEVICES) and runs on "cuda":
     the executors never call torch.cuda.set_device, and Triton launches and graph captures go to
     the current device, so hiding the other GPUs is what keeps a worker on its own card.
     Raises ValueError when the host cannot give N workers a device each."""
     if n < 1:
-        raise ValueError(f"--data-parallel must be >= 1, got {n}")
+        raise ValueError(f"{flag} must be >= 1, got {n}")
     if device.startswith("cuda:"):
-        raise ValueError("--data-parallel gives worker i the i-th visible GPU itself: use --device cuda (or auto, "
+        raise ValueError(f"{flag} gives worker i the i-th visible GPU itself: use --device cuda (or auto, "
                          "cpu), and CUDA_VISIBLE_DEVICES to choose the GPUs")
     if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda with --data-parallel, got {device!r}")
+        raise ValueError(f"--device must be auto, cpu or cuda with {flag}, got {device!r}")
     if device == "cpu" or (device == "auto" and cuda_count == 0):
         # NOTE: CPU workers exist for tests and demos; each is its own process with its own pools.
         return [DeviceAssignment("cpu", {}, "cpu") for _ in range(n)]
     if cuda_count < n:
-        raise ValueError(f"--data-parallel {n} needs {n} CUDA devices, {cuda_count} visible")
+        raise ValueError(f"{flag} {n} needs {n} CUDA devices, {cuda_count} visible")
     ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(cuda_count)]
     return [DeviceAssignment("cuda", {"CUDA_VISIBLE_DEVICES": ids[i]}, f"cuda:{ids[i]}") for i in range(n)]
+
+
+def host_devices(device: str, n: int, flag: str) -> list[DeviceAssignment]:
+    """assign_devices for this host: the GPUs torch sees (none unless --device is auto or cuda) and this
+    process's CUDA_VISIBLE_DEVICES. Raises ValueError as assign_devices."""
+    from app.containers import cuda_device_count
+
+    cuda = cuda_device_count() if device in ("auto", "cuda") else 0
+    return assign_devices(device, n, cuda, os.environ.get("CUDA_VISIBLE_DEVICES"), flag)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
