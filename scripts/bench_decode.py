@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from gpu_check import GiB, dense_bytes, hardware_profile  # noqa: E402
+from gpu_check import GiB, dense_bytes, device_kernels, hardware_profile, kernel_family  # noqa: E402
 
 FAMILIES = [  # kernel name pattern -> component of the step
     ("moe", r"moe|fused_moe|gate_up|_down"),
@@ -41,10 +40,7 @@ FAMILIES = [  # kernel name pattern -> component of the step
 
 
 def classify(name: str) -> str:
-    for family, pattern in FAMILIES:
-        if re.search(pattern, name, re.IGNORECASE):
-            return family
-    return "elementwise_and_norms"
+    return kernel_family(name, FAMILIES, "elementwise_and_norms")
 
 
 def profile_step(ex, rows: int, steps: int = 3) -> dict:
@@ -62,14 +58,11 @@ def profile_step(ex, rows: int, steps: int = 3) -> dict:
     by_family: dict[str, float] = {}
     per_kernel: list[tuple[float, int, str]] = []
     kernels = 0
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if dev_us <= 0 or evt.key.startswith(("ProfilerStep", "aten::", "cuda")):
-            continue
-        fam = classify(evt.key)
+    for key, dev_us, count in device_kernels(prof):
+        fam = classify(key)
         by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
-        per_kernel.append((dev_us / steps, evt.count // steps, evt.key))
-        kernels += evt.count
+        per_kernel.append((dev_us / steps, count // steps, key))
+        kernels += count
     top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
            for us, n, key in sorted(per_kernel, reverse=True)[:30]]
     return {"ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())},

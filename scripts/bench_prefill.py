@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from gpu_check import GiB, dense_bytes, hardware_profile  # noqa: E402
+from gpu_check import GiB, dense_bytes, device_kernels, hardware_profile, kernel_family  # noqa: E402
 
 TARGET_RATIO = 1.2  # issue 9: a prefill that must stream experts takes <= 1.2 x its PCIe bound
 COMPONENTS = [  # kernel name pattern -> component of a prefill
@@ -47,10 +46,7 @@ COMPONENTS = [  # kernel name pattern -> component of a prefill
 
 
 def component(name: str) -> str:
-    for family, pattern in COMPONENTS:
-        if re.search(pattern, name, re.IGNORECASE):
-            return family
-    return "other"
+    return kernel_family(name, COMPONENTS, "other")
 
 
 def _sync(device: str) -> None:
@@ -102,11 +98,8 @@ def profile_prefill(ex, spec, length: int, chunk: int, slots: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = prefill_once(ex, spec, length, chunk, seed=99)
     by: dict[str, float] = {}
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if dev_us <= 0 or evt.key.startswith(("ProfilerStep", "aten::", "cuda")):
-            continue
-        by[component(evt.key)] = by.get(component(evt.key), 0.0) + dev_us / 1000.0
+    for key, dev_us, _ in device_kernels(prof):
+        by[component(key)] = by.get(component(key), 0.0) + dev_us / 1000.0
     return {"prompt_tokens": length, "wall_ms": round(wall * 1e3, 3),
             "device_ms_by_component": {k: round(v, 3) for k, v in sorted(by.items())}}
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -208,6 +209,21 @@ def run_parity(device: str, steps: int, record: dict, only: set[str] | None = No
             res["seconds"] = round(time.perf_counter() - t, 2)
             record["parity"].append(res)
             print(json.dumps({k: v for k, v in res.items() if k != "traceback"}), flush=True)
+
+
+# ---- profiles (bench_decode, bench_prefill) -----------------------------------------------------
+
+def kernel_family(name: str, families: list[tuple[str, str]], default: str) -> str:
+    """The first family whose regex (case-insensitive) finds the kernel name, else default."""
+    return next((family for family, pattern in families if re.search(pattern, name, re.IGNORECASE)), default)
+
+
+def device_kernels(prof):
+    """(name, device µs, launches) of every GPU kernel in a torch.profiler run, operator rows left out."""
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if dev_us > 0 and not evt.key.startswith(("ProfilerStep", "aten::", "cuda")):
+            yield evt.key, dev_us, evt.count
 
 
 # ---- phase 2: full-size FP8 checkpoint ------------------------------------------------------------
