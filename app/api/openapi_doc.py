@@ -113,7 +113,12 @@ class CacheRebuildResult(msgspec.Struct):
     after: dict[str, Any]
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (the WHATWG fields; validators such as schemathesis check each event of a stream
+# against this schema, so it describes an event, not the stream as one string)
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}}}}}
 _GENERATION_ERRORS = (400, 401, 404, 413, 422, 499, 500, 503)
 # (path, method) -> request body, 200 body, 200 streamed too, error statuses
 _OPERATIONS: dict[tuple[str, str], tuple[type | None, type | None, bool, tuple[int, ...]]] = {
