@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import QTensor
-from adapters.kernels.dequant_tile import block_scale, dot_modes, dot_step, row_scale, w_tile
+from adapters.kernels.dequant_tile import block_scale, dot_modes, dot_step, prune_tiles, row_scale, w_tile
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 from domain.model_spec import WeightFormat
 
@@ -61,14 +61,27 @@ def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm
              mask=m_ok[:, None] & (n < N)[None, :])
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), measured per (M bucket, N, K, format) on CUDA before use;
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), measured per (M bucket, N, K, format, x dtype) on CUDA before use;
 # BLOCK_N <= 128 keeps a block-FP8 scale one scalar per step. The interpreter runs the launcher default.
+# TUNE_TILES: tensor-core tiles (bf16/fp16 activations). FMA_TILES: fp32 activations, whose "ieee" dots are FMA
+# loops unrolled over BLOCK_K = 128: at most 4 accumulators per thread (sm_90, Triton 3.6 ptxas: the tensor-core
+# tiles spill 3-24 KB of stack per thread there, 100-300 B for these; scripts/compile_probe.py --act fp32).
 TUNE_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
               (16, 128, 4, 4), (16, 64, 4, 5), (16, 32, 4, 6), (16, 16, 4, 8))  # narrow N: more programs at small M
+FMA_TILES = ((16, 16, 4, 3), (16, 32, 4, 3), (16, 64, 8, 3), (32, 32, 8, 3))
+
+
+def _prune(configs, named_args, **kwargs):
+    """early_config_prune: dequant_tile.prune_tiles for this call's shape (M bucket, N, K, format, dot mode)."""
+    return prune_tiles(configs, set(FMA_TILES), fma=kwargs["PRECISION"] == "ieee", fmt=kwargs["FMT"],
+                       block_m=None, n_cols=kwargs["N"], k_cols=kwargs["K"], m_cap=named_args["M_BUCKET"])
+
+
 _TUNED = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
-                           num_stages=st) for bm, bn, w, st in TUNE_TILES],
+                           num_stages=st) for bm, bn, w, st in TUNE_TILES + FMA_TILES],
     key=["M_BUCKET", "N", "K", "FMT"],
+    prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
 )(_dense_gemm_kernel)
 
@@ -84,13 +97,14 @@ def m_bucket(m: int) -> int:
 
 
 def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
-               block_n: int | None = None) -> torch.Tensor:
+               block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32 accumulation.
 
     The weight is dequantized to x.dtype tile by tile (exact for bf16 activations); block/tensor/channel
     scales multiply fp32 partial sums. out: optional [M, N] x.dtype with unit column stride, written in
     place. block_m/block_n: a fixed tile (powers of two, 16 <= block_m, 16 <= block_n <= 128); None: on
-    CUDA the measured best tile for this shape (triton.autotune), elsewhere 16 x 64.
+    CUDA the measured best tile for this shape (triton.autotune), elsewhere 16 x 64. num_warps/num_stages:
+    the fixed tile's launch options (num_stages None: Triton's default); ignored when autotuned.
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, bad tiles.
     """
     if q.fmt not in SUPPORTED:
@@ -123,5 +137,6 @@ def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     else:
         bm, bn = block_m or 16, block_n or 64
         _dense_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=4)
+            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
     return out

@@ -106,25 +106,85 @@ def scale_dtype(fmt_code: int) -> tl.dtype:
 
 # Tiles of the grouped MoE GEMMs tried on CUDA, (BLOCK_N, num_warps, num_stages); BLOCK_M is fixed by the
 # alignment (moe_align) and BLOCK_K = 128 (one block-FP8 scale per step; BLOCK_N <= 128 divides 128).
+# Tensor-core tiles (bf16/fp16 activations) and FMA tiles (fp32 activations: "ieee" dots become FMA loops
+# unrolled over BLOCK_K = 128, so each accumulator costs many registers; the parity path, not the served one).
 GROUPED_TILES = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4))
+GROUPED_FMA_TILES = ((16, 4, 3), (32, 4, 3), (16, 8, 3), (32, 8, 3))
 GROUPED_BLOCK_K = 128
-MAX_ACC_PER_THREAD = 64  # fp32 accumulator registers per thread a tile may take (of 255, spills beyond)
+# Register budgets per thread (of 255) beyond which ptxas spills, measured for sm_90 with Triton 3.6's ptxas
+# (scripts/compile_probe.py; tests/adapters/test_kernels_moe_grouped.py checks the admitted tiles):
+MAX_ACC_PER_THREAD = 64  # fp32 accumulators of a tensor-core tile
+MAX_FMA_ACC_PER_THREAD = 4  # per accumulator of an FMA tile: 8 spill 3 KB of stack (dense 32x32 or grouped down
+#                             64x16 on 4 warps), 16 spill 4.5 KB (gate_up 64x16 on 4 warps)
+MAX_W4_PER_THREAD = 64  # dequantized 4-bit weight elements per thread: 128 (BLOCK_N 128, 4 warps) spill 0.2-0.6 KB
+FOUR_BIT = (5, 6)
 
 
 def grouped_configs() -> list:
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K}, num_warps=w, num_stages=st)
-            for bn, w, st in GROUPED_TILES]
+            for bn, w, st in GROUPED_TILES + GROUPED_FMA_TILES]
 
 
-def grouped_pruner(accumulators: int):
-    """early_config_prune for the grouped GEMMs: drop tiles whose `accumulators` fp32 [BLOCK_M, BLOCK_N]
-    accumulators need more than MAX_ACC_PER_THREAD registers per thread at the alignment's BLOCK_M
-    (gate_up holds two); keeps the smallest tile if none fits."""
+def _tile_key(c) -> tuple:
+    return c.kwargs.get("BLOCK_M"), c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def prune_tiles(configs: list, fma_tiles: set, *, fma: bool, fmt: int, block_m, n_cols: int, k_cols: int,
+                accumulators: int = 1, m_cap: int | None = None) -> list:
+    """The autotune configs worth compiling for one GEMM shape (early_config_prune's work, shared by the three
+    prefill GEMMs), in order, at least one:
+
+    * fma (fp32 activations): only the FMA tiles (`fma_tiles`, keys (BLOCK_M or None, BLOCK_N, warps, stages)),
+      else only the others;
+    * no tile wider than the problem: BLOCK_N <= max(16, next_pow2(n_cols)), BLOCK_M <= max(16, m_cap);
+    * no tile that spills: accumulators * BLOCK_M * BLOCK_N per thread within MAX_ACC_PER_THREAD (tensor
+      cores), BLOCK_M * BLOCK_N per thread within MAX_FMA_ACC_PER_THREAD (FMA), and for the 4-bit formats
+      the dequantized [BLOCK_N, BLOCK_K] weight tile within MAX_W4_PER_THREAD per thread;
+    * num_stages at most the K loop's trip count cdiv(k_cols, BLOCK_K) (more stages only prefetch nothing,
+      and Triton's pipeliner is least exercised with a prologue longer than the loop).
+    block_m: the fixed BLOCK_M (grouped GEMMs) or None (the config's). If nothing fits, the family's tile
+    with the fewest accumulators per thread is kept (clamped likewise)."""
+    family = [c for c in configs if (_tile_key(c) in fma_tiles) == fma] or list(configs)
+    # FMA tiles: the bound holds per accumulator (gate_up's two 16x32 tiles on 4 warps do not spill, one
+    # 64x16 tile of down does); tensor-core tiles: for all accumulators together
+    acc_cap = MAX_FMA_ACC_PER_THREAD * accumulators if fma else MAX_ACC_PER_THREAD
+
+    def bm(c):
+        return c.kwargs.get("BLOCK_M", block_m)
+
+    def per_thread(c):
+        return accumulators * bm(c) * c.kwargs["BLOCK_N"] / (32 * c.num_warps)
+
+    n_cap = max(16, triton.next_power_of_2(n_cols))
+    fits = [c for c in family
+            if c.kwargs["BLOCK_N"] <= n_cap and (m_cap is None or bm(c) <= max(16, m_cap))
+            and per_thread(c) <= acc_cap
+            and (fmt not in FOUR_BIT or c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / (32 * c.num_warps)
+                 <= MAX_W4_PER_THREAD)]
+    if not fits:
+        fits = [min(family, key=per_thread)]
+    kept, seen = [], set()
+    for c in fits:
+        steps = max(1, -(-k_cols // c.kwargs["BLOCK_K"]))
+        if c.num_stages > steps:
+            c = triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=steps, num_ctas=c.num_ctas)
+        if _tile_key(c) not in seen:
+            seen.add(_tile_key(c))
+            kept.append(c)
+    return kept
+
+
+def grouped_pruner(accumulators: int, n_dim: str, k_dim: str):
+    """early_config_prune for a grouped GEMM with `accumulators` fp32 [BLOCK_M, BLOCK_N] accumulators (gate_up
+    holds two) whose output columns are the constexpr `n_dim` and whose K loop runs over `k_dim`
+    (prune_tiles at the alignment's BLOCK_M)."""
+    fma_tiles = {(None, bn, w, st) for bn, w, st in GROUPED_FMA_TILES}
 
     def prune(configs, named_args, **kwargs):
-        block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-        fits = [c for c in configs
-                if accumulators * block_m * c.kwargs["BLOCK_N"] <= MAX_ACC_PER_THREAD * 32 * c.num_warps]
-        return fits or [min(configs, key=lambda c: c.kwargs["BLOCK_N"])]
+        def arg(name):
+            return kwargs[name] if name in kwargs else named_args[name]
+
+        return prune_tiles(configs, fma_tiles, fma=arg("PRECISION") == "ieee", fmt=arg("FMT"),
+                           block_m=arg("BLOCK_M"), n_cols=arg(n_dim), k_cols=arg(k_dim), accumulators=accumulators)
 
     return prune

@@ -72,17 +72,18 @@ def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slo
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"],
-                         prune_configs_by={"early_config_prune": grouped_pruner(1)},
+                         prune_configs_by={"early_config_prune": grouped_pruner(1, n_dim="H", k_dim="I")},
                          cache_results=True)(_moe_grouped_down_kernel)
 
 
 def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
-                     layout: ExpertLayout, partials: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+                     layout: ExpertLayout, partials: torch.Tensor, block_n: int | None = None, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """Write partials[t, k] = weights[t, k] * (h_row @ down^T) (fp32) for every pair of `align`; returns partials.
 
     h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`; weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
     `layout`; partials contiguous fp32 [T, K, H]: pairs absent from `align` (slot -1) are left as they
-    are (the caller zeroes them, or fills them in another call). block_n: as moe_grouped_gate_up.
+    are (the caller zeroes them, or fills them in another call). block_n, num_warps, num_stages: as moe_grouped_gate_up.
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
     if h.dim() != 2 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not h.is_contiguous():
@@ -122,5 +123,6 @@ def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, s
     else:
         bn = block_n or 64
         _moe_grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](*args, **consts, BLOCK_N=bn,
-                                                                    BLOCK_K=GROUPED_BLOCK_K, num_warps=4)
+                                                                    BLOCK_K=GROUPED_BLOCK_K, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
     return partials

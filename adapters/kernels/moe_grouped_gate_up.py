@@ -81,12 +81,13 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"],
-                         prune_configs_by={"early_config_prune": grouped_pruner(2)},
+                         prune_configs_by={"early_config_prune": grouped_pruner(2, n_dim="I", k_dim="H")},
                          cache_results=True)(_moe_grouped_gate_up_kernel)
 
 
 def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: torch.Tensor, layout: ExpertLayout,
-                        out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
+                        num_stages: int | None = None) -> torch.Tensor:
     """h [P, I] in x.dtype: silu(x[t] @ gate^T) * (x[t] @ up^T) for each padded row of `align`, t = pair // top_k,
     gate/up those of the block's slot; fp32 accumulation, h rounded once to x.dtype (as the decode path).
 
@@ -94,6 +95,7 @@ def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: to
     BM >= 16 (pair indices must be < T * top_k, slots < S: checked on the device only in debug builds);
     slots uint8 [S, R] contiguous, rows packed by `layout`. out: optional contiguous [P, I] x.dtype.
     block_n: a fixed tile width (power of two, 16..128); None: on CUDA the measured best tile, else 64.
+    num_warps/num_stages: the fixed tile's launch options (num_stages None: Triton's default).
     Rows of blocks past the last used one are left unwritten. Raises ValueError on any mismatch.
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -131,5 +133,6 @@ def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: to
     else:
         bn = block_n or 64
         _moe_grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](*args, **consts, BLOCK_N=bn,
-                                                                      BLOCK_K=GROUPED_BLOCK_K, num_warps=4)
+                                                                      BLOCK_K=GROUPED_BLOCK_K, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
     return out

@@ -107,3 +107,52 @@ def test_dense_gemm_real_shapes_on_gpu(fmt, rows):
     xb = x.bfloat16()
     assert _err(dense_gemm(xb, q), xb.double() @ dequantize(q, torch.float64).T) < 8e-3
     assert _err(dense_gemm(xb, q), qlinear(xb, q)) < 8e-3
+
+
+# ---- every tile the autotuner may pick is correct, and the autotuner only tries tiles that fit -------------
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4], ids=lambda f: f.value)
+def test_every_tuned_tile_is_exact_on_tail_shapes(fmt, act):
+    """The autotuner may pick any tile of the activation dtype's family (FMA_TILES for fp32, TUNE_TILES for
+    bf16), so each must be right where the masks work: N=48 narrower than most tiles (prefill_linear's test
+    shape), K=320 a partial last step and scale block, M=40 a partial row tile. The interpreter ignores
+    warps and stages; on a GPU each tile is launched as tuned, so a tile the compiler gets wrong is named."""
+    from adapters.kernels.dense_gemm import FMA_TILES, TUNE_TILES
+    x, q = _case(fmt, 40, 48, 320, seed=6)
+    x, q = x.to(act).to(DEVICE), q.to(DEVICE)
+    exact = x.double().cpu() @ dequantize(q.to("cpu"), torch.float64).T
+    tiles = FMA_TILES if act == torch.float32 else TUNE_TILES
+    if DEVICE != "cuda":
+        tiles = sorted({(bm, bn, 4, None) for bm, bn, _, _ in tiles})
+    bad = {}
+    for bm, bn, warps, stages in tiles:
+        out = torch.full((40, 48), float("nan"), dtype=act, device=DEVICE)
+        dense_gemm(x, q, out=out, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        err = _err(out, exact)
+        if not err < (1e-5 if act == torch.float32 else 8e-3):
+            bad[(bm, bn, warps, stages)] = err
+    assert not bad, f"tiles off the reference: {bad}"
+
+
+def _pruned(prec, fmt, m_bucket, n, k):
+    from adapters.kernels import dense_gemm as dg
+    kept = dg._prune(dg._TUNED.configs, {"M_BUCKET": m_bucket}, PRECISION=prec, FMT=fmt, N=n, K=k)
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+
+
+def test_autotune_tries_only_tiles_that_fit_the_shape_and_the_registers():
+    from adapters.kernels.dense_gemm import FMA_TILES, TUNE_TILES
+    # served shape, bf16: every tensor-core tile (none spills at sm_90)
+    assert _pruned("tf32", 1, 4096, 4096, 2048) == list(TUNE_TILES)
+    # fp32 activations: FMA loops, only the small FMA tiles (the tensor-core ones spill 3-24 KB per thread)
+    assert _pruned("ieee", 1, 4096, 4096, 2048) == list(FMA_TILES)
+    # 4-bit weights: no 128-column tile on 4 warps (128 dequantized elements per thread spill)
+    fp4 = _pruned("tf32", 6, 4096, 4096, 2048)
+    assert (128, 128, 8, 3) in fp4 and not [t for t in fp4 if t[1] == 128 and t[2] == 4]
+    # a few rows, narrow N, two K steps: no tile taller than 16 rows or wider than 64 columns, <= 2 stages
+    small = _pruned("tf32", 1, 8, 48, 256)
+    assert small and all(bm == 16 and bn <= 64 and st <= 2 for bm, bn, _, st in small)
+    assert len(set(small)) == len(small)
+    # nothing fits (K of one step, N of 16): one tile is still kept
+    assert _pruned("ieee", 6, 1, 16, 64) == [(16, 16, 4, 1)]

@@ -137,6 +137,57 @@ def test_grouped_bf16_activations_round_h_once(fmt):
     assert rel_err(out, fused_moe(x, slot_ids, weights, slots, layout)) < 8e-3
 
 
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.NVFP4, F_.MXFP4], ids=lambda f: f.value)
+def test_every_tuned_grouped_tile_is_exact_on_ragged_shapes(fmt, act):
+    """Any tile the autotuner may pick for the activation dtype (GROUPED_FMA_TILES for fp32, GROUPED_TILES for
+    bf16) must be right: H=320 and I=96 give partial K steps and partial column tiles (and partial 128x128
+    scale blocks for block FP8). The interpreter ignores warps and stages; on a GPU each tile is launched as
+    tuned, so a tile the compiler gets wrong is named."""
+    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES
+    layout, slots, where = make_pool(fmt, 320, 96, experts=3, num_slots=5, seed=15)
+    x, slot_ids, weights = _batch(layout, where, tokens=13, top_k=3, seed=16, dtype=act)
+    fp32 = act == torch.float32
+    h_ref, out_ref = reference(x, slot_ids, weights, slots, layout, **({} if fp32 else {"round_h": act}))
+    bound = FP32_BOUND if fp32 else 8e-3
+    align = align_by_slot(slot_ids, slots.shape[0], 16)
+    live = align.pairs >= 0
+    tiles = GROUPED_FMA_TILES if fp32 else GROUPED_TILES
+    if DEVICE != "cuda":
+        tiles = sorted({(bn, 4, None) for bn, _, _ in tiles})
+    bad = {}
+    for bn, warps, stages in tiles:
+        h = moe_grouped_gate_up(x, align, 3, slots, layout, block_n=bn, num_warps=warps, num_stages=stages)
+        err_h = rel_err(h[live], h_ref.reshape(-1, layout.intermediate)[align.pairs[live].long()])
+        partials = torch.zeros((13, 3, layout.hidden), device=DEVICE)
+        moe_grouped_down(h, align, weights, slots, layout, partials, block_n=bn, num_warps=warps, num_stages=stages)
+        err_out = rel_err(partials.sum(1), out_ref)
+        if not (err_h < bound and err_out < bound):
+            bad[(bn, warps, stages)] = (err_h, err_out)
+    assert not bad, f"tiles off the reference: {bad}"
+
+
+def _pruned(tuner, prec, fmt, block_m):
+    kept = tuner.early_config_prune(tuner.configs, {}, PRECISION=prec, FMT=fmt, BLOCK_M=block_m, H=2048, I=512)
+    return [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+
+
+def test_grouped_autotune_tries_only_tiles_that_fit_the_registers():
+    from adapters.kernels import moe_grouped_down as gd
+    from adapters.kernels import moe_grouped_gate_up as gu
+    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES
+    # fp32 activations: only FMA tiles, at most 8 accumulators per thread (two for gate_up)
+    assert _pruned(gu._TUNED, "ieee", 5, 16) == list(GROUPED_FMA_TILES)
+    assert _pruned(gu._TUNED, "ieee", 5, 128) == [(16, 8, 3)]  # none fits: the fewest accumulators per thread
+    # bf16, 8-bit: the accumulator rule only; 4-bit: no 128-column tile on 4 warps
+    assert set(_pruned(gd._TUNED, "tf32", 1, 64)) == set(GROUPED_TILES)
+    assert (128, 4, 3) not in _pruned(gd._TUNED, "tf32", 6, 64)
+    assert _pruned(gu._TUNED, "tf32", 6, 128) == [(64, 8, 3), (32, 4, 4)]
+    # a K loop of two steps (H = 256) takes at most two stages, and tiles no wider than I
+    small = gu._TUNED.early_config_prune(gu._TUNED.configs, {}, PRECISION="tf32", FMT=1, BLOCK_M=16, H=256, I=48)
+    assert small and all(c.num_stages <= 2 and c.kwargs["BLOCK_N"] <= 64 for c in small)
+
+
 # ---- bitwise invariances (the expert pool's contract) ----------------------------------------------
 
 @pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.NVFP4], ids=lambda f: f.value)
@@ -265,6 +316,70 @@ def test_prefill_kernels_compile_for_sm90_on_tensor_cores():
     for fmt, (gate_up, down, dense) in counts.items():
         assert gate_up > 0 and down > 0, f"{fmt}: grouped GEMMs without wgmma ({counts[fmt]})"
         assert dense > 0 or fmt == F_.BF16.value, f"{fmt}: dense GEMM without wgmma"
+
+
+_SPILL_CHECK = r"""
+import os, re, subprocess, sys, tempfile
+import triton
+import triton.backends.nvidia as nv
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels import dense_gemm, moe_grouped_down, moe_grouped_gate_up
+from adapters.kernels.dequant_tile import scale_dtype
+from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP, layout_consts
+from domain.model_spec import WeightFormat
+
+TOOL = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+
+def stack(src, cfg):
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"]); f.flush()
+        out = subprocess.run([TOOL, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", out).group(1))
+
+def src_of(kernel, ptrs, ints, consts):
+    sig = {**ptrs, **{k: "i32" for k in ints}, **{k: "constexpr" for k in consts}}
+    return ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))})
+
+W = {WeightFormat.FP8_BLOCK: "fp8e4nv"}
+for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
+    code, group = FORMAT_CODES[fmt], SCALE_GROUP[fmt]
+    for act, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+        consts = dict(N=4096, K=2048, FMT=code, GROUP=group, F32_DOT=False, PRECISION=prec)
+        for cfg in dense_gemm._prune(dense_gemm._TUNED.configs, {"M_BUCKET": 4096}, **consts):
+            src = src_of(dense_gemm._dense_gemm_kernel,
+                         {"x_ptr": "*" + act, "w_ptr": "*" + W.get(fmt, "u8"), "s_ptr": "*" + {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32"),
+                          "g_ptr": "*fp32", "y_ptr": "*" + act}, ["M", "M_BUCKET", "stride_xm", "stride_ym"], {**consts, **cfg.kwargs})
+            print("dense", fmt.value, act, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, stack(src, cfg), flush=True)
+        c = layout_consts(ExpertLayout(fmt, 2048, 512))
+        for block_m in (16, 64):
+            common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(code), FMT=code,
+                          GROUP=group, F32_DOT=False, PRECISION=prec, BLOCK_M=block_m)
+            for name, mod, extra, ptrs in (
+                ("gate_up", moe_grouped_gate_up, dict(K=9, G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
+                                                     U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale),
+                 {"x_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*" + act}),
+                ("down", moe_grouped_down, dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale),
+                 {"h_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8", "y_ptr": "*fp32"})):
+                kernel = mod._TUNED.fn
+                for cfg in mod._TUNED.early_config_prune(mod._TUNED.configs, {}, **common, **extra):
+                    src = src_of(kernel, ptrs, ["S"], {**common, **extra, **cfg.kwargs})
+                    print(name, fmt.value, act, block_m, cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, stack(src, cfg), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_admitted_tiles_do_not_spill_at_sm90():
+    """Every tile the pruners admit (dense GEMM at M_BUCKET 4096, grouped GEMMs at BLOCK_M 16 and 64; fp32 and
+    bf16 activations; block FP8, NVFP4, MXFP4 at the Qwen3.6 shapes) builds for an H200 with at most 1 KB of
+    stack per thread. The tensor-core tiles with fp32 activations ("ieee" dots, FMA loops) spilled 3-24 KB,
+    which is what the FMA tile lists and the register bounds of dequant_tile.prune_tiles keep out."""
+    lines = [line.split() for line in build_for_sm90(_SPILL_CHECK, timeout=900).splitlines() if line.strip()]
+    assert len(lines) > 40
+    spills = [" ".join(line) for line in lines if int(line[-1]) > 1024]
+    assert not spills, f"tiles with more than 1 KB of stack: {spills}"
 
 
 # ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8), autotuned tiles --------
