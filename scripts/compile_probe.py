@@ -31,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from adapters.checkpoint.expert_layout import ExpertLayout  # noqa: E402
 from adapters.kernels import dense_gemm, moe_grouped_gate_up  # noqa: E402
-from adapters.kernels.dequant_tile import GROUPED_TILES, scale_dtype  # noqa: E402
+from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES, scale_dtype  # noqa: E402
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP, layout_consts  # noqa: E402
 from domain.model_spec import WeightFormat  # noqa: E402
 
@@ -83,9 +83,11 @@ def main() -> None:
     args = ap.parse_args()
     fmt = WeightFormat(args.fmt)
     if args.kernel == "dense":
-        tiles = [((bm, bn), w, st) for bm, bn, w, st in dense_gemm.TUNE_TILES]
+        table = dense_gemm.FMA_TILES if args.act == "fp32" else dense_gemm.TUNE_TILES  # the autotuner's family
+        tiles = [((bm, bn), w, st) for bm, bn, w, st in table]
     else:
-        tiles = [((args.block_m, bn), w, st) for bn, w, st in GROUPED_TILES]
+        table = GROUPED_FMA_TILES if args.act == "fp32" else GROUPED_TILES
+        tiles = [((args.block_m, bn), w, st) for bn, w, st in table]
     total = 0.0
     for (bm, bn), warps, stages in tiles:
         src = dense_source(fmt, args.act, (bm, bn)) if args.kernel == "dense" else grouped_source(fmt, args.act, bm, bn)
