@@ -21,6 +21,7 @@ from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
+from adapters.kernels.moe_route_lookup import pays as route_lookup_pays
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.residency_lookup import MAX_KEYS
 
@@ -238,6 +239,12 @@ class DeviceExpertPool:
     def can_route(self, rows: int, top_k: int) -> bool:
         """Whether `routed_logits` takes `rows` rows: the one-launch router + lookup fits (decode buckets)."""
         return route_lookup_fits(rows, self.bank.num_experts, top_k, self.num_slots)
+
+    def fuses_routing(self, rows: int, top_k: int) -> bool:
+        """Whether the decode step should take `routed_logits` for `rows` rows: it can (can_route) and the
+        one-program kernel is the faster side at this tile (moe_route_lookup.pays: small buckets; above, the
+        step runs moe_router then `routed`, whose lookup makes the same decisions)."""
+        return self.can_route(rows, top_k) and route_lookup_pays(rows, self.bank.num_experts)
 
     def routed_logits(self, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
                       gate_weight: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:

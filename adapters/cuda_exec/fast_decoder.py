@@ -60,9 +60,10 @@ class FastDecoder(MoeDecoder):
         return prefill_linear(x, w) if self.prefill_kernels else fast_linear(x, w)
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
-             h32: torch.Tensor | None = None):
+             h32: torch.Tensor | None = None, logits: torch.Tensor | None = None):
         """The MoE block's output [T, H] for h [T, H]; h32: h.float() when the caller has it already (the
-        decode step's norm writes it), for the fp32 router."""
+        decode step's norm writes it), for the fp32 router; logits: the fp32 router's h @ router^T [T, E]
+        when the caller has them already (rms_norm_router), so no router GEMV runs here."""
         prefix, k = f"layers.{i}.mlp.", self.opts.top_k
         router = self.w[prefix + "gate.weight"]
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
@@ -75,7 +76,8 @@ class FastDecoder(MoeDecoder):
         else:
             # NOTE: the router GEMV through cuBLAS at full bandwidth; softmax, top-k, renormalisation and
             # the shared expert's sigmoid gate (column K) in one launch
-            logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
+            if logits is None:
+                logits = F.linear(h32 if h32 is not None else h.to(router.dtype), router)  # [T, E] fp32
             weights, ids = moe_router(h, router, k, self.opts.renormalize, gate_w, logits=logits)  # [T, K(+1)]
             ids = ids[:, :k]
         if self.replay_ids is not None:  # --routing-replay (benchmark-only): in place, graph-safe
@@ -92,9 +94,11 @@ class FastDecoder(MoeDecoder):
 
     def _fused_routing(self, i: int, rows: int, experts: DeviceExpertPool) -> bool:
         """Whether layer i's decode MoE enters through the fused kernels (rms_norm_router, then
-        moe_route_lookup inside routed_logits): an fp32 router, no routing replay (it rewrites the ids
-        between the router and the lookup), the shared expert resident in the pool or absent, and a bucket
-        whose lookup fits one launch. Otherwise the unfused path (_moe) runs, with the same decisions."""
+        routed_logits's moe_route_lookup where it pays, else moe_router + the lookup kernel from the same
+        logits): an fp32 router, no routing replay (it rewrites the ids between the router and the lookup),
+        the shared expert resident in the pool or absent, and a bucket whose lookup fits one launch (the
+        buckets measured: the entry stays as it was for larger ones). Otherwise the unfused path (_moe from
+        the norm's fp32 copy) runs, with the same decisions."""
         router = self.w[f"layers.{i}.mlp.gate.weight"]
         return (not isinstance(router, QTensor) and router.dtype == torch.float32 and self.replay_ids is None
                 and (experts.has_shared or not self.opts.shared_expert)
@@ -140,12 +144,16 @@ class FastDecoder(MoeDecoder):
                 h = self._gdn_decode(i, mixer, h, buf.state_slots, state, self.linear_layers.index(i))
             norm_w = w[f"layers.{i}.post_attention_layernorm.weight"]
             if self._fused_routing(i, h.shape[0], experts):
-                # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
-                # softmax/top-k/shared gate + the layer's residency decision (docs/fast-decode.md)
                 x, h, logits = norm_router(x, h, norm_w, w[f"layers.{i}.mlp.gate.weight"], eps, unit_offset=unit)
-                gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
-                delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
-                                              buf.valid)
+                if experts.fuses_routing(h.shape[0], self.opts.top_k):
+                    # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
+                    # softmax/top-k/shared gate + the layer's residency decision, for small buckets only
+                    # (moe_route_lookup.pays; docs/fast-decode.md)
+                    gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
+                    delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
+                                                  buf.valid)
+                else:  # larger buckets: moe_router (grid (T,)) from the same logits, then the lookup kernel
+                    delta = self._moe(i, h, experts, buf.valid, logits=logits)
             else:
                 if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
                     x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)

@@ -7,9 +7,10 @@ Shape legend: T rows (padded decode batch), E experts (<= 1024), H hidden, K top
 shared gate), KS = K (+ 1 with a resident shared expert), S slots, n = T*K keys.
 
 Why one program: the lookup needs every row's experts at once (one LRU decision per layer), so the router
-runs for all T rows in the same program, as a [T, E] tile (decode buckets: T*E <= MAX_TILE). Before this
-kernel the step launched moe_router (grid (T,)) and then _layer_lookup_kernel (one program): one launch
-per MoE layer less, and the ids never leave registers.
+runs for all T rows in the same program, as a [T, E] tile (it fits up to T*E <= MAX_TILE). Without it
+the step launches moe_router (grid (T,)) and then _layer_lookup_kernel (one program): here one launch per
+MoE layer less, and the ids never leave registers, which pays only for small tiles: the decode step takes
+this kernel up to T*E <= FUSED_MAX_TILE (`pays`, measured: see the NOTE there) and the pair above.
 Numerics are moe_router's with `logits` given (fp32 softmax, top-k by packed (probability bits, id) keys,
 exact ties to the lowest id, renormalisation summed in selection order, the gate rounded to g's dtype);
 decisions are residency_lookup's (padded rows route nowhere, duplicates collapse, ascending key order).
@@ -28,6 +29,15 @@ from adapters.kernels.residency_lookup import MAX_KEYS, lookup_keys
 # Built for sm_90 (cuobjdump): 91 registers at 1 x 256 (4 warps), 178 at 8 x 256 (4 warps), 231 at 16 x 256
 # (8 warps), no spills; 16 x 512 spills under 8 and 16 warps, so larger tiles take the unfused path.
 MAX_TILE = 4096
+# NOTE: where the decode step stops taking this kernel (`pays`): a measured crossover, not a register limit.
+# The one program does the whole [T, E] tile and the shared gate's [T, H] dot serially, so its time grows
+# with T, while the unfused pair (moe_router, grid (T,), then the lookup kernel) spreads the router over T
+# programs. H200, Qwen3.6 (E = 256), us per step over 40 layers (docs/fast-decode.md, run 6): bs1 fused 225
+# vs router 160 + lookup 109; bs16 fused 883 vs 159 + 402. bs4 (T*E = 1024) is NOT measured: interpolating
+# the fused kernel linearly in T between those two puts bs4 within ~30 us/step of break-even, so 1024 is
+# an interpolated crossover; scripts/bench_kernels.py --only fusions times both at 1, 2, 4, 8 and 16 rows.
+# Change this constant when that measurement says so (the decisions are the same on both paths).
+FUSED_MAX_TILE = 1024
 
 
 @triton.jit
@@ -109,6 +119,12 @@ def fits(rows: int, experts: int, top_k: int, num_slots: int) -> bool:
     and the register tile's (T*E <= MAX_TILE, padded to powers of two)."""
     return (0 < rows * top_k <= min(num_slots, MAX_KEYS) and 0 < experts <= MAX_EXPERTS
             and triton.next_power_of_2(rows) * triton.next_power_of_2(experts) <= MAX_TILE)
+
+
+def pays(rows: int, experts: int) -> bool:
+    """Whether the decode step takes this kernel (where it `fits`) for `rows` rows over `experts` experts
+    rather than moe_router then the lookup kernel: T*E <= FUSED_MAX_TILE, padded to powers of two."""
+    return triton.next_power_of_2(rows) * triton.next_power_of_2(experts) <= FUSED_MAX_TILE
 
 
 def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormalize: bool,

@@ -60,7 +60,14 @@ def test_the_default_prefill_keeps_the_reference_token_mixers(ckpt, monkeypatch)
     fast.check_valid()
 
 
-def test_fast_path_matches_the_reference_executor(ckpt):
+@pytest.mark.parametrize("route_lookup", ["fused", "unfused"])
+def test_fast_path_matches_the_reference_executor(ckpt, route_lookup, monkeypatch):
+    """route_lookup "unfused": every decode bucket past moe_route_lookup's crossover (FUSED_MAX_TILE 0), so
+    the decode step routes rms_norm_router's logits through moe_router + the lookup kernel instead."""
+    if route_lookup == "unfused":
+        import adapters.kernels.moe_route_lookup as mrl
+
+        monkeypatch.setattr(mrl, "FUSED_MAX_TILE", 0)
     slots = ckpt.spec.top_k * 4  # a decode step of 3 rows never splits; prefill chunks may evict
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32)
     fast = _fast(ckpt, slots)
@@ -108,14 +115,20 @@ def test_padded_rows_route_nowhere_and_do_not_change_real_rows(ckpt):
     assert torch.isfinite(padded[0]).all()
 
 
-def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch):
+@pytest.mark.parametrize("pays", [True, False])
+def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, pays):
     """A decode step enters every MoE layer through rms_norm_router + moe_route_lookup (no moe_router, no
     separate lookup launch) when the shared expert is resident in the pool (its shape is a routed
-    expert's), else through moe_router + the lookup kernel; every Gated DeltaNet layer projects a/b inside
-    the recurrence (no a/b GEMV); attention applies its output gate in the combine step. The parity tests
-    above hold these paths to the reference."""
+    expert's) and the bucket is within moe_route_lookup's crossover (pays), through rms_norm_router +
+    moe_router + the lookup kernel past it, else through moe_router + the lookup kernel; every Gated
+    DeltaNet layer projects a/b inside the recurrence (no a/b GEMV); attention applies its output gate in
+    the combine step. The parity tests above hold these paths to the reference."""
     import adapters.cuda_exec.fast_decoder as fd
+    import adapters.kernels.moe_route_lookup as mrl
     from adapters.cuda_exec.device_residency import DeviceResidency
+
+    if not pays:
+        monkeypatch.setattr(mrl, "FUSED_MAX_TILE", 0)
 
     fast = _fast(ckpt, ckpt.spec.num_layers * ckpt.spec.num_experts, use_graphs=False)
     seq = Sequence("p", PROMPTS[0], pages_for(0, 16), state_slot=0)
@@ -139,8 +152,10 @@ def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch):
     layers, linear = ckpt.spec.num_layers, len(fast.model.linear_layers)
     spec = ckpt.spec
     assert fast.experts.has_shared == (spec.shared_expert_intermediate == spec.expert_intermediate)
-    moe = ({"route_layer": layers, "norm_router": layers} if fast.experts.has_shared
-           else {"moe_router": layers, "lookup_layer": layers})
+    assert fast.experts.fuses_routing(2, spec.top_k) == pays
+    moe = {"moe_router": layers, "lookup_layer": layers}
+    if fast.experts.has_shared:
+        moe = {"route_layer": layers, "norm_router": layers} if pays else {**moe, "norm_router": layers}
     full = layers - linear
     attention = {"paged_decode_attention" + ("+gate" if fast.model.opts.attention.output_gate else ""): full}
     assert calls == {**moe, **({"gdn_decode_step+project_ab": linear} if linear else {}), **attention}

@@ -1,10 +1,11 @@
 """The fused MoE entry kernels against the unfused sequences they replace (Triton's interpreter on the CPU,
 compiled on a GPU):
 - rms_norm_router (norm + router GEMV) against rms_norm then F.linear on the norm's fp32 copy;
-- moe_route_lookup (router from logits + the layer's LRU lookup) against moe_router then
-  DeviceResidency.lookup_layer on a twin residency: the same weights, slot ids, miss lists and, bit for
-  bit, the same tables, stamps, clock and counters after every layer (lookup_layer itself is held to the
-  domain LRU in test_device_residency.py; the hit/miss counts are checked against it here as well).
+- moe_route_lookup (router from logits + the layer's LRU lookup; the decode step's path for small buckets,
+  moe_route_lookup.pays) against moe_router then DeviceResidency.lookup_layer (the step's path above) on a
+  twin residency: the same weights, slot ids, miss lists and, bit for bit, the same tables, stamps, clock
+  and counters after every layer (lookup_layer itself is held to the domain LRU in
+  test_device_residency.py; the hit/miss counts are checked against it here as well).
 """
 
 import random
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.cuda_exec.device_residency import DeviceResidency
-from adapters.kernels.moe_route_lookup import MAX_TILE, fits, moe_route_lookup
+from adapters.kernels.moe_route_lookup import FUSED_MAX_TILE, MAX_TILE, fits, moe_route_lookup, pays
 from adapters.kernels.moe_router import moe_router
 from adapters.kernels.rms_norm import rms_norm
 from adapters.kernels.rms_norm_router import rms_norm_router
@@ -109,6 +110,10 @@ def test_route_lookup_bounds_and_bad_input():
     assert fits(8, 512, 8, 2048) and fits(1, 1024, 8, 2048) and not fits(1, 1025, 8, 2048)
     assert not fits(4, 8, 2, 7)  # 8 keys cannot all be resident in 7 slots
     assert 16 * 256 <= MAX_TILE
+    # where the decode step takes the kernel (measured crossover, run 6): up to 4 rows at E = 256
+    assert FUSED_MAX_TILE <= MAX_TILE  # the step never asks for a tile the kernel cannot hold
+    assert pays(1, 256) and pays(3, 256) and pays(4, 256) and not pays(5, 256) and not pays(16, 256)
+    assert pays(2, 512) and not pays(4, 512) and pays(8, 128) and not pays(1, 2048)
     r = DeviceResidency(8, 1, 6, DEVICE)
     args = (r.slot_of_key, r.key_of_slot, r.stamp, r.clock, r._counters, 8)
     x, valid = torch.randn(2, 8, device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE)

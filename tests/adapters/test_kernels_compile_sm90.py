@@ -23,15 +23,22 @@ build(moe_router._moe_router_kernel,
        "iout_ptr": "*i64", "E": "i32", "H": "i32", "stride_x": "i32", "stride_l": "i32", "shared_id": "i32"},
       dict(K=8, HAS_LOGITS=True, ROUND_LOGITS=False, KO=9, HAS_SHARED=True, ROUND_GATE=True, RENORM=True,
            BLOCK_E=256, BLOCK_H=16, BLOCK_G=1024, BLOCK_K=16))
-build(residency_lookup._layer_lookup_kernel,
-      {"ids_ptr": "*i64", "valid_ptr": "*i1", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
-       "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64", "fill_slots_ptr": "*i64",
-       "slot_ids_ptr": "*i32", "owner_ptr": "*i32", "n": "i32", "base": "i32", "S": "i32", "shared_slot": "i32",
-       "stride_ids": "i32", "rank": "i32"},
-      dict(K=8, KO=9, HAS_OWNER=True, BLOCK_N=16, BLOCK_S=1024))
-# decode buckets 1 to 16 at E = 256, 8 at E = 512; the 16-row bucket also with the owner table (expert
-# parallelism: one more load and compare in the biggest register tile)
-for block_t, block_e, owner in ((1, 256, False), (16, 256, False), (8, 512, False), (16, 256, True)):
+# the decode step's lookup after moe_router: 1-2 rows of top-8 (16 keys) and the 16-row bucket (128 keys,
+# 8 warps), which takes it again since moe_route_lookup.pays stops at 4 rows at E = 256
+for block_n in (16, 128):
+    build(residency_lookup._layer_lookup_kernel,
+          {"ids_ptr": "*i64", "valid_ptr": "*i1", "slot_of_ptr": "*i64", "key_of_ptr": "*i64",
+           "stamp_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64",
+           "fill_slots_ptr": "*i64", "slot_ids_ptr": "*i32", "owner_ptr": "*i32", "n": "i32", "base": "i32",
+           "S": "i32", "shared_slot": "i32", "stride_ids": "i32", "rank": "i32"},
+          dict(K=8, KO=9, HAS_OWNER=True, BLOCK_N=block_n, BLOCK_S=1024))
+# the decode step takes the fused router + lookup up to T*E = FUSED_MAX_TILE (4 rows at E = 256, 2 at 512);
+# it fits up to MAX_TILE (16 rows at E = 256, 8 at 512), which bench_kernels' A/B runs to find the
+# crossover; the 16-row tile also with the owner table (expert parallelism: one more load and compare in
+# the biggest register tile)
+assert moe_route_lookup.FUSED_MAX_TILE <= moe_route_lookup.MAX_TILE
+for block_t, block_e, owner in ((1, 256, False), (4, 256, False), (2, 512, False), (16, 256, False),
+                                (8, 512, False), (16, 256, True)):
     build(moe_route_lookup._moe_route_lookup_kernel,
           {"logits_ptr": "*fp32", "x_ptr": "*bf16", "g_ptr": "*bf16", "valid_ptr": "*i1", "wout_ptr": "*fp32",
            "slot_ids_ptr": "*i32", "slot_of_ptr": "*i64", "key_of_ptr": "*i64", "stamp_ptr": "*i64",
