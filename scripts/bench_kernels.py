@@ -1,11 +1,14 @@
 """Decode kernels one by one on a CUDA device: device time per launch (CUDA-graph replays, so no
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
-    python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--variants scripts.scratch] [--only fusions]
+    python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
+        [--variants scripts.scratch] [--only fusions]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
-current ones (an A/B of a kernel change on the same machine in one run).
+current ones (an A/B of a kernel change on the same machine in one run). `fusions` holds each decode
+fusion's A/B; `route_lookup` the router + lookup A/B at --route-rows (where moe_route_lookup.FUSED_MAX_TILE,
+the decode step's crossover, belongs); --only fusions runs just those two.
 """
 
 from __future__ import annotations
@@ -164,30 +167,21 @@ def crossover_points() -> dict:
 def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=None, timer=None) -> list[dict]:
     """Each decode-step fusion A/B on the same inputs: the fused kernel against the unfused sequence it
     replaced (both replayed from CUDA graphs, so the saving shown is device time; launch gaps come on top
-    of the unfused side in the real step). Qwen3.6-35B-A3B shapes: H 2048, 256 experts, top-8 + shared,
-    GDN 16 key / 32 value heads of 128 (geo None), attention 16 query / 2 kv heads of 256 over 64 tokens. dev/experts/geo/timer (default _timed) let a CPU test
-    run the same code at tiny shapes in Triton's interpreter."""
+    of the unfused side in the real step). Qwen3.6-35B-A3B shapes: H 2048, 256 experts, GDN 16 key / 32
+    value heads of 128 (geo None), attention 16 query / 2 kv heads of 256 over 64 tokens. The router +
+    lookup fusion has its own rows (route_lookup_points); moe_down's summing mode is gone (slower on the
+    H200: docs/fast-decode.md), its per-pair + moe_sum timing is moe_points'. dev/experts/geo/timer
+    (default _timed) let a CPU test run the same code at tiny shapes in Triton's interpreter."""
     import torch.nn.functional as F
 
-    from adapters.checkpoint.expert_layout import ExpertLayout
-    from adapters.cuda_exec.device_residency import DeviceResidency
     from adapters.kernels.gdn_decode import gdn_decode_step
-    from adapters.kernels.moe_down import moe_down
-    from adapters.kernels.moe_gate_up import moe_gate_up
-    from adapters.kernels.moe_router import moe_router
-    from adapters.kernels.moe_sum import moe_sum
     from adapters.kernels.paged_decode_attention import paged_decode_attention
     from adapters.kernels.rms_norm import rms_norm
     from adapters.kernels.rms_norm_router import rms_norm_router
     from adapters.torch_exec.gated_deltanet import GdnGeometry, LinearStatePool
-    from domain.model_spec import WeightFormat
 
-    layers, routed = 40, TOP_K - 1
     gen = torch.Generator(device=dev).manual_seed(2)
-    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
-    pool = random_pool(layout, dev)
     router = torch.randn(experts, HIDDEN, device=dev, generator=gen) * 0.02
-    gate = (torch.randn(1, HIDDEN, device=dev, generator=gen) * 0.02).bfloat16()
     norm_w = torch.randn(HIDDEN, device=dev, generator=gen).bfloat16()
     geo = geo or GdnGeometry(16, 32, 128, 128, 4)
     timer = timer or _timed
@@ -211,34 +205,6 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
         row["norm_router_unfused_us"] = timer(norm_then_gemv)
         row["norm_router_fused_us"] = timer(lambda x=x, res=res: rms_norm_router(x, res, norm_w, router, 1e-6,
                                                                                  unit_offset=True))
-        # router + lookup: a residency holding every expert of the layer after the first call (all hits)
-        h, logits = bf(t, HIDDEN), torch.randn(t, experts, device=dev, generator=gen)
-        valid = torch.ones(t, dtype=torch.bool, device=dev)
-        unfused_res, fused_res = (DeviceResidency(SLOTS, layers, experts, dev) for _ in range(2))
-
-        def route_then_lookup(h=h, logits=logits, valid=valid, r=unfused_res):
-            w, ids = moe_router(h, router, routed, True, gate, logits=logits)
-            return w, r.lookup_layer(3, ids[:, :routed], valid, SLOTS + 3)
-
-        row["route_lookup_unfused_us"] = timer(route_then_lookup)
-        row["route_lookup_fused_us"] = timer(lambda h=h, logits=logits, valid=valid, r=fused_res: r.route_layer(
-            3, logits, h, routed, True, gate, valid, SLOTS + 3))
-        # down + the ordered top-k sum (9 pairs per token, distinct slots)
-        ids = torch.randperm(SLOTS, device=dev, generator=gen)[:t * TOP_K].view(t, TOP_K).to(torch.int32)
-        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
-        hk = moe_gate_up(bf(t, HIDDEN), ids, pool, layout)
-        y = torch.zeros(t, TOP_K, HIDDEN, device=dev)
-        out, out_unfused = (torch.empty(t, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(2))
-
-        def down_then_sum(hk=hk, ids=ids, weights=weights, y=y, out=out_unfused):
-            moe_down(hk, ids, weights, pool, layout, partials=y)
-            return moe_sum(y, out)
-
-        # NOTE: the summed mode first: the two modes share one autotuned tile, and the decode step's
-        # warm-up (DeviceExpertPool.tune) tunes it on the summed mode too
-        row["down_sum_fused_us"] = timer(lambda hk=hk, ids=ids, weights=weights, out=out: moe_down(
-            hk, ids, weights, pool, layout, out=out))
-        row["down_sum_unfused_us"] = timer(down_then_sum)
         # GDN: the [64, 2048] bf16 a/b GEMV (cuBLAS) + the recurrence, or the recurrence projecting a/b
         slots = torch.arange(t, dtype=torch.int32, device=dev)
         qkv = bf(t, geo.conv_channels)
@@ -268,11 +234,57 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     return points
 
 
+def route_lookup_points(rows: list[int], dev: str = "cuda", experts: int = 256, timer=None) -> list[dict]:
+    """The router + layer lookup A/B per row count: moe_route_lookup (one program, the whole [T, E] tile)
+    against moe_router (grid (T,)) then the lookup kernel, from the same logits, on twin residencies that
+    hold every routed expert after the first call (all hits, as resident serving). `step_takes` is the
+    side the decode step picks today (moe_route_lookup.pays, FUSED_MAX_TILE): the rows where the fused
+    side is faster say where that constant belongs. Qwen3.6 shapes: H 2048, 256 experts, top-8 + a
+    resident shared expert with its bf16 sigmoid gate. Each row also records the two sides' slot ids
+    (`same_slots`: the decisions must not depend on the side)."""
+    from adapters.cuda_exec.device_residency import DeviceResidency
+    from adapters.kernels.moe_route_lookup import FUSED_MAX_TILE, pays
+    from adapters.kernels.moe_router import moe_router
+
+    layers, routed = 40, TOP_K - 1
+    gen = torch.Generator(device=dev).manual_seed(3)
+    router = torch.randn(experts, HIDDEN, device=dev, generator=gen) * 0.02
+    gate = (torch.randn(1, HIDDEN, device=dev, generator=gen) * 0.02).bfloat16()
+    timer = timer or _timed
+    points = []
+    for t in rows:
+        h = torch.randn(t, HIDDEN, device=dev, generator=gen).bfloat16()
+        logits = torch.randn(t, experts, device=dev, generator=gen)
+        valid = torch.ones(t, dtype=torch.bool, device=dev)
+        unfused_res, fused_res = (DeviceResidency(SLOTS, layers, experts, dev) for _ in range(2))
+
+        def unfused(h=h, logits=logits, valid=valid, r=unfused_res):
+            w, ids = moe_router(h, router, routed, True, gate, logits=logits)
+            return w, r.lookup_layer(3, ids[:, :routed], valid, SLOTS + 3)[2]
+
+        def fused(h=h, logits=logits, valid=valid, r=fused_res):
+            w, slot_ids, _, _ = r.route_layer(3, logits, h, routed, True, gate, valid, SLOTS + 3)
+            return w, slot_ids
+
+        row = {"rows": t, "tile": t * experts, "fused_max_tile": FUSED_MAX_TILE,
+               "step_takes": "fused" if pays(t, experts) else "unfused"}
+        row["unfused_us"], row["fused_us"] = timer(unfused), timer(fused)
+        try:
+            row["same_slots"] = bool(torch.equal(unfused()[1], fused()[1]))
+        except Exception as exc:  # recorded like a failed timing, not fatal to the run
+            row["same_slots"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        points.append(row)
+        print(row, flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
+    p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
+                   help="row counts of the router + lookup A/B (the fused kernel's crossover)")
     p.add_argument("--only", choices=("fusions",), default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 20 s)")
     args = p.parse_args(argv)
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         moe_mods["v0"] = (v("moe_gate_up_v0"), v("moe_down_v0"))
         dense_mods["v0"] = v("dense_gemv_v0")
     record = {"kind": "bench_kernels", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "hardware": hardware_profile("cuda"), "args": vars(args), "fusions": fusion_points(args.tokens)}
+              "hardware": hardware_profile("cuda"), "args": vars(args), "fusions": fusion_points(args.tokens),
+              "route_lookup": route_lookup_points(args.route_rows)}
     if args.only is None:
         record.update(moe=moe_points(moe_mods, args.tokens), dense=dense_points(dense_mods),
                       crossover=crossover_points())

@@ -1,5 +1,6 @@
 """scripts/bench_kernels.py's fused-vs-unfused A/B at tiny shapes on the CPU (the H200 timing is the lead's):
-every pair of the four decode fusions runs both sides on the same inputs without error."""
+every decode fusion runs both sides on the same inputs without error, and the router + lookup A/B runs
+both sides at each row count, with the same slot decisions, naming the side the decode step takes."""
 
 import sys
 from pathlib import Path
@@ -10,11 +11,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
-def test_fusion_points_run_both_sides_of_every_fusion(monkeypatch):
+@pytest.fixture
+def tiny(monkeypatch):
     import bench_kernels
-
-    from adapters.torch_exec.gated_deltanet import GdnGeometry
 
     monkeypatch.setattr(bench_kernels, "HIDDEN", 256)
     monkeypatch.setattr(bench_kernels, "INTER", 128)
@@ -25,13 +24,35 @@ def test_fusion_points_run_both_sides_of_every_fusion(monkeypatch):
         calls.append(fn())
         return 1.0
 
+    return bench_kernels, timer, calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
+def test_fusion_points_run_both_sides_of_every_fusion(tiny):
+    from adapters.torch_exec.gated_deltanet import GdnGeometry
+
+    bench_kernels, timer, calls = tiny
     rows = bench_kernels.fusion_points([1, 2], dev="cpu", experts=16, geo=GdnGeometry(2, 4, 16, 16, 4), timer=timer)
-    pairs = ("norm_router", "route_lookup", "down_sum", "gdn_ab", "attn_gate")
+    pairs = ("norm_router", "gdn_ab", "attn_gate")
     assert [r["tokens"] for r in rows] == [1, 2]
     for row in rows:
         assert set(row) == {"tokens"} | {f"{p}_{side}_us" for p in pairs for side in ("fused", "unfused")}
     assert len(calls) == 2 * 2 * len(pairs)
-    # down + sum: the two sides wrote the same bits (calls 4 and 5 of a token: fused first, then unfused)
-    per_token = 2 * len(pairs)
-    for fused, unfused in ((calls[4], calls[5]), (calls[per_token + 4], calls[per_token + 5])):
-        assert fused is not unfused and torch.equal(fused, unfused)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
+def test_route_lookup_points_time_both_sides_and_name_the_steps_side(tiny, monkeypatch):
+    import adapters.kernels.moe_route_lookup as mrl
+
+    bench_kernels, timer, calls = tiny
+    monkeypatch.setattr(mrl, "FUSED_MAX_TILE", 32)  # 2 rows of 16 experts: the crossover inside the rows
+    rows = bench_kernels.route_lookup_points([1, 2, 4], dev="cpu", experts=16, timer=timer)
+    assert [(r["rows"], r["tile"], r["step_takes"]) for r in rows] == [(1, 16, "fused"), (2, 32, "fused"),
+                                                                         (4, 64, "unfused")]
+    for row in rows:
+        assert row["fused_max_tile"] == 32 and row["fused_us"] == row["unfused_us"] == 1.0
+        assert row["same_slots"] is True
+    assert len(calls) == 2 * 3
+    for (w_unfused, ids_unfused), (w_fused, ids_fused) in zip(calls[::2], calls[1::2], strict=True):
+        assert torch.equal(ids_unfused, ids_fused) and (ids_fused[:, :-1] >= 0).all()  # routed pairs resident
+        assert torch.allclose(w_unfused, w_fused, rtol=1e-6, atol=0)
