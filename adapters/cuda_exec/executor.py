@@ -120,6 +120,8 @@ class CudaGraphExecutor(ExecutorPools):
         self.inputs = None
         self._swap_pools(plan)
         self.decode_rows = self._decode_rows(plan)
+        # the decode buckets' projections through the tensor-core GEMM from a few rows up (FastDecoder)
+        self.model.decode_gemm_rows = self.decode_rows if self.device.type == "cuda" else 0
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
