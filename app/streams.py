@@ -147,6 +147,7 @@ class RequestStreams:
         self._clock = clock
         self.live: dict[str, LiveStream] = {}
         self._outbox: list[tuple[LiveStream, StreamEvent]] = []
+        self._published = 0  # outbox entries emitted before the pools snapshot was last published
 
     def open(self, live: LiveStream) -> None:
         """Track an admitted request (the scheduler already holds it)."""
@@ -269,11 +270,22 @@ class RequestStreams:
         # that sees its finish and then asks /v1/stats already sees its pages and slot freed.
         self._outbox.append((live, event))
 
+    def mark_published(self) -> None:
+        """The pools snapshot was just published: every event now in the outbox may go out."""
+        self._published = len(self._outbox)
+
+    def has_unpublished(self) -> bool:
+        """Events were emitted after the last pools snapshot (their pool changes are not published yet)."""
+        return len(self._outbox) > self._published
+
     def flush(self) -> None:
         """Hand the outbox to the handlers' loops: ONE ``call_soon_threadsafe`` per loop, not per event.
         Each such call writes the loop's self-pipe (a syscall, ~0.1 ms on a loaded host); per event it
         cost 16 writes a step at 16 streams. Events keep their order (per stream and overall)."""
         outbox, self._outbox = self._outbox, []
+        self._published = 0
+        if not outbox:
+            return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent]]] = {}
         for live, event in outbox:
             by_loop.setdefault(live.loop, []).append((live.events, event))
