@@ -81,6 +81,8 @@ class LiveStream:
         """The logprobs of exactly the tokens whose text is out once `released_text` is sent
         (every one left, on the last event)."""
         self.released_chars += len(released_text)
+        if not self.pending_logprobs and not self.textless:  # no logprobs asked for (the common case)
+            return ()
         if everything:
             out = [lp for _, lp in self.pending_logprobs] + self.textless
             self.pending_logprobs, self.textless = [], []
@@ -161,12 +163,11 @@ class RequestStreams:
         live = self.live.get(event.request_id)
         if live is None:
             return
-        now = self._clock()
         text = ""
         if event.token_id is not None:
             live.generated += 1
             if live.first_token_at is None:
-                live.first_token_at = now
+                live.first_token_at = now = self._clock()
                 self._stats.record_ttft(now - live.arrival)
                 self._stats.record_prefix_cache(len(live.request.prompt_token_ids), live.request.num_cached_tokens)
             logprob = None

@@ -331,12 +331,11 @@ class Scheduler:
 
     def _work(self, request: Request, num_tokens: int) -> SequenceWork:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + num_tokens]
         sample = start + num_tokens == request.num_tokens
         restore, request.restore_snapshot = request.restore_snapshot, None
         return SequenceWork(
             request_id=request.request_id,
-            token_ids=tuple(tokens),
+            token_ids=request.token_ids_between(start, start + num_tokens),
             start_position=start,
             page_ids=tuple(request.pages),
             state_slot=request.state_slot,

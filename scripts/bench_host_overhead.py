@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import hashlib
 import json
 import os
 import statistics
@@ -52,6 +53,7 @@ PASSAGE = (
     "next token completes them. Numbers like 3.14159 and code like `def f(x): return x * 2` show up too.\n"
 )
 MODEL = "host-overhead-null"
+_STAGING = bytes(4096)
 
 
 # -- child: the server with a null executor ---------------------------------------------------------------
@@ -75,7 +77,9 @@ class NullExecutor:
         from domain.ports import SampledToken
 
         if self.step_s > 0:
-            time.sleep(0)  # the staging copy: a torch call, which releases the GIL
+            # the input staging copy: a short C call that releases the GIL (as torch's bindings do) without
+            # giving up the CPU (hashlib lets go of the GIL above 2 KiB)
+            hashlib.sha256(_STAGING)
         launched = time.perf_counter()  # the "device" runs from here, whatever the host does meanwhile
         hook = getattr(self, "on_launched", None)
         if hook is not None:
@@ -111,7 +115,7 @@ def _spec(vocab_size: int):
         layer_kinds=(LayerKind.LINEAR_ATTENTION, LayerKind.FULL_ATTENTION), num_experts=8, top_k=2,
         expert_intermediate=32, shared_expert_intermediate=32, num_attention_heads=4, num_kv_heads=2,
         head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel=4, vocab_size=vocab_size, max_context=8192)
+        linear_value_head_dim=16, linear_conv_kernel=4, vocab_size=vocab_size, max_context=65536)
 
 
 class _Phases:
@@ -222,7 +226,7 @@ def serve_child(args) -> None:
         plan=container.pool_plan, stats=container.stats, eos_token_ids=container.eos_token_ids,
         routing_replay=container.routing_replay))
     settings = ServeSettings(served_model_name=MODEL, port=0, device="cpu", gpu_budget_gib=0.5,
-                             kv_tokens=16384, moe_slots=8, max_running_requests=16, max_prefill_length=2048,
+                             kv_tokens=262144, moe_slots=8, max_running_requests=16, max_prefill_length=2048,
                              reasoning_parser="none", tool_call_parser="none")
     server = RunningServer(container, settings).start(wait_ready=60)
     # NOTE: uvicorn's event loop (bench-only reach into asyncio.Server's private _loop) runs the HTTP side.
@@ -283,14 +287,16 @@ def _get_json(base_url: str, path: str, api_key: str | None) -> dict:
     return httpx.get(base_url + path, headers=headers, timeout=30).json()
 
 
-async def _round(base_url: str, model: str, concurrency: int, tokens: int, api_key: str | None):
+async def _round(base_url: str, model: str, concurrency: int, tokens: int, api_key: str | None,
+                 prompt_tokens: int = 0):
     import httpx
 
     from app.bench.client import chat_body, run_round
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120) as client:
-        bodies = [chat_body(model, f"Say something long ({i}).", tokens) for i in range(concurrency)]
+        filler = " lorem" * prompt_tokens  # about one token each
+        bodies = [chat_body(model, f"Say something long ({i}).{filler}", tokens) for i in range(concurrency)]
         return await run_round(client, bodies, timeout=120)
 
 
@@ -310,7 +316,8 @@ def measure(args, child: subprocess.Popen | None, base_url: str, model: str) -> 
 
     results = []
     for concurrency in args.concurrency:
-        asyncio.run(_round(base_url, model, concurrency, min(args.tokens, 32), args.api_key))  # warm-up
+        asyncio.run(_round(base_url, model, concurrency, min(args.tokens, 32), args.api_key,
+                           args.prompt_tokens))  # warm-up
         runs = []
         for rep in range(args.repeats):
             time.sleep(1.5)  # the server's stats window sees only this run's steps (window below)
@@ -318,7 +325,7 @@ def measure(args, child: subprocess.Popen | None, base_url: str, model: str) -> 
                 command("mark")
             before = _histograms(base_url, args.api_key)
             t0 = time.perf_counter()
-            rnd = asyncio.run(_round(base_url, model, concurrency, args.tokens, args.api_key))
+            rnd = asyncio.run(_round(base_url, model, concurrency, args.tokens, args.api_key, args.prompt_tokens))
             wall = time.perf_counter() - t0
             window = _get_json(base_url, "/v1/stats", args.api_key)
             window["histograms"] = _histograms(base_url, args.api_key)
@@ -390,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=256, help="completion tokens per request")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--prompt-tokens", type=int, default=0, help="pad each prompt with about this many tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the median run is kept")
     p.add_argument("--step-ms", type=float, default=0.0, help="null executor: sleep per step (GIL released)")
     p.add_argument("--no-launch-hook", action="store_true",
@@ -425,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             child.stdin.flush()
             child.wait(30)
     record = {"kind": "host_overhead", "tag": args.tag, "mode": "child-null-executor" if args.base_url is None
-              else "running-server", "step_ms": args.step_ms, "launch_hook": not args.no_launch_hook, "tokens": args.tokens, "tokenizer": args.tokenizer,
+              else "running-server", "step_ms": args.step_ms, "launch_hook": not args.no_launch_hook, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens, "tokenizer": args.tokenizer,
               "python": sys.version.split()[0], "cpus": os.cpu_count(), "results": results,
               "note": "host-side overhead per decode step; CPU numbers are not GPU speed claims"}
     if args.out:
