@@ -271,6 +271,11 @@ class RequestStreams:
         # that sees its finish and then asks /v1/stats already sees its pages and slot freed.
         self._outbox.append((live, event))
 
+    @property
+    def num_pending(self) -> int:
+        """Events emitted and not yet handed to their loops."""
+        return len(self._outbox)
+
     def mark_published(self) -> None:
         """The pools snapshot was just published: every event now in the outbox may go out."""
         self._published = len(self._outbox)

@@ -1,31 +1,32 @@
-"""Host overhead of the serving loop per decoded token: everything between two model calls
-(scheduler, sampled-token bookkeeping, detokenization, stop strings, stream events, the pools
-snapshot, metrics) and the HTTP side (event-loop handoff, SSE encoding), measured with a model
-step that costs (almost) nothing.
+"""Host overhead of the serving loop per decode step: everything the host does besides waiting for
+the model step (scheduler, sampled-token bookkeeping, detokenization, stop strings, stream events, the
+pools snapshot, metrics, the event-loop handoff, SSE encoding), with a model step that costs nothing
+but time.
 
-    python scripts/bench_host_overhead.py [--tokens 256] [--concurrency 1,4] [--step-ms 0] [--out rec.json]
+    python scripts/bench_host_overhead.py [--tokens 256] [--concurrency 1,4,16] [--step-ms 2.84] [--out rec.json]
     python scripts/bench_host_overhead.py --base-url http://127.0.0.1:8101 --model NAME   # a running server
 
 Default mode: the script starts a real server (the real container, engine, scheduler, Litestar and
-uvicorn on 127.0.0.1) in a CHILD process whose executor is `NullExecutor`: no model, each step returns
-the next token of a fixed English/UTF-8 passage (so detokenization does real work) after sleeping
---step-ms (a sleep releases the GIL like a GPU wait does; 0 = no step at all). The tokenizer is the real
-Qwen3.5/3.6 one (adapters.checkpoint.hf_tokenizer) unless --tokenizer DIR names another. The parent
-streams chat completions (the ft bench client, greedy, ignore_eos) at each concurrency and reports, per
-decode step (one token for every running stream):
+uvicorn on 127.0.0.1) in a CHILD process whose executor is `NullExecutor`: no model; each step returns
+the next token of a fixed English/UTF-8 passage (so detokenization does real work). With --step-ms it
+acts like the graph-captured executor as the host sees it: a launch that lets go of the GIL once, then
+a "device" that runs --step-ms from the launch while the host may do other things (the launch hook,
+`on_launched`), then the read-back wait with the GIL released. The tokenizer is the real Qwen3.5/3.6
+one (adapters.checkpoint.hf_tokenizer) unless --tokenizer names another. The parent streams chat
+completions (the ft bench client: greedy, ignore_eos) at each concurrency, --repeats times, keeps the
+median run and reports per decode step (one token for every running stream):
 
-- `period_us`: server wall time per step (the engine's step_s + host_s p50 from /v1/stats) and
-  `host_us_p50/p90`: the engine thread's time between two model calls (ft_step_host_seconds);
-- `cpu_us_per_step` by thread (engine, http event loop, other) from /proc/<pid>/task/<tid>/schedstat:
-  the CPU each thread burnt per step, whichever thread it was (the HTTP side runs in parallel with
-  the model step on a GPU, but competes with the engine thread for the GIL);
-- `engine_phases_us`: the engine thread's time per step inside each part of its loop (wrappers
-  installed by this script on one engine object; nothing in app/ is changed for it);
-- the client's steady inter-token interval.
+- `overhead_us_per_step`: the step period (step_us_mean + host_us_mean, this run's own means from the
+  ft_step_seconds / ft_step_host_seconds histograms) minus the device time (`device_wait_us_mean`,
+  launch to result): what serving adds to the device step;
+- `cpu_us_per_step` by thread (engine, HTTP event loop, other) from /proc/self/task/<tid>/schedstat;
+- `engine_phases_us`: the engine thread's time per step in each part of its loop (wrappers the child
+  installs on its one engine object; nothing in app/ is changed for it);
+- the client's steady inter-token interval and the /v1/stats window percentiles (30 s window).
 --profile DIR also writes cProfile stats of the engine thread and of the HTTP thread (pstats files).
 
---base-url measures a running server instead (the GPU machine): the same streams, and the server's
-/v1/stats step_s / host_s; no thread CPU or phase numbers (those need the in-process child).
+--base-url measures a running server instead (on the GPU machine): the same streams, the step and
+host means from its histograms, no thread CPU or phases (those need the child).
 These are HOST-overhead numbers; on the CPU they are not GPU speed claims.
 """
 
@@ -319,8 +320,8 @@ def measure(args, child: subprocess.Popen | None, base_url: str, model: str) -> 
         asyncio.run(_round(base_url, model, concurrency, min(args.tokens, 32), args.api_key,
                            args.prompt_tokens))  # warm-up
         runs = []
-        for rep in range(args.repeats):
-            time.sleep(1.5)  # the server's stats window sees only this run's steps (window below)
+        for _ in range(args.repeats):
+            time.sleep(0.5)  # the last run's stragglers (aborts, metrics) settle before the mark
             if child is not None:
                 command("mark")
             before = _histograms(base_url, args.api_key)
@@ -353,9 +354,10 @@ def _summarise(concurrency: int, rnd, wall: float, before: dict, after: dict, re
         "concurrency": concurrency, "tokens": tokens, "wall_s": round(wall, 4),
         "aggregate_tok_s": round(rnd.aggregate_tok_s or 0, 1),
         "client_steady_interval_us": _round_or_none(_steady_interval_us(rnd)),
-        "server_step_us_p50": _round_or_none(s["step_p50"] and s["step_p50"] * 1e6),
-        "host_us_p50": _round_or_none(s["host_p50"] and s["host_p50"] * 1e6),
-        "host_us_p90": _round_or_none(s["host_p90"] and s["host_p90"] * 1e6),
+        # /v1/stats percentiles: its window spans the last 30 s (earlier runs too)
+        "window_step_us_p50": _round_or_none(s["step_p50"] and s["step_p50"] * 1e6),
+        "window_host_us_p50": _round_or_none(s["host_p50"] and s["host_p50"] * 1e6),
+        "window_host_us_p90": _round_or_none(s["host_p90"] and s["host_p90"] * 1e6),
     }
     # This run's own means, from the histograms' cumulative sums (the /v1/stats window spans 30 s).
     h, b = after["histograms"], before
@@ -383,7 +385,7 @@ def _round_or_none(x):
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run with the median host_us_p50 (or interval): one coherent run, not a mix of medians."""
+    """The run with the median overhead (or host time, or interval): one coherent run, not a mix of medians."""
     key = next(k for k in ("overhead_us_per_step", "host_us_mean", "client_steady_interval_us")
                if runs[0].get(k) is not None)
     ordered = sorted(runs, key=lambda r: r.get(key) or 0)
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--prompt-tokens", type=int, default=0, help="pad each prompt with about this many tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the median run is kept")
-    p.add_argument("--step-ms", type=float, default=0.0, help="null executor: sleep per step (GIL released)")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="null executor: device time per step, from its launch (the GPU's bs1 step: 2.84)")
     p.add_argument("--no-launch-hook", action="store_true",
                    help="null executor without the on_launched hook (events handed over before each step)")
     p.add_argument("--tokenizer", default="qwen", help="qwen | demo | a directory with tokenizer.json")
