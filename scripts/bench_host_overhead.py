@@ -20,8 +20,9 @@ median run and reports per decode step (one token for every running stream):
   ft_step_seconds / ft_step_host_seconds histograms) minus the device time (`device_wait_us_mean`,
   launch to result): what serving adds to the device step;
 - `cpu_us_per_step` by thread (engine, HTTP event loop, other) from /proc/self/task/<tid>/schedstat;
-- `engine_phases_us`: the engine thread's time per step in each part of its loop (wrappers the child
-  installs on its one engine object; nothing in app/ is changed for it);
+- `engine_phases_us` / `engine_phases_cpu_us`: the engine thread's wall / CPU time per step in each part
+  of its loop (wrappers the child installs on its one engine object; nothing in app/ is changed for it;
+  wall minus CPU is time spent waiting: for the GIL, or off the CPU);
 - the client's steady inter-token interval and the /v1/stats window percentiles (30 s window).
 --profile DIR also writes cProfile stats of the engine thread and of the HTTP thread (pstats files).
 
@@ -123,26 +124,29 @@ class _Phases:
     """Engine-thread time per loop part: wrappers around bound methods of ONE engine object."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
+        self.seconds: dict[str, float] = defaultdict(float)  # wall time
+        self.cpu: dict[str, float] = defaultdict(float)  # the engine thread's CPU time (wall - cpu: waiting)
         self.calls: dict[str, int] = defaultdict(int)
         self.steps = 0
 
     def wrap(self, owner, attr: str, name: str) -> None:
         inner = getattr(owner, attr)
-        seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+        seconds, cpu, calls, clock, cpu_clock = self.seconds, self.cpu, self.calls, time.perf_counter, time.thread_time
 
         def timed(*args, **kwargs):
-            t0 = clock()
+            t0, c0 = clock(), cpu_clock()
             try:
                 return inner(*args, **kwargs)
             finally:
                 seconds[name] += clock() - t0
+                cpu[name] += cpu_clock() - c0
                 calls[name] += 1
 
         setattr(owner, attr, timed)
 
     def reset(self) -> None:
         self.seconds.clear()
+        self.cpu.clear()
         self.calls.clear()
 
 
@@ -255,7 +259,8 @@ def serve_child(args) -> None:
                     if thread in profiles:
                         profiles.pop(thread).dump_stats(str(Path(args.profile) / f"{thread}_{args.tag}.pstats"))
             report = {
-                "phase_seconds": dict(phases.seconds), "phase_calls": dict(phases.calls),
+                "phase_seconds": dict(phases.seconds), "phase_cpu_seconds": dict(phases.cpu),
+                "phase_calls": dict(phases.calls),
                 "thread_cpu_ns": {k: cpu.get(k, 0) - mark_cpu.get(k, 0) for k in cpu},
                 "waited_s": executor.waited_s,
             }
@@ -373,6 +378,8 @@ def _summarise(concurrency: int, rnd, wall: float, before: dict, after: dict, re
         out["cpu_us_per_step"]["total"] = round(sum(cpu.values()) / 1e3 / steps, 1)
         calls = report["phase_calls"].get("model_step", 0) or 1
         out["engine_phases_us"] = {k: round(v * 1e6 / calls, 1) for k, v in sorted(report["phase_seconds"].items())}
+        out["engine_phases_cpu_us"] = {k: round(v * 1e6 / calls, 1)
+                                       for k, v in sorted(report["phase_cpu_seconds"].items())}
         out["model_steps"] = calls
         if "period_us_mean" in out:  # what serving adds to the device step: the host overhead per step
             out["device_wait_us_mean"] = round(report["waited_s"] * 1e6 / calls, 1)
