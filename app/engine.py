@@ -205,7 +205,8 @@ class Engine:
         self._streams.flush()
 
     def _drain_commands(self) -> None:
-        while True:
+        # NOTE: empty() first: the engine thread is the only consumer, and an exception per step is not free.
+        while not self._commands.empty():
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
