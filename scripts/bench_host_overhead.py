@@ -24,7 +24,9 @@ median run and reports per decode step (one token for every running stream):
   of its loop (wrappers the child installs on its one engine object; nothing in app/ is changed for it;
   wall minus CPU is time spent waiting: for the GIL, or off the CPU);
 - the client's steady inter-token interval and the /v1/stats window percentiles (30 s window).
---profile DIR also writes cProfile stats of the engine thread and of the HTTP thread (pstats files).
+--profile DIR also writes cProfile stats of the engine thread and of the HTTP thread (pstats files) and
+reports `python_calls_per_step` per thread: deterministic where the times are noisy (the profiler slows
+everything, so compare times from runs without it).
 
 --base-url measures a running server instead (on the GPU machine): the same streams, the step and
 host means from its histograms, no thread CPU or phases (those need the child).
@@ -39,6 +41,7 @@ import cProfile
 import hashlib
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -250,6 +253,7 @@ def serve_child(args) -> None:
             print(json.dumps({"ok": True}), flush=True)
         elif command == "report":
             cpu = _thread_cpu_ns()
+            calls: dict[str, int] = {}
             want_profile.clear()
             if args.profile:
                 http_loop.call_soon_threadsafe(_stop_profile, profiles, "http")
@@ -257,12 +261,15 @@ def serve_child(args) -> None:
                 Path(args.profile).mkdir(parents=True, exist_ok=True)
                 for thread in ("engine", "http"):
                     if thread in profiles:
-                        profiles.pop(thread).dump_stats(str(Path(args.profile) / f"{thread}_{args.tag}.pstats"))
+                        prof = profiles.pop(thread)
+                        prof.dump_stats(str(Path(args.profile) / f"{thread}_{args.tag}.pstats"))
+                        # Python function calls are deterministic where times are noisy: work, not speed
+                        calls[thread] = pstats.Stats(prof).total_calls
             report = {
                 "phase_seconds": dict(phases.seconds), "phase_cpu_seconds": dict(phases.cpu),
                 "phase_calls": dict(phases.calls),
                 "thread_cpu_ns": {k: cpu.get(k, 0) - mark_cpu.get(k, 0) for k in cpu},
-                "waited_s": executor.waited_s,
+                "waited_s": executor.waited_s, "python_calls": calls,
             }
             print(json.dumps(report), flush=True)
         elif command == "quit":
@@ -354,7 +361,6 @@ def _stats_numbers(stats: dict) -> dict:
 def _summarise(concurrency: int, rnd, wall: float, before: dict, after: dict, report: dict | None) -> dict:
     s = _stats_numbers(after)
     tokens = rnd.tokens
-    steps = max(1, round(tokens / concurrency))  # decode steps of this run (one token per stream each)
     out = {
         "concurrency": concurrency, "tokens": tokens, "wall_s": round(wall, 4),
         "aggregate_tok_s": round(rnd.aggregate_tok_s or 0, 1),
@@ -373,10 +379,14 @@ def _summarise(concurrency: int, rnd, wall: float, before: dict, after: dict, re
         out["host_us_mean"] = round((h["ft_step_host_seconds_sum"] - b["ft_step_host_seconds_sum"]) / host_n * 1e6, 1)
         out["period_us_mean"] = round(out["step_us_mean"] + out["host_us_mean"], 1)
     if report is not None:
+        calls = report["phase_calls"].get("model_step", 0) or 1
+        steps = calls  # the model calls this run made (more than tokens / concurrency when streams stagger)
         cpu = report["thread_cpu_ns"]
         out["cpu_us_per_step"] = {k: round(v / 1e3 / steps, 1) for k, v in sorted(cpu.items())}
         out["cpu_us_per_step"]["total"] = round(sum(cpu.values()) / 1e3 / steps, 1)
-        calls = report["phase_calls"].get("model_step", 0) or 1
+        out["cpu_us_per_token"] = round(sum(cpu.values()) / 1e3 / max(1, tokens), 1)
+        if report.get("python_calls"):
+            out["python_calls_per_step"] = {k: round(v / steps) for k, v in report["python_calls"].items()}
         out["engine_phases_us"] = {k: round(v * 1e6 / calls, 1) for k, v in sorted(report["phase_seconds"].items())}
         out["engine_phases_cpu_us"] = {k: round(v * 1e6 / calls, 1)
                                        for k, v in sorted(report["phase_cpu_seconds"].items())}
