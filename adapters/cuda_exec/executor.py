@@ -78,6 +78,7 @@ class CudaGraphExecutor(ExecutorPools):
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
         self.spec = checkpoint.spec
+        self._checked_pages: dict = {}  # check_batch's memo of the page tables it found in range
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
@@ -221,7 +222,8 @@ class CudaGraphExecutor(ExecutorPools):
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots())
+        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots(),
+                           self._checked_pages)
 
     def _decode(self, works) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits [n, V], greedy tokens [n]) of n single-token works, by graph replay (or eagerly)."""
