@@ -59,7 +59,7 @@ class ServingStats:
         self.step_seconds = Histogram("ft_step_seconds", "Engine step duration", registry=r)
         self.host_seconds = Histogram(
             "ft_step_host_seconds", "Engine-thread time between two consecutive model calls (finishing a step, "
-            "streaming its tokens, scheduling the next)",
+            "turning its tokens into stream events, scheduling the next)",
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1), registry=r)
         self.ttft_seconds = Histogram(
             "ft_time_to_first_token_seconds",

@@ -263,5 +263,5 @@ class MetricsSink(Protocol):
         host_seconds: float | None = None,
     ) -> None:
         """host_seconds: the engine thread's time since the previous step's model call returned (finishing
-        that step, streaming its tokens, scheduling this one); None after an idle pause."""
+        that step, turning its tokens into stream events, scheduling this one); None after an idle pause."""
         ...
