@@ -196,7 +196,7 @@ def test_an_executor_with_the_launch_hook_gets_the_last_steps_events_handed_over
     engine.check_valid()
 
 
-def test_an_executor_that_declares_the_hook_but_never_calls_it_still_streams_every_token():
+def test_an_executor_that_declares_the_hook_but_never_calls_it_still_streams_every_token(caplog):
     engine, executor = hooked_engine(call_hook=False)
     engine.start()
     try:
@@ -205,6 +205,9 @@ def test_an_executor_that_declares_the_hook_but_never_calls_it_still_streams_eve
         engine.stop()
     expected, _ = fake_model_output([9, 8], 7)
     assert text == FakeTokenizer().decode(expected) and final.finish_reason == "length"
+    # after its first step the engine stops waiting for the hook (else every token would go out a step late)
+    assert not engine._launch_hook
+    assert any("declares on_launched but did not call it" in r.getMessage() for r in caplog.records)
 
 
 def test_a_finish_from_an_abort_between_steps_goes_out_after_the_pools_snapshot_that_freed_it():
