@@ -65,6 +65,34 @@ def test_the_default_prefill_keeps_the_reference_token_mixers(ckpt, monkeypatch)
     fast.check_valid()
 
 
+def test_the_launch_hook_is_called_once_per_step_and_before_the_tokens_are_read_back(ckpt, monkeypatch):
+    """ModelExecutor.on_launched: once per execute(), prefill and graph decode steps alike; on a decode step
+    after the launch and before the one device->host copy of the tokens (the engine streams there)."""
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), DEVICE, torch.float32,
+                             max_decode_rows=4)
+    trace: list[str] = []
+    fast.on_launched = lambda: trace.append("hook")
+    execute, tolist = fast.execute, torch.Tensor.tolist
+
+    def traced_execute(batch):
+        trace.append("decode" if fast._is_graph_step(batch) else "prefill")
+        return execute(batch)
+
+    def traced_tolist(self):
+        trace.append("read")
+        return tolist(self)
+
+    monkeypatch.setattr(fast, "execute", traced_execute)
+    seqs = [Sequence("r0", PROMPTS[0], pages_for(0, len(PROMPTS[0]) + 4), state_slot=0)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", traced_tolist)
+        run_requests(fast, seqs, 3, chunk=4)
+    steps = [t for t in trace if t in ("decode", "prefill")]
+    assert steps == ["prefill", "prefill", "decode", "decode"] and trace.count("hook") == len(steps)
+    first_decode = trace.index("decode")
+    assert trace[first_decode:first_decode + 3] == ["decode", "hook", "read"]
+
+
 def test_fast_path_matches_the_reference_executor(ckpt):
     slots = ckpt.spec.top_k * 4  # a decode step of 3 rows never splits; prefill chunks may evict
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32)
