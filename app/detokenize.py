@@ -54,7 +54,8 @@ class StopStringMatcher:
 
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = tuple(s for s in stop if s)
-        self._text = ""
+        self._text = ""  # with stop strings: everything fed so far (searched for them)
+        self._free: list[str] = []  # without: the deltas, each released as it came
         self._released = 0
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
@@ -63,6 +64,9 @@ class StopStringMatcher:
         """Add generated text; return what may be sent now. Sets ``stopped`` on a match."""
         if self.stopped:
             return ""
+        if not self._stop:  # nothing can be held back: no search, and no string rebuilt per token
+            self._free.append(delta)
+            return delta
         self._text += delta
         # NOTE: a match may straddle the released boundary, so search from before it.
         longest = max((len(s) for s in self._stop), default=0)
@@ -98,10 +102,11 @@ class StopStringMatcher:
 
     def check_valid(self) -> None:
         assert 0 <= self._released <= len(self._text), "released past the end of the text"
+        assert not (self._stop and self._free), "deltas kept aside although there are stop strings"
         if not self.stopped:
             assert not any(s in self._text[: self._released] for s in self._stop), "a stop string was released"
 
     @property
     def text(self) -> str:
         """All text released so far."""
-        return self._text[: self._released]
+        return self._text[: self._released] if self._stop else "".join(self._free)

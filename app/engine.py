@@ -88,6 +88,12 @@ class Engine:
         # Set when a self-check failed: the engine cannot serve (health 503, generation 503).
         self.broken: str | None = None
         self._publisher = PoolPublisher(stats, executor)
+        # ModelExecutor's optional launch hook: the previous step's events are handed to the HTTP side
+        # while the device computes (see domain.ports.ModelExecutor).
+        self._launch_hook = hasattr(executor, "on_launched")
+        self._hook_called = False
+        if self._launch_hook:
+            executor.on_launched = self._launched
         self._publish_pools()
 
     @property
@@ -173,6 +179,8 @@ class Engine:
             batch = None
             try:
                 self._drain_commands()
+                if self._resizer.active:  # a rebuild may take seconds: the last step's events go out first
+                    self._flush_events()
                 self._resizer.step()
                 batch = self.scheduler.schedule()
                 if batch is None:
@@ -185,7 +193,10 @@ class Engine:
                     continue
                 was_idle = False
                 self._step(batch)
-                self._republish()
+                # NOTE: the step's events stay in the outbox until the next step is launched (or the loop
+                # idles): handing them over now would wake the HTTP thread right when this thread needs
+                # the GIL to schedule and launch that step (docs/fast-decode.md, host overhead).
+                self._publish_pools()
             except Exception as exc:  # NOTE: the loop must survive anything; requests get the error
                 self._fail_everything(exc)
                 self._release_in_flight(batch)
@@ -195,7 +206,8 @@ class Engine:
         self._streams.flush()
 
     def _drain_commands(self) -> None:
-        while True:
+        # NOTE: empty() first: the engine thread is the only consumer, and an exception per step is not free.
+        while not self._commands.empty():
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
@@ -227,6 +239,9 @@ class Engine:
             self._streams.abort(request_id)
 
     def _step(self, batch) -> None:
+        if not self._launch_hook:
+            self._flush_events()  # the executor has no launch hook: the events go out before the step
+        self._hook_called = False
         started = self._clock()
         host = None if self._last_call_end is None else started - self._last_call_end
         self._last_call_end = None
@@ -236,7 +251,17 @@ class Engine:
             self._fail_batch(batch, exc)
             self.verify()
             return
+        finally:
+            # An executor with the hook that did not call it (it failed before launching) must not keep
+            # the previous step's events back for another step.
+            self._flush_events()
         self._last_call_end = ended = self._clock()
+        if self._launch_hook and not self._hook_called:
+            # NOTE: against the port's contract (e.g. a wrapper that took the hook for itself): every token
+            # would reach its client a step late. Hand events over before each step from now on.
+            log.warning("executor %s declares on_launched but did not call it; stream events now go out "
+                        "before each step", type(self.executor).__name__)
+            self._launch_hook = False
         self._publisher.record_step(batch, ended - started, host)
         faulty = {rid: token.error for rid, token in sampled.items() if getattr(token, "error", None)}
         for request_id, error in faulty.items():  # NOTE: confined to that request: abort it alone
@@ -316,7 +341,21 @@ class Engine:
         self._publish_pools()
         self._streams.flush()
 
+    def _launched(self) -> None:
+        """The executor's on_launched hook (engine thread, inside execute())."""
+        self._hook_called = True
+        self._flush_events()
+
+    def _flush_events(self) -> None:
+        """Engine thread (also the executor's ``on_launched`` hook, called from inside execute()): hand
+        the outbox to the handlers' loops, the pools snapshot republished first when events were emitted
+        since it was last published (a client that sees its finish sees its pages freed in /v1/stats)."""
+        if self._streams.has_unpublished():
+            self._publish_pools()
+        self._streams.flush()
+
     def _publish_pools(self) -> None:
+        self._streams.mark_published()
         self._publisher.publish(
             scheduler=self.scheduler,
             allocator=self._allocator,

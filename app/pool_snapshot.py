@@ -119,10 +119,11 @@ class PoolPublisher:
     def record_step(self, batch, seconds: float, host_seconds: float | None = None) -> None:
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
-        if batch.num_prefill_tokens:
+        prefill_tokens = batch.num_prefill_tokens  # a property that walks the works: once
+        if prefill_tokens:
             self._prefill = prefill_streaming(self._executor)
         self._stats.record_step(
-            prefill_tokens=batch.num_prefill_tokens,
+            prefill_tokens=prefill_tokens,
             decode_tokens=batch.num_decode_tokens,
             seconds=seconds,
             expert_hits=self._hits_misses[0] - before[0],

@@ -59,7 +59,7 @@ class ServingStats:
         self.step_seconds = Histogram("ft_step_seconds", "Engine step duration", registry=r)
         self.host_seconds = Histogram(
             "ft_step_host_seconds", "Engine-thread time between two consecutive model calls (finishing a step, "
-            "streaming its tokens, scheduling the next)",
+            "turning its tokens into stream events, scheduling the next)",
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1), registry=r)
         self.ttft_seconds = Histogram(
             "ft_time_to_first_token_seconds",
@@ -92,6 +92,8 @@ class ServingStats:
         self.routing_host_seconds = Gauge("ft_routing_replay_host_seconds", "Host seconds spent producing the "
                                           "replayed expert ids (cumulative)", registry=r)
         self.record_routing({"mode": "natural"})
+        self._pools: dict = {}  # the latest pools snapshot (record_pools); the pool gauges read it
+        self._bind_pool_gauges()
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
@@ -102,10 +104,15 @@ class ServingStats:
         with self._lock:
             self._steps.append(step)
             self._trim(step.at)
-        self.prefill_tokens.inc(prefill_tokens)
-        self.generation_tokens.inc(decode_tokens)
-        self.expert_hits.inc(expert_hits)
-        self.expert_misses.inc(expert_misses)
+        # NOTE: a zero increment changes nothing; skipping it saves a lock round per counter and step.
+        if prefill_tokens:
+            self.prefill_tokens.inc(prefill_tokens)
+        if decode_tokens:
+            self.generation_tokens.inc(decode_tokens)
+        if expert_hits:
+            self.expert_hits.inc(expert_hits)
+        if expert_misses:
+            self.expert_misses.inc(expert_misses)
         self.step_seconds.observe(seconds)
         if host_seconds is not None:
             self.host_seconds.observe(host_seconds)
@@ -147,17 +154,27 @@ class ServingStats:
         self.requests.labels(finish_reason=finish_reason).inc()
 
     def record_pools(self, pools: dict) -> None:
-        self.running.set(pools["running"])
-        self.waiting.set(pools["waiting"])
-        self.kv_pages_used.set(pools["kv_pages_used"])
-        self.kv_pages_total.set(pools["kv_pages_total"])
-        self.state_slots_used.set(pools["state_slots_used"])
-        self.state_slots_total.set(pools["state_slots_total"])
-        self.expert_slots_total.set(pools["expert_slots"])
-        cache = pools.get("prefix_cache") or {}
-        self.prefix_cached_pages.set(cache.get("cached_pages", 0))
-        self.snapshot_slots_used.set(cache.get("snapshot_slots_used", 0))
-        self.snapshot_slots_total.set(cache.get("snapshot_slots_total", 0))
+        """The latest pools snapshot (a dict never mutated after this call); the pool gauges read it when
+        /metrics is scraped: the engine publishes after every step, and ten gauge writes a step were a
+        measurable part of its host time (docs/fast-decode.md, host overhead)."""
+        self._pools = pools
+
+    def _bind_pool_gauges(self) -> None:
+        def reader(key: str, in_cache: bool = False) -> Callable[[], float]:
+            if in_cache:
+                return lambda: (self._pools.get("prefix_cache") or {}).get(key, 0)
+            return lambda: self._pools.get(key, 0)
+
+        self.running.set_function(reader("running"))
+        self.waiting.set_function(reader("waiting"))
+        self.kv_pages_used.set_function(reader("kv_pages_used"))
+        self.kv_pages_total.set_function(reader("kv_pages_total"))
+        self.state_slots_used.set_function(reader("state_slots_used"))
+        self.state_slots_total.set_function(reader("state_slots_total"))
+        self.expert_slots_total.set_function(reader("expert_slots"))
+        self.prefix_cached_pages.set_function(reader("cached_pages", in_cache=True))
+        self.snapshot_slots_used.set_function(reader("snapshot_slots_used", in_cache=True))
+        self.snapshot_slots_total.set_function(reader("snapshot_slots_total", in_cache=True))
 
     def record_routing(self, routing: dict) -> None:
         """The engine's routing() description into the routing gauges (the /metrics handler calls it)."""

@@ -81,6 +81,8 @@ class LiveStream:
         """The logprobs of exactly the tokens whose text is out once `released_text` is sent
         (every one left, on the last event)."""
         self.released_chars += len(released_text)
+        if not self.pending_logprobs and not self.textless:  # no logprobs asked for (the common case)
+            return ()
         if everything:
             out = [lp for _, lp in self.pending_logprobs] + self.textless
             self.pending_logprobs, self.textless = [], []
@@ -147,6 +149,7 @@ class RequestStreams:
         self._clock = clock
         self.live: dict[str, LiveStream] = {}
         self._outbox: list[tuple[LiveStream, StreamEvent]] = []
+        self._published = 0  # outbox entries emitted before the pools snapshot was last published
 
     def open(self, live: LiveStream) -> None:
         """Track an admitted request (the scheduler already holds it)."""
@@ -160,12 +163,11 @@ class RequestStreams:
         live = self.live.get(event.request_id)
         if live is None:
             return
-        now = self._clock()
         text = ""
         if event.token_id is not None:
             live.generated += 1
             if live.first_token_at is None:
-                live.first_token_at = now
+                live.first_token_at = now = self._clock()
                 self._stats.record_ttft(now - live.arrival)
                 self._stats.record_prefix_cache(len(live.request.prompt_token_ids), live.request.num_cached_tokens)
             logprob = None
@@ -269,11 +271,27 @@ class RequestStreams:
         # that sees its finish and then asks /v1/stats already sees its pages and slot freed.
         self._outbox.append((live, event))
 
+    @property
+    def num_pending(self) -> int:
+        """Events emitted and not yet handed to their loops."""
+        return len(self._outbox)
+
+    def mark_published(self) -> None:
+        """The pools snapshot was just published: every event now in the outbox may go out."""
+        self._published = len(self._outbox)
+
+    def has_unpublished(self) -> bool:
+        """Events were emitted after the last pools snapshot (their pool changes are not published yet)."""
+        return len(self._outbox) > self._published
+
     def flush(self) -> None:
         """Hand the outbox to the handlers' loops: ONE ``call_soon_threadsafe`` per loop, not per event.
         Each such call writes the loop's self-pipe (a syscall, ~0.1 ms on a loaded host); per event it
         cost 16 writes a step at 16 streams. Events keep their order (per stream and overall)."""
         outbox, self._outbox = self._outbox, []
+        self._published = 0
+        if not outbox:
+            return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamEvent]]] = {}
         for live, event in outbox:
             by_loop.setdefault(live.loop, []).append((live.events, event))

@@ -117,6 +117,15 @@ class ModelExecutor(Protocol):
 
     check_valid() (optional): asserts every pool exists at the size of the plan last applied;
     the engine calls it after any failed step or resize to decide whether it can still serve.
+
+    on_launched (optional attribute; an executor that offers it declares it, None by default): the
+    engine sets it to a zero-argument callable that does not raise. execute() then calls it once,
+    on the calling thread, where the host would start waiting for the device: after a captured
+    step is launched and before its result is read back; before an eager step that launches and
+    waits as it goes (not at all when it fails before that point). The engine hands the previous
+    step's stream events to the HTTP side there, so their Python (and the GIL it holds) runs while
+    the device computes instead of between two steps. An executor without the attribute gets the
+    events handed over just before execute() is called.
     """
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]: ...
@@ -254,5 +263,5 @@ class MetricsSink(Protocol):
         host_seconds: float | None = None,
     ) -> None:
         """host_seconds: the engine thread's time since the previous step's model call returned (finishing
-        that step, streaming its tokens, scheduling this one); None after an idle pause."""
+        that step, turning its tokens into stream events, scheduling this one); None after an idle pause."""
         ...

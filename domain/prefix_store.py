@@ -122,6 +122,13 @@ class PrefixStore:
         commit). Returns the work's (position, slot) pairs."""
         if self.cache is None or not self.needs_snapshots:
             return ()
+        if (end - start == 1 and request.state is RequestState.DECODING and end % self.page_size
+                and not (self.interval and end % self.interval == 0) and request.branch_point != end):
+            # NOTE: the common decode token: no interval point in (start, end] (one exists iff end is a
+            # multiple of the interval), no branch point there, no page boundary at end. Same result as
+            # below, without building it.
+            request.pending_snapshots = []
+            return ()
         points: list[tuple[int, bool]] = []
         if self.interval:
             first = (start // self.interval + 1) * self.interval

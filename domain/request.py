@@ -105,6 +105,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> tuple[int, ...]:
+        """``tuple(all_token_ids[start:end])`` for 0 <= start <= end, without building the whole
+        sequence: a decode step reads one token of a context that may be 100k long."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if end <= n:
+            return tuple(prompt[start:end])
+        if start >= n:
+            return tuple(self.output_token_ids[start - n : end - n])
+        return tuple(prompt[start:]) + tuple(self.output_token_ids[: end - n])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

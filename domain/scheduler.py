@@ -270,6 +270,8 @@ class Scheduler:
     def _grow_or_preempt(self, request: Request) -> bool:
         """Pages for one more token of `request`, preempting the newest until they fit."""
         need = _ceil_div(request.num_tokens, self.config.page_size) - len(request.pages)
+        if need == 0:  # NOTE: most decode steps: the last page has room (nothing to probe or allocate)
+            return True
         while need > self.prefix.available_pages():
             victim = self._running[-1]
             self._preempt(victim)
@@ -297,6 +299,8 @@ class Scheduler:
         return works, starved
 
     def _admit(self, budget: int) -> list[SequenceWork]:
+        if not self._waiting:  # NOTE: every step of a steady decode: skip the headroom count below
+            return []
         works = []
         # NOTE: leave one page of headroom per decoding request, so a newcomer does not take
         # the page a decode needs next step and get preempted straight away.
@@ -331,12 +335,11 @@ class Scheduler:
 
     def _work(self, request: Request, num_tokens: int) -> SequenceWork:
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + num_tokens]
         sample = start + num_tokens == request.num_tokens
         restore, request.restore_snapshot = request.restore_snapshot, None
         return SequenceWork(
             request_id=request.request_id,
-            token_ids=tuple(tokens),
+            token_ids=request.token_ids_between(start, start + num_tokens),
             start_position=start,
             page_ids=tuple(request.pages),
             state_slot=request.state_slot,

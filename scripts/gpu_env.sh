@@ -19,6 +19,8 @@ wait_healthy() {  # wait_healthy PORT PID LOG TRIES: polls /health every 2 s unt
     if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null; then
       echo "server on $port ready after ${SECONDS}s"; return 0; fi
     kill -0 "$pid" 2>/dev/null || { echo "server on $port died"; tail -20 "$log"; return 1; }
+    # a failed model load leaves the server up, answering 503 with the reason: no point waiting on it
+    grep -q "model load failed" "$log" 2>/dev/null && { echo "server on $port: model load failed"; tail -20 "$log"; return 1; }
     sleep 2
   done
   echo "server on $port not ready"; tail -20 "$log"; return 1

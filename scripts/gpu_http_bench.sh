@@ -26,6 +26,11 @@ READY_TRIES=${READY_TRIES:-150}          # /health polls, 2 s apart
 synth_ckpt() {  # the checkpoint both engines serve (ft synth writes config.json last: its presence = complete)
   [ -f "$CKPT/config.json" ] || timeout 120 python3 -m app synth --out "$CKPT" --geometry ${GEOMETRY:-qwen3.6-35b-a3b} \
     --format fp8_block --device ${DEVICE:-cuda} 2>&1 | tail -2
+  # NOTE: bench_decode.py and bench_prefill.py write the same directory without a tokenizer (they never
+  # serve it); a server needs one, so a checkpoint they left gets the tokenizer files added here
+  [ -f "$CKPT/tokenizer.json" ] || python3 -c "import pathlib, sys
+from adapters.checkpoint.hf_tokenizer import write_tokenizer_files
+write_tokenizer_files(pathlib.Path(sys.argv[1]))" "$CKPT"
 }
 
 serve() {  # serve PORT LOG ARGS... ; sets SERVER, waits for /health ok (or gives up)

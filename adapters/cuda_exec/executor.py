@@ -55,6 +55,8 @@ class CudaGraphExecutor(ExecutorPools):
 
     link_bytes_per_s = LINK_BYTES_PER_S  # the host link rate prefill_stats' PCIe bound divides by
     capture_error_mode = "global"  # torch.cuda.graph's: any thread's unsafe CUDA call fails the capture
+    # ModelExecutor's launch hook (set by the engine): called once per execute() where the host starts waiting
+    on_launched: Callable[[], None] | None = None
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
@@ -76,6 +78,7 @@ class CudaGraphExecutor(ExecutorPools):
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
         self.spec = checkpoint.spec
+        self._checked_pages: dict = {}  # check_batch's memo of the page tables it found in range
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
@@ -120,6 +123,8 @@ class CudaGraphExecutor(ExecutorPools):
         self.inputs = None
         self._swap_pools(plan)
         self.decode_rows = self._decode_rows(plan)
+        # the decode buckets' projections through the tensor-core GEMM from a few rows up (FastDecoder)
+        self.model.decode_gemm_rows = self.decode_rows if self.device.type == "cuda" else 0
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
@@ -219,7 +224,8 @@ class CudaGraphExecutor(ExecutorPools):
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots())
+        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots(),
+                           self._checked_pages)
 
     def _decode(self, works) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits [n, V], greedy tokens [n]) of n single-token works, by graph replay (or eagerly)."""
@@ -288,6 +294,8 @@ class CudaGraphExecutor(ExecutorPools):
             with torch.inference_mode():
                 logits_rows, tokens = self._decode(batch.works)
                 tokens = self._draw(batch.works, logits_rows, tokens)
+            if self.on_launched is not None:  # the engine streams the last step's tokens while this one runs
+                self.on_launched()
             # every row's token in one device->host copy; log-probabilities only where asked for
             drawn = tokens.tolist()
             for i, w in enumerate(batch.works):
@@ -297,6 +305,8 @@ class CudaGraphExecutor(ExecutorPools):
                 else:  # -1: the batched draw failed; the row is sampled alone (its error stays its own)
                     out[w.request_id] = self._sample(w.request_id, logits_rows[i], w, drawn[i] if drawn[i] >= 0 else None)
             return out
+        if self.on_launched is not None:  # an eager step launches and waits as it goes
+            self.on_launched()
         logits = self.compute_logits(batch)
         for rid, row in logits.items():
             if works[rid].sample:

@@ -53,11 +53,20 @@ class FastDecoder(MoeDecoder):
     the Gated DeltaNet chunk kernels, flash attention over the gathered pages, tensor-core projections)."""
 
     prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton)
+    # NOTE: steps of up to this many rows (the decode buckets: the executor sets its largest captured one on
+    # CUDA) take prefill_linear's GEMV/GEMM choice even under the reference prefill. Measured on the H200
+    # (docs/bench/2026-12-01-bench-decode-h200-run6-fusions*.json): at 16 rows the GEMV re-reads the dense
+    # weights per row, 4.97 ms a step, the tensor-core GEMM 1.25 ms (1,165 -> 1,566 tok/s); the GEMM's
+    # autotune keys for these rows are all tuned by the graph warm-up, so no request pays for tuning.
+    decode_gemm_rows = 0
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
-        """The step's projections: with the Triton prefill on, prefill_linear (the tensor-core GEMM from a
-        few rows up, decode buckets included); otherwise the GPU-verified GEMV path (fast_linear)."""
-        return prefill_linear(x, w) if self.prefill_kernels else fast_linear(x, w)
+        """The step's projections: with the Triton prefill on, or for a step of at most decode_gemm_rows
+        rows, prefill_linear (the GEMV for the few rows where it is faster, the tensor-core GEMM above);
+        otherwise the GPU-verified GEMV path (fast_linear)."""
+        if self.prefill_kernels or x.shape[0] <= self.decode_gemm_rows:
+            return prefill_linear(x, w)
+        return fast_linear(x, w)
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
              h32: torch.Tensor | None = None, logits: torch.Tensor | None = None):

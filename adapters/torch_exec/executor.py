@@ -41,6 +41,7 @@ class TorchExecutor(ExecutorPools):
         self.spec = checkpoint.spec
         self.device = torch.device(device)
         self.dtype = dtype
+        self._checked_pages: dict = {}  # check_batch's memo of the page tables it found in range
         self.model = BUILDERS[arch](checkpoint.dense, checkpoint.text_config, dtype, self.device)
         self.bank = checkpoint.experts
         self.sampler = Sampler(sampler_seed)
@@ -83,7 +84,8 @@ class TorchExecutor(ExecutorPools):
     def can_execute(self, batch: StepBatch) -> str | None:
         """None when `batch` fits the current pools, else the reason (read-only probe)."""
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots, self._snapshot_slots())
+        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots, self._snapshot_slots(),
+                           self._checked_pages)
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch, all_positions: bool = False) -> dict[str, torch.Tensor]:

@@ -175,6 +175,16 @@ class StepLeader:
         """Release the followers (their follow() returns)."""
         self._send((STOP, None))
 
+    # NOTE: the launch hook (domain.ports.ModelExecutor.on_launched) is the local executor's, read AND set:
+    # set on the leader alone, it would never be called. Absent (AttributeError) where that executor has none.
+    @property
+    def on_launched(self):
+        return self.executor.on_launched
+
+    @on_launched.setter
+    def on_launched(self, hook) -> None:
+        self.executor.on_launched = hook
+
     def __getattr__(self, name: str):  # pools, counters, check_valid: the local executor's
         return getattr(self.executor, name)
 

@@ -211,3 +211,26 @@ def test_the_executor_needs_a_process_group(checkpoints):
     partition = ExpertPartition.modulo(ckpt.spec.num_layers, ckpt.spec.num_experts, 2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallelExecutor(ckpt, make_plan(ckpt, 3), partition, dtype=torch.float32)
+
+
+def test_the_step_leader_forwards_the_launch_hook_to_its_executor_and_only_where_it_has_one():
+    """The engine sets ModelExecutor.on_launched on what it holds (the leader, on rank 0): it must reach the
+    local executor, which is the one that calls it; a local executor without the hook gives the leader none."""
+
+    class Hooked:
+        rank = 0
+        on_launched = None
+
+    class Plain:
+        rank = 0
+
+    local = Hooked()
+    leader = StepLeader(local)
+    assert hasattr(leader, "on_launched") and leader.on_launched is None
+
+    def hook():
+        return None
+
+    leader.on_launched = hook
+    assert local.on_launched is hook and leader.on_launched is hook
+    assert not hasattr(StepLeader(Plain()), "on_launched")

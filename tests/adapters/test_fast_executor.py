@@ -5,9 +5,14 @@ bitwise-identical decode logits at any expert-slot count, and padded rows that r
 On the CPU the Triton kernels run in Triton's interpreter and no graph is captured; the GPU run
 (`-m gpu`) captures graphs and replays them."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from adapters.checkpoint.loader import load_checkpoint
+from adapters.checkpoint.synth import synthesize
+from adapters.checkpoint.synth_config import GEOMETRIES
 from adapters.cuda_exec.executor import CudaGraphExecutor, decode_buckets
 from adapters.torch_exec.executor import TorchExecutor
 from tests.adapters.torch_exec_models import (
@@ -58,6 +63,34 @@ def test_the_default_prefill_keeps_the_reference_token_mixers(ckpt, monkeypatch)
     run_requests(fast, seqs, 2, chunk=4)
     assert len(seqs[0].output) == 2
     fast.check_valid()
+
+
+def test_the_launch_hook_is_called_once_per_step_and_before_the_tokens_are_read_back(ckpt, monkeypatch):
+    """ModelExecutor.on_launched: once per execute(), prefill and graph decode steps alike; on a decode step
+    after the launch and before the one device->host copy of the tokens (the engine streams there)."""
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), DEVICE, torch.float32,
+                             max_decode_rows=4)
+    trace: list[str] = []
+    fast.on_launched = lambda: trace.append("hook")
+    execute, tolist = fast.execute, torch.Tensor.tolist
+
+    def traced_execute(batch):
+        trace.append("decode" if fast._is_graph_step(batch) else "prefill")
+        return execute(batch)
+
+    def traced_tolist(self):
+        trace.append("read")
+        return tolist(self)
+
+    monkeypatch.setattr(fast, "execute", traced_execute)
+    seqs = [Sequence("r0", PROMPTS[0], pages_for(0, len(PROMPTS[0]) + 4), state_slot=0)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", traced_tolist)
+        run_requests(fast, seqs, 3, chunk=4)
+    steps = [t for t in trace if t in ("decode", "prefill")]
+    assert steps == ["prefill", "prefill", "decode", "decode"] and trace.count("hook") == len(steps)
+    first_decode = trace.index("decode")
+    assert trace[first_decode:first_decode + 3] == ["decode", "hook", "read"]
 
 
 @pytest.mark.parametrize("route_lookup", ["fused", "unfused"])
@@ -223,21 +256,74 @@ def test_the_first_graph_capture_is_reported_as_a_start_up_phase(ckpt):
 
 @pytest.mark.gpu
 def test_bf16_fast_path_stays_within_bf16_error_of_the_reference(ckpt):
-    """bf16 (the serving dtype): the decode step's norm hands the fp32 router an fp32 copy of its output
-    and the router runs on it; logits stay within bf16 rounding of the reference path's. GPU only:
-    Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), which alone moves these
-    tiny random models' logits by 6-20 % and flips their greedy tokens."""
+    """bf16 (the serving dtype): the fast path's logits are as close to the fp32 reference as the bf16
+    reference path's own are (at most twice its error, plus 1 % of the logit scale). An absolute bound
+    does not hold for these tiny random models: on the H200 the fast path's relative logit error was
+    3.1-3.6 % (2026-12-01), so the yardstick is the reference's own bf16 rounding, measured step by step.
+    GPU only: Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest), which alone moves
+    these models' logits by 6-20 % and flips their greedy tokens."""
     slots = ckpt.spec.top_k * 4
-    ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.bfloat16)
-    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.bfloat16, max_decode_rows=4)
-    ref_logits, fast_logits = {}, {}
-    ref_out, fast_out = _run(ref, ref_logits), _run(fast, fast_logits)
+    runs = {}
+    for name, cls, dtype in (("fp32", TorchExecutor, torch.float32), ("ref16", TorchExecutor, torch.bfloat16),
+                             ("fast16", CudaGraphExecutor, torch.bfloat16)):
+        kw = {"max_decode_rows": 4} if cls is CudaGraphExecutor else {}
+        executor = cls(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, dtype, **kw)
+        logits: dict = {}
+        runs[name] = (_run(executor, logits), logits)
+        if cls is CudaGraphExecutor:
+            executor.check_valid()
     compared = 0
-    for i, rid in enumerate(ref_logits):
-        same = next((n for n, (a, b) in enumerate(zip(ref_out[i], fast_out[i], strict=True)) if a != b), NEW_TOKENS)
-        for ours, want in list(zip(fast_logits[rid], ref_logits[rid], strict=True))[:same + 1]:
-            err = ((ours.float() - want.float()).norm() / want.float().norm()).item()
-            assert err < 3e-2, f"{rid}: relative logit error {err}"
+    for i, rid in enumerate(runs["fp32"][1]):
+        outs = [runs[n][0][i] for n in ("fp32", "ref16", "fast16")]
+        # steps up to the first token where the three runs part (each run's later logits follow its own tokens)
+        same = next((n for n, toks in enumerate(zip(*outs, strict=True)) if len(set(toks)) > 1), NEW_TOKENS)
+        steps = zip(*(runs[n][1][rid] for n in ("fp32", "ref16", "fast16")), strict=True)
+        for want, ref16, fast16 in list(steps)[:same + 1]:
+            scale = want.float().norm()
+            ref_err = ((ref16.float() - want.float()).norm() / scale).item()
+            fast_err = ((fast16.float() - want.float()).norm() / scale).item()
+            assert fast_err <= 2 * ref_err + 1e-2, f"{rid}: fast {fast_err:.4f} vs reference bf16 {ref_err:.4f}"
             compared += 1
     assert compared >= len(PROMPTS) * 2
+
+
+def test_decode_buckets_take_the_tensor_core_gemm_under_the_reference_prefill(tmp_path, monkeypatch):
+    """On CUDA the executor hands its largest decode bucket to FastDecoder.decode_gemm_rows, so decode steps
+    of a few rows and more take prefill_linear's tensor-core GEMM (bs16's dense projections 4.97 -> 1.25 ms
+    on the H200) while long prefill chunks stay on the reference path. Forced here so the CPU runs that
+    path too, on a block-FP8 checkpoint: the tokens and logits are still the reference executor's."""
+    import adapters.cuda_exec.prefill_linear as pl
+
+    geometry = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256)
+    ckpt = load_checkpoint(synthesize(tmp_path, geometry, "fp8_block", seed=11, tokenizer=False), progress=False)
+    prompts = [[5, 17, 3, 88, 41, 9, 60, 2, 11], [2, 33, 71, 4, 5, 6, 9, 1, 1], [8, 1, 4, 4, 90, 12, 6, 7, 19],
+               [61, 7, 7, 30, 2, 9, 9, 10, 3]]
+    slots = ckpt.spec.top_k * 8  # a 4-row decode step never splits
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32, max_decode_rows=4,
+                             use_graphs=False)
+    assert fast.decode_rows == 4 and fast.model.decode_gemm_rows == (4 if DEVICE == "cuda" else 0)
+    fast.model.decode_gemm_rows = fast.decode_rows
+    gemm_rows: list[int] = []
+    real = pl.gemm.dense_gemm
+
+    def counted(x, w, *args, **kwargs):
+        gemm_rows.append(x.shape[0])
+        return real(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(pl.gemm, "dense_gemm", counted)
+
+    def run(executor, record):
+        seqs = [Sequence(f"r{i}", p, pages_for(i, len(p) + NEW_TOKENS + 1), state_slot=i)
+                for i, p in enumerate(prompts)]
+        run_requests(executor, seqs, NEW_TOKENS, chunk=16, record=record)
+        return [s.output for s in seqs]
+
+    ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32)
+    ref_logits, fast_logits = {}, {}
+    assert run(fast, fast_logits) == run(ref, ref_logits)
+    for rid, steps in ref_logits.items():
+        for ours, want in zip(fast_logits[rid], steps, strict=True):
+            assert (ours - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    # 4-row decode steps went through the GEMM; the 9-token prefill chunks did not
+    assert 4 in gemm_rows and max(gemm_rows) <= 4, gemm_rows
     fast.check_valid()

@@ -68,3 +68,16 @@ def test_stream_equals_the_whole_text_oracle(text, stops):
 def test_arbitrary_bytes_decode_to_the_same_text_as_a_whole_decode(ids):
     out, _, _ = stream(ids)
     assert out == TOKENIZER.decode(ids)
+
+
+@settings(max_examples=100)
+@given(text=st.text(alphabet="ab€ \n", max_size=30), stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=2),
+                                                                   max_size=2))
+def test_the_matcher_reports_what_it_released_with_or_without_stop_strings(text, stops):
+    """Without stop strings deltas pass straight through (no search); `text` is what went out either way."""
+    matcher = StopStringMatcher(tuple(stops))
+    out = [matcher.feed(ch) for ch in text] + [matcher.flush()]
+    assert matcher.text == "".join(out)
+    if not stops:
+        assert out[:-1] == list(text) and out[-1] == ""
+    matcher.check_valid()

@@ -4,10 +4,12 @@ executor failures, and the sliding-window statistics."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.detokenize import IncrementalDetokenizer
 from app.engine import Engine
 from app.stats import ServingStats
 from domain.budget import GpuBudget, PoolRequest, plan_pools
@@ -142,6 +144,109 @@ def test_an_executor_failure_fails_that_batch_and_the_engine_keeps_serving():
     assert engine._allocator.num_free + engine.scheduler.num_cached_pages == engine._allocator.num_pages
 
 
+class LaunchHookExecutor(FakeExecutor):
+    """FakeExecutor with the port's optional launch hook: records, at each step, the events the engine
+    still held when the step was launched and after the hook ran. ``call_hook=False``: declares the hook
+    but never calls it (an executor that fails before launching)."""
+
+    on_launched = None
+
+    def __init__(self, *args, call_hook: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.call_hook = call_hook
+        self.delay = 0.0
+        self.engine: Engine | None = None
+        self.pending_at_launch: list[tuple[int, int]] = []  # (before the hook, after it) per step
+
+    def execute(self, batch):
+        if self.delay:
+            time.sleep(self.delay)
+        out = super().execute(batch)  # "launched": the tokens are computed, the host has not read them yet
+        if self.call_hook:
+            before = self.engine._streams.num_pending
+            self.on_launched()
+            self.pending_at_launch.append((before, self.engine._streams.num_pending))
+        return out
+
+
+def hooked_engine(call_hook: bool = True) -> tuple[Engine, LaunchHookExecutor]:
+    p = make_engine().plan
+    executor = LaunchHookExecutor(p.page_size, p.kv_pages, p.state_slots, TINY_SPEC.vocab_size, call_hook=call_hook)
+    engine = make_engine(executor=executor)
+    executor.engine = engine
+    return engine, executor
+
+
+def test_an_executor_with_the_launch_hook_gets_the_last_steps_events_handed_over_while_its_step_runs():
+    engine, executor = hooked_engine()
+    assert executor.on_launched is not None, "the engine installs its hook on an executor that declares it"
+    engine.start()
+    try:
+        final, text = asyncio.run(drive(engine, "hooked", [5, 6, 7], 12, None))
+    finally:
+        engine.stop()
+    expected, _ = fake_model_output([5, 6, 7], 12)
+    assert text == FakeTokenizer().decode(expected) and final.completion_tokens == 12
+    # 12 steps (1 prefill + 11 decodes): each was launched with the previous step's event still held
+    # (a token whose bytes end mid-character sends none) and the hook handed it over
+    detok = IncrementalDetokenizer(FakeTokenizer())
+    released = [1 if detok.push(token) else 0 for token in expected[:-1]]
+    assert executor.pending_at_launch == [(0, 0)] + [(n, 0) for n in released]
+    assert sum(released) >= 3  # the check above saw events held, not only empty steps
+    engine.check_valid()
+
+
+def test_an_executor_that_declares_the_hook_but_never_calls_it_still_streams_every_token(caplog):
+    engine, executor = hooked_engine(call_hook=False)
+    engine.start()
+    try:
+        final, text = asyncio.run(drive(engine, "unhooked", [9, 8], 7, None))
+    finally:
+        engine.stop()
+    expected, _ = fake_model_output([9, 8], 7)
+    assert text == FakeTokenizer().decode(expected) and final.finish_reason == "length"
+    # after its first step the engine stops waiting for the hook (else every token would go out a step late)
+    assert not engine._launch_hook
+    assert any("declares on_launched but did not call it" in r.getMessage() for r in caplog.records)
+
+
+def test_a_finish_from_an_abort_between_steps_goes_out_after_the_pools_snapshot_that_freed_it():
+    """The abort's finish waits for a step's launch hook; the pools snapshot is republished first, so a
+    client that sees the finish sees the request's pages freed (running 0 in the snapshot)."""
+    engine, executor = hooked_engine()
+    executor.delay = 0.002  # the abort arrives while both requests still decode
+    handed: list[tuple[str, int]] = []  # (finish reason of "long"'s event, running in the snapshot) per handover
+    flush = engine._streams.flush
+
+    def flush_and_look():
+        for live, event in engine._streams._outbox:
+            if live.request.request_id == "long" and event.finish_reason is not None:
+                handed.append((event.finish_reason, engine.pools()["running"]))
+        flush()
+
+    engine._streams.flush = flush_and_look
+    engine.start()
+
+    async def main():
+        events = engine.submit("long", [1, 2], SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.submit("other", [3, 4], SamplingParams(max_tokens=100, ignore_eos=True))
+        await asyncio.wait_for(events.get(), 10)
+        engine.abort("long")
+        while (event := await asyncio.wait_for(events.get(), 10)).finish_reason is None:
+            pass
+        engine.abort("other")
+        return event
+
+    try:
+        finish = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert finish.finish_reason == "abort"
+    assert executor.pending_at_launch, "the finish went out through the launch hook path"
+    # the snapshot published before the finish went out already had "long" gone ("other" still runs)
+    assert handed == [("abort", 1)]
+
+
 def test_the_window_splits_a_tokens_time_into_the_model_call_and_the_host_work_between_calls():
     clock = FakeClock(100.0)
     stats = ServingStats(window_s=10, clock=clock.now)
@@ -167,6 +272,34 @@ def test_the_engine_reports_host_time_between_consecutive_model_calls_only():
     w = engine.stats.window()
     # 1 prefill step + 5 decode steps back to back: at most 5 gaps between model calls, none before the first
     assert w["steps"] == 6 and 1 <= w["host_s"]["count"] <= 5 and w["host_s"]["p50"] >= 0
+
+
+def test_the_pool_gauges_show_the_latest_published_snapshot_when_scraped():
+    stats = ServingStats()
+    assert b"ft_kv_pages_used 0.0" in stats.prometheus_text()  # nothing published yet
+    pools = {"running": 3, "waiting": 2, "kv_pages_used": 40, "kv_pages_total": 64, "state_slots_used": 3,
+             "state_slots_total": 4, "expert_slots": 8,
+             "prefix_cache": {"cached_pages": 7, "snapshot_slots_used": 5, "snapshot_slots_total": 16}}
+    stats.record_pools(pools)
+    text = stats.prometheus_text()
+    for line in (b"ft_running_requests 3.0", b"ft_waiting_requests 2.0", b"ft_kv_pages_used 40.0",
+                 b"ft_kv_pages_total 64.0", b"ft_state_slots_used 3.0", b"ft_state_slots_total 4.0",
+                 b"ft_expert_slots_total 8.0", b"ft_prefix_cache_pages 7.0", b"ft_snapshot_slots_used 5.0",
+                 b"ft_snapshot_slots_total 16.0"):
+        assert line + b"\n" in text, line
+    stats.record_pools({**pools, "kv_pages_used": 41, "prefix_cache": None})
+    text = stats.prometheus_text()
+    assert b"ft_kv_pages_used 41.0\n" in text and b"ft_prefix_cache_pages 0.0\n" in text
+
+
+def test_zero_step_counts_leave_the_counters_alone_and_the_others_add_up():
+    stats = ServingStats()
+    stats.record_step(prefill_tokens=0, decode_tokens=4, seconds=0.003, expert_hits=0, expert_misses=2)
+    stats.record_step(prefill_tokens=16, decode_tokens=0, seconds=0.01, expert_hits=5, expert_misses=0)
+    text = stats.prometheus_text()
+    for line in (b"ft_generation_tokens_total 4.0", b"ft_prefill_tokens_total 16.0", b"ft_expert_hits_total 5.0",
+                 b"ft_expert_misses_total 2.0", b"ft_step_seconds_count 2.0"):
+        assert line + b"\n" in text, line
 
 
 def test_sliding_window_percentiles_and_trimming():

@@ -1,6 +1,8 @@
 """Request lifecycle: legal moves, parameter validation, derived counts."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from domain.request import MIN_TEMPERATURE, Request, RequestState, SamplingParams
 
@@ -86,3 +88,14 @@ def test_degenerate_temperatures_sample_greedily(temperature):
 def test_non_finite_or_negative_temperatures_are_refused(temperature):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=temperature)
+
+
+@settings(max_examples=200)
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=12), output=st.lists(st.integers(0, 99), max_size=12),
+       data=st.data())
+def test_token_ids_between_is_a_slice_of_the_whole_sequence(prompt, output, data):
+    request = Request("a", prompt, output_token_ids=list(output))
+    n = len(prompt) + len(output)
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n + 2))  # past the end: clamped like a slice
+    assert request.token_ids_between(start, end) == tuple(request.all_token_ids[start:end])
