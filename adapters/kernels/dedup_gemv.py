@@ -219,7 +219,7 @@ def per_pair_tile(tuner, act: torch.dtype, values: dict, tune) -> tuple[int, int
     key = _autotune_key(tuner, act, values)
     cfg = tuner.cache.get(key)
     if cfg is None:
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"dedup GEMV: the per-pair kernel is not tuned for {key}; tune before capture")
         tune()
         cfg = tuner.cache.get(key)
