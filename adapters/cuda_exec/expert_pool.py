@@ -17,10 +17,10 @@ from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.expert_shard import ExpertShard
 from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
+from adapters.kernels.dedup_gemv import MAX_DEDUP_PAIRS
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
-from adapters.kernels.moe_gate_up_dedup import MAX_DEDUP_PAIRS
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.residency_lookup import MAX_KEYS

@@ -31,6 +31,7 @@ import triton.language as tl
 from adapters.kernels.packed_gemv import _e2m1, _e8m0, _group_scaled
 
 MAX_PAIRS = 4  # accumulators per program (registers: PAIRS x BLOCK_N x BLOCK_K fp32)
+MAX_DEDUP_PAIRS = 1024  # pairs of one call: the segment logic holds every slot id in one program's registers
 
 
 @triton.jit

@@ -20,10 +20,15 @@ import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import moe_gate_up as per_pair
-from adapters.kernels.dedup_gemv import packed_gemv_multi, padded_pairs, pairs_per_program, per_pair_tile, segment_chunk
+from adapters.kernels.dedup_gemv import (
+    MAX_DEDUP_PAIRS,
+    packed_gemv_multi,
+    padded_pairs,
+    pairs_per_program,
+    per_pair_tile,
+    segment_chunk,
+)
 from adapters.kernels.packed_gemv import check_pool, layout_consts, resolve_tiles
-
-MAX_DEDUP_PAIRS = 1024  # the segment logic holds every slot id of the call in one program's registers
 
 
 # S only feeds the debug assert, P a mask: no recompiles on a pool resize or per decode bucket (PB is a power of 2)

@@ -311,3 +311,36 @@ def test_sm90_build_reduces_like_the_per_pair_kernels_without_spills():
     spills = [" ".join(line) for line in lines if int(line[-1]) > 0]
     assert not spills, f"dedup kernels with stack (spills): {spills}"
     assert all(int(line[-2]) <= 255 for line in lines)
+
+
+# ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8 + shared), autotuned tiles ---
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.NVFP4, F_.BF16])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("local", [False, True], ids=["random", "local"])
+def test_real_geometry_on_gpu_is_bitwise_the_per_pair_path(fmt, tokens, local):
+    """The autotuned per-pair tile, taken over by the dedup kernels, gives the same bits at every PAIRS,
+    eagerly and replayed from a CUDA graph (the decode step's use)."""
+    layout, slots, where = make_pool(fmt, 2048, 512, experts=24, num_slots=32, seed=47, device="cuda")
+    shared = int([s for s in range(32) if s not in where.tolist()][0])
+    slots[shared] = slots[int(where[-1])]
+    x, slot_ids, weights = routed(tokens + 1, 8, where[:-1], seed=48, local=local, shared_slot=shared,
+                                  dtype=torch.bfloat16, hidden=2048)
+    h_pp = moe_gate_up.moe_gate_up(x, slot_ids, slots, layout)  # autotunes
+    y_pp = torch.zeros(*slot_ids.shape, 2048, device="cuda")
+    moe_down.moe_down(h_pp, slot_ids, weights, slots, layout, partials=y_pp)
+    for pairs in (None, 1, 2, 4):
+        assert torch.equal(moe_gate_up_dedup.moe_gate_up_dedup(x, slot_ids, slots, layout, pairs=pairs), h_pp)
+        y = moe_down_dedup.moe_down_dedup(h_pp, slot_ids, weights, slots, layout, pairs=pairs)
+        assert torch.equal(y[slot_ids >= 0], y_pp[slot_ids >= 0])
+        assert not y[slot_ids < 0].any()
+    want = fused_moe(x, slot_ids, weights, slots, layout)
+    assert torch.equal(fused_moe(x, slot_ids, weights, slots, layout, dedup=True), want)
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(x, slot_ids, weights, slots, layout, out=out, dedup=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
