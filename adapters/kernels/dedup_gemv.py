@@ -35,27 +35,31 @@ MAX_DEDUP_PAIRS = 1024  # pairs of one call: the segment logic holds every slot 
 
 
 @triton.jit
-def segment_chunk(slot_ids_ptr, p, P, PB: tl.constexpr, PAIRS: tl.constexpr):
-    """For pair p: (slot, lead, count, i0, i1, i2, i3). lead: p starts a chunk of its segment (slot >= 0 and
-    p's rank among its segment's members a multiple of PAIRS); count: members of the chunk (1..PAIRS when
-    lead); i0..i3: their pair indices in pair order (i0 = p; unused ones repeat p)."""
+def segment_lead(slot_ids_ptr, p, P, PB: tl.constexpr, PAIRS: tl.constexpr):
+    """For pair p: (slot, lead, count, rank). lead: p starts a chunk of its segment (slot >= 0 and p's rank
+    among its segment's members, `rank`, a multiple of PAIRS); count: members of that chunk (1..PAIRS)."""
     q = tl.arange(0, PB)  # [PB]
     slot = tl.load(slot_ids_ptr + p)
     ids = tl.load(slot_ids_ptr + q, mask=q < P, other=-1)  # [PB]
-    same = (ids == slot) & (q < P)  # [PB] members of p's segment
-    member = same.to(tl.int32)
+    member = ((ids == slot) & (q < P)).to(tl.int32)  # [PB] 1 for the members of p's segment
     rank = tl.sum(tl.where(q < p, member, 0), axis=0)  # members before p
     total = tl.sum(member, axis=0)
     lead = (slot >= 0) & (rank % PAIRS == 0)
-    count = tl.minimum(total - rank, PAIRS)
-    order = tl.cumsum(member, axis=0) - 1  # [PB] a member's rank in its segment
+    return slot, lead, tl.minimum(total - rank, PAIRS), rank
+
+
+@triton.jit
+def chunk_members(slot_ids_ptr, p, slot, rank, count, P, PB: tl.constexpr):
+    """(i1, i2, i3): the pair indices of members rank + 1 .. rank + 3 of p's segment (pair order); those past
+    `count` repeat p. Only a chunk leader calls it (the segment's slot ids come from L1/L2 again)."""
+    q = tl.arange(0, PB)  # [PB]
+    ids = tl.load(slot_ids_ptr + q, mask=q < P, other=-1)  # [PB]
+    same = (ids == slot) & (q < P)
+    order = tl.cumsum(same.to(tl.int32), axis=0) - 1  # [PB] a member's rank in its segment
     i1 = tl.sum(tl.where(same & (order == rank + 1), q, 0), axis=0)
     i2 = tl.sum(tl.where(same & (order == rank + 2), q, 0), axis=0)
     i3 = tl.sum(tl.where(same & (order == rank + 3), q, 0), axis=0)
-    i1 = tl.where(count > 1, i1, p)
-    i2 = tl.where(count > 2, i2, p)
-    i3 = tl.where(count > 3, i3, p)
-    return slot, lead, count, p, i1, i2, i3
+    return tl.where(count > 1, i1, p), tl.where(count > 2, i2, p), tl.where(count > 3, i3, p)
 
 
 @triton.jit

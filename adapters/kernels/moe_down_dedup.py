@@ -8,7 +8,7 @@ M pairs per program (PAIRS).
   h [T, K, I] float; slot_ids int32 [T, K] (-1 = skip); weights fp32 [T, K]; slots uint8 [S, R];
   y [T, K, H] fp32.
 Grid: (P, cdiv(H, BLOCK_N)), from shapes only; program (p, j) leads the chunk of p's segment starting at p
-(dedup_gemv.segment_chunk) or exits. A skipped pair's partial is left as it is (the caller's buffer: the
+(dedup_gemv.segment_lead) or exits. A skipped pair's partial is left as it is (the caller's buffer: the
 grouped path fills one over several calls) or, in a buffer this launcher allocates, zeroed by its own
 program (ZERO_SKIPPED: no separate memset). No host sync, no sort, no atomics: graph-capturable.
 NOTE: runs the per-pair kernel's tile (its autotuner's choice for the same key, read at every launch), so
@@ -25,11 +25,12 @@ from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import moe_down as per_pair
 from adapters.kernels.dedup_gemv import (
     MAX_DEDUP_PAIRS,
+    chunk_members,
     packed_gemv_multi,
     padded_pairs,
     pairs_per_program,
     per_pair_tile,
-    segment_chunk,
+    segment_lead,
 )
 from adapters.kernels.packed_gemv import check_pool, layout_consts, resolve_tiles
 
@@ -46,7 +47,7 @@ def _moe_down_dedup_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, w
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of y
     n_ok = n < H
-    slot, lead, count, i0, i1, i2, i3 = segment_chunk(slot_ids_ptr, p, P, PB, PAIRS)
+    slot, lead, count, rank = segment_lead(slot_ids_ptr, p, P, PB, PAIRS)
     tl.device_assert(slot < S, "slot id past the pool")
     if WORK:  # test hook: which programs stream weights
         tl.store(work_ptr + p * tl.num_programs(1) + tl.program_id(1), lead.to(tl.int32))
@@ -54,6 +55,8 @@ def _moe_down_dedup_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, w
         if slot < 0:
             tl.store(y_ptr + p.to(tl.int64) * H + n, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_ok)
     if lead:
+        i0 = p
+        i1, i2, i3 = chunk_members(slot_ids_ptr, p, slot, rank, count, P, PB)
         row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
         a0, a1, a2, a3 = packed_gemv_multi(row, h_ptr + i0.to(tl.int64) * I, h_ptr + i1.to(tl.int64) * I,
                                            h_ptr + i2.to(tl.int64) * I, h_ptr + i3.to(tl.int64) * I, count, n0,

@@ -6,7 +6,7 @@ Shape legend: T tokens, K top-k, P pairs (T * K), H hidden, I expert intermediat
 M pairs per program (PAIRS).
   x [T, H] float; slot_ids int32 [T, K] (-1 = skip); slots uint8 [S, R]; h [T, K, I] in x.dtype.
 Grid: (P, cdiv(I, BLOCK_N)), from shapes only; program (p, j) leads the chunk of p's segment starting at p
-(dedup_gemv.segment_chunk) or exits; a skipped pair's program writes its zero row. No host sync, no sort,
+(dedup_gemv.segment_lead) or exits; a skipped pair's program writes its zero row. No host sync, no sort,
 no atomics: graph-capturable, deterministic.
 NOTE: runs the per-pair kernel's tile (its autotuner's choice for the same key, read at every launch), so
 every pair's h is bitwise moe_gate_up's (dedup_gemv's NOTE says why that holds per member).
@@ -22,11 +22,12 @@ from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import moe_gate_up as per_pair
 from adapters.kernels.dedup_gemv import (
     MAX_DEDUP_PAIRS,
+    chunk_members,
     packed_gemv_multi,
     padded_pairs,
     pairs_per_program,
     per_pair_tile,
-    segment_chunk,
+    segment_lead,
 )
 from adapters.kernels.packed_gemv import check_pool, layout_consts, resolve_tiles
 
@@ -44,13 +45,15 @@ def _moe_gate_up_dedup_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, work_ptr, S
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of gate/up = columns of h
     n_ok = n < I
-    slot, lead, count, i0, i1, i2, i3 = segment_chunk(slot_ids_ptr, p, P, PB, PAIRS)
+    slot, lead, count, rank = segment_lead(slot_ids_ptr, p, P, PB, PAIRS)
     tl.device_assert(slot < S, "slot id past the pool")
     if WORK:  # test hook: which programs stream weights
         tl.store(work_ptr + p * tl.num_programs(1) + tl.program_id(1), lead.to(tl.int32))
     if slot < 0:
         tl.store(h_ptr + p.to(tl.int64) * I + n, tl.zeros([BLOCK_N], dtype=h_ptr.dtype.element_ty), mask=n_ok)
     if lead:
+        i0 = p
+        i1, i2, i3 = chunk_members(slot_ids_ptr, p, slot, rank, count, P, PB)
         row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
         x0 = x_ptr + (i0 // K).to(tl.int64) * H
         x1 = x_ptr + (i1 // K).to(tl.int64) * H
