@@ -65,7 +65,8 @@ for phase in "$@"; do
         tests/adapters/test_fast_executor_dedup.py 2>&1 | tail -8
       timeout 150 python3 scripts/bench_kernels.py --out "$OUT/dedup" --only dedup 2>&1 | tail -3
       timeout 200 python3 scripts/bench_decode.py --out "$OUT/decode_dedup" --synth-dir "$CKPT" --reuse \
-        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --dedup-min-pairs 1 2>&1 \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
+        --dedup-min-pairs 1 2>&1 \
         | grep -E "^resident|parity|Error" | cut -c1-300 ;;
     decode)
       for kernels in reference triton; do
