@@ -11,7 +11,7 @@
 #            does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB disk, and in
 #            /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory
 #   http     scripts/gpu_http_bench.sh with the Triton prefill (PREFILL_KERNELS=triton)
-#   dedup    the expert-deduplicated MoE GEMVs (ADR 0014, off by default): their GPU tests (bitwise the per-pair
+#   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
 #            1/4/8/16, random and local routing), then bench_decode.py resident bs1/4/16 with them on
 #            (--dedup-min-pairs 1; needs the checkpoint the decode phase made: run after it, same machine)
