@@ -279,7 +279,7 @@ def case(fmt, bn, bk, warps, stages):
     # the per-pair down kernel's parameters as they are (with or without its summing mode)
     names = set(moe_down._moe_down_kernel.arg_names)
     pp_dn = dict(p_dn, **{n: "*bf16" if n == "out_ptr" else "*fp32" for n in ("out_ptr", "y_ptr") if n in names})
-    pp_flags = {n: v for n, v in dict(SUM_PAIRS=False, MUL_RN=True).items() if n in names}
+    pp_flags = {n: v for n, v in dict(SUM_PAIRS=False, MUL_RN=True, WRITE_SKIPPED=False).items() if n in names}
     for name, a, b in (
         ("gate_up", (moe_gate_up._moe_gate_up_kernel, p_gu, ["S"], gu),
                     (moe_gate_up_dedup._moe_gate_up_dedup_kernel, dict(p_gu, work_ptr="*i32"), ["S", "P"],
