@@ -284,7 +284,7 @@ def dedup_points(tokens: list[int], dev: str = "cuda", timer=None, hidden: int =
                  experts: int = 256, hot: int = 24) -> list[dict]:
     """Per-pair GEMVs against the expert-deduplicated ones (moe_gate_up_dedup, moe_down_dedup: each distinct
     slot's weights streamed once for up to PAIRS of its pairs) at the decode row counts, with random and
-    local routing: device time of each kernel, of PAIRS 1/2/4, of the whole layer (fused_moe, dedup off/on),
+    local routing: device time of each kernel, of PAIRS 1..4, of the whole layer (fused_moe, dedup off/on),
     the distinct slots against the pairs, and whether the outputs are bitwise equal (they must be).
     Block FP8 at the Qwen3.6 shapes unless hidden/inter/experts say otherwise (a CPU test runs tiny shapes)."""
     from adapters.checkpoint.expert_layout import ExpertLayout
@@ -320,7 +320,7 @@ def dedup_points(tokens: list[int], dev: str = "cuda", timer=None, hidden: int =
             row["gate_up_us"] = timer(lambda x=x, ids=ids, h=h: moe_gate_up(x, ids, pool, layout, out=h))
             row["down_us"] = timer(lambda h=h, ids=ids, w=weights, y=y: moe_down(h, ids, w, pool, layout, partials=y))
             row["sum_us"] = timer(lambda y=y, out=out: moe_sum(y, out))
-            for pairs in (None, 1, 2, 4):
+            for pairs in (None, 1, 2, 3, 4):
                 tag = "" if pairs is None else f"_p{pairs}"
                 row[f"gate_up_dedup{tag}_us"] = timer(lambda x=x, ids=ids, h=h_dd, p=pairs: moe_gate_up_dedup(
                     x, ids, pool, layout, out=h, pairs=p))

@@ -25,7 +25,7 @@ def test_dedup_points_run_every_variant_and_check_the_bits(monkeypatch):
     rows = bench_kernels.dedup_points([2], dev="cpu", timer=timer, hidden=128, inter=32, experts=16, hot=9)
     assert [(r["routing"], r["tokens"]) for r in rows] == [("random", 2), ("local", 2)]
     assert all(r["bitwise_equal"] is True for r in rows)
-    assert len(calls) == len(rows) * (3 + 2 * 4 + 2)
+    assert len(calls) == len(rows) * (3 + 2 * 5 + 2)
     local = rows[-1]
     assert local["pairs"] == 18 and local["distinct_slots"] <= 10 and local["weight_bytes_ratio"] < 0.6
     assert {"gate_up_dedup_p4_us", "down_dedup_p1_us", "layer_dedup_us", "layer_us"} <= set(local)
