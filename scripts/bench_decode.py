@@ -243,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-kernels", default="reference", choices=("reference", "triton"),
                    help="as ft serve: triton also takes the tensor-core GEMM for the projections of decode "
                         "buckets from a few rows up (prefill_linear), reference keeps the GEMV")
+    p.add_argument("--dedup-min-pairs", type=int, default=None,
+                   help="MoE layers of this many routed pairs and more take the expert-deduplicated GEMVs "
+                        "(expert_pool.DEDUP_MIN_PAIRS; default: the module's, off)")
     args = p.parse_args(argv)
+    if args.dedup_min_pairs is not None:
+        from adapters.cuda_exec import expert_pool
+
+        expert_pool.DEDUP_MIN_PAIRS = args.dedup_min_pairs  # read by every pool built from here on
 
     from dataclasses import replace
 

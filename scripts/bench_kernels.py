@@ -2,7 +2,7 @@
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
-        [--variants scripts.scratch] [--only fusions]
+        [--variants scripts.scratch] [--only fusions|dedup]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -278,6 +278,74 @@ def route_lookup_points(rows: list[int], dev: str = "cuda", experts: int = 256, 
     return points
 
 
+def routing(kind: str, tokens: int, gen: torch.Generator, dev: str = "cuda", experts: int = 256,
+            hot: int = 24) -> torch.Tensor:
+    """int32 [T, TOP_K] slot ids of one layer: TOP_K - 1 distinct experts per token, from all `experts`
+    ("random": a random router) or from `hot` of them ("local": a trained router's repeats, most experts
+    picked by several tokens of a batch), then the resident shared expert (slot SLOTS - 1) in every row."""
+    pool = experts if kind == "random" else hot
+    slot_of = torch.randperm(SLOTS - 1, device=dev, generator=gen)[:experts]  # the layer's experts' slots
+    picks = torch.stack([torch.randperm(pool, device=dev, generator=gen)[:TOP_K - 1] for _ in range(tokens)])
+    shared = torch.full((tokens, 1), SLOTS - 1, device=dev, dtype=torch.int64)
+    return torch.cat((slot_of[picks], shared), 1).to(torch.int32)
+
+
+def dedup_points(tokens: list[int], dev: str = "cuda", timer=None, hidden: int = HIDDEN, inter: int = INTER,
+                 experts: int = 256, hot: int = 24) -> list[dict]:
+    """Per-pair GEMVs against the expert-deduplicated ones (moe_gate_up_dedup, moe_down_dedup: each distinct
+    slot's weights streamed once for up to PAIRS of its pairs) at the decode row counts, with random and
+    local routing: device time of each kernel, of PAIRS 1..4, of the whole layer (fused_moe, dedup off/on),
+    the distinct slots against the pairs, and whether the outputs are bitwise equal (they must be).
+    Block FP8 at the Qwen3.6 shapes unless hidden/inter/experts say otherwise (a CPU test runs tiny shapes)."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.kernels.fused_moe import fused_moe
+    from adapters.kernels.moe_down import moe_down
+    from adapters.kernels.moe_down_dedup import moe_down_dedup
+    from adapters.kernels.moe_gate_up import moe_gate_up
+    from adapters.kernels.moe_gate_up_dedup import moe_gate_up_dedup
+    from adapters.kernels.moe_sum import moe_sum
+    from domain.model_spec import WeightFormat
+
+    timer = timer or bench_us
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, hidden, inter, torch.bfloat16)
+    pool = random_pool(layout, dev)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    points = []
+    for kind in ("random", "local"):
+        for t in tokens:
+            x = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+            ids = routing(kind, t, gen, dev, experts, hot)
+            weights = torch.rand(t, TOP_K, device=dev, generator=gen)
+            distinct = int(torch.unique(ids).numel())
+            row = {"routing": kind, "tokens": t, "pairs": t * TOP_K, "distinct_slots": distinct,
+                   "weight_bytes_ratio": round(distinct / (t * TOP_K), 3)}
+            h = moe_gate_up(x, ids, pool, layout)  # autotunes the per-pair kernels (the dedup ones read them)
+            y = torch.zeros(t, TOP_K, hidden, device=dev)
+            moe_down(h, ids, weights, pool, layout, partials=y)
+            h_dd = moe_gate_up_dedup(x, ids, pool, layout)
+            y_dd = moe_down_dedup(h, ids, weights, pool, layout)
+            out = torch.empty_like(x)
+            row["bitwise_equal"] = bool(torch.equal(h, h_dd) and torch.equal(y, y_dd) and torch.equal(
+                fused_moe(x, ids, weights, pool, layout), fused_moe(x, ids, weights, pool, layout, dedup=True)))
+            row["gate_up_us"] = timer(lambda x=x, ids=ids, h=h: moe_gate_up(x, ids, pool, layout, out=h))
+            row["down_us"] = timer(lambda h=h, ids=ids, w=weights, y=y: moe_down(h, ids, w, pool, layout, partials=y))
+            row["sum_us"] = timer(lambda y=y, out=out: moe_sum(y, out))
+            for pairs in (None, 1, 2, 3, 4):
+                tag = "" if pairs is None else f"_p{pairs}"
+                row[f"gate_up_dedup{tag}_us"] = timer(lambda x=x, ids=ids, h=h_dd, p=pairs: moe_gate_up_dedup(
+                    x, ids, pool, layout, out=h, pairs=p))
+                row[f"down_dedup{tag}_us"] = timer(lambda h=h, ids=ids, w=weights, y=y_dd, p=pairs: moe_down_dedup(
+                    h, ids, w, pool, layout, partials=y, pairs=p))
+            row["layer_us"] = timer(lambda x=x, ids=ids, w=weights, out=out: fused_moe(x, ids, w, pool, layout,
+                                                                                       out=out))
+            row["layer_dedup_us"] = timer(lambda x=x, ids=ids, w=weights, out=out: fused_moe(
+                x, ids, w, pool, layout, out=out, dedup=True))
+            row = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+            points.append(row)
+            print(row, flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -285,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
-    p.add_argument("--only", choices=("fusions",), default=None,
-                   help="fusions: only the fused-vs-unfused decode kernels (about 20 s)")
+    p.add_argument("--only", choices=("fusions", "dedup"), default=None,
+                   help="fusions: only the fused-vs-unfused decode kernels (about 20 s); dedup: only the per-pair "
+                        "vs expert-deduplicated MoE GEMVs")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -297,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         moe_mods["v0"] = (v("moe_gate_up_v0"), v("moe_down_v0"))
         dense_mods["v0"] = v("dense_gemv_v0")
     record = {"kind": "bench_kernels", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "hardware": hardware_profile("cuda"), "args": vars(args), "fusions": fusion_points(args.tokens),
-              "route_lookup": route_lookup_points(args.route_rows)}
+              "hardware": hardware_profile("cuda"), "args": vars(args)}
+    if args.only in (None, "dedup"):
+        record["dedup"] = dedup_points(args.tokens if args.only is None else sorted({1, 4, 8, 16, *args.tokens}))
+    if args.only in (None, "fusions"):
+        record["fusions"] = fusion_points(args.tokens)
+        record["route_lookup"] = route_lookup_points(args.route_rows)
     if args.only is None:
         record.update(moe=moe_points(moe_mods, args.tokens), dense=dense_points(dense_mods),
                       crossover=crossover_points())

@@ -11,6 +11,10 @@
 #            does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB disk, and in
 #            /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory
 #   http     scripts/gpu_http_bench.sh with the Triton prefill (PREFILL_KERNELS=triton)
+#   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
+#            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
+#            1/4/8/16, random and local routing), then bench_decode.py resident bs1/4/16 with them on
+#            (--dedup-min-pairs 1; needs the checkpoint the decode phase made: run after it, same machine)
 # Usage: ./scripts/gpu_fast_path.sh tests kernels   (carry the serving wheels in .whl/ for http)
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
@@ -55,6 +59,15 @@ for phase in "$@"; do
       done
       grep -E "^(FAILED|ERROR) |Timeout" "$log" | cut -c1-300 ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -3 ;;
+    dedup)
+      timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
+        tests/adapters/test_kernels_moe_dedup.py tests/adapters/test_expert_pool_dedup.py \
+        tests/adapters/test_fast_executor_dedup.py 2>&1 | tail -8
+      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/dedup" --only dedup 2>&1 | tail -3
+      timeout 200 python3 scripts/bench_decode.py --out "$OUT/decode_dedup" --synth-dir "$CKPT" --reuse \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
+        --dedup-min-pairs 1 2>&1 \
+        | grep -E "^resident|parity|Error" | cut -c1-300 ;;
     decode)
       for kernels in reference triton; do
         timeout 270 python3 scripts/bench_decode.py --out "$OUT/decode_$kernels" --synth-dir "$CKPT" --reuse \

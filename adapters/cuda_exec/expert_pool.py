@@ -17,6 +17,7 @@ from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.expert_shard import ExpertShard
 from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
+from adapters.kernels.dedup_gemv import MAX_DEDUP_PAIRS
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
@@ -32,6 +33,14 @@ from adapters.kernels.residency_lookup import MAX_KEYS
 # 576 pairs 472 vs 418 us. Decode steps (at most MAX_KEYS pairs) always stay on the GEMVs.
 GEMV_MAX_PAIRS = 512
 assert GEMV_MAX_PAIRS >= MAX_KEYS
+# Calls of DEDUP_MIN_PAIRS..MAX_KEYS routed pairs (the decode buckets) take the expert-deduplicated GEMVs
+# (fused_moe dedup=True: each distinct slot's weights streamed once for up to 4 of the pairs routed to it,
+# bitwise the per-pair result); None: never. NOTE: None (off) until the H200 measures it against the
+# per-pair GEMVs (scripts/bench_kernels.py --only dedup); like GEMV_MAX_PAIRS the choice depends on the
+# pair count only, never on the pool size.
+DEDUP_MIN_PAIRS: int | None = None
+assert MAX_DEDUP_PAIRS >= MAX_KEYS * 2  # the shared expert's column adds at most one pair per routed top-k
+_POOL_DEFAULT = object()
 
 
 class DeviceExpertPool:
@@ -40,7 +49,7 @@ class DeviceExpertPool:
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
                  shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0,
-                 shard: ExpertShard | None = None):
+                 shard: ExpertShard | None = None, dedup_min_pairs: int | None | object = _POOL_DEFAULT):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
@@ -50,7 +59,9 @@ class DeviceExpertPool:
         (`streamed_step`) copies non-resident experts into; 0: prefill goes through the residency.
         shard: expert parallelism (ADR 0008): only the shard's rank's keys are looked up, copied and computed
         (every other pair gets slot -1, the shared expert is rank 0's), and every layer's fp32 partials are
-        all-reduced over the shard's group before the ordered sum; None: one GPU, every key."""
+        all-reduced over the shard's group before the ordered sum; None: one GPU, every key.
+        dedup_min_pairs: calls of this many routed pairs up to MAX_KEYS take the expert-deduplicated GEMVs
+        (None: never; default DEDUP_MIN_PAIRS, read when the pool is built)."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
@@ -73,6 +84,10 @@ class DeviceExpertPool:
         self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
         self.has_shared = shared_rows is not None
         self.grouped = grouped
+        self.dedup_min_pairs = DEDUP_MIN_PAIRS if dedup_min_pairs is _POOL_DEFAULT else dedup_min_pairs
+        if self.dedup_min_pairs is not None and (not isinstance(self.dedup_min_pairs, int)
+                                                 or isinstance(self.dedup_min_pairs, bool) or self.dedup_min_pairs < 1):
+            raise ValueError(f"dedup_min_pairs must be a positive int or None, got {self.dedup_min_pairs!r}")
         if shared_rows is not None:
             self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
         self.staging_slots, self.staging_base = staging_slots, num_slots + extra
@@ -165,16 +180,24 @@ class DeviceExpertPool:
         rows = x.shape[0]
         slot_ids = (torch.arange(rows * top_k, device=self.device) % self.num_slots).view(rows, top_k)
         weights = torch.full((rows, top_k + self.has_shared), 1.0 / top_k, device=self.device)
-        fused_moe(x, self._with_shared(0, slot_ids.to(torch.int32), self.has_shared), weights, self.all_slots,
-                  self.layout)
+        slot_ids = self._with_shared(0, slot_ids.to(torch.int32), self.has_shared)
+        fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
+        if self.dedups(rows * top_k):  # reads the per-pair tiles just tuned; compiles before any capture
+            fused_moe(x, slot_ids, weights, self.all_slots, self.layout, dedup=True)
+
+    def dedups(self, pairs: int) -> bool:
+        """Whether a call of `pairs` routed (token, top-k) pairs takes the expert-deduplicated GEMVs."""
+        return self.dedup_min_pairs is not None and self.dedup_min_pairs <= pairs <= MAX_KEYS
 
     def _experts(self, pairs: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
                  partials: torch.Tensor | None = None) -> torch.Tensor:
         """The fused MoE over all_slots: per-pair GEMVs for `pairs` (= T*K routed pairs) up to
         GEMV_MAX_PAIRS, grouped GEMMs above (bounding the distinct slots of a call by the layer's experts
-        plus the shared one, which keeps their block size, and so their bits, the same in every call)."""
+        plus the shared one, which keeps their block size, and so their bits, the same in every call); the
+        decode-sized calls `dedups` picks take the expert-deduplicated GEMVs (the per-pair GEMVs' bits)."""
         if pairs <= GEMV_MAX_PAIRS or not self.grouped:
-            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials)
+            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
+                             dedup=self.dedups(pairs))
         return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                            max_groups=self.bank.num_experts + 1)
 
