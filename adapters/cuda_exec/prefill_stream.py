@@ -147,32 +147,37 @@ class PrefillStream:
         self.speculate = speculate_whole_layers(pairs, experts)
         self.engine = pool.staging_copy == COPY_ENGINE
         self.of_layer: list[list[int]] = [[] for _ in range(layers)]
-        keys = torch.full((len(self.rounds), self.per_round), -1, dtype=torch.int64)  # [n, g]
-        dst = torch.full((len(self.rounds), self.per_round), -1, dtype=torch.int64)  # [n, g]
+        base = pool.staging_base
+        # NOTE: the tables are filled from flat lists in a few tensor ops, not per round: this runs on the
+        # host at the first streamed layer while the link waits for its first copy (~280 rounds at 20 %)
+        at_round, at_col, expert_of, key_of, row_to = [], [], [], [], []
+        for r, rnd in enumerate(self.rounds):
+            self.of_layer[rnd.layer].append(r)
+            n, first_row = len(rnd.experts), base + rnd.buffer * self.per_round
+            flat = [rnd.layer * experts + e for e in rnd.experts]
+            at_round += [r] * n
+            at_col += range(n)
+            expert_of += rnd.experts
+            key_of += flat
+            row_to += range(first_row, first_row + n)
+        keys = torch.full((len(self.rounds), self.per_round), -1, dtype=torch.int64)  # [n, g] flat keys
+        dst = torch.full((len(self.rounds), self.per_round), -1, dtype=torch.int64)  # [n, g] staging rows
         # per round, the slot each key of its layer is computed from in that round: experts 0..E-1 (a staging
         # row if the round copies it; in the layer's first round also a resident slot), key E the shared
         # expert (first round only), key E + 1 nothing (padding, another rank's pair); -1: not this round
         maps = torch.full((len(self.rounds), experts + 2), -1, dtype=torch.int32)  # [n, E + 2]
-        base = pool.staging_base
-        row_of_key = bank.row_of_key  # None: a whole bank, row = flat key
-        self.runs: list[tuple[tuple[int, int, int], ...]] = []  # per round: copy-engine runs (src, dst, rows)
-        for r, rnd in enumerate(self.rounds):
-            self.of_layer[rnd.layer].append(r)
-            n = len(rnd.experts)
-            flat = [rnd.layer * experts + e for e in rnd.experts]
-            first = base + rnd.buffer * self.per_round
-            self.runs.append(copy_runs(flat if row_of_key is None else [row_of_key[k] for k in flat],
-                                       range(first, first + n)))
-            if n:
-                ids = torch.tensor(rnd.experts, dtype=torch.int64)
-                rows = first + torch.arange(n, dtype=torch.int64)
-                keys[r, :n] = rnd.layer * experts + ids
-                dst[r, :n] = rows
-                maps[r, ids] = rows.to(torch.int32)
-            if rnd.first:
-                slot = torch.tensor(resident_host[rnd.layer], dtype=torch.int32)  # [E]
-                maps[r, :experts] = torch.where(slot >= 0, slot, maps[r, :experts])
-                maps[r, experts] = pool.shared_slot(rnd.layer) if pool.has_shared else -1
+        if at_round:
+            r_at, c_at = torch.tensor(at_round), torch.tensor(at_col)
+            keys[r_at, c_at] = torch.tensor(key_of)
+            dst[r_at, c_at] = torch.tensor(row_to)
+            maps[r_at, torch.tensor(expert_of)] = torch.tensor(row_to, dtype=torch.int32)
+        firsts = [r for r, rnd in enumerate(self.rounds) if rnd.first]  # one per layer, in layer order
+        first_layers = [self.rounds[r].layer for r in firsts]
+        slot = snapshot.host.view(layers, experts)[first_layers].to(torch.int32)  # [L, E] (host_rows waited for it)
+        at = torch.tensor(firsts)
+        maps[at, :experts] = torch.where(slot >= 0, slot, maps[at, :experts])
+        maps[at, experts] = torch.tensor([pool.shared_slot(l) if pool.has_shared else -1 for l in first_layers],
+                                         dtype=torch.int32)
         self.keys, self.dst, self.maps = _to_device(keys, dev), _to_device(dst, dev), _to_device(maps, dev)
         self.rows = pool.bank_rows(self.keys.view(-1)).view(self.keys.shape)  # [n, g] host bank rows
         self.ready = lane.mark()  # the tables above are on the device (what the gather kernel reads)
@@ -209,7 +214,7 @@ class PrefillStream:
         if not rnd.experts:
             self.copied[r] = None
         elif self.engine and not masked:
-            bank, slots, runs = self.pool.bank.rows, self.pool.all_slots, self.runs[r]
+            bank, slots, runs = self.pool.bank.rows, self.pool.all_slots, self._runs(r)
             self.copied[r] = self.lane.copy(RoundCopy(r, True, lambda: copy_engine_runs(bank, slots, runs)), waits)
         else:
             bank, slots, dst = self.pool.bank.rows, self.pool.all_slots, self.dst[r]
@@ -217,6 +222,15 @@ class PrefillStream:
             self.copied[r] = self.lane.copy(RoundCopy(r, False, lambda: gather_rows(bank, slots, src, dst)), waits,
                                             keep)
         self.holds[rnd.buffer] = r
+
+    def _runs(self, r: int) -> tuple[tuple[int, int, int], ...]:
+        """Round r's copy-engine runs (first bank row, first staging row, rows); computed when the round is
+        issued, so the host spends it while the device is busy rather than at the step's first layer."""
+        rnd, row_of_key = self.rounds[r], self.pool.bank.row_of_key  # None: a whole bank, row = flat key
+        flat = [rnd.layer * self.experts + e for e in rnd.experts]
+        first = self.pool.staging_base + rnd.buffer * self.per_round
+        return copy_runs(flat if row_of_key is None else [row_of_key[k] for k in flat],
+                         range(first, first + len(flat)))
 
     def _issue_ahead(self, r: int, layer: int, routed: torch.Tensor) -> None:
         """After round r's compute freed its half: queue the round that next uses that half (r + buffers)
