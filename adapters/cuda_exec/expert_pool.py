@@ -140,9 +140,13 @@ class DeviceExpertPool:
         gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
 
     def _fetch(self, keys: torch.Tensor) -> None:
-        """Look up flat keys (request order, -1 = padding) and gather the misses into their slots."""
+        """Look up flat keys of one layer (request order, -1 = padding) and gather the misses into their slots.
+        NOTE: the lookup lists its fills first, and a layer has at most `_layer_keys` distinct keys, so only
+        that many entries can be fills: the gather launches over those, not over all T*K keys (48 programs
+        per entry; at 4k tokens 1.57 M programs a layer that read -1 and exit, ~1 ms a layer on the H200)."""
         found = self.residency.lookup_flat(keys, pin=False)
-        self._gather(found.fill_keys, found.fill_slots)
+        bound = min(found.fill_keys.shape[0], self._layer_keys)
+        self._gather(found.fill_keys[:bound], found.fill_slots[:bound])
 
     def _slot_ids(self, flat: torch.Tensor, shape) -> torch.Tensor:
         sink = self.residency.slot_of_key.shape[0] - 1
