@@ -14,8 +14,10 @@ are known on the host (a layer's first round, or every round of a long chunk) go
 GEMMs and the next layer's mixer run at full speed beside it. A round masked by its layer's routing
 (short chunks) keeps the UVA gather kernel, which reads its keys on the device (no host sync). The
 gather kernel occupies most of the GPU's thread slots for the whole copy (a 33-expert round launches
-1,584 programs that each wait on PCIe reads), which starved the compute stream's kernels on the H200: the
-streamed 4k prefill took copy time + compute time (docs/bench/2026-12-01-bench-prefill-h200-run2.json).
+1,584 programs that each wait on PCIe reads); with it for every round the streamed 4k prefill on the H200
+took copy time + compute time (docs/bench/2026-12-01-bench-prefill-h200-run2.json), its compute-stream
+kernels stretched by about the copy time: our reading is that they starved for SMs (to be confirmed by
+the copy-engine run's timeline).
 
 Shape legend: L layers, E experts per layer, T tokens, K top-k, G staging rows, g rows per round,
 n rounds of the step; a flat key is layer * E + expert (the host bank's row).
