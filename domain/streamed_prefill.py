@@ -99,3 +99,22 @@ def pcie_bound_s(bytes_not_resident: int, link_bytes_per_s: float = LINK_BYTES_P
     if bytes_not_resident < 0 or link_bytes_per_s <= 0:
         raise ValueError(f"bytes {bytes_not_resident} must be >= 0 and link rate {link_bytes_per_s} > 0")
     return bytes_not_resident / link_bytes_per_s
+
+
+def copy_runs(src_rows: Sequence[int], dst_rows: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """The copies of one staging round as (first source row, first destination row, rows) runs: each run
+    moves consecutive source rows to consecutive destination rows, so a round costs one copy-engine call per
+    run instead of one per expert (a layer's missing experts are often consecutive bank rows). The pairs are
+    taken in order; a run breaks wherever either side is not the previous row + 1.
+    Raises ValueError when the sequences differ in length or hold a negative row."""
+    if len(src_rows) != len(dst_rows):
+        raise ValueError(f"{len(src_rows)} source rows for {len(dst_rows)} destination rows")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_rows, dst_rows, strict=True):
+        if s < 0 or d < 0:
+            raise ValueError(f"rows must be >= 0, got source {s}, destination {d}")
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return tuple(runs)

@@ -6,7 +6,8 @@ of one prefill by component (PCIe, MoE, GDN, attention, dense projections); one 
 hardware profile (docs/adr/0010-streamed-prefill.md).
 
     python scripts/bench_prefill.py --out $OUT [--prompts 4096,8192,32768] [--scenarios resident,slots,lru]
-        [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--format fp8_block] [--layers N]
+        [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--staging-copy engine|kernel]
+        [--format fp8_block] [--layers N]
 
 Scenarios: `resident` holds every expert (preloaded; nothing streams); `slots` holds --moe-slots experts
 (preloaded evenly over the layers: a warm cache at that residency) with --staging rows; `lru` the same
@@ -89,9 +90,75 @@ def prefill_once(ex, spec, length: int, chunk: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def profile_prefill(ex, spec, length: int, chunk: int, slots: int) -> dict:
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the overlap of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_overlap(activities) -> dict:
+    """How much of a prefill's device time copies and computes at once, from its device activities
+    (name, start µs, duration µs, stream): copies are the `pcie` component (gather kernel, memcpy HtoD),
+    compute is every other kernel. copy_busy_ms / compute_busy_ms: time with at least one of the kind
+    running (union of intervals); overlap_ms: both at once; span_ms: first start to last end;
+    link_idle_ms: span - copy_busy (what a PCIe-bound prefill should drive to ~0); serial_ms: copy_busy +
+    compute_busy - overlap (the span if nothing else idles the GPU). Streams: the stream ids each kind ran on
+    (copies on the compute stream would show here)."""
+    copy, compute, streams = [], [], {"copy": set(), "compute": set()}
+    for name, start, dur, stream in activities:
+        kind = "copy" if component(name) == "pcie" else "compute"
+        (copy if kind == "copy" else compute).append((start, start + dur))
+        streams[kind].add(stream)
+    if not copy and not compute:
+        return {}
+    copy_u, compute_u = _union(copy), _union(compute)
+    both = _intersection(copy_u, compute_u)
+    first = min(s for s, _ in copy + compute)
+    last = max(e for _, e in copy + compute)
+    out = {"copy_busy_ms": _length(copy_u) / 1e3, "compute_busy_ms": _length(compute_u) / 1e3,
+           "overlap_ms": both / 1e3, "span_ms": (last - first) / 1e3}
+    out["link_idle_ms"] = out["span_ms"] - out["copy_busy_ms"]
+    out["serial_ms"] = out["copy_busy_ms"] + out["compute_busy_ms"] - out["overlap_ms"]
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["copy_streams"], out["compute_streams"] = sorted(streams["copy"]), sorted(streams["compute"])
+    return out
+
+
+def trace_activities(trace: dict):
+    """(name, start µs, duration µs, stream) of every kernel and memcpy in a torch.profiler chrome trace."""
+    for evt in trace.get("traceEvents", []):
+        if evt.get("ph") == "X" and evt.get("cat") in ("kernel", "gpu_memcpy"):
+            yield evt.get("name", ""), float(evt["ts"]), float(evt.get("dur", 0.0)), evt.get("args", {}).get("stream")
+
+
+def profile_prefill(ex, spec, length: int, chunk: int, slots: int, trace_path: Path | None = None) -> dict:
     """Device time by component of one prefill (CUDA only): copies on the side stream overlap compute, so
-    the components add up to more than the wall time when streaming hides the link."""
+    the components add up to more than the wall time when streaming hides the link. `timeline` measures
+    that overlap from the trace (timeline_overlap); trace_path: where the gzipped chrome trace is kept."""
+    import gzip
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     preload(ex, slots)
@@ -100,8 +167,21 @@ def profile_prefill(ex, spec, length: int, chunk: int, slots: int) -> dict:
     by: dict[str, float] = {}
     for key, dev_us, _ in device_kernels(prof):
         by[component(key)] = by.get(component(key), 0.0) + dev_us / 1000.0
-    return {"prompt_tokens": length, "wall_ms": round(wall * 1e3, 3),
-            "device_ms_by_component": {k: round(v, 3) for k, v in sorted(by.items())}}
+    result = {"prompt_tokens": length, "wall_ms": round(wall * 1e3, 3),
+              "device_ms_by_component": {k: round(v, 3) for k, v in sorted(by.items())}}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            text = raw.read_text()
+        result["timeline"] = timeline_overlap(trace_activities(json.loads(text)))
+        if trace_path is not None:
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            trace_path.write_bytes(gzip.compress(text.encode()))
+            result["trace"] = trace_path.name
+    except Exception:  # the component sums above stand without the timeline
+        result["timeline_error"] = traceback.format_exc()[-2000:]
+    return result
 
 
 def scenario_plan(args, spec, name: str, budget):
@@ -140,6 +220,7 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
     ex = CudaGraphExecutor(ckpt, plan, args.device, dtype, max_decode_rows=1,
                            prefill_kernels=args.prefill_kernels == "triton")
     ex.link_bytes_per_s = link_bytes_per_s
+    ex.experts.staging_copy = args.staging_copy
     if args.device.startswith("cuda"):  # warm-up: compiles and autotunes the prefill kernels once
         preload(ex, plan.expert_slots)
         prefill_once(ex, spec, min(args.prompts[0], args.chunk), args.chunk, seed=0)
@@ -176,12 +257,31 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
         print(name, length, {k: v for k, v in point.items() if k != "traceback"}, flush=True)
     if args.device.startswith("cuda") and args.profile_tokens:
         try:
-            scen["profile"] = profile_prefill(ex, spec, args.profile_tokens, args.chunk, plan.expert_slots)
+            scen["profile"] = profile_prefill(ex, spec, args.profile_tokens, args.chunk, plan.expert_slots,
+                                              Path(args.out) / f"prefill_trace_{name}.json.gz")
         except Exception:
             scen["profile_error"] = traceback.format_exc()[-3000:]
     del ex
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def overlap_floors(record: dict) -> None:
+    """For each streamed point whose prompt the `resident` scenario also ran: floor_s = max(PCIe bound,
+    resident TTFT), what perfect overlap of copies and compute could reach (the compute of a streamed prefill
+    is at least the resident one's), its ratio to the bound, and whether the 1.2 x target is reachable
+    without faster compute (docs/prefill-kernels.md, "Overlap of copies and compute")."""
+    resident = record["scenarios"].get("resident", {}).get("prompts", {})
+    for name, scen in record["scenarios"].items():
+        for length, point in scen.get("prompts", {}).items():
+            base, bound = resident.get(length, {}).get("ttft_s"), point.get("pcie_bound_s")
+            if name == "resident" or not base or not bound:
+                continue
+            floor = max(bound, base)
+            point["overlap_floor_s"] = round(floor, 4)
+            point["floor_over_bound"] = round(floor / bound, 3)
+            point["ttft_over_floor"] = round(point["ttft_s"] / floor, 3)
+            point["target_reachable"] = base <= TARGET_RATIO * bound
 
 
 def _save(args, record: dict) -> None:
@@ -208,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gpu-budget-gib", type=float, default=24.0, help="the `budget` scenario's card")
     p.add_argument("--fixed-gib", type=float, default=1.0, help="the `budget` scenario's non-pool memory")
     p.add_argument("--staging", default="auto", help="staging rows of the `slots` scenario, or auto")
+    p.add_argument("--staging-copy", default="engine", choices=("engine", "kernel"),
+                   help="how staging rounds known on the host are copied: copy engine (no SM) or UVA gather kernel")
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step (--max-prefill-length)")
     p.add_argument("--prefill-kernels", default="triton", choices=("triton", "reference"),
                    help="the token mixers' prefill (the MoE streams either way)")
@@ -248,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
                 record["scenarios"].setdefault(name, {})["error"] = traceback.format_exc()[-3000:]
                 print("scenario failed:", name, exc, flush=True)
             _save(args, record)
+        overlap_floors(record)
     except Exception:
         record["error"] = traceback.format_exc()[-3000:]
     _save(args, record)

@@ -16,11 +16,20 @@ import torch
 from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.expert_shard import ExpertShard
-from adapters.cuda_exec.prefill_stream import CopyLane, PrefillStream
+from adapters.cuda_exec.prefill_stream import (
+    COPY_ENGINE,
+    GATHER_KERNEL,
+    CopyLane,
+    PrefillStream,
+    ResidencySnapshot,
+)
 from adapters.kernels.dedup_gemv import MAX_DEDUP_PAIRS
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
+from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m
+from adapters.kernels.moe_grouped_down import moe_grouped_down
+from adapters.kernels.moe_grouped_gate_up import moe_grouped_gate_up
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
 from adapters.kernels.moe_route_lookup import pays as route_lookup_pays
 from adapters.kernels.moe_sum import moe_sum
@@ -49,7 +58,8 @@ class DeviceExpertPool:
 
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
                  shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0,
-                 shard: ExpertShard | None = None, dedup_min_pairs: int | None | object = _POOL_DEFAULT):
+                 shard: ExpertShard | None = None, dedup_min_pairs: int | None | object = _POOL_DEFAULT,
+                 staging_copy: str = COPY_ENGINE):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
@@ -61,11 +71,16 @@ class DeviceExpertPool:
         (every other pair gets slot -1, the shared expert is rank 0's), and every layer's fp32 partials are
         all-reduced over the shard's group before the ordered sum; None: one GPU, every key.
         dedup_min_pairs: calls of this many routed pairs up to MAX_KEYS take the expert-deduplicated GEMVs
-        (None: never; default DEDUP_MIN_PAIRS, read when the pool is built)."""
+        (None: never; default DEDUP_MIN_PAIRS, read when the pool is built).
+        staging_copy: how a streamed round whose experts the host knows is copied: "engine" (copy-engine
+        memcpys, no SM; the default) or "kernel" (the UVA gather kernel, as rounds masked by routing always
+        are); an attribute a benchmark may change between steps."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
             raise ValueError(f"staging_slots must be a non-negative int, got {staging_slots!r}")
+        if staging_copy not in (COPY_ENGINE, GATHER_KERNEL):
+            raise ValueError(f"staging_copy must be {COPY_ENGINE!r} or {GATHER_KERNEL!r}, got {staging_copy!r}")
         if bank.rows is None:
             raise ValueError("the fast path gathers misses from the host bank's rows; a memory-mapped bank "
                              "(--mmap-experts) has none: use the reference executor")
@@ -109,8 +124,11 @@ class DeviceExpertPool:
                                          owner=None if shard is None else shard.owner_of_key,
                                          rank=0 if shard is None else shard.rank)
         self._lane = CopyLane(self.device) if staging_slots else None
+        self.staging_copy = staging_copy
         self._step_open = False
         self._stream: PrefillStream | None = None
+        self._snapshot: ResidencySnapshot | None = None
+        self._snapshot_host: torch.Tensor | None = None  # pinned int64 [L*E], reused by every step
         # streamed-prefill totals: routed (layer, expert)s not resident, rows copied by masked rounds (device);
         # rows copied by unmasked rounds, streamed steps and layer calls (host)
         self._streamed = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -139,9 +157,13 @@ class DeviceExpertPool:
         gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
 
     def _fetch(self, keys: torch.Tensor) -> None:
-        """Look up flat keys (request order, -1 = padding) and gather the misses into their slots."""
+        """Look up flat keys of one layer (request order, -1 = padding) and gather the misses into their slots.
+        NOTE: the lookup lists its fills first, and a layer has at most `_layer_keys` distinct keys, so only
+        that many entries can be fills: the gather launches over those, not over all T*K keys (48 programs
+        per entry; at 4k tokens 1.57 M programs a layer that read -1 and exit, ~1 ms a layer on the H200)."""
         found = self.residency.lookup_flat(keys, pin=False)
-        self._gather(found.fill_keys, found.fill_slots)
+        bound = min(found.fill_keys.shape[0], self._layer_keys)
+        self._gather(found.fill_keys[:bound], found.fill_slots[:bound])
 
     def _slot_ids(self, flat: torch.Tensor, shape) -> torch.Tensor:
         sink = self.residency.slot_of_key.shape[0] - 1
@@ -201,6 +223,28 @@ class DeviceExpertPool:
         return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                            max_groups=self.bank.num_experts + 1)
 
+    def takes_grouped(self, pairs: int) -> bool:
+        """Whether a call of `pairs` (= T*K routed pairs) runs the grouped GEMMs (else the per-pair GEMVs)."""
+        return pairs > GEMV_MAX_PAIRS and self.grouped
+
+    def align_by_expert(self, keys: torch.Tensor) -> Alignment:
+        """The grouped GEMMs' alignment of one layer's pairs by expert: keys int64 [T, K'] in 0..E+1 (E: the
+        shared expert, E + 1: skipped). Its block_slots hold expert keys; a caller maps them to slots
+        (-1: skip the block) before grouped_round. Same BLOCK_M and bound as `_experts` (T*K', E + 1
+        groups), so each pair lands in a block of the same rows as there: the same bits."""
+        groups = self.bank.num_experts + 1
+        ids = torch.where(keys < groups, keys, -1).to(torch.int32)  # [T, K']
+        return align_by_slot(ids, groups, choose_block_m(keys.numel(), groups), groups)
+
+    def grouped_round(self, x: torch.Tensor, align: Alignment, weights: torch.Tensor, partials: torch.Tensor,
+                      h: torch.Tensor | None = None) -> torch.Tensor:
+        """The grouped GEMMs over all_slots for the blocks of `align` whose slot is not -1, into partials fp32
+        [T, K', H] (weights fp32 [T, K']); h: the gate/up scratch [P, I] of an earlier call with the same
+        pairs (reused; only live blocks' rows are written and read). Returns h."""
+        h = moe_grouped_gate_up(x, align, weights.shape[1], self.all_slots, self.layout, out=h)
+        moe_grouped_down(h, align, weights.contiguous(), self.all_slots, self.layout, partials)
+        return h
+
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K(+1)], ids [T, K];
@@ -226,6 +270,7 @@ class DeviceExpertPool:
             # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
             fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
                 layer, ids, valid, self.shared_slot(layer) if shared else None)
+            self._snapshot = None  # the residency moved: a later streamed call of the step snapshots it again
             self._gather(fill_keys, fill_slots)
             return self._moe_out(ids.numel(), x, slot_ids, weights)
         if self._step_open and self.staging_slots:
@@ -283,6 +328,7 @@ class DeviceExpertPool:
             raise ValueError("this pool holds no shared experts")
         if valid is None:
             valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        self._snapshot = None  # as in routed: the lookup below changes the residency
         weights, slot_ids, fill_keys, fill_slots = self.residency.route_layer(
             layer, logits, x, top_k, renormalize, gate_weight, valid,
             None if gate_weight is None else self.shared_slot(layer))
@@ -294,15 +340,20 @@ class DeviceExpertPool:
     def streamed_step(self):
         """Open one step whose prefill-sized layer calls (those that do not take the one-launch decode
         lookup) stream their non-resident experts through the staging rows; a no-op without staging.
-        Layers must come in ascending order with the same rows (as a forward pass calls them); the
-        residency must not change inside the step (nothing but the one-launch lookup changes it)."""
+        Layers must come in ascending order with the same rows (as a forward pass calls them). The
+        residency's table is snapshotted as the step opens (copied to the host asynchronously); a one-launch
+        lookup inside the step (the only thing that changes the residency) makes the next streamed call
+        snapshot it again."""
         if self._step_open:
             raise RuntimeError("a streamed step is already open")
         self._step_open = True
+        if self.staging_slots:
+            self._snapshot = self._take_snapshot()
         try:
             yield self
         finally:
             self._step_open = False
+            self._snapshot = None
             stream, self._stream = self._stream, None
             if stream is not None:
                 stream.finish()
@@ -310,10 +361,27 @@ class DeviceExpertPool:
                 self._staged_unmasked += stream.staged_rows
                 self._streamed_steps += 1
 
+    def _take_snapshot(self) -> ResidencySnapshot:
+        """The residency's table as the step opens, copied to the host without a host sync (pinned memory,
+        an event): the first streamed layer waits only for this copy, which the device reaches before the
+        step's own kernels, instead of for every kernel queued up to that layer (the old `.tolist()`)."""
+        keys = self.bank.num_layers * self.bank.num_experts
+        table = self.residency.slot_of_key[:keys].clone()  # [L*E] on the device
+        if self.device.type != "cuda":
+            return ResidencySnapshot(table, table, None, None)
+        if self._snapshot_host is None:
+            self._snapshot_host = torch.empty(keys, dtype=table.dtype, pin_memory=True)
+        self._snapshot_host.copy_(table, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return ResidencySnapshot(table, self._snapshot_host, copied, copied)
+
     def _routed_streamed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                          valid: torch.Tensor | None, shared: bool) -> torch.Tensor:
         if self._stream is None:
-            self._stream = PrefillStream(self, self._lane, ids.numel())
+            if self._snapshot is None:
+                self._snapshot = self._take_snapshot()
+            self._stream = PrefillStream(self, self._lane, ids.numel(), self._snapshot)
         # NOTE: as the grouped path, every call fills its pairs' partials and one ordered sum ends the
         # layer, so staging in rounds gives the bits of the one-launch path at any S and G
         partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)

@@ -43,3 +43,38 @@ def test_bench_prefill_records_ttft_bounds_and_cache_effects_at_tiny_scale(tmp_p
     assert streamed["bytes_staged"] >= streamed["bytes_not_resident"]
     # the LRU path moves at least what the streamed one needed (it also re-misses what it evicts)
     assert evicting["lru_miss_bytes"] >= streamed["bytes_not_resident"]
+
+
+def test_timeline_overlap_separates_copy_compute_and_their_overlap():
+    import bench_prefill
+
+    # copies on stream 9: [0, 10) and [20, 30) µs; compute on stream 7: [5, 25) (a GEMM) and [40, 50)
+    acts = [("_gather_rows_kernel", 0.0, 10.0, 9), ("Memcpy HtoD (Pinned -> Device)", 20.0, 10.0, 9),
+            ("_moe_grouped_gate_up_kernel", 5.0, 20.0, 7), ("_gdn_chunk_scan_kernel", 40.0, 10.0, 7)]
+    got = bench_prefill.timeline_overlap(acts)
+    assert got["copy_busy_ms"] == pytest.approx(0.020) and got["compute_busy_ms"] == pytest.approx(0.030)
+    assert got["overlap_ms"] == pytest.approx(0.010) and got["span_ms"] == pytest.approx(0.050)
+    assert got["link_idle_ms"] == pytest.approx(0.030) and got["serial_ms"] == pytest.approx(0.040)
+    assert got["copy_streams"] == [9] and got["compute_streams"] == [7]
+    assert bench_prefill.timeline_overlap([]) == {}
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1.0, "dur": 2.0, "args": {"stream": 7}},
+                             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 9.0},
+                             {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 3.0, "dur": 1.0,
+                              "args": {"stream": 9}}]}
+    assert list(bench_prefill.trace_activities(trace)) == [("k", 1.0, 2.0, 7), ("Memcpy HtoD", 3.0, 1.0, 9)]
+
+
+def test_overlap_floor_is_the_larger_of_the_bound_and_the_resident_prefill():
+    import bench_prefill
+
+    record = {"scenarios": {"resident": {"prompts": {"4096": {"ttft_s": 0.312}, "8192": {"ttft_s": 0.589}}},
+                            "slots": {"prompts": {"4096": {"ttft_s": 0.808, "pcie_bound_s": 0.467},
+                                                  "8192": {"ttft_s": 0.992, "pcie_bound_s": 0.467}}}}}
+    bench_prefill.overlap_floors(record)
+    four, eight = record["scenarios"]["slots"]["prompts"]["4096"], record["scenarios"]["slots"]["prompts"]["8192"]
+    assert four["overlap_floor_s"] == 0.467 and four["target_reachable"] is True
+    assert four["ttft_over_floor"] == pytest.approx(0.808 / 0.467, abs=1e-3)
+    # an 8k chunk computes longer than its experts take to copy: 1.2 x the bound is below resident compute
+    assert eight["overlap_floor_s"] == 0.589 and eight["target_reachable"] is False
+    assert eight["floor_over_bound"] == pytest.approx(1.261, abs=1e-3)
+    assert "overlap_floor_s" not in record["scenarios"]["resident"]["prompts"]["4096"]

@@ -54,3 +54,34 @@ def test_every_lookup_path_matches_the_domain_and_each_other():
     for a, b in zip(outs[L * E], outs[tokens * K // 2], strict=True):
         assert torch.equal(a, b)  # bitwise: the grouped path sums partials in the same order
     assert torch.allclose(small, outs[L * E][0][:2], rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefill_lookup_gathers_over_at_most_a_layers_experts_not_every_key(monkeypatch):
+    """The sort-based lookup lists its fills first; a layer has at most E distinct keys, so the gather is
+    launched over E entries, not T*K (whose 48 programs per entry cost ~1 ms a layer at 4k tokens on the
+    H200), and still brings in every miss: the output is the one the pool gives when every expert is
+    already resident."""
+    import adapters.cuda_exec.expert_pool as expert_pool
+
+    launched: list[int] = []
+    real = expert_pool.gather_rows
+
+    def spy(bank_rows, slots, keys, dst):
+        launched.append(keys.shape[0])
+        return real(bank_rows, slots, keys, dst)
+
+    monkeypatch.setattr(expert_pool, "gather_rows", spy)
+    bank = _bank()
+    gen = torch.Generator().manual_seed(3)
+    tokens = 2 * E // K + 3  # T*K > E keys, every expert of the layer routed at least once
+    x = torch.randn(tokens, H, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+    ids[: E // K] = torch.arange(E).view(E // K, K)
+    ids = ids.to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1).to(DEVICE)
+    pool = DeviceExpertPool(bank, L * E, DEVICE)  # T*K > MAX_KEYS and a layer's E keys fit: the sort path
+    got = pool.routed(1, x, weights, ids)
+    assert launched == [E] and pool.misses == E  # every expert of the layer missed, gathered by one launch
+    again = pool.routed(1, x, weights, ids)  # now all resident: no fill, the same experts
+    assert pool.misses == E and torch.equal(got, again)
+    pool.check_valid()

@@ -106,8 +106,13 @@ def test_two_ranks_sum_to_the_one_gpu_output_bitwise_and_keep_only_their_keys(ba
         copied.extend(k for k in keys.tolist() if k >= 0)
         return real_gather(bank_rows, slots, keys, dst)
 
-    real_gather = stream.gather_rows
+    def spy_engine(bank_rows, slots, runs):  # the copy engine's runs of rows (rounds known on the host)
+        copied.extend(s + i for s, _, n in runs for i in range(n))
+        return real_engine(bank_rows, slots, runs)
+
+    real_gather, real_engine = stream.gather_rows, stream.copy_engine_runs
     monkeypatch.setattr(stream, "gather_rows", spy)
+    monkeypatch.setattr(stream, "copy_engine_runs", spy_engine)
     one = DeviceExpertPool(bank, one_slots, DEVICE, shared_rows=shared)
     sent: list = []
     # each rank gathers from a bank of its own keys only (row = the key's place among them)

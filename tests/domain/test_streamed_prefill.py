@@ -12,6 +12,7 @@ from domain.model_spec import qwen36_35b_a3b
 from domain.resize import ResizePlan, plan_resize
 from domain.streamed_prefill import (
     LINK_BYTES_PER_S,
+    copy_runs,
     default_staging_experts,
     pcie_bound_s,
     plan_rounds,
@@ -137,3 +138,22 @@ def test_staging_rows_are_honoured_exactly_and_never_over_budget(case, staging):
     assert plan.used_bytes <= pool
     bare = plan_pools(spec, pool_budget(pool), dataclasses.replace(request, staging_experts=0))
     assert plan.expert_slots <= bare.expert_slots and plan.kv_tokens <= bare.kv_tokens
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), max_size=20))
+def test_copy_runs_move_exactly_the_pairs_in_order_and_merge_only_consecutive_rows(pairs):
+    runs = copy_runs([s for s, _ in pairs], [d for _, d in pairs])
+    assert [(s + i, d + i) for s, d, n in runs for i in range(n)] == pairs  # every pair, in order, once
+    assert all(n >= 1 for _, _, n in runs)
+    for (s0, d0, n0), (s1, d1, _) in zip(runs, runs[1:], strict=False):  # maximal: breaks only where it must
+        assert (s1, d1) != (s0 + n0, d0 + n0)
+
+
+def test_copy_runs_of_a_layers_consecutive_missing_experts_are_one_copy():
+    # a warm cache holding each layer's first experts: the rest are consecutive bank rows -> one memcpy
+    assert copy_runs(range(51 + 256, 84 + 256), range(2100, 2133)) == ((307, 2100, 33),)
+    assert copy_runs([5, 6, 9], [0, 1, 2]) == ((5, 0, 2), (9, 2, 1))
+    with pytest.raises(ValueError, match="source rows"):
+        copy_runs([1], [])
+    with pytest.raises(ValueError, match=">= 0"):
+        copy_runs([-1], [0])
