@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.packed_gemv import _e2m1, _e8m0, _group_scaled
+from adapters.kernels.packed_gemv import load_tile, load_x, row_scale, term
 
 MAX_PAIRS = 4  # accumulators per program (registers: PAIRS x BLOCK_N x BLOCK_K fp32)
 MAX_DEDUP_PAIRS = 1024  # pairs of one call: the segment logic holds every slot id in one program's registers
@@ -63,44 +63,6 @@ def chunk_members(slot_ids_ptr, p, slot, rank, count, P, PB: tl.constexpr):
 
 
 @triton.jit
-def _load_x(x_ptr, k0, kk, COLS: tl.constexpr, EVEN: tl.constexpr):
-    if EVEN:
-        x = tl.load(x_ptr + k0 + kk).to(tl.float32)  # [BK]
-    else:
-        x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < COLS, other=0.0).to(tl.float32)  # [BK]
-    return x
-
-
-@triton.jit
-def _term(w, x, s, FMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          GROUP: tl.constexpr):
-    """What packed_gemv adds to its accumulator for one K step: w [N, BK] fp32, x [BK], s the step's scales
-    ([BK] when FOLD, [N, BK/G] for group-scaled formats, unused otherwise)."""
-    if FMT == 5 or FMT == 6:
-        t = _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
-    elif FMT == 1:
-        if FOLD:
-            t = w * (x * s)[None, :]
-        else:
-            t = _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
-    else:
-        t = w * x[None, :]
-    return t
-
-
-@triton.jit
-def _row_scale(acc, row_ptr, n, n_ok, SCALE: tl.constexpr, GSCALE: tl.constexpr, FMT: tl.constexpr):
-    """packed_gemv's epilogue: the scales constant along a row, applied once after the reduction."""
-    if FMT == 2:
-        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
-    elif FMT == 3 or FMT == 4:
-        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
-    elif FMT == 5:
-        acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
-    return acc
-
-
-@triton.jit
 def packed_gemv_multi(row_ptr, x0_ptr, x1_ptr, x2_ptr, x3_ptr, count, n0,
                       ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
                       GSCALE: tl.constexpr, W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
@@ -119,61 +81,30 @@ def packed_gemv_multi(row_ptr, x0_ptr, x1_ptr, x2_ptr, x3_ptr, count, n0,
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, COLS, BLOCK_K):
-        k_ok = k0 + kk < COLS
-        # the tile and its scales, as packed_gemv loads them
-        if FMT == 5 or FMT == 6:
-            jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
-            b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
-            b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
-            w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
-            s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
-            s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
-            if FMT == 5:
-                s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
-                s = tl.where(s_ok, s.to(tl.float32), 0.0)
-            else:
-                s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
-                s = tl.where(s_ok, s, 0.0)
-        else:
-            w_ptrs = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :]
-            if EVEN:
-                w = tl.load(w_ptrs).to(tl.float32)  # [N, BK]
-            else:
-                w_ok = n_ok[:, None] & k_ok[None, :]
-                w = tl.where(w_ok, tl.load(w_ptrs, mask=w_ok).to(tl.float32), 0.0)  # [N, BK]
-            if FMT == 1:
-                KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
-                scales = (row_ptr + SCALE).to(tl.pointer_type(tl.float32))
-                if FOLD:  # the tile lies in one scale row: packed_gemv scales x, not the products
-                    s = tl.load(scales + (n0 // GROUP) * KB + (k0 + kk) // GROUP)  # [BK]
-                else:
-                    s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
-                    s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
-                    s = tl.load(scales + s_off, mask=s_ok, other=0.0)
-            else:
-                s = 0.0
-        acc0 += _term(w, _load_x(x0_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
+        w, s = load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA, SCALE, COLS, W_DTYPE, FMT, GROUP, EVEN, FOLD,
+                         BLOCK_N, BLOCK_K)  # [N, BK] fp32 and the step's scales, as packed_gemv loads them
+        acc0 += term(w, load_x(x0_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
         # NOTE: uniform branches: a chunk of one pair (most routed experts at random routing) pays one FMA
         # per weight, as the per-pair kernel
         if PAIRS > 1:
             if count > 1:
-                acc1 += _term(w, _load_x(x1_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
+                acc1 += term(w, load_x(x1_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
         if PAIRS > 2:
             if count > 2:
-                acc2 += _term(w, _load_x(x2_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
+                acc2 += term(w, load_x(x2_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
         if PAIRS > 3:
             if count > 3:
-                acc3 += _term(w, _load_x(x3_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
-    a0 = _row_scale(tl.sum(acc0, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)  # [N]
+                acc3 += term(w, load_x(x3_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
+    a0 = row_scale(tl.sum(acc0, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)  # [N]
     a1 = a0
     a2 = a0
     a3 = a0
     if PAIRS > 1:
-        a1 = _row_scale(tl.sum(acc1, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
+        a1 = row_scale(tl.sum(acc1, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
     if PAIRS > 2:
-        a2 = _row_scale(tl.sum(acc2, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
+        a2 = row_scale(tl.sum(acc2, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
     if PAIRS > 3:
-        a3 = _row_scale(tl.sum(acc3, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
+        a3 = row_scale(tl.sum(acc3, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)
     return a0, a1, a2, a3
 
 

@@ -125,6 +125,88 @@ def _group_scaled(prod, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: 
 
 
 @triton.jit
+def load_x(x_ptr, k0, kk, COLS: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:
+        x = tl.load(x_ptr + k0 + kk).to(tl.float32)  # [BK]
+    else:
+        x = tl.load(x_ptr + k0 + kk, mask=k0 + kk < COLS, other=0.0).to(tl.float32)  # [BK]
+    return x
+
+
+@triton.jit
+def term(w, x, s, FMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP: tl.constexpr):
+    """What packed_gemv adds to its accumulator for one K step: w [N, BK] fp32, x [BK], s the step's scales
+    ([BK] when FOLD, [N, BK/G] for group-scaled formats, unused otherwise)."""
+    if FMT == 5 or FMT == 6:
+        t = _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
+    elif FMT == 1:
+        if FOLD:
+            t = w * (x * s)[None, :]
+        else:
+            t = _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
+    else:
+        t = w * x[None, :]
+    return t
+
+
+@triton.jit
+def row_scale(acc, row_ptr, n, n_ok, SCALE: tl.constexpr, GSCALE: tl.constexpr, FMT: tl.constexpr):
+    """packed_gemv's epilogue: the scales constant along a row, applied once after the reduction."""
+    if FMT == 2:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
+    elif FMT == 3 or FMT == 4:
+        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
+    elif FMT == 5:
+        acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
+    return acc
+
+
+@triton.jit
+def load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr,
+              W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr,
+              FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step's weight tile w [N, BK] fp32 (rows n, columns k0 + kk, dequantized but unscaled) and its
+    scales s: [BK] when FOLD (block FP8, the tile inside one scale row), [N, BK/G] for the group-scaled
+    formats (block FP8, NVFP4, MXFP4), 0.0 where the scale is constant along a row (row_scale applies it)."""
+    k_ok = k0 + kk < COLS
+    if FMT == 5 or FMT == 6:
+        jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
+        b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
+        b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
+        # join puts (low, high) side by side: [N, BK/2, 2] reshapes to the columns in order
+        w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
+        s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
+        s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+        if FMT == 5:
+            s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
+            s = tl.where(s_ok, s.to(tl.float32), 0.0)
+        else:
+            s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
+            s = tl.where(s_ok, s, 0.0)
+    else:
+        w_ptrs = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :]
+        if EVEN:
+            w = tl.load(w_ptrs).to(tl.float32)  # [N, BK]
+        else:
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
+            w = tl.where(w_ok, tl.load(w_ptrs, mask=w_ok).to(tl.float32), 0.0)  # [N, BK]
+        if FMT == 1:  # block FP8: one fp32 scale per (128 rows, 128 columns)
+            KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
+            scales = (row_ptr + SCALE).to(tl.pointer_type(tl.float32))
+            if FOLD:  # the tile lies in one scale row: term scales x, not the products
+                s = tl.load(scales + (n0 // GROUP) * KB + (k0 + kk) // GROUP)  # [BK]
+            else:
+                s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
+                s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+                s = tl.load(scales + s_off, mask=s_ok, other=0.0)
+        else:
+            s = 0.0
+    return w, s
+
+
+@triton.jit
 def packed_gemv(row_ptr, x_ptr, n0, ROWS: tl.constexpr, COLS: tl.constexpr, DATA: tl.constexpr,
                 SCALE: tl.constexpr, GSCALE: tl.constexpr, W_DTYPE: tl.constexpr, FMT: tl.constexpr,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -146,56 +228,13 @@ def packed_gemv(row_ptr, x_ptr, n0, ROWS: tl.constexpr, COLS: tl.constexpr, DATA
     EVEN: tl.constexpr = (ROWS % BLOCK_N == 0) and (COLS % BLOCK_K == 0)
     kk = tl.arange(0, BLOCK_K)
     gi = tl.arange(0, BLOCK_K // GROUP)
+    FOLD: tl.constexpr = FMT == 1 and EVEN and BLOCK_N <= GROUP
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, COLS, BLOCK_K):
-        k_ok = k0 + kk < COLS
-        if EVEN:
-            x = tl.load(x_ptr + k0 + kk).to(tl.float32)  # [BK]
-        else:
-            x = tl.load(x_ptr + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-        if FMT == 5 or FMT == 6:
-            jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
-            b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
-            b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
-            # join puts (low, high) side by side: [N, BK/2, 2] reshapes to the columns in order
-            w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
-            s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
-            s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
-            if FMT == 5:
-                s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
-                s = tl.where(s_ok, s.to(tl.float32), 0.0)
-            else:
-                s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
-                s = tl.where(s_ok, s, 0.0)
-            acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
-        else:
-            w_ptrs = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :]
-            if EVEN:
-                w = tl.load(w_ptrs).to(tl.float32)  # [N, BK]
-            else:
-                w_ok = n_ok[:, None] & k_ok[None, :]
-                # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
-                w = tl.where(w_ok, tl.load(w_ptrs, mask=w_ok).to(tl.float32), 0.0)  # [N, BK]
-            if FMT == 1:  # block FP8: one fp32 scale per (128 rows, 128 columns)
-                KB: tl.constexpr = (COLS + GROUP - 1) // GROUP
-                scales = (row_ptr + SCALE).to(tl.pointer_type(tl.float32))
-                if EVEN and BLOCK_N <= GROUP:  # the tile lies in one scale row: scale x, not the products
-                    acc2 += w * (x * tl.load(scales + (n0 // GROUP) * KB + (k0 + kk) // GROUP))[None, :]
-                else:
-                    s_ok = n_ok[:, None] & (k0 // GROUP + gi < KB)[None, :]
-                    s_off = (n // GROUP)[:, None] * KB + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
-                    s = tl.load(scales + s_off, mask=s_ok, other=0.0)
-                    acc2 += _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
-            else:
-                acc2 += w * x[None, :]
-    acc = tl.sum(acc2, axis=1)  # [N]
-    if FMT == 2:
-        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)))
-    elif FMT == 3 or FMT == 4:
-        acc = acc * tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float32)) + n, mask=n_ok, other=0.0)
-    elif FMT == 5:
-        acc = acc * tl.load((row_ptr + GSCALE).to(tl.pointer_type(tl.float32)))
-    return acc
+        w, s = load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA, SCALE, COLS, W_DTYPE, FMT, GROUP, EVEN, FOLD,
+                         BLOCK_N, BLOCK_K)  # [N, BK]
+        acc2 += term(w, load_x(x_ptr, k0, kk, COLS, EVEN), s, FMT, FOLD, BLOCK_N, BLOCK_K, GROUP)
+    return row_scale(tl.sum(acc2, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)  # [N]
 
 
 # Tiles tried on CUDA (once per shape and format, by measurement, before any graph capture); the 4-bit
