@@ -8,32 +8,24 @@ import torch
 import adapters.kernels.fused_moe as fused_moe_mod
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.checkpoint.host_bank import HostExpertBank
-from adapters.checkpoint.quantize import quantize
 from adapters.cuda_exec import expert_pool
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.kernels.residency_lookup import MAX_KEYS
 from domain.model_spec import WeightFormat
+from tests.adapters.torch_exec_models import packed_expert_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, L, E, K = 128, 32, 2, 12, 4
-
-
-def _rows(layout, count, gen):
-    rows = torch.empty((count, layout.row_bytes), dtype=torch.uint8)
-    for r in range(count):
-        mats = [quantize(torch.randn(*shape, generator=gen) * 0.2, layout.fmt) for shape in ((I, H), (I, H), (H, I))]
-        layout.pack(*mats, out=rows[r])
-    return rows
 
 
 @pytest.fixture(scope="module")
 def bank_and_shared():
     gen = torch.Generator().manual_seed(5)
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, H, I)
-    rows = _rows(layout, L * E, gen)
+    rows = packed_expert_rows(layout, L * E, gen)
     if DEVICE == "cuda":
         rows = rows.pin_memory()
-    return HostExpertBank(layout, L, E, rows), _rows(layout, L, gen)
+    return HostExpertBank(layout, L, E, rows), packed_expert_rows(layout, L, gen)
 
 
 def test_dedup_is_off_by_default(bank_and_shared):

@@ -6,28 +6,20 @@ import torch
 
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.checkpoint.host_bank import HostExpertBank
-from adapters.checkpoint.quantize import quantize
 from adapters.cuda_exec.expert_pool import GEMV_MAX_PAIRS, DeviceExpertPool
 from domain.model_spec import WeightFormat
 from tests.adapters.test_kernels_moe import FP32_BOUND, reference, rel_err
+from tests.adapters.torch_exec_models import packed_expert_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, L, E, K = 64, 32, 2, 24, 6
 
 
-def _rows(layout, count, gen):
-    rows = torch.empty((count, layout.row_bytes), dtype=torch.uint8)
-    for r in range(count):
-        mats = [quantize(torch.randn(*shape, generator=gen) * 0.2, layout.fmt) for shape in ((I, H), (I, H), (H, I))]
-        layout.pack(*mats, out=rows[r])
-    return rows
-
-
 def test_prefill_chunk_runs_the_grouped_gemms_at_any_pool_size():
     gen = torch.Generator().manual_seed(3)
     layout = ExpertLayout(WeightFormat.MXFP4, H, I)
-    rows = _rows(layout, L * E, gen)
-    shared = _rows(layout, L, gen)  # [L, R]
+    rows = packed_expert_rows(layout, L * E, gen)
+    shared = packed_expert_rows(layout, L, gen)  # [L, R]
     if DEVICE == "cuda":
         rows = rows.pin_memory()
     bank = HostExpertBank(layout, L, E, rows)

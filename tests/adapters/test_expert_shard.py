@@ -10,32 +10,24 @@ import torch
 
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.checkpoint.host_bank import HostExpertBank, PartialHostExpertBank
-from adapters.checkpoint.quantize import quantize
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.expert_shard import ExpertShard
 from domain.expert_parallel import ExpertPartition
 from domain.model_spec import WeightFormat
 from domain.residency import ExpertResidency
+from tests.adapters.torch_exec_models import packed_expert_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, L, E, K = 32, 16, 2, 12, 2
 PARTITION = ExpertPartition.modulo(L, E, 2)
 
 
-def _rows(layout, count, gen):
-    rows = torch.empty((count, layout.row_bytes), dtype=torch.uint8)
-    for r in range(count):
-        mats = [quantize(torch.randn(*shape, generator=gen) * 0.2, layout.fmt) for shape in ((I, H), (I, H), (H, I))]
-        layout.pack(*mats, out=rows[r])
-    return rows
-
-
 @pytest.fixture(scope="module")
 def bank_and_shared():
     gen = torch.Generator().manual_seed(11)
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, H, I)
-    rows, shared = _rows(layout, L * E, gen), _rows(layout, L, gen)
+    rows, shared = packed_expert_rows(layout, L * E, gen), packed_expert_rows(layout, L, gen)
     if DEVICE == "cuda":
         rows = rows.pin_memory()
     return HostExpertBank(layout, L, E, rows), shared

@@ -208,3 +208,17 @@ def check_parity(arch: str, overrides: dict, tmp_path, prompt_len: int, chunk: i
     assert tokens == ref_tokens
     assert executor.expert_misses > 0 and executor.experts.residency.evictions > 0
     executor.check_valid()
+
+
+def packed_expert_rows(layout, count: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [count, layout.row_bytes]: random experts (gate, up [I, H], down [H, I], N(0, 0.2)) quantized to
+    layout.fmt and packed as the host bank holds them."""
+    from adapters.checkpoint.quantize import quantize
+
+    hidden, inter = layout.hidden, layout.intermediate
+    rows = torch.empty((count, layout.row_bytes), dtype=torch.uint8)
+    for r in range(count):
+        mats = [quantize(torch.randn(*shape, generator=gen) * 0.2, layout.fmt)
+                for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+        layout.pack(*mats, out=rows[r])
+    return rows
