@@ -11,8 +11,8 @@ from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.expert_pool import GEMV_MAX_PAIRS, DeviceExpertPool
 from domain.model_spec import WeightFormat
 from domain.streamed_prefill import plan_rounds, speculate_whole_layers
-from tests.adapters.test_expert_pool_grouped import _rows
 from tests.adapters.test_kernels_moe import FP32_BOUND, reference, rel_err
+from tests.adapters.torch_exec_models import packed_expert_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, L, E, K = 64, 32, 3, 24, 6
@@ -22,7 +22,7 @@ H, I, L, E, K = 64, 32, 3, 24, 6
 def bank_and_shared():
     gen = torch.Generator().manual_seed(5)
     layout = ExpertLayout(WeightFormat.MXFP4, H, I)
-    rows, shared = _rows(layout, L * E, gen), _rows(layout, L, gen)
+    rows, shared = packed_expert_rows(layout, L * E, gen), packed_expert_rows(layout, L, gen)
     if DEVICE == "cuda":
         rows = rows.pin_memory()
     return HostExpertBank(layout, L, E, rows), shared
