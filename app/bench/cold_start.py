@@ -153,7 +153,16 @@ async def _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, me
                 marks["health_ok"] = now
             else:
                 await asyncio.sleep(poll_s)
-        models = (await client.get("/v1/models")).json()["data"]
+        # Both routes open on the same readiness, so the model can become ready between the two
+        # GETs of one poll: /health is then ok while this poll's /v1/models said 503. Poll
+        # /v1/models on until it answers rather than leave its milestone empty.
+        while (listing := await client.get("/v1/models")).status_code != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"/health was ok but /v1/models answered {listing.status_code} until the deadline")
+            await asyncio.sleep(poll_s)
+        if marks["models_ok"] is None:
+            marks["models_ok"] = time.monotonic() - t0
+        models = listing.json()["data"]
         sent = time.monotonic()
         res = await stream_request(client, *chat_body(models[0]["id"], "Hello", 1, ignore_eos=False), 60)
         if not res.ok:

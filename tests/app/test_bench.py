@@ -192,7 +192,9 @@ def test_cold_start_launches_ft_serve_and_orders_milestones(tmp_path):
     t = {p["milestone"]: p["seconds"] for p in rec["points"]}
     assert t["graph_capture_done"] is None  # this engine reports no graph capture: null, not 0
     assert t["prefill_kernels_tuned"] is None  # nor a prefill kernel warm-up (CPU, reference prefill)
-    assert 0 < t["http_listening"] <= t["first_models_ok"] <= t["health_ok"] < t["first_token"]
+    # /v1/models and /health open on the same readiness; a poll can see either first
+    ready = (t["first_models_ok"], t["health_ok"])
+    assert 0 < t["http_listening"] <= min(ready) and max(ready) < t["first_token"]
     assert t["http_listening"] < t["expert_banks_loaded"] <= t["dense_weights_loaded"] <= t["health_ok"]
     phases = [p["phase"] for p in rec["cold_start"]["phases"]]
     assert phases.index("expert banks") < phases.index("dense weights")
