@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from adapters.kernels.gated_rms_norm import gated_rms_norm
-from adapters.kernels.gdn_chunk_scan import MAX_DK, gdn_chunk_scan
+from adapters.kernels.gdn_chunk_out import gdn_chunk_out
+from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
+from adapters.kernels.gdn_chunk_state import CHUNK, MAX_DK, gdn_chunk_state
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
 from adapters.kernels.qk_norm_rope import qk_norm_rope
@@ -32,6 +34,15 @@ from adapters.torch_exec.linear import linear
 from adapters.torch_exec.paged_attention import PagedKVCache
 
 Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, I], weight [O, I] or QTensor) -> [T, O]
+
+# The Gated DeltaNet recurrence: "split" walks the state (gdn_chunk_state, serial over chunks) and then
+# computes every chunk's output in parallel (gdn_chunk_out); "fused" is the one-kernel walk that does both
+# (gdn_chunk_scan), kept for A/B runs (scripts/bench_prefill.py --gdn-recurrence). Same bits either way.
+GDN_RECURRENCE = "split"
+# Tokens per state walk of the split recurrence: the per-chunk entry states it keeps (Nv*Dk*Dv fp32 per 64
+# tokens, 2 MiB at Qwen3.6) stay at GDN_WINDOW / 64 chunks (64 MiB) whatever the span length.
+GDN_WINDOW = 2048
+assert GDN_WINDOW % CHUNK == 0  # windows start on chunk boundaries, where gdn_chunk_wy's gc restarts
 
 
 def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, layer: int, slot: int, *,
@@ -45,7 +56,8 @@ def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, la
     output to the model dtype first); fp32 models take fp32-accurate products (3xTF32 on a GPU), bf16/fp16
     models one TF32 pass.
     Scratch: ~4*T*(C + Nv*(Dk + 2*Dv + 1)) bytes of fp32 besides the projections (80 KiB per token for
-    Qwen3.6: 640 MiB at 8k tokens).
+    Qwen3.6: 640 MiB at 8k tokens), and with the split recurrence the entry states of one window,
+    4*Nv*Dk*Dv*min(T, GDN_WINDOW)/64 bytes (64 MiB for Qwen3.6).
     linear_fn: the projection matmul (default the reference linear; the fast path may pass its own).
     Raises ValueError on a bad span, layer or slot, or Dk > 128, before any state is touched.
     """
@@ -71,9 +83,30 @@ def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, la
     precise = x.dtype == torch.float32
     wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim,
                       precise=precise)
-    core = gdn_chunk_scan(mixed, *wy, pool.recurrent[layer, slot], geo.num_k_heads, precise=precise)  # [T, Nv, Dv]
+    core = delta_rule(mixed, *wy, pool.recurrent[layer, slot], geo.num_k_heads, precise=precise)  # [T, Nv, Dv]
     normed = gated_rms_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [T, Nv, Dv]
     return linear_fn(normed.reshape(tokens, -1), w["out_proj.weight"])  # [T, H]
+
+
+def delta_rule(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
+               state: torch.Tensor, num_k_heads: int, *, precise: bool) -> torch.Tensor:
+    """core fp32 [T, Nv, Dv] of the chunked delta rule from gdn_chunk_wy's (w, u, gc, ks) and the slot's state
+    (updated in place to the state after token T-1), by GDN_RECURRENCE. u is consumed (the split walk
+    writes v' over it). Raises ValueError as the kernels' launchers do."""
+    if GDN_RECURRENCE == "fused":
+        return gdn_chunk_scan(mixed, w, u, gc, state, num_k_heads, precise=precise)
+    if GDN_RECURRENCE != "split":
+        raise ValueError(f"GDN_RECURRENCE must be 'split' or 'fused', got {GDN_RECURRENCE!r}")
+    tokens, (nv, _, dv) = mixed.shape[0], state.shape
+    core = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
+    states = None  # the first window's buffer, reused by the later (never longer) windows
+    for t0 in range(0, tokens, GDN_WINDOW):
+        t1 = min(tokens, t0 + GDN_WINDOW)
+        hs = gdn_chunk_state(mixed[t0:t1], w[:, t0:t1], u[:, t0:t1], gc[:, t0:t1], ks[:, t0:t1], state, num_k_heads,
+                             precise=precise, states=states)
+        states = hs if states is None else states
+        gdn_chunk_out(mixed[t0:t1], u[:, t0:t1], gc[:, t0:t1], hs, num_k_heads, precise=precise, out=core[t0:t1])
+    return core
 
 
 def attention_prefill(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, page_ids: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Gated DeltaNet prefill, step 3 of 3: the inter-chunk state recurrence and the output, walking the
+"""Gated DeltaNet prefill, step 3 of 3 in one kernel (the "fused" recurrence; prefill.py's default is the
+split pair gdn_chunk_state + gdn_chunk_out, see there): the inter-chunk state recurrence and the output, walking the
 64-token chunks of one sequence in order from the slot's fp32 state, writing the final state back.
 
 Shape legend: T tokens of the chunk, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
@@ -20,12 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.gdn_chunk_state import CHUNK, check_recurrence_inputs, tiles
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
-CHUNK = 64
 LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
-HALF = 64  # key rows per half of the state tile
-MAX_DK = 2 * HALF
 
 
 @triton.jit
@@ -127,32 +126,14 @@ def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: to
     out: optional fp32 [T, Nv, Dv] buffer. Returns core fp32 [T, Nv, Dv] (before the gated RMSNorm).
     T = 0: state untouched. Raises ValueError on mismatched shapes, dtypes or devices.
     """
-    if state.dim() != 3 or state.dtype != torch.float32:
-        raise ValueError(f"state must be fp32 [Nv, Dk, Dv], got {state.dtype} {tuple(state.shape)}")
-    nv, dk, dv = state.shape
-    if dk > MAX_DK:
-        raise ValueError(f"key head dim {dk} > {MAX_DK} is not supported (the state tile has two halves of {HALF})")
-    tokens = mixed.shape[0] if mixed.dim() == 2 else -1
-    if mixed.dtype != torch.float32 or tokens < 0 or mixed.shape[1] != 2 * num_k_heads * dk + nv * dv:
-        raise ValueError(f"mixed must be fp32 [T, 2*{num_k_heads}*{dk} + {nv}*{dv}], got {mixed.dtype} "
-                         f"{tuple(mixed.shape)}")
-    if num_k_heads <= 0 or nv % num_k_heads:
-        raise ValueError(f"value heads {nv} not a multiple of key heads {num_k_heads}")
-    for name, t, shape in (("w", w, (nv, tokens, dk)), ("u", u, (nv, tokens, dv)), ("gc", gc, (nv, tokens))):
-        if t.shape != shape or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
-    if len({t.device for t in (mixed, w, u, gc, state)}) != 1:
-        raise ValueError("all gdn_chunk_scan tensors must be on one device")
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    tokens, nv, dk, dv = check_recurrence_inputs(mixed, w, u, gc, state, num_k_heads, block_v)
     if out is None:
         out = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
     if out.shape != (tokens, nv, dv) or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
     if tokens == 0:
         return out
-    block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
-    block_kb = min(HALF, max(16, triton.next_power_of_2(dk)))
+    block_kb, block_v = tiles(dk, dv, block_v)
     _gdn_chunk_scan_kernel[(nv, triton.cdiv(dv, block_v))](
         mixed, w, u, gc, state, out, tokens, dk ** -0.5,
         *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state.stride(), *out.stride(),

@@ -7,7 +7,9 @@ Shape legend: T tokens of the chunk, C conv channels (2*Nk*Dk + Nv*Dv), Nk key h
 Math (adapters/torch_exec/gated_deltanet.py chunked_delta_rule, per chunk and head, fp32):
   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), gc = cumsum of g inside the chunk,
   k = l2norm(k), A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for i > j else 0,
-  X = (I + A)^-1, u = X (v * beta), w = X (k * beta * exp(gc)).
+  X = (I + A)^-1, u = X (v * beta), w = X (k * beta * exp(gc)),
+  and for the split recurrence's state walk ks = |k|^-1 * exp(gc_last - gc) (gc_last: the chunk's last
+  real token's), the factor that normalises a key and decays it to its chunk's end.
 The inverse by forward substitution over the rows of the [Q, Q] tile (stable: X is unit lower triangular,
 each row a combination of the rows above it); the products on tensor cores.
 Tokens past T in the last chunk act as the reference's zero padding (g = 0, beta = 0, k = v = 0).
@@ -41,7 +43,7 @@ def load_rows(base, t0, T, stride_t, stride_c, col0, COLS: tl.constexpr, ROWS: t
 
 @triton.jit
 def _gdn_chunk_wy_kernel(
-    mixed_ptr, a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, w_ptr, u_ptr, gc_ptr,
+    mixed_ptr, a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr,
     T,
     stride_mt, stride_mc,
     stride_at, stride_ah,
@@ -53,7 +55,7 @@ def _gdn_chunk_wy_kernel(
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (chunk, value head): writes gc [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32). Key and value
+    """Program (chunk, value head): writes gc [Q], ks [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32). Key and value
     columns go in tiles of TILE (whole [Q, 128] fp32 tiles spill registers on sm_90)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
@@ -111,18 +113,21 @@ def _gdn_chunk_wy_kernel(
         tl.store(u_ptr + head * stride_uh + t64 * stride_ut + (v0 + offs_c)[None, :] * stride_uv, u,
                  mask=t_mask[:, None] & ((v0 + offs_c) < DV)[None, :])
     tl.store(gc_ptr + head * stride_gh + offs_t * stride_gt, gc, mask=t_mask)
+    # padded rows have g = 0, so the cumsum's last entry is the last real token's: the walk's g_last
+    g_last = tl.sum(tl.where(offs_i == CHUNK - 1, gc, 0.0), 0)
+    tl.store(ks_ptr + head * stride_gh + offs_t * stride_gt, rk * tl.exp(g_last - gc), mask=t_mask)
 
 
 def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
                  dt_bias: torch.Tensor, num_k_heads: int, k_head_dim: int, v_head_dim: int, *,
-                 precise: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 precise: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gates and WY form of one sequence's prefill chunk, per 64-token chunk and value head.
 
     mixed fp32 [T, C] the conv output ([q | k | v] channels, q and k not yet normalised); a, b [T, Nv]
     in_proj_a / in_proj_b outputs (any float dtype); neg_a = -exp(A_log), dt_bias fp32 [Nv].
     precise: fp32-accurate products (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models).
-    Returns (w fp32 [Nv, T, Dk], u fp32 [Nv, T, Dv], gc fp32 [Nv, T]) as defined in the module docstring;
-    gc restarts at every 64-token boundary. Raises ValueError on mismatched shapes, dtypes or devices.
+    Returns (w fp32 [Nv, T, Dk], u fp32 [Nv, T, Dv], gc fp32 [Nv, T], ks fp32 [Nv, T]) as defined in the
+    module docstring; gc restarts at every 64-token boundary. Raises ValueError on mismatched shapes, dtypes or devices.
     """
     if mixed.dim() != 2 or mixed.dtype != torch.float32:
         raise ValueError(f"mixed must be fp32 [T, C], got {mixed.dtype} {tuple(mixed.shape)}")
@@ -143,15 +148,16 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
     w = torch.empty(nv, tokens, k_head_dim, dtype=torch.float32, device=dev)
     u = torch.empty(nv, tokens, v_head_dim, dtype=torch.float32, device=dev)
     gc = torch.empty(nv, tokens, dtype=torch.float32, device=dev)
+    ks = torch.empty_like(gc)  # same strides as gc: the kernels index both with gc's
     if tokens == 0:
-        return w, u, gc
+        return w, u, gc, ks
     block_k = max(16, triton.next_power_of_2(k_head_dim))
     block_v = max(16, triton.next_power_of_2(v_head_dim))
     tile = min(TILE, block_k, block_v)
     _gdn_chunk_wy_kernel[(triton.cdiv(tokens, CHUNK), nv)](
-        mixed, a, b, neg_a, dt_bias, w, u, gc, tokens,
+        mixed, a, b, neg_a, dt_bias, w, u, gc, ks, tokens,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
         BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise), **LAUNCH,
     )
-    return w, u, gc
+    return w, u, gc, ks

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from adapters.cuda_exec import prefill
+from adapters.kernels.gdn_chunk_out import gdn_chunk_out
 from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
+from adapters.kernels.gdn_chunk_state import gdn_chunk_state
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
 from adapters.kernels.gdn_decode import gdn_decode_step
@@ -118,7 +120,7 @@ def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
     dt_bias = torch.randn(nv, generator=gen).to(DEVICE)
     state = (torch.randn(nv, geo.k_head_dim, geo.v_head_dim, generator=gen) * 0.3).to(DEVICE)
     want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
-    w, u, gc = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
     # gc restarts at each 64-token chunk
     g = neg_a[:, None] * F.softplus(a.t() + dt_bias[:, None])  # [Nv, T]
     assert rel_err(gc[:, :min(tokens, 64)], g[:, :64].cumsum(-1)) < 1e-6
@@ -127,6 +129,89 @@ def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
     assert got is out
     assert rel_err(got, want) < 1e-5
     assert rel_err(state, want_state) < 1e-5
+
+
+def random_wy_inputs(geo, tokens, seed):
+    """(mixed, a, b, neg_a, dt_bias, state) for the chunk kernels: a random conv output and gates, a
+    non-zero state."""
+    gen = torch.Generator().manual_seed(seed)
+    nv = geo.num_v_heads
+    mixed = torch.randn(tokens, geo.conv_channels, generator=gen).to(DEVICE)
+    a, b = torch.randn(tokens, nv, generator=gen).to(DEVICE), torch.randn(tokens, nv, generator=gen).to(DEVICE)
+    neg_a = -(torch.rand(nv, generator=gen) * 2 - 1).exp().to(DEVICE)
+    dt_bias = torch.randn(nv, generator=gen).to(DEVICE)
+    state = (torch.randn(nv, geo.k_head_dim, geo.v_head_dim, generator=gen) * 0.3).to(DEVICE)
+    return mixed, a, b, neg_a, dt_bias, state
+
+
+@pytest.mark.parametrize("name", [*sorted(GEOMETRIES), "wide"])
+@pytest.mark.parametrize("tokens", [1, 64, 130])
+def test_split_recurrence_is_bitwise_the_fused_scan_and_the_reference(name, tokens):
+    """gdn_chunk_state + gdn_chunk_out do the fused scan's operations in its order: same core, same final
+    state, bit for bit (the interpreter's dots) where gdn_chunk_wy's key tiles are the scan's halves (every
+    Qwen geometry: Dk = Dv = 128); and within 1e-5 of chunked_delta_rule. The state walk
+    writes v' over u and keeps the state entering each chunk: chunk 0's is the slot's state as it was."""
+    geo = GEOMETRIES.get(name, WIDE)
+    mixed, a, b, neg_a, dt_bias, state = random_wy_inputs(geo, tokens, seed=100 + tokens)
+    want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    fused_state = state.clone()
+    fused = gdn_chunk_scan(mixed, w, u.clone(), gc, fused_state, geo.num_k_heads, block_v=16)
+    before = state.clone()
+    hs = gdn_chunk_state(mixed, w, u, gc, ks, state, geo.num_k_heads, block_v=16)
+    assert hs.shape == (geo.num_v_heads, -(-tokens // 64), geo.k_head_dim, geo.v_head_dim)
+    assert torch.equal(hs[:, 0], before)
+    out = torch.full((tokens, geo.num_v_heads, geo.v_head_dim), float("nan"), device=DEVICE)
+    got = gdn_chunk_out(mixed, u, gc, hs, geo.num_k_heads, block_v=16, out=out)
+    assert got is out
+    if name == "wide":  # Dk = 80: gdn_chunk_wy sums |k|^2 in 32-column tiles (its Dv sets them), the scan
+        # in its 64-row halves: the key norms differ in the last bit, and so does everything after them
+        assert rel_err(got, fused) < 1e-6 and rel_err(state, fused_state) < 1e-6
+    else:
+        assert torch.equal(got, fused) and torch.equal(state, fused_state)
+    assert rel_err(got, want) < 1e-5 and rel_err(state, want_state) < 1e-5
+
+
+def test_split_recurrence_in_windows_is_bitwise_one_walk(monkeypatch):
+    """prefill.delta_rule walks long spans in windows of GDN_WINDOW tokens (the entry states of one window
+    at a time): windows of 64 and 128 over 200 tokens give the one-walk result and state, bit for bit,
+    and the fused recurrence (the A/B switch) gives them too."""
+    geo = GEOMETRIES["gqa"]
+    mixed, a, b, neg_a, dt_bias, state = random_wy_inputs(geo, 200, seed=7)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    results = {}
+    for mode, window in (("split", 4096), ("split", 64), ("split", 128), ("fused", 64)):
+        monkeypatch.setattr(prefill, "GDN_RECURRENCE", mode)
+        monkeypatch.setattr(prefill, "GDN_WINDOW", window)
+        s = state.clone()
+        results[mode, window] = prefill.delta_rule(mixed, w, u.clone(), gc, ks, s, geo.num_k_heads, precise=True), s
+    core, final = results["split", 4096]
+    for key, (c, s) in results.items():
+        assert torch.equal(c, core) and torch.equal(s, final), key
+    monkeypatch.setattr(prefill, "GDN_RECURRENCE", "serial")
+    with pytest.raises(ValueError, match="GDN_RECURRENCE"):
+        prefill.delta_rule(mixed, w, u, gc, ks, state, geo.num_k_heads, precise=True)
+
+
+def test_split_recurrence_rejects_bad_input():
+    geo = GEOMETRIES["gqa"]
+    c, nv = geo.conv_channels, geo.num_v_heads
+    walk = dict(mixed=torch.zeros(70, c), w=torch.zeros(nv, 70, 8), u=torch.zeros(nv, 70, 8),
+                gc=torch.zeros(nv, 70), ks=torch.zeros(nv, 70), state=torch.zeros(nv, 8, 8), num_k_heads=2)
+    for change in [dict(state=torch.zeros(nv, 8, 8, dtype=torch.bfloat16)), dict(w=torch.zeros(nv, 69, 8)),
+                   dict(ks=torch.zeros(nv, 69)), dict(ks=torch.zeros(70, nv).t()),
+                   dict(u=torch.zeros(nv, 70, 4)), dict(num_k_heads=3), dict(block_v=24),
+                   dict(states=torch.zeros(nv, 1, 8, 8)), dict(states=torch.zeros(nv, 2, 8, 4))]:
+        with pytest.raises(ValueError):
+            gdn_chunk_state(**{**walk, **change})
+    hs = gdn_chunk_state(**walk)
+    out = dict(mixed=torch.zeros(70, c), v_new=torch.zeros(nv, 70, 8), gc=torch.zeros(nv, 70), states=hs,
+               num_k_heads=2)
+    assert torch.equal(gdn_chunk_out(**out), torch.zeros(70, nv, 8))
+    for change in [dict(states=hs[:, :1]), dict(states=hs[0]), dict(v_new=torch.zeros(nv, 70, 4)),
+                   dict(gc=torch.zeros(nv, 71)), dict(out=torch.zeros(70, nv, 4)), dict(block_v=8)]:
+        with pytest.raises(ValueError):
+            gdn_chunk_out(**{**out, **change})
 
 
 def test_chunk_kernels_reject_bad_input():
@@ -411,7 +496,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adapters.kernels import gdn_chunk_scan as scan, gdn_chunk_wy as wy, gdn_conv_prefill as conv
+from adapters.kernels import gdn_chunk_out as chunk_out, gdn_chunk_scan as scan, gdn_chunk_state as walk
+from adapters.kernels import gdn_chunk_wy as wy, gdn_conv_prefill as conv
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -441,18 +527,28 @@ for precise in (False, True):
     tag = "fp32" if precise else "bf16"
     out[f"wy_{tag}"] = usage(wy._gdn_chunk_wy_kernel, dict(
         mixed_ptr=f32, a_ptr="*bf16", b_ptr="*bf16", neg_a_ptr=f32, dt_bias_ptr=f32, w_ptr=f32, u_ptr=f32,
-        gc_ptr=f32), dict(**heads, BLOCK_K=128, BLOCK_V=128, TILE=wy.TILE,
+        gc_ptr=f32, ks_ptr=f32), dict(**heads, BLOCK_K=128, BLOCK_V=128, TILE=wy.TILE,
                           DOT_PRECISION=wy.dot_precision(precise)), wy.LAUNCH)
     out[f"scan_{tag}"] = usage(scan._gdn_chunk_scan_kernel, dict(
         mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, state_ptr=f32, out_ptr=f32),
         dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise)), scan.LAUNCH)
+    out[f"state_{tag}"] = usage(walk._gdn_chunk_state_kernel, dict(
+        mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, ks_ptr=f32, state_ptr=f32, hs_ptr=f32),
+        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=walk.BLOCK_V, DOT_PRECISION=wy.dot_precision(precise)),
+        walk.LAUNCH)
+    out[f"out_{tag}"] = usage(chunk_out._gdn_chunk_out_kernel, dict(
+        mixed_ptr=f32, v_ptr=f32, gc_ptr=f32, hs_ptr=f32, out_ptr=f32),
+        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise)),
+        chunk_out.LAUNCH)
 print(json.dumps(out))
 """
 
 # ptxas' spill stack per thread (bytes) at Qwen3.6 geometry, measured 2026-12-01 (Triton 3.9): conv 0,
-# wy 96 / 648 (bf16 / fp32 model), scan 1416 / 2944. The bounds catch a regression; the scan's spill is
-# the known remaining cost (see docs/prefill-kernels.md).
-_STACK_BOUND = {"conv": 0, "wy_bf16": 256, "wy_fp32": 1024, "scan_bf16": 2048, "scan_fp32": 4096}
+# wy 120 / 784 (bf16 / fp32 model), scan 1416 / 2944, the split recurrence's state walk 168 / 632 and
+# output 0 / 144. The bounds catch a regression; the fused scan's spill is why the split is the default
+# (see docs/prefill-kernels.md).
+_STACK_BOUND = {"conv": 0, "wy_bf16": 256, "wy_fp32": 1024, "scan_bf16": 2048, "scan_fp32": 4096,
+                "state_bf16": 384, "state_fp32": 1024, "out_bf16": 64, "out_fp32": 512}
 
 
 @pytest.mark.slow

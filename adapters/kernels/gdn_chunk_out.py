@@ -1,0 +1,121 @@
+"""Gated DeltaNet prefill, step 3b of the split recurrence: every chunk's output at once, from the state
+entering the chunk and its corrected values v' (both written by gdn_chunk_state).
+
+Shape legend: T tokens of the window, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
+(value head h reads key head h // (Nv/Nk)), Dk key head dim (<= 128), Dv value head dim, Q tokens per
+chunk, NT chunks (cdiv(T, Q)), KB key rows per half (64), BV value columns per program.
+
+Per chunk, value head and block of value columns (q = l2norm(q) * Dk**-0.5, k = l2norm(k), h = hs[chunk]):
+  o = tril(q k^T * exp(gc_i - gc_j)) v' + (q * exp(gc)) h
+the same operations, in the same order, as gdn_chunk_scan's output, so o is bitwise its value.
+Grid (NT, Nv, Dv / BV): no dependency between programs (the serial part is gdn_chunk_state's).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.kernels.gdn_chunk_state import CHUNK, check_recurrence_inputs, tiles
+from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
+
+# 8 warps, 32 value columns: no ptxas spill for bf16 models (40 B with 4 warps; Triton 3.9 sm_90 build)
+LAUNCH = dict(num_warps=8, num_stages=1)
+
+
+@triton.jit
+def _gdn_chunk_out_kernel(
+    mixed_ptr, v_ptr, gc_ptr, hs_ptr, out_ptr,
+    T, q_scale,
+    stride_mt, stride_mc,
+    stride_vh, stride_vt, stride_vv,
+    stride_gh, stride_gt,
+    stride_hh, stride_hc, stride_hk, stride_hv,
+    stride_ot, stride_oh, stride_ov,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (chunk, h, v-block): out[chunk rows, h, v-block]. SPLIT: Dk > BLOCK_KB (two key halves)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    vblock = tl.program_id(2)
+    key_head = head // (VALUE_HEADS // KEY_HEADS)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_i = tl.arange(0, CHUNK)
+    v_mask = offs_v < DV
+    causal = offs_i[:, None] >= offs_i[None, :]
+    t0 = chunk * CHUNK
+    t_mask = t0 + offs_i < T
+
+    g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
+    gc = tl.load(gc_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)
+    gc = tl.where(t_mask, gc, g_last)  # [Q] padded rows carry the last real decay (as the state walk)
+    q_base = mixed_ptr + key_head * DK * stride_mc
+    k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
+    q1 = load_rows(q_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+    k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
+    sq = tl.sum(q1 * q1, 1)
+    sk = tl.sum(k1 * k1, 1)
+    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)  # [Q, Q] before the norms
+    if SPLIT:
+        q2 = load_rows(q_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+        k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+        sq += tl.sum(q2 * q2, 1)
+        sk += tl.sum(k2 * k2, 1)
+        qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+    rq = tl.rsqrt(sq + 1e-6) * q_scale  # [Q] l2norm then Dk**-0.5
+    rk = tl.rsqrt(sk + 1e-6)
+    # NOTE: exp only on the causal half: there gc_i - gc_j <= 0, above it it could overflow.
+    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+    attn = tl.where(causal, qk * (rq[:, None] * rk[None, :]) * decay, 0.0)  # [Q, Q]
+    v_new = load_rows(v_ptr + head * stride_vh, t0, T, stride_vt, stride_vv, vblock * BLOCK_V, DV, CHUNK,
+                      BLOCK_V)  # [Q, BV]
+    o = tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
+    q_row = rq * tl.exp(gc)
+    hs_base = hs_ptr + head * stride_hh + chunk.to(tl.int64) * stride_hc
+    hs_tile = offs_kb[:, None] * stride_hk + offs_v[None, :] * stride_hv
+    h1 = tl.load(hs_base + hs_tile, mask=(offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)  # [KB, BV]
+    o += tl.dot(q1 * q_row[:, None], h1, input_precision=DOT_PRECISION)
+    if SPLIT:
+        h2 = tl.load(hs_base + BLOCK_KB * stride_hk + hs_tile,
+                     mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)
+        o += tl.dot(q2 * q_row[:, None], h2, input_precision=DOT_PRECISION)
+    o_ptrs = out_ptr + head * stride_oh + t0.to(tl.int64) * stride_ot + offs_i[:, None] * stride_ot \
+        + offs_v[None, :] * stride_ov
+    tl.store(o_ptrs, o, mask=t_mask[:, None] & v_mask[None, :])
+
+
+def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, states: torch.Tensor,
+                  num_k_heads: int, *, block_v: int = 32, precise: bool = True,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunked delta rule's output for one window, every chunk in parallel.
+
+    mixed fp32 [T, C] the conv output (q, k read from it and l2-normed here); v_new fp32 [Nv, T, Dv] and
+    states fp32 [Nv, NT, Dk, Dv] as gdn_chunk_state leaves them (its u and its return value); gc fp32
+    [Nv, T] from gdn_chunk_wy; views with any strides are fine. block_v, precise: as gdn_chunk_state's.
+    out: optional fp32 [T, Nv, Dv] (a view is fine). Returns core fp32 [T, Nv, Dv] (before the gated
+    RMSNorm). Raises ValueError on mismatched shapes, dtypes or devices.
+    """
+    if states.dim() != 4:
+        raise ValueError(f"states must be fp32 [Nv, NT, Dk, Dv], got {tuple(states.shape)}")
+    chunks = states.shape[1]
+    # one chunk's entry state carries the [Nv, Dk, Dv] shape the shared checks want (a size-0 view at T = 0)
+    tokens, nv, dk, dv = check_recurrence_inputs(mixed, None, v_new, gc, states.select(1, 0) if chunks
+                                                 else states.sum(1), num_k_heads, block_v)
+    if chunks != triton.cdiv(tokens, CHUNK):
+        raise ValueError(f"states has {chunks} chunks, T={tokens} needs {triton.cdiv(tokens, CHUNK)}")
+    if out is None:
+        out = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
+    if out.shape != (tokens, nv, dv) or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
+    if tokens == 0:
+        return out
+    block_kb, block_v = tiles(dk, dv, block_v)
+    _gdn_chunk_out_kernel[(chunks, nv, triton.cdiv(dv, block_v))](
+        mixed, v_new, gc, states, out, tokens, dk ** -0.5,
+        *mixed.stride(), *v_new.stride(), *gc.stride(), *states.stride(), *out.stride(),
+        KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), **LAUNCH,
+    )
+    return out

@@ -1,0 +1,180 @@
+"""Gated DeltaNet prefill, step 3a of the split recurrence: only the inter-chunk state walk. Per value head
+and block of value columns, walk the 64-token chunks of one window in order from the slot's fp32 state,
+store the state entering every chunk and each chunk's corrected values v', and write the final state back.
+Step 3b (gdn_chunk_out) then computes every chunk's output in parallel from those.
+
+Shape legend: T tokens of the window, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
+(value head h reads key head h // (Nv/Nk)), Dk key head dim (<= 128), Dv value head dim, Q tokens per
+chunk, NT chunks of the window (cdiv(T, Q)), KB key rows per half (64), BV value columns per program.
+
+Per chunk, with w, u, gc from gdn_chunk_wy and h the [Dk, Dv] state entering the chunk (fp32):
+  hs[chunk] = h
+  v' = u - w h                                           (written over u: only this program reads its tile)
+  h  = h * exp(gc_last) + (k * exp(gc_last - gc))^T v'   (k = l2norm(k))
+the same operations, in the same order, as gdn_chunk_scan's walk, so h and v' are bitwise its values.
+Why split (flash-linear-attention's chunk_gated_delta_rule_fwd_h / chunk_fwd_o structure): the walk is
+serial over chunks with only Nv * Dv / BV programs (128 at Qwen3.6, about one per H200 SM), so every
+operation inside it is on the critical path. gdn_chunk_scan also computed the chunk's output there
+(q k^T, the intra-chunk attention, q h: three of its five products and the q loads) and spilled
+registers on sm_90 (1.4 KiB a thread at bf16); here the walk keeps two products and the output becomes
+a fully parallel kernel (NT * Nv * Dv / BV programs). Cost: hs, Nv * Dk * Dv * 4 bytes per chunk (2 MiB
+at Qwen3.6), which the caller bounds by walking long prompts in windows (prefill.GDN_WINDOW tokens).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
+
+CHUNK = 64
+# 8 warps and 16 value columns a program: 256 programs (two per H200 SM, whose serial chains interleave),
+# 168 B of ptxas spill a thread for bf16 models (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9,
+# tests/adapters/test_kernels_prefill.py's sm_90 build). One stage: a serial recurrence leaves the
+# pipeliner nothing to prefetch into.
+LAUNCH = dict(num_warps=8, num_stages=1)
+BLOCK_V = 16
+HALF = 64  # key rows per half of the state tile
+MAX_DK = 2 * HALF
+
+
+@triton.jit
+def _gdn_chunk_state_kernel(
+    mixed_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr, state_ptr, hs_ptr,
+    T,
+    stride_mt, stride_mc,
+    stride_wh, stride_wt, stride_wk,
+    stride_uh, stride_ut, stride_uv,
+    stride_gh, stride_gt,
+    stride_sh, stride_sk, stride_sv,
+    stride_hh, stride_hc, stride_hk, stride_hv,
+    KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (h, v-block): state tile [Dk, BV] of value head h (halves h1, h2) through all chunks.
+    SPLIT: Dk > BLOCK_KB (h2 holds key rows BLOCK_KB..Dk-1). ks (gdn_chunk_wy's) is each key's l2norm
+    times its decay to the chunk's end, so a [Q, KB] key tile is loaded right before its one product and
+    needs no norm over both halves first: one key tile live at a time (fewer registers, less spill on the
+    serial path)."""
+    head = tl.program_id(0)
+    vblock = tl.program_id(1)
+    key_head = head // (VALUE_HEADS // KEY_HEADS)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_i = tl.arange(0, CHUNK)
+    v_mask = offs_v < DV
+    m1 = (offs_kb < DK)[:, None] & v_mask[None, :]
+    m2 = (BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :]
+
+    s_base = state_ptr + head * stride_sh
+    s_tile = offs_kb[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    h1 = tl.load(s_base + s_tile, mask=m1, other=0.0)  # [KB, BV] fp32
+    if SPLIT:
+        h2 = tl.load(s_base + BLOCK_KB * stride_sk + s_tile, mask=m2, other=0.0)
+    else:
+        h2 = h1  # unused
+    hs_tile = offs_kb[:, None] * stride_hk + offs_v[None, :] * stride_hv
+
+    w_base = w_ptr + head * stride_wh
+    k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
+    u_base = u_ptr + head * stride_uh
+    hs_base = hs_ptr + head * stride_hh  # advanced one chunk per step (64-bit pointer arithmetic)
+    for chunk in range(0, tl.cdiv(T, CHUNK)):
+        t0 = chunk * CHUNK
+        t_mask = t0 + offs_i < T
+        tl.store(hs_base + hs_tile, h1, mask=m1)
+        if SPLIT:
+            tl.store(hs_base + BLOCK_KB * stride_hk + hs_tile, h2, mask=m2)
+        hs_base += stride_hc
+        g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
+        u = load_rows(u_base, t0, T, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK, BLOCK_V)  # [Q, BV]
+        w1 = load_rows(w_base, t0, T, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+        v_new = u - tl.dot(w1, h1, input_precision=DOT_PRECISION)  # [Q, BV]
+        if SPLIT:
+            w2 = load_rows(w_base, t0, T, stride_wt, stride_wk, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            v_new -= tl.dot(w2, h2, input_precision=DOT_PRECISION)
+        u_ptrs = u_base + t0.to(tl.int64) * stride_ut + offs_i[:, None] * stride_ut + offs_v[None, :] * stride_uv
+        tl.store(u_ptrs, v_new, mask=t_mask[:, None] & v_mask[None, :])
+        # ks is gc's [Nv, T] twin (same strides, the launcher checks)
+        k_row = tl.load(ks_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)  # [Q]
+        decay_last = tl.exp(g_last)
+        k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+        h1 = h1 * decay_last + tl.dot(tl.trans(k1 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
+        if SPLIT:
+            k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            h2 = h2 * decay_last + tl.dot(tl.trans(k2 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
+
+    tl.store(s_base + s_tile, h1, mask=m1)
+    if SPLIT:
+        tl.store(s_base + BLOCK_KB * stride_sk + s_tile, h2, mask=m2)
+
+
+def check_recurrence_inputs(mixed: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
+                            state: torch.Tensor, num_k_heads: int, block_v: int) -> tuple[int, int, int, int]:
+    """Shape/dtype/device checks shared by the recurrence launchers; returns (T, Nv, Dk, Dv). state: fp32
+    [Nv, Dk, Dv] (a slot's state, or one chunk's entry state); w None where the kernel does not read it.
+    Raises ValueError on any mismatch, Dk > 128, or a block_v that is not a power of two >= 16."""
+    if state.dim() != 3 or state.dtype != torch.float32:
+        raise ValueError(f"state must be fp32 [Nv, Dk, Dv], got {state.dtype} {tuple(state.shape)}")
+    nv, dk, dv = state.shape
+    if dk > MAX_DK:
+        raise ValueError(f"key head dim {dk} > {MAX_DK} is not supported (the state tile has two halves of {HALF})")
+    tokens = mixed.shape[0] if mixed.dim() == 2 else -1
+    if mixed.dtype != torch.float32 or tokens < 0 or mixed.shape[1] != 2 * num_k_heads * dk + nv * dv:
+        raise ValueError(f"mixed must be fp32 [T, 2*{num_k_heads}*{dk} + {nv}*{dv}], got {mixed.dtype} "
+                         f"{tuple(mixed.shape)}")
+    if num_k_heads <= 0 or nv % num_k_heads:
+        raise ValueError(f"value heads {nv} not a multiple of key heads {num_k_heads}")
+    for name, t, shape in (("w", w, (nv, tokens, dk)), ("u", u, (nv, tokens, dv)), ("gc", gc, (nv, tokens))):
+        if t is not None and (t.shape != shape or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if len({t.device for t in (mixed, w, u, gc, state) if t is not None}) != 1:
+        raise ValueError("all Gated DeltaNet recurrence tensors must be on one device")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    return tokens, nv, dk, dv
+
+
+def tiles(dk: int, dv: int, block_v: int) -> tuple[int, int]:
+    """(BLOCK_KB, BLOCK_V) the recurrence kernels run for head dims dk, dv and a requested block_v."""
+    return min(HALF, max(16, triton.next_power_of_2(dk))), min(block_v, max(16, triton.next_power_of_2(dv)))
+
+
+def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
+                    state: torch.Tensor, num_k_heads: int, *, block_v: int = BLOCK_V, precise: bool = True,
+                    states: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunked delta rule's state walk over one window of a sequence's prefill.
+
+    mixed fp32 [T, C] the conv output (k read from it and l2-normed here); w fp32 [Nv, T, Dk],
+    u fp32 [Nv, T, Dv], gc and ks fp32 [Nv, T] (ks with gc's strides) from gdn_chunk_wy (views into larger
+    buffers are fine);
+    state fp32 [Nv, Dk, Dv] (Dk <= 128) the slot's recurrent state, read as the state before token 0 and
+    overwritten with the state after token T-1. u is OVERWRITTEN with v' = u - w h, the values gdn_chunk_out
+    reads. block_v: value columns per program (power of two >= 16). precise: fp32-accurate products
+    (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models). states: optional fp32
+    [Nv, >= NT, Dk, Dv] buffer. Returns hs fp32 [Nv, NT, Dk, Dv]: the state entering each 64-token chunk.
+    T = 0: nothing is touched. Raises ValueError on mismatched shapes, dtypes or devices.
+    """
+    tokens, nv, dk, dv = check_recurrence_inputs(mixed, w, u, gc, state, num_k_heads, block_v)
+    if ks.shape != gc.shape or ks.dtype != torch.float32 or ks.stride() != gc.stride() or ks.device != gc.device:
+        raise ValueError(f"ks must be fp32 {tuple(gc.shape)} with gc's strides {gc.stride()}, got {ks.dtype} "
+                         f"{tuple(ks.shape)} strides {ks.stride()}")
+    chunks = triton.cdiv(tokens, CHUNK)
+    if states is None:
+        states = torch.empty(nv, chunks, dk, dv, dtype=torch.float32, device=mixed.device)
+    if (states.dim() != 4 or states.shape[0] != nv or states.shape[1] < chunks or states.shape[2:] != (dk, dv)
+            or states.dtype != torch.float32 or states.device != mixed.device):
+        raise ValueError(f"states must be fp32 [{nv}, >= {chunks}, {dk}, {dv}] on {mixed.device}, "
+                         f"got {states.dtype} {tuple(states.shape)}")
+    states = states[:, :chunks]
+    if tokens == 0:
+        return states
+    block_kb, block_v = tiles(dk, dv, block_v)
+    _gdn_chunk_state_kernel[(nv, triton.cdiv(dv, block_v))](
+        mixed, w, u, gc, ks, state, states, tokens,
+        *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state.stride(), *states.stride(),
+        KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), **LAUNCH,
+    )
+    return states
