@@ -173,7 +173,7 @@ class CudaGraphExecutor(ExecutorPools):
         with torch.cuda.stream(stream), torch.inference_mode():
             # warm-up: compiles the Triton kernels, creates cuBLAS handles, and tunes the kernels autotuned
             # per row count (rms_norm_router, the decode buckets' dense_gemm) at every bucket's T, since no
-            # capture may measure (rms_norm_router refuses an untuned key inside one)
+            # capture may measure (rms_norm_router would fall back to its default tile inside one)
             for b in buckets:
                 self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)

@@ -23,15 +23,20 @@ latency chain, not bandwidth. BE=1 or 2 gives 256 or 128 programs at T=1 (every 
 Expected (not yet measured): bs1 picks BE <= 2 (grid >= 128 programs) and drops below the unfused pair;
 bs16 keeps a BE >= 4 tile. scripts/bench_kernels.py records the chosen tile per T.
 Tuning never runs inside a CUDA graph capture: the executor's eager warm-up step per decode bucket
-(CudaGraphExecutor._capture) launches this kernel at every bucket's T first, and a launch that would tune
-during a capture raises instead. All tiles of one D run the same warp count (rms_norm.py's rule), so the
+(CudaGraphExecutor._capture) launches this kernel at every bucket's T first; a launch that would tune
+during a capture runs the default tile instead (with a warning), so a missed warm-up costs speed, never a start. All tiles of one D run the same warp count (rms_norm.py's rule), so the
 statistics, and so `total` and `out`, have the same bits under every tile; only the logits' summation
 order depends on the tile (within the tolerance below, at every batch size).
 """
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -124,7 +129,10 @@ def tune_key(x: torch.Tensor, weight: torch.Tensor, router: torch.Tensor) -> tup
 def tuned_tile(x: torch.Tensor, weight: torch.Tensor, router: torch.Tensor) -> dict | None:
     """{"block_e", "block_h", "num_warps"} the autotuner chose for a launch on these shapes and dtypes, or
     None while that key is untuned (always None off CUDA, where the default tile runs)."""
-    cfg = _TUNED.cache.get(tune_key(x, weight, router))
+    key = tune_key(x, weight, router)
+    cfg = _TUNED.cache.get(key)
+    if cfg is None:  # another Triton's key layout: match on the key values (T, D, E) and x's dtype
+        cfg = next((c for k, c in _TUNED.cache.items() if tuple(k[:3]) == key[:3] and key[3] in k[3:]), None)
     if cfg is None:
         return None
     return {"block_e": cfg.kwargs["BLOCK_E"], "block_h": cfg.kwargs["BLOCK_H"], "num_warps": cfg.num_warps}
@@ -133,6 +141,12 @@ def tuned_tile(x: torch.Tensor, weight: torch.Tensor, router: torch.Tensor) -> d
 def _tunes(x: torch.Tensor) -> bool:
     """Whether a launch without a given tile is autotuned: on CUDA only (the interpreter runs the default)."""
     return x.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_untuned(t: int, d: int, e: int, dtype: torch.dtype) -> None:
+    log.warning("rms_norm_router: no tuned tile for T=%d, D=%d, E=%d (%s) inside a CUDA graph capture; "
+                "the default %dx%d tile runs in this graph", t, d, e, dtype, DEFAULT_BLOCK_E, DEFAULT_BLOCK_H)
 
 
 def _capturing() -> bool:
@@ -151,8 +165,9 @@ def rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     the measured best tile for (T, D, E) and the dtypes (TUNE_TILES; tuned on the first launch of a key,
     which must not be inside a CUDA graph capture); otherwise the given tile, the missing side from the
     default 4 x 512.
-    Raises ValueError on mismatched shapes or dtypes or a block size that is not a power of two;
-    RuntimeError for an untuned key during a CUDA graph capture (run one eager launch of that shape first).
+    An untuned key met during a CUDA graph capture runs the default tile (a warning; the executor's eager
+    warm-up step per bucket tunes every key first).
+    Raises ValueError on mismatched shapes or dtypes or a block size that is not a power of two.
     """
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"x and residual must be [T, D] of one dtype, got {x.dtype} {tuple(x.shape)} and "
@@ -176,10 +191,13 @@ def rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         return total, out, logits
     args = (x, residual, weight, router, total, out, logits, t, d, e, eps)
     block_d = triton.next_power_of_2(d)
+    if tuned and _capturing() and tuned_tile(x, weight, router) is None:
+        # never benchmark inside a capture (the timing launches would be recorded into the graph); the
+        # executor's eager warm-up step tunes every bucket first, so this is a missed warm-up: run the
+        # default tile, correct and capturable, and say so once
+        _warn_untuned(t, d, e, x.dtype)
+        tuned = False
     if tuned:
-        if _capturing() and tuned_tile(x, weight, router) is None:
-            raise RuntimeError(f"rms_norm_router: no tuned tile for T={t}, D={d}, E={e} ({x.dtype}) inside a CUDA "
-                               f"graph capture; launch it once eagerly at this shape before capturing")
         _TUNED[lambda meta: (t, triton.cdiv(e, meta["BLOCK_E"]))](*args, UNIT_OFFSET=unit_offset, BLOCK_D=block_d)
     else:
         _rms_norm_router_kernel[(t, triton.cdiv(e, block_e))](
