@@ -7,7 +7,8 @@ launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
 current ones (an A/B of a kernel change on the same machine in one run). `fusions` holds each decode
-fusion's A/B; `route_lookup` the router + lookup A/B at --route-rows (where moe_route_lookup.FUSED_MAX_TILE,
+fusion's A/B (the norm + router rows also name rms_norm_router's autotuned tile at each T and time every
+candidate tile); `route_lookup` the router + lookup A/B at --route-rows (where moe_route_lookup.FUSED_MAX_TILE,
 the decode step's crossover, belongs); --only fusions runs just those two.
 """
 
@@ -170,14 +171,16 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     of the unfused side in the real step). Qwen3.6-35B-A3B shapes: H 2048, 256 experts, GDN 16 key / 32
     value heads of 128 (geo None), attention 16 query / 2 kv heads of 256 over 64 tokens. The router +
     lookup fusion has its own rows (route_lookup_points); moe_down's summing mode is gone (slower on the
-    H200: docs/fast-decode.md), its per-pair + moe_sum timing is moe_points'. dev/experts/geo/timer
-    (default _timed) let a CPU test run the same code at tiny shapes in Triton's interpreter."""
+    H200: docs/fast-decode.md), its per-pair + moe_sum timing is moe_points'. The norm + router rows also
+    name the tile rms_norm_router's autotuner chose at that T (`norm_router_tile`, CUDA only) and time each
+    candidate tile alone (`norm_router_tiles_us`, "BExBH"). dev/experts/geo/timer (default _timed) let a CPU
+    test run the same code at tiny shapes in Triton's interpreter."""
     import torch.nn.functional as F
 
     from adapters.kernels.gdn_decode import gdn_decode_step
     from adapters.kernels.paged_decode_attention import paged_decode_attention
     from adapters.kernels.rms_norm import rms_norm
-    from adapters.kernels.rms_norm_router import rms_norm_router
+    from adapters.kernels.rms_norm_router import TUNE_TILES, rms_norm_router, tuned_tile
     from adapters.torch_exec.gated_deltanet import GdnGeometry, LinearStatePool
 
     gen = torch.Generator(device=dev).manual_seed(2)
@@ -205,6 +208,11 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
         row["norm_router_unfused_us"] = timer(norm_then_gemv)
         row["norm_router_fused_us"] = timer(lambda x=x, res=res: rms_norm_router(x, res, norm_w, router, 1e-6,
                                                                                  unit_offset=True))
+        # the tile the autotuner picked for this T on CUDA (None elsewhere: the interpreter runs the default),
+        # and every candidate tile timed alone, so a run shows whether the pick is the fastest
+        row["norm_router_tile"] = tuned_tile(x, norm_w, router) if x.is_cuda else None
+        row["norm_router_tiles_us"] = {f"{be}x{bh}": timer(lambda x=x, res=res, be=be, bh=bh: rms_norm_router(
+            x, res, norm_w, router, 1e-6, unit_offset=True, block_e=be, block_h=bh)) for be, bh in TUNE_TILES}
         # GDN: the [64, 2048] bf16 a/b GEMV (cuBLAS) + the recurrence, or the recurrence projecting a/b
         slots = torch.arange(t, dtype=torch.int32, device=dev)
         qkv = bf(t, geo.conv_channels)
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
     p.add_argument("--only", choices=("fusions", "dedup"), default=None,
-                   help="fusions: only the fused-vs-unfused decode kernels (about 20 s); dedup: only the per-pair "
+                   help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up

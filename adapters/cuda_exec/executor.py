@@ -171,7 +171,10 @@ class CudaGraphExecutor(ExecutorPools):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            for b in buckets:  # warm-up: compiles the Triton kernels, creates cuBLAS handles
+            # warm-up: compiles the Triton kernels, creates cuBLAS handles, and tunes the kernels autotuned
+            # per row count (rms_norm_router, the decode buckets' dense_gemm) at every bucket's T, since no
+            # capture may measure (rms_norm_router would fall back to its default tile inside one)
+            for b in buckets:
                 self._set_replay_rows(b)
                 self.model.decode_step(self.inputs.view(b), self.kv, self.state, self.experts)
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -153,6 +153,8 @@ class FastDecoder(MoeDecoder):
                 h = self._gdn_decode(i, mixer, h, buf.state_slots, state, self.linear_layers.index(i))
             norm_w = w[f"layers.{i}.post_attention_layernorm.weight"]
             if self._fused_routing(i, h.shape[0], experts):
+                # its tile is autotuned per bucket on CUDA, by the executor's eager warm-up step (bs1 wants
+                # smaller e-blocks than bs16: adapters/kernels/rms_norm_router.py)
                 x, h, logits = norm_router(x, h, norm_w, w[f"layers.{i}.mlp.gate.weight"], eps, unit_offset=unit)
                 if experts.fuses_routing(h.shape[0], self.opts.top_k):
                     # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then

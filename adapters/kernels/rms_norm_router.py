@@ -11,12 +11,32 @@ output, so the logits read exactly the values `out` holds, widened to fp32 (what
 the norm's fp32 copy). Program (t, 0) stores the sum and the normalised row.
 NOTE: each row's programs read the whole router: T reads of it per step, from L2 after the first
 (2 MiB at the Qwen3.6 shape); one program per e-block for all rows would serialise the rows instead.
-Graph-capturable: grid (T, cdiv(E, BE)) from shapes only.
+
+Grid (T, cdiv(E, BE)), from shapes only (graph-capturable). The tile is chosen per (T, D, E) by
+measurement on CUDA (triton.autotune over TUNE_TILES), because one fixed tile cannot suit both ends of the
+decode buckets. Measured on the H200 with the old fixed BE=4, BH=512 (run 6, 2026-12-01, Qwen3.6): at
+batch 1 the kernel cost 6.7 us a launch (266 us a step) where the norm + cuBLAS gemvx it replaced cost
+~57 us a step less, while at batch 16 it won. At T=1 that tile gives only 64 programs (256 / 4) for 132
+SMs, each streaming 4 router rows (32 KiB fp32) one after the other behind its own statistics pass: a
+latency chain, not bandwidth. BE=1 or 2 gives 256 or 128 programs at T=1 (every SM busy, one or two
+8 KiB rows each); at T=16 the grid is large anyway and bigger BE amortise the per-program statistics.
+Expected (not yet measured): bs1 picks BE <= 2 (grid >= 128 programs) and drops below the unfused pair;
+bs16 keeps a BE >= 4 tile. scripts/bench_kernels.py records the chosen tile per T.
+Tuning never runs inside a CUDA graph capture: the executor's eager warm-up step per decode bucket
+(CudaGraphExecutor._capture) launches this kernel at every bucket's T first; a launch that would tune
+during a capture runs the default tile instead (with a warning), so a missed warm-up costs speed, never a start. All tiles of one D run the same warp count (rms_norm.py's rule), so the
+statistics, and so `total` and `out`, have the same bits under every tile; only the logits' summation
+order depends on the tile (within the tolerance below, at every batch size).
 """
+
+import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -35,8 +55,10 @@ def _normed(x_ptr, res_ptr, w_ptr, row_off, offs, mask, rstd, SUM_DTYPE: tl.cons
     return s, y.to(OUT_DTYPE)
 
 
-@triton.jit
-def _rms_norm_router_kernel(x_ptr, res_ptr, w_ptr, r_ptr, sum_ptr, out_ptr, logits_ptr, D, E, eps,
+# T (rows) is only the autotune key (the grid's first axis carries the rows); not specialised on, so its
+# value never compiles another variant
+@triton.jit(do_not_specialize=["T"])
+def _rms_norm_router_kernel(x_ptr, res_ptr, w_ptr, r_ptr, sum_ptr, out_ptr, logits_ptr, T, D, E, eps,
                             UNIT_OFFSET: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                             BLOCK_H: tl.constexpr):
     row = tl.program_id(0)
@@ -67,16 +89,85 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, w_ptr, r_ptr, sum_ptr, out_ptr, logi
     tl.store(logits_ptr + row.to(tl.int64) * E + offs_e, tl.sum(acc, axis=1), mask=e_ok)
 
 
+DEFAULT_BLOCK_E, DEFAULT_BLOCK_H = 4, 512  # the interpreter's tile, and the one given tiles default to
+# (BE, BH) tried on CUDA, once per (T, D, E, dtypes) before any graph capture: BE 1-2 for the one-row buckets
+# (>= 128 programs at E = 256), the old fixed 4 x 512, larger BE for the 8-16 row buckets (fewer programs
+# repeating the row statistics). Each at rms_norm.py's warp count for D only (see tune_warps).
+TUNE_TILES = ((1, 512), (1, 1024), (2, 512), (2, 1024), (4, 512), (8, 256), (8, 512), (16, 256))
+
+
+def tune_warps(d: int) -> int:
+    """Warps per program at width d: rms_norm.py's rule (4 up to 2048 columns, else 8), for every tile, so
+    the row statistics reduce in the same order whatever the tile."""
+    return 4 if d <= 2048 else 8
+
+
+def _prune(configs, named_args, **kwargs):
+    """The tiles at D's warp count whose BH does not pass the padded row (a wider step only masks); for a
+    row narrower than every BH (tiny test models), those of the narrowest BH."""
+    warps = [c for c in configs if c.num_warps == tune_warps(named_args["D"])]
+    fit = [c for c in warps if c.kwargs["BLOCK_H"] <= kwargs["BLOCK_D"]]
+    return fit or [c for c in warps if c.kwargs["BLOCK_H"] == min(w.kwargs["BLOCK_H"] for w in warps)]
+
+
+_TUNED = triton.autotune(
+    configs=[triton.Config({"BLOCK_E": be, "BLOCK_H": bh}, num_warps=w) for be, bh in TUNE_TILES for w in (4, 8)],
+    key=["T", "D", "E"],  # + every tensor argument's dtype (Triton adds them; see tune_key)
+    prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
+)(_rms_norm_router_kernel)
+
+
+def tune_key(x: torch.Tensor, weight: torch.Tensor, router: torch.Tensor) -> tuple:
+    """The key triton.autotune files a launch on x [T, D] under (Triton 3.x: the `key` arguments' values,
+    then str(dtype) of each tensor argument in order: x, residual, weight, router, sum, out, logits)."""
+    act = str(x.dtype)
+    return (x.shape[0], x.shape[1], router.shape[0], act, act, str(weight.dtype), str(router.dtype), act, act,
+            str(torch.float32))
+
+
+def tuned_tile(x: torch.Tensor, weight: torch.Tensor, router: torch.Tensor) -> dict | None:
+    """{"block_e", "block_h", "num_warps"} the autotuner chose for a launch on these shapes and dtypes, or
+    None while that key is untuned (always None off CUDA, where the default tile runs)."""
+    key = tune_key(x, weight, router)
+    cfg = _TUNED.cache.get(key)
+    if cfg is None:  # another Triton's key layout: match on the key values (T, D, E) and x's dtype
+        cfg = next((c for k, c in _TUNED.cache.items() if tuple(k[:3]) == key[:3] and key[3] in k[3:]), None)
+    if cfg is None:
+        return None
+    return {"block_e": cfg.kwargs["BLOCK_E"], "block_h": cfg.kwargs["BLOCK_H"], "num_warps": cfg.num_warps}
+
+
+def _tunes(x: torch.Tensor) -> bool:
+    """Whether a launch without a given tile is autotuned: on CUDA only (the interpreter runs the default)."""
+    return x.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_untuned(t: int, d: int, e: int, dtype: torch.dtype) -> None:
+    log.warning("rms_norm_router: no tuned tile for T=%d, D=%d, E=%d (%s) inside a CUDA graph capture; "
+                "the default %dx%d tile runs in this graph", t, d, e, dtype, DEFAULT_BLOCK_E, DEFAULT_BLOCK_H)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, router: torch.Tensor,
-                    eps: float, *, unit_offset: bool, block_e: int = 4, block_h: int = 512
+                    eps: float, *, unit_offset: bool, block_e: int | None = None, block_h: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x + residual, norm(x + residual), logits fp32 [T, E]) for x, residual [T, D] (same dtype).
 
     The first two are rms_norm(x, weight, eps, unit_offset=..., residual=residual)'s, in x.dtype; logits =
-    norm(...).float() @ router^T with fp32 accumulation (order the kernel's own: within ~1e-6 relative of
-    torch's F.linear). weight [D] (any float dtype); router fp32 [E, D] contiguous. block_e: router rows
-    per program, block_h: columns per step (powers of two).
-    Raises ValueError on mismatched shapes or dtypes.
+    norm(...).float() @ router^T with fp32 accumulation (order the kernel's own, set by the tile: within
+    ~1e-6 relative of torch's F.linear). weight [D] (any float dtype); router fp32 [E, D] contiguous.
+    block_e: router rows per program, block_h: columns per step (powers of two). Neither given on CUDA:
+    the measured best tile for (T, D, E) and the dtypes (TUNE_TILES; tuned on the first launch of a key,
+    which must not be inside a CUDA graph capture); otherwise the given tile, the missing side from the
+    default 4 x 512.
+    An untuned key met during a CUDA graph capture runs the default tile (a warning; the executor's eager
+    warm-up step per bucket tunes every key first).
+    Raises ValueError on mismatched shapes or dtypes or a block size that is not a power of two.
     """
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"x and residual must be [T, D] of one dtype, got {x.dtype} {tuple(x.shape)} and "
@@ -86,6 +177,9 @@ def rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"weight must be [{d}], got {tuple(weight.shape)}")
     if router.dim() != 2 or router.shape[1] != d or router.dtype != torch.float32 or not router.is_contiguous():
         raise ValueError(f"router must be a contiguous fp32 [E, {d}], got {router.dtype} {tuple(router.shape)}")
+    tuned = _tunes(x) and block_e is None and block_h is None
+    block_e = DEFAULT_BLOCK_E if block_e is None else block_e
+    block_h = DEFAULT_BLOCK_H if block_h is None else block_h
     for name, v in (("block_e", block_e), ("block_h", block_h)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
@@ -93,9 +187,20 @@ def rms_norm_router(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     x, residual = x.contiguous(), residual.contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
-    if t:
+    if not t:
+        return total, out, logits
+    args = (x, residual, weight, router, total, out, logits, t, d, e, eps)
+    block_d = triton.next_power_of_2(d)
+    if tuned and _capturing() and tuned_tile(x, weight, router) is None:
+        # never benchmark inside a capture (the timing launches would be recorded into the graph); the
+        # executor's eager warm-up step tunes every bucket first, so this is a missed warm-up: run the
+        # default tile, correct and capturable, and say so once
+        _warn_untuned(t, d, e, x.dtype)
+        tuned = False
+    if tuned:
+        _TUNED[lambda meta: (t, triton.cdiv(e, meta["BLOCK_E"]))](*args, UNIT_OFFSET=unit_offset, BLOCK_D=block_d)
+    else:
         _rms_norm_router_kernel[(t, triton.cdiv(e, block_e))](
-            x, residual, weight, router, total, out, logits, d, e, eps, UNIT_OFFSET=unit_offset,
-            BLOCK_D=triton.next_power_of_2(d), BLOCK_E=block_e, BLOCK_H=min(block_h, triton.next_power_of_2(d)),
-            num_warps=4 if d <= 2048 else 8)
+            *args, UNIT_OFFSET=unit_offset, BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_H=min(block_h, block_d),
+            num_warps=tune_warps(d))
     return total, out, logits

@@ -29,15 +29,27 @@ def tiny(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
 def test_fusion_points_run_both_sides_of_every_fusion(tiny):
+    from adapters.kernels.rms_norm_router import TUNE_TILES
     from adapters.torch_exec.gated_deltanet import GdnGeometry
 
     bench_kernels, timer, calls = tiny
     rows = bench_kernels.fusion_points([1, 2], dev="cpu", experts=16, geo=GdnGeometry(2, 4, 16, 16, 4), timer=timer)
     pairs = ("norm_router", "gdn_ab", "attn_gate")
+    tiles = {f"{be}x{bh}" for be, bh in TUNE_TILES}
     assert [r["tokens"] for r in rows] == [1, 2]
     for row in rows:
-        assert set(row) == {"tokens"} | {f"{p}_{side}_us" for p in pairs for side in ("fused", "unfused")}
-    assert len(calls) == 2 * 2 * len(pairs)
+        assert set(row) == {"tokens", "norm_router_tile", "norm_router_tiles_us"} | {
+            f"{p}_{side}_us" for p in pairs for side in ("fused", "unfused")}
+        assert row["norm_router_tile"] is None  # no autotuning off CUDA
+        assert set(row["norm_router_tiles_us"]) == tiles and set(row["norm_router_tiles_us"].values()) == {1.0}
+    assert len(calls) == 2 * (2 * len(pairs) + len(tiles))
+    # every candidate tile's run gives the default tile's logits (calls: per row, fused first, then the tiles)
+    per_row = 2 * len(pairs) + len(tiles)
+    for r in range(2):
+        fused = calls[r * per_row + 1]
+        for total, out, logits in calls[r * per_row + 2:r * per_row + 2 + len(tiles)]:
+            assert torch.equal(total, fused[0]) and torch.equal(out, fused[1])
+            assert torch.allclose(logits, fused[2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")

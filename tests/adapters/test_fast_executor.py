@@ -327,3 +327,57 @@ def test_decode_buckets_take_the_tensor_core_gemm_under_the_reference_prefill(tm
     # 4-row decode steps went through the GEMM; the 9-token prefill chunks did not
     assert 4 in gemm_rows and max(gemm_rows) <= 4, gemm_rows
     fast.check_valid()
+
+
+def test_every_decode_bucket_tunes_the_norm_router_before_its_capture(ckpt, monkeypatch):
+    """rms_norm_router's tile is autotuned per row count T on CUDA; the executor's eager warm-up step of
+    each bucket (CudaGraphExecutor._capture) must tune it at that bucket's T before any graph capture
+    starts, since measuring inside a capture is impossible (the launcher refuses an untuned key there).
+    Run on any device: the CUDA graph calls are faked (a capture just marks its span) and the tuned path
+    is forced with a fake timer, so the real _capture sequence and decode steps run."""
+    import contextlib
+    import types
+
+    import adapters.kernels.rms_norm_router as nr
+
+    capturing: list = []  # non-empty while a (fake) capture is open
+    events: list[tuple] = []
+
+    def fake_bench(*args, config, **meta):
+        assert not capturing, "the norm-router autotuner measured inside a graph capture"
+        events.append(("tune", args[7]))  # T
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(nr, "_tunes", lambda x: True)
+    monkeypatch.setattr(nr, "_capturing", lambda: bool(capturing))
+    monkeypatch.setattr(nr._TUNED, "cache", {})
+    monkeypatch.setattr(nr._TUNED, "cache_results", False)
+    monkeypatch.setattr(nr._TUNED, "_bench", fake_bench)
+
+    @contextlib.contextmanager
+    def fake_capture(graph, pool=None, capture_error_mode=None):
+        events.append(("capture",))
+        capturing.append(graph)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    for name, fake in (("Stream", lambda device=None: stream), ("current_stream", lambda device=None: stream),
+                       ("stream", lambda s: contextlib.nullcontext()), ("graph", fake_capture),
+                       ("CUDAGraph", lambda: object()), ("graph_pool_handle", lambda: None),
+                       ("synchronize", lambda device=None: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    fast = _fast(ckpt, ckpt.spec.top_k * 4, use_graphs=True, prefill_kernels=False)
+    buckets = decode_buckets(fast.decode_rows)
+    assert sorted(fast.graphs) == list(buckets) and events.count(("capture",)) == len(buckets)
+    fused = [b for b in buckets if fast.model._fused_routing(0, b, fast.experts)]
+    assert bool(fused) == (fast.experts.has_shared or not fast.model.opts.shared_expert)
+    first_capture = events.index(("capture",))
+    assert sorted({e[1] for e in events[:first_capture] if e[0] == "tune"}) == fused
+    assert all(e[0] == "capture" for e in events[first_capture:])
+    x = torch.empty(1, fast.model.opts.hidden, dtype=fast.dtype, device=fast.device)
+    norm_w, router = fast.model.w["layers.0.post_attention_layernorm.weight"], fast.model.w["layers.0.mlp.gate.weight"]
+    for b in fused:
+        assert nr.tuned_tile(x.expand(b, -1), norm_w, router) is not None

@@ -63,6 +63,102 @@ def test_norm_router_refuses_bad_input():
         rms_norm_router(x, x, torch.randn(8), torch.randn(4, 8), 1e-6, unit_offset=True, block_e=3)
 
 
+def _norm_router_inputs(t, d=80, e=21, seed=5, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed + t)
+    x, res = (torch.randn(t, d, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    w = (torch.randn(d, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    router = (torch.randn(e, d, generator=gen) * 0.2).to(DEVICE)
+    return x, res, w, router
+
+
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_norm_router_small_tiles_give_the_default_launchs_results(t):
+    """The tiles the autotuner may pick for few rows (1 or 2 router rows per program, several column steps,
+    E=21 leaving a ragged last e-block, D=80 a masked tail) against the launch without a tile (the default
+    tile here, the autotuned one on a GPU): the same sum and normalised row, bit for bit (every tile runs
+    the same warp count, so the same statistics), and logits equal up to the summation order."""
+    x, res, w, router = _norm_router_inputs(t)
+    want_total, want_out, want_logits = rms_norm_router(x, res, w, router, 1e-6, unit_offset=True)
+    assert want_logits.abs().min() > 0
+    for block_e in (1, 2):
+        for block_h in (16, 32, 64, 128):
+            total, out, logits = rms_norm_router(x, res, w, router, 1e-6, unit_offset=True, block_e=block_e,
+                                                 block_h=block_h)
+            assert torch.equal(total, want_total) and torch.equal(out, want_out), (block_e, block_h)
+            assert rel(logits, want_logits) < 1e-6, (block_e, block_h)
+            assert rel(logits, F.linear(out.float(), router)) < 1e-5
+
+
+def test_norm_router_tile_candidates_keep_enough_programs_and_one_warp_count():
+    """The autotuner's candidates at the Qwen3.6 shape (D 2048, E 256): at least one fills >= 128 programs at
+    one row (the bs1 grid of the old 4 x 512 tile was 64 for 132 SMs), the old tile stays a candidate, all
+    run rms_norm's warp count (4 to 2048 columns, 8 above); a row narrower than every BH keeps the
+    narrowest."""
+    import adapters.kernels.rms_norm_router as nr
+
+    kept = nr._prune(nr._TUNED.configs, {"D": 2048}, BLOCK_D=2048)
+    tiles = {(c.kwargs["BLOCK_E"], c.kwargs["BLOCK_H"]) for c in kept}
+    assert tiles == set(nr.TUNE_TILES) and {c.num_warps for c in kept} == {4}
+    assert max(-(-256 // be) for be, _ in tiles) >= 256 and (4, 512) in tiles
+    assert {c.num_warps for c in nr._prune(nr._TUNED.configs, {"D": 4096}, BLOCK_D=4096)} == {8}
+    narrow = nr._prune(nr._TUNED.configs, {"D": 80}, BLOCK_D=128)
+    assert narrow and {c.kwargs["BLOCK_H"] for c in narrow} == {min(bh for _, bh in nr.TUNE_TILES)}
+
+
+def test_norm_router_tunes_per_row_count_and_never_inside_a_capture(monkeypatch):
+    """The autotuned launch (forced here, with a fake timer, so the CPU runs it): one key per row count T
+    (the bs1 and bs16 buckets get their own tiles), the fastest candidate chosen and its results those of
+    an explicit launch of that tile; inside a CUDA graph capture a tuned T launches without measuring and
+    an untuned T runs the default tile instead of benchmarking in the capture."""
+    import adapters.kernels.rms_norm_router as nr
+
+    monkeypatch.setattr(nr, "_tunes", lambda x: True)
+    monkeypatch.setattr(nr._TUNED, "cache", {})
+    monkeypatch.setattr(nr._TUNED, "cache_results", False)  # no disk cache: this test's fake timings only
+    measured = []
+    fastest = {1: (2, 16), 2: (1, 32)}  # per T: the tile the fake timer makes fastest
+
+    def fake_bench(*args, config, **meta):
+        t, d = args[7], args[8]
+        assert config.num_warps == nr.tune_warps(d)
+        measured.append((t, config.kwargs["BLOCK_E"], config.kwargs["BLOCK_H"]))
+        ms = 1.0 if (config.kwargs["BLOCK_E"], config.kwargs["BLOCK_H"]) == fastest[t] else 2.0
+        return [ms, ms, ms]
+
+    monkeypatch.setattr(nr._TUNED, "_bench", fake_bench)
+    configs = [triton_config(be, bh) for be, bh in ((1, 16), (2, 16), (1, 32), (4, 32))]
+    monkeypatch.setattr(nr._TUNED, "configs", configs)
+    for t in (1, 2):
+        x, res, w, router = _norm_router_inputs(t, d=48, e=6)
+        got = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False)
+        assert sorted(m[1:] for m in measured if m[0] == t) == sorted(
+            (c.kwargs["BLOCK_E"], c.kwargs["BLOCK_H"]) for c in configs)
+        be, bh = fastest[t]
+        assert nr.tuned_tile(x, w, router) == {"block_e": be, "block_h": bh, "num_warps": 4}
+        want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_e=be, block_h=bh)
+        for ours, theirs in zip(got, want, strict=True):
+            assert torch.equal(ours, theirs)
+    assert len(nr._TUNED.cache) == 2
+    monkeypatch.setattr(nr, "_capturing", lambda: True)
+    before = len(measured)
+    x, res, w, router = _norm_router_inputs(1, d=48, e=6)
+    nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False)  # tuned: no measuring in the capture
+    assert len(measured) == before
+    x, res, w, router = _norm_router_inputs(4, d=48, e=6)
+    got = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False)  # untuned: the default tile, unmeasured
+    want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_e=nr.DEFAULT_BLOCK_E,
+                              block_h=nr.DEFAULT_BLOCK_H)
+    for ours, theirs in zip(got, want, strict=True):
+        assert torch.equal(ours, theirs)
+    assert len(measured) == before and len(nr._TUNED.cache) == 2
+
+
+def triton_config(block_e: int, block_h: int):
+    import triton
+
+    return triton.Config({"BLOCK_E": block_e, "BLOCK_H": block_h}, num_warps=4)
+
+
 def _tables(r: DeviceResidency):
     return [v.clone() for v in (r.slot_of_key, r.key_of_slot, r.stamp, r.clock, r._counters)]
 
