@@ -20,6 +20,11 @@ from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.model_spec import BF16_BYTES, ModelSpec
 
 FP32_BYTES = 4
+# The fast prefill's Gated DeltaNet recurrence (adapters/cuda_exec/prefill.py, the split one) walks a span
+# in windows of this many tokens and keeps the fp32 [Dk, Dv] state entering each 64-token chunk of one
+# window: a per-step term, not a per-token one.
+GDN_WINDOW_TOKENS = 2048
+GDN_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -85,15 +90,16 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -
     Per layer kind, what one layer holds at once (the residual stream, its norm, the mixer's and the
     MoE's outputs: 4 x H in the model dtype, live throughout):
     - Gated DeltaNet: the projections qkv [C], z [Nv*Dv], a and b [Nv] and the normed core [Nv*Dv] in
-      the model dtype, and the fp32 scratch of the chunk kernels 4 * (C + Nv*(Dk + 2*Dv + 1))
-      (gdn_prefill's docstring: the conv output, w, u, the gates and the core output);
+      the model dtype, and the fp32 scratch of the chunk kernels 4 * (C + Nv*(Dk + 2*Dv + 2))
+      (gdn_prefill's docstring: the conv output, w, u, the gates gc and the key scales ks, the core
+      output); the window of entry states is gdn_window_bytes, per step;
     - MoE: fp32 partials [(K+s)*H] and the intermediate [(K+s)*I] in the model dtype (grouped_moe),
       fp32 router logits [E], the weights, ids and the alignment's index arrays ((4+8+12) bytes per pair);
       s = 1 with a shared expert;
     - full attention: q with its gate [2*N*D], k and v [2*M*D], the attention output and its gated copy
       [2*N*D], all in the model dtype. The context's K/V, gathered per layer (2*X*M*D, 64 MiB at 32k for
       Qwen3.6), is not per chunk token and is left to the memory ratio's headroom.
-    Qwen3.6-35B-A3B in bf16: 131,328 bytes (128.25 KiB) per token, the Gated DeltaNet layer's.
+    Qwen3.6-35B-A3B in bf16: 131,456 bytes (128.4 KiB) per token, the Gated DeltaNet layer's.
     """
     if dtype_bytes < 1:
         raise ValueError(f"dtype_bytes must be >= 1, got {dtype_bytes}")
@@ -103,7 +109,7 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -
     if spec.num_linear_attention_layers:
         c = spec.linear_conv_channels
         nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
-        gdn = d * (c + 2 * nv * dv + 2 * nv) + FP32_BYTES * (c + nv * (dk + 2 * dv + 1))
+        gdn = d * (c + 2 * nv * dv + 2 * nv) + FP32_BYTES * (c + nv * (dk + 2 * dv + 2))
     pairs = spec.top_k + (1 if spec.shared_expert_intermediate else 0)
     moe = FP32_BYTES * pairs * h + d * pairs * spec.expert_intermediate + FP32_BYTES * spec.num_experts + 24 * pairs
     attention = 0
@@ -113,15 +119,28 @@ def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -
     return common + max(gdn, moe, attention)
 
 
+def gdn_window_bytes(spec: ModelSpec, step_tokens: int) -> int:
+    """fp32 entry states the split Gated DeltaNet recurrence keeps for one window of a step of step_tokens:
+    Nv*Dk*Dv*4 bytes per 64-token chunk, at most GDN_WINDOW_TOKENS / 64 chunks (64 MiB for Qwen3.6);
+    0 for a model without Gated DeltaNet layers. Raises ValueError on a negative count."""
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
+    if not spec.num_linear_attention_layers:
+        return 0
+    chunks = -(-min(step_tokens, GDN_WINDOW_TOKENS) // GDN_CHUNK_TOKENS)
+    return FP32_BYTES * spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * chunks
+
+
 def step_activation_bytes(spec: ModelSpec, step_tokens: int, sampled_rows: int,
                           dtype_bytes: int = BF16_BYTES) -> int:
-    """Activations of the largest step: step_tokens x activation_bytes_per_token, plus the logits of the
-    rows that sample ([rows, V] fp32 and its model-dtype matmul output). step_tokens is what the step may
-    hold (the scheduler's max_step_tokens, no more than every running sequence's whole context).
+    """Activations of the largest step: step_tokens x activation_bytes_per_token, the Gated DeltaNet
+    recurrence's window of entry states (gdn_window_bytes), plus the logits of the rows that sample
+    ([rows, V] fp32 and its model-dtype matmul output). step_tokens is what the step may hold (the
+    scheduler's max_step_tokens, no more than every running sequence's whole context).
     Raises ValueError on negative counts."""
     if step_tokens < 0 or sampled_rows < 0:
         raise ValueError(f"step_tokens and sampled_rows must be >= 0, got {step_tokens}, {sampled_rows}")
-    return (step_tokens * activation_bytes_per_token(spec, dtype_bytes)
+    return (step_tokens * activation_bytes_per_token(spec, dtype_bytes) + gdn_window_bytes(spec, step_tokens)
             + sampled_rows * spec.vocab_size * (FP32_BYTES + dtype_bytes))
 
 

@@ -7,6 +7,7 @@ hardware profile (docs/adr/0010-streamed-prefill.md).
 
     python scripts/bench_prefill.py --out $OUT [--prompts 4096,8192,32768] [--scenarios resident,slots,lru]
         [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--staging-copy engine|kernel]
+        [--gdn-recurrence split|fused]
         [--format fp8_block] [--layers N]
 
 Scenarios: `resident` holds every expert (preloaded; nothing streams); `slots` holds --moe-slots experts
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step (--max-prefill-length)")
     p.add_argument("--prefill-kernels", default="triton", choices=("triton", "reference"),
                    help="the token mixers' prefill (the MoE streams either way)")
+    p.add_argument("--gdn-recurrence", default="split", choices=("split", "fused"),
+                   help="Gated DeltaNet recurrence: state walk + parallel output (default) or the one-kernel scan")
     p.add_argument("--link-gbps", type=float, default=None, help="link rate of the bound (default: measured)")
     p.add_argument("--profile-tokens", type=int, default=4096, help="prompt of the per-component profile; 0: none")
     args = p.parse_args(argv)
@@ -329,7 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
     from adapters.checkpoint.loader import load_checkpoint
     from adapters.checkpoint.synth import synthesize
     from adapters.checkpoint.synth_config import GEOMETRIES
+    from adapters.cuda_exec import prefill
     from domain.streamed_prefill import LINK_BYTES_PER_S
+
+    prefill.GDN_RECURRENCE = args.gdn_recurrence  # an A/B knob of the module, read at every call
 
     hardware = hardware_profile(args.device)
     measured = hardware.get("h2d_pinned_gbps")

@@ -32,6 +32,7 @@ from adapters.torch_exec.full_attention import FullAttention
 from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
 from adapters.torch_exec.linear import linear
 from adapters.torch_exec.paged_attention import PagedKVCache
+from domain.step_budget import GDN_CHUNK_TOKENS, GDN_WINDOW_TOKENS
 
 Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, I], weight [O, I] or QTensor) -> [T, O]
 
@@ -41,8 +42,9 @@ Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, I], weight [O,
 GDN_RECURRENCE = "split"
 # Tokens per state walk of the split recurrence: the per-chunk entry states it keeps (Nv*Dk*Dv fp32 per 64
 # tokens, 2 MiB at Qwen3.6) stay at GDN_WINDOW / 64 chunks (64 MiB) whatever the span length.
-GDN_WINDOW = 2048
-assert GDN_WINDOW % CHUNK == 0  # windows start on chunk boundaries, where gdn_chunk_wy's gc restarts
+# The domain's activation reserve counts this window (domain/step_budget.py gdn_window_bytes).
+GDN_WINDOW = GDN_WINDOW_TOKENS
+assert GDN_WINDOW % CHUNK == 0 and CHUNK == GDN_CHUNK_TOKENS  # windows start where gdn_chunk_wy's gc restarts
 
 
 def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, layer: int, slot: int, *,

@@ -143,7 +143,7 @@ def _tunes(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_untuned(t: int, d: int, e: int, dtype: torch.dtype) -> None:
     log.warning("rms_norm_router: no tuned tile for T=%d, D=%d, E=%d (%s) inside a CUDA graph capture; "
                 "the default %dx%d tile runs in this graph", t, d, e, dtype, DEFAULT_BLOCK_E, DEFAULT_BLOCK_H)

@@ -440,6 +440,27 @@ def test_fast_executor_with_kernel_prefill_gives_the_reference_tokens(tmp_path, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precise", [True, False])
+def test_gpu_split_recurrence_matches_the_fused_scan_across_windows(precise, monkeypatch):
+    """Qwen3.6 geometry, 2,500 tokens (two 2,048-token windows of the state walk, a 4-token chunk tail): the
+    split recurrence against the fused scan (same operations: within 1e-6, expected bitwise) and against
+    chunked_delta_rule (3xTF32: 1e-4; one TF32 pass: 2e-2)."""
+    geo = GdnGeometry(16, 32, 128, 128, 4)
+    mixed, a, b, neg_a, dt_bias, state = random_wy_inputs(geo, 2500, seed=5)
+    want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, 16, 128, 128, precise=precise)
+    results = {}
+    for mode in ("split", "fused"):
+        monkeypatch.setattr(prefill, "GDN_RECURRENCE", mode)
+        s = state.clone()
+        results[mode] = prefill.delta_rule(mixed, w, u.clone(), gc, ks, s, 16, precise=precise), s
+    (core, final), (fused, fused_state) = results["split"], results["fused"]
+    assert rel_err(core, fused) < 1e-6 and rel_err(final, fused_state) < 1e-6
+    bound = 1e-4 if precise else 2e-2
+    assert rel_err(core, want) < bound and rel_err(final, want_state) < bound
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_gpu_gdn_prefill_qwen36_geometry(dtype, bound):
     """Nk=16, Nv=32, Dk=Dv=128, W=4 (C = 8192): a 700-token prompt in spans of 300 and 400 (tails of 44 and

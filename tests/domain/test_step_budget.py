@@ -19,12 +19,14 @@ from domain.step_budget import (
     StepCost,
     activation_bytes_per_token,
     blame_step,
+    gdn_window_bytes,
     reserve_step,
     step_activation_bytes,
 )
 from tests.domain.test_budget import QWEN3_MOE_LIKE, TINY
 
 GIB = 2**30
+MIB = 2**20
 
 
 def test_the_line_through_two_steps():
@@ -66,9 +68,15 @@ def test_the_adr_arithmetic_from_the_h200_record():
 
 def test_activations_of_qwen36_per_token_and_per_step():
     spec = qwen36_35b_a3b()
-    assert activation_bytes_per_token(spec) == 131_328  # the Gated DeltaNet layer's, in bf16
-    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_328 + 4 * spec.vocab_size * 6
-    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.0075, abs=1e-3)
+    assert activation_bytes_per_token(spec) == 131_456  # the Gated DeltaNet layer's, in bf16
+    # the split recurrence's entry states: 32 value heads x 128 x 128 fp32 per 64 tokens, one 2,048-token window
+    assert gdn_window_bytes(spec, 1) == 2 * MIB and gdn_window_bytes(spec, 65) == 4 * MIB
+    assert gdn_window_bytes(spec, 2048) == gdn_window_bytes(spec, 32768) == 64 * MIB
+    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_456 + 64 * MIB + 4 * spec.vocab_size * 6
+    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.0710, abs=1e-3)
+    assert gdn_window_bytes(QWEN3_MOE_LIKE, 8192) == 0  # no Gated DeltaNet layers
+    with pytest.raises(ValueError, match="step_tokens"):
+        gdn_window_bytes(spec, -1)
     assert activation_bytes_per_token(spec, dtype_bytes=4) > activation_bytes_per_token(spec)
     with pytest.raises(ValueError, match="step_tokens"):
         step_activation_bytes(spec, -1, 0)
@@ -103,7 +111,7 @@ def test_a_step_the_budget_cannot_hold_is_refused_and_named():
     assert isinstance(refused, PlanRefusal) and refused.pool == "moe"
     named = blame_step(refused, plan_pools(spec, tight, explicit), 32768, act32)
     assert named.pool == "activation" and named.shortfall_bytes == refused.shortfall_bytes
-    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.01 GiB" in named.message
+    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.08 GiB" in named.message
     assert "lower --max-prefill-length" in named.message
     # the shortfall is exact: that many bytes more and the pools fit beside the reserve
     more = replace(tight, total_bytes=tight.total_bytes + named.shortfall_bytes)
