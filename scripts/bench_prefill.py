@@ -7,7 +7,7 @@ hardware profile (docs/adr/0010-streamed-prefill.md).
 
     python scripts/bench_prefill.py --out $OUT [--prompts 4096,8192,32768] [--scenarios resident,slots,lru]
         [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--staging-copy engine|kernel]
-        [--gdn-recurrence split|fused]
+        [--gdn-recurrence split|fused] [--wy-inverse blocked|substitution]
         [--format fp8_block] [--layers N]
 
 Scenarios: `resident` holds every expert (preloaded; nothing streams); `slots` holds --moe-slots experts
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the token mixers' prefill (the MoE streams either way)")
     p.add_argument("--gdn-recurrence", default="split", choices=("split", "fused"),
                    help="Gated DeltaNet recurrence: state walk + parallel output (default) or the one-kernel scan")
+    p.add_argument("--wy-inverse", default="blocked", choices=("blocked", "substitution"),
+                   help="Gated DeltaNet WY inverse: block doubling on tensor cores (default) or row substitution")
     p.add_argument("--link-gbps", type=float, default=None, help="link rate of the bound (default: measured)")
     p.add_argument("--profile-tokens", type=int, default=4096, help="prompt of the per-component profile; 0: none")
     args = p.parse_args(argv)
@@ -335,7 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
     from adapters.cuda_exec import prefill
     from domain.streamed_prefill import LINK_BYTES_PER_S
 
-    prefill.GDN_RECURRENCE = args.gdn_recurrence  # an A/B knob of the module, read at every call
+    from adapters.kernels import gdn_chunk_wy
+
+    prefill.GDN_RECURRENCE = args.gdn_recurrence  # A/B knobs of the modules, read at every call
+    gdn_chunk_wy.BLOCKED_INVERSE = args.wy_inverse == "blocked"
 
     hardware = hardware_profile(args.device)
     measured = hardware.get("h2d_pinned_gbps")

@@ -10,8 +10,9 @@ Math (adapters/torch_exec/gated_deltanet.py chunked_delta_rule, per chunk and he
   X = (I + A)^-1, u = X (v * beta), w = X (k * beta * exp(gc)),
   and for the split recurrence's state walk ks = |k|^-1 * exp(gc_last - gc) (gc_last: the chunk's last
   real token's), the factor that normalises a key and decays it to its chunk's end.
-The inverse by forward substitution over the rows of the [Q, Q] tile (stable: X is unit lower triangular,
-each row a combination of the rows above it); the products on tensor cores.
+The inverse by block doubling (BLOCKED_INVERSE, the default: six rounds of M <- M - M C M on tensor
+cores, not yet timed on a GPU) or by forward substitution over the rows of the [Q, Q] tile (X is unit lower triangular, each row a
+combination of the rows above it); the products on tensor cores.
 Tokens past T in the last chunk act as the reference's zero padding (g = 0, beta = 0, k = v = 0).
 """
 
@@ -22,6 +23,9 @@ import triton.language as tl
 CHUNK = 64
 LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
 TILE = 64  # key / value columns per tile
+# (I + A)^-1 by block doubling on tensor cores (True) or by row-by-row forward substitution (False, the
+# original; kept for A/B runs: scripts/bench_prefill.py --wy-inverse substitution). Not yet timed on a GPU.
+BLOCKED_INVERSE = True
 
 
 def dot_precision(precise: bool) -> str:
@@ -53,7 +57,7 @@ def _gdn_chunk_wy_kernel(
     stride_gh, stride_gt,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCKED_INVERSE: tl.constexpr, LOG2_CHUNK: tl.constexpr,
 ):
     """Program (chunk, value head): writes gc [Q], ks [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32). Key and value
     columns go in tiles of TILE (whole [Q, 128] fp32 tiles spill registers on sm_90)."""
@@ -90,14 +94,32 @@ def _gdn_chunk_wy_kernel(
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
     neg = tl.where(lower, -kk * ((beta * rk)[:, None] * rk[None, :]) * decay, 0.0)  # -A
 
-    # Forward substitution: row i of N = X - I is -A[i] + sum_{j<i} (-A[i, j]) N[j]; rows above i already
-    # hold N, rows below still hold -A.
-    for i in range(1, CHUNK):
-        pick = offs_i == i
-        row = tl.sum(tl.where(pick[:, None], neg, 0.0), 0)  # [Q] = -A[i]
-        row = row + tl.sum(row[:, None] * neg, 0) * (offs_i < i)
-        neg = tl.where(pick[:, None], row[None, :], neg)
-    inv = neg + tl.where(offs_i[:, None] == offs_i[None, :], 1.0, 0.0)  # X = (I + A)^-1
+    eye = tl.where(offs_i[:, None] == offs_i[None, :], 1.0, 0.0)
+    if BLOCKED_INVERSE:
+        # Block doubling: M holds the inverses of L = I + A's diagonal blocks of size b (b = 1: I). Joining
+        # the two halves of every 2b block, [[X1, 0], [C, X2]]^-1's corner is -X2 C X1, i.e. for all blocks
+        # at once M <- M - M C M, C the L entries of the joins. log2(Q) = 6 rounds of two [Q, Q] products on
+        # tensor cores instead of Q - 1 dependent row updates with cross-warp reductions, at the w and u
+        # products' precision (3xTF32 for fp32 models; one TF32 pass for bf16/fp16 ones, whose rounding stays
+        # below the model dtype's; 3xTF32 there spilled 392 B a thread on sm_90). The exact block-triangular
+        # inverse, not a series: in fp32 it came closer to a float64 inverse than the substitution did
+        # (7.7e-7 against 3.2e-6 on nearly parallel keys, test_wy_inverse_by_doubling_or_substitution_...).
+        rows, cols = offs_i[:, None], offs_i[None, :]
+        inv = eye
+        for level in range(LOG2_CHUNK):  # not unrolled: six unrolled rounds spill ~2 KiB a thread
+            # (i, j) in one block of 2^(level+1) rows, i in its lower half, j in its upper half
+            join = (rows >> (level + 1) == cols >> (level + 1)) & (rows >> level == (cols >> level) + 1)
+            c = tl.where(join, -neg, 0.0)  # A's entries there (L = I + A off the diagonal)
+            inv = inv - tl.dot(tl.dot(inv, c, input_precision=DOT_PRECISION), inv, input_precision=DOT_PRECISION)
+    else:
+        # Forward substitution: row i of N = X - I is -A[i] + sum_{j<i} (-A[i, j]) N[j]; rows above i
+        # already hold N, rows below still hold -A.
+        for i in range(1, CHUNK):
+            pick = offs_i == i
+            row = tl.sum(tl.where(pick[:, None], neg, 0.0), 0)  # [Q] = -A[i]
+            row = row + tl.sum(row[:, None] * neg, 0) * (offs_i < i)
+            neg = tl.where(pick[:, None], row[None, :], neg)
+        inv = neg + eye  # X = (I + A)^-1
 
     t64 = offs_t.to(tl.int64)[:, None]
     offs_c = tl.arange(0, TILE)
@@ -158,6 +180,7 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
         mixed, a, b, neg_a, dt_bias, w, u, gc, ks, tokens,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
-        BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise), **LAUNCH,
+        BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise),
+        BLOCKED_INVERSE=BLOCKED_INVERSE, LOG2_CHUNK=CHUNK.bit_length() - 1, **LAUNCH,
     )
     return w, u, gc, ks
