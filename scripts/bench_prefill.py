@@ -335,9 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     from adapters.checkpoint.synth import synthesize
     from adapters.checkpoint.synth_config import GEOMETRIES
     from adapters.cuda_exec import prefill
-    from domain.streamed_prefill import LINK_BYTES_PER_S
-
     from adapters.kernels import gdn_chunk_wy
+    from domain.streamed_prefill import LINK_BYTES_PER_S
 
     prefill.GDN_RECURRENCE = args.gdn_recurrence  # A/B knobs of the modules, read at every call
     gdn_chunk_wy.BLOCKED_INVERSE = args.wy_inverse == "blocked"
