@@ -15,11 +15,59 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.gdn_chunk_state import CHUNK, check_recurrence_inputs, tiles
+from adapters.kernels.gdn_chunk_state import (
+    CHUNK,
+    check_recurrence_inputs,
+    chunk_gates,
+    core_buffer,
+    load_state,
+    tiles,
+)
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
 # 8 warps, 32 value columns: no ptxas spill for bf16 models (40 B with 4 warps; Triton 3.9 sm_90 build)
 LAUNCH = dict(num_warps=8, num_stages=1)
+
+
+@triton.jit
+def chunk_attention(q_base, k_base, t0, T, stride_t, stride_c, gc, q_scale, DK: tl.constexpr, CHUNK: tl.constexpr,
+                    BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The chunk's intra-chunk attention attn [Q, Q] = tril(q k^T * exp(gc_i - gc_j)) with q, k l2-normed
+    (q also scaled), and what the output and the state update reuse: the raw [Q, KB] halves q1, q2, k1, k2
+    (q2 = q1, k2 = k1 when not SPLIT) and the row factors rq [Q] (|q|^-1 * q_scale), rk [Q] (|k|^-1).
+    q_base/k_base: the head's first column in the conv output; gc: chunk_gates' [Q]."""
+    offs_i = tl.arange(0, CHUNK)
+    causal = offs_i[:, None] >= offs_i[None, :]
+    q1 = load_rows(q_base, t0, T, stride_t, stride_c, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+    k1 = load_rows(k_base, t0, T, stride_t, stride_c, 0, DK, CHUNK, BLOCK_KB)
+    sq = tl.sum(q1 * q1, 1)
+    sk = tl.sum(k1 * k1, 1)
+    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)  # [Q, Q] before the norms
+    if SPLIT:
+        q2 = load_rows(q_base, t0, T, stride_t, stride_c, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+        k2 = load_rows(k_base, t0, T, stride_t, stride_c, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+        sq += tl.sum(q2 * q2, 1)
+        sk += tl.sum(k2 * k2, 1)
+        qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
+    else:
+        q2, k2 = q1, k1
+    rq = tl.rsqrt(sq + 1e-6) * q_scale  # [Q] l2norm then Dk**-0.5
+    rk = tl.rsqrt(sk + 1e-6)
+    # NOTE: exp only on the causal half: there gc_i - gc_j <= 0, above it it could overflow.
+    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+    attn = tl.where(causal, qk * (rq[:, None] * rk[None, :]) * decay, 0.0)  # [Q, Q]
+    return attn, q1, q2, k1, k2, rq, rk
+
+
+@triton.jit
+def chunk_output(attn, v_new, q1, q2, rq, gc, h1, h2, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """o [Q, BV] = attn v' + (q * rq * exp(gc)) h for the state halves h1, h2 entering the chunk."""
+    o = tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
+    q_row = rq * tl.exp(gc)
+    o += tl.dot(q1 * q_row[:, None], h1, input_precision=DOT_PRECISION)
+    if SPLIT:
+        o += tl.dot(q2 * q_row[:, None], h2, input_precision=DOT_PRECISION)
+    return o
 
 
 @triton.jit
@@ -43,47 +91,22 @@ def _gdn_chunk_out_kernel(
     offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
-    v_mask = offs_v < DV
-    causal = offs_i[:, None] >= offs_i[None, :]
     t0 = chunk * CHUNK
     t_mask = t0 + offs_i < T
 
-    g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
-    gc = tl.load(gc_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)
-    gc = tl.where(t_mask, gc, g_last)  # [Q] padded rows carry the last real decay (as the state walk)
+    _, gc = chunk_gates(gc_ptr + head * stride_gh, t0, T, stride_gt, CHUNK)  # [Q]
     q_base = mixed_ptr + key_head * DK * stride_mc
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
-    q1 = load_rows(q_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
-    k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
-    sq = tl.sum(q1 * q1, 1)
-    sk = tl.sum(k1 * k1, 1)
-    qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)  # [Q, Q] before the norms
-    if SPLIT:
-        q2 = load_rows(q_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
-        k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
-        sq += tl.sum(q2 * q2, 1)
-        sk += tl.sum(k2 * k2, 1)
-        qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-    rq = tl.rsqrt(sq + 1e-6) * q_scale  # [Q] l2norm then Dk**-0.5
-    rk = tl.rsqrt(sk + 1e-6)
-    # NOTE: exp only on the causal half: there gc_i - gc_j <= 0, above it it could overflow.
-    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-    attn = tl.where(causal, qk * (rq[:, None] * rk[None, :]) * decay, 0.0)  # [Q, Q]
+    attn, q1, q2, _, _, rq, _ = chunk_attention(q_base, k_base, t0, T, stride_mt, stride_mc, gc, q_scale, DK,
+                                                CHUNK, BLOCK_KB, SPLIT, DOT_PRECISION)
     v_new = load_rows(v_ptr + head * stride_vh, t0, T, stride_vt, stride_vv, vblock * BLOCK_V, DV, CHUNK,
                       BLOCK_V)  # [Q, BV]
-    o = tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
-    q_row = rq * tl.exp(gc)
-    hs_base = hs_ptr + head * stride_hh + chunk.to(tl.int64) * stride_hc
-    hs_tile = offs_kb[:, None] * stride_hk + offs_v[None, :] * stride_hv
-    h1 = tl.load(hs_base + hs_tile, mask=(offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)  # [KB, BV]
-    o += tl.dot(q1 * q_row[:, None], h1, input_precision=DOT_PRECISION)
-    if SPLIT:
-        h2 = tl.load(hs_base + BLOCK_KB * stride_hk + hs_tile,
-                     mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)
-        o += tl.dot(q2 * q_row[:, None], h2, input_precision=DOT_PRECISION)
+    h1, h2 = load_state(hs_ptr + head * stride_hh + chunk.to(tl.int64) * stride_hc, offs_kb, offs_v, stride_hk,
+                        stride_hv, DK, DV, BLOCK_KB, SPLIT)  # [KB, BV] the state entering the chunk
+    o = chunk_output(attn, v_new, q1, q2, rq, gc, h1, h2, SPLIT, DOT_PRECISION)
     o_ptrs = out_ptr + head * stride_oh + t0.to(tl.int64) * stride_ot + offs_i[:, None] * stride_ot \
         + offs_v[None, :] * stride_ov
-    tl.store(o_ptrs, o, mask=t_mask[:, None] & v_mask[None, :])
+    tl.store(o_ptrs, o, mask=t_mask[:, None] & (offs_v < DV)[None, :])
 
 
 def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, states: torch.Tensor,
@@ -105,10 +128,7 @@ def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, st
                                                  else states.sum(1), num_k_heads, block_v)
     if chunks != triton.cdiv(tokens, CHUNK):
         raise ValueError(f"states has {chunks} chunks, T={tokens} needs {triton.cdiv(tokens, CHUNK)}")
-    if out is None:
-        out = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
-    if out.shape != (tokens, nv, dv) or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
+    out = core_buffer(out, tokens, nv, dv, mixed.device)
     if tokens == 0:
         return out
     block_kb, block_v = tiles(dk, dv, block_v)

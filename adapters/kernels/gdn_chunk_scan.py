@@ -21,7 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.gdn_chunk_state import CHUNK, check_recurrence_inputs, tiles
+from adapters.kernels.gdn_chunk_out import chunk_attention, chunk_output
+from adapters.kernels.gdn_chunk_state import (
+    CHUNK,
+    check_recurrence_inputs,
+    chunk_gates,
+    core_buffer,
+    load_state,
+    store_state,
+    tiles,
+)
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
 LAUNCH = dict(num_warps=8, num_stages=1)  # see the launcher
@@ -50,16 +59,8 @@ def _gdn_chunk_scan_kernel(
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
     v_mask = offs_v < DV
-    causal = offs_i[:, None] >= offs_i[None, :]
-
     s_base = state_ptr + head * stride_sh
-    s_tile = offs_kb[:, None] * stride_sk + offs_v[None, :] * stride_sv
-    h1 = tl.load(s_base + s_tile, mask=(offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)  # [KB, BV] fp32
-    if SPLIT:
-        h2 = tl.load(s_base + BLOCK_KB * stride_sk + s_tile,
-                     mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :], other=0.0)
-    else:
-        h2 = h1  # unused
+    h1, h2 = load_state(s_base, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)  # [KB, BV] fp32
 
     q_base = mixed_ptr + key_head * DK * stride_mc
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
@@ -67,50 +68,27 @@ def _gdn_chunk_scan_kernel(
     for chunk in range(0, tl.cdiv(T, CHUNK)):
         t0 = chunk * CHUNK
         t_mask = t0 + offs_i < T
-        # the decay through the chunk's last real token: padding has g = 0 (the reference's gc_last), so
-        # padded rows carry it too (keeps every exponent below <= 0; their outputs are not stored)
-        g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
-        gc = tl.load(gc_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)
-        gc = tl.where(t_mask, gc, g_last)  # [Q]
+        g_last, gc = chunk_gates(gc_ptr + head * stride_gh, t0, T, stride_gt, CHUNK)  # padding carries g_last
         u = load_rows(u_ptr + head * stride_uh, t0, T, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK,
-                       BLOCK_V)  # [Q, BV]
-
+                      BLOCK_V)  # [Q, BV]
         w1 = load_rows(w_base, t0, T, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
         v_new = u - tl.dot(w1, h1, input_precision=DOT_PRECISION)  # [Q, BV]
-        q1 = load_rows(q_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
-        k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)
-        sq = tl.sum(q1 * q1, 1)
-        sk = tl.sum(k1 * k1, 1)
-        qk = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)  # [Q, Q] before the norms
         if SPLIT:
             w2 = load_rows(w_base, t0, T, stride_wt, stride_wk, BLOCK_KB, DK, CHUNK, BLOCK_KB)
             v_new -= tl.dot(w2, h2, input_precision=DOT_PRECISION)
-            q2 = load_rows(q_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
-            k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
-            sq += tl.sum(q2 * q2, 1)
-            sk += tl.sum(k2 * k2, 1)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
-        rq = tl.rsqrt(sq + 1e-6) * q_scale  # [Q] l2norm then Dk**-0.5
-        rk = tl.rsqrt(sk + 1e-6)
-        # NOTE: exp only on the causal half: there gc_i - gc_j <= 0, above it it could overflow.
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        attn = tl.where(causal, qk * (rq[:, None] * rk[None, :]) * decay, 0.0)  # [Q, Q]
-        o = tl.dot(attn, v_new, input_precision=DOT_PRECISION)  # [Q, BV]
-        q_row = rq * tl.exp(gc)
+        attn, q1, q2, k1, k2, rq, rk = chunk_attention(q_base, k_base, t0, T, stride_mt, stride_mc, gc, q_scale,
+                                                       DK, CHUNK, BLOCK_KB, SPLIT, DOT_PRECISION)
+        o = chunk_output(attn, v_new, q1, q2, rq, gc, h1, h2, SPLIT, DOT_PRECISION)  # [Q, BV]
         k_row = rk * tl.exp(g_last - gc)
         decay_last = tl.exp(g_last)
-        o += tl.dot(q1 * q_row[:, None], h1, input_precision=DOT_PRECISION)
         h1 = h1 * decay_last + tl.dot(tl.trans(k1 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
         if SPLIT:
-            o += tl.dot(q2 * q_row[:, None], h2, input_precision=DOT_PRECISION)
             h2 = h2 * decay_last + tl.dot(tl.trans(k2 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
         o_ptrs = out_ptr + head * stride_oh + t0.to(tl.int64) * stride_ot + offs_i[:, None] * stride_ot \
             + offs_v[None, :] * stride_ov
         tl.store(o_ptrs, o, mask=t_mask[:, None] & v_mask[None, :])
 
-    tl.store(s_base + s_tile, h1, mask=(offs_kb < DK)[:, None] & v_mask[None, :])
-    if SPLIT:
-        tl.store(s_base + BLOCK_KB * stride_sk + s_tile, h2, mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :])
+    store_state(s_base, h1, h2, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)
 
 
 def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, state: torch.Tensor,
@@ -127,10 +105,7 @@ def gdn_chunk_scan(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: to
     T = 0: state untouched. Raises ValueError on mismatched shapes, dtypes or devices.
     """
     tokens, nv, dk, dv = check_recurrence_inputs(mixed, w, u, gc, state, num_k_heads, block_v)
-    if out is None:
-        out = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
-    if out.shape != (tokens, nv, dv) or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
+    out = core_buffer(out, tokens, nv, dv, mixed.device)
     if tokens == 0:
         return out
     block_kb, block_v = tiles(dk, dv, block_v)

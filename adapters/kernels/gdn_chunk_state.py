@@ -39,6 +39,44 @@ MAX_DK = 2 * HALF
 
 
 @triton.jit
+def load_state(base, offs_kb, offs_v, stride_k, stride_v, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr):
+    """A [Dk, BV] fp32 state tile as its two halves of BLOCK_KB key rows (h2 = h1, unused, when not SPLIT);
+    zeros outside Dk and Dv."""
+    tile = offs_kb[:, None] * stride_k + offs_v[None, :] * stride_v
+    v_ok = (offs_v < DV)[None, :]
+    h1 = tl.load(base + tile, mask=(offs_kb < DK)[:, None] & v_ok, other=0.0)  # [KB, BV]
+    if SPLIT:
+        h2 = tl.load(base + BLOCK_KB * stride_k + tile, mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_ok, other=0.0)
+    else:
+        h2 = h1
+    return h1, h2
+
+
+@triton.jit
+def store_state(base, h1, h2, offs_kb, offs_v, stride_k, stride_v, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr):
+    """load_state's inverse: the halves' rows inside Dk and columns inside Dv."""
+    tile = offs_kb[:, None] * stride_k + offs_v[None, :] * stride_v
+    v_ok = (offs_v < DV)[None, :]
+    tl.store(base + tile, h1, mask=(offs_kb < DK)[:, None] & v_ok)
+    if SPLIT:
+        tl.store(base + BLOCK_KB * stride_k + tile, h2, mask=(BLOCK_KB + offs_kb < DK)[:, None] & v_ok)
+
+
+@triton.jit
+def chunk_gates(gc_ptr, t0, T, stride_gt, CHUNK: tl.constexpr):
+    """(gc_last, gc [Q]) of the chunk at t0 for one head's gc row: the decay through the chunk's last real
+    token, and the chunk's cumulative decays with padded rows carrying gc_last (every exponent stays <= 0;
+    their outputs are not stored)."""
+    offs_i = tl.arange(0, CHUNK)
+    t_mask = t0 + offs_i < T
+    g_last = tl.load(gc_ptr + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
+    gc = tl.load(gc_ptr + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)
+    return g_last, tl.where(t_mask, gc, g_last)
+
+
+@triton.jit
 def _gdn_chunk_state_kernel(
     mixed_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr, state_ptr, hs_ptr,
     T,
@@ -64,17 +102,8 @@ def _gdn_chunk_state_kernel(
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
     v_mask = offs_v < DV
-    m1 = (offs_kb < DK)[:, None] & v_mask[None, :]
-    m2 = (BLOCK_KB + offs_kb < DK)[:, None] & v_mask[None, :]
-
     s_base = state_ptr + head * stride_sh
-    s_tile = offs_kb[:, None] * stride_sk + offs_v[None, :] * stride_sv
-    h1 = tl.load(s_base + s_tile, mask=m1, other=0.0)  # [KB, BV] fp32
-    if SPLIT:
-        h2 = tl.load(s_base + BLOCK_KB * stride_sk + s_tile, mask=m2, other=0.0)
-    else:
-        h2 = h1  # unused
-    hs_tile = offs_kb[:, None] * stride_hk + offs_v[None, :] * stride_hv
+    h1, h2 = load_state(s_base, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)  # [KB, BV] fp32
 
     w_base = w_ptr + head * stride_wh
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
@@ -83,11 +112,9 @@ def _gdn_chunk_state_kernel(
     for chunk in range(0, tl.cdiv(T, CHUNK)):
         t0 = chunk * CHUNK
         t_mask = t0 + offs_i < T
-        tl.store(hs_base + hs_tile, h1, mask=m1)
-        if SPLIT:
-            tl.store(hs_base + BLOCK_KB * stride_hk + hs_tile, h2, mask=m2)
+        store_state(hs_base, h1, h2, offs_kb, offs_v, stride_hk, stride_hv, DK, DV, BLOCK_KB, SPLIT)
         hs_base += stride_hc
-        g_last = tl.load(gc_ptr + head * stride_gh + (tl.minimum(t0 + CHUNK, T) - 1) * stride_gt)
+        g_last, _ = chunk_gates(gc_ptr + head * stride_gh, t0, T, stride_gt, CHUNK)
         u = load_rows(u_base, t0, T, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK, BLOCK_V)  # [Q, BV]
         w1 = load_rows(w_base, t0, T, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
         v_new = u - tl.dot(w1, h1, input_precision=DOT_PRECISION)  # [Q, BV]
@@ -105,9 +132,7 @@ def _gdn_chunk_state_kernel(
             k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
             h2 = h2 * decay_last + tl.dot(tl.trans(k2 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
 
-    tl.store(s_base + s_tile, h1, mask=m1)
-    if SPLIT:
-        tl.store(s_base + BLOCK_KB * stride_sk + s_tile, h2, mask=m2)
+    store_state(s_base, h1, h2, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)
 
 
 def check_recurrence_inputs(mixed: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
@@ -134,6 +159,16 @@ def check_recurrence_inputs(mixed: torch.Tensor, w: torch.Tensor | None, u: torc
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     return tokens, nv, dk, dv
+
+
+def core_buffer(out: torch.Tensor | None, tokens: int, nv: int, dv: int, device) -> torch.Tensor:
+    """The recurrence's output core fp32 [T, Nv, Dv]: `out` checked (a view is fine), or a new one.
+    Raises ValueError on a wrong shape or dtype."""
+    if out is None:
+        out = torch.empty(tokens, nv, dv, dtype=torch.float32, device=device)
+    if out.shape != (tokens, nv, dv) or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {out.dtype} {tuple(out.shape)}")
+    return out
 
 
 def tiles(dk: int, dv: int, block_v: int) -> tuple[int, int]:

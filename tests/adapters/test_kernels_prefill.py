@@ -106,31 +106,6 @@ def reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state):
     return out.transpose(0, 1), state
 
 
-@pytest.mark.parametrize("name", [*sorted(GEOMETRIES), "wide"])
-@pytest.mark.parametrize("tokens", [1, 64, 130])
-def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
-    """WY + scan against the reference on the same conv output, from a non-zero state; 130 = 2 full chunks
-    and a 2-token tail, block_v 16 over Dv = 8/10 (masked columns)."""
-    geo = GEOMETRIES.get(name, WIDE)
-    gen = torch.Generator().manual_seed(tokens)
-    nv = geo.num_v_heads
-    mixed = torch.randn(tokens, geo.conv_channels, generator=gen).to(DEVICE)
-    a, b = torch.randn(tokens, nv, generator=gen).to(DEVICE), torch.randn(tokens, nv, generator=gen).to(DEVICE)
-    neg_a = -(torch.rand(nv, generator=gen) * 2 - 1).exp().to(DEVICE)
-    dt_bias = torch.randn(nv, generator=gen).to(DEVICE)
-    state = (torch.randn(nv, geo.k_head_dim, geo.v_head_dim, generator=gen) * 0.3).to(DEVICE)
-    want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
-    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
-    # gc restarts at each 64-token chunk
-    g = neg_a[:, None] * F.softplus(a.t() + dt_bias[:, None])  # [Nv, T]
-    assert rel_err(gc[:, :min(tokens, 64)], g[:, :64].cumsum(-1)) < 1e-6
-    out = torch.full((tokens, nv, geo.v_head_dim), float("nan"), device=DEVICE)
-    got = gdn_chunk_scan(mixed, w, u, gc, state, geo.num_k_heads, block_v=16, out=out)
-    assert got is out
-    assert rel_err(got, want) < 1e-5
-    assert rel_err(state, want_state) < 1e-5
-
-
 def random_wy_inputs(geo, tokens, seed):
     """(mixed, a, b, neg_a, dt_bias, state) for the chunk kernels: a random conv output and gates, a
     non-zero state."""
@@ -142,6 +117,26 @@ def random_wy_inputs(geo, tokens, seed):
     dt_bias = torch.randn(nv, generator=gen).to(DEVICE)
     state = (torch.randn(nv, geo.k_head_dim, geo.v_head_dim, generator=gen) * 0.3).to(DEVICE)
     return mixed, a, b, neg_a, dt_bias, state
+
+
+@pytest.mark.parametrize("name", [*sorted(GEOMETRIES), "wide"])
+@pytest.mark.parametrize("tokens", [1, 64, 130])
+def test_chunk_kernels_match_chunked_delta_rule(name, tokens):
+    """WY + scan against the reference on the same conv output, from a non-zero state; 130 = 2 full chunks
+    and a 2-token tail, block_v 16 over Dv = 8/10 (masked columns)."""
+    geo = GEOMETRIES.get(name, WIDE)
+    nv = geo.num_v_heads
+    mixed, a, b, neg_a, dt_bias, state = random_wy_inputs(geo, tokens, seed=tokens)
+    want, want_state = reference_delta_rule(mixed, a, b, neg_a, dt_bias, geo, state)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    # gc restarts at each 64-token chunk
+    g = neg_a[:, None] * F.softplus(a.t() + dt_bias[:, None])  # [Nv, T]
+    assert rel_err(gc[:, :min(tokens, 64)], g[:, :64].cumsum(-1)) < 1e-6
+    out = torch.full((tokens, nv, geo.v_head_dim), float("nan"), device=DEVICE)
+    got = gdn_chunk_scan(mixed, w, u, gc, state, geo.num_k_heads, block_v=16, out=out)
+    assert got is out
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(state, want_state) < 1e-5
 
 
 @pytest.mark.parametrize("name", [*sorted(GEOMETRIES), "wide"])
