@@ -514,9 +514,10 @@ def write_report(result: dict, out: Path) -> None:
     report["heldout_product_pairs"] = [list(p) for p in data.split_products()[2]]
     (out / "heldout_eval.json").write_text(json.dumps(report) + "\n")
     suites = "\n".join(f"  - `{name}`: {s['right']}/{s['n']}" for name, s in report.get("heldout_suites", {}).items())
-    if suites:
-        suites = (f"  (every {report['heldout_every_nth']}. question of the larger suites; evaluated on "
-                  f"{report['heldout_device']})\n" if report["heldout_every_nth"] != 1 else "") + suites
+    every = report.get("heldout_every_nth", 1)
+    if suites and every != 1:
+        suites = (f"  (one question in {every} of the larger suites; evaluated on "
+                  f"{report.get('heldout_device', report['device'])})\n") + suites
     (out / "README.md").write_text(README.format(
         params=report["parameters"] / 1e6, refusal=data.NO_TOOL_ANSWER, vocab=result["tokenizer"].get_vocab_size(),
         hidden=result["model"].config.hidden_size, positions=MAX_POSITIONS, suites=suites or "  (not evaluated)",
