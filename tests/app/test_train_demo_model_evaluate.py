@@ -44,7 +44,26 @@ def test_evaluate_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
         train.main(["--device", "cpu", "--evaluate", str(tmp_path)])
 
 
-@pytest.mark.slow
+def test_greedy_answers_do_not_depend_on_the_batching():
+    """Left padding is exact and every row keeps only its own new-token budget, so one prompt a batch and
+    all prompts in one batch give the same texts (the CPU and the GPU batch differently)."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    tokenizer, _ = train.build_tokenizer(0)
+    pad_id, eos_id = tokenizer.token_to_id(data.END_OF_TEXT), tokenizer.token_to_id(data.IM_END)
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(train.model_config(tokenizer.get_vocab_size(), pad_id, eos_id)).eval()
+    tools = [data.MULTIPLY_TOOL]
+    prompts = [data.prompt_text(3, "+", 4), data.prompt_text(71, "-", 9, "You are a helpful assistant."),
+               data.render([{"role": "user", "content": "What is 6 × 7?"}], tools, True),
+               data.render([{"role": "user", "content": "What is 2 × 5?"}], tools, True, True)]
+    max_new = [3, 5, 12, 20]
+    one_by_one = train.greedy(model, tokenizer, prompts, max_new, "cpu", tokens_per_batch=1)
+    together = train.greedy(model, tokenizer, prompts, max_new, "cpu", tokens_per_batch=10**6)
+    assert together == one_by_one  # one_by_one: each row's batch ran exactly to its own budget
+    assert any(together)  # an untrained model writes something, so the budgets are exercised
+
+
 def test_training_without_heldout_then_evaluate_writes_what_an_evaluating_run_writes(tmp_path):
     torch.set_num_threads(1)  # the same arithmetic in both runs
     common = ["--device", "cpu", "--seed", "3", "--steps", "4", "--warmup", "2", "--tokens-per-step", "512",
