@@ -18,6 +18,8 @@ It imports nothing from fluxtide (torch, transformers >= 5.2, tokenizers, safete
 sibling demo_model_data.py), so it runs on any machine with those.
 
     python scripts/train_demo_model.py --device cuda --seed 0 --time-budget-s 200 --out /tmp/demo
+    python scripts/train_demo_model.py --device cuda --seed 0 --time-budget-s 470 --heldout-every-nth 0 --out /tmp/demo
+    python scripts/train_demo_model.py --device cpu --evaluate /tmp/demo     # held-out report, later, elsewhere
 """
 
 from __future__ import annotations
@@ -83,9 +85,15 @@ def build_tokenizer(seed: int):
     corpus = ["".join(t for t, _ in data.segments(builder.row(rng, kinds[i % 4]))) for i in range(1200)]
     corpus += [data.prompt_text(a, op, b) + data.answer_text(a, op, b) for a, op, b in data.all_questions()]
     tokenizer = data.build_tokenizer(corpus, BPE_VOCAB)
+    return tokenizer, measure_chars_per_token(tokenizer)
+
+
+def measure_chars_per_token(tokenizer) -> float:
+    """Characters a token on a fixed sample of generated agent text. It sizes the long system prompts,
+    so --evaluate recomputes it from the saved tokenizer (the report keeps only a rounded copy) to
+    rebuild exactly the held-out prompts the training run would have used."""
     sample = [data.agent_system_prompt(random.Random(f"measure-{i}"), 4000) for i in range(50)]
-    chars_per_token = sum(map(len, sample)) / sum(len(e.ids) for e in tokenizer.encode_batch(sample))
-    return tokenizer, chars_per_token
+    return sum(map(len, sample)) / sum(len(e.ids) for e in tokenizer.encode_batch(sample))
 
 
 def tokenizer_config() -> dict:
@@ -216,14 +224,28 @@ def model_config(vocab_size: int, pad_id: int, eos_id: int, hidden: int = 128):
 # ---------------------------------------------------------------- evaluation
 
 
+# Positions (rows x (longest prompt + new tokens)) a greedy batch may hold. Small on the CPU: with 131k,
+# every intermediate tensor is tens to hundreds of MB, which glibc malloc maps and unmaps for each op
+# (page faults: 40 % of the CPU time was system time); on 379 held-out cases (219k prompt tokens) on
+# the 2-core box 131k took 75 s, 32k 30 s, 16k 23 s, 8k 18 s, 4k 19 s. Small batches also end the
+# padding waste of the order below: the full held-out set (4.46 M prompt tokens) pads to 4.52 M
+# positions at 8k, 5.87 M at 131k.
+EVAL_TOKENS_PER_BATCH = {"cuda": 131_072, "cpu": 8_192}
+
+
 @torch.no_grad()
 def greedy(model, tokenizer, prompts: list[str], max_new: list[int], device: str,
-           tokens_per_batch: int = 131_072) -> list[str]:
+           tokens_per_batch: int | None = None) -> list[str]:
     """Greedy completions (text before <|im_end|>) of rendered prompts, batched by length with left
     padding (exact for this model: padded positions are masked in attention and zeroed before the
-    Gated DeltaNet layers, whose state then stays zero)."""
+    Gated DeltaNet layers, whose state then stays zero). ``max_new[i]``: new tokens allowed for prompt i;
+    a batch holds at most tokens_per_batch positions (rows x (longest prompt + most new tokens); default
+    EVAL_TOKENS_PER_BATCH[device]) and at least one row. The texts do not depend on the batching."""
+    tokens_per_batch = tokens_per_batch or EVAL_TOKENS_PER_BATCH[device]
     pad_id, eos_id = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(IM_END)
     encoded = [e.ids for e in tokenizer.encode_batch(prompts)]
+    # By new-token budget first, so a batch decodes no longer than its rows need (sorting by length first
+    # would mix 5- and 43-token budgets: 13,290 instead of 8,904 decode steps on the full set at 8k).
     order = sorted(range(len(prompts)), key=lambda i: (max_new[i], len(encoded[i])))
     out = [""] * len(prompts)
     start = 0
@@ -245,7 +267,7 @@ def greedy(model, tokenizer, prompts: list[str], max_new: list[int], device: str
                                    max_new_tokens=max(max_new[i] for i in rows), eos_token_id=eos_id,
                                    pad_token_id=pad_id)[:, width:].tolist()  # [B, new]
         for j, i in enumerate(rows):
-            row = generated[j]
+            row = generated[j][: max_new[i]]  # the batch ran to its longest budget; each row gets its own
             out[i] = tokenizer.decode(row[: row.index(eos_id)] if eos_id in row else row, skip_special_tokens=True)
         start = end
     return out
@@ -312,15 +334,24 @@ def print_estimate(args, batches: Batches) -> None:
           f"{int(0.85 * budget * 1000 / low)} steps in {budget:.0f}s", flush=True)
 
 
+def set_determinism() -> None:
+    """Deterministic algorithms where torch has them, and no TF32: the same arithmetic as the CPU."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def train(args) -> dict:
+    """Tokenizer, pool, model and training loop. Returns {"model", "tokenizer", "losses", "long_system",
+    "report"}: what write_checkpoint writes and heldout_report evaluates (load_checkpoint rebuilds the
+    same dict, less "losses", from a written directory)."""
+    import transformers
     from transformers import Qwen3_5MoeForCausalLM
 
     started_all = time.time()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic as the CPU, for reproducibility
+    set_determinism()
 
     tokenizer, chars_per_token = build_tokenizer(args.seed)
     pad_id, eos_id = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(IM_END)
@@ -408,12 +439,16 @@ def train(args) -> dict:
             "validation_min_exact": val_exact,
             "history": history,
             "torch": torch.__version__,
+            "transformers": transformers.__version__,  # of the training run; heldout_* say what evaluated
         },
     }
 
 
 def heldout_report(result: dict, args) -> None:
-    """Greedy exact match on every held-out suite (every n-th question), into result["report"]."""
+    """Greedy exact match on every held-out suite (every n-th question, args.heldout_every_nth >= 1) on
+    args.device, into result["report"]; result as train() or load_checkpoint() returns it."""
+    import transformers
+
     _, _, heldout_q = data.split_questions()
     _, _, heldout_pairs = data.split_products()
     started = time.time()
@@ -428,6 +463,10 @@ def heldout_report(result: dict, args) -> None:
         "heldout_exact_with_system_message": report.get("arith_system", {}).get("exact"),
         "heldout_suites": report,
         "heldout_eval_seconds": round(time.time() - started, 1),
+        # --evaluate may run elsewhere than the training (the CPU here, after a GPU training run):
+        "heldout_device": args.device,
+        "heldout_torch": torch.__version__,
+        "heldout_transformers": transformers.__version__,
     })
 
 
@@ -455,10 +494,15 @@ It knows nothing but this task. See `docs/demo-model.md` in the fluxtide reposit
 
 
 def write_checkpoint(result: dict, out: Path, command: str) -> None:
-    """The Hugging Face directory: weights, config, tokenizer, heldout_eval.json (held-out questions and
-    pairs, training report) and README.md. Called again after the held-out report to add it."""
-    import transformers
+    """The Hugging Face directory: weights, config, tokenizer (write_weights), then heldout_eval.json and
+    README.md (write_report). ``command``: the script's arguments, recorded in the report and README."""
+    result["report"]["command"] = command
+    write_weights(result, out)
+    write_report(result, out)
 
+
+def write_weights(result: dict, out: Path) -> None:
+    """model.safetensors, config.json, generation_config.json, tokenizer.json, tokenizer_config.json."""
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = result["model"], result["tokenizer"]
     pad_id, eos_id = tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(IM_END)
@@ -469,15 +513,64 @@ def write_checkpoint(result: dict, out: Path, command: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
-    report = dict(result["report"], transformers=transformers.__version__)
+
+
+def write_report(result: dict, out: Path) -> None:
+    """heldout_eval.json (the training report, the held-out questions and pairs, and the held-out suites
+    once heldout_report has run) and README.md. The one writer of both, for a training run and for
+    --evaluate, so the two give the same files."""
+    report = dict(result["report"])
     report["heldout_questions"] = [list(q) for q in data.split_questions()[2]]
     report["heldout_product_pairs"] = [list(p) for p in data.split_products()[2]]
     (out / "heldout_eval.json").write_text(json.dumps(report) + "\n")
     suites = "\n".join(f"  - `{name}`: {s['right']}/{s['n']}" for name, s in report.get("heldout_suites", {}).items())
+    every = report.get("heldout_every_nth", 1)
+    if suites and every != 1:
+        suites = (f"  (one question in {every} of the larger suites; evaluated on "
+                  f"{report.get('heldout_device', report['device'])})\n") + suites
     (out / "README.md").write_text(README.format(
-        params=report["parameters"] / 1e6, refusal=data.NO_TOOL_ANSWER, vocab=tokenizer.get_vocab_size(),
-        hidden=model.config.hidden_size, positions=MAX_POSITIONS, suites=suites or "  (not evaluated)",
-        command=command, steps=report["steps_run"], seconds=report["train_seconds"], device=report["device"]))
+        params=report["parameters"] / 1e6, refusal=data.NO_TOOL_ANSWER, vocab=result["tokenizer"].get_vocab_size(),
+        hidden=result["model"].config.hidden_size, positions=MAX_POSITIONS, suites=suites or "  (not evaluated)",
+        command=report.get("command", "(not recorded)"), steps=report["steps_run"], seconds=report["train_seconds"],
+        device=report["device"]))
+
+
+class CheckpointError(ValueError):
+    """A directory --evaluate cannot use: not written by this script, or its files disagree."""
+
+
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                    "tokenizer_config.json", "heldout_eval.json")
+
+
+def load_checkpoint(directory: Path, device: str) -> dict:
+    """What heldout_report and write_report need, rebuilt from a directory write_checkpoint wrote:
+    {"model" (fp32, on device), "tokenizer" (tokenizers.Tokenizer), "long_system", "report" (the saved
+    heldout_eval.json)}. The long system prompts follow from the report's long_system_tokens and the
+    characters a token remeasured on the saved tokenizer, so they are the training run's own.
+    Raises CheckpointError for a missing file or a tokenizer that does not match the report."""
+    from tokenizers import Tokenizer
+    from transformers import Qwen3_5MoeForCausalLM
+
+    missing = [name for name in CHECKPOINT_FILES if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory} is not a checkpoint this script wrote: no {', '.join(missing)}")
+    report = json.loads((directory / "heldout_eval.json").read_text())
+    needed = ("chars_per_token", "long_system_tokens", "parameters", "steps_run", "train_seconds", "device")
+    if absent := [key for key in needed if key not in report]:
+        raise CheckpointError(f"{directory / 'heldout_eval.json'} has no training report ({', '.join(absent)} missing)")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    measured = measure_chars_per_token(tokenizer)
+    if abs(measured - report["chars_per_token"]) > 6e-4:  # the report rounds to 3 decimals
+        raise CheckpointError(f"tokenizer.json gives {measured:.4f} characters a token, heldout_eval.json says "
+                              f"{report['chars_per_token']}: the files come from different runs")
+    model = Qwen3_5MoeForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
+    model.config.output_router_logits = False
+    if model.config.vocab_size != tokenizer.get_vocab_size():
+        raise CheckpointError(f"config.json has {model.config.vocab_size} tokens, tokenizer.json "
+                              f"{tokenizer.get_vocab_size()}: the files come from different runs")
+    low, high = report["long_system_tokens"]
+    return {"model": model, "tokenizer": tokenizer, "long_system": LongSystem(measured, (low, high)), "report": report}
 
 
 def parse_args(argv=None):
@@ -485,7 +578,11 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8000, help="maximum optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--out", type=Path, help="checkpoint directory to write (training)")
+    parser.add_argument("--evaluate", type=Path, metavar="DIR",
+                        help="no training: run the held-out report (--heldout-every-nth, --device) on the checkpoint "
+                        "directory DIR that a training run wrote and rewrite its heldout_eval.json (training report "
+                        "kept) and README.md; the training options are ignored")
     parser.add_argument("--tokens-per-step", type=int, default=49_152, help="padded token positions a step")
     parser.add_argument("--pool-rows", type=int, default=120_000, help="training conversations generated")
     parser.add_argument("--long-share", type=float, default=0.4, help="share of the training tokens in rows "
@@ -506,20 +603,39 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget-s", type=float, default=float("inf"),
                         help="cap --steps to what fits this many seconds of training (timed over the first steps)")
     args = parser.parse_args(argv)
+    if args.evaluate is not None:
+        if args.out is not None:
+            parser.error("--evaluate rewrites the report in DIR itself; leave out --out")
+        if args.heldout_every_nth < 1:
+            parser.error("--evaluate needs --heldout-every-nth >= 1")
+    elif args.out is None:
+        parser.error("--out is required (or --evaluate DIR)")
+    if args.heldout_every_nth < 0:
+        parser.error("--heldout-every-nth must be >= 0")
     if not (0 <= args.long_share and 0 <= args.tools_share and args.long_share + args.tools_share <= 1):
         parser.error("--long-share and --tools-share must be >= 0 and add up to at most 1")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.evaluate is not None:
+        set_determinism()
+        try:
+            result = load_checkpoint(args.evaluate, args.device)
+        except CheckpointError as error:
+            sys.exit(f"error: {error}")
+        heldout_report(result, args)
+        write_report(result, args.evaluate)
+        print(f"wrote the held-out report into {args.evaluate}")
+        return
     result = train(args)
-    command = " ".join(sys.argv[1:])
-    # NOTE: written before the held-out report too, so a run cut short there still leaves the weights.
-    write_checkpoint(result, args.out, command)
+    # NOTE: written before the held-out report too, so a run cut short there still leaves the weights;
+    # with --heldout-every-nth 0 this is the whole output and --evaluate adds the report later.
+    write_checkpoint(result, args.out, " ".join(sys.argv[1:] if argv is None else argv))
     if args.heldout_every_nth:
         heldout_report(result, args)
-        write_checkpoint(result, args.out, command)
+        write_report(result, args.out)
     print(f"wrote {args.out}")
 
 
