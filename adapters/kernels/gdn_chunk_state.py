@@ -25,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
+from adapters.kernels.gdn_chunk_wy import (  # the walk's chunks are the WY form's
+    CHUNK,
+    dot_precision,
+    load_rows,
+)
 
-CHUNK = 64
 # 8 warps and 16 value columns a program: 256 programs (two per H200 SM, whose serial chains interleave),
 # 168 B of ptxas spill a thread for bf16 models (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9,
 # tests/adapters/test_kernels_prefill.py's sm_90 build). One stage: a serial recurrence leaves the

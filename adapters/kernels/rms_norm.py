@@ -37,6 +37,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, out32_ptr, D, eps,
         tl.store(out32_ptr + row * D + offs, y.to(tl.float32), mask=mask)
 
 
+def norm_warps(d: int) -> int:
+    """Warps per program for a row of d columns (4 up to 2048, else 8). The row statistics reduce in an
+    order set by the warp count, so kernels that must give this kernel's bits (rms_norm_router) use it too."""
+    return 4 if d <= 2048 else 8
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool,
              residual: torch.Tensor | None = None, fp32_copy: bool = False) -> tuple[torch.Tensor, ...]:
     """(x + residual, norm(x + residual)) for x [..., D] (residual None: (x, norm(x))), in x.dtype.
@@ -59,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
         res = residual.reshape(-1, d).contiguous() if residual is not None else x2
         _rms_norm_kernel[(rows,)](x2, res, weight, total, out, out32, d, eps, HAS_RES=residual is not None,
                                   UNIT_OFFSET=unit_offset, FP32_COPY=fp32_copy,
-                                  BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+                                  BLOCK_D=triton.next_power_of_2(d), num_warps=norm_warps(d))
     if fp32_copy:
         return total.view(x.shape), out.view(x.shape), out32.view(x.shape)
     return total.view(x.shape), out.view(x.shape)

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.rms_norm import norm_warps
+
 log = logging.getLogger(__name__)
 
 
@@ -97,9 +99,9 @@ TUNE_TILES = ((1, 512), (1, 1024), (2, 512), (2, 1024), (4, 512), (8, 256), (8, 
 
 
 def tune_warps(d: int) -> int:
-    """Warps per program at width d: rms_norm.py's rule (4 up to 2048 columns, else 8), for every tile, so
-    the row statistics reduce in the same order whatever the tile."""
-    return 4 if d <= 2048 else 8
+    """Warps per program at width d, for every tile: rms_norm's own (norm_warps), so the row statistics
+    reduce in the same order as rms_norm's whatever the tile."""
+    return norm_warps(d)
 
 
 def _prune(configs, named_args, **kwargs):
