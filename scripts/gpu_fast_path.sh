@@ -2,6 +2,8 @@
 # The fast path's GPU checks in phases that each fit one 10-minute device call (pick them by name):
 #   tests    GPU pytest of the default decode path's kernels and executor, one pytest per file, 60 s per test
 #   tests-prefill  the same for the Triton prefill's kernels, warm-up and streamed paths
+#   tests-grouped  the same for the grouped MoE GEMMs and the expert pool's grouped paths (their real-geometry
+#            fp32 tests tune and compile for minutes: 240 s did not finish test_kernels_moe_grouped.py on 2026-12-01)
 #            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
@@ -23,34 +25,40 @@ CKPT=${CKPT:-/tmp/qwen36-fp8}
 for phase in "$@"; do
   echo "=== $phase"
   case $phase in
-    tests|tests-prefill)
+    tests|tests-prefill|tests-grouped)
       # NOTE: one pytest per file, appended to one log: a hanging test costs its own 60 s (pytest-timeout
       # fails it with its stack) instead of the phase, and every file's failures and summary reach the log.
-      # A file gets at most 240 s (SIGINT first, so pytest still prints what ran); files past 480 s of the
+      # A file gets at most $file_limit s (SIGINT first, so pytest still prints what ran); files past 480 s of the
       # phase are skipped, and said so, to leave the summary inside one 10-minute device call.
       log="$OUT/gpu_pytest_fast_path.log"; : > "$log"
       # the prefill warm-up's tests tune every kernel key of a model: 60 s was too short on 2026-12-01
-      per_test=(--timeout "$([[ $phase == tests ]] && echo 60 || echo 150)")
+      per_test=(--timeout "$(case $phase in tests) echo 60 ;; tests-prefill) echo 150 ;; *) echo 300 ;; esac)")
+      file_limit=240
       python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "pytest-timeout missing: no per-test limit" | tee -a "$log"; }
       start=$SECONDS
       # `tests`: the default decode path (what every CUDA server runs, ~7 min on 2026-12-01);
-      # `tests-prefill`: the Triton prefill's files (the 480 s cap cut them from one phase)
+      # `tests-prefill`: the Triton prefill's files (the 480 s cap cut them from one phase);
+      # `tests-grouped`: the grouped MoE GEMMs (their real-geometry tests alone outlast 240 s)
       if [[ $phase == tests ]]; then
         files=(tests/adapters/test_fast_executor.py tests/adapters/test_kernel_fused_routing.py
                tests/adapters/test_kernels_moe.py tests/adapters/test_kernel_moe_router.py
                tests/adapters/test_kernels_attention_gdn.py tests/adapters/test_device_residency.py)
-      else
+      elif [[ $phase == tests-prefill ]]; then
+        # the newest kernels first: a phase cut at 480 s skips its last files
         log="$OUT/gpu_pytest_prefill.log"; : > "$log"
-        files=(tests/adapters/test_prefill_warmup.py tests/adapters/test_prefill_linear.py
-               tests/adapters/test_kernel_dense_gemm.py tests/adapters/test_kernels_moe_grouped.py
-               tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py
-               tests/adapters/test_fast_executor_streamed.py tests/adapters/test_kernels_prefill.py)
+        files=(tests/adapters/test_kernels_prefill.py tests/adapters/test_fast_executor_streamed.py
+               tests/adapters/test_prefill_warmup.py tests/adapters/test_prefill_linear.py
+               tests/adapters/test_kernel_dense_gemm.py)
+      else
+        log="$OUT/gpu_pytest_grouped.log"; : > "$log"; file_limit=400
+        files=(tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_expert_pool_paths.py
+               tests/adapters/test_expert_pool_grouped.py)
       fi
       for f in "${files[@]}"; do
         if (( SECONDS - start > 480 )); then echo "SKIPPED $f (phase past 480 s)" | tee -a "$log"; continue; fi
         echo "=== $f" >> "$log"
         t0=$SECONDS; lines=$(wc -l < "$log")
-        timeout -k 10 -s INT 240 python3 -m pytest -v -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
+        timeout -k 10 -s INT "$file_limit" python3 -m pytest -v -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
           ${per_test[@]+"${per_test[@]}"} "$f" >> "$log" 2>&1
         rc=$?
         summary=$(tail -n +"$((lines + 1))" "$log" | grep -E "^=+ .*(passed|failed|error|skipped|deselected|no tests ran).* =+$" | tail -1)

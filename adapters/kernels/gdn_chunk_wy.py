@@ -175,7 +175,10 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
         return w, u, gc, ks
     block_k = max(16, triton.next_power_of_2(k_head_dim))
     block_v = max(16, triton.next_power_of_2(v_head_dim))
-    tile = min(TILE, block_k, block_v)
+    # NOTE: at least 32 columns a tile: with 16-column tiles the blocked inverse at 3xTF32 hit an illegal
+    # address on sm_90 (Triton 3.6, 2026-12-01; the substitution and one-pass TF32 did not); wider tiles are
+    # masked past Dk / Dv like the last tile of any head.
+    tile = min(TILE, max(32, min(block_k, block_v)))
     _gdn_chunk_wy_kernel[(triton.cdiv(tokens, CHUNK), nv)](
         mixed, a, b, neg_a, dt_bias, w, u, gc, ks, tokens,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),

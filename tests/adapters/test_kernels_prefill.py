@@ -7,6 +7,7 @@ Without CUDA the kernels run in Triton's interpreter at tiny shapes. Error measu
 """
 
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -159,8 +160,11 @@ def test_split_recurrence_is_bitwise_the_fused_scan_and_the_reference(name, toke
     out = torch.full((tokens, geo.num_v_heads, geo.v_head_dim), float("nan"), device=DEVICE)
     got = gdn_chunk_out(mixed, u, gc, hs, geo.num_k_heads, block_v=16, out=out)
     assert got is out
-    if name == "wide":  # Dk = 80: gdn_chunk_wy sums |k|^2 in 32-column tiles (its Dv sets them), the scan
-        # in its 64-row halves: the key norms differ in the last bit, and so does everything after them
+    if name == "wide" or DEVICE.type == "cuda":
+        # Dk = 80: gdn_chunk_wy sums |k|^2 in 32-column tiles (its Dv sets them), the scan in its 64-row
+        # halves: the key norms differ in the last bit, and so does everything after them. On sm_90 the
+        # compiler contracts the two kernels' multiply-adds differently too (Dk = 12 there: state within
+        # 1.7e-8, out within 6.4e-10 of the fused scan on 2026-12-01); bitwise only in the interpreter.
         assert rel_err(got, fused) < 1e-6 and rel_err(state, fused_state) < 1e-6
     else:
         assert torch.equal(got, fused) and torch.equal(state, fused_state)
@@ -233,20 +237,21 @@ def test_split_recurrence_in_windows_is_bitwise_one_walk(monkeypatch):
 def test_split_recurrence_rejects_bad_input():
     geo = GEOMETRIES["gqa"]
     c, nv = geo.conv_channels, geo.num_v_heads
-    walk = dict(mixed=torch.zeros(70, c), w=torch.zeros(nv, 70, 8), u=torch.zeros(nv, 70, 8),
-                gc=torch.zeros(nv, 70), ks=torch.zeros(nv, 70), state=torch.zeros(nv, 8, 8), num_k_heads=2)
-    for change in [dict(state=torch.zeros(nv, 8, 8, dtype=torch.bfloat16)), dict(w=torch.zeros(nv, 69, 8)),
-                   dict(ks=torch.zeros(nv, 69)), dict(ks=torch.zeros(70, nv).t()),
-                   dict(u=torch.zeros(nv, 70, 4)), dict(num_k_heads=3), dict(block_v=24),
-                   dict(states=torch.zeros(nv, 1, 8, 8)), dict(states=torch.zeros(nv, 2, 8, 4))]:
+    z = partial(torch.zeros, device=DEVICE)  # the kernels launch below: on the GPU they need its tensors
+    walk = dict(mixed=z(70, c), w=z(nv, 70, 8), u=z(nv, 70, 8),
+                gc=z(nv, 70), ks=z(nv, 70), state=z(nv, 8, 8), num_k_heads=2)
+    for change in [dict(state=z(nv, 8, 8, dtype=torch.bfloat16)), dict(w=z(nv, 69, 8)),
+                   dict(ks=z(nv, 69)), dict(ks=z(70, nv).t()),
+                   dict(u=z(nv, 70, 4)), dict(num_k_heads=3), dict(block_v=24),
+                   dict(states=z(nv, 1, 8, 8)), dict(states=z(nv, 2, 8, 4))]:
         with pytest.raises(ValueError):
             gdn_chunk_state(**{**walk, **change})
     hs = gdn_chunk_state(**walk)
-    out = dict(mixed=torch.zeros(70, c), v_new=torch.zeros(nv, 70, 8), gc=torch.zeros(nv, 70), states=hs,
+    out = dict(mixed=z(70, c), v_new=z(nv, 70, 8), gc=z(nv, 70), states=hs,
                num_k_heads=2)
-    assert torch.equal(gdn_chunk_out(**out), torch.zeros(70, nv, 8))
-    for change in [dict(states=hs[:, :1]), dict(states=hs[0]), dict(v_new=torch.zeros(nv, 70, 4)),
-                   dict(gc=torch.zeros(nv, 71)), dict(out=torch.zeros(70, nv, 4)), dict(block_v=8)]:
+    assert torch.equal(gdn_chunk_out(**out), z(70, nv, 8))
+    for change in [dict(states=hs[:, :1]), dict(states=hs[0]), dict(v_new=z(nv, 70, 4)),
+                   dict(gc=z(nv, 71)), dict(out=z(70, nv, 4)), dict(block_v=8)]:
         with pytest.raises(ValueError):
             gdn_chunk_out(**{**out, **change})
 
