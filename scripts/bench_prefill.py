@@ -153,17 +153,60 @@ def trace_activities(trace: dict):
             yield evt.get("name", ""), float(evt["ts"]), float(evt.get("dur", 0.0)), evt.get("args", {}).get("stream")
 
 
-def profile_prefill(ex, spec, length: int, chunk: int, slots: int, trace_path: Path | None = None) -> dict:
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_summary(trace: dict, sites: int = 10) -> dict:
+    """Where a prefill waits on the host, from a torch.profiler chrome trace: `syncs` (the runtime's
+    synchronize calls) and `sync_ms` (the host time inside them: the launch queue drained each time),
+    `launches`, `h2d_pageable` (copies from pageable host memory: each synchronises the stream),
+    `gpu_busy_ms` (union of kernels, copies and memsets), `gpu_idle_ms` (span - busy: what a host-bound
+    prefill adds to the device time). With Python stacks in the trace (--profile-stacks), `sync_sites`:
+    the innermost frame under adapters/ or app/ enclosing each sync, the most frequent first."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    syncs = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in SYNC_CALLS]
+    device = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out: dict = {"syncs": len(syncs), "sync_ms": round(sum(float(e.get("dur", 0.0)) for e in syncs) / 1e3, 3),
+                 "launches": sum(e.get("name") in LAUNCH_CALLS for e in events),
+                 "h2d_pageable": sum(e.get("cat") == "gpu_memcpy" and "Pageable" in e.get("name", "")
+                                     and "HtoD" in e.get("name", "") for e in events)}
+    if device:
+        busy = _length(_union(device))
+        span = max(b for _, b in device) - min(a for a, _ in device)
+        out.update(gpu_busy_ms=round(busy / 1e3, 3), gpu_idle_ms=round((span - busy) / 1e3, 3))
+    frames = [e for e in events if e.get("cat") == "python_function"
+              and ("adapters/" in e.get("name", "") or "app/" in e.get("name", ""))]
+    if frames and syncs:
+        counts: dict[str, int] = {}
+        for sync in syncs:
+            t, tid = float(sync["ts"]), sync.get("tid")
+            around = [f for f in frames if f.get("tid") == tid and float(f["ts"]) <= t
+                      <= float(f["ts"]) + float(f.get("dur", 0.0))]
+            if around:  # the innermost: the shortest enclosing frame
+                site = min(around, key=lambda f: float(f.get("dur", 0.0)))["name"]
+                counts[site] = counts.get(site, 0) + 1
+        out["sync_sites"] = [{"site": k[:160], "syncs": n}
+                             for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:sites]]
+    return out
+
+
+def profile_prefill(ex, spec, length: int, chunk: int, slots: int, trace_path: Path | None = None,
+                    stacks: bool = False) -> dict:
     """Device time by component of one prefill (CUDA only): copies on the side stream overlap compute, so
     the components add up to more than the wall time when streaming hides the link. `timeline` measures
-    that overlap from the trace (timeline_overlap); trace_path: where the gzipped chrome trace is kept."""
+    that overlap from the trace (timeline_overlap), `host` where the host made the device wait
+    (host_summary); trace_path: where the gzipped chrome trace is kept. stacks: also the CPU ops with
+    Python stacks (slower, bigger trace), for host_summary's sync_sites."""
     import gzip
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     preload(ex, slots)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if stacks else [])]
+    with profile(activities=activities, with_stack=stacks) as prof:
         wall = prefill_once(ex, spec, length, chunk, seed=99)
     by: dict[str, float] = {}
     kernels = sorted(device_kernels(prof), key=lambda k: -k[1])
@@ -180,7 +223,9 @@ def profile_prefill(ex, spec, length: int, chunk: int, slots: int, trace_path: P
             raw = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(raw))
             text = raw.read_text()
-        result["timeline"] = timeline_overlap(trace_activities(json.loads(text)))
+        trace = json.loads(text)
+        result["timeline"] = timeline_overlap(trace_activities(trace))
+        result["host"] = host_summary(trace)
         if trace_path is not None:
             trace_path.parent.mkdir(parents=True, exist_ok=True)
             trace_path.write_bytes(gzip.compress(text.encode()))
@@ -264,7 +309,7 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
     if args.device.startswith("cuda") and args.profile_tokens:
         try:
             scen["profile"] = profile_prefill(ex, spec, args.profile_tokens, args.chunk, plan.expert_slots,
-                                              Path(args.out) / f"prefill_trace_{name}.json.gz")
+                                              Path(args.out) / f"prefill_trace_{name}.json.gz", args.profile_stacks)
         except Exception:
             scen["profile_error"] = traceback.format_exc()[-3000:]
     del ex
@@ -325,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="Gated DeltaNet WY inverse: block doubling on tensor cores (default) or row substitution")
     p.add_argument("--link-gbps", type=float, default=None, help="link rate of the bound (default: measured)")
     p.add_argument("--profile-tokens", type=int, default=4096, help="prompt of the per-component profile; 0: none")
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="profile the CPU side with Python stacks too: the profile's host.sync_sites")
     args = p.parse_args(argv)
     if args.device == "cpu":  # the kernels run in Triton's interpreter (set before triton is imported)
         os.environ.setdefault("TRITON_INTERPRET", "1")

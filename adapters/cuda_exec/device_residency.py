@@ -112,8 +112,8 @@ class DeviceResidency:
         miss = distinct & (slot_before < 0)  # [n]
         # victims: smallest stamps among slots not pinned and not holding a requested key
         blocked = self.pinned.clone()  # [S + 1]
-        blocked[torch.where(hit, slot_before, sink_slot)] = True
-        blocked[sink_slot] = True
+        blocked.index_fill_(0, torch.where(hit, slot_before, sink_slot), True)
+        fill_sink(blocked, True)
         candidates = torch.where(blocked, _NEVER, self.stamp)  # [S + 1]
         k = min(n, self.num_slots)
         victims = torch.topk(candidates, k, largest=False, sorted=True).indices if k else candidates[:0]  # [k]
@@ -123,19 +123,19 @@ class DeviceResidency:
         old_key = self.key_of_slot[fill_slot]  # [n] key evicted by each fill (-1: the slot was empty)
         evicting = miss & (old_key >= 0)  # [n]
         # table updates: evicted keys leave, filled keys arrive, every requested key becomes MRU in order
-        self.slot_of_key[torch.where(evicting, old_key, sink_key)] = -1
+        self.slot_of_key.index_fill_(0, torch.where(evicting, old_key, sink_key), -1)
         self.slot_of_key[torch.where(miss, safe, sink_key)] = fill_slot
         self.key_of_slot[fill_slot] = torch.where(miss, safe, NO_KEY)
         slot_after = torch.where(valid, self.slot_of_key[safe], -1)  # [n]
         distinct_rank = torch.cumsum(distinct.to(torch.int64), 0) - 1  # [n]
         touched = torch.where(distinct, slot_after, sink_slot)  # [n]
         self.stamp[touched] = self.clock + distinct_rank
-        self.stamp[sink_slot] = 0
-        self.key_of_slot[sink_slot] = NO_KEY
+        fill_sink(self.stamp, 0)
+        fill_sink(self.key_of_slot, NO_KEY)
         self.clock += distinct.sum()
         if pin:
-            self.pinned[touched] = True
-            self.pinned[sink_slot] = False
+            self.pinned.index_fill_(0, touched, True)
+            fill_sink(self.pinned, False)
         self._counters += torch.stack((hit.sum(), miss.sum(), evicting.sum()))
         fill_order = _compact(miss, n)  # [n] positions of misses first, in request order
         evict_order = _compact(evicting, n)
@@ -318,6 +318,14 @@ class DeviceResidency:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.slot_of_key, self.key_of_slot, self.stamp, self.pinned))
+
+
+def fill_sink(table: torch.Tensor, value: int | bool) -> None:
+    """table[-1] = value (the sink entry of a [S + 1] or [L*E + 1] table) as a device fill.
+    NOTE: `t[i] = scalar` on a CUDA tensor copies the scalar from pageable host memory and synchronises the
+    stream (suspected from the 2026-12-01 4k prefill trace: five H2D copies, each followed by
+    cudaStreamSynchronize, in every MoE layer); fill_ and index_fill_ take the scalar as a kernel argument."""
+    table[-1:].fill_(value)
 
 
 def _compact(mask: torch.Tensor, n: int) -> torch.Tensor:

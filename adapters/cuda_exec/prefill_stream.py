@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from adapters.cuda_exec.device_residency import fill_sink
 from adapters.kernels.expert_gather import gather_rows
 from domain.streamed_prefill import (
     StagingRound,
@@ -261,8 +262,8 @@ class PrefillStream:
             flat = torch.where(safe < experts, safe + layer * experts, -1).reshape(-1)
             safe = torch.where(pool.residency.owned_only(flat).view(safe.shape) >= 0, safe, experts)
         routed = torch.zeros(experts + 1, dtype=torch.bool, device=ids.device)
-        routed[safe.reshape(-1)] = True  # [E + 1], a scatter: no host sync
-        routed[experts] = False
+        routed.index_fill_(0, safe.reshape(-1), True)  # [E + 1], a scatter: no host sync
+        fill_sink(routed, False)  # index E: padding and other ranks' pairs
         self.needed += (routed[:experts] & (self.resident[layer] < 0)).sum()
         keys = torch.where(safe < experts, safe, experts + 1)  # [T, K] map keys: E + 1 routes nowhere
         if shared:

@@ -78,3 +78,32 @@ def test_overlap_floor_is_the_larger_of_the_bound_and_the_resident_prefill():
     assert eight["overlap_floor_s"] == 0.589 and eight["target_reachable"] is False
     assert eight["floor_over_bound"] == pytest.approx(1.261, abs=1e-3)
     assert "overlap_floor_s" not in record["scenarios"]["resident"]["prompts"]["4096"]
+
+
+def test_host_summary_counts_syncs_launches_idle_time_and_sync_sites():
+    import bench_prefill
+
+    def x(cat, name, ts, dur, **extra):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **extra}
+
+    # device busy [0, 10) and [30, 40): 20 µs busy, 20 µs idle; two syncs on thread 1, one launch of each API
+    trace = {"traceEvents": [
+        x("kernel", "k", 0.0, 10.0), x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 30.0, 4.0),
+        x("gpu_memset", "Memset (Device)", 34.0, 6.0),
+        x("cuda_runtime", "cudaLaunchKernel", 0.0, 1.0), x("cuda_driver", "cuLaunchKernelEx", 1.0, 1.0),
+        x("cuda_runtime", "cudaStreamSynchronize", 12.0, 15.0, tid=1),
+        x("cuda_runtime", "cudaStreamSynchronize", 50.0, 5.0, tid=1),
+        x("python_function", "adapters/cuda_exec/device_residency.py(133): lookup_flat", 11.0, 20.0, tid=1),
+        x("python_function", "adapters/cuda_exec/expert_pool.py(280): routed", 5.0, 60.0, tid=1),
+        x("python_function", "torch/nn/modules/module.py(1): _call_impl", 12.0, 2.0, tid=1),
+        x("python_function", "adapters/cuda_exec/expert_pool.py(280): routed", 12.0, 2.0, tid=2),
+    ]}
+    got = bench_prefill.host_summary(trace)
+    assert got["syncs"] == 2 and got["sync_ms"] == pytest.approx(0.020) and got["launches"] == 2
+    assert got["h2d_pageable"] == 1
+    assert got["gpu_busy_ms"] == pytest.approx(0.020) and got["gpu_idle_ms"] == pytest.approx(0.020)
+    # the innermost repo frame of the same thread: lookup_flat for the first, routed for the second
+    assert got["sync_sites"] == [{"site": "adapters/cuda_exec/device_residency.py(133): lookup_flat", "syncs": 1},
+                                 {"site": "adapters/cuda_exec/expert_pool.py(280): routed", "syncs": 1}]
+    assert "sync_sites" not in bench_prefill.host_summary({"traceEvents": trace["traceEvents"][:7]})
+    assert bench_prefill.host_summary({}) == {"syncs": 0, "sync_ms": 0.0, "launches": 0, "h2d_pageable": 0}
