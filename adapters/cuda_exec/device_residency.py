@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.kernels.moe_align import narrow_keys
 from adapters.kernels.moe_route_lookup import moe_route_lookup
 from adapters.kernels.residency_lookup import layer_lookup
 from domain.residency import Lookup, ResidencyExhausted
@@ -84,12 +85,14 @@ class DeviceResidency:
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
 
     # ---- the device-side lookup ------------------------------------------------------------------------
-    def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True) -> DeviceLookup:
+    def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True, presorted: bool = False) -> DeviceLookup:
         """Look up flat keys [n] (int, -1 = padding) in request order, entirely with tensor ops.
 
         The caller guarantees the lookup fits (`can_lookup`); inside a captured graph nothing can be
         refused, so the decode step sizes its batch buckets so that it always does (S >= n, no pins
-        held by others). pin=False skips pinning (a lookup released before the next one).
+        held by others). pin=False skips pinning (a lookup released before the next one). presorted: the
+        caller guarantees equal keys are adjacent (e.g. sorted ascending, padding anywhere as one run), so
+        request order within each run is the given order and the lookup skips its own sort.
         """
         keys = flat_keys.to(device=self.device, dtype=torch.int64).reshape(-1)  # [n]
         n, sink_key, sink_slot = keys.shape[0], self.slot_of_key.shape[0] - 1, self.num_slots
@@ -100,11 +103,16 @@ class DeviceResidency:
         valid = keys >= 0  # [n]
         # first occurrence of each key in request order (duplicates collapse like dict.fromkeys): a stable
         # sort puts equal keys together, earliest first; O(n log n), so prefill-sized lookups stay cheap
-        ordered, order = torch.sort(keys, stable=True)  # [n]
-        first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        distinct = torch.zeros_like(first)
-        distinct[order] = first
+        if presorted:
+            first = torch.ones_like(keys, dtype=torch.bool)
+            first[1:] = keys[1:] != keys[:-1]
+            distinct = first
+        else:
+            ordered, order = torch.sort(narrow_keys(keys, sink_key), stable=True)  # [n]
+            first = torch.ones_like(ordered, dtype=torch.bool)
+            first[1:] = ordered[1:] != ordered[:-1]
+            distinct = torch.zeros_like(first)
+            distinct[order] = first
         distinct &= valid  # [n]
         safe = torch.where(valid, keys, sink_key)  # [n]
         slot_before = self.slot_of_key[safe]  # [n]

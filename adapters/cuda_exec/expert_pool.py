@@ -27,7 +27,7 @@ from adapters.kernels.dedup_gemv import MAX_DEDUP_PAIRS
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.grouped_moe import grouped_moe
-from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m
+from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m, narrow_keys
 from adapters.kernels.moe_grouped_down import moe_grouped_down
 from adapters.kernels.moe_grouped_gate_up import moe_grouped_gate_up
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
@@ -156,12 +156,12 @@ class DeviceExpertPool:
     def _gather(self, fill_keys: torch.Tensor, fill_slots: torch.Tensor) -> None:
         gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
 
-    def _fetch(self, keys: torch.Tensor) -> None:
+    def _fetch(self, keys: torch.Tensor, presorted: bool = False) -> None:
         """Look up flat keys of one layer (request order, -1 = padding) and gather the misses into their slots.
         NOTE: the lookup lists its fills first, and a layer has at most `_layer_keys` distinct keys, so only
         that many entries can be fills: the gather launches over those, not over all T*K keys (48 programs
         per entry; at 4k tokens 1.57 M programs a layer that read -1 and exit, ~1 ms a layer on the H200)."""
-        found = self.residency.lookup_flat(keys, pin=False)
+        found = self.residency.lookup_flat(keys, pin=False, presorted=presorted)
         bound = min(found.fill_keys.shape[0], self._layer_keys)
         self._gather(found.fill_keys[:bound], found.fill_slots[:bound])
 
@@ -281,9 +281,10 @@ class DeviceExpertPool:
         # sync. The sync of the grouped path below stalled the launch queue once per layer (~40 syncs per prefill step, measured as host
         # time in bench_prefill's profile).
         if flat.numel() <= self.num_slots or self._layer_keys <= self.num_slots:
-            big = torch.iinfo(torch.int64).max
-            ordered = torch.sort(torch.where(flat < 0, big, flat)).values  # ascending, as the reference asks
-            self._fetch(torch.where(ordered == big, -1, ordered))
+            sink = self.residency.slot_of_key.shape[0] - 1  # L*E: above every key
+            ordered = torch.sort(narrow_keys(torch.where(flat < 0, sink, flat), sink)).values.to(torch.int64)
+            # ascending, as the reference asks; equal keys adjacent, so the lookup need not sort again
+            self._fetch(torch.where(ordered == sink, -1, ordered), presorted=True)
             slot_ids = self._with_shared(layer, self._slot_ids(flat, ids.shape), shared)
             return self._moe_out(ids.numel(), x, slot_ids, weights)
         distinct = torch.unique(flat[flat >= 0])  # ascending; one host sync below

@@ -30,6 +30,19 @@ def max_blocks(num_pairs: int, groups: int, block_m: int) -> int:
     return (num_pairs + groups * (block_m - 1)) // block_m
 
 
+def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
+    """keys (integers in [-1, bound]) in the narrowest of int16 / int32 / int64 that holds them, for sorting:
+    a radix sort makes one pass per key byte, so int16 keys sort in 2 passes where int64 takes 8 (at a 4k
+    prefill, three int64 sorts of 32,768 keys a MoE layer were ~60 launches and ~4 ms of a 187 ms step).
+    Stable sorts of the narrowed keys give the same permutation. Raises ValueError on a negative bound."""
+    if bound < 0:
+        raise ValueError(f"narrow_keys: bound must be >= 0, got {bound}")
+    for dtype in (torch.int16, torch.int32):
+        if bound <= torch.iinfo(dtype).max:
+            return keys.to(dtype)
+    return keys.to(torch.int64)
+
+
 def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None = None) -> Alignment:
     """Sort the pairs of slot_ids int32 [T, K] by slot and pad each slot's group to a multiple of block_m.
 
@@ -60,7 +73,8 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_grou
     block_end = torch.cumsum(slot_blocks, 0)  # [S] inclusive
     first_row = (block_end - slot_blocks) * block_m  # [S] first padded row of each slot's group
     first_sorted = torch.cumsum(counts, 0) - counts  # [S] first position of each slot in sorted order
-    sorted_key, order = torch.sort(key, stable=True)  # [P], [P]
+    sorted_key, order = torch.sort(narrow_keys(key, num_slots), stable=True)  # [P], [P]
+    sorted_key = sorted_key.to(torch.int64)
     live = sorted_key < num_slots
     slot = sorted_key.clamp(max=num_slots - 1)
     dest = first_row[slot] + torch.arange(pairs, device=device) - first_sorted[slot]  # [P]

@@ -1,6 +1,7 @@
 """One-off GPU diagnosis (session 7): split vs fused recurrence differences on the test geometries, and which
 head dims crash gdn_chunk_wy's blocked inverse at 3xTF32 (each crash case in its own process)."""
-import subprocess, sys
+import subprocess
+import sys
 
 DIFF = r'''
 import torch

@@ -1,6 +1,7 @@
 """One-off GPU diagnosis (session 7): which gdn_chunk_wy configuration hits an illegal address. Each case runs
 in its own process (an illegal address poisons the CUDA context)."""
-import subprocess, sys
+import subprocess
+import sys
 
 CASE = r'''
 import sys, torch

@@ -3,6 +3,7 @@ differential contract, plus layer-style lookups with padding as the decode step 
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,3 +86,37 @@ def test_layer_lookup_kernel_matches_the_domain(num_slots, seed):
     assert (dev.hits, dev.misses, dev.evictions) == (ref.hits, ref.misses, ref.evictions)
     assert dev.lru_order() == ref.lru_order()
     dev.check_valid()
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_slots=st.integers(4, 24), seed=st.integers(0, 2**31 - 1))
+def test_presorted_lookup_makes_the_sorting_lookups_decisions(num_slots, seed):
+    """The prefill's call: a layer's keys with repeats, sorted ascending with the padding as one run at the
+    end; presorted=True skips the lookup's own sort and must leave the same decisions and tables."""
+    rng = random.Random(seed)
+    layers, experts = 3, 9
+    plain, fast = DeviceResidency(num_slots, layers, experts), DeviceResidency(num_slots, layers, experts)
+    for _step in range(8):
+        layer = rng.randrange(layers)
+        keys = sorted(layer * experts + rng.randrange(experts) for _ in range(rng.randint(1, 3 * num_slots)))
+        flat = torch.tensor(keys + [-1] * rng.randint(0, 5), dtype=torch.int64)
+        if len(set(keys)) > num_slots:
+            continue  # more distinct keys than slots: a lookup the caller never makes
+        want, got = plain.lookup_flat(flat, pin=False), fast.lookup_flat(flat, pin=False, presorted=True)
+        for name in ("slots", "fill_keys", "fill_slots", "evicted"):
+            assert torch.equal(getattr(want, name), getattr(got, name)), name
+        for table in ("slot_of_key", "key_of_slot", "stamp", "pinned", "clock"):
+            assert torch.equal(getattr(plain, table), getattr(fast, table)), table
+    assert plain.counters() == fast.counters()
+
+
+def test_narrow_keys_picks_the_narrowest_type_and_keeps_the_stable_order():
+    from adapters.kernels.moe_align import narrow_keys
+
+    keys = torch.tensor([5, -1, 3, 5, 0, 3, -1, 10239])
+    assert narrow_keys(keys, 10240).dtype == torch.int16 and narrow_keys(keys, 2**15).dtype == torch.int32
+    assert narrow_keys(keys, 2**31).dtype == torch.int64
+    assert torch.equal(narrow_keys(keys, 10240).to(torch.int64), keys)
+    assert torch.equal(torch.sort(narrow_keys(keys, 10240), stable=True).indices, torch.sort(keys, stable=True).indices)
+    with pytest.raises(ValueError):
+        narrow_keys(keys, -1)
