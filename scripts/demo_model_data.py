@@ -586,8 +586,8 @@ class ConversationBuilder:
                  short_systems: tuple[str, ...], small_share: float = SMALL_SHARE) -> None:
         """``arithmetic``: the +/- questions to draw from (the training split); ``small_share``: the
         chance that a +/- question comes from those of them with both operands small (``is_small``;
-        the rest from the others). Raises ValueError for a share outside [0, 1), or above 0 with no
-        small question to draw."""
+        the rest from the others). Raises ValueError for a share outside [0, 1), or above 0 when
+        ``arithmetic`` lacks small questions or other ones."""
         if not 0 <= small_share < 1:
             raise ValueError(f"small_share must be in [0, 1), got {small_share}")
         self.small = [q for q in arithmetic if is_small(q)]
