@@ -51,6 +51,14 @@ HELDOUT_FRACTION = 0.10
 VALIDATION_SIZE = 500
 PRODUCT_VALIDATION_SIZE = 300
 OPERATORS = ("+", "-")
+# Small operands: "What is 1 + 2?" is the first thing a user types, but drawn uniformly from 0..99 x 0..99
+# the questions with both operands below SMALL_LIMIT are 1 % of the +/- answers trained, and retrain
+# attempt 2 (docs/demo-model.md) got 25 of their 200 wrong while missing none of the 600 in 0..19 with
+# an operand of 10..19. So SMALL_SHARE of the +/- questions drawn for training come from the training
+# questions with both operands small (an 8.6x higher rate for each of them), the rest from the other
+# training questions; the held-out and validation questions stay out of both.
+SMALL_LIMIT = 10
+SMALL_SHARE = 0.08
 PRODUCT_FORMS = ("×", "*", "times")
 NO_TOOL_ANSWER = "I need a multiply tool for that."
 
@@ -59,6 +67,16 @@ NO_TOOL_ANSWER = "I need a multiply tool for that."
 
 def all_questions() -> list[tuple[int, str, int]]:
     return [(a, op, b) for a in range(100) for op in OPERATORS for b in range(100)]
+
+
+def is_small(question: tuple[int, str, int]) -> bool:
+    """Both operands below SMALL_LIMIT (0..9): the region oversampled in training."""
+    return question[0] < SMALL_LIMIT and question[2] < SMALL_LIMIT
+
+
+def small_questions() -> list[tuple[int, str, int]]:
+    """The 200 +/- questions with both operands in 0..9, sorted: the `arith_small` suite, whatever the split."""
+    return [q for q in all_questions() if is_small(q)]
 
 
 def question_text(a: int, op: str, b: int) -> str:
@@ -565,8 +583,19 @@ class ConversationBuilder:
     system text (the caller sizes it in tokens)."""
 
     def __init__(self, arithmetic: list, products: list, system_text: Callable[[random.Random], str],
-                 short_systems: tuple[str, ...]) -> None:
+                 short_systems: tuple[str, ...], small_share: float = SMALL_SHARE) -> None:
+        """``arithmetic``: the +/- questions to draw from (the training split); ``small_share``: the
+        chance that a +/- question comes from those of them with both operands small (``is_small``;
+        the rest from the others). Raises ValueError for a share outside [0, 1), or above 0 when
+        ``arithmetic`` lacks small questions or other ones."""
+        if not 0 <= small_share < 1:
+            raise ValueError(f"small_share must be in [0, 1), got {small_share}")
+        self.small = [q for q in arithmetic if is_small(q)]
+        if small_share and not (self.small and len(self.small) < len(arithmetic)):
+            raise ValueError("small_share > 0 needs +/- questions with both operands small and others to draw from")
+        self.other = [q for q in arithmetic if not is_small(q)]
         self.arithmetic = arithmetic
+        self.small_share = small_share
         self.products = products
         self.system_text = system_text
         self.short_systems = short_systems
@@ -579,7 +608,9 @@ class ConversationBuilder:
         if rng.random() < product_share:
             a, b = rng.choice(self.products)
             return a, rng.choice(PRODUCT_FORMS), b
-        return rng.choice(self.arithmetic)
+        if not self.small_share:
+            return rng.choice(self.arithmetic)  # uniform, as attempts 1 and 2 drew (same random stream)
+        return rng.choice(self.small if rng.random() < self.small_share else self.other)
 
     KINDS = ("plain", "tools", "long")
 
@@ -664,12 +695,15 @@ class EvalCase:
 
 
 def eval_cases(arith: list, pairs: list, long_system: Callable[[int], str], every: int = 1,
-               short_system: str = "You are a helpful assistant.") -> list[EvalCase]:
+               short_system: str = "You are a helpful assistant.", small: list | None = None) -> list[EvalCase]:
     """The held-out report. ``arith``: held-out (A, op, B) with op in +/-; ``pairs``: held-out product
     pairs; ``long_system(i)``: the i-th unseen long system text. ``every``: keep every n-th question of
-    the larger suites (the full report uses 1). Suites:
+    the larger suites (the full report uses 1). ``small``: the questions of arith_small (default: all 200
+    of small_questions()), always all of them, whatever ``every``. Suites:
     arith / arith_system / arith_long / arith_agent: +/- answers with no system, a short one, a long
-    generated one, the hand-written agent prompt; arith_tools_long: the same with multiply among
+    generated one, the hand-written agent prompt; arith_small: a capability check, NOT held-out (most
+    of its questions are trained): the lone +/- questions with both operands in 0..9, the first a user
+    asks, which a uniform draw rarely trains or tests; arith_tools_long: a +/- answer with multiply among
     distractor tools after a long prompt (must answer, not call); call / call_long / call_agent: the
     exact multiply call; answer / answer_long: the number after the call and a tool result (every
     other result is not the product); no_tool / no_tool_distractors: the refusal; think_arith /
@@ -689,6 +723,8 @@ def eval_cases(arith: list, pairs: list, long_system: Callable[[int], str], ever
 
     for q in arith[::every]:
         add("arith", [user(q)], None, answer_text(*q))
+    for q in small_questions() if small is None else small:
+        add("arith_small", [user(q)], None, answer_text(*q))
     for q in arith[:: 4 * every]:
         add("arith_system", system(short_system) + [user(q)], None, answer_text(*q))
     for i, q in enumerate(arith[:: 4 * every]):

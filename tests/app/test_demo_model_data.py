@@ -208,9 +208,82 @@ def test_splits_are_fixed_and_training_never_sees_heldout_or_validation_question
                     assert (int(a), op, int(b)) in allowed_sums
                 asked += 1
     assert asked > 300
+    not_heldout = set()
     for case in data.eval_cases(heldout_q, heldout_p, lambda i: "system text", every=20):
         for a, op, b in re.findall(r"user\nWhat is (\d+) (\+|-|×|\*|times) (\d+)\?", case.prompt):
-            assert ((int(a), int(b)) in set(heldout_p)) if data.is_product(op) else ((int(a), op, int(b)) in heldout_q)
+            if not (((int(a), int(b)) in set(heldout_p)) if data.is_product(op) else ((int(a), op, int(b)) in heldout_q)):
+                not_heldout.add(case.suite)
+    assert not_heldout == {"arith_small"}  # the capability check, documented as not held-out; every other suite is
+
+
+def test_small_operand_questions_are_drawn_at_their_share_and_only_from_the_training_split():
+    """data.SMALL_SHARE of the +/- questions drawn come from the training questions with both operands in
+    0..9 (1 % of them under a uniform draw), every such training question is drawn, and no held-out or
+    validation question ever is, although 15 of the 200 small questions are held out or validation ones."""
+    train_q, val_q, heldout_q = data.split_questions()
+    small_train = {q for q in train_q if data.is_small(q)}
+    assert len(data.small_questions()) == 200 and len(small_train) == 185
+    assert {q for q in heldout_q + val_q if data.is_small(q)} == set(data.small_questions()) - small_train
+    builder = train.make_builder(train.LongSystem(2.8, (60, 200)))
+    assert builder.small_share == data.SMALL_SHARE == 0.08
+    rng = random.Random(11)
+    n = 40_000
+    drawn = [builder.question(rng, product_share=0.0) for _ in range(n)]
+    share = sum(map(data.is_small, drawn)) / n
+    assert abs(share - data.SMALL_SHARE) < 0.006  # > 4 standard deviations (0.0014)
+    assert {q for q in drawn if data.is_small(q)} == small_train  # all 185, ~17 draws each
+    assert set(drawn) <= set(train_q)
+    # the same seed draws the same questions; a share of 0 is the uniform draw (1.06 % small)
+    rng = random.Random(11)
+    assert [builder.question(rng, product_share=0.0) for _ in range(500)] == drawn[:500]
+    uniform = train.make_builder(train.LongSystem(2.8, (60, 200)), small_share=0.0)
+    rng = random.Random(11)
+    uniform_share = sum(data.is_small(uniform.question(rng, product_share=0.0)) for _ in range(n)) / n
+    assert abs(uniform_share - 185 / 17_500) < 0.003
+    # ... and so do whole training rows of every kind (their +/- questions, not the products)
+    asked = []
+    for row in rows(900, seed=4):
+        for m in row.messages:
+            a, op, b = QUESTION.match(m["content"]).groups() if m["role"] == "user" else (0, "×", 0)
+            if not data.is_product(op):
+                asked.append((int(a), op, int(b)))
+    assert len(asked) > 1500 and set(asked) <= set(train_q)
+    assert 0.05 < sum(map(data.is_small, asked)) / len(asked) < 0.11
+
+
+def test_small_share_is_checked():
+    for share in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="small_share must be in"):
+            data.ConversationBuilder([(1, "+", 2), (10, "+", 2)], [], lambda rng: "", ("",), share)
+    with pytest.raises(ValueError, match="needs"):
+        data.ConversationBuilder([(10, "+", 2)], [], lambda rng: "", ("",), 0.1)
+    assert data.ConversationBuilder([(10, "+", 2)], [], lambda rng: "", ("",), 0.0).question(
+        random.Random(0), 0.0) == (10, "+", 2)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", "x", "--small-share", "1"])
+    assert train.parse_args(["--out", "x"]).small_share == data.SMALL_SHARE
+
+
+def test_arith_small_has_all_200_small_questions_at_every_thinning_and_validation_keeps_heldout_out():
+    train_q, val_q, heldout_q = data.split_questions()
+    _, _, heldout_p = data.split_products()
+    for every in (1, 2, 12, 400):
+        cases = [c for c in data.eval_cases(heldout_q, heldout_p, lambda i: "system", every=every)
+                 if c.suite == "arith_small"]
+        assert len(cases) == 200
+        assert [(c.prompt, c.expected) for c in cases] == [
+            (data.prompt_text(a, op, b), str(a + b if op == "+" else a - b)) for a, op, b in data.small_questions()]
+    assert {c.expected for c in cases} >= {"0", "18", "-9"}
+    assert ("What is 1 + 2?", "3") in {(c.prompt.split("user\n")[1].split("<|im_end|>")[0], c.expected) for c in cases}
+    # The training loop's validation shows arith_small too, but without its 12 held-out questions (which
+    # must never decide anything), and never the hand-written agent prompt.
+    validation = train.validation_cases(train.LongSystem(2.8, (60, 200)), 12)
+    suites = {c.suite for c in validation}
+    assert "arith_small" in suites and not any(s.endswith("_agent") for s in suites)
+    small = [c for c in validation if c.suite == "arith_small"]
+    heldout_prompts = {data.prompt_text(*q) for q in heldout_q}
+    assert len(small) == 188 and not any(c.prompt in heldout_prompts for c in small)
+    assert {c.prompt for c in small} == {data.prompt_text(*q) for q in data.small_questions() if q not in set(heldout_q)}
 
 
 def test_heldout_suites_and_their_expected_answers():
@@ -220,7 +293,7 @@ def test_heldout_suites_and_their_expected_answers():
     counts = {}
     for case in cases:
         counts[case.suite] = counts.get(case.suite, 0) + 1
-    assert counts == {"arith": 2000, "arith_system": 500, "arith_long": 500, "arith_agent": 200,
+    assert counts == {"arith": 2000, "arith_small": 200, "arith_system": 500, "arith_long": 500, "arith_agent": 200,
                       "arith_tools_long": 250, "call": 1000, "call_long": 500, "call_agent": 200, "answer": 1000,
                       "answer_long": 500, "no_tool": 250, "no_tool_distractors": 250, "think_arith": 200,
                       "think_call": 200}

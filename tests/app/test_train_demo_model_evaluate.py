@@ -92,12 +92,15 @@ def test_training_without_heldout_then_evaluate_writes_what_an_evaluating_run_wr
     for case in cases:
         expected_n[case.suite] = expected_n.get(case.suite, 0) + 1
     assert {name: s["n"] for name, s in evaluated["heldout_suites"].items()} == expected_n
+    assert expected_n["arith_small"] == 200 and trained["small_share"] == data.SMALL_SHARE  # never thinned
     assert evaluated["heldout_exact"] == evaluated["heldout_suites"]["arith"]["exact"]
     assert evaluated["heldout_exact_with_system_message"] == evaluated["heldout_suites"]["arith_system"]["exact"]
     assert evaluated["heldout_every_nth"] == every and evaluated["heldout_device"] == "cpu"
     readme = (first / "README.md").read_text()
     arith = evaluated["heldout_suites"]["arith"]
     assert f"`arith`: {arith['right']}/{arith['n']}" in readme and "(not evaluated)" not in readme
+    small = evaluated["heldout_suites"]["arith_small"]
+    assert f"`arith_small`: {small['right']}/200 (a capability check, not held-out" in readme
     assert f"--heldout-every-nth 0 --out {first}" in readme  # the training command, not the evaluation's
     assert (first / "model.safetensors").read_bytes() == weights  # --evaluate writes only the report
 
