@@ -2,9 +2,9 @@
 # The fast path's GPU checks in phases that each fit one 10-minute device call (pick them by name):
 #   tests    GPU pytest of the default decode path's kernels and executor, one pytest per file, 60 s per test
 #   tests-prefill  the same for the Triton prefill's kernels, warm-up and streamed paths
+#            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   tests-grouped  the same for the grouped MoE GEMMs and the expert pool's grouped paths (their real-geometry
 #            fp32 tests tune and compile for minutes: 240 s did not finish test_kernels_moe_grouped.py on 2026-12-01)
-#            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
 #            (GEMV projections) into $OUT/decode_reference, --prefill-kernels triton (tensor-core GEMM for
