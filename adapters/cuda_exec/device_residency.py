@@ -25,6 +25,9 @@ import torch
 from adapters.kernels.moe_align import narrow_keys
 from adapters.kernels.moe_route_lookup import moe_route_lookup
 from adapters.kernels.residency_lookup import layer_lookup
+from adapters.kernels.residency_set_fills import set_fills
+from adapters.kernels.residency_set_hits import MAX_EXPERTS as SET_MAX_EXPERTS
+from adapters.kernels.residency_set_hits import set_hits
 from domain.residency import Lookup, ResidencyExhausted
 
 NO_KEY = -1
@@ -153,6 +156,40 @@ class DeviceResidency:
             fill_slots=torch.where(miss[fill_order], fill_slot[fill_order], -1),
             evicted=torch.where(evicting[evict_order], old_key[evict_order], -1),
         )
+
+    def can_lookup_set(self) -> bool:
+        """Whether `lookup_set` takes a layer: its E experts fit the slots and the one program's lanes."""
+        return self.num_experts <= min(self.num_slots, SET_MAX_EXPERTS)
+
+    def lookup_set(self, layer: int, present: torch.Tensor, shared_slot: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill chunk's lookup of layer `layer`: present bool [E] marks the experts its pairs route to
+        (any number of pairs). Makes lookup_flat's decisions for those keys in ascending order (pin=False)
+        in three launches (residency_set_hits, a topk, residency_set_fills) instead of ~100 small torch ops.
+
+        Returns (fill_keys int64 [E], fill_slots int64 [E], slot_map int32 [E+2]): the misses to gather in
+        ascending key order (then -1), and each expert's slot after the lookup (-1: not routed, or another
+        rank's key), entry E = shared_slot, E+1 = -1. Needs `can_lookup_set()` (E <= S); raises ValueError
+        otherwise or on a bad present vector."""
+        experts = self.num_experts
+        if not self.can_lookup_set():
+            raise ValueError(f"lookup_set needs E = {experts} <= min(S = {self.num_slots}, {SET_MAX_EXPERTS})")
+        if present.shape != (experts,) or present.dtype != torch.bool or present.device != self.device:
+            raise ValueError(f"present must be bool [{experts}] on {self.device}, got {present.dtype} "
+                             f"{tuple(present.shape)} on {present.device}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        base = layer * experts
+        candidates = torch.empty(self.num_slots, dtype=torch.int64, device=self.device)  # [S]
+        set_hits(present, base, self.slot_of_key, self.stamp, self.pinned, self.clock, candidates, self.owner,
+                 self.rank)
+        victims = torch.topk(candidates, experts, largest=False, sorted=True).indices  # [E] ascending stamps
+        fill_keys = torch.empty(experts, dtype=torch.int64, device=self.device)
+        fill_slots = torch.empty(experts, dtype=torch.int64, device=self.device)
+        slot_map = torch.empty(experts + 2, dtype=torch.int32, device=self.device)
+        set_fills(present, base, self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
+                  victims, fill_keys, fill_slots, slot_map, shared_slot, self.owner, self.rank)
+        return fill_keys, fill_slots, slot_map
 
     def owned_only(self, flat_keys: torch.Tensor) -> torch.Tensor:
         """flat_keys (int64, -1 = padding) with the keys of other ranks replaced by -1 (tensor ops, no sync)."""
