@@ -21,7 +21,8 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               MoE sum) once per specialization class of the token counts it sees
   gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves)
   moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
-              scratch residency), one per BLOCK_N and class of T*K
+              scratch residency), one per BLOCK_N and class of T*K; and once, the
+              prefill's set lookup of bigger chunks (residency_set_hits / _fills), on that scratch residency
 Scratch: a 2-slot state pool, a KV cache of a few pages, a residency table of the pool's size (for the
 decode-style lookup kernel) and the activations; the expert pool's slots are only read (routed expert e
 reads slot e mod S, nothing is gathered, the pool's residency is not consulted). Peak extra memory is
@@ -265,7 +266,17 @@ class ReadOnlyExperts:
 
     def __init__(self, pool):
         self.pool, self.has_shared = pool, pool.has_shared
-        self.residency = DeviceResidency(pool.num_slots, pool.bank.num_layers, pool.bank.num_experts, pool.device)
+        owner = pool.residency.owner
+        self.residency = DeviceResidency(pool.num_slots, pool.bank.num_layers, pool.bank.num_experts, pool.device,
+                                         owner=None if owner is None else owner[:-1].cpu(), rank=pool.residency.rank)
+
+    def warm_set_lookup(self) -> None:
+        """Compile the prefill's set lookup (DeviceResidency.lookup_set: every chunk above the one-launch
+        lookup takes it when the layer's experts fit the pool) on the scratch tables: one binary per pool
+        (its integer arguments are not specialized; the owner table of an expert-parallel pool is)."""
+        if self.residency.can_lookup_set():
+            present = torch.ones(self.pool.bank.num_experts, dtype=torch.bool, device=self.pool.device)
+            self.residency.lookup_set(0, present, self.pool.num_slots if self.has_shared else -1)
 
     def slot_ids(self, layer: int, ids: torch.Tensor, shared: bool) -> torch.Tensor:
         """int32 [T, K(+1)] slots of the pool for expert ids [T, K]: e mod min(E, S), the layer's shared
@@ -305,6 +316,7 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
     scratch = _Scratch(model, experts, page_size, dtype, device, seed)
     skipped: list[str] = []
     with torch.inference_mode():
+        scratch.read_only.warm_set_lookup()
         for kernel, item in plan.items():
             if on_item is not None:
                 on_item(kernel, item)

@@ -17,7 +17,9 @@ import triton.language as tl
 from adapters.kernels.residency_set_hits import MAX_EXPERTS
 
 
-@triton.jit
+# NOTE: the integer arguments are not specialized (Triton would compile a variant per layer base % 16 and per
+# shared slot % 16): one binary per E class, compiled by the prefill warm-up
+@triton.jit(do_not_specialize=["E", "V", "base", "rank", "shared_slot"])
 def _set_fills_kernel(present_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr, owner_ptr, victims_ptr,
                       fill_keys_ptr, fill_slots_ptr, slot_map_ptr, E, V, base, rank, shared_slot,
                       HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr):

@@ -25,7 +25,9 @@ NEVER = torch.iinfo(torch.int64).max  # a pinned slot's candidate stamp: never a
 MAX_EXPERTS = 4096  # lanes of the one program (E per layer; Qwen3.6: 256, Qwen3-Next: 512)
 
 
-@triton.jit
+# NOTE: the integer arguments are not specialized (Triton would compile a variant per layer base % 16 and per
+# shared slot % 16): one binary per E class, compiled by the prefill warm-up
+@triton.jit(do_not_specialize=["E", "S", "base", "rank"])
 def _set_hits_kernel(present_ptr, slot_of_ptr, stamp_ptr, pinned_ptr, clock_ptr, owner_ptr, cand_ptr, E, S, base,
                      rank, never, HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
