@@ -1,0 +1,44 @@
+"""Step 1 of 3 of the Triton pair alignment (moe_align): each chunk's pairs per slot.
+
+Shape legend: P = T*K pairs (slot_ids flattened), S slots, C = cdiv(P, CHUNK) chunks, NB = S rounded up to
+a power of two (the histogram's bins).
+  slot_ids int32 [P] (-1: skipped) -> counts int32 [C, S]: pairs of chunk c routed to slot s.
+Ids outside [0, S) are counted nowhere (moe_align_place then drops them too), so a stray id cannot send a
+later gather out of bounds. Graph-capturable: no host sync, every count written (no memset needed).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_align_count_kernel(slot_ids_ptr, counts_ptr, P, S, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] pair indices
+    key = tl.load(slot_ids_ptr + offs, mask=offs < P, other=-1)
+    live = (key >= 0) & (key < S)
+    hist = tl.histogram(key, BLOCK_S, mask=live)  # [NB] int32
+    bins = tl.arange(0, BLOCK_S)
+    tl.store(counts_ptr + pid * S + bins, hist, mask=bins < S)
+
+
+def count_chunks(slot_ids: torch.Tensor, num_slots: int, chunk: int, counts: torch.Tensor) -> torch.Tensor:
+    """Fill counts int32 [C, S] (C = cdiv(P, chunk)) with each chunk's pairs per slot of slot_ids int32 [P]
+    (contiguous); chunk: a power of two >= 16. Returns counts. Raises ValueError on mismatched shapes."""
+    pairs = slot_ids.numel()
+    chunks = triton.cdiv(pairs, chunk)
+    if slot_ids.dim() != 1 or slot_ids.dtype != torch.int32 or not slot_ids.is_contiguous():
+        raise ValueError(f"count_chunks: slot_ids must be contiguous int32 [P], got {slot_ids.dtype} "
+                         f"{tuple(slot_ids.shape)}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"count_chunks: chunk={chunk} must be a power of two >= 16")
+    if counts.shape != (chunks, num_slots) or counts.dtype != torch.int32 or not counts.is_contiguous():
+        raise ValueError(f"count_chunks: counts must be contiguous int32 [{chunks}, {num_slots}], got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    assert counts.device == slot_ids.device
+    assert chunks * max(num_slots, chunk) < 2**31, "offsets are int32"
+    if chunks:
+        _moe_align_count_kernel[(chunks,)](slot_ids, counts, pairs, num_slots, CHUNK=chunk,
+                                           BLOCK_S=triton.next_power_of_2(num_slots), num_warps=4)
+    return counts
