@@ -22,14 +22,14 @@ from typing import NamedTuple
 import torch
 import triton
 
-from adapters.kernels.moe_align_count import count_chunks
+from adapters.kernels.moe_align_count import MAX_SLOTS, count_chunks
 from adapters.kernels.moe_align_place import CHUNK, place_pairs
 from adapters.kernels.moe_align_scan import scan_chunks
 
-# NOTE: the Triton path keeps [NB] (S rounded up to a power of two) vectors per program and a [C, S] count
-# table (C = P / 256 chunks); 1024 covers E + 1 groups up to E = 1023 experts (Qwen3.6: 257). Above it (a
-# caller grouping by pool slot, thousands) the count table would grow with S, so the torch path runs.
-MAX_TRITON_SLOTS = 1024
+# NOTE: the Triton path keeps [MAX_SLOTS] vectors per program and a [C, S] count table (C = P / 256 chunks);
+# 1024 covers E + 1 groups up to E = 1023 experts (Qwen3.6: 257). Above it (a caller grouping by pool slot,
+# thousands) the count table would grow with S, so the torch path runs.
+MAX_TRITON_SLOTS = MAX_SLOTS
 
 
 class Alignment(NamedTuple):

@@ -1,7 +1,7 @@
 """Step 1 of 3 of the Triton pair alignment (moe_align): each chunk's pairs per slot.
 
-Shape legend: P = T*K pairs (slot_ids flattened), S slots, C = cdiv(P, CHUNK) chunks, NB = S rounded up to
-a power of two (the histogram's bins).
+Shape legend: P = T*K pairs (slot_ids flattened), S slots (<= MAX_SLOTS), C = cdiv(P, CHUNK) chunks, NB =
+MAX_SLOTS (the histogram's bins).
   slot_ids int32 [P] (-1: skipped) -> counts int32 [C, S]: pairs of chunk c routed to slot s.
 Ids outside [0, S) are counted nowhere (moe_align_place then drops them too), so a stray id cannot send a
 later gather out of bounds. Graph-capturable: no host sync, every count written (no memset needed).
@@ -11,8 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+# NOTE: the alignment kernels' bound on S, also their fixed [NB] vector width: one build per kernel for every
+# S (a pool resize or another model does not recompile on a request's path); 1024 bins cost a 4k prefill
+# nothing measurable next to the launches they replace (S = 257 for Qwen3.6).
+MAX_SLOTS = 1024
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["P", "S"])  # no recompiles across prefill sizes
 def _moe_align_count_kernel(slot_ids_ptr, counts_ptr, P, S, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)  # [CHUNK] pair indices
@@ -25,12 +30,15 @@ def _moe_align_count_kernel(slot_ids_ptr, counts_ptr, P, S, CHUNK: tl.constexpr,
 
 def count_chunks(slot_ids: torch.Tensor, num_slots: int, chunk: int, counts: torch.Tensor) -> torch.Tensor:
     """Fill counts int32 [C, S] (C = cdiv(P, chunk)) with each chunk's pairs per slot of slot_ids int32 [P]
-    (contiguous); chunk: a power of two >= 16. Returns counts. Raises ValueError on mismatched shapes."""
+    (contiguous); 1 <= S <= MAX_SLOTS; chunk: a power of two >= 16. Returns counts. Raises ValueError on
+    mismatched shapes or S out of range."""
     pairs = slot_ids.numel()
     chunks = triton.cdiv(pairs, chunk)
     if slot_ids.dim() != 1 or slot_ids.dtype != torch.int32 or not slot_ids.is_contiguous():
         raise ValueError(f"count_chunks: slot_ids must be contiguous int32 [P], got {slot_ids.dtype} "
                          f"{tuple(slot_ids.shape)}")
+    if not 1 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"count_chunks: num_slots={num_slots} outside [1, {MAX_SLOTS}]")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"count_chunks: chunk={chunk} must be a power of two >= 16")
     if counts.shape != (chunks, num_slots) or counts.dtype != torch.int32 or not counts.is_contiguous():
@@ -40,5 +48,5 @@ def count_chunks(slot_ids: torch.Tensor, num_slots: int, chunk: int, counts: tor
     assert chunks * max(num_slots, chunk) < 2**31, "offsets are int32"
     if chunks:
         _moe_align_count_kernel[(chunks,)](slot_ids, counts, pairs, num_slots, CHUNK=chunk,
-                                           BLOCK_S=triton.next_power_of_2(num_slots), num_warps=4)
+                                           BLOCK_S=MAX_SLOTS, num_warps=4)
     return counts

@@ -1,7 +1,7 @@
 """Step 3 of 3 of the Triton pair alignment (moe_align): every pair's padded row, the padding, and the
 slot of every row block, all in one launch.
 
-Shape legend: P pairs, S slots, NB = S rounded up to a power of two, C = cdiv(P, CHUNK) chunks, BM rows per
+Shape legend: P pairs, S slots, NB = MAX_SLOTS >= S (moe_align_count's), C = cdiv(P, CHUNK) chunks, BM rows per
 block, B blocks (the host's bound), R = B*BM rows, BT blocks per padding program.
   slot_ids int32 [P], base int32 [C, S] (moe_align_scan's prefix), totals int32 [S]
   -> pairs int32 [R] (pair index, -1 for padding), block_slots int32 [B] (slot, -1 past the last used block).
@@ -18,15 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.moe_align_count import MAX_SLOTS
+
 CHUNK = 256  # pairs per placing program (moe_align_count's chunk)
 SUB = 32  # earlier pairs compared per step: a [SUB, CHUNK] tile instead of [CHUNK, CHUNK] in registers
-# NOTE: built for sm_90 (cuobjdump, BM 64, NB 512): 32 registers under 8 warps, 83 under 4, no spill; the
+# NOTE: built for sm_90 (cuobjdump, BM 64, NB 512 and 1024): 32 registers under 8 warps, 83 under 4, no spill; the
 # SUB loop must stay a runtime loop (range): unrolled (tl.static_range) it took 255 registers
 NUM_WARPS = 8
 ROWS_PER_PROGRAM = 2048  # padding rows per program (BT = ROWS_PER_PROGRAM // BM blocks)
 
 
-@triton.jit
+# NOTE: builds differ only by BM (16/32/64/128 in serving): the integers change with every prefill size
+@triton.jit(do_not_specialize=["P", "S", "C", "B", "R"])
 def _moe_align_place_kernel(slot_ids_ptr, base_ptr, totals_ptr, pairs_ptr, block_slots_ptr, P, S, C, B, R,
                             BM: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_S: tl.constexpr,
                             BT: tl.constexpr):
@@ -92,10 +95,12 @@ def place_pairs(slot_ids: torch.Tensor, base: torch.Tensor, totals: torch.Tensor
             raise ValueError(f"place_pairs: {name} must be contiguous int32 {list(shape)}, got {t.dtype} "
                              f"{tuple(t.shape)}")
         assert t.device == slot_ids.device
-    assert num_slots >= 1 and base.numel() + chunk < 2**31 and pairs.numel() + num_pairs < 2**31, "int32 offsets"
+    if not 1 <= num_slots <= MAX_SLOTS:
+        raise ValueError(f"place_pairs: {num_slots} slots outside [1, {MAX_SLOTS}]")
+    assert base.numel() + chunk < 2**31 and pairs.numel() + num_pairs < 2**31, "int32 offsets"
     bt = max(1, ROWS_PER_PROGRAM // block_m)
     grid = chunks + triton.cdiv(blocks, bt)
     if grid:
         _moe_align_place_kernel[(grid,)](slot_ids, base, totals, pairs, block_slots, num_pairs, num_slots, chunks,
                                          blocks, pairs.numel(), BM=block_m, CHUNK=chunk, SUB=SUB,
-                                         BLOCK_S=triton.next_power_of_2(num_slots), BT=bt, num_warps=NUM_WARPS)
+                                         BLOCK_S=MAX_SLOTS, BT=bt, num_warps=NUM_WARPS)

@@ -17,7 +17,7 @@ BLOCK_G = 32  # slots per program: a 128-byte row segment per chunk
 BLOCK_C = 64  # chunks per step of a program's loop (a 4k prefill: 144 chunks, 3 steps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "S"])  # no recompiles across prefill sizes
 def _moe_align_scan_kernel(counts_ptr, totals_ptr, C, S, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
     g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG] slots
     g_ok = g < S

@@ -200,7 +200,7 @@ def usage(kernel, ptrs, ints, consts, warps):
         out = subprocess.run([TOOL, "-res-usage", f.name], capture_output=True, text=True).stdout
     return re.search(r"REG:(\d+) STACK:(\d+)", out).groups()
 
-for nb in (512, 1024):
+for nb in (moe_align_count.MAX_SLOTS,):
     print("count", nb, *usage(moe_align_count._moe_align_count_kernel, ["slot_ids_ptr", "counts_ptr"], ["P", "S"],
                               dict(CHUNK=moe_align_place.CHUNK, BLOCK_S=nb), 4))
     for bm in (16, 64, 128):
@@ -216,9 +216,9 @@ print("scan", 32, *usage(moe_align_scan._moe_align_scan_kernel, ["counts_ptr", "
 @pytest.mark.slow
 def test_kernels_build_for_sm90_without_spills():
     """The interpreter proves the math, not the lowering (tl.histogram, tl.gather) nor the register budget:
-    each kernel builds for an H200 at the launchers' settings (S up to 1024) with no stack (spills)."""
+    each kernel builds for an H200 at the launchers' settings with no stack (spills)."""
     lines = build_for_sm90(_BUILD, timeout=300).splitlines()
-    assert len(lines) == 9
+    assert len(lines) == 5
     for line in lines:
         regs, stack = map(int, re.findall(r"\d+", line)[-2:])
         assert stack == 0 and regs <= 128, f"spills or a register-bound occupancy: {line}"
