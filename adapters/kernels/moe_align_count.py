@@ -33,7 +33,7 @@ def count_chunks(slot_ids: torch.Tensor, num_slots: int, chunk: int, counts: tor
     (contiguous); 1 <= S <= MAX_SLOTS; chunk: a power of two >= 16. Returns counts. Raises ValueError on
     mismatched shapes or S out of range."""
     pairs = slot_ids.numel()
-    chunks = triton.cdiv(pairs, chunk)
+    chunks = -(-pairs // chunk)
     if slot_ids.dim() != 1 or slot_ids.dtype != torch.int32 or not slot_ids.is_contiguous():
         raise ValueError(f"count_chunks: slot_ids must be contiguous int32 [P], got {slot_ids.dtype} "
                          f"{tuple(slot_ids.shape)}")

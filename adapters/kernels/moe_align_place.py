@@ -79,7 +79,7 @@ def place_pairs(slot_ids: torch.Tensor, base: torch.Tensor, totals: torch.Tensor
     module docstring). block_m: a power of two; chunk: moe_align_count's, a power of two >= SUB.
     Raises ValueError on mismatched shapes."""
     num_pairs = slot_ids.numel()
-    chunks = triton.cdiv(num_pairs, chunk)
+    chunks = -(-num_pairs // chunk)
     blocks = block_slots.numel()
     if slot_ids.dim() != 1 or slot_ids.dtype != torch.int32 or not slot_ids.is_contiguous():
         raise ValueError(f"place_pairs: slot_ids must be contiguous int32 [P], got {slot_ids.dtype} "
@@ -99,7 +99,7 @@ def place_pairs(slot_ids: torch.Tensor, base: torch.Tensor, totals: torch.Tensor
         raise ValueError(f"place_pairs: {num_slots} slots outside [1, {MAX_SLOTS}]")
     assert base.numel() + chunk < 2**31 and pairs.numel() + num_pairs < 2**31, "int32 offsets"
     bt = max(1, ROWS_PER_PROGRAM // block_m)
-    grid = chunks + triton.cdiv(blocks, bt)
+    grid = chunks + -(-blocks // bt)
     if grid:
         _moe_align_place_kernel[(grid,)](slot_ids, base, totals, pairs, block_slots, num_pairs, num_slots, chunks,
                                          blocks, pairs.numel(), BM=block_m, CHUNK=chunk, SUB=SUB,

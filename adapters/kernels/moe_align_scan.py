@@ -45,5 +45,5 @@ def scan_chunks(counts: torch.Tensor, totals: torch.Tensor) -> None:
     assert totals.device == counts.device
     assert counts.numel() + BLOCK_C * num_slots < 2**31, "offsets are int32"
     if num_slots:
-        _moe_align_scan_kernel[(triton.cdiv(num_slots, BLOCK_G),)](counts, totals, chunks, num_slots,
+        _moe_align_scan_kernel[(-(-num_slots // BLOCK_G),)](counts, totals, chunks, num_slots,
                                                                    BLOCK_C=BLOCK_C, BLOCK_G=BLOCK_G, num_warps=4)
