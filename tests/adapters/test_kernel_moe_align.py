@@ -23,6 +23,9 @@ from adapters.kernels.moe_align import (
     max_blocks,
     uses_triton,
 )
+from adapters.kernels.moe_align_count import count_chunks
+from adapters.kernels.moe_align_place import place_pairs
+from adapters.kernels.moe_align_scan import scan_chunks
 from tests.adapters.sm90 import build_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,6 +123,30 @@ def test_prefill_geometry_in_few_chunks():
     _assert_same(ids, 257, 64, 257, chunk=moe_align.CHUNK)
 
 
+def test_launchers_write_every_output_and_scratch_element():
+    """No memset is needed: the three launchers on poisoned buffers overwrite every count, prefix, total,
+    row and block (a poison value left anywhere would differ from the reference)."""
+    gen = torch.Generator().manual_seed(11)
+    ids = _routing(gen, 50, 3, 20, skip=0.2, shared=True)  # [50, 4], 200 pairs over 21 groups
+    flat, groups, bm, chunk = ids.reshape(-1).to(DEVICE), 21, 16, 32
+    blocks = max_blocks(flat.numel(), groups, bm)
+    chunks = -(-flat.numel() // chunk)
+    poison = dict(dtype=torch.int32, device=DEVICE)
+    counts = torch.full((chunks, groups), 7777, **poison)
+    totals = torch.full((groups,), 7777, **poison)
+    pairs = torch.full((blocks * bm,), 7777, **poison)
+    block_slots = torch.full((blocks,), 7777, **poison)
+    count_chunks(flat, groups, chunk, counts)
+    want = torch.stack([torch.bincount(c[c >= 0].long().cpu(), minlength=groups) for c in flat.split(chunk)])
+    assert torch.equal(counts.cpu(), want.to(torch.int32))
+    scan_chunks(counts, totals)
+    assert torch.equal(totals.cpu(), want.sum(0).to(torch.int32))
+    assert torch.equal(counts.cpu(), (want.cumsum(0) - want).to(torch.int32))
+    place_pairs(flat, counts, totals, bm, chunk, pairs, block_slots)
+    ref = align_by_slot_torch(ids.to(DEVICE), groups, bm, groups)
+    assert torch.equal(pairs, ref.pairs) and torch.equal(block_slots, ref.block_slots)
+
+
 def test_ids_out_of_range_are_dropped_by_the_kernels():
     """The reference's contract leaves ids >= S undefined; the kernels count and place them nowhere (no
     out-of-bounds gather), which equals the reference with those ids skipped."""
@@ -165,6 +192,19 @@ def test_refusals_match_the_reference():
         align_by_slot_triton(torch.zeros(4, 2, dtype=torch.int32), 3, 16, -1)
     with pytest.raises(ValueError, match="chunk"):
         align_by_slot_triton(torch.zeros(4, 2, dtype=torch.int32), 3, 16, chunk=48)
+    flat, i32 = torch.zeros(40, dtype=torch.int32), dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_slots"):
+        count_chunks(flat, MAX_TRITON_SLOTS + 1, 32, torch.empty(2, MAX_TRITON_SLOTS + 1, **i32))
+    with pytest.raises(ValueError, match="counts"):
+        count_chunks(flat, 3, 32, torch.empty(1, 3, **i32))  # 40 pairs are 2 chunks of 32
+    with pytest.raises(ValueError, match="totals"):
+        scan_chunks(torch.empty(2, 3, **i32), torch.empty(4, **i32))
+    with pytest.raises(ValueError, match="base"):
+        place_pairs(flat, torch.empty(2, 4, **i32), torch.empty(3, **i32), 16, 32, torch.empty(32, **i32),
+                    torch.empty(2, **i32))
+    with pytest.raises(ValueError, match="pairs"):
+        place_pairs(flat, torch.empty(2, 3, **i32), torch.empty(3, **i32), 16, 32, torch.empty(30, **i32),
+                    torch.empty(2, **i32))
 
 
 @pytest.mark.gpu
