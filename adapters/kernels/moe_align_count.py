@@ -47,6 +47,8 @@ def count_chunks(slot_ids: torch.Tensor, num_slots: int, chunk: int, counts: tor
     assert counts.device == slot_ids.device
     assert chunks * max(num_slots, chunk) < 2**31, "offsets are int32"
     if chunks:
+        # NOTE: no more threads than keys: the histogram's CUDA lowering divides counts of replicated inputs
+        # by a replication factor; one key per lane or more keeps that path out (chunk 32: one warp)
         _moe_align_count_kernel[(chunks,)](slot_ids, counts, pairs, num_slots, CHUNK=chunk,
-                                           BLOCK_S=MAX_SLOTS, num_warps=4)
+                                           BLOCK_S=MAX_SLOTS, num_warps=max(1, min(4, chunk // 32)))
     return counts

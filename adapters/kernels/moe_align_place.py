@@ -25,7 +25,7 @@ SUB = 32  # earlier pairs compared per step: a [SUB, CHUNK] tile instead of [CHU
 # NOTE: built for sm_90 (cuobjdump, BM 64, NB 512 and 1024): 32 registers under 8 warps, 83 under 4, no spill; the
 # SUB loop must stay a runtime loop (range): unrolled (tl.static_range) it took 255 registers
 NUM_WARPS = 8
-ROWS_PER_PROGRAM = 2048  # padding rows per program (BT = ROWS_PER_PROGRAM // BM blocks)
+ROWS_PER_PROGRAM = 2048  # padding rows per program (BT = ROWS_PER_PROGRAM // BM blocks, at least 32)
 
 
 # NOTE: builds differ only by BM (16/32/64/128 in serving): the integers change with every prefill size
@@ -72,6 +72,14 @@ def _moe_align_place_kernel(slot_ids_ptr, base_ptr, totals_ptr, pairs_ptr, block
         tl.store(pairs_ptr + rows, tl.full((BT, BM), -1, tl.int32), mask=(b < B)[:, None] & (rows >= limit[:, None]))
 
 
+def blocks_per_program(block_m: int) -> int:
+    """BT, the blocks of one padding program: ROWS_PER_PROGRAM rows, but at least 32 blocks. NOTE: BT is
+    the bin count of that program's tl.histogram, whose CUDA lowering gives each lane of a warp
+    bins / 32 bins: fewer than 32 bins would count nothing (an assert that release builds of the compiler
+    drop; newer ones pad the bins)."""
+    return max(32, ROWS_PER_PROGRAM // block_m)
+
+
 def place_pairs(slot_ids: torch.Tensor, base: torch.Tensor, totals: torch.Tensor, block_m: int, chunk: int,
                 pairs: torch.Tensor, block_slots: torch.Tensor) -> None:
     """Write pairs int32 [R] and block_slots int32 [B] (R = B*block_m, both contiguous, every element
@@ -98,7 +106,7 @@ def place_pairs(slot_ids: torch.Tensor, base: torch.Tensor, totals: torch.Tensor
     if not 1 <= num_slots <= MAX_SLOTS:
         raise ValueError(f"place_pairs: {num_slots} slots outside [1, {MAX_SLOTS}]")
     assert base.numel() + chunk < 2**31 and pairs.numel() + num_pairs < 2**31, "int32 offsets"
-    bt = max(1, ROWS_PER_PROGRAM // block_m)
+    bt = blocks_per_program(block_m)
     grid = chunks + -(-blocks // bt)
     if grid:
         _moe_align_place_kernel[(grid,)](slot_ids, base, totals, pairs, block_slots, num_pairs, num_slots, chunks,

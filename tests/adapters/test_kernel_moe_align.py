@@ -247,7 +247,7 @@ for nb in (moe_align_count.MAX_SLOTS,):
         print("place", nb, bm, *usage(moe_align_place._moe_align_place_kernel,
               ["slot_ids_ptr", "base_ptr", "totals_ptr", "pairs_ptr", "block_slots_ptr"], ["P", "S", "C", "B", "R"],
               dict(BM=bm, CHUNK=moe_align_place.CHUNK, SUB=moe_align_place.SUB, BLOCK_S=nb,
-                   BT=moe_align_place.ROWS_PER_PROGRAM // bm), moe_align_place.NUM_WARPS))
+                   BT=moe_align_place.blocks_per_program(bm)), moe_align_place.NUM_WARPS))
 print("scan", 32, *usage(moe_align_scan._moe_align_scan_kernel, ["counts_ptr", "totals_ptr"], ["C", "S"],
                          dict(BLOCK_C=moe_align_scan.BLOCK_C, BLOCK_G=moe_align_scan.BLOCK_G), 4))
 """
