@@ -1,8 +1,8 @@
 """Step 3 of 3 of the Triton pair alignment (moe_align): every pair's padded row, the padding, and the
 slot of every row block, all in one launch.
 
-Shape legend: P pairs, S slots, NB = MAX_SLOTS >= S (moe_align_count's), C = cdiv(P, CHUNK) chunks, BM rows per
-block, B blocks (the host's bound), R = B*BM rows, BT blocks per padding program.
+Shape legend: P pairs, S slots, NB = MAX_SLOTS >= S (moe_align_count's), C = cdiv(P, CHUNK) chunks, BM rows
+per block, B blocks (the host's bound), R = B*BM rows, BT blocks per padding program.
   slot_ids int32 [P], base int32 [C, S] (moe_align_scan's prefix), totals int32 [S]
   -> pairs int32 [R] (pair index, -1 for padding), block_slots int32 [B] (slot, -1 past the last used block).
 Programs [0, C) place one chunk's pairs each: row = first_row[s] + base[c, s] + (earlier pairs of the chunk
@@ -22,8 +22,8 @@ from adapters.kernels.moe_align_count import MAX_SLOTS
 
 CHUNK = 256  # pairs per placing program (moe_align_count's chunk)
 SUB = 32  # earlier pairs compared per step: a [SUB, CHUNK] tile instead of [CHUNK, CHUNK] in registers
-# NOTE: built for sm_90 (cuobjdump, BM 64, NB 512 and 1024): 32 registers under 8 warps, 83 under 4, no spill; the
-# SUB loop must stay a runtime loop (range): unrolled (tl.static_range) it took 255 registers
+# NOTE: built for sm_90 (cuobjdump, BM 16/64/128, NB 1024): 32 registers under 8 warps (83 under 4), no
+# spill; the SUB loop must stay a runtime loop (range): unrolled (tl.static_range) it took 255 registers
 NUM_WARPS = 8
 ROWS_PER_PROGRAM = 2048  # padding rows per program (BT = ROWS_PER_PROGRAM // BM blocks, at least 32)
 
@@ -69,7 +69,8 @@ def _moe_align_place_kernel(slot_ids_ptr, base_ptr, totals_ptr, pairs_ptr, block
         o = tl.where(own, owner, 0)
         limit = tl.where(own, tl.gather(first + n, o, 0), 0)  # [BT] first padding row of each block's slot
         rows = b[:, None] * BM + tl.arange(0, BM)[None, :]  # [BT, BM]
-        tl.store(pairs_ptr + rows, tl.full((BT, BM), -1, tl.int32), mask=(b < B)[:, None] & (rows >= limit[:, None]))
+        pad = (b < B)[:, None] & (rows >= limit[:, None])
+        tl.store(pairs_ptr + rows, tl.full((BT, BM), -1, tl.int32), mask=pad)
 
 
 def blocks_per_program(block_m: int) -> int:
