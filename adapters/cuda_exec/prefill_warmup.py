@@ -13,7 +13,8 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               projections and the LM head for 1..max_decode_rows; tuned at the bucket's largest row count
   dense_gemv  each such weight that some row count sends to the GEMV (one key per weight)
   moe_grouped each BLOCK_M that choose_block_m returns for a chunk of more than GEMV_MAX_PAIRS pairs up to
-              max_tokens tokens, tuned at the largest chunk that picks it, routing spread like a router's
+              max_tokens tokens, tuned at the largest chunk that picks it, routing spread like a router's;
+              the alignment kernels (moe_align) built at that BLOCK_M over E + 1 groups as well
   moe_fused   the per-pair GEMVs once with partials (the variant the grouped-by-S and streamed paths launch)
   forward     small scratch steps through the model's own forward (prefill spans of 1, 17, 18, 20, 24, 32
               tokens, a span after a cached prefix, mixed steps with 1, 2, 4, 8, 16 decode rows): every other
@@ -52,7 +53,7 @@ from adapters.cuda_exec.prefill_linear import prefill_linear, use_gemv
 from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.fused_moe import fused_moe
-from adapters.kernels.moe_align import choose_block_m
+from adapters.kernels.moe_align import align_by_slot, choose_block_m
 from adapters.kernels.residency_lookup import MAX_KEYS
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
@@ -376,6 +377,10 @@ class _Scratch:
         slot_ids, weights = self._routing(item.tokens, item.columns)
         x = self._randn(item.tokens, self.model.opts.hidden)
         self.experts._experts(item.tokens * self.model.opts.top_k, x, slot_ids, weights)
+        # NOTE: the streamed path aligns by expert (align_by_expert: S = E + 1 groups, the Triton alignment),
+        # while _experts aligns by pool slot (torch above MAX_TRITON_SLOTS slots): build that BLOCK_M here too
+        groups = self.experts.bank.num_experts + 1
+        align_by_slot(torch.where(slot_ids < groups, slot_ids, -1), groups, item.block_m, groups)
 
     def _moe_fused(self, item: FusedItem) -> None:
         slot_ids, weights = self._routing(1, item.columns)

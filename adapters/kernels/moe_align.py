@@ -1,6 +1,11 @@
 """Grouping of (token, top-k) pairs by expert slot for the grouped (prefill) MoE GEMMs: the pairs sorted
 by slot, each slot's group padded to a whole number of BLOCK_M rows, and the slot of every row block.
-Torch ops only (no kernel of its own), no host sync: the outputs are sized by a bound known on the host.
+No host sync: the outputs are sized by a bound known on the host.
+
+Two implementations with bitwise-equal results: three Triton launches (moe_align_count -> moe_align_scan ->
+moe_align_place, a stable counting sort) for S <= MAX_TRITON_SLOTS on CUDA tensors or under Triton's
+interpreter, else the torch reference `align_by_slot_torch` (~25 small launches: a 4k prefill is host-bound
+on them, issue 9).
 
 Shape legend: T tokens, K top-k columns (incl. a shared expert column), P = T*K pairs, S slots,
 BM rows per block (BLOCK_M), B row blocks (bound), R = B*BM padded rows.
@@ -15,6 +20,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+
+from adapters.kernels.moe_align_count import MAX_SLOTS, count_chunks
+from adapters.kernels.moe_align_place import CHUNK, place_pairs
+from adapters.kernels.moe_align_scan import scan_chunks
+
+# NOTE: the Triton path keeps [MAX_SLOTS] vectors per program and a [C, S] count table (C = P / 256 chunks);
+# 1024 covers E + 1 groups up to E = 1023 experts (Qwen3.6: 257). Above it (a caller grouping by pool slot,
+# thousands) the count table would grow with S, so the torch path runs.
+MAX_TRITON_SLOTS = MAX_SLOTS
 
 
 class Alignment(NamedTuple):
@@ -43,26 +58,78 @@ def narrow_keys(keys: torch.Tensor, bound: int) -> torch.Tensor:
     return keys.to(torch.int64)
 
 
-def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None = None) -> Alignment:
-    """Sort the pairs of slot_ids int32 [T, K] by slot and pad each slot's group to a multiple of block_m.
-
-    num_slots: S, slot ids must lie in [-1, S) (not checked on the device: an id >= S corrupts the
-    grouping). max_groups: bound on the distinct slot ids in slot_ids (default min(P, S)); a caller may
-    pass a tighter one it can guarantee (e.g. experts per layer + 1), which shrinks the grid; a bound
-    that is too small silently drops pairs. Raises ValueError on bad shapes or arguments.
-    """
+def _check_args(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None) -> int:
+    """The arguments' checks of align_by_slot; returns the block bound B."""
     if slot_ids.dim() != 2 or slot_ids.dtype != torch.int32:
         raise ValueError(f"align_by_slot: slot_ids must be int32 [T, K], got {slot_ids.dtype} {tuple(slot_ids.shape)}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"align_by_slot: block_m={block_m} must be a power of two")
     if num_slots < 1:
         raise ValueError(f"align_by_slot: num_slots must be >= 1, got {num_slots}")
-    device = slot_ids.device
     pairs = slot_ids.numel()
     groups = min(pairs, num_slots) if max_groups is None else min(max_groups, pairs, num_slots)
     if groups < 0:
         raise ValueError(f"align_by_slot: max_groups must be >= 0, got {max_groups}")
-    blocks = max_blocks(pairs, groups, block_m)
+    return max_blocks(pairs, groups, block_m)
+
+
+def uses_triton(slot_ids: torch.Tensor, num_slots: int) -> bool:
+    """Whether align_by_slot takes the Triton kernels: S <= MAX_TRITON_SLOTS and the ids on a CUDA device
+    or Triton's interpreter on (TRITON_INTERPRET=1, the CPU test runs); else the torch reference."""
+    return num_slots <= MAX_TRITON_SLOTS and (slot_ids.is_cuda or bool(triton.knobs.runtime.interpret))
+
+
+def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None = None) -> Alignment:
+    """Sort the pairs of slot_ids int32 [T, K] by slot and pad each slot's group to a multiple of block_m.
+
+    num_slots: S, slot ids must lie in [-1, S) (not checked on the device: on the torch path an id >= S
+    corrupts the grouping, the Triton path drops its pair). max_groups: bound on the distinct slot ids in
+    slot_ids (default min(P, S)); a caller may pass a tighter one it can guarantee (e.g. experts per
+    layer + 1), which shrinks the grid; a bound that is too small silently drops pairs (the same ones on
+    both paths). Three Triton launches where `uses_triton`, else align_by_slot_torch; the results are
+    bitwise equal. Raises ValueError on bad shapes or arguments.
+    """
+    if not uses_triton(slot_ids, num_slots):
+        return align_by_slot_torch(slot_ids, num_slots, block_m, max_groups)
+    return align_by_slot_triton(slot_ids, num_slots, block_m, max_groups)
+
+
+def align_by_slot_triton(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None = None,
+                         chunk: int = CHUNK) -> Alignment:
+    """align_by_slot in three Triton launches (count per chunk, prefix over chunks, place + pad), for
+    S <= MAX_TRITON_SLOTS; chunk: pairs per program (a power of two >= 32; tests shrink it to get many
+    chunks at interpreter sizes). One int32 allocation, no fill kernel: pairs and block_slots are views of
+    it, every element written by moe_align_place. Raises ValueError on bad shapes or arguments."""
+    blocks = _check_args(slot_ids, num_slots, block_m, max_groups)
+    if num_slots > MAX_TRITON_SLOTS:
+        raise ValueError(f"align_by_slot_triton: num_slots={num_slots} > {MAX_TRITON_SLOTS}")
+    rows = blocks * block_m
+    flat = slot_ids.reshape(-1)  # [P] (a view when contiguous)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    chunks = -(-flat.numel() // chunk)  # NOTE: not triton.cdiv: a jit-callable, ~5 us of host time a call
+    if rows == 0:  # no pairs, or a zero bound: nothing to place (and nothing to launch)
+        empty = torch.empty(0, dtype=torch.int32, device=slot_ids.device)
+        return Alignment(empty, empty, block_m)
+    # NOTE: one buffer: [R] pairs | [B] block_slots | [C, S] per-chunk counts | [S] totals (the last two
+    # are scratch the alignment keeps alive: C*S*4 bytes, 148 KB at a 4k prefill)
+    work = torch.empty(rows + blocks + (chunks + 1) * num_slots, dtype=torch.int32, device=slot_ids.device)
+    pairs, block_slots = work[:rows], work[rows:rows + blocks]
+    counts = work[rows + blocks:rows + blocks + chunks * num_slots].view(chunks, num_slots)
+    totals = work[rows + blocks + chunks * num_slots:]
+    count_chunks(flat, num_slots, chunk, counts)
+    scan_chunks(counts, totals)
+    place_pairs(flat, counts, totals, block_m, chunk, pairs, block_slots)
+    return Alignment(pairs, block_slots, block_m)
+
+
+def align_by_slot_torch(slot_ids: torch.Tensor, num_slots: int, block_m: int,
+                        max_groups: int | None = None) -> Alignment:
+    """align_by_slot in torch ops (the reference, and the path for S > MAX_TRITON_SLOTS or CPU tensors
+    without Triton's interpreter). Raises ValueError on bad shapes or arguments."""
+    blocks = _check_args(slot_ids, num_slots, block_m, max_groups)
+    device = slot_ids.device
+    pairs = slot_ids.numel()
     rows = blocks * block_m
     flat = slot_ids.reshape(-1).to(torch.int64)  # [P]
     key = torch.where(flat >= 0, flat, num_slots)  # [P]; skipped pairs sort last, into the sink S
