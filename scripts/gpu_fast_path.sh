@@ -5,6 +5,7 @@
 #            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   tests-grouped  the same for the grouped MoE GEMMs and the expert pool's grouped paths (their real-geometry
 #            fp32 tests tune and compile for minutes: 240 s did not finish test_kernels_moe_grouped.py on 2026-12-01)
+#   tests-launch  the same for the prefill MoE's set lookup and Triton alignment (session 8) and their callers
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
 #            (GEMV projections) into $OUT/decode_reference, --prefill-kernels triton (tensor-core GEMM for
@@ -25,14 +26,14 @@ CKPT=${CKPT:-/tmp/qwen36-fp8}
 for phase in "$@"; do
   echo "=== $phase"
   case $phase in
-    tests|tests-prefill|tests-grouped)
+    tests|tests-prefill|tests-grouped|tests-launch)
       # NOTE: one pytest per file, appended to one log: a hanging test costs its own 60 s (pytest-timeout
       # fails it with its stack) instead of the phase, and every file's failures and summary reach the log.
       # A file gets at most $file_limit s (SIGINT first, so pytest still prints what ran); files past 480 s of the
       # phase are skipped, and said so, to leave the summary inside one 10-minute device call.
       log="$OUT/gpu_pytest_fast_path.log"; : > "$log"
       # the prefill warm-up's tests tune every kernel key of a model: 60 s was too short on 2026-12-01
-      per_test=(--timeout "$(case $phase in tests) echo 60 ;; tests-prefill) echo 150 ;; *) echo 300 ;; esac)")
+      per_test=(--timeout "$(case $phase in tests) echo 60 ;; tests-prefill|tests-launch) echo 150 ;; *) echo 300 ;; esac)")
       file_limit=240
       python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "pytest-timeout missing: no per-test limit" | tee -a "$log"; }
       start=$SECONDS
@@ -49,6 +50,12 @@ for phase in "$@"; do
         files=(tests/adapters/test_kernels_prefill.py tests/adapters/test_fast_executor_streamed.py
                tests/adapters/test_prefill_warmup.py tests/adapters/test_prefill_linear.py
                tests/adapters/test_kernel_dense_gemm.py)
+      elif [[ $phase == tests-launch ]]; then
+        # session 8's launch cuts of the prefill MoE (the set lookup, the Triton alignment) and their callers
+        log="$OUT/gpu_pytest_launch.log"; : > "$log"
+        files=(tests/adapters/test_residency_set_lookup.py tests/adapters/test_kernel_moe_align.py
+               tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py
+               tests/adapters/test_expert_shard.py tests/adapters/test_prefill_warmup.py)
       else
         log="$OUT/gpu_pytest_grouped.log"; : > "$log"; file_limit=400
         files=(tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_expert_pool_paths.py

@@ -254,9 +254,11 @@ class DeviceExpertPool:
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
         residency decisions. Otherwise, inside `streamed_step` with staging rows, the streamed prefill:
-        resident experts read in place, the others staged, the residency untouched. Otherwise one
-        sync-free lookup when S >= E (a layer's distinct keys fit), else (a pool smaller than one layer's
-        experts) the layer's experts go in groups of S with a host sync per group.
+        resident experts read in place, the others staged, the residency untouched. Otherwise, when S >= E,
+        the lookup of the set of experts the chunk routes to (`_routed_set`: 3 kernels, pairs aligned by
+        expert); else one sync-free lookup of the chunk's keys when they fit (T*K <= S, or a shard's keys),
+        else (a pool smaller than one layer's experts) the layer's experts go in groups of S with a host
+        sync per group.
         More than GEMV_MAX_PAIRS pairs (prefill chunks) run on the grouped tensor-core GEMMs, fewer on the
         per-pair GEMVs; every path is bitwise the same at any S and G.
         """
@@ -315,22 +317,28 @@ class DeviceExpertPool:
         lookup's slot map (as the streamed prefill does), so no [T, K] slot table is built on that path.
         NOTE: why: a 4k prefill step on the H200 was host-bound (181 ms of GPU work in a 312 ms step, 7,900
         launches, ~190 of them between each MoE layer's router and its GEMMs)."""
-        experts = self.bank.num_experts
-        safe = ids.to(torch.int64) if valid is None else torch.where(valid[:, None], ids.to(torch.int64), experts)
+        experts, (tokens, top_k) = self.bank.num_experts, ids.shape
+        index = ids.reshape(-1) if valid is None else torch.where(valid[:, None], ids, experts).reshape(-1)
         present = torch.zeros(experts + 1, dtype=torch.bool, device=self.device)
-        present.index_fill_(0, safe.reshape(-1), True)  # [E + 1]: index E collects padding rows
+        present.index_fill_(0, index.to(torch.int64), True)  # [E + 1]: index E collects padding rows
         fill_keys, fill_slots, slot_map = self.residency.lookup_set(
             layer, present[:experts], self.shared_slot(layer) if shared else -1)
         self._snapshot = None  # the residency moved: a later streamed call of the step snapshots it again
         self._gather(fill_keys, fill_slots)
-        keys = torch.where(safe < experts, safe, experts + 1)  # [T, K]; slot_map[E + 1] = -1: routes nowhere
-        if shared:  # every row, padding included, as _with_shared (slot_map[E] is the shared slot)
-            keys = torch.cat((keys, torch.full_like(keys[:, :1], experts)), 1)  # [T, K+1]
+        # expert keys int32 [T, K(+1)]: -1 routes nowhere, E is the shared expert (every row, padding included,
+        # as _with_shared); built in place, a few launches instead of a where/cat/cast chain
+        keys = torch.empty((tokens, top_k + shared), dtype=torch.int32, device=self.device)
+        keys[:, :top_k].copy_(ids)
+        if valid is not None:
+            keys[:, :top_k].masked_fill_(~valid[:, None], -1)
+        if shared:
+            keys[:, top_k].fill_(experts)
+        # NOTE: slot_map[-1] is entry E + 1, which is -1: indexing by a key or block key of -1 gives slot -1
         if not self.takes_grouped(ids.numel()):
             return self._moe_out(ids.numel(), x, slot_map[keys], weights)
-        align = self.align_by_expert(keys)
-        block = align.block_slots  # [B] expert key of each block, -1 unused
-        slots = slot_map[torch.where(block >= 0, block, experts + 1)]  # [B] int32, -1: skip the block
+        groups = experts + 1  # as align_by_expert: the same BLOCK_M and block bound as _experts
+        align = align_by_slot(keys, groups, choose_block_m(keys.numel(), groups), groups)
+        slots = slot_map[align.block_slots]  # [B] int32: each block's slot, -1 for unused blocks
         if self.shard is None:
             partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
         else:

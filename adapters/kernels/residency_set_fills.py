@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.residency_set_hits import MAX_EXPERTS
+from adapters.kernels.residency_set_hits import MAX_EXPERTS, set_keys
 
 
 # NOTE: the integer arguments are not specialized (Triton would compile a variant per layer base % 16 and per
@@ -23,12 +23,7 @@ from adapters.kernels.residency_set_hits import MAX_EXPERTS
 def _set_fills_kernel(present_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr, counters_ptr, owner_ptr, victims_ptr,
                       fill_keys_ptr, fill_slots_ptr, slot_map_ptr, E, V, base, rank, shared_slot,
                       HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr):
-    e = tl.arange(0, BLOCK_E)
-    key = base + e
-    valid = (e < E) & (tl.load(present_ptr + e, mask=e < E, other=0) != 0)
-    if HAS_OWNER:
-        valid = valid & (tl.load(owner_ptr + key, mask=valid, other=-1) == rank)
-    order = tl.cumsum(valid.to(tl.int32), axis=0) - 1  # rank among the distinct keys (set_hits' stamps)
+    e, key, valid, order = set_keys(present_ptr, owner_ptr, E, base, rank, HAS_OWNER, BLOCK_E)  # set_hits' lanes
     slot_before = tl.load(slot_of_ptr + key, mask=valid, other=-1)
     hit = valid & (slot_before >= 0)
     miss = valid & (slot_before < 0)

@@ -25,17 +25,26 @@ NEVER = torch.iinfo(torch.int64).max  # a pinned slot's candidate stamp: never a
 MAX_EXPERTS = 4096  # lanes of the one program (E per layer; Qwen3.6: 256, Qwen3-Next: 512)
 
 
-# NOTE: the integer arguments are not specialized (Triton would compile a variant per layer base % 16 and per
-# shared slot % 16): one binary per E class, compiled by the prefill warm-up
-@triton.jit(do_not_specialize=["E", "S", "base", "rank"])
-def _set_hits_kernel(present_ptr, slot_of_ptr, stamp_ptr, pinned_ptr, clock_ptr, owner_ptr, cand_ptr, E, S, base,
-                     rank, never, HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+@triton.jit
+def set_keys(present_ptr, owner_ptr, E, base, rank, HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The layer's lanes (e [BE]), their flat keys (base + e, ascending), which are looked up (valid: routed,
+    and this rank's) and each one's rank among those (order: an exclusive prefix sum, the stamp offset).
+    A device function both halves of the set lookup share, so they agree lane for lane."""
     e = tl.arange(0, BLOCK_E)
     key = base + e  # [BE] flat keys, ascending
     valid = (e < E) & (tl.load(present_ptr + e, mask=e < E, other=0) != 0)
     if HAS_OWNER:  # expert parallelism: another rank's key is not this residency's (as padding)
         valid = valid & (tl.load(owner_ptr + key, mask=valid, other=-1) == rank)
     order = tl.cumsum(valid.to(tl.int32), axis=0) - 1  # [BE] rank among the distinct keys, ascending
+    return e, key, valid, order
+
+
+# NOTE: the integer arguments are not specialized (Triton would compile a variant per layer base % 16 and per
+# shared slot % 16): one binary per E class, compiled by the prefill warm-up
+@triton.jit(do_not_specialize=["E", "S", "base", "rank"])
+def _set_hits_kernel(present_ptr, slot_of_ptr, stamp_ptr, pinned_ptr, clock_ptr, owner_ptr, cand_ptr, E, S, base,
+                     rank, never, HAS_OWNER: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    e, key, valid, order = set_keys(present_ptr, owner_ptr, E, base, rank, HAS_OWNER, BLOCK_E)
     slot_before = tl.load(slot_of_ptr + key, mask=valid, other=-1)
     hit = valid & (slot_before >= 0)
     clock = tl.load(clock_ptr)
