@@ -272,9 +272,6 @@ class PrefillStream:
         # blocks' experts to its slots (-1: skipped), instead of re-sorting every pair per round. A pair's
         # rows in its block are the same either way, so the bits are those of the one-launch path.
         align = pool.align_by_expert(keys) if pool.takes_grouped(ids.numel()) else None
-        if align is not None:
-            block = align.block_slots.long()  # [B] expert key of each block, -1 unused
-            used, block = block >= 0, block.clamp(min=0)
         h = None
         mine = self.of_layer[layer]
         for j, r in enumerate(mine):
@@ -287,7 +284,8 @@ class PrefillStream:
             if align is None:  # per-pair GEMVs: the slot of every pair, -1 where not this round
                 pool._experts(ids.numel(), x, self.maps[r][keys], weights, partials)  # slots [T, K(+1)]
             else:
-                slots = torch.where(used, self.maps[r][block], -1)  # [B] this round's slot of each block
+                # [B] this round's slot of each block; an unused block's key -1 reads entry E + 1, which is -1
+                slots = self.maps[r][align.block_slots]
                 h = pool.grouped_round(x, align._replace(block_slots=slots), weights, partials, h)
             self.free[rnd.buffer] = self.lane.mark()
             self._issue_ahead(r, layer, routed)
