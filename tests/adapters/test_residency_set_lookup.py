@@ -104,3 +104,39 @@ def test_lookup_set_rejects_bad_input():
         r.lookup_set(0, torch.zeros(5, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="layer 2 outside"):
         r.lookup_set(2, torch.zeros(6, dtype=torch.bool, device=DEVICE))
+
+
+def test_a_chunk_whose_layer_fits_the_pool_takes_the_set_lookup(monkeypatch):
+    """DeviceExpertPool.routed on a chunk of more pairs than slots, with E <= S: one set lookup (no per-key
+    lookup), the misses counted once per distinct expert, and the output bitwise that of a pool smaller than
+    the layer (the per-key path in groups of S)."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.checkpoint.host_bank import HostExpertBank
+    from adapters.cuda_exec.expert_pool import DeviceExpertPool
+    from domain.model_spec import WeightFormat
+    from tests.adapters.torch_exec_models import packed_expert_rows
+
+    hidden, inter, layers, experts, top_k, tokens = 64, 32, 2, 12, 4, 9
+    gen = torch.Generator().manual_seed(11)
+    layout = ExpertLayout(WeightFormat.MXFP4, hidden, inter)
+    rows, shared = packed_expert_rows(layout, layers * experts, gen), packed_expert_rows(layout, layers, gen)
+    if DEVICE == "cuda":
+        rows = rows.pin_memory()
+    bank = HostExpertBank(layout, layers, experts, rows)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k + 1, generator=gen).to(DEVICE)
+    valid = torch.ones(tokens, dtype=torch.bool, device=DEVICE)
+    valid[3] = False
+    pool = DeviceExpertPool(bank, experts + 4, DEVICE, shared_rows=shared)
+    calls = []
+    for name in ("lookup_set", "lookup_flat"):
+        original = getattr(pool.residency, name)
+        monkeypatch.setattr(pool.residency, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    got = pool.routed(1, x, weights, ids, valid, shared=True)
+    assert calls == ["lookup_set"]
+    distinct = len(set(ids[valid].reshape(-1).tolist()))
+    assert (pool.residency.hits, pool.residency.misses) == (0, distinct)  # cold: each routed expert missed once
+    pool.check_valid()
+    small = DeviceExpertPool(bank, experts - 4, DEVICE, shared_rows=shared)  # E > S: the per-key path
+    assert torch.equal(got, small.routed(1, x, weights, ids, valid, shared=True))
