@@ -227,14 +227,27 @@ class DeviceExpertPool:
         """Whether a call of `pairs` (= T*K routed pairs) runs the grouped GEMMs (else the per-pair GEMVs)."""
         return pairs > GEMV_MAX_PAIRS and self.grouped
 
+    def expert_keys(self, ids: torch.Tensor, skip: torch.Tensor | None, shared: bool) -> torch.Tensor:
+        """One layer's pairs as expert keys, int32 [T, K(+1)]: ids [T, K] as they are, -1 where skip (bool,
+        broadcastable to [T, K]; None: nowhere), and with `shared` a column K of key E (the shared expert, on
+        every row). Built in place: a few launches instead of a where/cat/cast chain. The keys index a slot map
+        of E + 2 entries whose last is -1 (key -1 reads it) and feed `align_by_expert`."""
+        tokens, top_k = ids.shape
+        keys = torch.empty((tokens, top_k + shared), dtype=torch.int32, device=ids.device)
+        keys[:, :top_k].copy_(ids)
+        if skip is not None:
+            keys[:, :top_k].masked_fill_(skip, -1)
+        if shared:
+            keys[:, top_k].fill_(self.bank.num_experts)
+        return keys
+
     def align_by_expert(self, keys: torch.Tensor) -> Alignment:
-        """The grouped GEMMs' alignment of one layer's pairs by expert: keys int64 [T, K'] in 0..E+1 (E: the
-        shared expert, E + 1: skipped). Its block_slots hold expert keys; a caller maps them to slots
-        (-1: skip the block) before grouped_round. Same BLOCK_M and bound as `_experts` (T*K', E + 1
+        """The grouped GEMMs' alignment of one layer's pairs by expert: keys int32 [T, K'] in -1..E from
+        `expert_keys` (E: the shared expert, -1: skipped). Its block_slots hold expert keys; a caller maps them
+        to slots (-1: skip the block) before grouped_round. Same BLOCK_M and bound as `_experts` (T*K', E + 1
         groups), so each pair lands in a block of the same rows as there: the same bits."""
         groups = self.bank.num_experts + 1
-        ids = torch.where(keys < groups, keys, -1).to(torch.int32)  # [T, K']
-        return align_by_slot(ids, groups, choose_block_m(keys.numel(), groups), groups)
+        return align_by_slot(keys, groups, choose_block_m(keys.numel(), groups), groups)
 
     def grouped_round(self, x: torch.Tensor, align: Alignment, weights: torch.Tensor, partials: torch.Tensor,
                       h: torch.Tensor | None = None) -> torch.Tensor:
@@ -317,7 +330,7 @@ class DeviceExpertPool:
         lookup's slot map (as the streamed prefill does), so no [T, K] slot table is built on that path.
         NOTE: why: a 4k prefill step on the H200 was host-bound (181 ms of GPU work in a 312 ms step, 7,900
         launches, ~190 of them between each MoE layer's router and its GEMMs)."""
-        experts, (tokens, top_k) = self.bank.num_experts, ids.shape
+        experts = self.bank.num_experts
         index = ids.reshape(-1) if valid is None else torch.where(valid[:, None], ids, experts).reshape(-1)
         present = torch.zeros(experts + 1, dtype=torch.bool, device=self.device)
         present.index_fill_(0, index.to(torch.int64), True)  # [E + 1]: index E collects padding rows
@@ -325,19 +338,12 @@ class DeviceExpertPool:
             layer, present[:experts], self.shared_slot(layer) if shared else -1)
         self._snapshot = None  # the residency moved: a later streamed call of the step snapshots it again
         self._gather(fill_keys, fill_slots)
-        # expert keys int32 [T, K(+1)]: -1 routes nowhere, E is the shared expert (every row, padding included,
-        # as _with_shared); built in place, a few launches instead of a where/cat/cast chain
-        keys = torch.empty((tokens, top_k + shared), dtype=torch.int32, device=self.device)
-        keys[:, :top_k].copy_(ids)
-        if valid is not None:
-            keys[:, :top_k].masked_fill_(~valid[:, None], -1)
-        if shared:
-            keys[:, top_k].fill_(experts)
+        # the shared key E on every row, padding included, as _with_shared
+        keys = self.expert_keys(ids, None if valid is None else ~valid[:, None], shared)  # int32 [T, K(+1)]
         # NOTE: slot_map[-1] is entry E + 1, which is -1: indexing by a key or block key of -1 gives slot -1
         if not self.takes_grouped(ids.numel()):
             return self._moe_out(ids.numel(), x, slot_map[keys], weights)
-        groups = experts + 1  # as align_by_expert: the same BLOCK_M and block bound as _experts
-        align = align_by_slot(keys, groups, choose_block_m(keys.numel(), groups), groups)
+        align = self.align_by_expert(keys)
         slots = slot_map[align.block_slots]  # [B] int32: each block's slot, -1 for unused blocks
         if self.shard is None:
             partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)

@@ -265,9 +265,8 @@ class PrefillStream:
         routed.index_fill_(0, safe.reshape(-1), True)  # [E + 1], a scatter: no host sync
         fill_sink(routed, False)  # index E: padding and other ranks' pairs
         self.needed += (routed[:experts] & (self.resident[layer] < 0)).sum()
-        keys = torch.where(safe < experts, safe, experts + 1)  # [T, K] map keys: E + 1 routes nowhere
-        if shared:
-            keys = torch.cat((keys, torch.full_like(keys[:, :1], experts)), 1)  # [T, K+1], key E: shared
+        # int32 [T, K(+1)] map keys: -1 routes nowhere (padding, another rank's pair), column K key E: shared
+        keys = pool.expert_keys(safe, safe >= experts, shared)
         # NOTE: the grouped GEMMs' pairs are aligned once per layer, by expert; a round only maps the
         # blocks' experts to its slots (-1: skipped), instead of re-sorting every pair per round. A pair's
         # rows in its block are the same either way, so the bits are those of the one-launch path.

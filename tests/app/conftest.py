@@ -198,3 +198,12 @@ def fake_model_output(prompt_ids: list[int], max_tokens: int, ignore_eos: bool =
 def chat_prompt_ids(content: str) -> list[int]:
     tok = FakeTokenizer()
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]))
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    """A real server on 127.0.0.1 serving the embedded demo model on the CPU (one per test module)."""
+    settings = ServeSettings(port=0, device="cpu", debug=True, max_running_requests=4)
+    server = RunningServer(Container(), settings).start(wait_ready=120)
+    yield server
+    server.stop()

@@ -36,14 +36,6 @@ def heldout_questions() -> list[tuple[int, str, int]]:
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    settings = ServeSettings(port=0, device="cpu", debug=True, max_running_requests=4)
-    server = RunningServer(Container(), settings).start(wait_ready=120)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def client(demo_server):
     return openai.OpenAI(base_url=demo_server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 

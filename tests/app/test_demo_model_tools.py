@@ -20,10 +20,7 @@ import anthropic
 import openai
 import pytest
 
-from app.containers import Container
 from app.demo_model import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from app.serving import RunningServer
-from app.settings import ServeSettings
 from tests.app.test_tool_calls import stream_to_message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -49,21 +46,13 @@ RESPONSES_TOOLS = [{"type": "function", "name": "multiply", "description": "Mult
 
 
 @pytest.fixture(scope="module")
-def server():
-    settings = ServeSettings(port=0, device="cpu", debug=True, max_running_requests=4)
-    server = RunningServer(Container(), settings).start(wait_ready=120)
-    yield server
-    server.stop()
+def chat(demo_server):
+    return openai.OpenAI(base_url=demo_server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def chat(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
+def claude(demo_server):
+    return anthropic.Anthropic(base_url=demo_server.base_url, api_key="x", max_retries=0, timeout=120)
 
 
 def complete(chat, messages, stream=False, **kw):
