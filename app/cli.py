@@ -56,6 +56,11 @@ def _add_serve(sub) -> None:
                    help="the fast path's prefill: reference (the torch token mixers and projections) or triton "
                         "(GDN chunk kernels, flash attention over the pages, tensor-core projections; verified "
                         "on the CPU, not yet on a GPU)")
+    p.add_argument("--prefill-fp8-activations", action="store_true",
+                   help="with --prefill-kernels triton and an FP8 checkpoint: prefill GEMMs quantize their inputs to "
+                        "e4m3 per 128 columns (the checkpoints' declared dynamic activation scheme) and run on FP8 "
+                        "tensor cores; faster long prompts, logits no longer bitwise those of the bf16 path "
+                        "(docs/adr/0018-fp8-prefill-activations.md)")
     p.add_argument("--tool-call-parser", default="auto",
                    help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
     p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
@@ -135,6 +140,7 @@ def _serve(args, parser) -> int:
             routing_replay=args.routing_replay,
             executor=args.executor,
             prefill_kernels=args.prefill_kernels,
+            prefill_fp8_activations=args.prefill_fp8_activations,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

@@ -232,7 +232,11 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
                                  on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
                                  routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
-                                 warm_prefill=True)
+                                 warm_prefill=True, fp8_activations=settings.prefill_fp8_activations)
+    if settings.prefill_fp8_activations:
+        raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
+                         "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "
+                         "--record-routing)")
     recorder = None
     if settings.record_routing:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
@@ -274,7 +278,11 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
         executor = FastExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype,
                                               max_decode_rows=settings.max_running_requests, on_phase=progress,
                                               prefill_kernels=settings.prefill_kernels == "triton",
-                                              max_step_tokens=settings.max_prefill_length, warm_prefill=True)
+                                              max_step_tokens=settings.max_prefill_length, warm_prefill=True,
+                                              fp8_activations=settings.prefill_fp8_activations)
+    elif settings.prefill_fp8_activations:
+        raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill; these expert-parallel "
+                         "ranks run the reference executor")
     else:
         executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
     return StepLeader(executor) if settings.ep_rank == 0 else executor

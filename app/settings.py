@@ -35,6 +35,8 @@ class ServeSettings:
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
     prefill_kernels: str = "reference"  # the fast path's prefill: "reference" | "triton"
+    # the Triton prefill's FP8 GEMMs take e4m3 activations per 128 columns (ADR 0018; off: bf16 activations)
+    prefill_fp8_activations: bool = False
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
@@ -74,6 +76,19 @@ class ServeSettings:
             raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
         if self.prefill_kernels not in ("reference", "triton"):
             raise ValueError(f"--prefill-kernels must be reference or triton, got {self.prefill_kernels!r}")
+        if self.prefill_fp8_activations:
+            if self.prefill_kernels != "triton":
+                raise ValueError("--prefill-fp8-activations is a mode of the Triton prefill: add --prefill-kernels "
+                                 "triton")
+            # NOTE: as for --executor cuda-graph: what can be known before loading is refused here; the rest
+            # (--device auto without CUDA, an unpinned bank, no FP8 weights) when the executor is built, on /health
+            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"),
+                                           ("--executor reference", self.executor == "reference"),
+                                           ("--mmap-experts", self.mmap_experts),
+                                           ("--record-routing", self.record_routing is not None)) if on]
+            if clash:
+                raise ValueError(f"--prefill-fp8-activations needs the CUDA fast path, which cannot run with "
+                                 f"{', '.join(clash)}")
         if self.executor not in ("auto", "reference", "cuda-graph"):
             raise ValueError(f"--executor must be auto, reference or cuda-graph, got {self.executor!r}")
         if self.executor == "cuda-graph":

@@ -7,7 +7,7 @@ hardware profile (docs/adr/0010-streamed-prefill.md).
 
     python scripts/bench_prefill.py --out $OUT [--prompts 4096,8192,32768] [--scenarios resident,slots,lru]
         [--moe-slots 2048] [--chunk 8192] [--staging auto|N] [--staging-copy engine|kernel]
-        [--gdn-recurrence split|fused] [--wy-inverse blocked|substitution]
+        [--gdn-recurrence split|fused] [--wy-inverse blocked|substitution] [--fp8-activations]
         [--format fp8_block] [--layers N]
 
 Scenarios: `resident` holds every expert (preloaded; nothing streams); `slots` holds --moe-slots experts
@@ -17,6 +17,8 @@ many experts as --gpu-budget-gib leaves after the KV the prompts need, with --st
 rows, warm (the issue's "8k prompt, cache warm" at 24 GiB). Each prompt is a
 fresh sequence prefilled in --chunk-token steps, the last one sampled; TTFT is the host clock around
 those steps (CUDA synchronised). The pool is preloaded again before every prompt.
+--fp8-activations runs the prefill's FP8 GEMMs on e4m3 activations (ADR 0018) and records, per scenario,
+how far one prompt's last-token logits move from the bf16-activation path (`a8_logits`).
 The CPU run (--device cpu --geometry tiny) exercises the same logic at tiny scale for the tests.
 """
 
@@ -253,6 +255,39 @@ def scenario_plan(args, spec, name: str, budget):
     return plan
 
 
+def last_logits(ex, spec, length: int, chunk: int, seed: int) -> torch.Tensor:
+    """fp32 [V]: the logits of the last token of one fresh prompt (prefill_once's prompt and chunks)."""
+    from domain.ports import SequenceWork, StepBatch
+    from domain.request import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    prompt = [(7919 * (i + 1) + 104729 * seed) % spec.vocab_size for i in range(length)]
+    pages = tuple(range(-(-length // ex.plan.page_size) + 1))
+    for s in range(0, length, chunk):
+        part = tuple(prompt[s:s + chunk])
+        work = SequenceWork(f"l{seed}", part, s, pages, 0, s + len(part) == length, greedy, 0)
+        if s + len(part) < length:
+            ex.execute(StepBatch((work,)))
+        else:
+            return ex.compute_logits(StepBatch((work,)))[work.request_id][0].float().cpu()
+    raise ValueError("an empty prompt has no logits")
+
+
+def a8_logits(ex, spec, length: int, chunk: int) -> dict:
+    """How far the e4m3-activation prefill moves one prompt's last-token logits from the bf16 path (the same
+    executor with the option switched off between the two runs): relative L2 error, the largest error over the
+    logits' scale, whether the top-1 token agrees and the overlap of the top-5."""
+    def run(a8: bool) -> torch.Tensor:
+        ex.model.fp8_activations = ex.experts.fp8_activations = a8
+        return last_logits(ex, spec, length, chunk, seed=7)
+
+    plain, a8 = run(False), run(True)
+    top5 = len(set(plain.topk(5).indices.tolist()) & set(a8.topk(5).indices.tolist()))
+    return {"tokens": length, "rel_l2": round(((a8 - plain).norm() / plain.norm()).item(), 5),
+            "max_abs_over_scale": round(((a8 - plain).abs().max() / plain.abs().max()).item(), 5),
+            "top1_agrees": bool(plain.argmax() == a8.argmax()), "top5_overlap": top5}
+
+
 def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -> None:
     from adapters.cuda_exec.executor import CudaGraphExecutor
     from domain.budget import GpuBudget
@@ -269,7 +304,7 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
     scen["residency"] = round(plan.expert_slots / spec.total_experts, 4)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     ex = CudaGraphExecutor(ckpt, plan, args.device, dtype, max_decode_rows=1,
-                           prefill_kernels=args.prefill_kernels == "triton")
+                           prefill_kernels=args.prefill_kernels == "triton", fp8_activations=args.fp8_activations)
     ex.link_bytes_per_s = link_bytes_per_s
     ex.experts.staging_copy = args.staging_copy
     if args.device.startswith("cuda"):  # warm-up: compiles and autotunes the prefill kernels once
@@ -306,6 +341,14 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
             point["traceback"] = traceback.format_exc()[-3000:]
         _save(args, record)
         print(name, length, {k: v for k, v in point.items() if k != "traceback"}, flush=True)
+    if args.fp8_activations:
+        try:
+            preload(ex, plan.expert_slots)
+            scen["a8_logits"] = a8_logits(ex, spec, min(args.prompts[0], args.chunk), args.chunk)
+            print(name, "a8_logits", scen["a8_logits"], flush=True)
+        except Exception:
+            scen["a8_logits_error"] = traceback.format_exc()[-3000:]
+        ex.model.fp8_activations = ex.experts.fp8_activations = True  # the profile below runs the option
     if args.device.startswith("cuda") and args.profile_tokens:
         try:
             scen["profile"] = profile_prefill(ex, spec, args.profile_tokens, args.chunk, plan.expert_slots,
@@ -368,6 +411,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="Gated DeltaNet recurrence: state walk + parallel output (default) or the one-kernel scan")
     p.add_argument("--wy-inverse", default="blocked", choices=("blocked", "substitution"),
                    help="Gated DeltaNet WY inverse: block doubling on tensor cores (default) or row substitution")
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="e4m3 activations into the prefill's FP8 GEMMs (--prefill-fp8-activations, ADR 0018)")
     p.add_argument("--link-gbps", type=float, default=None, help="link rate of the bound (default: measured)")
     p.add_argument("--profile-tokens", type=int, default=4096, help="prompt of the per-component profile; 0: none")
     p.add_argument("--profile-stacks", action="store_true",

@@ -5,6 +5,7 @@ tile of a new key before it can benchmark, so the sum over tiles is what the fir
 
     python scripts/compile_probe.py --kernel dense --fmt mxfp4 --act fp32
     python scripts/compile_probe.py --kernel grouped --fmt nvfp4 --act bf16 --block-m 64
+    python scripts/compile_probe.py --kernel grouped --fmt fp8_block --act fp8 --block-m 64   # W8A8 (ADR 0018)
 
 fp32 activations take "ieee" dots, which Triton lowers to FMA loops (no tensor cores): the parity tests'
 path, not the served one (bf16). Each tile compiles in a fresh cache directory (no reuse between tiles).
@@ -40,11 +41,17 @@ W_TYPES = {WeightFormat.FP8_BLOCK: "fp8e4nv", WeightFormat.FP8_TENSOR: "fp8e4nv"
 S_TYPES = {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}
 
 
+def _io(act: str) -> tuple[str, str, bool]:
+    """(input pointer type, output pointer type, A8) of an --act choice: fp8 = e4m3 rows in, bf16 out."""
+    return ("fp8e4nv", "bf16", True) if act == "fp8" else (act, act, False)
+
+
 def dense_source(fmt: WeightFormat, act: str, tile: tuple[int, int]) -> ASTSource:
-    ptrs = {"x_ptr": "*" + act, "w_ptr": "*" + W_TYPES.get(fmt, "u8"), "s_ptr": "*" + S_TYPES.get(fmt, "fp32"),
-            "g_ptr": "*fp32", "y_ptr": "*" + act}
+    x_t, y_t, a8 = _io(act)
+    ptrs = {"x_ptr": "*" + x_t, "xs_ptr": "*fp32", "w_ptr": "*" + W_TYPES.get(fmt, "u8"),
+            "s_ptr": "*" + S_TYPES.get(fmt, "fp32"), "g_ptr": "*fp32", "y_ptr": "*" + y_t}
     consts = dict(N=4096, K=2048, FMT=FORMAT_CODES[fmt], GROUP=SCALE_GROUP.get(fmt, 1), F32_DOT=False,
-                  PRECISION="ieee" if act == "fp32" else "tf32", BLOCK_M=tile[0], BLOCK_N=tile[1],
+                  PRECISION="ieee" if act == "fp32" else "tf32", A8=a8, BLOCK_M=tile[0], BLOCK_N=tile[1],
                   BLOCK_K=dense_gemm.BLOCK_K, GROUP_M=8)
     sig = {**ptrs, **{k: "i32" for k in ("M", "M_BUCKET", "stride_xm", "stride_ym")}, **dict.fromkeys(consts, "constexpr")}
     return ASTSource(dense_gemm._dense_gemm_kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(5)})
@@ -55,9 +62,11 @@ def grouped_source(fmt: WeightFormat, act: str, block_m: int, block_n: int) -> A
     consts = dict(K=9, H=2048, I=512, R=c.row_bytes, G_DATA=c.gate.data, G_SCALE=c.gate.scale,
                   G_GSCALE=c.gate.global_scale, U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
                   W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
-                  F32_DOT=False, PRECISION="ieee" if act == "fp32" else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_K=128)
-    ptrs = {"x_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*" + act}
+                  F32_DOT=False, PRECISION="ieee" if act == "fp32" else "tf32", A8=_io(act)[2], BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=128)
+    x_t, h_t, _ = _io(act)
+    ptrs = {"x_ptr": "*" + x_t, "xs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8",
+            "h_ptr": "*" + h_t}
     sig = {**ptrs, "S": "i32", **dict.fromkeys(consts, "constexpr")}
     return ASTSource(moe_grouped_gate_up._moe_grouped_gate_up_kernel, sig, consts,
                      {(i,): [["tt.divisibility", 16]] for i in range(5)})
@@ -78,7 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("dense", "grouped"), default="dense")
     ap.add_argument("--fmt", default="mxfp4", help="weight format (fp8_block, nvfp4, mxfp4, ...)")
-    ap.add_argument("--act", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--act", choices=("bf16", "fp32", "fp8"), default="bf16",
+                    help="activations: fp8 = e4m3 rows with group scales (the W8A8 path of FP8 weights)")
     ap.add_argument("--block-m", type=int, default=16, help="grouped: the alignment's BLOCK_M")
     args = ap.parse_args()
     fmt = WeightFormat(args.fmt)

@@ -5,7 +5,8 @@
 #            (-v -rfE: each result and every failure's message is in the log, a hang costs one test)
 #   tests-grouped  the same for the grouped MoE GEMMs and the expert pool's grouped paths (their real-geometry
 #            fp32 tests tune and compile for minutes: 240 s did not finish test_kernels_moe_grouped.py on 2026-12-01)
-#   tests-launch  the same for the prefill MoE's set lookup and Triton alignment (session 8) and their callers
+#   tests-launch  the same for the prefill MoE's set lookup and Triton alignment (session 8), their callers and
+#            the FP8-activation GEMMs (session 9, ADR 0018)
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
 #            (GEMV projections) into $OUT/decode_reference, --prefill-kernels triton (tensor-core GEMM for
@@ -55,7 +56,8 @@ for phase in "$@"; do
         log="$OUT/gpu_pytest_launch.log"; : > "$log"
         files=(tests/adapters/test_residency_set_lookup.py tests/adapters/test_kernel_moe_align.py
                tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py
-               tests/adapters/test_expert_shard.py tests/adapters/test_prefill_warmup.py)
+               tests/adapters/test_expert_shard.py tests/adapters/test_fp8_activations.py
+               tests/adapters/test_prefill_warmup.py)
       else
         log="$OUT/gpu_pytest_grouped.log"; : > "$log"; file_limit=400
         files=(tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_expert_pool_paths.py

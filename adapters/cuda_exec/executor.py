@@ -21,8 +21,10 @@ from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.cuda_exec.prefill_linear import a8_weight
 from adapters.cuda_exec.prefill_warmup import WarmupReport, plan_warmup, warm_prefill_kernels
 from adapters.cuda_exec.routing_replay import DeviceRoutingTable
+from adapters.kernels.grouped_moe import takes_a8
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.gated_deltanet import LinearStatePool
@@ -50,6 +52,16 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
     return (*sizes, max_rows)
 
 
+def check_fp8_activations(checkpoint: LoadedCheckpoint, prefill_kernels: bool) -> None:
+    """Raises ValueError unless --prefill-fp8-activations can apply: the Triton prefill is on and some weight
+    (a dense projection or the routed experts) is FP8 with block, tensor or channel scales (ADR 0018)."""
+    if not prefill_kernels:
+        raise ValueError("FP8 activations are a mode of the Triton prefill: use --prefill-kernels triton with it")
+    if not (takes_a8(checkpoint.experts.layout) or any(a8_weight(w) for w in checkpoint.dense.values())):
+        raise ValueError(f"FP8 activations need FP8 weights (block, tensor or channel scales); this checkpoint's "
+                         f"experts are {checkpoint.experts.layout.fmt.value} and no dense weight is FP8")
+
+
 class CudaGraphExecutor(ExecutorPools):
     """Implements domain.ports.ModelExecutor (see TorchExecutor for the pools' semantics)."""
 
@@ -63,7 +75,7 @@ class CudaGraphExecutor(ExecutorPools):
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
                  routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
-                 warm_prefill: bool = False):
+                 warm_prefill: bool = False, fp8_activations: bool = False):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
@@ -73,7 +85,10 @@ class CudaGraphExecutor(ExecutorPools):
         the prefill warm-up tunes every kernel key a step up to that size can produce.
         warm_prefill: with prefill_kernels on CUDA, tune and compile the Triton prefill at start-up
         (prefill_warmup.py) so no request pays for it (the server asks for it); False leaves that to the
-        first steps that need each key (tests, benchmarks with their own warm-up)."""
+        first steps that need each key (tests, benchmarks with their own warm-up).
+        fp8_activations: the Triton prefill's FP8 projections and grouped MoE GEMMs take e4m3 activations per
+        128 columns (ADR 0018, --prefill-fp8-activations); needs prefill_kernels and FP8 weights (block,
+        tensor or channel scales), else ValueError. Captured decode steps keep bf16 activations."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -86,6 +101,9 @@ class CudaGraphExecutor(ExecutorPools):
         # NOTE: the Triton prefill (mixers, tensor-core projections and grouped MoE GEMMs) is opt-in until a
         # GPU run has verified it; off, every step runs the kernels the H200 runs have checked
         self.prefill_kernels = self.model.prefill_kernels = prefill_kernels
+        if fp8_activations:
+            check_fp8_activations(checkpoint, prefill_kernels)
+        self.fp8_activations = self.model.fp8_activations = fp8_activations
         self.bank = checkpoint.experts
         # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
@@ -157,7 +175,8 @@ class CudaGraphExecutor(ExecutorPools):
 
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
         return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
-                                grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan))
+                                grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan),
+                                fp8_activations=self.fp8_activations)
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""

@@ -43,7 +43,7 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
-                 max_step_tokens: int = 2048, warm_prefill: bool = False):
+                 max_step_tokens: int = 2048, warm_prefill: bool = False, fp8_activations: bool = False):
         """Raises RuntimeError without an initialised torch.distributed, ValueError when the partition does
         not fit the group or the checkpoint. Routing replay is not offered here (each rank would rewrite
         its ids from its own replay state; not proven to stay in lockstep)."""
@@ -57,7 +57,7 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
         super().__init__(checkpoint, plan, device=device, dtype=dtype, sampler_seed=sampler_seed,
                          max_decode_rows=max_decode_rows, max_context=max_context, use_graphs=use_graphs,
                          on_phase=on_phase, prefill_kernels=prefill_kernels, max_step_tokens=max_step_tokens,
-                         warm_prefill=warm_prefill)
+                         warm_prefill=warm_prefill, fp8_activations=fp8_activations)
 
     # ---- pools -------------------------------------------------------------------------------------
     def _expert_slots(self, plan: PoolPlan) -> int:
@@ -66,7 +66,7 @@ class FastExpertParallelExecutor(CudaGraphExecutor):
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
         return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
                                 grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan),
-                                shard=self.shard)
+                                shard=self.shard, fp8_activations=self.fp8_activations)
 
     def _decode_rows(self, plan: PoolPlan) -> int:
         """The smallest of every rank's own bound (MIN-reduce): ranks own different key counts, and all

@@ -26,10 +26,8 @@ from adapters.cuda_exec.prefill_stream import (
 from adapters.kernels.dedup_gemv import MAX_DEDUP_PAIRS
 from adapters.kernels.expert_gather import gather_rows
 from adapters.kernels.fused_moe import fused_moe
-from adapters.kernels.grouped_moe import grouped_moe
+from adapters.kernels.grouped_moe import grouped_gemms, grouped_moe
 from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m, narrow_keys
-from adapters.kernels.moe_grouped_down import moe_grouped_down
-from adapters.kernels.moe_grouped_gate_up import moe_grouped_gate_up
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
 from adapters.kernels.moe_route_lookup import pays as route_lookup_pays
 from adapters.kernels.moe_sum import moe_sum
@@ -59,7 +57,7 @@ class DeviceExpertPool:
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
                  shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0,
                  shard: ExpertShard | None = None, dedup_min_pairs: int | None | object = _POOL_DEFAULT,
-                 staging_copy: str = COPY_ENGINE):
+                 staging_copy: str = COPY_ENGINE, fp8_activations: bool = False):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
@@ -74,7 +72,9 @@ class DeviceExpertPool:
         (None: never; default DEDUP_MIN_PAIRS, read when the pool is built).
         staging_copy: how a streamed round whose experts the host knows is copied: "engine" (copy-engine
         memcpys, no SM; the default) or "kernel" (the UVA gather kernel, as rounds masked by routing always
-        are); an attribute a benchmark may change between steps."""
+        are); an attribute a benchmark may change between steps.
+        fp8_activations: the grouped GEMMs take e4m3 activations per 128 columns when the layout is FP8
+        (grouped_moe.grouped_gemms; ADR 0018); also an attribute read at every call."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
@@ -99,6 +99,7 @@ class DeviceExpertPool:
         self.slots = self.all_slots[:num_slots]  # [S, R] the routed slots the residency manages
         self.has_shared = shared_rows is not None
         self.grouped = grouped
+        self.fp8_activations = fp8_activations
         self.dedup_min_pairs = DEDUP_MIN_PAIRS if dedup_min_pairs is _POOL_DEFAULT else dedup_min_pairs
         if self.dedup_min_pairs is not None and (not isinstance(self.dedup_min_pairs, int)
                                                  or isinstance(self.dedup_min_pairs, bool) or self.dedup_min_pairs < 1):
@@ -221,7 +222,7 @@ class DeviceExpertPool:
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                              dedup=self.dedups(pairs))
         return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
-                           max_groups=self.bank.num_experts + 1)
+                           max_groups=self.bank.num_experts + 1, a8=self.fp8_activations)
 
     def takes_grouped(self, pairs: int) -> bool:
         """Whether a call of `pairs` (= T*K routed pairs) runs the grouped GEMMs (else the per-pair GEMVs)."""
@@ -253,10 +254,9 @@ class DeviceExpertPool:
                       h: torch.Tensor | None = None) -> torch.Tensor:
         """The grouped GEMMs over all_slots for the blocks of `align` whose slot is not -1, into partials fp32
         [T, K', H] (weights fp32 [T, K']); h: the gate/up scratch [P, I] of an earlier call with the same
-        pairs (reused; only live blocks' rows are written and read). Returns h."""
-        h = moe_grouped_gate_up(x, align, weights.shape[1], self.all_slots, self.layout, out=h)
-        moe_grouped_down(h, align, weights.contiguous(), self.all_slots, self.layout, partials)
-        return h
+        pairs (reused; only live blocks' rows are written and read). Returns h. With `fp8_activations` and
+        an FP8 layout, x and h enter the GEMMs as e4m3 per 128 columns (act_quant_fp8, ADR 0018)."""
+        return grouped_gemms(x, align, weights, self.all_slots, self.layout, partials, h, a8=self.fp8_activations)
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:

@@ -59,13 +59,17 @@ class FastDecoder(MoeDecoder):
     # weights per row, 4.97 ms a step, the tensor-core GEMM 1.25 ms (1,165 -> 1,566 tok/s); the GEMM's
     # autotune keys for these rows are all tuned by the graph warm-up, so no request pays for tuning.
     decode_gemm_rows = 0
+    # --prefill-fp8-activations (ADR 0018): the Triton prefill's FP8 projections take e4m3 activations; steps
+    # of at most decode_gemm_rows rows keep bf16 ones, as the captured decode step does
+    fp8_activations = False
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
         """The step's projections: with the Triton prefill on, or for a step of at most decode_gemm_rows
         rows, prefill_linear (the GEMV for the few rows where it is faster, the tensor-core GEMM above);
         otherwise the GPU-verified GEMV path (fast_linear)."""
         if self.prefill_kernels or x.shape[0] <= self.decode_gemm_rows:
-            return prefill_linear(x, w)
+            a8 = self.fp8_activations and self.prefill_kernels and x.shape[0] > self.decode_gemm_rows
+            return prefill_linear(x, w, a8=a8)
         return fast_linear(x, w)
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
@@ -207,14 +211,14 @@ class FastDecoder(MoeDecoder):
         out = torch.empty_like(h)  # [T, H]
         for span in inp.spans:
             out[span.rows] = attention_prefill(mixer, h[span.rows], kv, span.page_ids, span.start_position,
-                                               linear_fn=prefill_linear)
+                                               linear_fn=self._linear)
         return out
 
     def _gdn_sequence(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
                       slot: int) -> torch.Tensor:
         if not self.prefill_kernels:
             return super()._gdn_sequence(mixer, h, state, layer, slot)
-        return gdn_prefill(mixer, h, state, layer, slot, linear_fn=prefill_linear)
+        return gdn_prefill(mixer, h, state, layer, slot, linear_fn=self._linear)
 
     def _gdn_decode_rows(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
                          slots: torch.Tensor) -> torch.Tensor:

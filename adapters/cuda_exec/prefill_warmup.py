@@ -49,9 +49,10 @@ from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.prefill import gdn_prefill
-from adapters.cuda_exec.prefill_linear import prefill_linear, use_gemv
+from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv
 from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemv as gemv
+from adapters.kernels.act_quant_fp8 import act_quant_fp8
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.moe_align import align_by_slot, choose_block_m
 from adapters.kernels.residency_lookup import MAX_KEYS
@@ -358,7 +359,16 @@ class _Scratch:
         getattr(self, "_" + kernel)(item)
 
     def _dense_gemm(self, item: GemmItem) -> None:
-        gemm.dense_gemm(self._randn(item.rows, item.weight.shape[1]), item.weight)
+        """The item's M bucket as the prefill sends it: with --prefill-fp8-activations, rows past the decode
+        buckets take the e4m3 GEMM (FastDecoder._linear) and fewer rows the bf16 one, so a bucket that holds
+        both is tuned both ways."""
+        x = self._randn(item.rows, item.weight.shape[1])
+        decode_rows = self.model.decode_gemm_rows
+        a8 = self.model.fp8_activations and a8_weight(item.weight)
+        if a8 and item.rows > decode_rows:
+            gemm.dense_gemm(act_quant_fp8(x), item.weight, out_dtype=x.dtype)
+        if not a8 or gemm.m_bucket(item.rows) // 2 < decode_rows:
+            gemm.dense_gemm(x, item.weight)
 
     def _dense_gemv(self, item: GemvItem) -> None:
         gemv.dense_gemv(self._randn(1, item.weight.shape[1]), item.weight)
@@ -397,7 +407,8 @@ class _Scratch:
 
     def _gdn_prefill(self, item: GdnPieceItem) -> None:
         mixer = self.model.mixers[self.model.linear_layers[0]]  # every GDN layer has the same shapes
-        gdn_prefill(mixer, self._randn(item.tokens, self.model.opts.hidden), self.state, 0, 0, linear_fn=prefill_linear)
+        gdn_prefill(mixer, self._randn(item.tokens, self.model.opts.hidden), self.state, 0, 0,
+                    linear_fn=self.model._linear)
 
     def _forward(self, item: ForwardItem) -> None:
         """One scratch step through the model's forward and logits: prefill spans in state slot 0 and the

@@ -18,7 +18,20 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import QTensor
-from adapters.kernels.dequant_tile import block_scale, dot_modes, dot_step, prune_tiles, row_scale, w_tile
+from adapters.kernels.act_quant_fp8 import GROUP as A8_GROUP
+from adapters.kernels.act_quant_fp8 import Fp8Rows
+from adapters.kernels.dequant_tile import (
+    A8_FORMATS,
+    a8_dot_step,
+    block_scale,
+    dot_modes,
+    dot_step,
+    fp8_rows,
+    fp8_tile,
+    prune_tiles,
+    row_scale,
+    w_tile,
+)
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 from domain.model_spec import WeightFormat
 
@@ -29,9 +42,9 @@ SUPPORTED = tuple(f for f in FORMAT_CODES if f != WeightFormat.BF16)
 # NOTE: M and M_BUCKET are not specialized (Triton would compile a variant for M == 1 and for M % 16 == 0):
 # they only bound the row mask, so one binary serves every row count (the arithmetic is the same)
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
-def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm, stride_ym,
+def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm, stride_ym,
                        N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # M_BUCKET: only an autotune key (a power of two near M), so a new prompt length does not re-tune
     pid = tl.program_id(0)
@@ -49,13 +62,20 @@ def _dense_gemm_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-        w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
         s = 1.0
         if FMT == 1:
             s = block_scale(s_ptr, pid_n * BLOCK_N, k0, K, GROUP)
-        acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+        if A8:  # e4m3 x e4m3; each step's sum times the rows' group scale (BLOCK_K = 128 = the group)
+            a = fp8_rows(x_ptr.to(tl.pointer_type(tl.uint8)) + m.to(tl.int64) * stride_xm, kk,
+                         m_ok[:, None] & (kk < K)[None, :])  # [BM, BK]
+            a_s = tl.load(xs_ptr + m.to(tl.int64) * ((K + BLOCK_K - 1) // BLOCK_K) + k0 // BLOCK_K, mask=m_ok,
+                          other=0.0)[:, None]  # [BM, 1]
+            acc = a8_dot_step(acc, a, fp8_tile(w_ptr, n, k0, N, K, BLOCK_N, BLOCK_K), a_s * s, F32_DOT)
+        else:
+            a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                        mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
+            w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
+            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
     acc = row_scale(acc, s_ptr, g_ptr, n, N, FMT)
     tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & (n < N)[None, :])
@@ -80,7 +100,7 @@ def _prune(configs, named_args, **kwargs):
 _TUNED = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
                            num_stages=st) for bm, bn, w, st in TUNE_TILES + FMA_TILES],
-    key=["M_BUCKET", "N", "K", "FMT"],
+    key=["M_BUCKET", "N", "K", "FMT", "A8"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
 )(_dense_gemm_kernel)
@@ -96,9 +116,13 @@ def m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 4096)
 
 
-def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
-               block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
+               block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32 accumulation.
+
+    x may be Fp8Rows (act_quant_fp8) for an FP8 block/tensor/channel weight: the W8A8 path, e4m3 x e4m3
+    products, the result in out_dtype (ADR 0018).
 
     The weight is dequantized to x.dtype tile by tile (exact for bf16 activations); block/tensor/channel
     scales multiply fp32 partial sums. out: optional [M, N] x.dtype with unit column stride, written in
@@ -110,9 +134,17 @@ def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if q.fmt not in SUPPORTED:
         raise ValueError(f"dense_gemm does not read {q.fmt.value} weights (float weights: F.linear; "
                          f"supported: {sorted(f.value for f in SUPPORTED)})")
-    if x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    a8 = isinstance(x, Fp8Rows)
+    if a8:
+        if FORMAT_CODES[q.fmt] not in A8_FORMATS:
+            raise ValueError(f"dense_gemm: FP8 activations need an FP8 weight, got {q.fmt.value}")
+        if x.q.shape[1] != q.shape[1] or x.scales.shape != (x.q.shape[0], -(-q.shape[1] // A8_GROUP)):
+            raise ValueError(f"dense_gemm: Fp8Rows with q {tuple(x.q.shape)} and scales {tuple(x.scales.shape)} "
+                             f"for a weight of {q.shape[1]} columns")
+    elif x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dense_gemm: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} {tuple(x.shape)}")
-    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
+    xq, xs = (x.q, x.scales) if a8 else (x, x)  # without A8 the scale pointer is never read
+    if xq.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
         raise ValueError("dense_gemm: x rows, q.data and q.scale must be contiguous")
     if not x.device == q.data.device == q.scale.device:
         raise ValueError(f"dense_gemm: x on {x.device}, weight on {q.data.device}, scale on {q.scale.device}")
@@ -122,16 +154,17 @@ def dense_gemm(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if block_n is not None and block_n > 128:
         raise ValueError(f"dense_gemm: block_n={block_n} must be <= 128 (one block-FP8 scale per tile)")
     m, (n, k) = x.shape[0], q.shape
+    y_dtype = out_dtype if a8 else x.dtype
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"dense_gemm: out must be {x.dtype} [{m}, {n}] with unit column stride on {x.device}, "
+        out = torch.empty((m, n), dtype=y_dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != y_dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"dense_gemm: out must be {y_dtype} [{m}, {n}] with unit column stride on {x.device}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
     glob = q.global_scale if q.global_scale is not None else q.scale
-    args = (x, q.data, q.scale, glob, out, m, m_bucket(m), x.stride(0), out.stride(0))
-    consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), **dot_modes(x))
+    args = (xq, xs, q.data, q.scale, glob, out, m, m_bucket(m), xq.stride(0), out.stride(0))
+    consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), A8=a8, **dot_modes(xq))
     if x.is_cuda and block_m is None and block_n is None:
         _TUNED[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
     else:

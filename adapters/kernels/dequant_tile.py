@@ -93,6 +93,38 @@ def dot_step(acc, a, w, FMT: tl.constexpr, s, F32_DOT: tl.constexpr, PRECISION: 
     return acc
 
 
+@triton.jit
+def fp8_tile(data_ptr, n, k0, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[N, BK] e4m3 tile of W[n, k0:k0+BK] exactly as stored (FP8 formats 1-3, the W8A8 path); zeros outside the
+    matrix. data_ptr: pointer to the e4m3 data, of any element type (read as bytes: the interpreter cannot
+    cast a fill value to fp8)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    ok = (n < ROWS)[:, None] & (kk < COLS)[None, :]
+    b = tl.load(data_ptr.to(tl.pointer_type(tl.uint8)) + n[:, None].to(tl.int64) * COLS + kk[None, :], mask=ok, other=0)
+    return b.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def fp8_rows(row_ptrs, kk, ok):
+    """[M, BK] e4m3 activations at row_ptrs[:, None] + kk[None, :] (byte pointers), zeros where not ok."""
+    return tl.load(row_ptrs[:, None] + kk[None, :], mask=ok, other=0).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def a8_dot_step(acc, a, w, scale, F32_DOT: tl.constexpr):
+    """acc [M, N] fp32 + (a [M, BK] e4m3 @ w [N, BK]^T e4m3) * scale: FP8 x FP8 tensor-core products (wgmma
+    k32 on sm_90), the step's fp32 sum scaled by the activations' group scale times the weight block's
+    (scale [M, 1] or [M, N]). F32_DOT: exact fp32 operands instead (the interpreter)."""
+    if F32_DOT:
+        d = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        d = tl.dot(a, tl.trans(w))
+    return acc + d * scale
+
+
+A8_FORMATS = (1, 2, 3)  # FMT codes whose weight tiles are raw e4m3 (block, tensor, channel scales): W8A8-able
+
+
 def dot_modes(x: torch.Tensor) -> dict:
     """Launch constants of dot_step for activations x: exact fp32 products ("ieee", not TF32) when x is
     fp32 (the fp32 parity bound), fp32 operands under the interpreter (no CUDA tensor)."""

@@ -10,15 +10,39 @@ from __future__ import annotations
 import torch
 
 from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.kernels.moe_align import align_by_slot, choose_block_m
+from adapters.kernels.act_quant_fp8 import act_quant_fp8
+from adapters.kernels.dequant_tile import A8_FORMATS
+from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m
 from adapters.kernels.moe_grouped_down import moe_grouped_down
 from adapters.kernels.moe_grouped_gate_up import moe_grouped_gate_up
 from adapters.kernels.moe_sum import moe_sum
+from adapters.kernels.packed_gemv import layout_consts
+
+
+def takes_a8(layout: ExpertLayout) -> bool:
+    """Whether the grouped GEMMs can take e4m3 activations for this layout (FP8 block/tensor/channel)."""
+    return layout_consts(layout).fmt_code in A8_FORMATS
+
+
+def grouped_gemms(x: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
+                  layout: ExpertLayout, partials: torch.Tensor, h: torch.Tensor | None = None,
+                  a8: bool = False) -> torch.Tensor:
+    """gate_up then down for the blocks of `align` (moe_grouped_gate_up / moe_grouped_down: shapes there) into
+    partials fp32 [T, K, H]; h: an optional [P, I] x.dtype scratch for the gate_up output. Returns h.
+    a8: x and h quantized to e4m3 per 128 columns (act_quant_fp8) for the FP8 tensor cores, when takes_a8(layout)
+    (ADR 0018; h is still stored in x.dtype between the two). Raises ValueError as the launchers."""
+    if a8 and takes_a8(layout):
+        h = moe_grouped_gate_up(act_quant_fp8(x), align, weights.shape[1], slots, layout, out=h, out_dtype=x.dtype)
+        moe_grouped_down(act_quant_fp8(h), align, weights.contiguous(), slots, layout, partials)
+        return h
+    h = moe_grouped_gate_up(x, align, weights.shape[1], slots, layout, out=h)
+    moe_grouped_down(h, align, weights.contiguous(), slots, layout, partials)
+    return h
 
 
 def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                 layout: ExpertLayout, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-                max_groups: int | None = None, block_m: int | None = None) -> torch.Tensor:
+                max_groups: int | None = None, block_m: int | None = None, a8: bool = False) -> torch.Tensor:
     """out [T, H] in x.dtype = sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t]) (SwiGLU experts).
 
     x [T, H] bf16/fp16/fp32; slot_ids int32 [T, K] (-1 = skip; ids < S); weights fp32 [T, K]; slots uint8
@@ -28,6 +52,7 @@ def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     the caller guarantees (e.g. experts per layer + 1; default min(T*K, S)); it sizes the grid and, with
     T*K, picks BLOCK_M (block_m overrides), so calls that split one layer's experts into groups must pass
     the same bound to get bitwise-equal partials. Memory: partials 4*T*K*H bytes, h about 2*T*K*I.
+    a8: e4m3 activations into FP8 tensor cores for FP8 layouts (grouped_gemms).
     Raises ValueError on mismatched inputs (see the launchers).
     """
     if slot_ids.dim() != 2 or weights.shape != slot_ids.shape or weights.dtype != torch.float32:
@@ -44,8 +69,7 @@ def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
         y = partials
     if tokens:
         align = align_by_slot(slot_ids, slots.shape[0], bm, groups)
-        h = moe_grouped_gate_up(x, align, top_k, slots, layout)  # [P, I]
-        moe_grouped_down(h, align, weights.contiguous(), slots, layout, y)
+        grouped_gemms(x, align, weights, slots, layout, y, a8=a8)
     if partials is not None:
         return partials
     if out is None:

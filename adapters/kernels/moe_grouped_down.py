@@ -21,11 +21,17 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.act_quant_fp8 import GROUP as A8_GROUP
+from adapters.kernels.act_quant_fp8 import Fp8Rows
 from adapters.kernels.dequant_tile import (
+    A8_FORMATS,
     GROUPED_BLOCK_K,
+    a8_dot_step,
     block_scale,
     dot_modes,
     dot_step,
+    fp8_rows,
+    fp8_tile,
     grouped_configs,
     grouped_pruner,
     row_scale,
@@ -37,11 +43,11 @@ from adapters.kernels.packed_gemv import layout_consts
 
 
 @triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slots_ptr, y_ptr, S,
+def _moe_grouped_down_kernel(h_ptr, hs_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slots_ptr, y_ptr, S,
                              H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                              D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
                              W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-                             F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                             F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,35 +64,48 @@ def _moe_grouped_down_kernel(h_ptr, pairs_ptr, block_slots_ptr, weights_ptr, slo
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            # no row mask: a padding row of h only feeds its own output row, which is never stored
-            a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + kk[None, :], mask=(kk < I)[None, :], other=0.0)
-            w = w_tile(d_data, d_scale, n, k0, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty)
             s = 1.0
             if FMT == 1:
                 s = block_scale(d_scale, pid_n * BLOCK_N, k0, I, GROUP)
-            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+            # no row mask: a padding row of h only feeds its own output row, which is never stored
+            if A8:  # e4m3 x e4m3; each step's sum times the rows' group scale (BLOCK_K = 128 = the group)
+                h_rows = h_ptr.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64) * I  # [BM]
+                a = fp8_rows(h_rows, kk, (kk < I)[None, :])  # [BM, BK]
+                a_s = tl.load(hs_ptr + rows.to(tl.int64) * ((I + BLOCK_K - 1) // BLOCK_K) + k0 // BLOCK_K)[:, None]
+                acc = a8_dot_step(acc, a, fp8_tile(d_data, n, k0, H, I, BLOCK_N, BLOCK_K), a_s * s, F32_DOT)
+            else:
+                a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + kk[None, :], mask=(kk < I)[None, :], other=0.0)
+                w = w_tile(d_data, d_scale, n, k0, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty)
+                acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
         part = row_scale(acc, d_scale, (row + D_GSCALE).to(tl.pointer_type(tl.float32)), n, H, FMT)  # [BM, BN]
         weight = tl.load(weights_ptr + pair, mask=live, other=0.0)  # [BM]
         tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], weight[:, None] * part,
                  mask=live[:, None] & (n < H)[None, :])
 
 
-_TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M"],
+_TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M", "A8"],
                          prune_configs_by={"early_config_prune": grouped_pruner(1, n_dim="H", k_dim="I")},
                          cache_results=True)(_moe_grouped_down_kernel)
 
 
-def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
+def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
                      layout: ExpertLayout, partials: torch.Tensor, block_n: int | None = None, num_warps: int = 4,
                      num_stages: int | None = None) -> torch.Tensor:
     """Write partials[t, k] = weights[t, k] * (h_row @ down^T) (fp32) for every pair of `align`; returns partials.
 
-    h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`; weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
+    h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`, or that output as
+    Fp8Rows (act_quant_fp8: the W8A8 path, FP8 block / tensor / channel layouts only); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
     `layout`; partials contiguous fp32 [T, K, H]: pairs absent from `align` (slot -1) are left as they
     are (the caller zeroes them, or fills them in another call). block_n, num_warps, num_stages: as moe_grouped_gate_up.
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
-    if h.dim() != 2 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not h.is_contiguous():
+    a8 = isinstance(h, Fp8Rows)
+    if a8:
+        if layout_consts(layout).fmt_code not in A8_FORMATS:
+            raise ValueError(f"moe_grouped_down: FP8 activations need an FP8 weight layout, got {layout.fmt}")
+        if h.scales.shape != (h.q.shape[0], -(-h.q.shape[1] // A8_GROUP)) or not h.q.is_contiguous():
+            raise ValueError(f"moe_grouped_down: Fp8Rows with q {tuple(h.q.shape)} and scales {tuple(h.scales.shape)}")
+    elif h.dim() != 2 or h.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not h.is_contiguous():
         raise ValueError(f"moe_grouped_down: h must be contiguous bf16/fp16/fp32 [P, I], got {h.dtype} {tuple(h.shape)}")
     rows = check_alignment(align, slots, "moe_grouped_down")
     if h.shape != (rows, layout.intermediate):
@@ -112,11 +131,12 @@ def moe_grouped_down(h: torch.Tensor, align: Alignment, weights: torch.Tensor, s
         return partials
     c = layout_consts(layout)
     hidden = layout.hidden
-    args = (h, align.pairs, align.block_slots, weights, slots, partials, slots.shape[0])
+    hq, hs = (h.q, h.scales) if a8 else (h, h)  # without A8 the scale pointer is never read
+    args = (hq, hs, align.pairs, align.block_slots, weights, slots, partials, slots.shape[0])
     consts = dict(H=hidden, I=layout.intermediate, R=c.row_bytes,
                   D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
                   W_DTYPE=c.down.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
-                  BLOCK_M=align.block_m, **dot_modes(h))
+                  BLOCK_M=align.block_m, A8=a8, **dot_modes(hq))
     blocks = align.block_slots.numel()
     if slots.is_cuda and block_n is None:
         _TUNED[lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args, **consts)

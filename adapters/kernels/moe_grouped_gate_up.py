@@ -20,11 +20,17 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.expert_layout import ExpertLayout
+from adapters.kernels.act_quant_fp8 import GROUP as A8_GROUP
+from adapters.kernels.act_quant_fp8 import Fp8Rows
 from adapters.kernels.dequant_tile import (
+    A8_FORMATS,
     GROUPED_BLOCK_K,
+    a8_dot_step,
     block_scale,
     dot_modes,
     dot_step,
+    fp8_rows,
+    fp8_tile,
     grouped_configs,
     grouped_pruner,
     row_scale,
@@ -36,12 +42,12 @@ from adapters.kernels.packed_gemv import layout_consts
 
 
 @triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_ptr, S,
+def _moe_grouped_gate_up_kernel(x_ptr, xs_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_ptr, S,
                                 K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                                 G_DATA: tl.constexpr, G_SCALE: tl.constexpr, G_GSCALE: tl.constexpr,
                                 U_DATA: tl.constexpr, U_SCALE: tl.constexpr, U_GSCALE: tl.constexpr,
                                 W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr,
-                                GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                                GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,7 +57,8 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         pair = tl.load(pairs_ptr + rows)  # [BM]; -1 on padding rows
         live = pair >= 0
-        x_rows = x_ptr + tl.where(live, pair // K, 0).to(tl.int64) * H  # [BM] token rows of x
+        tok = tl.where(live, pair // K, 0).to(tl.int64)  # [BM]
+        x_rows = x_ptr + tok * H  # [BM] token rows of x (A8: of its e4m3 values)
         row = slots_ptr + slot.to(tl.int64) * R  # int64: S * R passes 2^31 at real pool sizes
         g_data = (row + G_DATA).to(tl.pointer_type(W_DTYPE))
         u_data = (row + U_DATA).to(tl.pointer_type(W_DTYPE))
@@ -62,17 +69,23 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_rows[:, None] + kk[None, :], mask=live[:, None] & (kk < H)[None, :], other=0.0)  # [BM, BK]
-            dt = x_ptr.dtype.element_ty
-            w_g = w_tile(g_data, g_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
-            w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
             s_g = 1.0
             s_u = 1.0
             if FMT == 1:
                 s_g = block_scale(g_scale, pid_n * BLOCK_N, k0, H, GROUP)
                 s_u = block_scale(u_scale, pid_n * BLOCK_N, k0, H, GROUP)
-            acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
-            acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
+            if A8:  # e4m3 x e4m3; each step's sum times the rows' group scale (BLOCK_K = 128 = the group)
+                a = fp8_rows(x_rows.to(tl.pointer_type(tl.uint8)), kk, live[:, None] & (kk < H)[None, :])  # [BM, BK]
+                a_s = tl.load(xs_ptr + tok * ((H + BLOCK_K - 1) // BLOCK_K) + k0 // BLOCK_K)[:, None]  # [BM, 1]
+                acc_g = a8_dot_step(acc_g, a, fp8_tile(g_data, n, k0, I, H, BLOCK_N, BLOCK_K), a_s * s_g, F32_DOT)
+                acc_u = a8_dot_step(acc_u, a, fp8_tile(u_data, n, k0, I, H, BLOCK_N, BLOCK_K), a_s * s_u, F32_DOT)
+            else:
+                a = tl.load(x_rows[:, None] + kk[None, :], mask=live[:, None] & (kk < H)[None, :], other=0.0)  # [BM, BK]
+                dt = x_ptr.dtype.element_ty
+                w_g = w_tile(g_data, g_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
+                acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
         g = row_scale(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
         u = row_scale(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
         h = g * tl.sigmoid(g) * u  # [BM, BN], the decode kernel's expression
@@ -80,25 +93,33 @@ def _moe_grouped_gate_up_kernel(x_ptr, pairs_ptr, block_slots_ptr, slots_ptr, h_
                  mask=(n < I)[None, :])
 
 
-_TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M"],
+_TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M", "A8"],
                          prune_configs_by={"early_config_prune": grouped_pruner(2, n_dim="I", k_dim="H")},
                          cache_results=True)(_moe_grouped_gate_up_kernel)
 
 
-def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: torch.Tensor, layout: ExpertLayout,
-                        out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                        num_stages: int | None = None) -> torch.Tensor:
-    """h [P, I] in x.dtype: silu(x[t] @ gate^T) * (x[t] @ up^T) for each padded row of `align`, t = pair // top_k,
-    gate/up those of the block's slot; fp32 accumulation, h rounded once to x.dtype (as the decode path).
+def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int, slots: torch.Tensor,
+                        layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int | None = None,
+                        num_warps: int = 4, num_stages: int | None = None,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """h [P, I]: silu(x[t] @ gate^T) * (x[t] @ up^T) for each padded row of `align`, t = pair // top_k,
+    gate/up those of the block's slot; fp32 accumulation, h rounded once to its dtype (as the decode path).
 
-    x [T, H] bf16/fp16/fp32 contiguous; align: moe_align.align_by_slot(slot_ids [T, top_k], S, BM) with
-    BM >= 16 (pair indices must be < T * top_k, slots < S: checked on the device only in debug builds);
-    slots uint8 [S, R] contiguous, rows packed by `layout`. out: optional contiguous [P, I] x.dtype.
+    x [T, H] bf16/fp16/fp32 contiguous (h in x.dtype), or Fp8Rows (act_quant_fp8: the W8A8 path, FP8 block /
+    tensor / channel layouts only; h in out_dtype); align: moe_align.align_by_slot(slot_ids [T, top_k], S, BM)
+    with BM >= 16 (pair indices must be < T * top_k, slots < S: checked on the device only in debug builds);
+    slots uint8 [S, R] contiguous, rows packed by `layout`. out: optional contiguous [P, I] of h's dtype.
     block_n: a fixed tile width (power of two, 16..128); None: on CUDA the measured best tile, else 64.
     num_warps/num_stages: the fixed tile's launch options (num_stages None: Triton's default).
     Rows of blocks past the last used one are left unwritten. Raises ValueError on any mismatch.
     """
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    a8 = isinstance(x, Fp8Rows)
+    if a8:
+        if layout_consts(layout).fmt_code not in A8_FORMATS:
+            raise ValueError(f"moe_grouped_gate_up: FP8 activations need an FP8 weight layout, got {layout.fmt}")
+        if x.q.dim() != 2 or x.scales.shape != (x.q.shape[0], -(-x.q.shape[1] // A8_GROUP)):
+            raise ValueError(f"moe_grouped_gate_up: Fp8Rows with q {tuple(x.q.shape)} and scales {tuple(x.scales.shape)}")
+    elif x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"moe_grouped_gate_up: x must be bf16/fp16/fp32 [T, H], got {x.dtype} {tuple(x.shape)}")
     if x.shape[1] != layout.hidden:
         raise ValueError(f"moe_grouped_gate_up: x has H={x.shape[1]}, layout has H={layout.hidden}")
@@ -113,20 +134,22 @@ def moe_grouped_gate_up(x: torch.Tensor, align: Alignment, top_k: int, slots: to
         raise ValueError(f"moe_grouped_gate_up: block_n={block_n} must be a power of two in 16..128")
     rows = check_alignment(align, slots, "moe_grouped_gate_up")
     inter = layout.intermediate
+    h_dtype = out_dtype if a8 else x.dtype
     if out is None:
-        out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, inter) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"moe_grouped_gate_up: out must be contiguous {x.dtype} [{rows}, {inter}], "
+        out = torch.empty((rows, inter), dtype=h_dtype, device=x.device)
+    elif out.shape != (rows, inter) or out.dtype != h_dtype or not out.is_contiguous():
+        raise ValueError(f"moe_grouped_gate_up: out must be contiguous {h_dtype} [{rows}, {inter}], "
                          f"got {out.dtype} {tuple(out.shape)}")
     if rows == 0:
         return out
     c = layout_consts(layout)
-    args = (x.contiguous(), align.pairs, align.block_slots, slots, out, slots.shape[0])
+    xq, xs = (x.q, x.scales) if a8 else (x.contiguous(), x)  # without A8 the scale pointer is never read
+    args = (xq, xs, align.pairs, align.block_slots, slots, out, slots.shape[0])
     consts = dict(K=top_k, H=layout.hidden, I=inter, R=c.row_bytes,
                   G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
                   U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
                   W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
-                  BLOCK_M=align.block_m, **dot_modes(x))
+                  BLOCK_M=align.block_m, A8=a8, **dot_modes(xq))
     blocks = align.block_slots.numel()
     if slots.is_cuda and block_n is None:
         _TUNED[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args, **consts)

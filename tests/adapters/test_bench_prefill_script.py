@@ -107,3 +107,24 @@ def test_host_summary_counts_syncs_launches_idle_time_and_sync_sites():
                                  {"site": "adapters/cuda_exec/expert_pool.py(280): routed", "syncs": 1}]
     assert "sync_sites" not in bench_prefill.host_summary({"traceEvents": trace["traceEvents"][:7]})
     assert bench_prefill.host_summary({}) == {"syncs": 0, "sync_ms": 0.0, "launches": 0, "h2d_pageable": 0}
+
+
+@pytest.mark.slow
+def test_bench_prefill_with_fp8_activations_records_how_far_the_logits_move(tmp_path, monkeypatch):
+    """--fp8-activations on a block-FP8 checkpoint with the Triton prefill: the prompts run and `a8_logits`
+    compares the last-token logits of the two paths (not equal, and not far apart)."""
+    import bench_prefill
+
+    from adapters.cuda_exec import expert_pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "GEMV_MAX_PAIRS", 8)  # the tiny chunks reach the grouped GEMMs
+    record = bench_prefill.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--geometry", "tiny",
+                                 "--synth-dir", str(tmp_path / "ckpt"), "--prompts", "24", "--chunk", "16",
+                                 "--prefill-kernels", "triton", "--format", "fp8_block", "--fp8-activations",
+                                 "--scenarios", "resident"])
+    scen = record["scenarios"]["resident"]
+    assert "error" not in scen and "a8_logits_error" not in scen, scen
+    assert "error" not in scen["prompts"]["24"] and scen["prompts"]["24"]["ttft_s"] > 0
+    moved = scen["a8_logits"]
+    assert moved["tokens"] == 16 and 0 < moved["rel_l2"] < 0.2 and 1 <= moved["top5_overlap"] <= 5
+    assert record["args"]["fp8_activations"] is True

@@ -268,7 +268,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import dense_gemm, moe_grouped_down, moe_grouped_gate_up
-from adapters.kernels.dequant_tile import scale_dtype
+from adapters.kernels.dequant_tile import A8_FORMATS, scale_dtype
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP, layout_consts
 from domain.model_spec import WeightFormat
 
@@ -277,45 +277,59 @@ def build(kernel, ptrs, ints, consts, warps):
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
     src = ASTSource(kernel, sig, consts, attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3)).asm["ptx"]
-    return len(re.findall(r"wgmma.mma_async", ptx))
+    ops = re.findall(r"wgmma.mma_async[.a-z0-9]*", ptx)
+    return f"{len(ops)}:{'+'.join(sorted({o.rsplit('.', 2)[-2] for o in ops})) or '-'}"  # count:operand types
 
 W = {"fp8": "fp8e4nv", "int8": "i8"}
 for fmt in WeightFormat:
     c = layout_consts(ExpertLayout(fmt, 2048, 512))
-    common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code),
-                  FMT=c.fmt_code, GROUP=max(c.group, 1), F32_DOT=False, PRECISION="tf32",
-                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
-    gu = build(moe_grouped_gate_up._moe_grouped_gate_up_kernel,
-               {"x_ptr": "*bf16", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*bf16"},
-               ["S"], dict(K=9, G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
-                           U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common), 8)
-    dn = build(moe_grouped_down._moe_grouped_down_kernel,
-               {"h_ptr": "*bf16", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "weights_ptr": "*fp32",
-                "slots_ptr": "*u8", "y_ptr": "*fp32"},
-               ["S"], dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale, **common), 4)
-    dg = -1
-    if fmt in dense_gemm.SUPPORTED:
-        w = W.get(fmt.value.split("_")[0], "u8")
-        s = {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32")
-        dg = build(dense_gemm._dense_gemm_kernel,
-                   {"x_ptr": "*bf16", "w_ptr": "*" + w, "s_ptr": "*" + s, "g_ptr": "*fp32", "y_ptr": "*bf16"},
-                   ["M", "M_BUCKET", "stride_xm", "stride_ym"],
-                   dict(N=4096, K=2048, FMT=FORMAT_CODES[fmt], GROUP=SCALE_GROUP.get(fmt, 1), F32_DOT=False,
-                        PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8)
-    print(fmt.value, gu, dn, dg)
+    a8s = (False, True) if c.fmt_code in A8_FORMATS else (False,)
+    for a8 in a8s:
+        act = "fp8e4nv" if a8 else "bf16"
+        common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code),
+                      FMT=c.fmt_code, GROUP=max(c.group, 1), F32_DOT=False, PRECISION="tf32", A8=a8,
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        gu = build(moe_grouped_gate_up._moe_grouped_gate_up_kernel,
+                   {"x_ptr": "*" + act, "xs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32",
+                    "slots_ptr": "*u8", "h_ptr": "*bf16"},
+                   ["S"], dict(K=9, G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
+                               U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale, **common), 8)
+        dn = build(moe_grouped_down._moe_grouped_down_kernel,
+                   {"h_ptr": "*" + act, "hs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32",
+                    "weights_ptr": "*fp32", "slots_ptr": "*u8", "y_ptr": "*fp32"},
+                   ["S"], dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale, **common), 4)
+        dg = "0:-"
+        if fmt in dense_gemm.SUPPORTED:
+            w = W.get(fmt.value.split("_")[0], "u8")
+            s = {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32")
+            dg = build(dense_gemm._dense_gemm_kernel,
+                       {"x_ptr": "*" + act, "xs_ptr": "*fp32", "w_ptr": "*" + w, "s_ptr": "*" + s, "g_ptr": "*fp32",
+                        "y_ptr": "*bf16"},
+                       ["M", "M_BUCKET", "stride_xm", "stride_ym"],
+                       dict(N=4096, K=2048, FMT=FORMAT_CODES[fmt], GROUP=SCALE_GROUP.get(fmt, 1), F32_DOT=False,
+                            PRECISION="tf32", A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8)
+        print(fmt.value + ("/a8" if a8 else ""), gu, dn, dg)
 """
 
 
 @pytest.mark.slow
 def test_prefill_kernels_compile_for_sm90_on_tensor_cores():
     """Lowering to PTX is what the interpreter does not check: every format's grouped GEMMs and dense GEMM
-    build for an H200 and their dots become Hopper wgmma instructions (bf16 operands, not FMA loops)."""
+    build for an H200 and their dots become Hopper wgmma instructions (bf16 operands, not FMA loops); with
+    e4m3 activations (the FP8 formats' W8A8 path, ADR 0018) they become e4m3 x e4m3 wgmma with half the
+    instructions (k32 steps instead of k16)."""
     stdout = build_for_sm90(_COMPILE_CHECK)
-    counts = {line.split()[0]: tuple(map(int, line.split()[1:])) for line in stdout.splitlines()}
-    assert set(counts) == {f.value for f in F_}
-    for fmt, (gate_up, down, dense) in counts.items():
-        assert gate_up > 0 and down > 0, f"{fmt}: grouped GEMMs without wgmma ({counts[fmt]})"
-        assert dense > 0 or fmt == F_.BF16.value, f"{fmt}: dense GEMM without wgmma"
+    counts = {line.split()[0]: line.split()[1:] for line in stdout.splitlines()}
+    a8 = {F_.FP8_BLOCK.value, F_.FP8_TENSOR.value, F_.FP8_CHANNEL.value}
+    assert set(counts) == {f.value for f in F_} | {f + "/a8" for f in a8}
+    for name, ops in counts.items():
+        (gu, gu_types), (dn, dn_types), (dg, dg_types) = (op.split(":") for op in ops)
+        want = "e4m3" if name.endswith("/a8") else "bf16"
+        assert int(gu) > 0 and int(dn) > 0 and gu_types == dn_types == want, f"{name}: grouped GEMMs {ops}"
+        if name != F_.BF16.value:
+            assert int(dg) > 0 and dg_types == want, f"{name}: dense GEMM {ops}"
+    for fmt in a8:  # one k32 e4m3 instruction per two k16 bf16 ones
+        assert [int(o.split(":")[0]) * 2 for o in counts[fmt + "/a8"]] == [int(o.split(":")[0]) for o in counts[fmt]]
 
 
 _SPILL_CHECK = r"""
@@ -346,23 +360,25 @@ def src_of(kernel, ptrs, ints, consts):
 W = {WeightFormat.FP8_BLOCK: "fp8e4nv"}
 for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
     code, group = FORMAT_CODES[fmt], SCALE_GROUP[fmt]
-    for act, prec in (("bf16", "tf32"), ("fp32", "ieee")):
-        consts = dict(N=4096, K=2048, FMT=code, GROUP=group, F32_DOT=False, PRECISION=prec)
+    modes = (("bf16", "tf32", False), ("fp32", "ieee", False)) + ((("fp8e4nv", "tf32", True),) if code == 1 else ())
+    for act, prec, a8 in modes:  # a8: e4m3 activations (ADR 0018), outputs bf16
+        out = "bf16" if a8 else act
+        consts = dict(N=4096, K=2048, FMT=code, GROUP=group, F32_DOT=False, PRECISION=prec, A8=a8)
         for cfg in dense_gemm._prune(dense_gemm._TUNED.configs, {"M_BUCKET": 4096}, **consts):
             src = src_of(dense_gemm._dense_gemm_kernel,
-                         {"x_ptr": "*" + act, "w_ptr": "*" + W.get(fmt, "u8"), "s_ptr": "*" + {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32"),
-                          "g_ptr": "*fp32", "y_ptr": "*" + act}, ["M", "M_BUCKET", "stride_xm", "stride_ym"], {**consts, **cfg.kwargs})
+                         {"x_ptr": "*" + act, "xs_ptr": "*fp32", "w_ptr": "*" + W.get(fmt, "u8"), "s_ptr": "*" + {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32"),
+                          "g_ptr": "*fp32", "y_ptr": "*" + out}, ["M", "M_BUCKET", "stride_xm", "stride_ym"], {**consts, **cfg.kwargs})
             print("dense", fmt.value, act, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, stack(src, cfg), flush=True)
         c = layout_consts(ExpertLayout(fmt, 2048, 512))
         for block_m in (16, 64):
             common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(code), FMT=code,
-                          GROUP=group, F32_DOT=False, PRECISION=prec, BLOCK_M=block_m)
+                          GROUP=group, F32_DOT=False, PRECISION=prec, A8=a8, BLOCK_M=block_m)
             for name, mod, extra, ptrs in (
                 ("gate_up", moe_grouped_gate_up, dict(K=9, G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
                                                      U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale),
-                 {"x_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*" + act}),
+                 {"x_ptr": "*" + act, "xs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "slots_ptr": "*u8", "h_ptr": "*" + out}),
                 ("down", moe_grouped_down, dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale),
-                 {"h_ptr": "*" + act, "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8", "y_ptr": "*fp32"})):
+                 {"h_ptr": "*" + act, "hs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8", "y_ptr": "*fp32"})):
                 kernel = mod._TUNED.fn
                 for cfg in mod._TUNED.early_config_prune(mod._TUNED.configs, {}, **common, **extra):
                     src = src_of(kernel, ptrs, ["S"], {**common, **extra, **cfg.kwargs})
@@ -373,7 +389,7 @@ for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
 @pytest.mark.slow
 def test_admitted_tiles_do_not_spill_at_sm90():
     """Every tile the pruners admit (dense GEMM at M_BUCKET 4096, grouped GEMMs at BLOCK_M 16 and 64; fp32 and
-    bf16 activations; block FP8, NVFP4, MXFP4 at the Qwen3.6 shapes) builds for an H200 with at most 1 KB of
+    bf16 activations, and e4m3 ones for block FP8; block FP8, NVFP4, MXFP4 at the Qwen3.6 shapes) builds for an H200 with at most 1 KB of
     stack per thread. The tensor-core tiles with fp32 activations ("ieee" dots, FMA loops) spilled 3-24 KB,
     which is what the FMA tile lists and the register bounds of dequant_tile.prune_tiles keep out."""
     lines = [line.split() for line in build_for_sm90(_SPILL_CHECK, timeout=900).splitlines() if line.strip()]
