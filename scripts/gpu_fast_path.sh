@@ -14,6 +14,8 @@
 #   formats  scripts/bench_decode.py resident bs1/4 for an NVFP4 checkpoint (issue 8's 300 tok/s). BF16 (200 tok/s)
 #            does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB disk, and in
 #            /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory
+#   prefill-a8  scripts/bench_prefill.py resident 4k/32k with bf16 and with FP8 activations (ADR 0018), each with
+#            its record ($OUT/prefill_bf16, $OUT/prefill_a8: the latter's a8_logits says how far the logits move)
 #   http     scripts/gpu_http_bench.sh with the Triton prefill (PREFILL_KERNELS=triton)
 #   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
@@ -96,6 +98,13 @@ for phase in "$@"; do
         timeout 280 python3 scripts/bench_decode.py --out "$OUT/decode_$fmt" --synth-dir "/tmp/qwen36-$fmt" --reuse \
           --format "$fmt" --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
           | grep -E "^resident|parity|Error" | cut -c1-300
+      done ;;
+    prefill-a8)
+      # ADR 0018: the resident 32k prefill with bf16 and with e4m3 activations (synthesizes $CKPT if absent: ~40 s)
+      for mode in bf16 a8; do
+        timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_$mode" --synth-dir "$CKPT" --reuse \
+          --scenarios resident --prompts 4096,32768 --profile-tokens 0 $([[ $mode == a8 ]] && echo --fp8-activations) 2>&1 \
+          | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
     http) PREFILL_KERNELS=triton timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
