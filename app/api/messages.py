@@ -28,6 +28,7 @@ from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     require_engine,
@@ -330,8 +331,7 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
         return out
 
     async for event in events_until_finished(engine, message_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed")
+        if (error := event_error(event)) is not None:  # the status the whole answer would carry, so one type
             yield _event("error", {"error": _error_body(error)["error"]})
             return
         for frame in frames(parser.feed(event.text) + (parser.finish() if event.finish_reason else [])):

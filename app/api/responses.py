@@ -26,11 +26,12 @@ from app.api.agent import (
     function_tool,
     thinking_budget,
 )
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     require_engine,
@@ -284,8 +285,7 @@ async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, s
     yield _frame(items.event("response.created", response=shell))
     yield _frame(items.event("response.in_progress", response=shell))
     async for event in events_until_finished(engine, response_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:  # the code the whole answer would carry
             yield _frame(items.event("error", code=error.code, message=error.message, param=None))
             failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": error.message}}
             yield _frame(items.event("response.failed", response=failed))
