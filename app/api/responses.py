@@ -64,6 +64,10 @@ class ResponsesRequest(_Sampling, kw_only=True):
     thinking_token_budget: int | None = None  # as on chat completions (vLLM's extension)
 
 
+_CHAT_ONLY = ("n", "stop", "max_tokens", "max_completion_tokens", "presence_penalty", "frequency_penalty",
+              "logit_bias")
+
+
 def _refuse_stateful(body: ResponsesRequest) -> None:
     if body.store:
         raise unsupported("store", "store is not supported: this server keeps no responses (send store: false)")
@@ -234,14 +238,18 @@ async def responses(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
     body = decode_body(await request.body(), ResponsesRequest)
     check_model(runtime, body.model)
-    if body.n is not None or body.stop is not None:
-        raise unsupported("n" if body.n is not None else "stop", "not a Responses API parameter")
+    # NOTE: the shared sampling body declares Chat Completions' fields too; sent here they are refused by
+    # name, never dropped (a client that sends max_tokens would otherwise get the whole context).
+    for name in _CHAT_ONLY:
+        if getattr(body, name) is not None:
+            hint = " (use max_output_tokens)" if name.startswith("max_") else ""
+            raise unsupported(name, f"not a Responses API parameter{hint}")
     _refuse_stateful(body)
     conversation = _conversation(body)
     engine = require_engine(runtime)
     prompt = await prepare_off_loop(runtime, engine, conversation, param="input")
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
-                              prompt_param="input")
+                              prompt_param="input", max_tokens_param="max_output_tokens")
     response_id = engine.new_request_id("resp")
     events = submit(engine, response_id, prompt.ids, sampling, (), prompt.thinking)
     shell = {
