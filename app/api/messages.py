@@ -49,6 +49,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 429: "rate_limit_error", 503: "overloaded_error"}
 
 
+_CHAT_ONLY = {"stop": " (use stop_sequences)", "n": "", "max_completion_tokens": " (use max_tokens)",
+              "presence_penalty": "", "frequency_penalty": "", "logit_bias": ""}
+
+
 class AnthropicMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]]
@@ -228,6 +232,10 @@ async def messages(request: Request) -> Response | Stream:
     body = decode_body(await request.body(), MessagesRequest)
     if body.max_tokens is None:
         raise bad_value("max_tokens", "max_tokens is required")
+    # NOTE: the shared sampling body declares Chat Completions' fields too: refused by name, never dropped.
+    for name, hint in _CHAT_ONLY.items():
+        if getattr(body, name) is not None:
+            raise unsupported(name, f"not a Messages API parameter{hint}")
     stop = stop_strings(body.stop_sequences)
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None

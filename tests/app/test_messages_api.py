@@ -109,6 +109,18 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens")
 
 
+@pytest.mark.parametrize("field", [{"stop": ["4"]}, {"n": 2}, {"max_completion_tokens": 5}, {"presence_penalty": 1.0},
+                                   {"frequency_penalty": 1.0}, {"logit_bias": {"1": 2.0}}])
+def test_chat_completions_fields_are_refused_by_name_not_dropped(scripted, field):
+    """The shared sampling body declares them; sent to /v1/messages they were silently ignored (a `stop`
+    meant as stop_sequences never stopped anything)."""
+    raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
+                     json={"model": MODEL, "max_tokens": 20, "messages": QUESTION, **field})
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(next(iter(field)))
+
+
 def test_x_api_key_is_checked_like_the_bearer_key(scripted):
     bad = anthropic.Anthropic(base_url=scripted[0].base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as info:
