@@ -171,6 +171,13 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
     assert rebuild(srv).status_code == 400
     assert rebuild(srv, kv_tokens="lots").json()["error"]["param"] == "kv_tokens"
     assert rebuild(srv, kv_tokens=1024, wait_s=-1).status_code == 400
+    # refused plans name the field the client sent (`param` once held the pool: "kv", "moe", "state")
+    for body, param in (({"kv_tokens": 1}, "kv_tokens"), ({"moe_slots": 1}, "moe_slots"),
+                        ({"mamba_slots": 0}, "mamba_slots")):
+        r = rebuild(srv, **body)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "plan_refused", r.text
+        assert r.json()["error"]["param"] == param, r.text
+    assert plan(srv)["expert_slots"] == 4
 
 
 def _late_error(path: str, stream: bool, r: httpx.Response) -> tuple[int, str, str | None]:
