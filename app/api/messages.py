@@ -101,8 +101,10 @@ def _text(blocks, param: str) -> str:
         return blocks
     texts = []
     for i, block in enumerate(blocks or []):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text":
             raise unsupported(f"{param}[{i}]", "only text blocks are supported here")
+        if not isinstance(block.get("text"), str):
+            raise bad_value(f"{param}[{i}].text", "a text block needs a `text` string")
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -122,7 +124,9 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
         texts: list[str] = []
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise bad_value(f"{param}[{j}].text", "a text block needs a `text` string")
                 texts.append(block["text"])
             elif kind == "tool_result":
                 if texts:
@@ -176,6 +180,11 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
     if kind is None:
         raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {choice.get('type')!r}")
+    # NOTE: checked here in Anthropic's terms; check_tool_choice below would say 'required' / 'function'.
+    if kind in ("required", "function") and not tools:
+        raise bad_value("tool_choice", f"tool_choice {choice.get('type')!r} needs tools")
+    if kind == "function" and not isinstance(choice.get("name"), str):
+        raise bad_value("tool_choice.name", "tool_choice 'tool' needs the name of one of the tools")
     kwargs, budget = _thinking(body.thinking)
     conversation = Conversation(
         messages=_messages(body.system, body.messages),

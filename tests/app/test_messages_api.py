@@ -109,6 +109,22 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens")
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text: a text block needs"),
+    ({"system": [{"type": "text", "text": 5}]}, "system[0].text: a text block needs"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
+    ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
+])
+def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, body, message):
+    """These once said "content block type 'text' is not supported (text and tool_result are)", "only text
+    blocks are supported here", "tool_choice 'required' needs tools" (the OpenAI spelling), "names None"."""
+    raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
+                     json={"model": MODEL, "max_tokens": 20, "messages": QUESTION, **body})
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(message), error
+
+
 @pytest.mark.parametrize("field", [{"stop": ["4"]}, {"n": 2}, {"max_completion_tokens": 5}, {"presence_penalty": 1.0},
                                    {"frequency_penalty": 1.0}, {"logit_bias": {"1": 2.0}}])
 def test_chat_completions_fields_are_refused_by_name_not_dropped(scripted, field):
