@@ -172,7 +172,9 @@ def _assistant(blocks: list, param: str) -> dict:
 def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
-        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+        if tool.get("type") in (None, "custom") and "input_schema" not in tool:
+            raise bad_value(f"tools[{i}].input_schema", "a client tool needs an input_schema")
+        if tool.get("type") not in (None, "custom"):
             raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only client "
                               "tools with an input_schema")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools[{i}]"))

@@ -113,11 +113,13 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text: a text block needs"),
     ({"system": [{"type": "text", "text": 5}]}, "system[0].text: a text block needs"),
     ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
+    ({"tools": [{"name": "multiply"}]}, "tools[0].input_schema: a client tool needs an input_schema"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
 ])
 def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, body, message):
     """These once said "content block type 'text' is not supported (text and tool_result are)", "only text
-    blocks are supported here", "tool_choice 'required' needs tools" (the OpenAI spelling), "names None"."""
+    blocks are supported here", "tool_choice 'required' needs tools" (the OpenAI spelling), "names None", "tool
+    type None is not supported"."""
     raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
                      json={"model": MODEL, "max_tokens": 20, "messages": QUESTION, **body})
     assert raw.status_code == 400, raw.text
