@@ -88,13 +88,21 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
 def _text(content, param: str) -> str:
     if isinstance(content, str):
         return content
+    if content is not None and not isinstance(content, list):
+        raise bad_value(param, "content must be a string or a list of content parts")
     texts = []
     for i, part in enumerate(content or []):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else part
             raise unsupported(f"{param}[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
-        texts.append(part.get("text") or "")
+        texts.append(_part_text(part, f"{param}[{i}]"))
     return "".join(texts)
+
+
+def _part_text(part: dict, param: str) -> str:
+    if not isinstance(part.get("text"), str):
+        raise bad_value(f"{param}.text", f"a {part.get('type')} part needs a `text` string")
+    return part["text"]
 
 
 def _messages(body: ResponsesRequest) -> list[dict]:
@@ -127,11 +135,16 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 if reasoning is not None:
                     out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
+            if not item.get("call_id"):
+                raise bad_value(param, "a function_call_output item needs call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            key = "content" if item.get("content") else "summary"
+            parts = item.get(key) or []
+            if not isinstance(parts, list):
+                raise bad_value(f"{param}.{key}", f"{key} must be a list of parts")
+            reasoning = "".join(_part_text(p, f"{param}.{key}[{j}]") for j, p in enumerate(parts) if isinstance(p, dict))
         else:
             raise unsupported(param, f"input item type {kind!r} is not supported")
     return out
