@@ -99,6 +99,8 @@ ANTHROPIC_ERRORS = {OpenAIError: _anthropic_error, HTTPException: _anthropic_err
 def _text(blocks, param: str) -> str:
     if isinstance(blocks, str):
         return blocks
+    if blocks is not None and not isinstance(blocks, list):
+        raise bad_value(param, "content must be a string or a list of text blocks")
     texts = []
     for i, block in enumerate(blocks or []):
         if not isinstance(block, dict) or block.get("type") != "text":
@@ -148,14 +150,14 @@ def _assistant(blocks: list, param: str) -> dict:
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(block.get("text") or "")
-        elif kind == "thinking":
-            reasoning.append(block.get("thinking") or "")
+        if kind in ("text", "thinking"):
+            if not isinstance(block.get(kind), str):
+                raise bad_value(f"{param}[{j}].{kind}", f"a {kind} block needs a `{kind}` string")
+            (texts if kind == "text" else reasoning).append(block[kind])
         elif kind == "redacted_thinking":
             continue  # encrypted by another server: nothing this model can read
         elif kind == "tool_use":
-            if not isinstance(block.get("input", {}), dict) or not block.get("name"):
+            if not isinstance(block.get("input", {}), dict) or not isinstance(block.get("name"), str) or not block["name"]:
                 raise bad_value(f"{param}[{j}]", "tool_use needs a name and an object input")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})

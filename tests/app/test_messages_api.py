@@ -112,6 +112,16 @@ def test_errors_are_in_anthropic_shape(client, scripted):
 @pytest.mark.parametrize(("body", "message"), [
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text: a text block needs"),
     ({"system": [{"type": "text", "text": 5}]}, "system[0].text: a text block needs"),
+    # these three answered 500 (a TypeError joining the texts)
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "text", "text": 5}]}]},
+     "messages[1].content[0].text: a text block needs"),
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}]},
+     "messages[1].content[0].thinking: a thinking block needs"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+     "messages[0].content[0].content: content must be a string or a list of text blocks"),
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": ["f"],
+                                                                  "input": {}}]}]},
+     "messages[1].content[0]: tool_use needs a name and an object input"),
     ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
     ({"tools": [{"name": "multiply"}]}, "tools[0].input_schema: a client tool needs an input_schema"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
