@@ -50,7 +50,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 
 _CHAT_ONLY = {"stop": " (use stop_sequences)", "n": "", "max_completion_tokens": " (use max_tokens)",
-              "presence_penalty": "", "frequency_penalty": "", "logit_bias": ""}
+              "presence_penalty": "", "frequency_penalty": "", "logit_bias": "", "stream_options": ""}
 
 
 class AnthropicMessage(msgspec.Struct):

@@ -138,7 +138,8 @@ def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, 
 
 
 @pytest.mark.parametrize("field", [{"stop": ["4"]}, {"n": 2}, {"max_completion_tokens": 5}, {"presence_penalty": 1.0},
-                                   {"frequency_penalty": 1.0}, {"logit_bias": {"1": 2.0}}])
+                                   {"frequency_penalty": 1.0}, {"logit_bias": {"1": 2.0}},
+                                   {"stream_options": {"include_usage": True}}])
 def test_chat_completions_fields_are_refused_by_name_not_dropped(scripted, field):
     """The shared sampling body declares them; sent to /v1/messages they were silently ignored (a `stop`
     meant as stop_sequences never stopped anything)."""
