@@ -150,6 +150,16 @@ def test_chat_completions_fields_are_refused_by_name_not_dropped(scripted, field
     assert error["type"] == "invalid_request_error" and error["message"].startswith(next(iter(field)))
 
 
+def test_a_wrong_method_on_the_messages_routes_is_in_anthropic_shape(scripted):
+    """The router refuses a wrong method before the routes' own handlers run: it was OpenAI's shape."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.get(scripted[0].base_url + path, headers={"x-api-key": "k3y"})
+        assert r.status_code == 405 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"]
+    other = httpx.get(scripted[0].base_url + "/v1/chat/completions", headers={"x-api-key": "k3y"})
+    assert other.status_code == 405 and other.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_x_api_key_is_checked_like_the_bearer_key(scripted):
     bad = anthropic.Anthropic(base_url=scripted[0].base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as info:
