@@ -363,6 +363,8 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
             yield _event("message_delta", {
                 "delta": {"stop_reason": _stop_reason(parser, event), "stop_sequence": event.stop_string},
                 # NOTE: cache reads are known only once the request started, after message_start went out
+                # (which counted the whole prompt as input): both are restated so they add up to the prompt.
                 "usage": {"output_tokens": event.completion_tokens,
+                          "input_tokens": event.prompt_tokens - event.cached_tokens,
                           "cache_read_input_tokens": event.cached_tokens}})
             yield _event("message_stop", {})
