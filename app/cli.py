@@ -79,7 +79,8 @@ def _add_serve(sub) -> None:
                         "past the expert cache, which it leaves alone); 0 = prefill through the expert cache; "
                         "auto (default): sized from the link rate and expert size (66 for Qwen3.6 FP8, 198 MiB), "
                         "0 when every expert is resident")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("debug", "info", "warning", "error", "critical"))
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",

@@ -5,17 +5,18 @@ from __future__ import annotations
 import threading
 
 import uvicorn
-from litestar import Litestar, Router
+from litestar import Litestar, Request, Response, Router
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from app.api.admin import cache_rebuild, cache_status, health, metrics, routing, stats
 from app.api.auth import require_api_key
 from app.api.chat import chat_completions
 from app.api.completions import completions
-from app.api.errors import EXCEPTION_HANDLERS
-from app.api.messages import count_tokens, messages
+from app.api.errors import EXCEPTION_HANDLERS, http_exception_handler
+from app.api.messages import ANTHROPIC_ERRORS, count_tokens, messages
 from app.api.models import list_models, retrieve_model
 from app.api.openapi_doc import CompletedJsonRenderPlugin
 from app.api.responses import responses
@@ -31,6 +32,16 @@ def cors_config(allowed_origins: tuple[str, ...]) -> CORSConfig | None:
     return CORSConfig(allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
                       allow_headers=["*"],  # the openai SDKs send several x-stainless-* headers
                       expose_headers=["retry-after", "x-request-id"], max_age=600)
+
+
+_ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    # NOTE: the router refuses a wrong method before a route's own (Anthropic) handlers could run.
+    if request.url.path.rstrip("/") in _ANTHROPIC_PATHS:
+        return ANTHROPIC_ERRORS[HTTPException](request, exc)
+    return http_exception_handler(request, exc)
 
 
 def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Litestar:
@@ -55,7 +66,7 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
     return Litestar(
         route_handlers=[health, protected],
         state=State({"runtime": runtime}),
-        exception_handlers=EXCEPTION_HANDLERS,
+        exception_handlers={**EXCEPTION_HANDLERS, HTTPException: _http_error},
         cors_config=cors_config(allowed_origins),
         openapi_config=OpenAPIConfig(title="fluxtide", version="1", path="/schema",
                                      render_plugins=[CompletedJsonRenderPlugin()]),

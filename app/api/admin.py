@@ -121,6 +121,11 @@ def _count(param: str, value: int | str | None, auto: bool = False) -> int | str
         raise bad_value(param, str(exc)) from None
 
 
+# The body field that sizes each pool a refusal can name (`param` is the client's spelling); the other
+# pools (snapshot, staging, the budget itself) are not sized by this body.
+_POOL_FIELDS = {"kv": "kv_tokens", "moe": "moe_slots", "state": "mamba_slots"}
+
+
 @post("/v1/cache/rebuild", status_code=200)
 async def cache_rebuild(request: Request) -> Response:
     engine = _engine(request)
@@ -144,7 +149,7 @@ async def cache_rebuild(request: Request) -> Response:
             409,
             f"resize refused, old pools kept and serving continues: {refusal.message}",
             type="resize_refused",
-            param=refusal.pool,
+            param=_POOL_FIELDS.get(refusal.pool),
             code="plan_refused",
             extra={"refusal": dataclasses.asdict(refusal), "current": _plan(before)},
         )

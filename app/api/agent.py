@@ -59,6 +59,10 @@ def function_tool(name, description, parameters, param: str) -> dict:
         raise bad_value(param, "every tool needs a non-empty name")
     if parameters is not None and not isinstance(parameters, dict):
         raise bad_value(param, f"tool {name!r}: the parameters must be a JSON schema object")
+    # NOTE: the tool-call parser looks argument types up in `properties` (qwen3_xml): a non-object here
+    # is a broken schema, refused now rather than failing the answer after generation.
+    if parameters is not None and not isinstance(parameters.get("properties", {}), dict):
+        raise bad_value(param, f"tool {name!r}: parameters.properties must be an object mapping names to schemas")
     function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
     if description:
         function["description"] = description

@@ -56,9 +56,11 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            for j, part in enumerate(content):
+                if part.get("type") != "text":
                     raise unsupported(f"messages[{i}].content", "only text content parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise bad_value(f"messages[{i}].content[{j}].text", "a text part needs a `text` string")
                 texts.append(part["text"])
             content = "".join(texts)
         role = _LEGACY_ROLES.get(m.role, m.role)

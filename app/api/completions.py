@@ -35,11 +35,14 @@ from app.streams import StreamEvent
 
 async def _prompt_ids(runtime: Runtime, engine: Engine, prompt: str | list) -> list[int]:
     """A string, a list of token ids, or a one-element batch of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    batch_of_one = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list)
+    if batch_of_one:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return await text_prompt_ids(runtime, engine.tokenizer, prompt)
-    if prompt and (all(isinstance(x, list) for x in prompt) or all(isinstance(x, str) for x in prompt)):
+    # NOTE: inside a batch of one only token ids remain valid; a nested batch is a bad prompt, not a batch.
+    if not batch_of_one and prompt and (all(isinstance(x, list) for x in prompt)
+                                        or all(isinstance(x, str) for x in prompt)):
         raise unsupported("prompt", f"batched prompts ({len(prompt)}) are not supported; send one per request")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
         raise bad_value("prompt", "prompt must be a string or a list of token ids")

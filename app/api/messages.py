@@ -28,6 +28,7 @@ from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     require_engine,
@@ -46,6 +47,10 @@ MIN_THINKING_BUDGET = 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+_CHAT_ONLY = {"stop": " (use stop_sequences)", "n": "", "max_completion_tokens": " (use max_tokens)",
+              "presence_penalty": "", "frequency_penalty": "", "logit_bias": "", "stream_options": ""}
 
 
 class AnthropicMessage(msgspec.Struct):
@@ -94,10 +99,14 @@ ANTHROPIC_ERRORS = {OpenAIError: _anthropic_error, HTTPException: _anthropic_err
 def _text(blocks, param: str) -> str:
     if isinstance(blocks, str):
         return blocks
+    if blocks is not None and not isinstance(blocks, list):
+        raise bad_value(param, "content must be a string or a list of text blocks")
     texts = []
     for i, block in enumerate(blocks or []):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text":
             raise unsupported(f"{param}[{i}]", "only text blocks are supported here")
+        if not isinstance(block.get("text"), str):
+            raise bad_value(f"{param}[{i}].text", "a text block needs a `text` string")
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -117,7 +126,9 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
         texts: list[str] = []
         for j, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise bad_value(f"{param}[{j}].text", "a text block needs a `text` string")
                 texts.append(block["text"])
             elif kind == "tool_result":
                 if texts:
@@ -139,14 +150,14 @@ def _assistant(blocks: list, param: str) -> dict:
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(block.get("text") or "")
-        elif kind == "thinking":
-            reasoning.append(block.get("thinking") or "")
+        if kind in ("text", "thinking"):
+            if not isinstance(block.get(kind), str):
+                raise bad_value(f"{param}[{j}].{kind}", f"a {kind} block needs a `{kind}` string")
+            (texts if kind == "text" else reasoning).append(block[kind])
         elif kind == "redacted_thinking":
             continue  # encrypted by another server: nothing this model can read
         elif kind == "tool_use":
-            if not isinstance(block.get("input", {}), dict) or not block.get("name"):
+            if not isinstance(block.get("input", {}), dict) or not isinstance(block.get("name"), str) or not block["name"]:
                 raise bad_value(f"{param}[{j}]", "tool_use needs a name and an object input")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
@@ -163,7 +174,9 @@ def _assistant(blocks: list, param: str) -> dict:
 def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
-        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+        if tool.get("type") in (None, "custom") and "input_schema" not in tool:
+            raise bad_value(f"tools[{i}].input_schema", "a client tool needs an input_schema")
+        if tool.get("type") not in (None, "custom"):
             raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only client "
                               "tools with an input_schema")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools[{i}]"))
@@ -171,6 +184,11 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
     if kind is None:
         raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {choice.get('type')!r}")
+    # NOTE: checked here in Anthropic's terms; check_tool_choice below would say 'required' / 'function'.
+    if kind in ("required", "function") and not tools:
+        raise bad_value("tool_choice", f"tool_choice {choice.get('type')!r} needs tools")
+    if kind == "function" and not isinstance(choice.get("name"), str):
+        raise bad_value("tool_choice.name", "tool_choice 'tool' needs the name of one of the tools")
     kwargs, budget = _thinking(body.thinking)
     conversation = Conversation(
         messages=_messages(body.system, body.messages),
@@ -227,6 +245,10 @@ async def messages(request: Request) -> Response | Stream:
     body = decode_body(await request.body(), MessagesRequest)
     if body.max_tokens is None:
         raise bad_value("max_tokens", "max_tokens is required")
+    # NOTE: the shared sampling body declares Chat Completions' fields too: refused by name, never dropped.
+    for name, hint in _CHAT_ONLY.items():
+        if getattr(body, name) is not None:
+            raise unsupported(name, f"not a Messages API parameter{hint}")
     stop = stop_strings(body.stop_sequences)
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None
@@ -330,8 +352,7 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
         return out
 
     async for event in events_until_finished(engine, message_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed")
+        if (error := event_error(event)) is not None:  # the status the whole answer would carry, so one type
             yield _event("error", {"error": _error_body(error)["error"]})
             return
         for frame in frames(parser.feed(event.text) + (parser.finish() if event.finish_reason else [])):
@@ -342,6 +363,8 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
             yield _event("message_delta", {
                 "delta": {"stop_reason": _stop_reason(parser, event), "stop_sequence": event.stop_string},
                 # NOTE: cache reads are known only once the request started, after message_start went out
+                # (which counted the whole prompt as input): both are restated so they add up to the prompt.
                 "usage": {"output_tokens": event.completion_tokens,
+                          "input_tokens": event.prompt_tokens - event.cached_tokens,
                           "cache_read_input_tokens": event.cached_tokens}})
             yield _event("message_stop", {})

@@ -26,11 +26,12 @@ from app.api.agent import (
     function_tool,
     thinking_budget,
 )
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
+    event_error,
     events_until_finished,
     raise_if_failed,
     require_engine,
@@ -63,6 +64,10 @@ class ResponsesRequest(_Sampling, kw_only=True):
     thinking_token_budget: int | None = None  # as on chat completions (vLLM's extension)
 
 
+_CHAT_ONLY = ("n", "stop", "max_tokens", "max_completion_tokens", "presence_penalty", "frequency_penalty",
+              "logit_bias")
+
+
 def _refuse_stateful(body: ResponsesRequest) -> None:
     if body.store:
         raise unsupported("store", "store is not supported: this server keeps no responses (send store: false)")
@@ -83,13 +88,21 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
 def _text(content, param: str) -> str:
     if isinstance(content, str):
         return content
+    if content is not None and not isinstance(content, list):
+        raise bad_value(param, "content must be a string or a list of content parts")
     texts = []
     for i, part in enumerate(content or []):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else part
             raise unsupported(f"{param}[{i}]", f"content part {kind!r} is not supported (input_text and output_text are)")
-        texts.append(part.get("text") or "")
+        texts.append(_part_text(part, f"{param}[{i}]"))
     return "".join(texts)
+
+
+def _part_text(part: dict, param: str) -> str:
+    if not isinstance(part.get("text"), str):
+        raise bad_value(f"{param}.text", f"a {part.get('type')} part needs a `text` string")
+    return part["text"]
 
 
 def _messages(body: ResponsesRequest) -> list[dict]:
@@ -122,11 +135,16 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 if reasoning is not None:
                     out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
+            if not item.get("call_id"):
+                raise bad_value(param, "a function_call_output item needs call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            key = "content" if item.get("content") else "summary"
+            parts = item.get(key) or []
+            if not isinstance(parts, list):
+                raise bad_value(f"{param}.{key}", f"{key} must be a list of parts")
+            reasoning = "".join(_part_text(p, f"{param}.{key}[{j}]") for j, p in enumerate(parts) if isinstance(p, dict))
         else:
             raise unsupported(param, f"input item type {kind!r} is not supported")
     return out
@@ -233,14 +251,18 @@ async def responses(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
     body = decode_body(await request.body(), ResponsesRequest)
     check_model(runtime, body.model)
-    if body.n is not None or body.stop is not None:
-        raise unsupported("n" if body.n is not None else "stop", "not a Responses API parameter")
+    # NOTE: the shared sampling body declares Chat Completions' fields too; sent here they are refused by
+    # name, never dropped (a client that sends max_tokens would otherwise get the whole context).
+    for name in _CHAT_ONLY:
+        if getattr(body, name) is not None:
+            hint = " (use max_output_tokens)" if name.startswith("max_") else ""
+            raise unsupported(name, f"not a Responses API parameter{hint}")
     _refuse_stateful(body)
     conversation = _conversation(body)
     engine = require_engine(runtime)
     prompt = await prepare_off_loop(runtime, engine, conversation, param="input")
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
-                              prompt_param="input")
+                              prompt_param="input", max_tokens_param="max_output_tokens")
     response_id = engine.new_request_id("resp")
     events = submit(engine, response_id, prompt.ids, sampling, (), prompt.thinking)
     shell = {
@@ -284,8 +306,7 @@ async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, s
     yield _frame(items.event("response.created", response=shell))
     yield _frame(items.event("response.in_progress", response=shell))
     async for event in events_until_finished(engine, response_id, events):
-        if event.finish_reason == "error" or (event.finish_reason == "abort" and event.error):
-            error = OpenAIError(500, event.error or "generation failed", type="server_error", code="engine_error")
+        if (error := event_error(event)) is not None:  # the code the whole answer would carry
             yield _frame(items.event("error", code=error.code, message=error.message, param=None))
             failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": error.message}}
             yield _frame(items.event("response.failed", response=failed))

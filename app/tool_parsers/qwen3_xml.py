@@ -31,9 +31,10 @@ END_FUNCTION = "</function>"
 MAX_NAME = 256
 
 
-def convert(value: str, schema: dict | None):
+def convert(value: str, schema: object):
     """A parameter's raw text as the JSON value its schema asks for."""
-    kind = (schema or {}).get("type")
+    # NOTE: a boolean subschema (`true`: anything) or any other non-object types nothing: kept as text.
+    kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
     if value.strip() == "null" and kind != "string":
@@ -141,7 +142,8 @@ class Qwen3XmlToolParser(ToolParser):
         self._stage = "header"
 
     def _emit_parameter(self, key: str, value: str) -> None:
-        schema = (self.schemas.get(self.calls[-1].name) or {}).get("properties", {}).get(key)
+        properties = (self.schemas.get(self.calls[-1].name) or {}).get("properties")
+        schema = properties.get(key) if isinstance(properties, dict) else None
         encoded = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(convert(value, schema), ensure_ascii=False)
         self._emit_arguments(("{" if self._params_sent == 0 else ", ") + encoded)
         self._params_sent += 1

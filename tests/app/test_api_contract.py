@@ -77,6 +77,10 @@ def test_param_names_the_field_as_the_client_sent_it(server, client):
                         param="messages[0].role")
     bad_part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_openai_error(post("/v1/chat/completions", messages=bad_part), 400, param="messages[0].content")
+    # a text part without its text is a bad value, not an unsupported part ("only text parts are supported")
+    no_text = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]
+    assert_openai_error(post("/v1/chat/completions", messages=no_text), 400, param="messages[0].content[1].text",
+                        code="invalid_value")
     assert_openai_error(post("/v1/chat/completions", messages=msgs, max_completion_tokens=0), 400,
                         param="max_completion_tokens")
     assert_openai_error(post("/v1/chat/completions", messages=msgs, max_tokens=0), 400, param="max_tokens")

@@ -83,6 +83,15 @@ def test_serve_refuses_a_size_that_overflows_without_a_traceback(size, capsys):
     assert "--kv-tokens" in err and "Traceback" not in err
 
 
+def test_serve_refuses_an_unknown_log_level_without_a_traceback(capsys):
+    """`ft serve --log-level bogus` was a ValueError traceback from logging."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--log-level", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--log-level" in err and "Traceback" not in err
+
+
 def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

@@ -98,6 +98,10 @@ def test_context_length_exceeded(client, server):
 def test_bad_prompts_and_messages(server):
     assert_openai_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": []}), 400, param="prompt")
     assert_openai_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400)
+    # a one-element batch holding something that is no prompt: not "batched prompts (1) are not supported"
+    for bad in ([["a"]], [[[1]]]):
+        assert_openai_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": bad}), 400,
+                            param="prompt", code="invalid_value")
     assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(messages=[])), 400, param="messages")
     body = chat_body(messages=[{"role": "wizard", "content": "hi"}])
     assert_openai_error(post(server, "/v1/chat/completions", json=body), 400)

@@ -109,6 +109,57 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens")
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text: a text block needs"),
+    ({"system": [{"type": "text", "text": 5}]}, "system[0].text: a text block needs"),
+    # these three answered 500 (a TypeError joining the texts)
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "text", "text": 5}]}]},
+     "messages[1].content[0].text: a text block needs"),
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}]},
+     "messages[1].content[0].thinking: a thinking block needs"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+     "messages[0].content[0].content: content must be a string or a list of text blocks"),
+    ({"messages": QUESTION + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": ["f"],
+                                                                  "input": {}}]}]},
+     "messages[1].content[0]: tool_use needs a name and an object input"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
+    ({"tools": [{"name": "multiply"}]}, "tools[0].input_schema: a client tool needs an input_schema"),
+    ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
+])
+def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, body, message):
+    """These once said "content block type 'text' is not supported (text and tool_result are)", "only text
+    blocks are supported here", "tool_choice 'required' needs tools" (the OpenAI spelling), "names None", "tool
+    type None is not supported"."""
+    raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
+                     json={"model": MODEL, "max_tokens": 20, "messages": QUESTION, **body})
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(message), error
+
+
+@pytest.mark.parametrize("field", [{"stop": ["4"]}, {"n": 2}, {"max_completion_tokens": 5}, {"presence_penalty": 1.0},
+                                   {"frequency_penalty": 1.0}, {"logit_bias": {"1": 2.0}},
+                                   {"stream_options": {"include_usage": True}}])
+def test_chat_completions_fields_are_refused_by_name_not_dropped(scripted, field):
+    """The shared sampling body declares them; sent to /v1/messages they were silently ignored (a `stop`
+    meant as stop_sequences never stopped anything)."""
+    raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
+                     json={"model": MODEL, "max_tokens": 20, "messages": QUESTION, **field})
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(next(iter(field)))
+
+
+def test_a_wrong_method_on_the_messages_routes_is_in_anthropic_shape(scripted):
+    """The router refuses a wrong method before the routes' own handlers run: it was OpenAI's shape."""
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.get(scripted[0].base_url + path, headers={"x-api-key": "k3y"})
+        assert r.status_code == 405 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["message"]
+    other = httpx.get(scripted[0].base_url + "/v1/chat/completions", headers={"x-api-key": "k3y"})
+    assert other.status_code == 405 and other.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_x_api_key_is_checked_like_the_bearer_key(scripted):
     bad = anthropic.Anthropic(base_url=scripted[0].base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as info:

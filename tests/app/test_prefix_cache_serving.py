@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import anthropic
 import httpx
 import pytest
 
@@ -69,6 +70,20 @@ def test_completions_and_messages_report_cache_reads(srv):
     assert usage["cache_read_input_tokens"] >= 160
     prompt_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]  # Anthropic: reads counted apart
     assert usage["input_tokens"] > 0 and prompt_tokens > usage["cache_read_input_tokens"]
+
+
+def test_a_streamed_message_counts_cache_reads_once(srv):
+    """The official client's final usage of a stream adds up as the whole answer's does: message_start's
+    input_tokens (the whole prompt: cache reads are not known yet) is corrected on message_delta. It once
+    stayed the whole prompt, so input_tokens + cache_read_input_tokens counted the reads twice."""
+    body = {"model": MODEL, "max_tokens": 4, "system": SYSTEM, "messages": [{"role": "user", "content": "stream me"}]}
+    counted = httpx.post(srv.base_url + "/v1/messages/count_tokens", json=body, timeout=30).json()["input_tokens"]
+    client = anthropic.Anthropic(base_url=srv.base_url, api_key="x", max_retries=0)
+    for turn in range(2):  # the second resumes from the first's pages
+        with client.messages.stream(**body) as stream:
+            final = stream.get_final_message().usage
+        assert final.input_tokens + final.cache_read_input_tokens == counted, (turn, final)
+    assert final.cache_read_input_tokens >= 160
 
 
 def test_same_output_with_and_without_the_cache():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -170,11 +171,46 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
     assert rebuild(srv).status_code == 400
     assert rebuild(srv, kv_tokens="lots").json()["error"]["param"] == "kv_tokens"
     assert rebuild(srv, kv_tokens=1024, wait_s=-1).status_code == 400
+    # refused plans name the field the client sent (`param` once held the pool: "kv", "moe", "state")
+    for body, param in (({"kv_tokens": 1}, "kv_tokens"), ({"moe_slots": 1}, "moe_slots"),
+                        ({"mamba_slots": 0}, "mamba_slots")):
+        r = rebuild(srv, **body)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "plan_refused", r.text
+        assert r.json()["error"]["param"] == param, r.text
+    assert plan(srv)["expert_slots"] == 4
 
 
-def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
+def _late_error(path: str, stream: bool, r: httpx.Response) -> tuple[int, str, str | None]:
+    """(status, error type, code) of a late request's answer, whole or streamed, in its dialect's shape."""
+    if not stream:
+        error = r.json()["error"]
+        return r.status_code, error["type"], error.get("code")
+    assert r.status_code == 200, r.text  # the stream had started: the error is an event in it
+    payloads = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: {")]
+    errors = [e for e in map(json.loads, payloads) if e.get("type") == "error" or "error" in e and "type" not in e]
+    assert len(errors) == 1, r.text
+    if path == "/v1/messages":
+        return 400, errors[0]["error"]["type"], None
+    if path == "/v1/responses":
+        return 400, "invalid_request_error", errors[0]["code"]
+    return 400, errors[0]["error"]["type"], errors[0]["error"]["code"]
+
+
+LATE_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "too big later"}], "max_tokens": 400},
+    "/v1/messages": {"messages": [{"role": "user", "content": "too big later"}], "max_tokens": 400},
+    "/v1/responses": {"input": "too big later", "max_output_tokens": 400},
+}
+
+
+@pytest.mark.parametrize(("path", "as_stream"), [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                                 ("/v1/messages", False), ("/v1/messages", True),
+                                                 ("/v1/responses", False), ("/v1/responses", True)])
+def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv, path, as_stream):
     """The engine runs step by step (step_gate) until the late request is held: the interleaving is
-    forced, not raced (it once arrived after the resize had finished on a busy machine)."""
+    forced, not raced (it once arrived after the resize had finished on a busy machine). Streamed, the
+    error event has the type and code the whole answer has (Messages once said `api_error` and Responses
+    `engine_error` for this client-side condition)."""
     srv.container.executor().step_gate = threading.Semaphore(0)
 
     async def main():
@@ -183,9 +219,8 @@ def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
         await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
         resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=256, wait_s=30))
         await asyncio.to_thread(step_until, srv, lambda pools: pools["phase"] == "draining")
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "too big later"}], "max_tokens": 400}
-        late = asyncio.ensure_future(asyncio.to_thread(
-            httpx.post, srv.base_url + "/v1/chat/completions", json=body, timeout=30))
+        body = {"model": MODEL, "stream": as_stream, **LATE_BODIES[path]}
+        late = asyncio.ensure_future(asyncio.to_thread(httpx.post, srv.base_url + path, json=body, timeout=30))
         held = await asyncio.to_thread(step_until, srv, lambda pools: pools["held"] == 1)
         assert held["running"] == 1, "the busy request must still be running when the late one is held"
         open_gate(srv)
@@ -196,8 +231,12 @@ def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv):
     streamed, resized, late = asyncio.run(main())
     assert streamed == expected("keeps the engine busy", 120)
     assert resized.status_code == 200, resized.text
-    assert late.status_code == 400, late.text
-    assert "resized pools" in late.json()["error"]["message"]
+    assert "resized pools" in late.text
+    status, kind, code = _late_error(path, as_stream, late)
+    assert (status, kind) == (400, "invalid_request_error"), late.text
+    assert code == (None if path == "/v1/messages" else "request_too_large"), late.text
+    pools = wait_until_idle(srv)
+    assert pools["state_slots_used"] == 0 and pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"]
 
 
 def test_moe_auto_fills_what_the_new_kv_pool_leaves(srv):

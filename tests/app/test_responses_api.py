@@ -100,6 +100,20 @@ def test_reasoning_effort_none_turns_thinking_off_and_max_output_tokens_is_incom
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        # malformed input items: the first two and the reasoning one answered 500
+        ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]},
+                    {"role": "user", "content": "hi"}]}, "input[0].content[0].text"),
+        ({"input": [{"type": "function_call_output", "output": "42"}]}, "input[0]"),  # once named `max_tokens`, which this API has not
+        # Chat Completions' fields the server declares (shared sampling body) were silently dropped here
+        ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
+        ({"extra_body": {"max_completion_tokens": 5}}, "max_completion_tokens"),
+        ({"extra_body": {"presence_penalty": 1.0}}, "presence_penalty"),
+        ({"extra_body": {"frequency_penalty": 1.0}}, "frequency_penalty"),
+        ({"extra_body": {"logit_bias": {"1": 2.0}}}, "logit_bias"),
     ],
 )
 def test_refusals_name_the_parameter(client, kwargs, param):

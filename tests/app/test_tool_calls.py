@@ -139,6 +139,9 @@ def test_thinking_off_through_chat_template_kwargs(client, scripted):
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+        # a schema whose properties are not an object once reached the parser and answered 500
+        ({"tools": [{"type": "function", "function": {"name": "multiply", "parameters": {
+            "type": "object", "properties": ["a", "b"]}}}], "tool_choice": "auto"}, "tools[0]"),
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_parameter(client, kwargs, param):
@@ -146,6 +149,22 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=QUESTION, **kwargs)
     assert info.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_boolean_property_schema_leaves_that_argument_untyped(client, stream):
+    """JSON Schema allows `true` as a subschema (anything goes): the parser once called .get on it (500, or a
+    stream cut off mid-call)."""
+    tools = [{"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"a": True, "b": {"type": "integer"}}}}}]
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, stream=stream)
+    if stream:
+        _, _, calls, finish, _ = stream_to_message(r)
+    else:
+        finish = r.choices[0].finish_reason
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("multiply", {"a": "6", "b": 7})]
 
 
 def test_required_without_tools_is_refused(client):
