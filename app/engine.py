@@ -116,6 +116,14 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
+    def executor_info(self) -> dict:
+        """Which executor serves and the modes that change its numbers (in /v1/stats, so every `ft bench` record
+        carries them): its class, the Triton prefill (--prefill-kernels triton) and e4m3 prefill activations
+        (--prefill-fp8-activations, ADR 0018). Read by attribute: an executor without them has them off."""
+        inner = getattr(self.executor, "executor", self.executor)  # StepLeader (expert parallelism) wraps rank 0's
+        return {"kind": type(inner).__name__, "prefill_kernels": bool(getattr(inner, "prefill_kernels", False)),
+                "prefill_fp8_activations": bool(getattr(inner, "fp8_activations", False))}
+
     def routing(self) -> dict:
         """How tokens are routed: {"mode": "natural"}, or the replay's description with "active"."""
         return {"mode": "natural"} if self.routing_replay is None else self.routing_replay.describe()

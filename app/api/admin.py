@@ -61,6 +61,7 @@ def stats(request: Request) -> dict:
         "prefix_cache": {**engine.stats.prefix_cache(), **(engine.pools().get("prefix_cache") or {})},
         "plan": _plan(engine.plan),
         "routing": engine.routing(),
+        "executor": engine.executor_info(),
         "scheduler": _step_budgets(engine),
     }
 

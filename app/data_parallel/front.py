@@ -120,6 +120,7 @@ async def stats(request: Request) -> dict:
         "prefix_cache": merge([b.get("prefix_cache") or {} for b in bodies]),  # counts add, rates are means
         "plan": common(plans),  # one worker's plan (all alike); the sums are under totals
         "routing": bodies[0].get("routing"),
+        "executor": bodies[0].get("executor"),  # every worker runs the same flags
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),
         "workers": [{"worker": w.index, "device": w.label, "in_flight": w.in_flight, "dispatched": w.dispatched,

@@ -194,6 +194,7 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert stats["pools"]["kv_pages_total"] == sum(w["pools"]["kv_pages_total"] for w in per) == 2 * 256
     assert stats["totals"]["state_slots"] == sum(w["plan"]["state_slots"] for w in per)
     assert stats["plan"]["kv_tokens"] == 4096  # one worker's plan: what one request can use
+    assert stats["executor"] == per[0]["executor"] and stats["executor"]["kind"] == "TorchExecutor"
     assert stats["window"]["decode_tokens"] == sum(w["window"]["decode_tokens"] for w in per) > 0
     # idle: every used page is a worker's prefix cache's
     assert stats["pools"]["running"] == 0
