@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -184,7 +185,30 @@ def _serve(args, parser) -> int:
     return 0 if server.runtime.status != "error" else 1
 
 
+# 128 + SIGPIPE: what a shell reports for a command whose reader went away (`cat big | head`), so a script
+# under `set -o pipefail` sees ft exactly as it sees the standard tools; quiet, but not "all printed"
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one `ft` command; its exit code. A reader that closes stdout early (`ft ctl stats | head`) ends the
+    command quietly with EXIT_BROKEN_PIPE instead of a BrokenPipeError traceback."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # NOTE: output still buffered meets the closed pipe here, not at the interpreter's exit where the
+            # error could only be printed; a SystemExit (argparse's --help) passes through the same flush
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # the usual idiom: point stdout at /dev/null so the interpreter's own final flush has nowhere to fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["synth"]:
         from app.containers import synth_main

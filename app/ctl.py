@@ -47,6 +47,15 @@ def add_ctl_parser(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
 
 
+class _Console(Console):
+    """rich's Console, but a closed stdout ends the command like plain print() does: BrokenPipeError up to
+    `ft`'s main (quiet exit 141), not rich's own SystemExit(1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # NOTE: nothing more is rendered into the closed pipe on the way out
+        raise BrokenPipeError
+
+
 def _client(args) -> httpx.Client:
     key = args.api_key or os.environ.get("FT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -74,7 +83,7 @@ def _flatten(prefix: str, value) -> dict:
 
 
 def run_ctl(args) -> int:
-    console = Console()
+    console = _Console()
     try:
         with _client(args) as client:
             return _dispatch(args, client, console)

@@ -308,7 +308,10 @@ async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, s
     async for event in events_until_finished(engine, response_id, events):
         if (error := event_error(event)) is not None:  # the code the whole answer would carry
             yield _frame(items.event("error", code=error.code, message=error.message, param=None))
-            failed = {**shell, "status": "failed", "error": {"code": "server_error", "message": error.message}}
+            # NOTE: the response's error carries the same code (and type) as the error event and the whole answer
+            # (a 400 request_too_large stays that, not server_error), so a client reading only the final event knows
+            failed = {**shell, "status": "failed",
+                      "error": {"code": error.code, "message": error.message, "type": error.type}}
             yield _frame(items.event("response.failed", response=failed))
             return
         pieces = parser.feed(event.text) + (parser.finish() if event.finish_reason else [])

@@ -114,7 +114,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--warmup-repeats", type=int, default=1,
                    help="unrecorded repeats first (the first long prefill compiles and tunes kernels)")
     s.add_argument("--target-gap-ms", type=_positive(float), default=mixed.TARGET_GAP_P99_MS,
-                   help="the p99 gap the record is judged against (issue 9: 150 ms)")
+                   help="a p99 gap to judge the run against (within_gap_threshold); meets_target is always "
+                        "issue 9's 150 ms, and only for a run of its scenario (3 streams, an 8,192-token "
+                        "prompt or longer, H200, block FP8, <= 24 GiB budget, >= 8k KV)")
     s = cmds.add_parser("smoke", parents=[_common(False)], help="one question with one exact answer")
     s.add_argument("--prompt", default="What is 19 + 23?")
     s.add_argument("--expected", default="42")

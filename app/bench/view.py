@@ -68,8 +68,12 @@ def show(record: dict, path, quiet: bool) -> None:
     summary = record.get("summary") or {}
     if record["kind"] == "mixed" and summary.get("window"):
         window, target = summary["window"], summary["target"]["gap_p99_ms"]
+        met = summary["meets_target"]
+        differ = summary.get("target_conditions_differ")
+        judged = ("met" if met else "missed") if met is not None else (
+            "not judged, the run differs in " + ", ".join(differ) if differ else "not judged, no gap measured")
         console.print(f"gaps while the prompt prefilled: p99 {_cell(window['p99_ms'])} ms over {window['count']} "
-                      f"gaps (target <= {_cell(target)} ms: {'met' if summary['meets_target'] else 'missed'}); "
+                      f"gaps (issue 9's target <= {_cell(target)} ms: {judged}); "
                       f"TTFT p50 {_cell(summary['ttft_s_median'])} s; step budgets "
                       f"{summary.get('server_step_budgets') or 'unknown'}")
     for failure in record["failures"]:

@@ -3,6 +3,7 @@ name, one spelling of `param`, one code streamed and not, every error in OpenAI'
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -127,6 +128,28 @@ def test_a_failure_streamed_has_the_code_and_type_it_has_unstreamed():
         streamed = httpx.Response(200, content=lines[0][len("data: "):]).json()["error"]
         assert (streamed["code"], streamed["type"]) == (whole["code"], whole["type"]) == ("engine_error",
                                                                                           "server_error")
+    finally:
+        srv.stop()
+
+
+def test_a_failed_responses_stream_ends_with_the_code_and_type_it_has_unstreamed():
+    """Responses: the error event and the final response.failed carry the whole answer's code (the latter
+    once always said server_error) and type."""
+    srv = start_server(make_container(delay=0.002))
+    try:
+        srv.container.executor().fail_sampling_seed = 7
+        body = {"model": MODEL, "input": "a", "max_output_tokens": 3, "seed": 7}
+        whole = httpx.post(srv.base_url + "/v1/responses", json=body, timeout=30)
+        assert whole.status_code == 500, whole.text
+        expected = (whole.json()["error"]["code"], whole.json()["error"]["type"])
+        assert expected == ("engine_error", "server_error")
+        r = httpx.post(srv.base_url + "/v1/responses", json={**body, "stream": True}, timeout=30)
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: {")]
+        (error,) = [e for e in events if e["type"] == "error"]
+        assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed", r.text
+        failed = events[-1]["response"]["error"]
+        assert error["code"] == failed["code"] == expected[0] and failed["type"] == expected[1], r.text
+        assert failed["message"] == error["message"] and "sampling failed: injected NaN" in failed["message"]
     finally:
         srv.stop()
 

@@ -128,3 +128,15 @@ def test_the_graph_executor_is_chosen_only_where_it_can_run():
     assert not _use_fast_path(ServeSettings(), unpinned, "cpu")  # auto: the reference path here
     with pytest.raises(ValueError, match="needs a CUDA device"):  # --device auto resolved to the CPU
         _use_fast_path(ServeSettings(executor="cuda-graph"), unpinned, "cpu")
+
+
+@pytest.mark.parametrize("args", [("stats",), ("--json", "stats")])
+def test_a_reader_that_closes_the_pipe_early_ends_ctl_quietly(ctl_server, args):
+    # `ft ctl stats | head -1`, deterministically: the reader closes its end before ft writes a byte, so every
+    # write (and the final flush) meets a broken pipe
+    cmd = [sys.executable, "-m", "app", "ctl", "--base-url", ctl_server.base_url, "--api-key", "k3y", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err  # 128 + SIGPIPE, as a shell reports `cat` cut short by `head`
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err

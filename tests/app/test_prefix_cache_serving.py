@@ -63,9 +63,14 @@ def test_completions_and_messages_report_cache_reads(srv):
                                                              "max_tokens": 4})
     assert r1.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160
-    body = {"model": MODEL, "max_tokens": 4, "system": SYSTEM, "messages": [{"role": "user", "content": "hi there"}]}
-    httpx.post(srv.base_url + "/v1/messages", json=body, timeout=30)
-    body["messages"][0]["content"] = "hi again"
+    # NOTE: warmed here, whatever ran before: a prompt is snapshotted at its last page boundary (past where the
+    # next user message differs) and where a later prompt leaves it, so two conversations parting after the
+    # system prompt put a snapshot inside it, and a third resumes from there
+    body = {"model": MODEL, "max_tokens": 4, "system": SYSTEM, "messages": [{"role": "user", "content": ""}]}
+    for content in ("hi there", "hi again"):
+        body["messages"][0]["content"] = content
+        assert httpx.post(srv.base_url + "/v1/messages", json=body, timeout=30).status_code == 200
+    body["messages"][0]["content"] = "hi once more"
     usage = httpx.post(srv.base_url + "/v1/messages", json=body, timeout=30).json()["usage"]
     assert usage["cache_read_input_tokens"] >= 160
     prompt_tokens = usage["input_tokens"] + usage["cache_read_input_tokens"]  # Anthropic: reads counted apart

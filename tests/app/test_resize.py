@@ -191,8 +191,10 @@ def _late_error(path: str, stream: bool, r: httpx.Response) -> tuple[int, str, s
     assert len(errors) == 1, r.text
     if path == "/v1/messages":
         return 400, errors[0]["error"]["type"], None
-    if path == "/v1/responses":
-        return 400, "invalid_request_error", errors[0]["code"]
+    if path == "/v1/responses":  # the error event has no error type; the final response.failed has both
+        (failed,) = [e["response"]["error"] for e in map(json.loads, payloads) if e.get("type") == "response.failed"]
+        assert failed["code"] == errors[0]["code"] and failed["message"] == errors[0]["message"], r.text
+        return 400, failed["type"], failed["code"]
     return 400, errors[0]["error"]["type"], errors[0]["error"]["code"]
 
 
@@ -210,7 +212,7 @@ def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv, path, a
     """The engine runs step by step (step_gate) until the late request is held: the interleaving is
     forced, not raced (it once arrived after the resize had finished on a busy machine). Streamed, the
     error event has the type and code the whole answer has (Messages once said `api_error` and Responses
-    `engine_error` for this client-side condition)."""
+    `engine_error` for this client-side condition; Responses' final `response.failed` once said `server_error`)."""
     srv.container.executor().step_gate = threading.Semaphore(0)
 
     async def main():
