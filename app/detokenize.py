@@ -60,6 +60,11 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
 
+    @property
+    def active(self) -> bool:
+        """There are stop strings to look for (without them every delta passes through)."""
+        return bool(self._stop)
+
     def feed(self, delta: str) -> str:
         """Add generated text; return what may be sent now. Sets ``stopped`` on a match."""
         if self.stopped:

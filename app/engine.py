@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from app.pool_snapshot import PoolPublisher
+from app.pool_snapshot import PoolPublisher, StepRecord
 from app.reasoning import ThinkingPlan
 from app.resize_coordinator import ResizeCoordinator, ResizeOutcome, plan_live_resize
 from app.self_check import first_failure
@@ -31,7 +31,7 @@ from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.ports import ModelExecutor, RoutingReplayControl, SampledToken, Tokenizer
-from domain.request import Request, SamplingParams
+from domain.request import Request, RequestEvent, SamplingParams
 from domain.resize import ResizePlan
 from domain.scheduler import Scheduler
 
@@ -88,10 +88,15 @@ class Engine:
         # Set when a self-check failed: the engine cannot serve (health 503, generation 503).
         self.broken: str | None = None
         self._publisher = PoolPublisher(stats, executor)
-        # ModelExecutor's optional launch hook: the previous step's events are handed to the HTTP side
-        # while the device computes (see domain.ports.ModelExecutor).
+        # ModelExecutor's optional launch hook: the previous step's text work (detokenization, stream
+        # events, statistics, the pools snapshot) runs and its events go to the HTTP side while the device
+        # computes the next step (see domain.ports.ModelExecutor and docs/adr/0019-deferred-step-work.md).
         self._launch_hook = hasattr(executor, "on_launched")
         self._hook_called = False
+        self._hook_error: Exception | None = None  # raised by _step once execute() has returned
+        self._deferred: list[RequestEvent] = []  # the last step's events of streams that do not steer
+        self._step_record: StepRecord | None = None  # the last step's statistics, recorded with its events
+        self._stale_pools = False  # a step ran since the pools snapshot was last published
         if self._launch_hook:
             executor.on_launched = self._launched
         self._publish_pools()
@@ -186,13 +191,16 @@ class Engine:
             self._wake.clear()
             batch = None
             try:
+                if not self._commands.empty():  # an abort or a resize acts on what the last step's events say
+                    self._deliver()
                 self._drain_commands()
                 if self._resizer.active:  # a rebuild may take seconds: the last step's events go out first
-                    self._flush_events()
+                    self._deliver()
                 self._resizer.step()
                 batch = self.scheduler.schedule()
                 if batch is None:
                     self._last_call_end = None  # an idle pause is not host overhead
+                    self._deliver()
                     if not was_idle:
                         self._on_idle()
                         was_idle = True
@@ -201,15 +209,16 @@ class Engine:
                     continue
                 was_idle = False
                 self._step(batch)
-                # NOTE: the step's events stay in the outbox until the next step is launched (or the loop
-                # idles): handing them over now would wake the HTTP thread right when this thread needs
-                # the GIL to schedule and launch that step (docs/fast-decode.md, host overhead).
-                self._publish_pools()
+                # NOTE: the step's text work and events wait until the next step is launched (or the loop
+                # idles): doing them now would put them, and the HTTP thread they wake, between this
+                # step's result and the next launch (docs/adr/0019-deferred-step-work.md).
             except Exception as exc:  # NOTE: the loop must survive anything; requests get the error
+                self._deliver_after_failure()
                 self._fail_everything(exc)
                 self._release_in_flight(batch)
                 self.verify()
                 self._republish()
+        self._deliver_after_failure()
         self._shutdown()
         self._streams.flush()
 
@@ -248,7 +257,7 @@ class Engine:
 
     def _step(self, batch) -> None:
         if not self._launch_hook:
-            self._flush_events()  # the executor has no launch hook: the events go out before the step
+            self._deliver()  # the executor has no launch hook: the last step's work is done before this one
         self._hook_called = False
         started = self._clock()
         host = None if self._last_call_end is None else started - self._last_call_end
@@ -256,13 +265,15 @@ class Engine:
         try:
             sampled: dict[str, SampledToken] = self.executor.execute(batch)
         except Exception as exc:  # NOTE: fail this batch's requests, keep serving the rest
+            self._deliver()  # the hook may not have run: the last step's events before this one's failures
+            self._raise_hook_error()
             self._fail_batch(batch, exc)
             self.verify()
             return
-        finally:
-            # An executor with the hook that did not call it (it failed before launching) must not keep
-            # the previous step's events back for another step.
-            self._flush_events()
+        # An executor with the hook that did not call it (it failed before launching... or broke the
+        # contract, below) must not keep the previous step's events back for another step.
+        self._deliver()
+        self._raise_hook_error()
         self._last_call_end = ended = self._clock()
         if self._launch_hook and not self._hook_called:
             # NOTE: against the port's contract (e.g. a wrapper that took the hook for itself): every token
@@ -270,14 +281,21 @@ class Engine:
             log.warning("executor %s declares on_launched but did not call it; stream events now go out "
                         "before each step", type(self.executor).__name__)
             self._launch_hook = False
-        self._publisher.record_step(batch, ended - started, host)
+        # the counters are read now (host values after the step's read-back); they are recorded later
+        self._step_record = self._publisher.measure_step(batch, ended - started, host)
+        self._stale_pools = True
         faulty = {rid: token.error for rid, token in sampled.items() if getattr(token, "error", None)}
         for request_id, error in faulty.items():  # NOTE: confined to that request: abort it alone
             self._streams.fail_request(request_id, self._record_failure(f"request {request_id}: {error}"))
         if faulty:
             sampled = {rid: token for rid, token in sampled.items() if rid not in faulty}
         for event in self.scheduler.complete(batch, sampled):
-            self._streams.on_event(event)
+            # NOTE: a stream whose text can change what is scheduled next (a stop string ends it, a thinking
+            # budget forces tokens) is handled now; every other stream's text work waits for the next launch.
+            if self._streams.steers(event.request_id):
+                self._streams.on_event(event)
+            else:
+                self._deferred.append(event)
 
     # -- resize hooks (engine thread) ----------------------------------------------------------
     def _install_pools(self, target: PoolPlan) -> str:
@@ -346,21 +364,46 @@ class Engine:
                 "idle engine holds KV pages outside the prefix cache")
 
     def _republish(self) -> None:
-        self._publish_pools()
-        self._streams.flush()
+        self._stale_pools = True
+        self._deliver()
 
     def _launched(self) -> None:
-        """The executor's on_launched hook (engine thread, inside execute())."""
+        """The executor's on_launched hook (engine thread, inside execute(), while the device computes)."""
         self._hook_called = True
-        self._flush_events()
+        try:
+            self._deliver()
+        except Exception as exc:  # NOTE: the port's hook must not raise: our own failure, re-raised after the step
+            self._hook_error = exc
 
-    def _flush_events(self) -> None:
-        """Engine thread (also the executor's ``on_launched`` hook, called from inside execute()): hand
-        the outbox to the handlers' loops, the pools snapshot republished first when events were emitted
-        since it was last published (a client that sees its finish sees its pages freed in /v1/stats)."""
-        if self._streams.has_unpublished():
+    def _raise_hook_error(self) -> None:
+        error, self._hook_error = self._hook_error, None
+        if error is not None:
+            raise error
+
+    def _deliver(self) -> None:
+        """Engine thread (also the executor's ``on_launched`` hook, inside execute()): the last step's
+        deferred work, in order: its stream events (detokenization, stop strings, text events), its
+        statistics, then the pools snapshot (when a step ran or events were emitted since it was last
+        published: a client that sees its finish sees its pages freed in /v1/stats) and the outbox
+        handed to the handlers' loops."""
+        events, self._deferred = self._deferred, []
+        for event in events:
+            self._streams.on_event(event)
+        record, self._step_record = self._step_record, None
+        if record is not None:
+            self._publisher.record(record)
+        if self._stale_pools or self._streams.has_unpublished():
+            self._stale_pools = False
             self._publish_pools()
         self._streams.flush()
+
+    def _deliver_after_failure(self) -> None:
+        """Before the loop fails every stream or shuts down: finishes already decided still reach their
+        clients as themselves; a failure doing so is logged, not raised (the caller is handling one)."""
+        try:
+            self._deliver()
+        except Exception:
+            log.exception("handing over the last step's events failed")
 
     def _publish_pools(self) -> None:
         self._streams.mark_published()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.stats import ServingStats
 from domain.budget import PoolPlan
 from domain.kv_pages import PageAllocator
@@ -94,6 +96,19 @@ def prefill_streaming(executor: ModelExecutor) -> dict | None:
         return None
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One step's numbers for ServingStats.record_step (seconds: the model call; host_seconds: the host time
+    before it, None after an idle pause)."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    expert_hits: int
+    expert_misses: int
+    host_seconds: float | None
+
+
 class PoolPublisher:
     """Engine-thread side of the pools snapshot and of the per-step statistics."""
 
@@ -117,18 +132,27 @@ class PoolPublisher:
         self._prefill = prefill_streaming(self._executor)
 
     def record_step(self, batch, seconds: float, host_seconds: float | None = None) -> None:
+        self.record(self.measure_step(batch, seconds, host_seconds))
+
+    def measure_step(self, batch, seconds: float, host_seconds: float | None = None) -> StepRecord:
+        """Right after a step: its numbers, the executor's counters read now (before the next step moves
+        them). Recording them (`record`) may wait: the engine does it while the next step runs."""
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
         prefill_tokens = batch.num_prefill_tokens  # a property that walks the works: once
         if prefill_tokens:
             self._prefill = prefill_streaming(self._executor)
+        return StepRecord(prefill_tokens, batch.num_decode_tokens, seconds, self._hits_misses[0] - before[0],
+                          self._hits_misses[1] - before[1], host_seconds)
+
+    def record(self, step: StepRecord) -> None:
         self._stats.record_step(
-            prefill_tokens=prefill_tokens,
-            decode_tokens=batch.num_decode_tokens,
-            seconds=seconds,
-            expert_hits=self._hits_misses[0] - before[0],
-            expert_misses=self._hits_misses[1] - before[1],
-            host_seconds=host_seconds,
+            prefill_tokens=step.prefill_tokens,
+            decode_tokens=step.decode_tokens,
+            seconds=step.seconds,
+            expert_hits=step.expert_hits,
+            expert_misses=step.expert_misses,
+            host_seconds=step.host_seconds,
         )
 
     def check_valid(self) -> None:

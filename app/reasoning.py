@@ -152,6 +152,11 @@ class ReasoningTokens:
         """Reasoning tokens for the budget: decided ones plus every undecided one inside an open body."""
         return self.count + (len(self._pending) + self._textless if self.open else 0)
 
+    @property
+    def bounded(self) -> bool:
+        """A thinking budget applies (the close may be forced)."""
+        return self.plan.budget is not None
+
     def should_force(self) -> bool:
         budget = self.plan.budget
         return budget is not None and not self._forced and self.open and self.spent >= budget

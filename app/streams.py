@@ -91,6 +91,13 @@ class LiveStream:
         self.pending_logprobs = [(end, lp) for end, lp in self.pending_logprobs if end > self.released_chars]
         return tuple(ready)
 
+    @property
+    def steers(self) -> bool:
+        """Its text can change what the scheduler does next: a stop string may end it, a thinking budget
+        may force tokens. The engine handles such a stream's events at once, the others' after the next
+        launch (docs/adr/0019-deferred-step-work.md)."""
+        return self.matcher.active or (self.reasoning is not None and self.reasoning.bounded)
+
     def has_ready_logprobs(self) -> bool:
         return any(end <= self.released_chars for end, _ in self.pending_logprobs)
 
@@ -159,6 +166,11 @@ class RequestStreams:
     def state_slots_used(self) -> int:
         return sum(1 for live in self.live.values() if live.request.state_slot is not None and not live.request.is_done)
 
+    def steers(self, request_id: str) -> bool:
+        """LiveStream.steers of a live request (False when it is not live: its events are ignored)."""
+        live = self.live.get(request_id)
+        return live is not None and live.steers
+
     def on_event(self, event: RequestEvent) -> None:
         live = self.live.get(event.request_id)
         if live is None:
@@ -192,13 +204,15 @@ class RequestStreams:
             return
         if event.finished:
             self.live.pop(event.request_id, None)
-            reason = "stop" if live.matcher.stopped else (event.finish_reason or "stop")
-            flushed = "" if live.matcher.stopped else live.detok.flush()
+            stopped = live.matcher.stopped
+            flushed = "" if stopped else live.detok.flush()
             if live.reasoning is not None:
                 live.reasoning.finish(flushed)
-            if not live.matcher.stopped:
+            if not stopped:
                 text += live.matcher.feed(flushed)
                 text += live.matcher.flush()
+            # NOTE: after the flush: the held-back bytes (U+FFFD) can complete a stop string
+            reason = "stop" if live.matcher.stopped else (event.finish_reason or "stop")
             self._stats.record_finished(reason)
             self.emit(live, progress_event(live, text, reason))
             return

@@ -122,10 +122,11 @@ class ModelExecutor(Protocol):
     engine sets it to a zero-argument callable that does not raise. execute() then calls it once,
     on the calling thread, where the host would start waiting for the device: after a captured
     step is launched and before its result is read back; before an eager step that launches and
-    waits as it goes (not at all when it fails before that point). The engine hands the previous
-    step's stream events to the HTTP side there, so their Python (and the GIL it holds) runs while
-    the device computes instead of between two steps. An executor without the attribute gets the
-    events handed over just before execute() is called.
+    waits as it goes (not at all when it fails before that point). The engine does the previous
+    step's text work there (detokenization, stream events, statistics) and hands the events to the
+    HTTP side, so that Python (and the GIL it holds) runs while the device computes instead of
+    between two steps. An executor without the attribute gets that work done just before execute()
+    is called.
     """
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]: ...

@@ -22,7 +22,9 @@ median run and reports per decode step (one token for every running stream):
 - `cpu_us_per_step` by thread (engine, HTTP event loop, other) from /proc/self/task/<tid>/schedstat;
 - `engine_phases_us` / `engine_phases_cpu_us`: the engine thread's wall / CPU time per step in each part
   of its loop (wrappers the child installs on its one engine object; nothing in app/ is changed for it;
-  wall minus CPU is time spent waiting: for the GIL, or off the CPU);
+  wall minus CPU is time spent waiting: for the GIL, or off the CPU; the last step's deferred work, i.e.
+  stream_events, record_step_stats, publish_pools and flush_to_loops, runs inside model_step's launch hook on
+  an executor with one, so those phases nest in model_step there: ADR 0019);
 - the client's steady inter-token interval and the /v1/stats window percentiles (30 s window).
 --profile DIR also writes cProfile stats of the engine thread and of the HTTP thread (pstats files) and
 reports `python_calls_per_step` per thread: deterministic where the times are noisy (the profiler slows
@@ -201,7 +203,8 @@ def serve_child(args) -> None:
         phases.wrap(engine.scheduler, "schedule", "schedule")
         phases.wrap(engine.executor, "execute", "model_step")
         phases.wrap(engine.scheduler, "complete", "scheduler_complete")
-        phases.wrap(engine._publisher, "record_step", "record_step_stats")
+        phases.wrap(engine._publisher, "measure_step", "measure_step")
+        phases.wrap(engine._publisher, "record", "record_step_stats")
         phases.wrap(engine._streams, "on_event", "stream_events")
         phases.wrap(engine, "_publish_pools", "publish_pools")
         phases.wrap(engine._streams, "flush", "flush_to_loops")

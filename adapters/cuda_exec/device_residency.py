@@ -324,6 +324,11 @@ class DeviceResidency:
     def evictions(self) -> int:
         return int(self._counters[2])
 
+    @property
+    def counters_tensor(self) -> torch.Tensor:
+        """int64 [3] on the device: cumulative hits, misses, evictions (to read back with other values)."""
+        return self._counters
+
     def counters(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) with one host read."""
         h, m, e = self._counters.tolist()

@@ -123,6 +123,8 @@ class CudaGraphExecutor(ExecutorPools):
         self.plan: PoolPlan | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        # (hits, misses) as of the end of the last step: a captured step reads them back with its tokens
+        self._host_counters: tuple[int, int] | None = None
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         self.max_step_tokens = max_step_tokens
@@ -139,6 +141,7 @@ class CudaGraphExecutor(ExecutorPools):
         the step's activations), then the decode inputs sized and the graphs captured again."""
         self.graphs = {}
         self.inputs = None
+        self._host_counters = None
         self._swap_pools(plan)
         self.decode_rows = self._decode_rows(plan)
         # the decode buckets' projections through the tensor-core GEMM from a few rows up (FastDecoder)
@@ -285,6 +288,7 @@ class CudaGraphExecutor(ExecutorPools):
         reason = self.can_execute(batch)
         if reason is not None:
             raise ValueError(f"cannot execute step: {reason}")
+        self._host_counters = None  # this step moves them: read from the device when next asked for
         if self._is_graph_step(batch):
             logits, _ = self._decode(batch.works)
             # NOTE: a graph's logits live in its static output, which the next replay overwrites
@@ -318,8 +322,11 @@ class CudaGraphExecutor(ExecutorPools):
                 tokens = self._draw(batch.works, logits_rows, tokens)
             if self.on_launched is not None:  # the engine streams the last step's tokens while this one runs
                 self.on_launched()
-            # every row's token in one device->host copy; log-probabilities only where asked for
-            drawn = tokens.tolist()
+            # every row's token and the expert cache's counters in one device->host copy (a second read would
+            # cost a second wait on the engine's path between two steps); log-probabilities only where asked for
+            n = len(tokens)
+            drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
+            self._host_counters = (drawn[n], drawn[n + 1])
             for i, w in enumerate(batch.works):
                 p = w.sampling
                 if drawn[i] >= 0 and not (p.logprobs or p.top_logprobs):
@@ -334,6 +341,13 @@ class CudaGraphExecutor(ExecutorPools):
             if works[rid].sample:
                 out[rid] = self._sample(rid, row[0], works[rid])
         return out
+
+    def expert_counters(self) -> tuple[int, int]:
+        """Cumulative (expert hits, expert misses) as of the last step's end: from the captured step's
+        read-back, else one device read (after an eager step, a resize, or before any step)."""
+        if self._host_counters is None:
+            self._host_counters = self.experts.counters()
+        return self._host_counters
 
     def prefill_stats(self) -> dict:
         """The streamed prefill's cumulative counts (DeviceExpertPool.streaming_stats) and its PCIe bound:

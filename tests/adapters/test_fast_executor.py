@@ -93,6 +93,40 @@ def test_the_launch_hook_is_called_once_per_step_and_before_the_tokens_are_read_
     assert trace[first_decode:first_decode + 3] == ["decode", "hook", "read"]
 
 
+def test_a_decode_step_reads_its_tokens_and_the_expert_counters_back_in_one_copy(ckpt, monkeypatch):
+    """The engine asks for the expert counters after every step: after a decode step they come from the
+    tokens' read-back (no second device read on the host's path between steps), and they are the device's."""
+    fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 2), DEVICE, torch.float32,
+                             max_decode_rows=4)
+    reads: list[str] = []
+    execute, tolist = fast.execute, torch.Tensor.tolist
+    seen: list[tuple[str, int, tuple[int, int]]] = []  # (step kind, reads in the step, counters it reported)
+
+    def traced_execute(batch):
+        kind, before = "decode" if fast._is_graph_step(batch) else "prefill", len(reads)
+        out = execute(batch)
+        in_step = len(reads) - before
+        counters = fast.expert_counters()
+        seen.append((kind, in_step, counters, len(reads) - before - in_step))
+        return out
+
+    def traced_tolist(self):
+        reads.append("read")
+        return tolist(self)
+
+    monkeypatch.setattr(fast, "execute", traced_execute)
+    seqs = [Sequence(f"r{i}", p, pages_for(i, len(p) + 4), state_slot=i) for i, p in enumerate(PROMPTS[:2])]
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", traced_tolist)
+        run_requests(fast, seqs, 3, chunk=4)
+    decodes = [s for s in seen if s[0] == "decode"]
+    assert decodes and all(step_reads == 1 and after == 0 for _, step_reads, _, after in decodes)
+    assert all(after == 1 for kind, _, _, after in seen if kind == "prefill")  # an eager step: read when asked
+    assert seen[-1][2] == fast.experts.counters() and seen[-1][2][1] > 0  # the device's own, misses included
+    hits_misses = [counters for _, _, counters, _ in seen]
+    assert hits_misses == sorted(hits_misses) and len(set(hits_misses)) > 1  # cumulative and moving
+
+
 @pytest.mark.parametrize("route_lookup", ["fused", "unfused"])
 def test_fast_path_matches_the_reference_executor(ckpt, route_lookup, monkeypatch):
     """route_lookup "unfused": every decode bucket past moe_route_lookup's crossover (FUSED_MAX_TILE 0), so

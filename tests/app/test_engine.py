@@ -40,8 +40,9 @@ def make_engine(kv_tokens: int = 256, executor=None) -> Engine:
     )
 
 
-async def drive(engine: Engine, request_id: str, prompt: list[int], max_tokens: int, abort_after: int | None):
-    events = engine.submit(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+async def drive(engine: Engine, request_id: str, prompt: list[int], max_tokens: int, abort_after: int | None,
+                stop: tuple[str, ...] = ()):
+    events = engine.submit(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), stop)
     text, count = [], 0
     while True:
         event = await asyncio.wait_for(events.get(), 10)
@@ -53,36 +54,53 @@ async def drive(engine: Engine, request_id: str, prompt: list[int], max_tokens: 
             return event, "".join(text)
 
 
+def _stop_string(prompt: list[int], max_tokens: int, at: int | None) -> tuple[str, ...]:
+    """A stop string the fake model writes: the text of output tokens at, at+1 (none when at is None)."""
+    if at is None:
+        return ()
+    expected, _ = fake_model_output(prompt, max_tokens)
+    text = FakeTokenizer().decode(expected[at % max_tokens:at % max_tokens + 2])
+    return (text,) if text.strip() else ()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(1, 40), st.integers(1, 60), st.none() | st.integers(1, 5)),
+        st.tuples(st.integers(1, 40), st.integers(1, 60), st.none() | st.integers(1, 5), st.none() | st.integers(0, 59)),
         min_size=1,
         max_size=10,
-    )
+    ),
+    st.booleans(),
 )
-def test_random_interleavings_finish_correctly_and_free_everything(requests):
-    engine = make_engine()
+def test_random_interleavings_finish_correctly_and_free_everything(requests, hooked):
+    """Submits, aborts and stop strings at random, with the text work done before each step (an executor
+    without the launch hook) or deferred into the next step's launch (one with it: ADR 0019)."""
+    engine = hooked_engine()[0] if hooked else make_engine()
     engine.start()
+    prompts = [[(i * 31 + j) % 256 for j in range(n)] for i, (n, *_) in enumerate(requests)]
+    stops = [_stop_string(prompts[i], m, at) for i, (_, m, _, at) in enumerate(requests)]
 
     async def main():
         return await asyncio.gather(
-            *(drive(engine, f"r{i}", [(i * 31 + j) % 256 for j in range(n)], m, a)
-              for i, (n, m, a) in enumerate(requests))
+            *(drive(engine, f"r{i}", prompts[i], m, a, stops[i]) for i, (n, m, a, _) in enumerate(requests))
         )
 
     try:
         results = asyncio.run(main())
     finally:
         engine.stop()
-    for i, ((n, m, abort_after), (last, text)) in enumerate(zip(requests, results, strict=True)):
+    for i, ((n, m, abort_after, _), (last, text)) in enumerate(zip(requests, results, strict=True)):
         assert last.prompt_tokens == n
+        expected, _ = fake_model_output(prompts[i], m)
+        full = FakeTokenizer().decode(expected)
         if last.finish_reason == "length":
-            expected, _ = fake_model_output([(i * 31 + j) % 256 for j in range(n)], m)
-            assert last.completion_tokens == m and text == FakeTokenizer().decode(expected)
+            assert last.completion_tokens == m and text == full
+            assert not stops[i] or stops[i][0] not in full
+        elif last.finish_reason == "stop":
+            assert stops[i] and text == full[:full.index(stops[i][0])], (text, full, stops[i])
         else:
             assert last.finish_reason == "abort" and abort_after is not None, last
-            assert last.completion_tokens <= m
+            assert last.completion_tokens <= m and full.startswith(text)
     engine.check_valid()
     assert engine._allocator.num_free + engine.scheduler.num_cached_pages == engine._allocator.num_pages
     assert engine.pools()["state_slots_used"] == 0 and engine.pools()["running"] == 0
@@ -145,9 +163,10 @@ def test_an_executor_failure_fails_that_batch_and_the_engine_keeps_serving():
 
 
 class LaunchHookExecutor(FakeExecutor):
-    """FakeExecutor with the port's optional launch hook: records, at each step, the events the engine
-    still held when the step was launched and after the hook ran. ``call_hook=False``: declares the hook
-    but never calls it (an executor that fails before launching)."""
+    """FakeExecutor with the port's optional launch hook: records, at each step, what the engine still held
+    when the step was launched (scheduler events whose text work it deferred, text events in its outbox) and
+    what it held after the hook ran. ``call_hook=False``: declares the hook but never calls it (an executor
+    that fails before launching)."""
 
     on_launched = None
 
@@ -163,9 +182,9 @@ class LaunchHookExecutor(FakeExecutor):
             time.sleep(self.delay)
         out = super().execute(batch)  # "launched": the tokens are computed, the host has not read them yet
         if self.call_hook:
-            before = self.engine._streams.num_pending
+            before = (len(self.engine._deferred), self.engine._streams.num_pending)
             self.on_launched()
-            self.pending_at_launch.append((before, self.engine._streams.num_pending))
+            self.pending_at_launch.append((*before, len(self.engine._deferred) + self.engine._streams.num_pending))
         return out
 
 
@@ -177,7 +196,7 @@ def hooked_engine(call_hook: bool = True) -> tuple[Engine, LaunchHookExecutor]:
     return engine, executor
 
 
-def test_an_executor_with_the_launch_hook_gets_the_last_steps_events_handed_over_while_its_step_runs():
+def test_an_executor_with_the_launch_hook_gets_the_last_steps_text_work_done_while_its_step_runs():
     engine, executor = hooked_engine()
     assert executor.on_launched is not None, "the engine installs its hook on an executor that declares it"
     engine.start()
@@ -187,12 +206,68 @@ def test_an_executor_with_the_launch_hook_gets_the_last_steps_events_handed_over
         engine.stop()
     expected, _ = fake_model_output([5, 6, 7], 12)
     assert text == FakeTokenizer().decode(expected) and final.completion_tokens == 12
-    # 12 steps (1 prefill + 11 decodes): each was launched with the previous step's event still held
-    # (a token whose bytes end mid-character sends none) and the hook handed it over
+    # 12 steps (1 prefill + 11 decodes): each was launched with the previous step's token not yet detokenized
+    # (its scheduler event deferred, no text event made) and the hook did that work and handed it over
+    assert executor.pending_at_launch == [(0, 0, 0)] + [(1, 0, 0)] * 11
+    engine.check_valid()
+
+
+def test_a_stream_with_stop_strings_gets_its_text_work_done_before_the_next_step_is_scheduled():
+    """A stop string can end the stream, which changes the next step's batch: its events are handled at
+    once (the text events wait in the outbox for the launch hook, as before ADR 0019)."""
+    engine, executor = hooked_engine()
+    engine.start()
+    try:  # a stop string the fake model never writes: the stream runs to its length
+        final, text = asyncio.run(drive(engine, "stops", [5, 6, 7], 12, None, stop=("\x00never",)))
+    finally:
+        engine.stop()
+    expected, _ = fake_model_output([5, 6, 7], 12)
+    assert text == FakeTokenizer().decode(expected) and final.finish_reason == "length"
     detok = IncrementalDetokenizer(FakeTokenizer())
     released = [1 if detok.push(token) else 0 for token in expected[:-1]]
-    assert executor.pending_at_launch == [(0, 0)] + [(n, 0) for n in released]
-    assert sum(released) >= 3  # the check above saw events held, not only empty steps
+    assert executor.pending_at_launch == [(0, 0, 0)] + [(0, n, 0) for n in released]
+    assert sum(released) >= 3  # the check above saw text events held, not only empty steps
+    engine.check_valid()
+
+
+def test_a_stop_string_completed_by_the_last_tokens_held_back_bytes_finishes_as_stop():
+    """The fake model answers [0] with tokens 52 ("4") and 181 (a lone UTF-8 lead byte, U+FFFD once the
+    stream ends): the stop string "4\ufffd" matches only in the final flush, and the finish says so."""
+    expected, _ = fake_model_output([0], 2)
+    assert FakeTokenizer().decode(expected) == "4\ufffd"
+    engine = make_engine()
+    engine.start()
+    try:
+        final, text = asyncio.run(drive(engine, "held", [0], 2, None, stop=("4\ufffd",)))
+    finally:
+        engine.stop()
+    assert (final.finish_reason, final.stop_string, text) == ("stop", "4\ufffd", "")
+    engine.check_valid()
+
+
+def test_a_stop_string_ends_the_stream_before_another_step_runs_for_it():
+    """The matched stop string aborts the request before the next schedule(): no step after the one that
+    produced the match carries it."""
+    engine, executor = hooked_engine()
+    expected, _ = fake_model_output([5, 6, 7], 12)
+    tokenizer = FakeTokenizer()
+    stop = tokenizer.decode(expected[3:5])  # the text of output tokens 4 and 5
+    assert stop and stop not in tokenizer.decode(expected[:4])
+    steps: list[int] = []
+    execute = executor.execute
+
+    def counting(batch):
+        steps.extend(1 for w in batch.works if w.request_id == "stopped")
+        return execute(batch)
+
+    executor.execute = counting
+    engine.start()
+    try:
+        final, text = asyncio.run(drive(engine, "stopped", [5, 6, 7], 12, None, stop=(stop,)))
+    finally:
+        engine.stop()
+    assert final.finish_reason == "stop" and stop not in text
+    assert len(steps) == final.completion_tokens  # one step per generated token, none after the match
     engine.check_valid()
 
 
