@@ -72,7 +72,10 @@ class HfTokenizer:
         return 4 * max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # NOTE: encode_batch, not encode: `Tokenizer.encode` holds the GIL for the whole call (11 s for a
+        # 10 MB chat request), so the server's tokenizing worker thread froze /health and every stream;
+        # encode_batch releases it while the Rust side works. Same ids.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes: byte-level BPE strings map back through GPT-2's byte alphabet,
