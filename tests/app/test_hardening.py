@@ -235,6 +235,18 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_tokenizing(slow_
     assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
 
 
+def test_a_chat_whose_rendered_prompt_cannot_fit_is_refused_before_tokenizing(slow_tok):
+    """Many empty messages pass the size check over the messages' text (0 characters) while the template
+    makes them a prompt far over the context: refused by the rendered text's size, never tokenized."""
+    tokenizer = slow_tok.container.tokenizer()
+    messages = [{"role": "user", "content": "SLOW"}] + [{"role": "user", "content": ""}] * 100_000
+    r = httpx.post(slow_tok.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages"
+    assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
+    assert not tokenizer.encoding.is_set()
+
+
 def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(slow_tok):
     tokenizer = slow_tok.container.tokenizer()
 
