@@ -113,7 +113,7 @@ def _check(args) -> int:
 def _serve(args, parser) -> int:
     import logging
 
-    from app.containers import Container, check_routing_replay, environment_api_key
+    from app.containers import Container, check_device, check_routing_replay, environment_api_key
     from app.serving import RunningServer
     from app.settings import ServeSettings
 
@@ -156,6 +156,7 @@ def _serve(args, parser) -> int:
         if args.data_parallel != 1 and args.expert_parallel != 1:
             raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
         check_routing_replay(settings)
+        check_device(settings)
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2

@@ -194,6 +194,22 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
     )
 
 
+def check_device(settings: ServeSettings) -> None:
+    """--device cuda / cuda:N where torch sees no such device: refused before the port opens (the load
+    used to fail on /health with torch's AssertionError traceback while the process kept running)."""
+    if not settings.device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device {settings.device}: no CUDA device here (torch {torch.__version__}, CUDA build "
+                         f"{torch.version.cuda or 'none'}); use --device cpu or auto")
+    index = int(settings.device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(f"--device {settings.device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
 def check_routing_replay(settings: ServeSettings) -> None:
     """--routing-replay parsed by the simulator before anything loads; ValueError naming what is wrong."""
     if settings.routing_replay:

@@ -118,6 +118,30 @@ def test_serve_refuses_the_graph_executor_where_it_cannot_run():
     assert "--device cpu" in bad.stderr and "--mmap-experts" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--device", "tpu"), "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (("--device", "cuda:x"), "--device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    (("--gpu-budget-gib", "nan"), "--gpu-budget-gib must be a positive number of GiB, got nan"),
+    (("--gpu-budget-gib", "inf"), "--gpu-budget-gib must be a positive number of GiB, got inf"),
+])
+def test_serve_refuses_a_bad_device_or_budget_before_loading(args, message):
+    """These passed the argument checks, opened the port, and failed the load with a traceback
+    (torch's RuntimeError for `tpu`, an OverflowError for `inf`) while the process kept running."""
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_serve_refuses_cuda_on_a_host_without_it_before_loading(device):
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", "--device", device],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"--device {device}: no CUDA device" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
 def test_the_graph_executor_is_chosen_only_where_it_can_run():
     from types import SimpleNamespace
 
