@@ -423,13 +423,15 @@ def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     """`ft check DIR`: every load-time check without allocating or serving; a summary line, or
     CheckpointFormatError (a ValueError) / FileNotFoundError naming the file and tensor."""
     from adapters.checkpoint.loader import check_checkpoint
+    from adapters.checkpoint.tokenizer import load_tokenizer
 
     checked = check_checkpoint(model_dir, verify_weights=verify_weights)
+    checked.files.close()
+    load_tokenizer(model_dir)  # NOTE: `ft serve` loads it too: a missing or broken tokenizer fails the load
     spec = checked.spec
     scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
     summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "
                f"format {checked.format_name}, {len(checked.files.entries)} tensors; {scan}")
-    checked.files.close()
     return summary
 
 

@@ -8,12 +8,12 @@ transformers does.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from adapters.checkpoint.chat_template import ChatTemplate
+from adapters.checkpoint.safetensors_files import read_json_object
 from domain.ports import ChatTemplateError
 
 
@@ -39,7 +39,10 @@ class HfTokenizer:
     def __init__(self, tokenizer_json: Path, config: dict, generation_config: dict | None = None):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(tokenizer_json))
+        try:
+            self._tok = Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # NOTE: tokenizers raises a bare Exception ("expected value at line 1 column 1")
+            raise ValueError(f"{tokenizer_json}: not a tokenizer the `tokenizers` library can read ({e})") from None
         self.config = config
         self._where = tokenizer_json.parent
         template = config.get("chat_template")
@@ -126,10 +129,10 @@ def load_tokenizer(model_dir: str | Path) -> HfTokenizer:
     if not tokenizer_json.exists():
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json (ft synth writes one; published checkpoints ship one)")
     config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json_object(config_file) if config_file.exists() else {}
     jinja = model_dir / "chat_template.jinja"
     if not config.get("chat_template") and jinja.exists():
         config["chat_template"] = jinja.read_text()
     gen_file = model_dir / "generation_config.json"
-    generation = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    generation = read_json_object(gen_file) if gen_file.exists() else {}
     return HfTokenizer(tokenizer_json, config, generation)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -169,7 +170,10 @@ def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_pat
         load(dst, verify_weights=True)
     assert ft_main(["check", str(dst)]) == 1
     assert f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in capsys.readouterr().err
-    assert ft_main(["check", str(sources["mixed_modelopt"])]) == 0
+    ok = copy_with(sources["mixed_modelopt"], tmp_path / "ok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # `ft check` reads the tokenizer as `ft serve` does
+        shutil.copy(DEMO / name, ok / name)
+    assert ft_main(["check", str(ok)]) == 0
     assert "format mixed: experts nvfp4_modelopt" in capsys.readouterr().out
 
 
@@ -252,3 +256,31 @@ def test_ft_serve_has_verify_weights_and_ft_check_reports_missing_dir(tmp_path, 
     assert parser.parse_args(["serve"]).verify_weights is False
     assert ft_main(["check", str(tmp_path / "nowhere")]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+# ---- the JSON files beside the shards ------------------------------------------------------------
+
+DEMO = Path(__file__).resolve().parents[2] / "app" / "demo_model" / "checkpoint"
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json"])
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "\xff\xfe"])
+def test_a_corrupt_json_file_is_named_by_ft_check(tmp_path, capsys, name, content):
+    """A hand-edited config.json with a typo failed with json's bare "Expecting property name ... line 1
+    column 2" (no file named), a list where an object belongs with an AttributeError traceback, and a
+    broken tokenizer file passed `ft check` (which did not read the tokenizer) to fail `ft serve`."""
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    (dst / name).write_bytes(content.encode("latin-1"))
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ft check: ") and f"{dst / name}" in err, err
+    assert "Traceback" not in err
+
+
+def test_ft_check_refuses_a_checkpoint_without_its_tokenizer(tmp_path, capsys):
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    (dst / "tokenizer.json").unlink()
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1  # said "ok"; `ft serve` then failed to load
+    assert "no tokenizer.json" in capsys.readouterr().err
