@@ -67,6 +67,63 @@ def test_unreachable_server(capsys):
     assert "cannot reach" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args", [
+    ("cache", "--kv", "8k", "--wait", "nan"),
+    ("cache", "--kv", "8k", "--wait", "inf"),
+    ("cache", "--kv", "8k", "--wait", "-1"),
+    ("--timeout", "-1", "health"),
+    ("--timeout", "nan", "health"),
+    ("--timeout", "0", "health"),
+])
+def test_ctl_refuses_bad_seconds_as_argument_errors(args, capsys):
+    """`--wait nan` was a ValueError traceback from json.dumps, `--timeout -1` one from the socket."""
+    with pytest.raises(SystemExit) as info:
+        main(["ctl", "--base-url", "http://127.0.0.1:9", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--wait" in err or "--timeout" in err) and "Traceback" not in err
+
+
+def test_ctl_reports_a_base_url_it_cannot_use(capsys):
+    """`--base-url http://[::1` (a typo) was an httpx.InvalidURL traceback."""
+    assert main(["ctl", "--base-url", "http://[::1", "health"]) == 2
+    out = capsys.readouterr()
+    assert "--base-url" in out.out + out.err and "Traceback" not in out.out + out.err
+
+
+@pytest.fixture
+def not_fluxtide():
+    """Something else on the port that answers HTML (another web server, a proxy's error page)."""
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>It works!</body></html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("command", [("health",), ("stats",), ("cache",), ("generate", "hi")])
+def test_ctl_against_a_server_that_answers_html_says_so(not_fluxtide, command, capsys):
+    """`ft ctl health` against a port where something else answers was a JSONDecodeError traceback."""
+    assert main(["ctl", "--base-url", not_fluxtide, *command]) == 1
+    out = capsys.readouterr()
+    assert "not JSON" in out.out and "Traceback" not in out.out + out.err
+
+
 def test_bad_sizes_are_argument_errors():
     with pytest.raises(SystemExit) as info:
         main(["ctl", "cache", "--kv", "lots"])
