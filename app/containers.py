@@ -82,10 +82,13 @@ def _rank_keys(settings: ServeSettings):
     return keys
 
 
-def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
-    from adapters.checkpoint.tokenizer import load_tokenizer
+def _load_tokenizer(settings: ServeSettings, spec: ModelSpec) -> Tokenizer:
+    from adapters.checkpoint.tokenizer import check_fits_model, load_tokenizer
 
-    return load_tokenizer(_model_dir(settings))
+    model_dir = _model_dir(settings)
+    tokenizer = load_tokenizer(model_dir)
+    check_fits_model(tokenizer, model_dir, spec.vocab_size)
+    return tokenizer
 
 
 def cuda_device_count() -> int:
@@ -372,7 +375,7 @@ class Container(containers.DeclarativeContainer):
     checkpoint = providers.Singleton(_load_checkpoint, settings, device, progress)
     model_spec = providers.Singleton(lambda checkpoint: checkpoint.spec, checkpoint)
     generation_config = providers.Singleton(lambda checkpoint: dict(checkpoint.generation_config), checkpoint)
-    tokenizer = providers.Singleton(_load_tokenizer, settings)
+    tokenizer = providers.Singleton(_load_tokenizer, settings, model_spec)
     eos_token_ids = providers.Singleton(_eos_ids, tokenizer, generation_config)
 
     budget = providers.Singleton(_budget, settings, model_spec, device)
@@ -423,11 +426,12 @@ def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     """`ft check DIR`: every load-time check without allocating or serving; a summary line, or
     CheckpointFormatError (a ValueError) / FileNotFoundError naming the file and tensor."""
     from adapters.checkpoint.loader import check_checkpoint
-    from adapters.checkpoint.tokenizer import load_tokenizer
+    from adapters.checkpoint.tokenizer import check_fits_model, load_tokenizer
 
     checked = check_checkpoint(model_dir, verify_weights=verify_weights)
     checked.files.close()
-    load_tokenizer(model_dir)  # NOTE: `ft serve` loads it too: a missing or broken tokenizer fails the load
+    # NOTE: `ft serve` loads it too: a missing or broken tokenizer, or one past the vocabulary, fails the load
+    check_fits_model(load_tokenizer(model_dir), model_dir, checked.spec.vocab_size)
     spec = checked.spec
     scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
     summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "

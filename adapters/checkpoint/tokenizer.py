@@ -123,6 +123,16 @@ def _token_text(value) -> str | None:
     return value
 
 
+def check_fits_model(tok: HfTokenizer, model_dir: str | Path, vocab_size: int) -> None:
+    """Every id the tokenizer can produce must index the model's embedding: a tokenizer.json from another
+    model of the family loaded fine and failed every prompt that used one of its extra tokens."""
+    ids = tok._tok.get_vocab(with_added_tokens=True).values()
+    needed = max(ids, default=-1) + 1
+    if needed > vocab_size:
+        raise ValueError(f"{Path(model_dir) / 'tokenizer.json'}: token ids up to {needed - 1} need {needed} embedding "
+                         f"rows, but config.json says vocab_size {vocab_size}: is the tokenizer from another model?")
+
+
 def load_tokenizer(model_dir: str | Path) -> HfTokenizer:
     model_dir = Path(model_dir)
     tokenizer_json = model_dir / "tokenizer.json"

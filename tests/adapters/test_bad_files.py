@@ -159,6 +159,14 @@ def test_bad_scales_are_refused_naming_tensor(sources, tmp_path, no_allocation, 
         load(dst)
 
 
+def _small_tokenizer(model_dir: Path) -> None:
+    """A two-token tokenizer, inside the TINY checkpoints' 256-row vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "<eos>": 1}, unk_token="a")).save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+
+
 def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_path, capsys):
     def poison(t):
         t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
@@ -172,8 +180,7 @@ def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_pat
     assert ft_main(["check", str(dst)]) == 1
     assert f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in capsys.readouterr().err
     ok = copy_with(sources["mixed_modelopt"], tmp_path / "ok")
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # `ft check` reads the tokenizer as `ft serve` does
-        shutil.copy(DEMO / name, ok / name)
+    _small_tokenizer(ok)  # `ft check` reads the tokenizer as `ft serve` does
     assert ft_main(["check", str(ok)]) == 0
     assert "format mixed: experts nvfp4_modelopt" in capsys.readouterr().out
 
@@ -318,3 +325,34 @@ def test_ft_check_refuses_a_checkpoint_without_its_tokenizer(tmp_path, capsys):
     (dst / "tokenizer.json").unlink()
     assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1  # said "ok"; `ft serve` then failed to load
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def _with_a_token_past_the_model(tmp_path) -> Path:
+    """The demo checkpoint (vocab_size 1030) with a tokenizer that knows one more token, id 1030: what a
+    tokenizer.json copied from another model of the family looks like."""
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 1030, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False})
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+def test_ft_check_refuses_a_tokenizer_with_ids_past_the_models_vocabulary(tmp_path, capsys):
+    dst = _with_a_token_past_the_model(tmp_path)
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "1031" in err and "vocab_size 1030" in err, err
+
+
+def test_serve_refuses_a_tokenizer_with_ids_past_the_models_vocabulary(tmp_path):
+    """It loaded, and every prompt with that token failed its step: 500 engine_error, IndexError in the embedding."""
+    dst = _with_a_token_past_the_model(tmp_path)
+    srv = start_server(Container(), wait=False, model_dir=str(dst), gpu_budget_gib=0.5, kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        error = httpx.get(srv.base_url + "/health", timeout=5).json()["error"]
+        assert "tokenizer.json" in error and "vocab_size 1030" in error, error
+    finally:
+        srv.stop()
