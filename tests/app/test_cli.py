@@ -199,6 +199,26 @@ def test_serve_refuses_cuda_on_a_host_without_it_before_loading(device):
     assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
 
 
+def test_serve_names_why_it_cannot_listen(capsys):
+    """A --host this machine does not have was reported as "uvicorn did not start (port in use?)"."""
+    assert main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 1  # TEST-NET-1: never a local address
+    err = capsys.readouterr().err
+    assert "cannot listen on 192.0.2.1:0" in err and "assign requested address" in err, err
+    assert "port in use" not in err
+
+
+def test_serve_names_a_port_in_use(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+
+
 def test_the_graph_executor_is_chosen_only_where_it_can_run():
     from types import SimpleNamespace
 
