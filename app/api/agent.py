@@ -145,6 +145,12 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     if use_tools and parser_name is None:
         raise unsupported("tools", "this server parses no tool calls (start it with --tool-call-parser)")
     tools = conversation.tools if use_tools else None
+    for i, tool in enumerate(tools or []):
+        function = tool["function"]
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        problem = TOOL_PARSERS[parser_name].unusable_name(function["name"], [str(k) for k in properties])
+        if problem is not None:
+            raise bad_value(f"tools[{i}]", problem)
     text = render(engine, conversation.messages, tools, conversation.template_kwargs, param)
     # NOTE: the messages' own text passed the size check, but the template adds its markup per message:
     # 300k empty messages render to 8.4 MB. Checked again before the second render and the tokenizer.
