@@ -135,7 +135,7 @@ def _serve(args, parser) -> int:
             kv_tokens=args.kv_tokens,
             moe_slots=args.moe_slots,
             kv_reserve_tokens=args.kv_reserve_tokens,
-            api_key=args.api_key or environment_api_key(),
+            api_key=args.api_key if args.api_key is not None else environment_api_key(),
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,

@@ -118,6 +118,12 @@ class ServeSettings:
                                            ("--routing-replay", self.routing_replay is not None)) if on]
             if clash:
                 raise ValueError(f"--expert-parallel cannot run with {', '.join(clash)} yet")
+        if self.api_key is not None and not (self.api_key and self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key == self.api_key.strip()):
+            # NOTE: "" used to mean "off" (`--api-key "$KEY"` with KEY unset served an open server); spaces around it
+            # or characters outside printable ASCII can never arrive in a header, so every request was a 401
+            raise ValueError("--api-key must be printable ASCII without surrounding spaces and not empty, got "
+                             f"{len(self.api_key)} characters")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

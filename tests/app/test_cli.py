@@ -219,6 +219,16 @@ def test_serve_names_a_port_in_use(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
 
 
+@pytest.mark.parametrize("key", ["", "   ", " k3y", "k3y\t", "ключ"])
+def test_serve_refuses_an_api_key_no_client_can_send(key):
+    """`ft serve --api-key "$KEY"` with KEY unset served with the API key OFF (one "(API key off)" line to notice);
+    a key with surrounding spaces or non-ASCII characters could never match a header, so every request got 401."""
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", key],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--api-key" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
 def test_the_graph_executor_is_chosen_only_where_it_can_run():
     from types import SimpleNamespace
 
