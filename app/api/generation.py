@@ -69,14 +69,15 @@ def max_tokens_of(body: _Sampling, default: int | None) -> tuple[int | None, str
     return (default if body.max_tokens is None else body.max_tokens), "max_tokens"
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
+    """`param`: the client's name for the field (Anthropic's is stop_sequences)."""
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else list(stop)
     if len(items) > MAX_STOP_STRINGS:
-        raise bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        raise bad_value(param, f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
     if any(not s for s in items):
-        raise bad_value("stop", "stop strings must be non-empty")
+        raise bad_value(param, "stop strings must be non-empty")
     return tuple(items)
 
 

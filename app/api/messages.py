@@ -249,7 +249,7 @@ async def messages(request: Request) -> Response | Stream:
     for name, hint in _CHAT_ONLY.items():
         if getattr(body, name) is not None:
             raise unsupported(name, f"not a Messages API parameter{hint}")
-    stop = stop_strings(body.stop_sequences)
+    stop = stop_strings(body.stop_sequences, "stop_sequences")
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None
     # NOTE: Anthropic's rule; its interleaved-thinking beta lifts it (thinking then spans tool turns).
