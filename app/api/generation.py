@@ -60,6 +60,13 @@ def reject_unsupported(body: _Sampling) -> None:
             raise unsupported(name, f"{name} is not supported (got {value}); leave it unset or 0")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, f"{name} is not supported: there is no structured-output (grammar) engine here")
+    for name, neutral in (("min_tokens", 0), ("repetition_penalty", 1), ("min_p", 0)):
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise unsupported(name, f"{name} is not supported (got {value!r}); leave it unset or {neutral}")
 
 
 def max_tokens_of(body: _Sampling, default: int | None) -> tuple[int | None, str]:

@@ -44,6 +44,15 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extensions that constrain or reshape the output (Any: refused by name whatever their type)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -57,6 +66,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     thinking_token_budget: int | None = None  # vLLM's extension: reasoning tokens before the close is forced
+    # legacy function calling, audio output and hosted web search: refused by name (never answered as if absent)
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
