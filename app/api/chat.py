@@ -37,7 +37,7 @@ from app.api.generation import (
 )
 from app.api.logprob_tokens import token_bytes, token_string
 from app.api.prompts import prepare_off_loop
-from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
+from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body, read_body
 from app.engine import Engine
 from app.streams import StreamEvent
 
@@ -153,7 +153,7 @@ def _logprobs(engine: Engine, event: StreamEvent) -> dict | None:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    body = decode_body(await read_body(request), ChatCompletionRequest)
     check_model(runtime, body.model)
     reject_unsupported(body)
     if body.functions or body.function_call is not None:

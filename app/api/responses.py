@@ -39,7 +39,7 @@ from app.api.generation import (
     submit,
 )
 from app.api.prompts import prepare_off_loop
-from app.api.schemas import _Sampling, decode_body
+from app.api.schemas import _Sampling, decode_body, read_body
 from app.engine import Engine
 from app.tool_parsers import ToolCallDelta
 
@@ -260,7 +260,7 @@ class OutputItems:
 @post("/v1/responses", status_code=200)
 async def responses(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), ResponsesRequest)
+    body = decode_body(await read_body(request), ResponsesRequest)
     check_model(runtime, body.model)
     # NOTE: the shared sampling body declares Chat Completions' fields too; sent here they are refused by
     # name, never dropped (a client that sends max_tokens would otherwise get the whole context).
