@@ -104,7 +104,7 @@ def _check(args) -> int:
 
     try:
         print(check_checkpoint_dir(args.model, args.verify_weights))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # NOTE: OSError: FileNotFoundError, and a file it cannot read
         print(f"ft check: {exc}", file=sys.stderr)
         return 1
     return 0

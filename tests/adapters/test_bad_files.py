@@ -356,3 +356,12 @@ def test_serve_refuses_a_tokenizer_with_ids_past_the_models_vocabulary(tmp_path)
         assert "tokenizer.json" in error and "vocab_size 1030" in error, error
     finally:
         srv.stop()
+
+
+def test_ft_check_reports_an_unreadable_file_without_a_traceback(tmp_path, capsys):
+    """`config.json` that is a folder (an unpacking mistake) was an IsADirectoryError traceback: `ft check`
+    caught only ValueError and FileNotFoundError of the OSErrors."""
+    (tmp_path / "config.json").mkdir()
+    assert ft_main(["check", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ft check: ") and "config.json" in err and "Is a directory" in err, err
