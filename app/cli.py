@@ -104,7 +104,7 @@ def _check(args) -> int:
 
     try:
         print(check_checkpoint_dir(args.model, args.verify_weights))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # NOTE: OSError: FileNotFoundError, and a file it cannot read
         print(f"ft check: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -113,7 +113,7 @@ def _check(args) -> int:
 def _serve(args, parser) -> int:
     import logging
 
-    from app.containers import Container, check_routing_replay, environment_api_key
+    from app.containers import Container, check_device, check_routing_replay, environment_api_key
     from app.serving import RunningServer
     from app.settings import ServeSettings
 
@@ -135,7 +135,7 @@ def _serve(args, parser) -> int:
             kv_tokens=args.kv_tokens,
             moe_slots=args.moe_slots,
             kv_reserve_tokens=args.kv_reserve_tokens,
-            api_key=args.api_key or environment_api_key(),
+            api_key=args.api_key if args.api_key is not None else environment_api_key(),
             debug=args.debug,
             cpu_threads=args.cpu_threads,
             record_routing=args.record_routing,
@@ -156,6 +156,8 @@ def _serve(args, parser) -> int:
         if args.data_parallel != 1 and args.expert_parallel != 1:
             raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
         check_routing_replay(settings)
+        if args.data_parallel == 1 and args.expert_parallel == 1:  # NOTE: those assign devices (and say so) their way
+            check_device(settings)
     except ValueError as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2

@@ -82,10 +82,13 @@ def _rank_keys(settings: ServeSettings):
     return keys
 
 
-def _load_tokenizer(settings: ServeSettings) -> Tokenizer:
-    from adapters.checkpoint.tokenizer import load_tokenizer
+def _load_tokenizer(settings: ServeSettings, spec: ModelSpec) -> Tokenizer:
+    from adapters.checkpoint.tokenizer import check_fits_model, load_tokenizer
 
-    return load_tokenizer(_model_dir(settings))
+    model_dir = _model_dir(settings)
+    tokenizer = load_tokenizer(model_dir)
+    check_fits_model(tokenizer, model_dir, spec.vocab_size)
+    return tokenizer
 
 
 def cuda_device_count() -> int:
@@ -192,6 +195,22 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
         snapshot_interval=snapshot_interval(plan.page_size),
         linear_state=spec.linear_state_bytes_per_sequence() > 0,
     )
+
+
+def check_device(settings: ServeSettings) -> None:
+    """--device cuda / cuda:N where torch sees no such device: refused before the port opens (the load
+    used to fail on /health with torch's AssertionError traceback while the process kept running)."""
+    if not settings.device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device {settings.device}: no CUDA device here (torch {torch.__version__}, CUDA build "
+                         f"{torch.version.cuda or 'none'}); use --device cpu or auto")
+    index = int(settings.device.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(f"--device {settings.device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
 
 
 def check_routing_replay(settings: ServeSettings) -> None:
@@ -356,7 +375,7 @@ class Container(containers.DeclarativeContainer):
     checkpoint = providers.Singleton(_load_checkpoint, settings, device, progress)
     model_spec = providers.Singleton(lambda checkpoint: checkpoint.spec, checkpoint)
     generation_config = providers.Singleton(lambda checkpoint: dict(checkpoint.generation_config), checkpoint)
-    tokenizer = providers.Singleton(_load_tokenizer, settings)
+    tokenizer = providers.Singleton(_load_tokenizer, settings, model_spec)
     eos_token_ids = providers.Singleton(_eos_ids, tokenizer, generation_config)
 
     budget = providers.Singleton(_budget, settings, model_spec, device)
@@ -407,13 +426,16 @@ def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     """`ft check DIR`: every load-time check without allocating or serving; a summary line, or
     CheckpointFormatError (a ValueError) / FileNotFoundError naming the file and tensor."""
     from adapters.checkpoint.loader import check_checkpoint
+    from adapters.checkpoint.tokenizer import check_fits_model, load_tokenizer
 
     checked = check_checkpoint(model_dir, verify_weights=verify_weights)
+    checked.files.close()
+    # NOTE: `ft serve` loads it too: a missing or broken tokenizer, or one past the vocabulary, fails the load
+    check_fits_model(load_tokenizer(model_dir), model_dir, checked.spec.vocab_size)
     spec = checked.spec
     scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
     summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "
                f"format {checked.format_name}, {len(checked.files.entries)} tensors; {scan}")
-    checked.files.close()
     return summary
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -14,8 +15,6 @@ from app.units import parse_count
 
 
 def _count(text: str) -> int:
-    import argparse
-
     try:
         return parse_count(text)
     except ValueError as exc:
@@ -26,12 +25,28 @@ def _count_or_auto(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else _count(text)
 
 
+def _seconds(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite number of seconds in [low, high] ((low, high] with low_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:  # NOTE: False for nan
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low:g} and <= {high:g} "
+                                             f"seconds, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_ctl_parser(sub) -> None:
     p = sub.add_parser("ctl", help="talk to a running server")
     p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"))
     p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
     p.add_argument("--json", action="store_true", help="print raw JSON instead of tables")
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=30.0)
     cmds = p.add_subparsers(dest="ctl_command", required=True)
     cmds.add_parser("health", help="loading progress / ok / error")
     cmds.add_parser("stats", help="pools, throughput, TTFT, expert hit rate")
@@ -40,7 +55,8 @@ def add_ctl_parser(sub) -> None:
     cache.add_argument("--moe", type=_count_or_auto, default=None,
                        help="expert slots, or auto: whatever the budget leaves after the KV pool")
     cache.add_argument("--mamba", type=_count, default=None, help="GDN state slots")
-    cache.add_argument("--wait", type=float, default=60.0, help="seconds to wait for in-flight requests")
+    cache.add_argument("--wait", type=_seconds(0, 3600), default=60.0,
+                       help="seconds to wait for in-flight requests (at most 3600, as the server allows)")
     gen = cmds.add_parser("generate", help="one chat completion, streamed")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -87,8 +103,15 @@ def run_ctl(args) -> int:
     try:
         with _client(args) as client:
             return _dispatch(args, client, console)
+    except httpx.InvalidURL as exc:
+        console.print(f"[red]--base-url {args.base_url}: {exc}[/red]")
+        return 2
     except httpx.HTTPError as exc:
         console.print(f"[red]cannot reach {args.base_url}: {exc}[/red]")
+        return 1
+    except json.JSONDecodeError:  # NOTE: r.json() of a 200 answer: something other than fluxtide on that port
+        console.print(f"[red]{args.base_url} answered with something that is not JSON: is it a fluxtide server "
+                      "(ft serve), and the URL without /v1?[/red]")
         return 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import uvicorn
@@ -75,6 +76,19 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
     )
 
 
+def _why_not_listening(host: str, port: int) -> str:
+    """uvicorn logs why its bind failed and exits its thread; say it again in one line, by trying the same bind
+    (a bad --host was reported as "port in use?")."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                probe.bind(address)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return f"uvicorn did not start on {host}:{port}"
+
+
 class ServerThread:
     """uvicorn in a background thread (tests, and `ft serve` while the model loads)."""
 
@@ -91,7 +105,8 @@ class ServerThread:
                 break
             threading.Event().wait(0.02)
         if not self.server.started:
-            raise RuntimeError("uvicorn did not start (port in use?)")
+            config = self.server.config
+            raise RuntimeError(_why_not_listening(config.host, config.port))
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -54,7 +54,12 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         runtime.set_ready(engine, container.model_info())
         progress("ready")
     except Exception as exc:  # NOTE: surfaced on /health and stderr; the HTTP server stays up
-        log.exception("model load failed")
+        if isinstance(exc, (ValueError, OSError)):
+            # the checkpoint's or the flags' fault (a damaged file, a plan that does not fit), named by the message;
+            # the traceback through the loader helps nobody but a developer (--log-level debug)
+            log.error("model load failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        else:
+            log.exception("model load failed")
         runtime.set_error(f"{type(exc).__name__}: {exc}")
         if echo:
             print(f"load failed: {runtime.error}", file=sys.stderr, flush=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass
 
 from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
@@ -72,8 +74,10 @@ class ServeSettings:
                              f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
         if not 0 < self.memory_ratio <= 1:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
-        if self.gpu_budget_gib is not None and self.gpu_budget_gib <= 0:
-            raise ValueError(f"--gpu-budget-gib must be positive, got {self.gpu_budget_gib}")
+        if self.gpu_budget_gib is not None and not 0 < self.gpu_budget_gib < math.inf:  # NOTE: False for nan
+            raise ValueError(f"--gpu-budget-gib must be a positive number of GiB, got {self.gpu_budget_gib}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.prefill_kernels not in ("reference", "triton"):
             raise ValueError(f"--prefill-kernels must be reference or triton, got {self.prefill_kernels!r}")
         if self.prefill_fp8_activations:
@@ -114,6 +118,12 @@ class ServeSettings:
                                            ("--routing-replay", self.routing_replay is not None)) if on]
             if clash:
                 raise ValueError(f"--expert-parallel cannot run with {', '.join(clash)} yet")
+        if self.api_key is not None and not (self.api_key and self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key == self.api_key.strip()):
+            # NOTE: "" used to mean "off" (`--api-key "$KEY"` with KEY unset served an open server); spaces around it
+            # or characters outside printable ASCII can never arrive in a header, so every request was a 401
+            raise ValueError("--api-key must be printable ASCII without surrounding spaces and not empty, got "
+                             f"{len(self.api_key)} characters")
         if self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if not 0 <= self.port < 65536:  # 0 = any free port (tests)

@@ -28,8 +28,8 @@ def cap_bytes(gpu_budget_gib: float | None) -> int | None:
     Raises ValueError for a cap that is not positive."""
     if gpu_budget_gib is None:
         return None
-    if not gpu_budget_gib > 0:
-        raise ValueError(f"--gpu-budget-gib must be positive, got {gpu_budget_gib}")
+    if not 0 < gpu_budget_gib < float("inf"):  # NOTE: inf overflowed int() below
+        raise ValueError(f"--gpu-budget-gib must be a positive number of GiB, got {gpu_budget_gib}")
     return int(gpu_budget_gib * GIB)
 
 

@@ -26,7 +26,7 @@ def parse_count(text: str) -> int:
     number = t[:-1] if scale != 1 else t
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # NOTE: int(inf) is an OverflowError
         raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
@@ -49,7 +49,21 @@ def parse_count_or_auto(text: str) -> int | str:
 
 
 def parse_list(text: str) -> list[int]:
-    return [parse_count(x) for x in text.split(",") if x.strip()]
+    values = [parse_count(x) for x in text.split(",") if x.strip()]
+    if not values:  # NOTE: an empty list predicted nothing and exited 0
+        raise argparse.ArgumentTypeError(f"give at least one count, e.g. 8192,64k: {text!r}")
+    return values
+
+
+def parse_gib(text: str) -> float:
+    """A positive, finite number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not 0 < value < float("inf"):  # NOTE: False for nan; inf overflowed int() in the byte count
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: the pool flags below mean what `ft serve`'s flags of the same name mean, and the plan comes from the
     # server's own planner (domain/serve_plan.py); unset, they take the calibration's deployment, which for
     # our engine's calibrations is `ft serve`'s defaults (docs/simulator.md, "Pool plan").
-    p.add_argument("--gpu-budget-gib", type=float, help="cap on the card's memory, as `ft serve --gpu-budget-gib`: "
+    p.add_argument("--gpu-budget-gib", type=parse_gib, help="cap on the card's memory, as `ft serve --gpu-budget-gib`: "
                                                         "pools = cap x memory ratio - dense weights (default: the "
                                                         "hardware profile's memory)")
     p.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio` (default: the calibration's, 0.9)")
@@ -92,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ "
                                                  "(e.g. h200_v1; default: newest for the hardware, else rtx3090)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
-    p.add_argument("--workers", type=int, help="processes (default: up to 2)")
+    p.add_argument("--workers", type=parse_count, help="processes (default: up to 2)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
     p.add_argument("--plot", help="write a PNG of tok/s against KV pool size per batch size")
     e = sub.add_parser("expert-parallel", help="predict bs1..bsN decode on 1..N GPUs with the experts split "
@@ -101,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
                    help=f"one of {sorted(BUILTIN_MODELS)}, synthetic-moe-155b, or a checkpoint directory")
     e.add_argument("--ranks", type=parse_list, default=[1, 2, 4], help="GPU counts, e.g. 1,2,4 (1 = the baseline)")
-    e.add_argument("--gpu-cap-gib", type=float, default=24.0, help="memory of each GPU the engine may use")
+    e.add_argument("--gpu-cap-gib", type=parse_gib, default=24.0, help="memory of each GPU the engine may use")
     e.add_argument("--kv", type=parse_count, default=8192)
     e.add_argument("--batch", type=parse_count, default=1)
     e.add_argument("--routing", default="uniform", help="uniform (random-weight `ft synth` checkpoints) | locality | "

@@ -9,7 +9,6 @@ Errors are CheckpointFormatError naming the file and tensor (or the config field
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from adapters.checkpoint.formats import (
 from adapters.checkpoint.geometry import expected_dense_shapes, tie_word_embeddings
 from adapters.checkpoint.names import canonical_name, ignored_kind, parse_expert
 from adapters.checkpoint.quant import FLOAT_DTYPES, NVFP4_GROUP
-from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry
+from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry, read_json_object
 from adapters.checkpoint.validate import check_scales, scan_weights
 from domain.model_spec import ModelSpec
 from domain.quant_scheme import QuantScheme
@@ -44,11 +43,11 @@ def read_config(model_dir: Path) -> tuple[dict, Path]:
     config_file = model_dir / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{model_dir}: no config.json")
-    config = json.loads(config_file.read_text())
+    config = read_json_object(config_file)
     hf_quant = model_dir / "hf_quant_config.json"
     if not config.get("quantization_config") and hf_quant.exists():
         # Older ModelOpt exports keep the quantization settings in a side file.
-        config["quantization_config"] = {"quant_method": "modelopt", **json.loads(hf_quant.read_text())}
+        config["quantization_config"] = {"quant_method": "modelopt", **read_json_object(hf_quant)}
         config_file = hf_quant
     return config, config_file
 

@@ -34,6 +34,11 @@ def _qwen_resources():
     return ranks_file, qt.QWEN3_5_PAT_STR, qt.QWEN3_5_SPECIAL_TOKENS
 
 
+def tokenizer_rows() -> int:
+    """Embedding rows the written tokenizer needs: its highest id (a special token) + 1."""
+    return max(i for i, _ in _qwen_resources()[2]) + 1
+
+
 def load_ranks(path: Path) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     for line in path.read_bytes().splitlines():

@@ -9,7 +9,6 @@ dtypes, finite scales; with `verify_weights` every value), check host memory, an
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -42,7 +41,7 @@ from adapters.checkpoint.host_bank import (
 )
 from adapters.checkpoint.names import parse_expert
 from adapters.checkpoint.quant import QTensor
-from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry
+from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry, read_json_object
 from domain.model_spec import ModelSpec, WeightFormat
 
 log = logging.getLogger(__name__)
@@ -270,7 +269,7 @@ def load_checkpoint(
         counter.add(sum(stored_bytes(e) for e in sources[name]))
     counter.check_valid()
     gen_file = model_dir / "generation_config.json"
-    generation_config = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    generation_config = read_json_object(gen_file) if gen_file.exists() else {}
     if not mmap:
         files.close()
     ckpt = LoadedCheckpoint(spec, text_config, dense, bank, generation_config, model_dir, checked.format_name)

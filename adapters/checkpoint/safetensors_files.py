@@ -42,6 +42,18 @@ class TensorEntry:
     end: int
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, tokenizer_config.json, ...) as a dict; ValueError naming the
+    file when it is not JSON or not an object (json's own message names neither file nor fix)."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a JSON {type(value).__name__}")
+    return value
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """(header dict, byte offset where tensor data starts)."""
     size = path.stat().st_size
@@ -117,7 +129,7 @@ class SafetensorsFiles:
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index}: missing 'weight_map'")
             files = sorted({model_dir / f for f in weight_map.values()})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -339,8 +340,7 @@ def synthesize(
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if experts not in ("per_expert", "fused"):
         raise ValueError(f"experts must be 'per_expert' or 'fused', got {experts!r}")
-    if experts == "fused" and fmt not in ("bf16", "nvfp4_ct"):
-        raise ValueError("fused experts are written in bf16 or compressed-tensors nvfp4_ct only")
+    _check_fused(fmt, experts)
     if layout == "nested" and g.architecture != "qwen3_5_moe":
         layout = "flat"
     out = Path(out_dir)
@@ -385,6 +385,11 @@ def synthesize(
     return out
 
 
+def _check_fused(fmt: str, experts: str) -> None:
+    if experts == "fused" and fmt not in ("bf16", "nvfp4_ct"):
+        raise ValueError("fused experts are written in bf16 or compressed-tensors nvfp4_ct only")
+
+
 def _check_divisible(g: Geometry, fmt: str) -> None:
     group = {"nvfp4_modelopt": NVFP4_GROUP, "nvfp4_ct": NVFP4_GROUP, "mxfp4_ct": MXFP4_GROUP,
              "mixed_modelopt": NVFP4_GROUP, "mixed_ct": NVFP4_GROUP}.get(fmt)
@@ -400,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", default="nested", choices=("nested", "flat"))
     parser.add_argument("--experts", default="per_expert", choices=("per_expert", "fused"))
-    parser.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GiB")
+    parser.add_argument("--shard-gb", type=float, default=2.0, help="shard size in GiB (> 0)")
     parser.add_argument("--vocab-size", type=int, default=None, help="override the geometry's vocabulary")
     parser.add_argument("--no-tokenizer", action="store_true")
     parser.add_argument("--no-mtp", action="store_true",
@@ -411,14 +416,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         parser.error(f"--device {args.device}: no such device here (cpu, or cuda on a CUDA host)")
+    if not 0 < args.shard_gb < math.inf:  # NOTE: False for nan
+        parser.error(f"--shard-gb must be a positive number of GiB, got {args.shard_gb}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: not a directory")
     g = GEOMETRIES[args.geometry]
-    if args.vocab_size:
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            parser.error(f"--vocab-size must be >= 1, got {args.vocab_size}")
         g = replace(g, vocab_size=args.vocab_size)
-    _check_divisible(g, args.fmt)
+    if not args.no_tokenizer:
+        from adapters.checkpoint.hf_tokenizer import tokenizer_rows
+
+        if g.vocab_size < tokenizer_rows():
+            parser.error(f"--vocab-size {g.vocab_size}: the Qwen3.6 tokenizer written beside the weights has ids up to "
+                         f"{tokenizer_rows() - 1}, past the embedding; give at least {tokenizer_rows()} or add "
+                         "--no-tokenizer")
+    try:
+        _check_divisible(g, args.fmt)
+        _check_fused(args.fmt, args.experts)
+    except ValueError as exc:
+        parser.error(str(exc))
     started = time.monotonic()
-    synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
-               shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True,
-               device=args.device, mtp=not args.no_mtp)
+    try:
+        synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
+                   shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True,
+                   device=args.device, mtp=not args.no_mtp)
+    except OSError as exc:  # the folder cannot be made or written (disk full, permissions): the machine's, not ours
+        parser.exit(1, f"ft synth: error: {exc}\n")
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
     print(f"wrote {args.out} ({args.geometry}, {args.fmt}): {size / 2**30:.2f} GiB in "
           f"{time.monotonic() - started:.1f}s")

@@ -8,12 +8,12 @@ transformers does.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from adapters.checkpoint.chat_template import ChatTemplate
+from adapters.checkpoint.safetensors_files import read_json_object
 from domain.ports import ChatTemplateError
 
 
@@ -39,7 +39,10 @@ class HfTokenizer:
     def __init__(self, tokenizer_json: Path, config: dict, generation_config: dict | None = None):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(tokenizer_json))
+        try:
+            self._tok = Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # NOTE: tokenizers raises a bare Exception ("expected value at line 1 column 1")
+            raise ValueError(f"{tokenizer_json}: not a tokenizer the `tokenizers` library can read ({e})") from None
         self.config = config
         self._where = tokenizer_json.parent
         template = config.get("chat_template")
@@ -72,7 +75,10 @@ class HfTokenizer:
         return 4 * max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # NOTE: encode_batch, not encode: `Tokenizer.encode` holds the GIL for the whole call (11 s for a
+        # 10 MB chat request), so the server's tokenizing worker thread froze /health and every stream;
+        # encode_batch releases it while the Rust side works. Same ids.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes: byte-level BPE strings map back through GPT-2's byte alphabet,
@@ -117,16 +123,26 @@ def _token_text(value) -> str | None:
     return value
 
 
+def check_fits_model(tok: HfTokenizer, model_dir: str | Path, vocab_size: int) -> None:
+    """Every id the tokenizer can produce must index the model's embedding: a tokenizer.json from another
+    model of the family loaded fine and failed every prompt that used one of its extra tokens."""
+    ids = tok._tok.get_vocab(with_added_tokens=True).values()
+    needed = max(ids, default=-1) + 1
+    if needed > vocab_size:
+        raise ValueError(f"{Path(model_dir) / 'tokenizer.json'}: token ids up to {needed - 1} need {needed} embedding "
+                         f"rows, but config.json says vocab_size {vocab_size}: is the tokenizer from another model?")
+
+
 def load_tokenizer(model_dir: str | Path) -> HfTokenizer:
     model_dir = Path(model_dir)
     tokenizer_json = model_dir / "tokenizer.json"
     if not tokenizer_json.exists():
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json (ft synth writes one; published checkpoints ship one)")
     config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config = read_json_object(config_file) if config_file.exists() else {}
     jinja = model_dir / "chat_template.jinja"
     if not config.get("chat_template") and jinja.exists():
         config["chat_template"] = jinja.read_text()
     gen_file = model_dir / "generation_config.json"
-    generation = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    generation = read_json_object(gen_file) if gen_file.exists() else {}
     return HfTokenizer(tokenizer_json, config, generation)

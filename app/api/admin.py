@@ -11,7 +11,7 @@ from litestar import Request, Response, post
 from app.api.errors import OpenAIError, bad_value
 from app.api.generation import require_engine, runtime_of
 from app.api.routing import get_or_head
-from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body
+from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body, read_body
 from app.engine import Engine
 from app.units import parse_count
 
@@ -99,7 +99,7 @@ async def routing(request: Request) -> dict:
     """Switch a server started with --routing-replay between its replay and the natural routing (from the
     next step on; `ft bench` measures both). 409 on a server that routes naturally only."""
     engine = _engine(request)
-    body = decode_body(await request.body(), RoutingRequest)
+    body = decode_body(await read_body(request), RoutingRequest)
     if engine.routing_replay is None:
         raise OpenAIError(409, "this server routes naturally only; start it with --routing-replay SPEC to replay",
                           type="invalid_request_error", param="replay", code="no_routing_replay")
@@ -130,7 +130,7 @@ _POOL_FIELDS = {"kv": "kv_tokens", "moe": "moe_slots", "state": "mamba_slots"}
 @post("/v1/cache/rebuild", status_code=200)
 async def cache_rebuild(request: Request) -> Response:
     engine = _engine(request)
-    body = decode_body(await request.body(), CacheRebuildRequest)
+    body = decode_body(await read_body(request), CacheRebuildRequest)
     kv = _count("kv_tokens", body.kv_tokens, auto=True)
     moe = _count("moe_slots", body.moe_slots, auto=True)
     mamba = _count("mamba_slots", body.mamba_slots)

@@ -18,7 +18,7 @@ from app.engine import Engine
 from app.reasoning import FORCED_CLOSE, REASONING_PARSERS, ThinkingPlan, ThinkParser, prompt_opens_reasoning
 from app.runtime import Runtime
 from app.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
-from domain.ports import ChatTemplateError
+from domain.ports import ChatTemplateError, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,25 @@ def arguments_object(arguments, param: str) -> dict:
     raise bad_value(param, "tool call arguments must be a JSON object")
 
 
+def refuse_if_it_cannot_fit(runtime: Runtime, tokenizer: Tokenizer, chars: int, param: str) -> None:
+    """400 context_length_exceeded when `chars` characters of prompt text must encode to more tokens
+    than the context holds (the bound is the tokenizer's ``max_chars_per_token``; none, no check)."""
+    per_token = getattr(tokenizer, "max_chars_per_token", None)
+    if not per_token:
+        return
+    limit = runtime.max_context()
+    at_least = -(-chars // per_token)
+    if at_least >= limit:
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt has {chars} "
+            f"characters, at least {at_least} tokens, with no room left for the completion. Please reduce "
+            f"the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param: str = "messages",
             call_id_prefix: str = "call_") -> Prompt:
     """Render, force a tool call if asked, encode; errors are 400s naming the parameter."""
@@ -126,7 +145,16 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     if use_tools and parser_name is None:
         raise unsupported("tools", "this server parses no tool calls (start it with --tool-call-parser)")
     tools = conversation.tools if use_tools else None
+    for i, tool in enumerate(tools or []):
+        function = tool["function"]
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        problem = TOOL_PARSERS[parser_name].unusable_name(function["name"], [str(k) for k in properties])
+        if problem is not None:
+            raise bad_value(f"tools[{i}]", problem)
     text = render(engine, conversation.messages, tools, conversation.template_kwargs, param)
+    # NOTE: the messages' own text passed the size check, but the template adds its markup per message:
+    # 300k empty messages render to 8.4 MB. Checked again before the second render and the tokenizer.
+    refuse_if_it_cannot_fit(runtime, engine.tokenizer, len(text), param)
     if tools and text == render(engine, conversation.messages, None, conversation.template_kwargs, param):
         raise unsupported("tools", "this model's chat template does not render tools, so it can not call them")
     new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731

@@ -37,7 +37,7 @@ from app.api.generation import (
 )
 from app.api.logprob_tokens import token_bytes, token_string
 from app.api.prompts import prepare_off_loop
-from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body
+from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body, read_body
 from app.engine import Engine
 from app.streams import StreamEvent
 
@@ -153,9 +153,16 @@ def _logprobs(engine: Engine, event: StreamEvent) -> dict | None:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), ChatCompletionRequest)
+    body = decode_body(await read_body(request), ChatCompletionRequest)
     check_model(runtime, body.model)
     reject_unsupported(body)
+    if body.functions or body.function_call is not None:
+        name = "functions" if body.functions else "function_call"
+        raise unsupported(name, f"{name} (the legacy function calling) is not supported: send tools and tool_choice")
+    if body.modalities not in (None, ["text"]) or body.audio is not None:
+        raise unsupported("audio" if body.audio is not None else "modalities", "only text output is supported")
+    if body.web_search_options is not None:
+        raise unsupported("web_search_options", "web search is not supported")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise unsupported("response_format", "only response_format type 'text' is supported")
     if body.top_logprobs and not body.logprobs:

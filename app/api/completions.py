@@ -27,7 +27,7 @@ from app.api.generation import (
 )
 from app.api.logprob_tokens import token_string
 from app.api.prompts import text_prompt_ids
-from app.api.schemas import CompletionRequest, decode_body
+from app.api.schemas import CompletionRequest, decode_body, read_body
 from app.engine import Engine
 from app.runtime import Runtime
 from app.streams import StreamEvent
@@ -77,7 +77,7 @@ class _Offsets:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), CompletionRequest)
+    body = decode_body(await read_body(request), CompletionRequest)
     check_model(runtime, body.model)
     reject_unsupported(body)
     if body.echo:

@@ -60,6 +60,13 @@ def reject_unsupported(body: _Sampling) -> None:
             raise unsupported(name, f"{name} is not supported (got {value}); leave it unset or 0")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, f"{name} is not supported: there is no structured-output (grammar) engine here")
+    for name, neutral in (("min_tokens", 0), ("repetition_penalty", 1), ("min_p", 0)):
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise unsupported(name, f"{name} is not supported (got {value!r}); leave it unset or {neutral}")
 
 
 def max_tokens_of(body: _Sampling, default: int | None) -> tuple[int | None, str]:
@@ -69,14 +76,15 @@ def max_tokens_of(body: _Sampling, default: int | None) -> tuple[int | None, str
     return (default if body.max_tokens is None else body.max_tokens), "max_tokens"
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+def stop_strings(stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
+    """`param`: the client's name for the field (Anthropic's is stop_sequences)."""
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else list(stop)
     if len(items) > MAX_STOP_STRINGS:
-        raise bad_value("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        raise bad_value(param, f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
     if any(not s for s in items):
-        raise bad_value("stop", "stop strings must be non-empty")
+        raise bad_value(param, "stop strings must be non-empty")
     return tuple(items)
 
 

@@ -37,7 +37,7 @@ from app.api.generation import (
     submit,
 )
 from app.api.prompts import prepare_off_loop
-from app.api.schemas import _Sampling, decode_body
+from app.api.schemas import _Sampling, decode_body, read_body
 from app.engine import Engine
 from app.runtime import Runtime
 from app.tool_parsers import ToolCallDelta
@@ -45,7 +45,7 @@ from app.tool_parsers import ToolCallDelta
 # Anthropic's documented floor for thinking.budget_tokens (smaller budgets are a 400 there too).
 MIN_THINKING_BUDGET = 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error"}
 
 
@@ -234,7 +234,7 @@ async def _prompt(runtime: Runtime, body) -> tuple[Engine, Prompt]:
 
 @post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
 async def count_tokens(request: Request) -> Response:
-    body = decode_body(await request.body(), CountTokensRequest)
+    body = decode_body(await read_body(request), CountTokensRequest)
     _, prompt = await _prompt(runtime_of(request), body)
     return Response(content={"input_tokens": len(prompt.ids)})
 
@@ -242,14 +242,14 @@ async def count_tokens(request: Request) -> Response:
 @post("/v1/messages", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
 async def messages(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), MessagesRequest)
+    body = decode_body(await read_body(request), MessagesRequest)
     if body.max_tokens is None:
         raise bad_value("max_tokens", "max_tokens is required")
     # NOTE: the shared sampling body declares Chat Completions' fields too: refused by name, never dropped.
     for name, hint in _CHAT_ONLY.items():
         if getattr(body, name) is not None:
             raise unsupported(name, f"not a Messages API parameter{hint}")
-    stop = stop_strings(body.stop_sequences)
+    stop = stop_strings(body.stop_sequences, "stop_sequences")
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None
     # NOTE: Anthropic's rule; its interleaved-thinking beta lifts it (thinking then spans tool turns).

@@ -8,30 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from app.api.agent import Conversation, Prompt, prepare
-from app.api.errors import OpenAIError
+from app.api.agent import Conversation, Prompt, prepare, refuse_if_it_cannot_fit
 from app.engine import Engine
 from app.runtime import Runtime
 from domain.ports import Tokenizer
-
-
-def refuse_if_it_cannot_fit(runtime: Runtime, tokenizer: Tokenizer, chars: int, param: str) -> None:
-    """400 context_length_exceeded when `chars` characters of prompt text must encode to more tokens
-    than the context holds (the bound is the tokenizer's ``max_chars_per_token``; none, no check)."""
-    per_token = getattr(tokenizer, "max_chars_per_token", None)
-    if not per_token:
-        return
-    limit = runtime.max_context()
-    at_least = -(-chars // per_token)
-    if at_least >= limit:
-        raise OpenAIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, your prompt has {chars} "
-            f"characters, at least {at_least} tokens, with no room left for the completion. Please reduce "
-            f"the prompt.",
-            param=param,
-            code="context_length_exceeded",
-        )
 
 
 def _text_chars(value) -> int:

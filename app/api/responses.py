@@ -39,7 +39,7 @@ from app.api.generation import (
     submit,
 )
 from app.api.prompts import prepare_off_loop
-from app.api.schemas import _Sampling, decode_body
+from app.api.schemas import _Sampling, decode_body, read_body
 from app.engine import Engine
 from app.tool_parsers import ToolCallDelta
 
@@ -60,6 +60,9 @@ class ResponsesRequest(_Sampling, kw_only=True):
     truncation: str | None = None
     metadata: dict[str, Any] | None = None
     include: list[str] | None = None
+    prompt: Any = None  # a stored prompt template: nothing is stored here
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None  # as on chat completions (vLLM's extension)
 
@@ -80,6 +83,14 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
         raise unsupported("background", "background responses are not supported")
     if body.truncation not in (None, "disabled"):
         raise unsupported("truncation", "only truncation 'disabled' is supported")
+    if body.prompt is not None:
+        raise unsupported("prompt", "stored prompts are not supported: this server keeps none (send the instructions "
+                          "and input themselves)")
+    if body.top_logprobs or "message.output_text.logprobs" in (body.include or []):
+        raise unsupported("top_logprobs" if body.top_logprobs else "include",
+                          "logprobs are not supported on /v1/responses (Chat Completions and Completions return them)")
+    if body.max_tool_calls is not None:
+        raise unsupported("max_tool_calls", "max_tool_calls is not supported (parallel_tool_calls: false keeps one call)")
     fmt = (body.text or {}).get("format") or {"type": "text"}
     if fmt.get("type") != "text":
         raise unsupported("text.format", "only the text output format is supported")
@@ -249,7 +260,7 @@ class OutputItems:
 @post("/v1/responses", status_code=200)
 async def responses(request: Request) -> Response | Stream:
     runtime = runtime_of(request)
-    body = decode_body(await request.body(), ResponsesRequest)
+    body = decode_body(await read_body(request), ResponsesRequest)
     check_model(runtime, body.model)
     # NOTE: the shared sampling body declares Chat Completions' fields too; sent here they are refused by
     # name, never dropped (a client that sends max_tokens would otherwise get the whole context).

@@ -6,6 +6,7 @@ a non-default value is refused by name instead of being silently dropped.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, TypeVar
 
@@ -44,6 +45,15 @@ class _Sampling(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extensions that constrain or reshape the output (Any: refused by name whatever their type)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    min_tokens: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -57,6 +67,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     thinking_token_budget: int | None = None  # vLLM's extension: reasoning tokens before the close is forced
+    # legacy function calling, audio output and hosted web search: refused by name (never answered as if absent)
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -77,6 +93,30 @@ class CacheRebuildRequest(msgspec.Struct, kw_only=True):
     moe_slots: int | str | None = None
     mamba_slots: int | str | None = None
     wait_s: float = 60.0
+
+
+# A body that stops arriving for this long is abandoned with a 408: the limit is on silence, not on the whole
+# body, so a large prompt over a slow link is still read.
+BODY_IDLE_S = 30.0
+
+
+async def read_body(request) -> bytes:
+    """The request's body, chunk by chunk; 408 `request_timeout` when no byte arrives for BODY_IDLE_S (half a body
+    and then silence held the handler, the connection and the client forever)."""
+    chunks: list[bytes] = []
+    stream = request.stream()
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), BODY_IDLE_S)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except TimeoutError:
+                raise OpenAIError(408, f"the request body stopped arriving: no bytes for {BODY_IDLE_S:g} s",
+                                  code="request_timeout") from None
+            chunks.append(chunk)
+    finally:
+        await stream.aclose()
 
 
 _T = TypeVar("_T")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke, sweep, target, view
@@ -43,15 +45,27 @@ def _moe(text: str) -> int | str:
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not 0 < value < math.inf:  # NOTE: False for nan (a ValueError traceback from the event loop) and inf
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
     return parse
 
 
+def _url(text: str) -> str:
+    """An http(s) URL with a host: a malformed one was an httpx.InvalidURL traceback, one without a scheme a
+    'cannot reach' failure after the run had started."""
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT or https://..., got {text!r}")
+    return text
+
+
 def _common(plot_option: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--base-url", action="append", default=None,
+    p.add_argument("--base-url", action="append", default=None, type=_url,
                    help="the OpenAI-compatible server (fluxtide or any other; default FT_BASE_URL or "
                         "http://127.0.0.1:1919); repeat it to measure several servers one after another in "
                         "one call: one record each (OUT-1.json, OUT-2.json ...) and a side-by-side table")

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from app.api.auth import require_api_key
 from app.api.errors import EXCEPTION_HANDLERS, OpenAIError, service_unavailable
 from app.api.routing import get_or_head
+from app.api.schemas import read_body
 from app.data_parallel.aggregate import common, front_status, merge, merge_metrics, plan_totals
 from app.data_parallel.workers import WorkerPool, WorkerProcess
 from app.server import cors_config
@@ -173,7 +174,7 @@ async def metrics(request: Request) -> Response:
 @post("/v1/routing", status_code=200)
 async def routing(request: Request) -> Response:
     """--routing-replay on or off on every worker (each answers as one server does; the first refusal wins)."""
-    results = await front_of(request).fan_out("POST", "/v1/routing", content=await request.body())
+    results = await front_of(request).fan_out("POST", "/v1/routing", content=await read_body(request))
     refused = [(status, b) for _, status, b in results if status != 200 or not isinstance(b, dict)]
     if not results:
         raise OpenAIError(503, "no worker has a port yet", type="server_error", code="worker_down")
@@ -189,7 +190,7 @@ async def cache_rebuild(request: Request) -> Response:
     the ones that applied are resized back to their previous plan (409 ``resize_partial_reverted``),
     and if that fails too the 409 says so (``resize_partial``) with every worker's plan."""
     front = front_of(request)
-    body = await request.body()
+    body = await read_body(request)
     down = [w for w in front.pool.workers if w.status != "ok"]
     if down:
         names = ", ".join(f"worker {w.index} ({w.status}{': ' + w.error if w.error else ''})" for w in down)
@@ -267,7 +268,7 @@ async def _revert(front: Front, applied: list[tuple[WorkerProcess, dict]], body:
 # -- everything else: proxied to one worker ---------------------------------------------------------
 def _error_response(path: str, error: OpenAIError) -> Response:
     if path.startswith("/v1/messages"):  # Anthropic's clients read Anthropic's shape
-        kind = "overloaded_error" if error.status_code == 503 else "api_error"
+        kind = {503: "overloaded_error", 408: "invalid_request_error"}.get(error.status_code, "api_error")
         content = {"type": "error", "error": {"type": kind, "message": error.message}}
     else:
         content = error.body()
@@ -320,7 +321,10 @@ async def proxy(request: Request) -> Response:
     if status == "loading":
         ready = sum(s == "ok" for s in pool.statuses())
         return _error_response(path, service_unavailable(f"workers are loading ({ready}/{len(pool.workers)} ready)"))
-    body = await request.body()
+    try:
+        body = await read_body(request)
+    except OpenAIError as exc:
+        return _error_response(path, exc)
     for _ in range(len(pool.workers)):
         worker = pool.acquire()
         if worker is None:

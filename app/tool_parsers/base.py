@@ -68,6 +68,11 @@ class ToolParser:
         self._in_call = False
         self._out: list[Event] = []
 
+    @classmethod
+    def unusable_name(cls, function: str, arguments: list[str]) -> str | None:
+        """Why this parser's call markup cannot carry a tool with these function and argument names, or None."""
+        return None
+
     # --- public ---------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
         self._buf += text

@@ -62,6 +62,15 @@ class Qwen3XmlToolParser(ToolParser):
         self._stage = "header"  # header -> params -> closing
 
     @classmethod
+    def unusable_name(cls, function: str, arguments: list[str]) -> str | None:
+        # NOTE: the header and parameter tags end at the first `>`; `<` and newlines end a header that is read back
+        for kind, name in [("function", function)] + [("argument", a) for a in arguments]:
+            if any(c in name for c in "<>\n"):
+                return (f"{kind} name {name!r} cannot be written in {cls.name} tool-call markup "
+                        f"(<function=NAME>, <parameter=NAME>): no '<', '>' or newline")
+        return None
+
+    @classmethod
     def forced_prefix(cls, function: str | None) -> str:
         return START + "\n" + (f"{FUNCTION}{function}>\n" if function else "")
 

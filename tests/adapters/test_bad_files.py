@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -157,6 +159,14 @@ def test_bad_scales_are_refused_naming_tensor(sources, tmp_path, no_allocation, 
         load(dst)
 
 
+def _small_tokenizer(model_dir: Path) -> None:
+    """A two-token tokenizer, inside the TINY checkpoints' 256-row vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "<eos>": 1}, unk_token="a")).save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+
+
 def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_path, capsys):
     def poison(t):
         t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
@@ -169,7 +179,9 @@ def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_pat
         load(dst, verify_weights=True)
     assert ft_main(["check", str(dst)]) == 1
     assert f"{Q_PROJ}.weight in model.safetensors: 1 NaN/Inf" in capsys.readouterr().err
-    assert ft_main(["check", str(sources["mixed_modelopt"])]) == 0
+    ok = copy_with(sources["mixed_modelopt"], tmp_path / "ok")
+    _small_tokenizer(ok)  # `ft check` reads the tokenizer as `ft serve` does
+    assert ft_main(["check", str(ok)]) == 0
     assert "format mixed: experts nvfp4_modelopt" in capsys.readouterr().out
 
 
@@ -225,6 +237,39 @@ def test_load_error_puts_health_into_error_and_keeps_answering(sources, tmp_path
         srv.stop()
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_load_error_in_the_checkpoint_is_logged_without_a_traceback(tmp_path):
+    """A damaged checkpoint is the operator's mistake: /health and the log say what is wrong in one line.
+    The log carried a 20-line traceback through the loader's internals for every such error."""
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    config = json.loads((dst / "config.json").read_text())
+    del config["hidden_size"]
+    (dst / "config.json").write_text(json.dumps(config))
+    # NOTE: on the logger itself: Litestar reconfigures the root logger's handlers when the app is built
+    handler, logger = _Records(), logging.getLogger("fluxtide.serve")
+    logger.addHandler(handler)
+    srv = start_server(Container(), wait=False, model_dir=str(dst), gpu_budget_gib=0.5, kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        assert "config field 'hidden_size' is missing" in httpx.get(srv.base_url + "/health", timeout=5).json()["error"]
+    finally:
+        srv.stop()
+        logger.removeHandler(handler)
+    failed = [r for r in handler.records if "model load failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelname == "ERROR"
+    assert "config.json: config field 'hidden_size' is missing" in failed[0].getMessage()
+    assert not failed[0].exc_info, "a traceback for a checkpoint error"
+
+
 def test_serve_verify_weights_refuses_a_nan_weight_on_health(sources, tmp_path):
     def poison(t):
         t[Q_PROJ + ".weight"] = t[Q_PROJ + ".weight"].clone()
@@ -252,3 +297,71 @@ def test_ft_serve_has_verify_weights_and_ft_check_reports_missing_dir(tmp_path, 
     assert parser.parse_args(["serve"]).verify_weights is False
     assert ft_main(["check", str(tmp_path / "nowhere")]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+# ---- the JSON files beside the shards ------------------------------------------------------------
+
+DEMO = Path(__file__).resolve().parents[2] / "app" / "demo_model" / "checkpoint"
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json"])
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "\xff\xfe"])
+def test_a_corrupt_json_file_is_named_by_ft_check(tmp_path, capsys, name, content):
+    """A hand-edited config.json with a typo failed with json's bare "Expecting property name ... line 1
+    column 2" (no file named), a list where an object belongs with an AttributeError traceback, and a
+    broken tokenizer file passed `ft check` (which did not read the tokenizer) to fail `ft serve`."""
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    (dst / name).write_bytes(content.encode("latin-1"))
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ft check: ") and f"{dst / name}" in err, err
+    assert "Traceback" not in err
+
+
+def test_ft_check_refuses_a_checkpoint_without_its_tokenizer(tmp_path, capsys):
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    (dst / "tokenizer.json").unlink()
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1  # said "ok"; `ft serve` then failed to load
+    assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def _with_a_token_past_the_model(tmp_path) -> Path:
+    """The demo checkpoint (vocab_size 1030) with a tokenizer that knows one more token, id 1030: what a
+    tokenizer.json copied from another model of the family looks like."""
+    dst = tmp_path / "c"
+    shutil.copytree(DEMO, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 1030, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False})
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+def test_ft_check_refuses_a_tokenizer_with_ids_past_the_models_vocabulary(tmp_path, capsys):
+    dst = _with_a_token_past_the_model(tmp_path)
+    assert ft_main(["check", str(dst), "--no-verify-weights"]) == 1
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "1031" in err and "vocab_size 1030" in err, err
+
+
+def test_serve_refuses_a_tokenizer_with_ids_past_the_models_vocabulary(tmp_path):
+    """It loaded, and every prompt with that token failed its step: 500 engine_error, IndexError in the embedding."""
+    dst = _with_a_token_past_the_model(tmp_path)
+    srv = start_server(Container(), wait=False, model_dir=str(dst), gpu_budget_gib=0.5, kv_tokens=None, moe_slots=None)
+    try:
+        assert not srv.runtime.wait_ready(60)
+        error = httpx.get(srv.base_url + "/health", timeout=5).json()["error"]
+        assert "tokenizer.json" in error and "vocab_size 1030" in error, error
+    finally:
+        srv.stop()
+
+
+def test_ft_check_reports_an_unreadable_file_without_a_traceback(tmp_path, capsys):
+    """`config.json` that is a folder (an unpacking mistake) was an IsADirectoryError traceback: `ft check`
+    caught only ValueError and FileNotFoundError of the OSErrors."""
+    (tmp_path / "config.json").mkdir()
+    assert ft_main(["check", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ft check: ") and "config.json" in err and "Is a directory" in err, err

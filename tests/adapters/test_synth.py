@@ -99,6 +99,37 @@ def test_cli_rejects_unknown_format(tmp_path):
                             "int8_quark"}
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--shard-gb", "0"], "--shard-gb"),
+    (["--shard-gb", "-1"], "--shard-gb"),  # wrote one shard per tensor
+    (["--shard-gb", "nan"], "--shard-gb"),  # ValueError traceback
+    (["--vocab-size", "0"], "--vocab-size"),  # silently wrote the geometry's vocabulary
+    (["--vocab-size", "-5"], "--vocab-size"),  # RuntimeError traceback from torch
+    (["--vocab-size", "1000"], "--no-tokenizer"),  # wrote a tokenizer with ids past the embedding
+    (["--format", "mxfp4_ct", "--experts", "fused"], "fused"),  # ValueError traceback
+])
+def test_cli_refuses_bad_arguments_without_a_traceback(tmp_path, capsys, args, message):
+    out = tmp_path / "x"
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(out), "--geometry", "tiny", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not out.exists(), "nothing is written for arguments that cannot work"
+
+
+def test_cli_refuses_an_out_path_it_cannot_use(tmp_path, capsys):
+    """`--out` naming a file was a FileExistsError traceback."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "file"), "--geometry", "tiny", "--no-tokenizer"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--out" in err and "not a directory" in err, err
+    with pytest.raises(SystemExit) as exc:  # a folder that cannot be made: NotADirectoryError traceback
+        main(["--out", str(tmp_path / "file" / "sub"), "--geometry", "tiny", "--no-tokenizer"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and "ft synth: error:" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_direct_random_codes_write_a_loadable_checkpoint(fmt, tmp_path):
     """The large-geometry path (random codes drawn in the quantized domain, on `device`) on a tiny

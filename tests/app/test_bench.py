@@ -214,6 +214,19 @@ def test_bad_lists_are_refused(capsys):
     assert "positive counts" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "flag"), [
+    (["probe", "--timeout", "nan"], "--timeout"),  # a ValueError traceback from the event loop ("deadline must not be NaN")
+    (["probe", "--timeout", "inf"], "--timeout"),
+    (["smoke", "--base-url", "http://[::1"], "--base-url"),  # an httpx.InvalidURL traceback
+    (["smoke", "--base-url", "127.0.0.1:1919"], "--base-url"),  # no scheme: "cannot reach" after the run started
+])
+def test_bad_numbers_and_urls_are_argument_errors(capsys, args, flag):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and flag in err and "Traceback" not in err, err
+
+
 def test_sweep_at_the_current_size_needs_no_rebuild(tmp_path, demo):
     before = httpx.get(demo.base_url + "/v1/stats").json()["pools"]["kv_tokens"]
     code, rec = bench(tmp_path, demo, "sweep", "--kv", "current", "--batch", "2", "--warmup", "0",

@@ -67,6 +67,63 @@ def test_unreachable_server(capsys):
     assert "cannot reach" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args", [
+    ("cache", "--kv", "8k", "--wait", "nan"),
+    ("cache", "--kv", "8k", "--wait", "inf"),
+    ("cache", "--kv", "8k", "--wait", "-1"),
+    ("--timeout", "-1", "health"),
+    ("--timeout", "nan", "health"),
+    ("--timeout", "0", "health"),
+])
+def test_ctl_refuses_bad_seconds_as_argument_errors(args, capsys):
+    """`--wait nan` was a ValueError traceback from json.dumps, `--timeout -1` one from the socket."""
+    with pytest.raises(SystemExit) as info:
+        main(["ctl", "--base-url", "http://127.0.0.1:9", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--wait" in err or "--timeout" in err) and "Traceback" not in err
+
+
+def test_ctl_reports_a_base_url_it_cannot_use(capsys):
+    """`--base-url http://[::1` (a typo) was an httpx.InvalidURL traceback."""
+    assert main(["ctl", "--base-url", "http://[::1", "health"]) == 2
+    out = capsys.readouterr()
+    assert "--base-url" in out.out + out.err and "Traceback" not in out.out + out.err
+
+
+@pytest.fixture
+def not_fluxtide():
+    """Something else on the port that answers HTML (another web server, a proxy's error page)."""
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>It works!</body></html>"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("command", [("health",), ("stats",), ("cache",), ("generate", "hi")])
+def test_ctl_against_a_server_that_answers_html_says_so(not_fluxtide, command, capsys):
+    """`ft ctl health` against a port where something else answers was a JSONDecodeError traceback."""
+    assert main(["ctl", "--base-url", not_fluxtide, *command]) == 1
+    out = capsys.readouterr()
+    assert "not JSON" in out.out and "Traceback" not in out.out + out.err
+
+
 def test_bad_sizes_are_argument_errors():
     with pytest.raises(SystemExit) as info:
         main(["ctl", "cache", "--kv", "lots"])
@@ -116,6 +173,60 @@ def test_serve_refuses_the_graph_executor_where_it_cannot_run():
                           "--mmap-experts"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--executor cuda-graph" in bad.stderr
     assert "--device cpu" in bad.stderr and "--mmap-experts" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--device", "tpu"), "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (("--device", "cuda:x"), "--device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    (("--gpu-budget-gib", "nan"), "--gpu-budget-gib must be a positive number of GiB, got nan"),
+    (("--gpu-budget-gib", "inf"), "--gpu-budget-gib must be a positive number of GiB, got inf"),
+])
+def test_serve_refuses_a_bad_device_or_budget_before_loading(args, message):
+    """These passed the argument checks, opened the port, and failed the load with a traceback
+    (torch's RuntimeError for `tpu`, an OverflowError for `inf`) while the process kept running."""
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this host has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_serve_refuses_cuda_on_a_host_without_it_before_loading(device):
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", "--device", device],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"--device {device}: no CUDA device" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
+def test_serve_names_why_it_cannot_listen(capsys):
+    """A --host this machine does not have was reported as "uvicorn did not start (port in use?)"."""
+    assert main(["serve", "--host", "192.0.2.1", "--port", "0"]) == 1  # TEST-NET-1: never a local address
+    err = capsys.readouterr().err
+    assert "cannot listen on 192.0.2.1:0" in err and "assign requested address" in err, err
+    assert "port in use" not in err
+
+
+def test_serve_names_a_port_in_use(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+
+
+@pytest.mark.parametrize("key", ["", "   ", " k3y", "k3y\t", "ключ"])
+def test_serve_refuses_an_api_key_no_client_can_send(key):
+    """`ft serve --api-key "$KEY"` with KEY unset served with the API key OFF (one "(API key off)" line to notice);
+    a key with surrounding spaces or non-ASCII characters could never match a header, so every request got 401."""
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", key],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--api-key" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
 
 
 def test_the_graph_executor_is_chosen_only_where_it_can_run():

@@ -105,6 +105,35 @@ def test_pool_gives_the_least_loaded_worker_and_alternates_on_ties():
     assert pool.acquire() is None
 
 
+@pytest.mark.parametrize("path", ["/v1/cache/rebuild", "/v1/routing"])
+def test_the_front_answers_a_body_that_stops_arriving_with_a_408(monkeypatch, path):
+    """As one server does (test_hardening): half a body and then silence held the front's handler forever."""
+    import socket
+
+    import app.api.schemas as schemas
+    from app.data_parallel.front import Front, create_front_app
+    from app.server import ServerThread
+
+    monkeypatch.setattr(schemas, "BODY_IDLE_S", 0.5)
+    pool = WorkerPool([WorkerProcess(0, ["unused"])], "k")  # never started: these routes read the body first
+    http = ServerThread(create_front_app(Front(pool)), "127.0.0.1", 0)
+    http.start()
+    try:
+        port = next(s.getsockname()[1] for srv in http.server.servers for s in srv.sockets)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 40\r\n\r\n{\"kv_tokens\": ")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = s.recv(4096)  # NOTE: socket timeout 10 s: a hang fails here
+                if not chunk:
+                    break
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        http.stop()
+
+
 # -- the real command: 2 CPU workers on the demo model ------------------------------------------------
 @pytest.fixture(scope="module")
 def front():

@@ -85,6 +85,36 @@ def test_unsupported_parameters_are_named(client, server):
     assert_openai_error(r, 400, param="prompt", code="unsupported_parameter")
 
 
+FN = {"name": "multiply", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize(("path", "field", "value"), [
+    # each answered 200 as if it had not been sent: the legacy function-calling fields (no call could come back),
+    # audio output, a web search, and vLLM's structured-output and sampling extras (the text not constrained)
+    ("/v1/chat/completions", "functions", [FN]),
+    ("/v1/chat/completions", "function_call", {"name": "multiply"}),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "web_search_options", {}),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "guided_regex", "[0-9]+"),
+    ("/v1/chat/completions", "guided_choice", ["yes", "no"]),
+    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/chat/completions", "structured_outputs", {"json": {"type": "object"}}),
+    ("/v1/chat/completions", "min_tokens", 5),
+    ("/v1/completions", "repetition_penalty", 1.3),
+    ("/v1/chat/completions", "min_p", 0.1),
+])
+def test_fields_that_would_change_the_answer_are_refused_not_dropped(server, path, field, value):
+    body = chat_body(**{field: value}) if "chat" in path else {"model": MODEL, "prompt": "a", field: value}
+    assert_openai_error(post(server, path, json=body), 400, param=field, code="unsupported_parameter")
+
+
+def test_the_neutral_values_of_those_fields_are_accepted(server):
+    neutral = {"modalities": ["text"], "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "functions": []}
+    assert post(server, "/v1/chat/completions", json=chat_body(**neutral)).status_code == 200
+
+
 def test_context_length_exceeded(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

@@ -243,6 +243,18 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_tokenizing(slow_
     assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
 
 
+def test_a_chat_whose_rendered_prompt_cannot_fit_is_refused_before_tokenizing(slow_tok):
+    """Many empty messages pass the size check over the messages' text (0 characters) while the template
+    makes them a prompt far over the context: refused by the rendered text's size, never tokenized."""
+    tokenizer = slow_tok.container.tokenizer()
+    messages = [{"role": "user", "content": "SLOW"}] + [{"role": "user", "content": ""}] * 100_000
+    r = httpx.post(slow_tok.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "messages"
+    assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
+    assert not tokenizer.encoding.is_set()
+
+
 def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(slow_tok):
     tokenizer = slow_tok.container.tokenizer()
 
@@ -279,3 +291,49 @@ def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(s
     assert status == 200 and health_s < 0.5, f"/health took {health_s:.2f}s while a prompt was tokenized"
     assert gaps and max(gaps) < 0.5, f"a stream stalled {max(gaps):.2f}s while a prompt was tokenized"
     assert done.usage.completion_tokens == 4
+
+
+# -- 5. a client that stops sending its body ------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                                  "/v1/cache/rebuild"])
+def test_a_body_that_stops_arriving_is_a_408_not_a_hang(srv, monkeypatch, path):
+    """Half a body, then silence: the handler waited for the rest forever (the client hung, the socket stayed)."""
+    import socket
+
+    import app.api.schemas as schemas
+
+    monkeypatch.setattr(schemas, "BODY_IDLE_S", 0.5)
+    body = b'{"model": "tiny-fake", "messages": [{"role": "user", "content": "hi"}]}'
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body[:20])
+        started = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = s.recv(4096)  # NOTE: socket timeout 10 s: a hang fails here
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < 5
+    assert_serves(srv)
+
+
+def test_a_slow_body_that_keeps_arriving_is_read(srv, monkeypatch):
+    """The limit is on silence, not on the whole body: a body trickling in faster than that is served."""
+    import socket
+
+    import app.api.schemas as schemas
+
+    monkeypatch.setattr(schemas, "BODY_IDLE_S", 0.5)
+    body = b'{"model": "tiny-fake", "prompt": "hi", "max_tokens": 2}'
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 10):  # 0.2 s apart: the whole body takes longer than the idle limit
+            s.sendall(body[i:i + 10])
+            time.sleep(0.2)
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]

@@ -125,6 +125,9 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
     ({"tools": [{"name": "multiply"}]}, "tools[0].input_schema: a client tool needs an input_schema"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
+    # named Chat Completions' `stop`, a field this route refuses
+    ({"stop_sequences": [str(i) for i in range(17)]}, "stop_sequences: at most 16 stop strings"),
+    ({"stop_sequences": [""]}, "stop_sequences: stop strings must be non-empty"),
 ])
 def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, body, message):
     """These once said "content block type 'text' is not supported (text and tool_result are)", "only text

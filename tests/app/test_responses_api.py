@@ -114,6 +114,12 @@ def test_reasoning_effort_none_turns_thinking_off_and_max_output_tokens_is_incom
         ({"extra_body": {"presence_penalty": 1.0}}, "presence_penalty"),
         ({"extra_body": {"frequency_penalty": 1.0}}, "frequency_penalty"),
         ({"extra_body": {"logit_bias": {"1": 2.0}}}, "logit_bias"),
+        # silently dropped: a stored prompt the answer was then given without, logprobs the client asked for,
+        # a cap on tool calls the answer could exceed
+        ({"prompt": {"id": "pmpt_123", "variables": {"x": "y"}}}, "prompt"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"max_tool_calls": 1, "tools": TOOLS}, "max_tool_calls"),
     ],
 )
 def test_refusals_name_the_parameter(client, kwargs, param):

@@ -152,6 +152,21 @@ def test_bad_tool_requests_are_400s_naming_the_parameter(client, kwargs, param):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("name", "arg"), [("a<b>c", "a"), ("line\nbreak", "a"), ("multiply", "x>y")])
+def test_a_tool_name_the_call_markup_cannot_carry_is_a_400(client, stream, name, arg):
+    """`<function=NAME>` / `<parameter=KEY>` cannot carry `<`, `>` or a newline: a named tool_choice for "a<b>c"
+    answered 200 with the forced markup in `content` and no call, and a model's call could never be read back."""
+    tools = [TOOLS[1], {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {arg: {"type": "integer"}}}}}]
+    for choice in ("auto", {"type": "function", "function": {"name": name}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, tool_choice=choice,
+                                               stream=stream)
+            list(r) if stream else None
+        assert info.value.body["param"] == "tools[1]" and info.value.body["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_boolean_property_schema_leaves_that_argument_untyped(client, stream):
     """JSON Schema allows `true` as a subschema (anything goes): the parser once called .get on it (500, or a
     stream cut off mid-call)."""

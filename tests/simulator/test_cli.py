@@ -54,5 +54,28 @@ def test_bad_input_is_a_clear_error(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+P = ["predict", "--hardware", "rtx3090", "--model", "qwen3.6-35b-a3b-fp8"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([*P, "--kv", "8k", "--gpu-budget-gib", "inf"], "--gpu-budget-gib"),  # OverflowError traceback
+    ([*P, "--kv", "8k", "--gpu-budget-gib", "nan"], "--gpu-budget-gib"),
+    ([*P, "--kv", ""], "--kv"),
+    ([*P, "--kv", "inf"], "--kv"),  # OverflowError traceback
+    ([*P, "--kv", "1e400"], "--kv"),  # predicted nothing and exited 0 with an empty table
+    ([*P, "--kv", ",", "--batch", "1"], "--kv"),
+    ([*P, "--kv", "8k", "--batch", ""], "--batch"),
+    ([*P, "--kv", "8k", "--workers", "0"], "--workers"),  # silently ran anyway
+    (["expert-parallel", "--gpu-cap-gib", "inf"], "--gpu-cap-gib"),  # OverflowError traceback
+    (["expert-parallel", "--gpu-cap-gib", "nan"], "--gpu-cap-gib"),  # "cannot convert float NaN to integer"
+    (["expert-parallel", "--ranks", ""], "--ranks"),  # printed nothing, exit 0
+])
+def test_bad_numbers_are_argument_errors_naming_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and flag in err and "Traceback" not in err, err
+
+
 def test_counts_accept_suffixes():
     assert parse_count("8k") == 8192 and parse_count("1m") == 1 << 20 and parse_count("700000") == 700000
