@@ -160,6 +160,18 @@ def start_server(container: Container | None = None, *, wait: bool = True, **ove
     return server
 
 
+def read_response_head(sock) -> bytes:
+    """What a raw socket receives up to the end of the HTTP response's headers (or until the peer closes).
+    The socket's own timeout bounds each read, so a server that never answers fails the test there."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
 def stats(server: RunningServer, headers: dict | None = None) -> dict:
     return httpx.get(server.base_url + "/v1/stats", headers=headers or {}).json()
 

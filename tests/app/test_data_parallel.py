@@ -25,6 +25,7 @@ from app.data_parallel.serve import worker_argv
 from app.data_parallel.workers import WorkerPool, WorkerProcess, assign_devices
 from app.serving import RunningServer
 from app.settings import ServeSettings
+from tests.app.conftest import read_response_head
 from tests.app.processes import FtServe, pid_alive
 
 demo = pytest.importorskip("app.demo_model")
@@ -123,12 +124,7 @@ def test_the_front_answers_a_body_that_stops_arriving_with_a_408(monkeypatch, pa
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 40\r\n\r\n{\"kv_tokens\": ")
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                chunk = s.recv(4096)  # NOTE: socket timeout 10 s: a hang fails here
-                if not chunk:
-                    break
-                answer += chunk
+            answer = read_response_head(s)  # NOTE: socket timeout 10 s: a hang fails here
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     finally:
         http.stop()

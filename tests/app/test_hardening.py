@@ -18,6 +18,7 @@ from tests.app.conftest import (
     chat_prompt_ids,
     fake_model_output,
     make_container,
+    read_response_head,
     start_server,
     wait_until_idle,
 )
@@ -308,12 +309,7 @@ def test_a_body_that_stops_arriving_is_a_408_not_a_hang(srv, monkeypatch, path):
         s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body[:20])
         started = time.monotonic()
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            chunk = s.recv(4096)  # NOTE: socket timeout 10 s: a hang fails here
-            if not chunk:
-                break
-            answer += chunk
+        answer = read_response_head(s)  # NOTE: socket timeout 10 s: a hang fails here
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.monotonic() - started < 5
     assert_serves(srv)
