@@ -200,11 +200,10 @@ class Engine:
                 batch = self.scheduler.schedule()
                 if batch is None:
                     self._last_call_end = None  # an idle pause is not host overhead
-                    self._deliver()
+                    self._republish()  # the last step's work first: the idle self-check sees no finished stream
                     if not was_idle:
                         self._on_idle()
                         was_idle = True
-                    self._republish()
                     self._wake.wait(0.05 if self._resizer.active else 1.0)
                     continue
                 was_idle = False
