@@ -62,6 +62,9 @@ class DeviceResidency:
             raise ValueError(f"need at least one layer and expert, got {num_layers} x {num_experts}")
         self.num_layers, self.num_experts = num_layers, num_experts
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # tensors made on "cuda" report "cuda:N": name the index so device checks compare like with like
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank = rank
         self.owner: torch.Tensor | None = None  # int32 [L*E + 1], the sink entry -1 (owned by no rank)
         if owner is not None:

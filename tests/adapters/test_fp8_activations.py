@@ -148,10 +148,10 @@ def test_w8a8_refuses_layouts_it_cannot_read():
         moe_grouped_down(act_quant_fp8(h), align, weights, slots, layout, torch.zeros(6, 2, 128, device=DEVICE))
     w = quantize(torch.randn(64, 128), F_.NVFP4)
     with pytest.raises(ValueError, match="FP8 weight"):
-        dense_gemm(act_quant_fp8(torch.randn(4, 128)), w)
+        dense_gemm(act_quant_fp8(torch.randn(4, 128, device=DEVICE)), w)
     fp8 = quantize(torch.randn(64, 128), F_.FP8_BLOCK)
     with pytest.raises(ValueError, match="Fp8Rows"):
-        dense_gemm(act_quant_fp8(torch.randn(4, 256)), fp8)
+        dense_gemm(act_quant_fp8(torch.randn(4, 256, device=DEVICE)), fp8)
 
 
 @pytest.mark.parametrize("fmt", A8_FORMATS, ids=lambda f: f.value)
