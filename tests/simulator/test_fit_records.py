@@ -14,6 +14,7 @@ from simulator.cost_model import CostModel, decode_step
 from simulator.hardware import get_profile
 from simulator.records import load_records
 from simulator.sweep import Calibration
+from tests.simulator.same_profile import assert_same_profile
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = qwen36_35b_a3b()
@@ -162,23 +163,6 @@ def test_a_failed_point_is_listed_not_fitted(tmp_path):
     records = load_records(paths, SPEC)
     assert {"source": "sweep.json", "reason": "points[1] failed: timeout"} in records.skipped
     assert not any(o.label == "sweep kv=8192 bs=3" for o in records.observations)
-
-
-def assert_same_profile(fresh, committed, path="profile"):
-    """The same profile as the committed file: every key and non-float value equal, floats to 1e-9 relative (a
-    least-squares fit's last digits follow the BLAS and numpy build the CI installs, not the records)."""
-    if isinstance(committed, float) or isinstance(fresh, float):
-        assert fresh == pytest.approx(committed, rel=1e-9, abs=1e-15), path
-    elif isinstance(committed, dict):
-        assert isinstance(fresh, dict) and fresh.keys() == committed.keys(), path
-        for key in committed:
-            assert_same_profile(fresh[key], committed[key], f"{path}.{key}")
-    elif isinstance(committed, list):
-        assert isinstance(fresh, list) and len(fresh) == len(committed), path
-        for i, (a, b) in enumerate(zip(fresh, committed, strict=True)):
-            assert_same_profile(a, b, f"{path}[{i}]")
-    else:
-        assert fresh == committed, path
 
 
 def test_todays_records_reproduce_the_committed_profile_and_report_their_error(tmp_path, capsys):
