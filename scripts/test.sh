@@ -13,4 +13,7 @@ python -m venv .venv-router
 ruff check domain adapters app simulator tests
 lint-imports
 # pytest's exit 5 (no tests collected) fails this script like any other non-zero status.
-python -m pytest "$@"
+# One worker per core, each test file whole on one worker (--dist loadfile): a file's module-scoped fixtures
+# (a synthesized checkpoint, a warmed executor) are built once, and the Triton-interpreter files, most of
+# the time, run side by side. PYTEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${PYTEST_WORKERS:-auto}" --dist loadfile "$@"
