@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import FP8_BLOCK, QTensor
+from adapters.kernels.packed_gemv import untuned_block_n
 from domain.model_spec import WeightFormat
 
 # scale modes (tl.constexpr)
@@ -110,6 +111,6 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if x.is_cuda and block_n is None and block_k is None:
         _TUNED[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK)
     else:
-        bn, bk = block_n or 16, block_k or 128
+        bn, bk = block_n or untuned_block_n(n, x.is_cuda), block_k or 128
         _dense_gemv_kernel[(triton.cdiv(n, bn), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK, BLOCK_N=bn, BLOCK_K=bk)
     return out

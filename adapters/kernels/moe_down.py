@@ -90,7 +90,7 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
                          f"{tuple(weights.shape)}")
     if not h.device == weights.device == slots.device:
         raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
-    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_down")
+    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_down", rows=layout.hidden)
     hidden = layout.hidden
     if partials is None and out is None:
         out = torch.empty((tokens, hidden), dtype=h.dtype, device=h.device)

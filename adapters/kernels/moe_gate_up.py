@@ -74,7 +74,7 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     k = check_pool(slot_ids, slots, layout, tokens, "moe_gate_up")
     if x.device != slots.device:
         raise ValueError(f"moe_gate_up: x on {x.device}, slots on {slots.device}")
-    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_gate_up")
+    tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_gate_up", rows=layout.intermediate)
     inter = layout.intermediate
     if out is None:
         out = torch.empty((tokens, k, inter), dtype=x.dtype, device=x.device)

@@ -256,14 +256,27 @@ def prune_tiles(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
+def untuned_block_n(rows: int | None, on_cuda: bool) -> int:
+    """The BLOCK_N of an untuned launch over `rows` output rows: 16 on CUDA. Off CUDA (Triton's interpreter,
+    which runs the programs one after another in Python) the widest power of two up to 128 that divides rows,
+    so a tiny test shape takes 1-8 programs a row instead of 5-24. Rows that 16 does not divide keep 16: the
+    kernels' EVEN and FOLD paths (BLOCK_N divides the rows and 128) are the same as with 16, and each output
+    row's sum runs the same K steps, so the results are bitwise those of 16-row tiles."""
+    block_n = 16
+    while not on_cuda and rows is not None and block_n < 128 and rows % (2 * block_n) == 0:
+        block_n *= 2
+    return block_n
+
+
 def resolve_tiles(layout: ExpertLayout, block_n: int | None, block_k: int | None, on_cuda: bool,
-                  where: str) -> tuple[bool, int, int]:
+                  where: str, rows: int | None = None) -> tuple[bool, int, int]:
     """(tuned, block_n, block_k): no tile given on CUDA means the measured best tile for the shape and
-    format (triton.autotune); otherwise the given tile or the default 16 x default_block_k, checked.
-    Raises ValueError for a block_n that is not a power of two or a block_k the format cannot use."""
+    format (triton.autotune); otherwise the given tile or the default untuned_block_n(rows) x
+    default_block_k, checked. Raises ValueError for a block_n that is not a power of two or a block_k the
+    format cannot use."""
     tuned = on_cuda and block_n is None and block_k is None
     block_k = default_block_k(layout) if block_k is None else block_k
-    block_n = 16 if block_n is None else block_n
+    block_n = untuned_block_n(rows, on_cuda) if block_n is None else block_n
     check_block_k(layout, block_k)
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"{where}: block_n={block_n} must be a power of two")
