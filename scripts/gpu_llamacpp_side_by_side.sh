@@ -44,6 +44,9 @@ if [ $DRY = 1 ]; then  # a CPU machine: tiny everything; every default below can
   export CONVERT_PYTHON
 fi
 export CKPT=${CKPT:-/tmp/qwen36-fp8}
+# fluxtide is measured as a GPU user should run it: the Triton prefill (the reference prefill's TTFT of a
+# 20-token prompt was 1.6 s on the H200, 2026-12-02, and its slow prefills leaked into the ladder's decode)
+[ $DRY = 1 ] || export PREFILL_KERNELS=${PREFILL_KERNELS:-triton}
 # shellcheck source=scripts/gpu_http_bench.sh
 . "$HERE/gpu_http_bench.sh"  # gpu_env.sh ($OUT, wheels, wait_healthy) + the server shapes and ft bench calls
 TARBALL=${TARBALL:-.llamacpp/llama.cpp.tar.gz}
