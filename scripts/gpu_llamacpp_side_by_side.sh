@@ -223,7 +223,7 @@ phase_coldstart() {  # start-up milestones of the resident fluxtide server, laun
   # shellcheck disable=SC2046,SC2086  # the shapes are option lists
   timeout "$BENCH_TIMEOUT" python3 -m app bench cold-start --model-dir "$CKPT" --quiet --no-bandwidth \
     --start-timeout $(( READY_TRIES * 2 )) --out "$WORK/fluxtide_cold_start.json" -- --model "$CKPT" \
-    --device "${DEVICE:-cuda}" --executor "${EXECUTOR:-cuda-graph}" --prefill-kernels "${PREFILL_KERNELS:-reference}" \
+    --device "${DEVICE:-cuda}" --executor "${EXECUTOR:-cuda-graph}" --prefill-kernels "${PREFILL_KERNELS:-auto}" \
     --port 8103 ${EXTRA_SERVE_ARGS:-} $(resident_serve_args) 2>&1 | tail -15
   cp "$WORK/fluxtide_cold_start.json" "$OUT/" 2>/dev/null
 }
