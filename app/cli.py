@@ -53,13 +53,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
                    help="cuda-graph: captured decode steps, device-side expert cache, Triton kernels (CUDA only); "
                         "reference: the plain torch path (CPU, parity oracle); auto: cuda-graph where it can run")
-    p.add_argument("--prefill-kernels", default="reference", choices=("reference", "triton"),
+    p.add_argument("--prefill-kernels", default="auto", choices=("auto", "reference", "triton"),
                    help="the fast path's prefill: reference (the torch token mixers and projections) or triton "
                         "(GDN chunk kernels, flash attention over the pages, tensor-core projections; GPU-tested and "
-                        "measured on the H200 with block-FP8 checkpoints, the NVFP4/MXFP4 GEMM paths not yet: "
-                        "docs/prefill-kernels.md)")
+                        "measured on the H200 with bf16 and block-FP8 checkpoints, the NVFP4/MXFP4 GEMM paths not yet: "
+                        "docs/prefill-kernels.md); auto (default): triton on the CUDA fast path for bf16/fp16/fp32 "
+                        "and block-FP8 weights, else reference (the choice and its reason are logged at start-up "
+                        "and in /v1/stats; docs/adr/0020-prefill-kernels-auto.md)")
     p.add_argument("--prefill-fp8-activations", action="store_true",
-                   help="with --prefill-kernels triton and an FP8 checkpoint: prefill GEMMs quantize their inputs to "
+                   help="with the Triton prefill (--prefill-kernels triton, or auto where it picks triton) and an "
+                        "FP8 checkpoint: prefill GEMMs quantize their inputs to "
                         "e4m3 per 128 columns (the checkpoints' declared dynamic activation scheme) and run on FP8 "
                         "tensor cores; faster long prompts, logits no longer bitwise those of the bf16 path. "
                         "Experimental: on the full synthetic Qwen3.6 the last-token logits moved far from the bf16 "

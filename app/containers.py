@@ -22,8 +22,9 @@ from app.settings import ServeSettings
 from app.stats import ServingStats
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, plan_pools
 from domain.kv_pages import PageAllocator
-from domain.model_spec import ModelSpec
+from domain.model_spec import ModelSpec, WeightFormat
 from domain.ports import Tokenizer
+from domain.prefill_choice import PrefillChoice, resolve_prefill_kernels
 from domain.prefix_store import snapshot_interval
 from domain.scheduler import Scheduler, SchedulerConfig
 from domain.serve_plan import ServePools, cap_bytes, plan_serve_pools, serve_budget
@@ -127,21 +128,40 @@ def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
     return reserve_step(budget, _step_reserve(settings, spec, device))
 
 
-def _streams_prefill(settings: ServeSettings, device: str) -> bool:
-    """Where --staging-experts auto plans the geometry's default rows: the fast path will likely run with the
-    Triton prefill (--prefill-kernels triton: streaming is part of that not yet GPU-verified prefill, ADR 0010);
-    elsewhere auto is 0 (prefill goes through the expert cache as before)."""
+def _fast_path_planned(settings: ServeSettings, device: str) -> bool:
+    """Whether the fast path will likely serve, as far as the settings tell before the checkpoint is read (what
+    _use_fast_path checks besides the pinned bank: CUDA, not --executor reference, --mmap-experts or
+    --record-routing)."""
     return (device.startswith("cuda") and settings.executor != "reference" and not settings.mmap_experts
-            and not settings.record_routing and settings.prefill_kernels == "triton")
+            and not settings.record_routing)
 
 
-def serve_pools(settings: ServeSettings, device: str = "cpu") -> ServePools:
-    """The pool-sizing flags of these settings, as domain.serve_plan (and the simulator) take them."""
+def planned_prefill(settings: ServeSettings, spec: ModelSpec, device: str) -> PrefillChoice:
+    """The prefill the pool plan expects: --prefill-kernels resolved before any weight is read, from the spec's
+    formats (the experts' one, the widest dense one).
+    NOTE: the executor resolves again from the loaded weights (_prefill_choice); their formats differ only for a
+    mixed-precision checkpoint whose widest dense format is validated and a narrower one is not, where the plan
+    holds staging rows the reference prefill leaves unused (memory, never a wrong kernel)."""
+    return resolve_prefill_kernels(settings.prefill_kernels, device=device,
+                                   fast_path=_fast_path_planned(settings, device),
+                                   expert_format=spec.expert_format, dense_formats=(spec.dense_format,))
+
+
+def _streams_prefill(settings: ServeSettings, spec: ModelSpec, device: str) -> bool:
+    """Where --staging-experts auto plans the geometry's default rows: the fast path will likely run with the
+    Triton prefill (--prefill-kernels triton, or auto resolved to it: streaming is part of that prefill, ADR 0010);
+    elsewhere auto is 0 (prefill goes through the expert cache as before)."""
+    return _fast_path_planned(settings, device) and planned_prefill(settings, spec, device).triton
+
+
+def serve_pools(settings: ServeSettings, spec: ModelSpec, device: str = "cpu") -> ServePools:
+    """The pool-sizing flags of these settings for this model, as domain.serve_plan (and the simulator) take
+    them (the model's weight formats decide what --prefill-kernels auto plans for)."""
     return ServePools(kv_tokens=settings.kv_tokens, expert_slots=settings.moe_slots,
                       max_running_requests=settings.max_running_requests,
                       kv_reserve_tokens=settings.kv_reserve_tokens, cache_type=settings.cache_type,
                       snapshot_slots=settings.snapshot_slots, staging_experts=settings.staging_experts,
-                      streams_prefill=_streams_prefill(settings, device))
+                      streams_prefill=_streams_prefill(settings, spec, device))
 
 
 def _pool_plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, device: str = "cpu") -> PoolPlan:
@@ -161,7 +181,7 @@ def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, 
     PlanRefusal; domain.serve_plan drops the defaults that do not fit (logged here) and caps the KV. A refusal
     names the step size when it is what tips the plan over: the same pools fit without its reserve (a budget
     made elsewhere, without the reserve, is taken as it is)."""
-    pools = serve_pools(settings, device)
+    pools = serve_pools(settings, spec, device)
     planned = plan_serve_pools(spec, budget, pools, planner)
     if isinstance(planned, PlanRefusal):
         reserve = _step_reserve(settings, spec, device)
@@ -245,13 +265,15 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if settings.expert_parallel > 1:
         return _expert_parallel_executor(settings, checkpoint, plan, device, dtype, progress)
-    if _use_fast_path(settings, checkpoint, device):
+    fast = _use_fast_path(settings, checkpoint, device)
+    choice = _prefill_choice(settings, checkpoint, device, fast)
+    if fast:
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
-        return CudaGraphExecutor(checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests,
-                                 on_phase=progress, prefill_kernels=settings.prefill_kernels == "triton",
-                                 routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
-                                 warm_prefill=True, fp8_activations=settings.prefill_fp8_activations)
+        return _reporting(choice, CudaGraphExecutor(
+            checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests, on_phase=progress,
+            prefill_kernels=choice.triton, routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
+            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations))
     if settings.prefill_fp8_activations:
         raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
                          "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "
@@ -261,7 +283,40 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         from adapters.torch_exec.routing_trace import RoutingTraceRecorder
 
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
-    return TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder, routing_replay=routing_replay)
+    return _reporting(choice, TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder,
+                                            routing_replay=routing_replay))
+
+
+def _prefill_choice(settings: ServeSettings, checkpoint, device: str, fast: bool) -> PrefillChoice:
+    """--prefill-kernels resolved for the executor about to serve (fast: _use_fast_path's answer) from the loaded
+    weights' formats (domain/prefill_choice.py), logged; ValueError when --prefill-fp8-activations needs the Triton
+    prefill that auto turned down (explicit triton keeps the executor's own checks)."""
+    expert_format, dense_formats = None, ()
+    if fast and device.startswith("cuda"):  # NOTE: only the fast path's checkpoint is read (a stub elsewhere)
+        from adapters.checkpoint.quant import QTensor
+
+        expert_format = checkpoint.experts.layout.fmt
+        # plain tensors are the float weights (embeddings, norms, unquantized projections)
+        dense_formats = {w.fmt if isinstance(w, QTensor) else WeightFormat.BF16 for w in checkpoint.dense.values()}
+    choice = resolve_prefill_kernels(settings.prefill_kernels, device=device, fast_path=fast,
+                                     expert_format=expert_format, dense_formats=dense_formats)
+    if choice.triton and not fast:  # NOTE: as before auto: the reference executor has its own prefill only
+        log.info("prefill: reference (%s applies to the CUDA-graph fast path; the reference executor serves)",
+                 choice.reason)
+    else:
+        log.info("prefill: %s (%s)", choice.kernels, choice.reason)
+    if settings.prefill_fp8_activations and fast and not choice.triton:
+        raise ValueError(f"--prefill-fp8-activations is a mode of the Triton prefill, and --prefill-kernels "
+                         f"{choice.requested} chose the reference prefill ({choice.reason}); add --prefill-kernels "
+                         f"triton to run the Triton prefill anyway")
+    return choice
+
+
+def _reporting(choice: PrefillChoice, executor):
+    """The executor, carrying the prefill choice that Engine.executor_info reports (read by attribute, as the
+    executor's own modes are; a fake without it reports none)."""
+    executor.prefill_choice = choice
+    return executor
 
 
 def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device: str, dtype,
@@ -281,6 +336,7 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
     if settings.ep_address is None:
         raise ValueError("--expert-parallel: no rendezvous address (ft serve sets it for every rank)")
     fast = _use_fast_path(settings, checkpoint, device)
+    choice = _prefill_choice(settings, checkpoint, device, fast)
     if device.startswith("cuda"):
         # NOTE: allocations on the capture stream stay in the graph's pool (no record_stream), and NVLink
         # SHARP/multicast stays off (ADR 0005); an operator's own setting wins
@@ -296,7 +352,7 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
 
         executor = FastExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype,
                                               max_decode_rows=settings.max_running_requests, on_phase=progress,
-                                              prefill_kernels=settings.prefill_kernels == "triton",
+                                              prefill_kernels=choice.triton,
                                               max_step_tokens=settings.max_prefill_length, warm_prefill=True,
                                               fp8_activations=settings.prefill_fp8_activations)
     elif settings.prefill_fp8_activations:
@@ -304,6 +360,7 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
                          "ranks run the reference executor")
     else:
         executor = ExpertParallelExecutor(checkpoint, plan, partition, device=device, dtype=dtype)
+    _reporting(choice, executor)
     return StepLeader(executor) if settings.ep_rank == 0 else executor
 
 

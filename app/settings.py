@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from domain.prefill_choice import PREFILL_KERNELS
 from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
 
 
@@ -36,7 +37,9 @@ class ServeSettings:
     mmap_experts: bool = False  # keep expert weights memory-mapped from disk instead of in host RAM
     # "auto": the graph-captured fast path on CUDA (pinned bank, no routing recording), else the reference
     executor: str = "auto"  # "auto" | "reference" | "cuda-graph"
-    prefill_kernels: str = "reference"  # the fast path's prefill: "reference" | "triton"
+    # the fast path's prefill: "auto" (triton on CUDA for GPU-validated weight formats, domain/prefill_choice.py;
+    # ADR 0020) | "reference" | "triton"
+    prefill_kernels: str = "auto"
     # the Triton prefill's FP8 GEMMs take e4m3 activations per 128 columns (ADR 0018; off: bf16 activations)
     prefill_fp8_activations: bool = False
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
@@ -78,12 +81,14 @@ class ServeSettings:
             raise ValueError(f"--gpu-budget-gib must be a positive number of GiB, got {self.gpu_budget_gib}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.prefill_kernels not in ("reference", "triton"):
-            raise ValueError(f"--prefill-kernels must be reference or triton, got {self.prefill_kernels!r}")
+        if self.prefill_kernels not in PREFILL_KERNELS:
+            raise ValueError(f"--prefill-kernels must be auto, reference or triton, got {self.prefill_kernels!r}")
         if self.prefill_fp8_activations:
-            if self.prefill_kernels != "triton":
-                raise ValueError("--prefill-fp8-activations is a mode of the Triton prefill: add --prefill-kernels "
-                                 "triton")
+            # NOTE: with auto, whether the Triton prefill runs is known once the checkpoint is read (the executor
+            # refuses it then, naming auto's reason); reference is refused here
+            if self.prefill_kernels == "reference":
+                raise ValueError("--prefill-fp8-activations is a mode of the Triton prefill: use --prefill-kernels "
+                                 "triton (or auto), not reference")
             # NOTE: as for --executor cuda-graph: what can be known before loading is refused here; the rest
             # (--device auto without CUDA, an unpinned bank, no FP8 weights) when the executor is built, on /health
             clash = [flag for flag, on in (("--device cpu", self.device == "cpu"),

@@ -55,8 +55,9 @@ class ServePools:
     holds them equal to app.settings.ServeSettings').
 
     staging_experts None is `--staging-experts auto`: the geometry's default rows where the deployment's
-    prefill streams experts (`streams_prefill`: the CUDA-graph fast path with `--prefill-kernels triton`,
-    one GPU, a pinned bank), else 0 (prefill goes through the expert cache)."""
+    prefill streams experts (`streams_prefill`: the CUDA-graph fast path with the Triton prefill, i.e.
+    `--prefill-kernels triton` or auto resolved to it (domain/prefill_choice.py), one GPU, a pinned bank), else 0
+    (prefill goes through the expert cache)."""
 
     kv_tokens: int | None = None  # --kv-tokens (None: fill, at least kv_reserve_tokens)
     expert_slots: int | None = None  # --moe-slots (None: fill the budget)

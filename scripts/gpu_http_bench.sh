@@ -3,7 +3,7 @@
 # 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
 #    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
 # 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1, 3, 4, 6).
-# Records land in $OUT. PREFILL_KERNELS=triton serves with the Triton prefill (default: reference).
+# Records land in $OUT. PREFILL_KERNELS=triton|reference overrides ft serve's default (auto, ADR 0020).
 # Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
 # missing sniffio).
 # Sourced (not run), it only defines the pieces below: scripts/gpu_llamacpp_side_by_side.sh measures
@@ -37,7 +37,7 @@ serve() {  # serve PORT LOG ARGS... ; sets SERVER, waits for /health ok (or give
   local port=$1 log=$2; shift 2
   # shellcheck disable=SC2086  # EXTRA_SERVE_ARGS is a list of options
   python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} \
-    --prefill-kernels ${PREFILL_KERNELS:-reference} --port "$port" ${EXTRA_SERVE_ARGS:-} "$@" >"$log" 2>&1 &
+    --prefill-kernels ${PREFILL_KERNELS:-auto} --port "$port" ${EXTRA_SERVE_ARGS:-} "$@" >"$log" 2>&1 &
   SERVER=$!
   wait_healthy "$port" "$SERVER" "$log" "$READY_TRIES"
 }

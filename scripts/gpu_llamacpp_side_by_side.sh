@@ -11,6 +11,9 @@
 #           size of the sweep: `ft bench sweep --kv current`; then everything on the GPU: `ft bench ladder`.
 #   ours    fluxtide the same way, with scripts/gpu_http_bench.sh's pieces (resident ladder, 24 GiB sweep).
 #   report  the side-by-side tables (ratio to llama.cpp) -> $OUT/side_by_side.json
+#   coldstart  fluxtide only: `ft bench cold-start` of the resident server (its start-up milestones)
+#   extras  both resident servers up at once (~38 + ~42 GiB), then `ft bench probe` and `ft bench prefill`
+#           against both in one call each (one record per server and a side-by-side table)
 #   bench   = llama ours report.   No phase: build bench.
 # Each engine's phase writes $OUT/<engine>.json: its runs (server command, planned and measured VRAM,
 # readiness time, the ft bench record); logs go to $OUT/logs_<phase>.tar.gz. Milestones print with times.
@@ -23,8 +26,8 @@ phases=()
 for arg in "$@"; do
   case $arg in
     --dry-run) DRY=1 ;;
-    build|llama|ours|report|bench) phases+=("$arg") ;;
-    *) echo "unknown phase $arg (build llama ours report bench, --dry-run)"; exit 2 ;;
+    build|llama|ours|report|bench|coldstart|extras) phases+=("$arg") ;;
+    *) echo "unknown phase $arg (build llama ours report bench coldstart extras, --dry-run)"; exit 2 ;;
   esac
 done
 [ ${#phases[@]} -gt 0 ] || phases=(build bench)
@@ -44,6 +47,9 @@ if [ $DRY = 1 ]; then  # a CPU machine: tiny everything; every default below can
   export CONVERT_PYTHON
 fi
 export CKPT=${CKPT:-/tmp/qwen36-fp8}
+# fluxtide is measured as a GPU user should run it: the Triton prefill (the reference prefill's TTFT of a
+# 20-token prompt was 1.6 s on the H200, 2026-12-02, and its slow prefills leaked into the ladder's decode)
+[ $DRY = 1 ] || export PREFILL_KERNELS=${PREFILL_KERNELS:-triton}
 # shellcheck source=scripts/gpu_http_bench.sh
 . "$HERE/gpu_http_bench.sh"  # gpu_env.sh ($OUT, wheels, wait_healthy) + the server shapes and ft bench calls
 TARBALL=${TARBALL:-.llamacpp/llama.cpp.tar.gz}
@@ -209,6 +215,44 @@ phase_report() {
   # llama.cpp first: the ratios read "fluxtide / llama.cpp"
   python3 "$HERE/llama_cpp/sbs.py" compare "$WORK/side_by_side.json" "$WORK/llamacpp.json" "$WORK/fluxtide.json" \
     && cp "$WORK/side_by_side.json" "$OUT/"
+}
+
+phase_coldstart() {  # start-up milestones of the resident fluxtide server, launched by ft bench itself
+  synth_ckpt
+  late "fluxtide cold start" && return 1
+  # shellcheck disable=SC2046,SC2086  # the shapes are option lists
+  timeout "$BENCH_TIMEOUT" python3 -m app bench cold-start --model-dir "$CKPT" --quiet --no-bandwidth \
+    --start-timeout $(( READY_TRIES * 2 )) --out "$WORK/fluxtide_cold_start.json" -- --model "$CKPT" \
+    --device "${DEVICE:-cuda}" --executor "${EXECUTOR:-cuda-graph}" --prefill-kernels "${PREFILL_KERNELS:-auto}" \
+    --port 8103 ${EXTRA_SERVE_ARGS:-} $(resident_serve_args) 2>&1 | tail -15
+  cp "$WORK/fluxtide_cold_start.json" "$OUT/" 2>/dev/null
+}
+
+phase_extras() {  # probe and prefill of both engines, every expert on the GPU, the two servers side by side
+  [ -x "$LLAMA_SERVER" ] && [ -f "$GGUF" ] || { echo "extras: run the build phase first"; return 1; }
+  synth_ckpt
+  late "extras" && return 1
+  local llama ours ok=0
+  # shellcheck disable=SC2206  # LLAMA_ARGS is a list of options
+  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port 8204 --alias qwen36-q8_0 --metrics -ngl 999 \
+    -c "$(count "$RESIDENT_KV")" -np "$RESIDENT_RUNNING" --kv-unified --fit off $LLAMA_ARGS \
+    > "$WORK/logs/llama_extras.log" 2>&1 &
+  llama=$!
+  # shellcheck disable=SC2046
+  serve 8104 "$WORK/logs/ft_extras.log" $(resident_serve_args) && ours=$SERVER && ok=1
+  wait_healthy 8204 "$llama" "$WORK/logs/llama_extras.log" "$READY_TRIES" || ok=0
+  mark "extras: servers ready ($ok), GPU $(gpu_mib) MiB"
+  if [ $ok = 1 ]; then  # llama.cpp first: the tables' ratios read "fluxtide / llama.cpp"
+    local urls=(--base-url http://127.0.0.1:8204 --base-url http://127.0.0.1:8104)
+    timeout "$BENCH_TIMEOUT" python3 -m app bench probe "${urls[@]}" --model-dir "$CKPT" --no-bandwidth \
+      --out "$WORK/probe.json" 2>&1 | tail -12
+    timeout "$BENCH_TIMEOUT" python3 -m app bench prefill "${urls[@]}" --model-dir "$CKPT" --no-bandwidth \
+      --out "$WORK/prefill.json" ${PREFILL_ARGS:-} 2>&1 | tail -12
+    mark "extras measured"
+  fi
+  kill "$llama" ${ours:+"$ours"} 2>/dev/null; wait "$llama" ${ours:+"$ours"} 2>/dev/null
+  cp "$WORK"/probe*.json "$WORK"/prefill*.json "$OUT/" 2>/dev/null
+  [ $ok = 1 ]
 }
 
 status=0

@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto",
                    help="as `ft serve --staging-experts` (auto: the geometry's rows with --prefill-kernels triton)")
     p.add_argument("--prefill-kernels", choices=("reference", "triton"),
-                   help="as `ft serve --prefill-kernels`; triton turns on the auto staging rows (default: the "
-                        "calibration's; ft serve's reference)")
+                   help="as `ft serve --prefill-kernels` resolves it; triton turns on the auto staging rows "
+                        "(default: the calibration's, reference; ft serve's auto is triton on a card for bf16 and "
+                        "block-FP8 weights)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--distinct-prompts", action="store_true",
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")

@@ -105,7 +105,7 @@ def deployment_for(hardware: str, pool_bytes: int, state_slots: int) -> Deployme
     if fixed < 0:
         raise ValueError(f"a {pool_bytes / GIB:.1f} GiB pool does not fit {hardware} after the weights")
     # NOTE: the reading has no prefix-cache snapshot pool and no staging rows (the 17.6 GiB held the state
-    # slots, the KV and the experts): cache_type none, and --prefill-kernels' reference default stages nothing.
+    # slots, the KV and the experts): cache_type none, and the Deployment's reference prefill stages nothing.
     # the customer's engine: its fixed caches are `fixed`, it holds no fluxtide step reserve
     return Deployment(memory_ratio=0.9, fixed_bytes=fixed, state_slots=state_slots, cache_type="none",
                       max_prefill_length=None)

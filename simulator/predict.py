@@ -70,7 +70,9 @@ class Deployment(StrictParams):
     cache_type: str = "radix"  # --cache-type (radix: 4 state snapshot slots per running request by default)
     snapshot_slots: int | None = None  # --snapshot-slots
     staging_experts: int | None = None  # --staging-experts (None = auto: the geometry's rows with the Triton prefill)
-    prefill_kernels: str = "reference"  # --prefill-kernels (triton: auto staging rows are planned)
+    # the prefill --prefill-kernels resolves to (triton: auto staging rows are planned); ft serve's default auto is
+    # triton on a card for bf16 and block-FP8 weights (domain/prefill_choice.py), the calibrations' is reference
+    prefill_kernels: str = "reference"
     # --max-prefill-length: its step's bf16 activations are held beside the pools (ADR 0011), as the server
     # does; None: no reserve (the server before that ADR, e.g. the 2026-12-01 H200 records)
     max_prefill_length: int | None = 8192

@@ -79,7 +79,8 @@ class CudaGraphExecutor(ExecutorPools):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
-        False keeps the reference token mixers there (the default until the kernels are GPU-verified).
+        False keeps the reference token mixers there (--prefill-kernels reference, and what auto picks for weight
+        formats the kernels have not been GPU-validated with: domain/prefill_choice.py, ADR 0020).
         routing_replay: replace the routers' top-k choice (benchmark-only; adapters/cuda_exec/routing_replay.py).
         max_step_tokens: the most tokens one step carries (the scheduler's max_step_tokens, --max-prefill-length);
         the prefill warm-up tunes every kernel key a step up to that size can produce.
@@ -98,8 +99,9 @@ class CudaGraphExecutor(ExecutorPools):
         self.dtype = dtype
         self.model = FastDecoder(checkpoint.dense, OPTIONS[arch](checkpoint.text_config), dtype, self.device)
         self.model.prepare_fast_path()
-        # NOTE: the Triton prefill (mixers, tensor-core projections and grouped MoE GEMMs) is opt-in until a
-        # GPU run has verified it; off, every step runs the kernels the H200 runs have checked
+        # NOTE: the Triton prefill (mixers, tensor-core projections and grouped MoE GEMMs) runs where the server's
+        # --prefill-kernels resolves to it (auto: only the formats GPU runs have validated, ADR 0020); off, every
+        # step runs the reference kernels
         self.prefill_kernels = self.model.prefill_kernels = prefill_kernels
         if fp8_activations:
             check_fp8_activations(checkpoint, prefill_kernels)

@@ -52,7 +52,7 @@ class FastDecoder(MoeDecoder):
     Prefill and mixed steps run the shared forward with the prefill kernels (adapters/cuda_exec/prefill.py:
     the Gated DeltaNet chunk kernels, flash attention over the gathered pages, tensor-core projections)."""
 
-    prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton)
+    prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton, or auto's pick)
     # NOTE: steps of up to this many rows (the decode buckets: the executor sets its largest captured one on
     # CUDA) take prefill_linear's GEMV/GEMM choice even under the reference prefill. Measured on the H200
     # (docs/bench/2026-12-01-bench-decode-h200-run6-fusions*.json): at 16 rows the GEMV re-reads the dense

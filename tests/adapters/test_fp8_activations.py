@@ -248,7 +248,7 @@ def test_serve_refuses_the_option_without_the_triton_prefill_or_the_fast_path():
     from app.settings import ServeSettings
 
     with pytest.raises(ValueError, match="--prefill-kernels triton"):
-        ServeSettings(prefill_fp8_activations=True)
+        ServeSettings(prefill_fp8_activations=True, prefill_kernels="reference")
     with pytest.raises(ValueError, match="--executor reference, --mmap-experts"):
         ServeSettings(prefill_fp8_activations=True, prefill_kernels="triton", executor="reference", mmap_experts=True)
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--device", "cpu", "--prefill-kernels", "triton",

@@ -25,8 +25,11 @@ def test_auto_staging_is_planned_for_the_fast_path_only_and_dropped_when_it_does
     assert _pool_plan(settings, TINY_SPEC, roomy).staging_experts == 0  # CPU: the reference executor
     assert _pool_plan(ServeSettings(kv_tokens=1024, moe_slots=8, cache_type="none", executor="reference"),
                       TINY_SPEC, roomy, "cuda").staging_experts == 0
-    # the default fast path keeps the GPU-verified prefill: no staging unless the Triton prefill is on
-    assert _pool_plan(settings, TINY_SPEC, roomy, "cuda").staging_experts == 0
+    # the reference prefill goes through the expert cache: no staging unless the Triton prefill is on (explicitly,
+    # or --prefill-kernels auto on a validated format: tests/app/test_prefill_auto.py)
+    reference = ServeSettings(kv_tokens=1024, moe_slots=8, max_running_requests=4, cache_type="none",
+                              prefill_kernels="reference")
+    assert _pool_plan(reference, TINY_SPEC, roomy, "cuda").staging_experts == 0
     settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_running_requests=4, cache_type="none",
                              prefill_kernels="triton")
     fast = _pool_plan(settings, TINY_SPEC, roomy, "cuda")

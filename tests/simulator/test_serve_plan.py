@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.containers import _pool_plan, _step_reserve, serve_pools
+from app.containers import _pool_plan, _step_reserve, planned_prefill, serve_pools
 from app.settings import ServeSettings
 from domain.model_spec import ModelSpec, WeightFormat, matrix_bytes, qwen36_35b_a3b
 from domain.serve_plan import ServePools, cap_bytes, serve_budget
@@ -153,9 +153,12 @@ def test_the_simulators_defaults_are_ft_serves():
     serve = ServeSettings()
     ours = Deployment()
     assert (ours.memory_ratio, ours.state_slots, ours.cache_type, ours.snapshot_slots, ours.staging_experts,
-            ours.prefill_kernels, ours.expert_slots) == \
+            ours.expert_slots) == \
         (serve.memory_ratio, serve.max_running_requests, serve.cache_type, serve.snapshot_slots,
-         serve.staging_experts, serve.prefill_kernels, serve.moe_slots)
+         serve.staging_experts, serve.moe_slots)
+    # NOTE: the simulator takes the prefill --prefill-kernels resolves to (reference | triton); ft serve's auto
+    # (ADR 0020) resolves per card and checkpoint, and the calibrations below were recorded with the reference one
+    assert (serve.prefill_kernels, ours.prefill_kernels) == ("auto", "reference")
     assert ours.fixed_bytes == 0 and ours.gpu_budget_bytes is None and ours.pool_bytes is None
     assert ours.max_prefill_length == serve.max_prefill_length
     pools = ServePools()
@@ -202,7 +205,8 @@ def test_bad_pool_flags_are_clear_errors(capsys, flags, message, by_argparse):
 
 
 SETTINGS = [
-    dict(kv_tokens=1024),
+    dict(kv_tokens=1024),  # --prefill-kernels auto: triton for the tiny bf16 geometry on a card
+    dict(kv_tokens=1024, prefill_kernels="reference"),
     dict(kv_tokens=1024, prefill_kernels="triton"),
     dict(kv_tokens=2048, max_running_requests=2, cache_type="none"),
     dict(kv_tokens=1024, snapshot_slots=3, staging_experts=4),
@@ -225,8 +229,9 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
                             max_prefill_length=settings.max_prefill_length,
                             state_slots=settings.max_running_requests, expert_slots=settings.moe_slots,
                             cache_type=settings.cache_type, snapshot_slots=settings.snapshot_slots,
-                            staging_experts=settings.staging_experts, prefill_kernels=settings.prefill_kernels)
-    assert serve_pools(settings, "cuda") == deployment.pools(settings.kv_tokens)
+                            staging_experts=settings.staging_experts,
+                            prefill_kernels=planned_prefill(settings, spec, "cuda").kernels)
+    assert serve_pools(settings, spec, "cuda") == deployment.pools(settings.kv_tokens)
     try:
         served = _pool_plan(settings, spec, budget, "cuda")
     except ValueError as err:

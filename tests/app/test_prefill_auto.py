@@ -1,0 +1,145 @@
+"""`ft serve --prefill-kernels auto`, the default (docs/adr/0020-prefill-kernels-auto.md): the flag and the
+settings take it, the container hands the resolved choice to the executor it builds (logged, reported in
+/v1/stats, refusing --prefill-fp8-activations where auto chose the reference prefill), and on the CPU the demo
+model serves with the reference prefill under the default."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+import app.containers as containers
+from app.cli import _add_serve
+from app.settings import ServeSettings
+from domain.model_spec import WeightFormat as F
+
+
+def parse_serve(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ft")
+    _add_serve(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *flags])
+
+
+def test_the_flag_defaults_to_auto_and_takes_every_setting(capsys):
+    assert parse_serve().prefill_kernels == "auto"
+    for value in ("auto", "reference", "triton"):
+        assert parse_serve("--prefill-kernels", value).prefill_kernels == value
+    with pytest.raises(SystemExit):
+        parse_serve("--prefill-kernels", "fast")
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_the_settings_default_to_auto_and_check_the_value():
+    assert ServeSettings().prefill_kernels == "auto"
+    for value in ("auto", "reference", "triton"):
+        assert ServeSettings(prefill_kernels=value).prefill_kernels == value
+    with pytest.raises(ValueError, match="--prefill-kernels must be auto, reference or triton, got 'fast'"):
+        ServeSettings(prefill_kernels="fast")
+
+
+def test_fp8_activations_are_refused_before_loading_only_where_no_triton_prefill_can_run():
+    # auto may resolve to triton once the checkpoint is read: accepted here, decided by the executor (below)
+    assert ServeSettings(prefill_fp8_activations=True).prefill_kernels == "auto"
+    with pytest.raises(ValueError, match="use --prefill-kernels triton \\(or auto\\), not reference"):
+        ServeSettings(prefill_fp8_activations=True, prefill_kernels="reference")
+    with pytest.raises(ValueError, match="needs the CUDA fast path, which cannot run with --device cpu"):
+        ServeSettings(prefill_fp8_activations=True, device="cpu")
+
+
+def qtensor(fmt: F):
+    from adapters.checkpoint.quant import QTensor
+
+    return QTensor(fmt, (2, 2), torch.empty(0))
+
+
+def checkpoint(experts: F, *dense: F):
+    """A checkpoint as far as the executor choice reads it: the expert bank's format and the dense weights
+    (a float tensor for the norms and embeddings, QTensors for quantized projections)."""
+    weights = {"model.norm.weight": torch.ones(2), **{f"layers.{i}.proj.weight": qtensor(f) for i, f in enumerate(dense)}}
+    return SimpleNamespace(experts=SimpleNamespace(layout=SimpleNamespace(fmt=experts)), dense=weights)
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    """The CUDA fast path taken (_use_fast_path forced) with CudaGraphExecutor replaced by a recorder of the
+    arguments it is built with (nothing touches a GPU)."""
+    import adapters.cuda_exec.executor as cuda_executor
+
+    built: list[dict] = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            self.prefill_kernels = kwargs["prefill_kernels"]
+
+    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: True)
+    monkeypatch.setattr(cuda_executor, "CudaGraphExecutor", Recorder)
+    return built
+
+
+@pytest.mark.parametrize("requested, ckpt, triton, reason", [
+    ("auto", checkpoint(F.BF16), True, "auto: CUDA fast path, experts bf16, dense bf16"),
+    ("auto", checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), True, "experts fp8_block, dense bf16+fp8_block"),
+    ("auto", checkpoint(F.NVFP4, F.NVFP4), False, "not GPU-validated with experts nvfp4, dense nvfp4"),
+    ("auto", checkpoint(F.MXFP4), False, "not GPU-validated with experts mxfp4"),
+    ("auto", checkpoint(F.FP8_BLOCK, F.INT8_CHANNEL), False, "not GPU-validated with dense int8_channel"),
+    ("triton", checkpoint(F.NVFP4), True, "--prefill-kernels triton"),  # as asked, as before auto
+    ("reference", checkpoint(F.BF16), False, "--prefill-kernels reference"),
+])
+def test_the_fast_path_is_built_with_the_resolved_prefill(fast_path, caplog, requested, ckpt, triton, reason):
+    settings = ServeSettings(prefill_kernels=requested)
+    with caplog.at_level(logging.INFO, logger="fluxtide.serve"):
+        executor = containers._torch_executor(settings, ckpt, None, "cuda")
+    assert [kw["prefill_kernels"] for kw in fast_path] == [triton]
+    choice = executor.prefill_choice  # what Engine.executor_info reports
+    assert (choice.requested, choice.triton) == (requested, triton) and reason in choice.reason
+    assert f"prefill: {choice.kernels} ({choice.reason})" in caplog.text
+
+
+def test_fp8_activations_follow_auto_to_the_triton_prefill_or_name_why_not(fast_path):
+    settings = ServeSettings(prefill_fp8_activations=True)  # --prefill-kernels auto
+    containers._torch_executor(settings, checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), None, "cuda")
+    assert fast_path[-1]["prefill_kernels"] and fast_path[-1]["fp8_activations"]
+    with pytest.raises(ValueError) as refused:  # per-tensor FP8 could take e4m3 activations, but is not validated
+        containers._torch_executor(settings, checkpoint(F.FP8_TENSOR, F.FP8_TENSOR), None, "cuda")
+    assert "--prefill-fp8-activations is a mode of the Triton prefill, and --prefill-kernels auto chose the " \
+           "reference prefill (auto: the Triton prefill is not GPU-validated with experts fp8_tensor" in str(refused.value)
+    assert "add --prefill-kernels triton" in str(refused.value)
+    assert len(fast_path) == 1  # refused before the executor was built
+
+
+def test_the_pool_plan_stages_prefill_rows_only_where_auto_picks_the_triton_prefill():
+    from dataclasses import replace
+
+    from domain.budget import GpuBudget
+    from tests.app.conftest import TINY_SPEC
+
+    settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_running_requests=4, cache_type="none")
+    roomy = GpuBudget(total_bytes=1 << 30, memory_ratio=1.0)
+    assert containers._pool_plan(settings, TINY_SPEC, roomy, "cuda").staging_experts > 0  # bf16 on CUDA: triton
+    for fmt in (F.NVFP4, F.MXFP4, F.FP8_TENSOR):
+        spec = replace(TINY_SPEC, expert_format=fmt, dense_format=fmt)
+        assert containers._pool_plan(settings, spec, roomy, "cuda").staging_experts == 0, fmt
+    fp8 = replace(TINY_SPEC, expert_format=F.FP8_BLOCK, dense_format=F.FP8_BLOCK)
+    assert containers._pool_plan(settings, fp8, roomy, "cuda").staging_experts > 0
+    assert containers._pool_plan(settings, TINY_SPEC, roomy, "cpu").staging_experts == 0
+    assert containers._pool_plan(replace(settings, prefill_kernels="reference"), TINY_SPEC, roomy,
+                                 "cuda").staging_experts == 0
+
+
+def test_the_demo_model_serves_on_the_cpu_with_the_reference_prefill_under_the_default(demo_server):
+    pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
+    assert demo_server.settings.prefill_kernels == "auto"
+    executor = httpx.get(demo_server.base_url + "/v1/stats").json()["executor"]
+    assert executor == {"kind": "TorchExecutor", "prefill_kernels": False, "prefill_fp8_activations": False,
+                        "prefill_kernels_setting": "auto",
+                        "prefill_kernels_reason": "auto: cpu has no Triton prefill (CUDA only)"}
+    r = httpx.post(demo_server.base_url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "What is 19 + 23?"}], "max_tokens": 8,
+                         "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip() == "42"
