@@ -175,8 +175,8 @@ def test_the_dedup_kernels_run_the_per_pair_autotuners_choice(monkeypatch):
 
     from adapters.kernels import packed_gemv
 
-    def on_cuda(layout, block_n, block_k, is_cuda, where):
-        return packed_gemv.resolve_tiles(layout, block_n, block_k, True, where)
+    def on_cuda(layout, block_n, block_k, is_cuda, where, rows=None):
+        return packed_gemv.resolve_tiles(layout, block_n, block_k, True, where, rows=rows)
 
     for mod in (moe_gate_up, moe_down):
         monkeypatch.setattr(mod._TUNED, "cache", {})
