@@ -149,6 +149,7 @@ class CudaGraphExecutor(ExecutorPools):
         # the decode buckets' projections through the tensor-core GEMM from a few rows up (FastDecoder)
         self.model.decode_gemm_rows = self.decode_rows if self.device.type == "cuda" else 0
         pages_per_row = -(-min(self.max_context, plan.kv_pages * plan.page_size) // plan.page_size)
+        self.model.decode_pages = pages_per_row  # mixed steps' one-token rows: the graphs' page-table width
         self.inputs = DecodeInputs(max(self.decode_rows, 1), pages_per_row, plan.page_size,
                                    scratch_row=plan.kv_pages * plan.page_size, device=self.device)
         if self.routing_replay is not None:

@@ -17,8 +17,8 @@ from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
-from adapters.cuda_exec.prefill import attention_prefill, gdn_prefill
 from adapters.cuda_exec.prefill_linear import prefill_linear
+from adapters.cuda_exec.prefill_spans import StepPlan, attention_spans, gdn_spans
 from adapters.cuda_exec.routing_replay import replace_routing
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
@@ -49,8 +49,9 @@ def fast_linear(x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
 
 class FastDecoder(MoeDecoder):
     """MoeDecoder whose experts come from a DeviceExpertPool (prefill too) and which adds decode_step.
-    Prefill and mixed steps run the shared forward with the prefill kernels (adapters/cuda_exec/prefill.py:
-    the Gated DeltaNet chunk kernels, flash attention over the gathered pages, tensor-core projections)."""
+    Prefill and mixed steps run the shared forward with the prefill kernels, every token mixer over the
+    whole step at once (adapters/cuda_exec/prefill_spans.py: the Gated DeltaNet chunk kernels per span, flash
+    attention per span over the gathered pages, everything else once per step)."""
 
     prefill_kernels = False  # the executor turns the Triton prefill on (--prefill-kernels triton, or auto's pick)
     # NOTE: steps of up to this many rows (the decode buckets: the executor sets its largest captured one on
@@ -62,6 +63,10 @@ class FastDecoder(MoeDecoder):
     # --prefill-fp8-activations (ADR 0018): the Triton prefill's FP8 projections take e4m3 activations; steps
     # of at most decode_gemm_rows rows keep bf16 ones, as the captured decode step does
     fp8_activations = False
+    # the decode graphs' page-table width (the executor sets it): a mixed step's one-token rows use it too, so
+    # paged_decode_attention (W is one of its compile-time constants) runs binaries already built
+    decode_pages = 0
+    _step: StepPlan | None = None  # the step forward() is running: what its layers share (prefill_spans.py)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
         """The step's projections: with the Triton prefill on, or for a step of at most decode_gemm_rows
@@ -201,24 +206,53 @@ class FastDecoder(MoeDecoder):
         out = out.reshape(rows, -1)
         return _biased(self._linear(out, mixer.w["o_proj.weight"]), mixer.bias["o_proj"])  # [B, H]
 
-    # ---- prefill and mixed steps (eager): the prefill kernels, span by span -----------------------------
+    # ---- prefill and mixed steps (eager): the prefill kernels, every span of the step at once --------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return fused_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)[1]
+
+    def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None, experts,
+                snapshots: LinearStatePool | None = None) -> torch.Tensor:
+        """MoeDecoder.forward; with the prefill kernels, the step's shared tables (flat KV rows, rotary
+        tables, the one-token rows' page table, the GDN pieces) are built once for all layers."""
+        if not self.prefill_kernels:
+            return super().forward(inp, kv, state, experts, snapshots)
+        self._step = StepPlan(inp)
+        try:
+            return super().forward(inp, kv, state, experts, snapshots)
+        finally:
+            self._step = None
+
+    def _plan(self, inp: StepInputs) -> StepPlan:
+        if self._step is None or self._step.inp is not inp:  # a mixer called outside forward()
+            self._step = StepPlan(inp)
+        return self._step
 
     def _attention(self, mixer: FullAttention, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache) -> torch.Tensor:
         if not self.prefill_kernels:
             return super()._attention(mixer, h, inp, kv)
-        out = torch.empty_like(h)  # [T, H]
-        for span in inp.spans:
-            out[span.rows] = attention_prefill(mixer, h[span.rows], kv, span.page_ids, span.start_position,
-                                               linear_fn=self._linear)
-        return out
+        i, step = self.full_layers[mixer.kv_layer], self._plan(inp)
+        names = ("q_proj", "k_proj", "v_proj")
 
-    def _gdn_sequence(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
-                      slot: int) -> torch.Tensor:
-        if not self.prefill_kernels:
-            return super()._gdn_sequence(mixer, h, state, layer, slot)
-        return gdn_prefill(mixer, h, state, layer, slot, linear_fn=self._linear)
+        def qkv(x: torch.Tensor) -> list:
+            return [_biased(y, mixer.bias[n]) for y, n in zip(self._projections(i, mixer, x, "qkv", names), names,
+                                                              strict=True)]
+
+        tables = step.attention(kv.page_size, self.decode_pages, mixer.geo.num_kv_heads)
+        return attention_spans(mixer, h, kv, tables, step.cos_sin(mixer.rotary, h.dtype), qkv_fn=qkv,
+                               linear_fn=self._linear)
+
+    def _linear_attention(self, mixer: GatedDeltaNet, h, inp, state, layer, decode_spans, decode_rows, decode_slots,
+                          snapshots=None):
+        # NOTE: a step of one-token rows only keeps the decode path (_gdn_decode_rows), as before
+        if not self.prefill_kernels or len(decode_spans) == len(inp.spans):
+            return super()._linear_attention(mixer, h, inp, state, layer, decode_spans, decode_rows, decode_slots,
+                                             snapshots)
+        i, step = self.linear_layers[layer], self._plan(inp)
+        decode = (decode_rows, step.memo("slots32", lambda: decode_slots.to(torch.int32))) if decode_spans else None
+        return gdn_spans(
+            mixer, h, step.gdn_pieces(snapshots is not None), state, layer, snapshots=snapshots, decode=decode,
+            qkvz_fn=lambda x: self._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z")),
+            ab_fn=lambda x: self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a")), linear_fn=self._linear)
 
     def _gdn_decode_rows(self, mixer: GatedDeltaNet, h: torch.Tensor, state: LinearStatePool, layer: int,
                          slots: torch.Tensor) -> torch.Tensor:
@@ -248,6 +282,7 @@ class FastDecoder(MoeDecoder):
         bytes), the conv weight as [C, W]."""
         self._rotary = next((m.rotary for m in self.mixers if isinstance(m, FullAttention)), None)
         self.stacked: dict[tuple[int, str], tuple] = {}
+        self.stacked_parts: list = []  # the views that replaced the stacked parts (prefill_warmup skips them)
         for i, mixer in enumerate(self.mixers):
             if isinstance(mixer, GatedDeltaNet):
                 mixer.conv_weight_2d = mixer.w["conv1d.weight"][:, 0, :].contiguous()  # [C, W]
@@ -268,6 +303,7 @@ class FastDecoder(MoeDecoder):
                 stacked, views = done
                 for n, view in zip(names, views, strict=True):
                     mixer.w[f"{n}.weight"] = self.w[f"{prefix}{n}.weight"] = view
+                self.stacked_parts += views
                 self.stacked[(i, group)] = (stacked, [_rows(p) for p in parts])
 
     def _projections(self, i: int, mixer, x: torch.Tensor, group: str, names: tuple[str, ...]) -> list:

@@ -64,43 +64,67 @@ def gdn_prefill(mixer: GatedDeltaNet, x: torch.Tensor, pool: LinearStatePool, la
     Raises ValueError on a bad span, layer or slot, or Dk > 128, before any state is touched.
     """
     geo, w = mixer.geo, mixer.w
-    if geo.k_head_dim > MAX_DK:
-        raise ValueError(f"key head dim {geo.k_head_dim} > {MAX_DK} is not supported by gdn_chunk_scan")
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty [T, H], got {tuple(x.shape)}")
-    if not 0 <= layer < pool.num_layers or not pool.can_use(slot):
-        raise ValueError(f"layer {layer} / slot {slot} outside the state pool "
-                         f"({pool.num_layers} layers, {pool.num_slots} slots)")
-    if pool.geo != geo:
-        raise ValueError(f"state pool geometry {pool.geo} differs from the layer's {geo}")
+    check_gdn_slot(mixer, pool, layer, slot)
     tokens = x.shape[0]
     qkv = linear_fn(x, w["in_proj_qkv.weight"])  # [T, C]
     z = linear_fn(x, w["in_proj_z.weight"]).reshape(tokens, geo.num_v_heads, geo.v_head_dim)  # [T, Nv, Dv]
     b = linear_fn(x, w["in_proj_b.weight"])  # [T, Nv]
     a = linear_fn(x, w["in_proj_a.weight"])  # [T, Nv]
-    conv_weight = getattr(mixer, "conv_weight_2d", None)  # [C, W] once fast_decoder prepared it
-    if conv_weight is None:
-        conv_weight = w["conv1d.weight"][:, 0, :]
-    mixed = gdn_conv_prefill(qkv, pool.conv[layer, slot], conv_weight)  # [T, C] fp32
-    precise = x.dtype == torch.float32
-    wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim,
-                      precise=precise)
-    core = delta_rule(mixed, *wy, pool.recurrent[layer, slot], geo.num_k_heads, precise=precise)  # [T, Nv, Dv]
+    core = gdn_core(mixer, qkv, a, b, pool, layer, slot, precise=x.dtype == torch.float32)  # [T, Nv, Dv]
     normed = gated_rms_norm(core, z, w["norm.weight"], mixer.eps, dtype=x.dtype)  # [T, Nv, Dv]
     return linear_fn(normed.reshape(tokens, -1), w["out_proj.weight"])  # [T, H]
 
 
+def check_gdn_slot(mixer: GatedDeltaNet, pool: LinearStatePool, layer: int, slot: int) -> None:
+    """Raises ValueError unless the kernels can run `mixer` on state slot `slot` of pool layer `layer`."""
+    geo = mixer.geo
+    if geo.k_head_dim > MAX_DK:
+        raise ValueError(f"key head dim {geo.k_head_dim} > {MAX_DK} is not supported by gdn_chunk_scan")
+    if not 0 <= layer < pool.num_layers or not pool.can_use(slot):
+        raise ValueError(f"layer {layer} / slot {slot} outside the state pool "
+                         f"({pool.num_layers} layers, {pool.num_slots} slots)")
+    if pool.geo != geo:
+        raise ValueError(f"state pool geometry {pool.geo} differs from the layer's {geo}")
+
+
+def gdn_core(mixer: GatedDeltaNet, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pool: LinearStatePool,
+             layer: int, slot: int, *, precise: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The part of gdn_prefill that carries one sequence's state: conv, WY form and delta rule of a piece of
+    T >= 1 tokens from its projections qkv [T, C] (model dtype), a, b [T, Nv] (views with any row stride
+    are fine), continuing from pool.conv/recurrent[layer, slot] and leaving there the states after the
+    piece. precise: fp32-accurate products (fp32 models). out: optional fp32 [T, Nv, Dv] (a view is fine).
+    Returns core fp32 [T, Nv, Dv], before the gated RMSNorm. Raises ValueError as gdn_prefill does, before
+    any state is touched."""
+    geo = mixer.geo
+    if qkv.dim() != 2 or qkv.shape[0] == 0:
+        raise ValueError(f"qkv must be a non-empty [T, C], got {tuple(qkv.shape)}")
+    check_gdn_slot(mixer, pool, layer, slot)
+    conv_weight = getattr(mixer, "conv_weight_2d", None)  # [C, W] once fast_decoder prepared it
+    if conv_weight is None:
+        conv_weight = mixer.w["conv1d.weight"][:, 0, :]
+    mixed = gdn_conv_prefill(qkv, pool.conv[layer, slot], conv_weight)  # [T, C] fp32
+    wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim,
+                      precise=precise)
+    return delta_rule(mixed, *wy, pool.recurrent[layer, slot], geo.num_k_heads, precise=precise, out=out)
+
+
 def delta_rule(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
-               state: torch.Tensor, num_k_heads: int, *, precise: bool) -> torch.Tensor:
+               state: torch.Tensor, num_k_heads: int, *, precise: bool,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """core fp32 [T, Nv, Dv] of the chunked delta rule from gdn_chunk_wy's (w, u, gc, ks) and the slot's state
     (updated in place to the state after token T-1), by GDN_RECURRENCE. u is consumed (the split walk
-    writes v' over it). Raises ValueError as the kernels' launchers do."""
+    writes v' over it). out: optional fp32 [T, Nv, Dv] to write core into (a view is fine).
+    Raises ValueError as the kernels' launchers do."""
     if GDN_RECURRENCE == "fused":
-        return gdn_chunk_scan(mixed, w, u, gc, state, num_k_heads, precise=precise)
+        return gdn_chunk_scan(mixed, w, u, gc, state, num_k_heads, precise=precise, out=out)
     if GDN_RECURRENCE != "split":
         raise ValueError(f"GDN_RECURRENCE must be 'split' or 'fused', got {GDN_RECURRENCE!r}")
     tokens, (nv, _, dv) = mixed.shape[0], state.shape
-    core = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device)
+    core = torch.empty(tokens, nv, dv, dtype=torch.float32, device=mixed.device) if out is None else out
+    if core.shape != (tokens, nv, dv) or core.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [T, Nv, Dv] = {(tokens, nv, dv)}, got {core.dtype} {tuple(core.shape)}")
     states = None  # the first window's buffer, reused by the later (never longer) windows
     for t0 in range(0, tokens, GDN_WINDOW):
         t1 = min(tokens, t0 + GDN_WINDOW)

@@ -9,18 +9,22 @@ whose length opened a new M bucket or BLOCK_M 1.8-3.3 s instead of 0.3 s (H200, 
 
 What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pair):
   dense_gemm  each distinct quantized weight (shape, format, dtypes) x each M bucket a step can send to it:
-              per-span projections and the unpacked shared expert for 1..max_tokens rows, the stacked decode
-              projections and the LM head for 1..max_decode_rows; tuned at the bucket's largest row count
+              the projections (stacked where they are: a step projects all its tokens at once, decode rows
+              included) and the unpacked shared expert for 1..max_tokens rows, the LM head for
+              1..max_decode_rows; tuned at the bucket's largest row count. The parts of a stacked weight are
+              never multiplied alone on this path and are left out
   dense_gemv  each such weight that some row count sends to the GEMV (one key per weight)
   moe_grouped each BLOCK_M that choose_block_m returns for a chunk of more than GEMV_MAX_PAIRS pairs up to
               max_tokens tokens, tuned at the largest chunk that picks it, routing spread like a router's;
               the alignment kernels (moe_align) built at that BLOCK_M over E + 1 groups as well
   moe_fused   the per-pair GEMVs once with partials (the variant the grouped-by-S and streamed paths launch)
   forward     small scratch steps through the model's own forward (prefill spans of 1, 17, 18, 20, 24, 32
-              tokens, a span after a cached prefix, mixed steps with 1, 2, 4, 8, 16 decode rows): every other
+              tokens, a span after a cached prefix, mixed steps with 1, 2, 4, 8, 16 decode rows and with the
+              most a step can carry): every other
               kernel (norms, router, GDN chunk kernels, conv, attention's rope, the residency lookup, the
               MoE sum) once per specialization class of the token counts it sees
-  gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves)
+  gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves): the
+              conv, WY and delta-rule kernels of prefill.gdn_core
   moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
               scratch residency), one per BLOCK_N and class of T*K; and once, the
               prefill's set lookup of bigger chunks (residency_set_hits / _fills), on that scratch residency
@@ -48,7 +52,7 @@ import triton
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.device_residency import DeviceResidency
-from adapters.cuda_exec.prefill import gdn_prefill
+from adapters.cuda_exec.prefill import gdn_core
 from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv
 from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemv as gemv
@@ -138,7 +142,7 @@ class MoeBlockItem:
 
 @dataclass(frozen=True)
 class GdnPieceItem:
-    tokens: int  # a span piece gdn_prefill runs alone (a prefix-cache snapshot can cut a 1-token piece)
+    tokens: int  # a span piece gdn_core runs alone (a prefix-cache snapshot can cut a 1-token piece)
 
     @property
     def key(self) -> tuple:
@@ -211,13 +215,16 @@ def _weight_key(w: QTensor) -> tuple:
 
 def dense_weights(model, max_tokens: int, max_decode_rows: int) -> list[tuple[QTensor, int]]:
     """(weight, the most rows a step multiplies it by) for each distinct quantized weight the prefill path
-    sends to dense_gemm/dense_gemv: the per-span projections (and an unpacked shared expert) up to
-    max_tokens rows; the stacked decode projections and the LM head up to max_decode_rows (mixed steps'
-    decode rows, the decode buckets)."""
+    sends to dense_gemm/dense_gemv: the projections (stacked where they are) and an unpacked shared expert
+    up to max_tokens rows (prefill_spans.py projects a step's tokens together); the LM head up to
+    max_decode_rows (mixed steps' decode rows, the decode buckets). The parts of a stacked weight (views
+    into it) are not listed: every projection of theirs goes through the stack."""
     found: dict[tuple, tuple[QTensor, int]] = {}
+    stacked = getattr(model, "stacked", {})
+    skip = {id(part) for part in getattr(model, "stacked_parts", ())}
 
     def add(w, bound: int) -> None:
-        if not isinstance(w, QTensor) or not gemm.supports(w):
+        if not isinstance(w, QTensor) or not gemm.supports(w) or id(w) in skip:
             return
         key = _weight_key(w)
         bound = min(bound, max_tokens)
@@ -227,8 +234,8 @@ def dense_weights(model, max_tokens: int, max_decode_rows: int) -> list[tuple[QT
     for w in model.w.values():
         add(w, max_decode_rows if w is model.lm_head else max_tokens)
     add(model.lm_head, max_decode_rows)
-    for stacked, _ in getattr(model, "stacked", {}).values():
-        add(stacked, max_decode_rows)
+    for weight, _ in stacked.values():
+        add(weight, max_tokens)
     return list(found.values())
 
 
@@ -249,7 +256,10 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
     if experts.grouped:
         found = grouped_tokens(max_tokens, top_k, columns, experts.bank.num_experts + 1, pool_mod.GEMV_MAX_PAIRS)
         grouped = [GroupedItem(bm, t, columns) for bm, t in sorted(found.items())]
-    rows = tuple(n for n in DECODE_ROWS if n <= max_decode_rows and MIXED_PREFILL + n <= max_tokens)
+    # NOTE: and the most decode rows a step carries: prefill_spans.attention_tables takes the split count of
+    # paged_decode_attention (a compile-time constant) from the rows rounded up to a power of two
+    rows = tuple(n for n in sorted({*DECODE_ROWS, max_decode_rows})
+                 if n <= max_decode_rows and MIXED_PREFILL + n <= max_tokens)
     forwards = [ForwardItem(((t, 0),), 0) for t in SPAN_TOKENS if t <= max_tokens]
     if PREFIX_SPAN <= max_tokens:
         forwards.append(ForwardItem(((PREFIX_SPAN, PREFIX_TOKENS),), 0))
@@ -406,9 +416,13 @@ class _Scratch:
             self.model._moe(i, h, self.read_only)
 
     def _gdn_prefill(self, item: GdnPieceItem) -> None:
+        """The per-piece kernels on a piece of item.tokens (its projections are the step's, warmed by the
+        forward items)."""
         mixer = self.model.mixers[self.model.linear_layers[0]]  # every GDN layer has the same shapes
-        gdn_prefill(mixer, self._randn(item.tokens, self.model.opts.hidden), self.state, 0, 0,
-                    linear_fn=self.model._linear)
+        geo = mixer.geo
+        qkv = self._randn(item.tokens, geo.conv_channels)
+        a, b = self._randn(item.tokens, geo.num_v_heads), self._randn(item.tokens, geo.num_v_heads)
+        gdn_core(mixer, qkv, a, b, self.state, 0, 0, precise=self.dtype == torch.float32)
 
     def _forward(self, item: ForwardItem) -> None:
         """One scratch step through the model's forward and logits: prefill spans in state slot 0 and the

@@ -55,8 +55,8 @@ def test_the_default_prefill_keeps_the_reference_token_mixers(ckpt, monkeypatch)
     def refuse(*a, **k):
         raise AssertionError("a Triton prefill kernel ran with prefill_kernels off")
 
-    monkeypatch.setattr(fd, "gdn_prefill", refuse)
-    monkeypatch.setattr(fd, "attention_prefill", refuse)
+    monkeypatch.setattr(fd, "gdn_spans", refuse)
+    monkeypatch.setattr(fd, "attention_spans", refuse)
     fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 4), DEVICE, torch.float32,
                              max_decode_rows=4)
     seqs = [Sequence("r0", PROMPTS[0], pages_for(0, len(PROMPTS[0]) + 3), state_slot=0)]

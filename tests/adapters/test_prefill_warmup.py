@@ -19,7 +19,7 @@ import torch
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import GEOMETRIES
-from adapters.cuda_exec import device_residency, fast_decoder, prefill
+from adapters.cuda_exec import device_residency, fast_decoder, prefill, prefill_spans
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.executor import CudaGraphExecutor
 from adapters.cuda_exec.prefill_warmup import (
@@ -40,13 +40,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # fp32 on CUDA would tune FMA-loop tiles
 MAX_TOKENS, DECODE_ROWS = 40, 4
 # tiny geometry (hidden 160; attention 4 heads x 32 with the output gate, 2 kv heads; GDN 2 key and 4 value
-# heads of 32; shared expert 64 wide, so not packed): the quantized [N, K] projections a span reaches
-SPAN_SHAPES = {(256, 160),  # q_proj (4 x 2 x 32 with the gate), in_proj_qkv (2*2*32 + 4*32)
-               (128, 160),  # in_proj_z
+# heads of 32; shared expert 64 wide, so not packed): the quantized [N, K] projections a step reaches
+SPAN_SHAPES = {(256, 160),  # q_proj (4 x 2 x 32 with the gate)
                (64, 160),  # k_proj, v_proj, shared gate/up
                (160, 128),  # o_proj, out_proj
                (160, 64)}  # shared down
-STACKED = (384, 160)  # qkv (256 + 64 + 64) and qkvz (256 + 128): decode rows only
+# qkvz (in_proj_qkv 2*2*32 + 4*32 = 256, in_proj_z 128): every step projects all its tokens through the stack
+# (prefill_spans.py), and its parts never alone. The attention's q/k/v do not stack in block FP8 (k and v have
+# 64 rows, not whole 128-row scale blocks), so they keep their own GEMMs.
+STACKED = (384, 160)
 # K = 160 <= 2048: 1-3 rows go to the GEMV (fp8 block), 4+ to the GEMM; 40 tokens top out in bucket 64
 SPAN_BUCKETS = (4, 8, 16, 32, 64)
 GROUPED_THRESHOLD = 16  # GEMV_MAX_PAIRS lowered so 40-token steps reach the grouped GEMMs
@@ -114,10 +116,11 @@ def warmed(ckpt):
         wrap(fused_mod, "moe_down", lambda h, ids, *a, partials=None, **k:
              ("moe_fused", (ids.shape[1], "partials")) if partials is not None else None)
         wrap(prefill, "gdn_chunk_wy", lambda mixed, *a, **k: ("gdn_chunk_wy", _cls(mixed.shape[0])))
-        wrap(prefill, "qk_norm_rope", lambda q, *a, **k: ("qk_norm_rope", _cls(q.shape[0])))
+        wrap(prefill_spans, "qk_norm_rope", lambda q, *a, **k: ("qk_norm_rope", _cls(q.shape[0])))
         wrap(device_residency, "layer_lookup", lambda ids, *a, **k:
              ("residency_lookup", (max(16, 1 << (ids.numel() - 1).bit_length()), _cls(ids.numel()))))
-        wrap(fast_decoder, "gdn_decode_step", lambda qkv, *a, **k: ("gdn_decode_step", _cls(qkv.shape[0])))
+        for module in (fast_decoder, prefill_spans):  # a step of one-token rows only; a mixed step's rows
+            wrap(module, "gdn_decode_step", lambda qkv, *a, **k: ("gdn_decode_step", _cls(qkv.shape[0])))
         plan = plan_warmup(ex.model, ex.experts, MAX_TOKENS, DECODE_ROWS)
         ran = []
         with warnings.catch_warnings():  # slots never filled hold garbage bytes: NaNs in the interpreter
@@ -134,7 +137,7 @@ def _kind(keys, kernel):
 
 def test_the_warm_up_launches_every_tuning_key_a_step_can_produce(warmed):
     ex, _, seen, plan, report, ran = warmed
-    want_gemm = {(b, n, k, "fp8_block") for n, k in SPAN_SHAPES for b in SPAN_BUCKETS} | {(4, *STACKED, "fp8_block")}
+    want_gemm = {(b, n, k, "fp8_block") for n, k in SPAN_SHAPES | {STACKED} for b in SPAN_BUCKETS}
     assert _kind(seen, "dense_gemm") == want_gemm
     assert _kind(seen, "dense_gemv") == {(n, k, "fp8_block") for n, k in SPAN_SHAPES | {STACKED}}
     # 9..40 tokens x top-2 over at most 8 experts + 1: mean group size under 24, BLOCK_M 16 only
