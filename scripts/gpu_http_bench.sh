@@ -33,11 +33,14 @@ from adapters.checkpoint.hf_tokenizer import write_tokenizer_files
 write_tokenizer_files(pathlib.Path(sys.argv[1]))" "$CKPT"
 }
 
+serve_flags() {  # the ft serve options every fluxtide start shares (a word list: no value holds a space)
+  echo "--model $CKPT --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} --prefill-kernels ${PREFILL_KERNELS:-auto} ${EXTRA_SERVE_ARGS:-}"
+}
+
 serve() {  # serve PORT LOG ARGS... ; sets SERVER, waits for /health ok (or gives up)
   local port=$1 log=$2; shift 2
-  # shellcheck disable=SC2086  # EXTRA_SERVE_ARGS is a list of options
-  python3 -m app serve --model "$CKPT" --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} \
-    --prefill-kernels ${PREFILL_KERNELS:-auto} --port "$port" ${EXTRA_SERVE_ARGS:-} "$@" >"$log" 2>&1 &
+  # shellcheck disable=SC2046  # serve_flags is a list of options
+  python3 -m app serve $(serve_flags) --port "$port" "$@" >"$log" 2>&1 &
   SERVER=$!
   wait_healthy "$port" "$SERVER" "$log" "$READY_TRIES"
 }

@@ -47,9 +47,8 @@ if [ $DRY = 1 ]; then  # a CPU machine: tiny everything; every default below can
   export CONVERT_PYTHON
 fi
 export CKPT=${CKPT:-/tmp/qwen36-fp8}
-# fluxtide is measured as a GPU user should run it: the Triton prefill (the reference prefill's TTFT of a
-# 20-token prompt was 1.6 s on the H200, 2026-12-02, and its slow prefills leaked into the ladder's decode)
-[ $DRY = 1 ] || export PREFILL_KERNELS=${PREFILL_KERNELS:-triton}
+# NOTE: fluxtide runs ft serve's default prefill (auto: the Triton prefill for this block-FP8 checkpoint on CUDA,
+# ADR 0020); the 2026-12-02 run had served the reference one (1.6 s TTFT of a 20-token prompt)
 # shellcheck source=scripts/gpu_http_bench.sh
 . "$HERE/gpu_http_bench.sh"  # gpu_env.sh ($OUT, wheels, wait_healthy) + the server shapes and ft bench calls
 TARBALL=${TARBALL:-.llamacpp/llama.cpp.tar.gz}
@@ -141,11 +140,16 @@ print(json.dumps({"engine": engine, "role": role, "name": name, "kv_tokens": num
 PY
 }
 
+llama_cmd() {  # llama_cmd PORT CTX PARALLEL: sets LLAMA_CMD, the server command every llama.cpp start shares
+  LLAMA_CMD=("$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$1" --alias qwen36-q8_0 --metrics
+             -ngl 999 -c "$2" -np "$3" --kv-unified --fit off)
+}
+
 llama_run() {  # llama_run ROLE NAME PORT CTX PARALLEL CPU_MOE|gpu KIND KVARG: one llama-server start, one ft bench
   local role=$1 name=$2 port=$3 ctx=$4 np=$5 moe=$6 kind=$7 kvarg=${8:-} plan="" idle ready_v after t
   late "llama.cpp $name" && return 1
-  local cmd=("$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" --alias qwen36-q8_0 --metrics
-             -ngl 999 -c "$ctx" -np "$np" --kv-unified --fit off)
+  llama_cmd "$port" "$ctx" "$np"
+  local cmd=("${LLAMA_CMD[@]}")
   if [ "$moe" != gpu ]; then
     plan=$(PYTHONPATH="$LLAMA_SRC/llama.cpp/gguf-py" python3 "$HERE/llama_cpp/sbs.py" plan "$GGUF" \
       --budget-gib "$LLAMA_BUDGET_GIB" --ctx "$ctx" --parallel "$np" --margin-gib "$LLAMA_MARGIN_GIB")
@@ -222,9 +226,8 @@ phase_coldstart() {  # start-up milestones of the resident fluxtide server, laun
   late "fluxtide cold start" && return 1
   # shellcheck disable=SC2046,SC2086  # the shapes are option lists
   timeout "$BENCH_TIMEOUT" python3 -m app bench cold-start --model-dir "$CKPT" --quiet --no-bandwidth \
-    --start-timeout $(( READY_TRIES * 2 )) --out "$WORK/fluxtide_cold_start.json" -- --model "$CKPT" \
-    --device "${DEVICE:-cuda}" --executor "${EXECUTOR:-cuda-graph}" --prefill-kernels "${PREFILL_KERNELS:-auto}" \
-    --port 8103 ${EXTRA_SERVE_ARGS:-} $(resident_serve_args) 2>&1 | tail -15
+    --start-timeout $(( READY_TRIES * 2 )) --out "$WORK/fluxtide_cold_start.json" -- $(serve_flags) \
+    --port 8103 $(resident_serve_args) 2>&1 | tail -15
   cp "$WORK/fluxtide_cold_start.json" "$OUT/" 2>/dev/null
 }
 
@@ -233,13 +236,14 @@ phase_extras() {  # probe and prefill of both engines, every expert on the GPU, 
   synth_ckpt
   late "extras" && return 1
   local llama ours ok=0
-  # shellcheck disable=SC2206  # LLAMA_ARGS is a list of options
-  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port 8204 --alias qwen36-q8_0 --metrics -ngl 999 \
-    -c "$(count "$RESIDENT_KV")" -np "$RESIDENT_RUNNING" --kv-unified --fit off $LLAMA_ARGS \
-    > "$WORK/logs/llama_extras.log" 2>&1 &
+  llama_cmd 8204 "$(count "$RESIDENT_KV")" "$RESIDENT_RUNNING"
+  # shellcheck disable=SC2086  # LLAMA_ARGS is a list of options
+  "${LLAMA_CMD[@]}" $LLAMA_ARGS > "$WORK/logs/llama_extras.log" 2>&1 &
   llama=$!
+  # NOTE: the server is killed below even when it never got healthy
   # shellcheck disable=SC2046
-  serve 8104 "$WORK/logs/ft_extras.log" $(resident_serve_args) && ours=$SERVER && ok=1
+  serve 8104 "$WORK/logs/ft_extras.log" $(resident_serve_args) && ok=1
+  ours=$SERVER
   wait_healthy 8204 "$llama" "$WORK/logs/llama_extras.log" "$READY_TRIES" || ok=0
   mark "extras: servers ready ($ok), GPU $(gpu_mib) MiB"
   if [ $ok = 1 ]; then  # llama.cpp first: the tables' ratios read "fluxtide / llama.cpp"
