@@ -138,6 +138,7 @@ def gdn_spans(mixer: GatedDeltaNet, x: torch.Tensor, groups: tuple[GdnGroup, ...
                        out=core[r])
         if group.snapshot is not None:
             pool.copy_slot(group.spans[0][1], snapshots, group.snapshot, layer)
+        del mixed, wy  # NOTE: before the next group allocates its own: one T-row scratch at a time
     if decode is not None:
         rows, slots = decode
         core[rows] = gdn_decode_step(qkv[rows], a[rows], b[rows], pool.conv[layer], pool.recurrent[layer], slots,
