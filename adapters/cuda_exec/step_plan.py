@@ -55,15 +55,16 @@ def attention_tables(inp: StepInputs, page_size: int, table_width: int, kv_heads
         pages = s.work.page_ids
         if len(pages) * g < end:
             raise ValueError(f"{s.work.request_id}: {len(pages)} pages of {g} do not cover positions 0..{end - 1}")
+        if s.length == 1:  # a one-token row needs only its own flat row, not its whole context's
+            kv_rows.append(torch.tensor([pages[start // g] * g + start % g], dtype=torch.int64))
+            decodes.append(s)
+            continue
         # NOTE: on the host: every position's flat row from the page list (a few microseconds per span), so
         # no layer computes slots on the device
         flat = (torch.tensor(pages[: -(-end // g)], dtype=torch.int64)[:, None] * g + offsets).reshape(-1)[:end]
         kv_rows.append(flat[start:])
-        if s.length > 1:
-            spans.append(s.rows)
-            contexts.append(flat)
-        else:
-            decodes.append(s)
+        spans.append(s.rows)
+        contexts.append(flat)
     sizes = [t.shape[0] for t in contexts]
     packed = torch.cat(kv_rows + contexts).to(device)  # one upload: [T + sum X]
     tokens = len(inp.token_ids)
