@@ -18,8 +18,9 @@ from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SL
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
 from adapters.cuda_exec.prefill_linear import prefill_linear
-from adapters.cuda_exec.prefill_spans import StepPlan, attention_spans, gdn_spans
+from adapters.cuda_exec.prefill_spans import attention_spans, gdn_spans
 from adapters.cuda_exec.routing_replay import replace_routing
+from adapters.cuda_exec.step_plan import StepPlan
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
@@ -66,7 +67,7 @@ class FastDecoder(MoeDecoder):
     # the decode graphs' page-table width (the executor sets it): a mixed step's one-token rows use it too, so
     # paged_decode_attention (W is one of its compile-time constants) runs binaries already built
     decode_pages = 0
-    _step: StepPlan | None = None  # the step forward() is running: what its layers share (prefill_spans.py)
+    _step: StepPlan | None = None  # the step forward() is running: what its layers share (step_plan.py)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
         """The step's projections: with the Triton prefill on, or for a step of at most decode_gemm_rows
@@ -213,7 +214,7 @@ class FastDecoder(MoeDecoder):
     def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None, experts,
                 snapshots: LinearStatePool | None = None) -> torch.Tensor:
         """MoeDecoder.forward; with the prefill kernels, the step's shared tables (flat KV rows, rotary
-        tables, the one-token rows' page table, the GDN pieces) are built once for all layers."""
+        tables, the one-token rows' page table, the GDN launch groups) are built once for all layers (step_plan.py)."""
         if not self.prefill_kernels:
             return super().forward(inp, kv, state, experts, snapshots)
         self._step = StepPlan(inp)
@@ -250,7 +251,7 @@ class FastDecoder(MoeDecoder):
         i, step = self.linear_layers[layer], self._plan(inp)
         decode = (decode_rows, step.memo("slots32", lambda: decode_slots.to(torch.int32))) if decode_spans else None
         return gdn_spans(
-            mixer, h, step.gdn_pieces(snapshots is not None), state, layer, snapshots=snapshots, decode=decode,
+            mixer, h, step.gdn_groups(snapshots is not None), state, layer, snapshots=snapshots, decode=decode,
             qkvz_fn=lambda x: self._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z")),
             ab_fn=lambda x: self._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a")), linear_fn=self._linear)
 

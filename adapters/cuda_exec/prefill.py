@@ -1,8 +1,9 @@
 """Fast prefill of the token mixers for one sequence's span (a prompt chunk): Gated DeltaNet through the
 Triton chunk kernels, full attention through qk_norm_rope and the flash backend of
 scaled_dot_product_attention over the K/V gathered from the span's pages. Each entry point keeps the
-contract of its reference (GatedDeltaNet.forward_sequence, FullAttention.forward for one span), so the
-prefill of fast_decoder can call it span by span in place of the reference.
+contract of its reference (GatedDeltaNet.forward_sequence, FullAttention.forward for one span). The fast
+path's prefill runs a whole step at once (prefill_spans.py), from gdn_core (the state-carrying part of
+gdn_prefill) and the same attention math.
 
 Shape legend: T tokens of the span, H hidden, C conv channels, Nv value heads, Dv value head dim,
 N query heads, M kv heads, D head dim, X context tokens (cached prefix + span).

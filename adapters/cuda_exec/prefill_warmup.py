@@ -23,8 +23,8 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               most a step can carry): every other
               kernel (norms, router, GDN chunk kernels, conv, attention's rope, the residency lookup, the
               MoE sum) once per specialization class of the token counts it sees
-  gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves): the
-              conv, WY and delta-rule kernels of prefill.gdn_core
+  gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves), through
+              prefill_spans.gdn_spans as a step runs it
   moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
               scratch residency), one per BLOCK_N and class of T*K; and once, the
               prefill's set lookup of bigger chunks (residency_set_hits / _fills), on that scratch residency
@@ -52,8 +52,9 @@ import triton
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.device_residency import DeviceResidency
-from adapters.cuda_exec.prefill import gdn_core
 from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv
+from adapters.cuda_exec.prefill_spans import gdn_spans
+from adapters.cuda_exec.step_plan import upload_groups
 from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.act_quant_fp8 import act_quant_fp8
@@ -142,7 +143,7 @@ class MoeBlockItem:
 
 @dataclass(frozen=True)
 class GdnPieceItem:
-    tokens: int  # a span piece gdn_core runs alone (a prefix-cache snapshot can cut a 1-token piece)
+    tokens: int  # a span piece run alone (a prefix-cache snapshot can cut a 1-token piece)
 
     @property
     def key(self) -> tuple:
@@ -416,13 +417,16 @@ class _Scratch:
             self.model._moe(i, h, self.read_only)
 
     def _gdn_prefill(self, item: GdnPieceItem) -> None:
-        """The per-piece kernels on a piece of item.tokens (its projections are the step's, warmed by the
-        forward items)."""
-        mixer = self.model.mixers[self.model.linear_layers[0]]  # every GDN layer has the same shapes
-        geo = mixer.geo
-        qkv = self._randn(item.tokens, geo.conv_channels)
-        a, b = self._randn(item.tokens, geo.num_v_heads), self._randn(item.tokens, geo.num_v_heads)
-        gdn_core(mixer, qkv, a, b, self.state, 0, 0, precise=self.dtype == torch.float32)
+        """One GDN layer on a piece of item.tokens alone, as prefill_spans runs a piece of a span cut by a
+        snapshot (its state walk specializes on the piece's tokens)."""
+        model = self.model
+        i = model.linear_layers[0]  # every GDN layer has the same shapes
+        mixer = model.mixers[i]
+        group = upload_groups([([(slice(0, item.tokens), 0)], None)], self.device)
+        gdn_spans(mixer, self._randn(item.tokens, model.opts.hidden), group, self.state, 0,
+                  qkvz_fn=lambda x: model._projections(i, mixer, x, "qkvz", ("in_proj_qkv", "in_proj_z")),
+                  ab_fn=lambda x: model._projections(i, mixer, x, "ab", ("in_proj_b", "in_proj_a")),
+                  linear_fn=model._linear)
 
     def _forward(self, item: ForwardItem) -> None:
         """One scratch step through the model's forward and logits: prefill spans in state slot 0 and the

@@ -1,5 +1,6 @@
 """Gated DeltaNet prefill, step 2 of 3: per chunk of Q = 64 tokens and value head, the gates and the WY
-(UT-transform) form of the chunk's delta-rule updates; every chunk independent (fully parallel).
+(UT-transform) form of the chunk's delta-rule updates; every chunk independent (fully parallel), so one launch
+can also take the chunks of several sequences (a chunk table: each chunk's first row and its sequence's end).
 
 Shape legend: T tokens of the chunk, C conv channels (2*Nk*Dk + Nv*Dv), Nk key heads, Nv value heads
 (value head h reads key head h // (Nv/Nk)), Dk key head dim, Dv value head dim, Q tokens per chunk.
@@ -47,7 +48,7 @@ def load_rows(base, t0, T, stride_t, stride_c, col0, COLS: tl.constexpr, ROWS: t
 
 @triton.jit
 def _gdn_chunk_wy_kernel(
-    mixed_ptr, a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr,
+    mixed_ptr, a_ptr, b_ptr, neg_a_ptr, dt_bias_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr, starts_ptr, ends_ptr,
     T,
     stride_mt, stride_mc,
     stride_at, stride_ah,
@@ -57,17 +58,22 @@ def _gdn_chunk_wy_kernel(
     stride_gh, stride_gt,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, TILE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCKED_INVERSE: tl.constexpr, LOG2_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCKED_INVERSE: tl.constexpr, LOG2_CHUNK: tl.constexpr, SPANS: tl.constexpr,
 ):
     """Program (chunk, value head): writes gc [Q], ks [Q], w [Q, Dk], u [Q, Dv] of its rows (fp32). Key and value
     columns go in tiles of TILE (whole [Q, 128] fp32 tiles spill registers on sm_90)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // (VALUE_HEADS // KEY_HEADS)
-    t0 = chunk * CHUNK
+    if SPANS:  # the chunk's first row and its sequence's end (exclusive) from the chunk table
+        t0 = tl.load(starts_ptr + chunk).to(tl.int32)
+        end = tl.load(ends_ptr + chunk).to(tl.int32)
+    else:
+        t0 = chunk * CHUNK
+        end = T
     offs_i = tl.arange(0, CHUNK)
     offs_t = t0 + offs_i
-    t_mask = offs_t < T
+    t_mask = offs_t < end
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
     v_base = mixed_ptr + (2 * KEY_HEADS * DK + head * DV) * stride_mc
 
@@ -84,7 +90,7 @@ def _gdn_chunk_wy_kernel(
     sk = tl.zeros((CHUNK,), dtype=tl.float32)
     kk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
     for k0 in tl.static_range(0, BLOCK_K, TILE):
-        kt = load_rows(k_base, t0, T, stride_mt, stride_mc, k0, DK, CHUNK, TILE)  # [Q, TILE]
+        kt = load_rows(k_base, t0, end, stride_mt, stride_mc, k0, DK, CHUNK, TILE)  # [Q, TILE]
         sk += tl.sum(kt * kt, 1)
         kk += tl.dot(kt, tl.trans(kt), input_precision=DOT_PRECISION)
     rk = tl.rsqrt(sk + 1e-6)  # [Q] l2norm of k
@@ -125,12 +131,12 @@ def _gdn_chunk_wy_kernel(
     offs_c = tl.arange(0, TILE)
     k_scale = beta * rk * tl.exp(gc)  # [Q]
     for k0 in tl.static_range(0, BLOCK_K, TILE):
-        kt = load_rows(k_base, t0, T, stride_mt, stride_mc, k0, DK, CHUNK, TILE)
+        kt = load_rows(k_base, t0, end, stride_mt, stride_mc, k0, DK, CHUNK, TILE)
         w = tl.dot(inv, kt * k_scale[:, None], input_precision=DOT_PRECISION)  # [Q, TILE]
         tl.store(w_ptr + head * stride_wh + t64 * stride_wt + (k0 + offs_c)[None, :] * stride_wk, w,
                  mask=t_mask[:, None] & ((k0 + offs_c) < DK)[None, :])
     for v0 in tl.static_range(0, BLOCK_V, TILE):
-        vt = load_rows(v_base, t0, T, stride_mt, stride_mc, v0, DV, CHUNK, TILE)
+        vt = load_rows(v_base, t0, end, stride_mt, stride_mc, v0, DV, CHUNK, TILE)
         u = tl.dot(inv, vt * beta[:, None], input_precision=DOT_PRECISION)  # [Q, TILE]
         tl.store(u_ptr + head * stride_uh + t64 * stride_ut + (v0 + offs_c)[None, :] * stride_uv, u,
                  mask=t_mask[:, None] & ((v0 + offs_c) < DV)[None, :])
@@ -142,14 +148,21 @@ def _gdn_chunk_wy_kernel(
 
 def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
                  dt_bias: torch.Tensor, num_k_heads: int, k_head_dim: int, v_head_dim: int, *,
-                 precise: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 precise: bool = True, chunks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gates and WY form of one sequence's prefill chunk, per 64-token chunk and value head.
 
     mixed fp32 [T, C] the conv output ([q | k | v] channels, q and k not yet normalised); a, b [T, Nv]
     in_proj_a / in_proj_b outputs (any float dtype); neg_a = -exp(A_log), dt_bias fp32 [Nv].
     precise: fp32-accurate products (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models).
     Returns (w fp32 [Nv, T, Dk], u fp32 [Nv, T, Dv], gc fp32 [Nv, T], ks fp32 [Nv, T]) as defined in the
-    module docstring; gc restarts at every 64-token boundary. Raises ValueError on mismatched shapes, dtypes or devices.
+    module docstring; gc restarts at every 64-token boundary.
+    chunks: several sequences' chunks in one launch (the rows of a whole step): (starts, ends) int64 [NC] on
+    mixed's device, chunk c is rows starts[c] .. min(starts[c] + 64, ends[c]) - 1 with ends[c] its sequence's
+    end (exclusive); a sequence's chunks start 64 rows apart from its first row, as the one-sequence call's
+    do from row 0, so each row gets what that call on the sequence alone gives it. Rows in no chunk are not
+    written. Not checked on the host (that would sync): chunks inside [0, T), disjoint.
+    Raises ValueError on mismatched shapes, dtypes or devices.
     """
     if mixed.dim() != 2 or mixed.dtype != torch.float32:
         raise ValueError(f"mixed must be fp32 [T, C], got {mixed.dtype} {tuple(mixed.shape)}")
@@ -166,24 +179,34 @@ def gdn_chunk_wy(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: t
             raise ValueError(f"{name} must be fp32 [Nv={nv}], got {t.dtype} {tuple(t.shape)}")
     if len({t.device for t in (mixed, a, b, neg_a, dt_bias)}) != 1:
         raise ValueError("all gdn_chunk_wy tensors must be on one device")
+    if chunks is not None:
+        starts, ends = chunks
+        count = starts.shape[0] if starts.dim() == 1 else -1
+        for name, t in (("starts", starts), ("ends", ends)):
+            if t.shape != (count,) or t.dtype != torch.int64 or t.device != mixed.device or not t.is_contiguous():
+                raise ValueError(f"chunk {name} must be a contiguous int64 [NC] on {mixed.device}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
     dev = mixed.device
     w = torch.empty(nv, tokens, k_head_dim, dtype=torch.float32, device=dev)
     u = torch.empty(nv, tokens, v_head_dim, dtype=torch.float32, device=dev)
     gc = torch.empty(nv, tokens, dtype=torch.float32, device=dev)
     ks = torch.empty_like(gc)  # same strides as gc: the kernels index both with gc's
-    if tokens == 0:
+    grid = (triton.cdiv(tokens, CHUNK), nv) if chunks is None else (count, nv)
+    if tokens == 0 or grid[0] == 0:
         return w, u, gc, ks
+    # NOTE: the table is unread without SPANS and T with it; a constant T keeps one binary for every step size
+    table, t_arg = ((mixed, mixed), tokens) if chunks is None else (chunks, 0)
     block_k = max(16, triton.next_power_of_2(k_head_dim))
     block_v = max(16, triton.next_power_of_2(v_head_dim))
     # NOTE: at least 32 columns a tile: with 16-column tiles the blocked inverse at 3xTF32 hit an illegal
     # address on sm_90 (Triton 3.6, 2026-12-01; the substitution and one-pass TF32 did not); wider tiles are
     # masked past Dk / Dv like the last tile of any head.
     tile = min(TILE, max(32, min(block_k, block_v)))
-    _gdn_chunk_wy_kernel[(triton.cdiv(tokens, CHUNK), nv)](
-        mixed, a, b, neg_a, dt_bias, w, u, gc, ks, tokens,
+    _gdn_chunk_wy_kernel[grid](
+        mixed, a, b, neg_a, dt_bias, w, u, gc, ks, *table, t_arg,
         *mixed.stride(), *a.stride(), *b.stride(), *w.stride(), *u.stride(), *gc.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=k_head_dim, DV=v_head_dim, CHUNK=CHUNK,
         BLOCK_K=block_k, BLOCK_V=block_v, TILE=tile, DOT_PRECISION=dot_precision(precise),
-        BLOCKED_INVERSE=BLOCKED_INVERSE, LOG2_CHUNK=CHUNK.bit_length() - 1, **LAUNCH,
+        BLOCKED_INVERSE=BLOCKED_INVERSE, LOG2_CHUNK=CHUNK.bit_length() - 1, SPANS=chunks is not None, **LAUNCH,
     )
     return w, u, gc, ks

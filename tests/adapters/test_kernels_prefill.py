@@ -18,7 +18,7 @@ from adapters.kernels.gdn_chunk_out import gdn_chunk_out
 from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
 from adapters.kernels.gdn_chunk_state import gdn_chunk_state
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
-from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
+from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill, gdn_conv_prefill_spans
 from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.torch_exec.full_attention import AttentionGeometry, FullAttention
 from adapters.torch_exec.gated_deltanet import (
@@ -88,6 +88,84 @@ def test_conv_prefill_rejects_bad_input():
     for change in bad:
         with pytest.raises(ValueError):
             gdn_conv_prefill(**{**good, **change})
+
+
+def _i64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def _with_gaps(lengths, gap):
+    """First rows of spans of these lengths laid out with `gap` rows before each, and the total rows."""
+    starts, row = [], 0
+    for n in lengths:
+        starts.append(row + gap)
+        row += gap + n
+    return starts, row + gap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_spans_is_bitwise_one_launch_per_span(dtype):
+    """gdn_conv_prefill_spans over 5 sequences' chunks (1, 2, 3 tokens: shorter than W-1 and not; 37 across three
+    t-blocks of 16; 5) in rows with gaps, slots in shuffled order, from a strided view (a stacked projection's
+    part): every span's output and new state bitwise what gdn_conv_prefill gives it alone; rows in no span and
+    the slot no span names untouched."""
+    gen = torch.Generator().manual_seed(7)
+    channels, kernel, lengths, slots = 40, 4, [1, 2, 3, 37, 5], [4, 0, 5, 2, 1]
+    starts, total = _with_gaps(lengths, 1)
+    x = torch.randn(total, channels + 8, generator=gen).to(device=DEVICE, dtype=dtype)[:, :channels]
+    pool = torch.randn(6, channels, kernel - 1, generator=gen).to(device=DEVICE, dtype=dtype)  # [S, C, W-1]
+    weight = torch.randn(channels, kernel, generator=gen).to(device=DEVICE, dtype=dtype)
+    want_pool, want = pool.clone(), torch.full((total, channels), float("nan"), device=DEVICE)
+    covered = torch.zeros(total, dtype=torch.bool, device=DEVICE)
+    for s0, n, slot in zip(starts, lengths, slots, strict=True):
+        want[s0:s0 + n] = gdn_conv_prefill(x[s0:s0 + n], want_pool[slot], weight, block_t=16, block_c=16)
+        covered[s0:s0 + n] = True
+    out = torch.full((total, channels), float("nan"), device=DEVICE)
+    got = gdn_conv_prefill_spans(x, pool, weight, _i64(starts), _i64(lengths), _i64(slots), max(lengths), block_t=16,
+                                 block_c=16, out=out)
+    assert got is out
+    assert torch.equal(got[covered], want[covered]) and torch.isnan(got[~covered]).all()
+    assert torch.equal(pool, want_pool)  # slot 3 as it was, the others as the one-span launches left them
+
+
+def test_conv_prefill_spans_rejects_bad_input():
+    one = _i64([0])
+    good = dict(qkv=torch.zeros(4, 24, device=DEVICE), conv_pool=torch.zeros(2, 24, 3, device=DEVICE),
+                conv_weight=torch.zeros(24, 4, device=DEVICE), starts=one, lengths=_i64([4]), slots=one, max_len=4)
+    bad = [dict(conv_pool=torch.zeros(24, 3, device=DEVICE)), dict(conv_pool=torch.zeros(2, 24, 4, device=DEVICE)),
+           dict(starts=one.to(torch.int32)), dict(lengths=_i64([4, 4])), dict(slots=_i64([[0]])), dict(max_len=0),
+           dict(starts=_i64([]), lengths=_i64([]), slots=_i64([])), dict(block_c=8)]
+    for change in bad:
+        with pytest.raises(ValueError):
+            gdn_conv_prefill_spans(**{**good, **change})
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_chunk_wy_with_a_chunk_table_is_bitwise_one_launch_per_sequence(name):
+    """Sequences of 1, 64, 130 and 7 tokens in one launch (rows with gaps; each sequence's chunks start at its
+    first row, a and b strided as parts of one [b | a] projection): w, u, gc and ks of every sequence's rows
+    bitwise gdn_chunk_wy on that sequence alone (the interpreter; on a GPU the two builds may contract
+    multiply-adds differently: within 1e-6)."""
+    geo = GEOMETRIES[name]
+    nv, lengths = geo.num_v_heads, [1, 64, 130, 7]
+    starts, total = _with_gaps(lengths, 3)
+    mixed, _, _, neg_a, dt_bias, _ = random_wy_inputs(geo, total, seed=21)
+    ab = torch.randn(total, 2 * nv, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    b, a = ab[:, :nv], ab[:, nv:]
+    chunks = [(s0 + c, s0 + n) for s0, n in zip(starts, lengths, strict=True) for c in range(0, n, 64)]
+    table = (_i64([c for c, _ in chunks]), _i64([e for _, e in chunks]))
+    heads = (geo.num_k_heads, geo.k_head_dim, geo.v_head_dim)
+    got = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, *heads, chunks=table)
+    for s0, n in zip(starts, lengths, strict=True):
+        rows = slice(s0, s0 + n)
+        want = gdn_chunk_wy(mixed[rows], a[rows], b[rows], neg_a, dt_bias, *heads)
+        for ours, theirs in zip(got, want, strict=True):
+            if DEVICE.type == "cuda":
+                assert rel_err(ours[:, rows], theirs) < 1e-6, (s0, n)
+            else:
+                assert torch.equal(ours[:, rows], theirs), (s0, n)
+    with pytest.raises(ValueError, match="chunk starts"):
+        gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, *heads, chunks=(table[0].to(torch.int32), table[1]))
 
 
 # ---------------------------------------------------------------- chunked delta rule
@@ -583,16 +661,18 @@ def usage(fn, pointers, constexprs, options):
 
 heads = dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, CHUNK=64)
 f32 = "*fp32"
+# the span-table variants: what the fast path's prefill launches (prefill_spans.py)
 out = {"conv": usage(conv._gdn_conv_prefill_kernel, dict(
-    x_ptr="*bf16", hist_ptr="*bf16", state_ptr="*bf16", w_ptr="*bf16", out_ptr=f32),
-    dict(CHANNELS=8192, KERNEL=4, BLOCK_T=16, BLOCK_C=128, BLOCK_W=4), {"num_warps": 4})}
+    x_ptr="*bf16", hist_ptr="*bf16", state_ptr="*bf16", w_ptr="*bf16", out_ptr=f32, starts_ptr="*i64",
+    lens_ptr="*i64", slots_ptr="*i64"), dict(CHANNELS=8192, KERNEL=4, BLOCK_T=16, BLOCK_C=128, BLOCK_W=4, SPANS=True),
+    {"num_warps": 4})}
 for precise in (False, True):
     tag = "fp32" if precise else "bf16"
     out[f"wy_{tag}"] = usage(wy._gdn_chunk_wy_kernel, dict(
         mixed_ptr=f32, a_ptr="*bf16", b_ptr="*bf16", neg_a_ptr=f32, dt_bias_ptr=f32, w_ptr=f32, u_ptr=f32,
-        gc_ptr=f32, ks_ptr=f32), dict(**heads, BLOCK_K=128, BLOCK_V=128, TILE=wy.TILE,
-                          DOT_PRECISION=wy.dot_precision(precise), BLOCKED_INVERSE=wy.BLOCKED_INVERSE,
-                          LOG2_CHUNK=6), wy.LAUNCH)
+        gc_ptr=f32, ks_ptr=f32, starts_ptr="*i64", ends_ptr="*i64"), dict(
+            **heads, BLOCK_K=128, BLOCK_V=128, TILE=wy.TILE, DOT_PRECISION=wy.dot_precision(precise),
+            BLOCKED_INVERSE=wy.BLOCKED_INVERSE, LOG2_CHUNK=6, SPANS=True), wy.LAUNCH)
     out[f"scan_{tag}"] = usage(scan._gdn_chunk_scan_kernel, dict(
         mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, state_ptr=f32, out_ptr=f32),
         dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise)), scan.LAUNCH)

@@ -1,8 +1,8 @@
 """The fast path's batched token mixers (adapters/cuda_exec/prefill_spans.py): one step holding several
 sequences' prefill spans and the one-token rows of a mixed step gives every token the logits, and leaves in
 the KV pages, the Gated DeltaNet states and the prefix cache's snapshot slots what the same spans give run
-one per step (on the fast path itself and on the reference executor); and the projections, norms and rope
-of a step launch as often for 8 spans as for 1.
+one per step on the reference executor; and the projections, norms, rope and the GDN conv and WY of a step
+launch as often for 8 spans as for 1.
 
 On the CPU the Triton kernels run in Triton's interpreter (fp32 tiny models; bound: 1e-4 of the logit scale).
 """
@@ -155,11 +155,13 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
         return wrapped
 
     with monkeypatch.context() as m:
-        for name in ("qk_norm_rope", "gated_rms_norm", "paged_decode_attention", "gdn_decode_step", "gdn_core"):
+        for name in ("qk_norm_rope", "gated_rms_norm", "paged_decode_attention", "gdn_decode_step",
+                     "gdn_conv_prefill_spans", "gdn_chunk_wy", "delta_rule"):
             m.setattr(prefill_spans, name, count(name, getattr(prefill_spans, name)))
         # one lower-right causal mask per SDPA call (patching SDPA itself defeats the mask's dispatch)
         m.setattr(prefill_spans, "causal_lower_right", count("sdpa", prefill_spans.causal_lower_right))
-        m.setattr(prefill, "gdn_conv_prefill", count("gdn_conv_prefill", prefill.gdn_conv_prefill))
+        for name in ("gdn_conv_prefill", "gdn_chunk_wy"):  # the one-span launchers: not on this path
+            m.setattr(prefill, name, count("per-span " + name, getattr(prefill, name)))
         m.setattr(ex.model, "_linear", count("linear", ex.model._linear))
         _fast_step(ex, works)
     return calls
@@ -167,8 +169,8 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
 
 def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monkeypatch):
     """The projections (and o_proj/out_proj, the MoE's shared expert), qk_norm_rope, the gated RMSNorm and the
-    one-token rows' kernels launch as often for 8 prefill spans as for 1; only the per-sequence kernels (the
-    GDN conv/WY/delta rule, the attention's SDPA) go once per span."""
+    Gated DeltaNet conv and WY launch as often for 8 prefill spans as for 1; only the state walk (delta_rule)
+    and the attention's context gather + SDPA go once per span."""
     gen = torch.Generator().manual_seed(3)
     layers = ckpt.spec.num_layers
     counts = {}
@@ -182,7 +184,10 @@ def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monk
     assert one["qk_norm_rope"] == eight["qk_norm_rope"] == attn
     assert one["gated_rms_norm"] == eight["gated_rms_norm"] == layers - attn
     assert one["linear"] == eight["linear"] > 0
-    assert "paged_decode_attention" not in eight and "gdn_decode_step" not in eight
-    assert (one["gdn_core"], eight["gdn_core"]) == (layers - attn, 8 * (layers - attn))
-    assert one["gdn_conv_prefill"] * 8 == eight["gdn_conv_prefill"]
+    gdn = layers - attn
+    assert one["gdn_conv_prefill_spans"] == eight["gdn_conv_prefill_spans"] == gdn
+    assert one["gdn_chunk_wy"] == eight["gdn_chunk_wy"] == gdn
+    assert (one["delta_rule"], eight["delta_rule"]) == (gdn, 8 * gdn)
     assert (one["sdpa"], eight["sdpa"]) == (attn, 8 * attn)
+    assert not {"paged_decode_attention", "gdn_decode_step", "per-span gdn_conv_prefill",
+                "per-span gdn_chunk_wy"} & (one.keys() | eight.keys())

@@ -115,7 +115,10 @@ def warmed(ckpt):
         wrap(grouped_mod, "moe_grouped_gate_up", lambda x, align, top_k, *a, **k: ("moe_grouped", (align.block_m, top_k)))
         wrap(fused_mod, "moe_down", lambda h, ids, *a, partials=None, **k:
              ("moe_fused", (ids.shape[1], "partials")) if partials is not None else None)
+        # the one-span launchers specialize on the piece's tokens; the span-table ones take a constant
         wrap(prefill, "gdn_chunk_wy", lambda mixed, *a, **k: ("gdn_chunk_wy", _cls(mixed.shape[0])))
+        wrap(prefill_spans, "gdn_chunk_wy", lambda *a, **k: ("gdn_chunk_wy", "table"))
+        wrap(prefill, "gdn_chunk_state", lambda mixed, *a, **k: ("gdn_chunk_state", _cls(mixed.shape[0])))
         wrap(prefill_spans, "qk_norm_rope", lambda q, *a, **k: ("qk_norm_rope", _cls(q.shape[0])))
         wrap(device_residency, "layer_lookup", lambda ids, *a, **k:
              ("residency_lookup", (max(16, 1 << (ids.numel() - 1).bit_length()), _cls(ids.numel()))))
@@ -155,7 +158,10 @@ def test_the_warm_up_launches_every_tuning_key_a_step_can_produce(warmed):
 def test_the_warm_up_compiles_every_specialization_class_of_the_mixers(warmed):
     _, _, seen, _, _, _ = warmed
     every = {"one", 1, 2, 4, 8, 16}
-    assert _kind(seen, "gdn_chunk_wy") == every  # spans of 17, 18, 20, 24, 32 (and 16) tokens, a 1-token piece
+    # each span's state walk: spans of 17, 18, 20, 24, 32 (and 16) tokens, a 1-token piece; the conv and WY of a
+    # step's spans (or of one piece) in one launch: one binary
+    assert _kind(seen, "gdn_chunk_state") == every
+    assert _kind(seen, "gdn_chunk_wy") == {"table"}
     assert _kind(seen, "qk_norm_rope") == every
     assert _kind(seen, "gdn_decode_step") == {"one", 2, 4}  # mixed steps' decode rows, up to 4 running
     # chunks of 1-4 tokens x top-2 fit the one-launch lookup on 8 slots: 2, 4, 6, 8 keys in one 16-wide block

@@ -1,0 +1,133 @@
+"""GPU timing of one prefill step of N short prompts arriving together (the c1..c16 time-to-first-token case) on
+the fast path with every expert resident and --prefill-kernels triton: the Qwen3.6-35B-A3B geometry at
+--layers layers (3 Gated DeltaNet : 1 attention), block FP8, bf16, one executor step of N fresh prompts of
+--tokens tokens each (projections, mixers, MoE, logits, sampling), median of --reps after two warm-up steps
+per N (Triton compiles and autotunes there); then a mixed step of --mixed prompts and as many decode rows.
+
+Why: a 16-prompt step cost ~40 ms more per extra prompt than one prompt (H200, HTTP, 2026-12-02: c1 0.117 s,
+c16 0.74 s). The per-prompt slope of this step (ms per extra span) is what batching the token mixers over
+the step's spans (adapters/cuda_exec/prefill_spans.py) should cut; run it on the code before that change
+with --code DIR (a checkout's root put first on sys.path) for the other side.
+
+Usage (CUDA): python scripts/diag/bench_prefill_spans.py --out FILE.json [--code DIR] [--synth-dir /tmp/q36L8]
+    [--layers 8] [--tokens 20] [--spans 1,2,4,8,16] [--reps 10] [--mixed 8]
+Prints and writes one JSON object. Also counts the device kernels of one 16-span step (torch.profiler).
+--device cpu runs the same logic on the tiny geometry in Triton's interpreter (a smoke run; its times mean
+nothing). Not yet run on a GPU (this session had no device time left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--code", default=None, help="the checkout whose adapters/ and domain/ run (default: this one)")
+    p.add_argument("--synth-dir", default="/tmp/q36-spans")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=20)
+    p.add_argument("--spans", default="1,2,4,8,16")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--mixed", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    root = Path(args.code or Path(__file__).resolve().parents[2]).resolve()
+    sys.path.insert(0, str(root))
+
+    import torch
+
+    from adapters.checkpoint.loader import load_checkpoint
+    from adapters.checkpoint.synth import synthesize
+    from adapters.checkpoint.synth_config import GEOMETRIES
+    from adapters.cuda_exec.executor import CudaGraphExecutor
+    from domain.budget import GpuBudget, PoolRequest, plan_pools
+    from domain.ports import SequenceWork, StepBatch
+    from domain.request import SamplingParams
+
+    spans = [int(n) for n in args.spans.split(",")]
+    most = max(max(spans), 2 * args.mixed)
+    geometry = replace(GEOMETRIES["qwen3.6-35b-a3b" if cuda else "tiny"], num_hidden_layers=args.layers,
+                       vocab_size=32768 if cuda else 256)
+    out_dir = Path(args.synth_dir)
+    if not (out_dir / "config.json").exists():
+        synthesize(out_dir, geometry, "fp8_block", seed=0, tokenizer=False, progress=False, device=args.device)
+    ckpt = load_checkpoint(out_dir, device=args.device, progress=False)
+    spec = ckpt.spec
+    pages = -(-(args.tokens + 2) // 16)
+    plan = plan_pools(spec, GpuBudget(total_bytes=1 << 40),
+                      PoolRequest(kv_tokens=16 * pages * most + 64, expert_slots=spec.total_experts, state_slots=most,
+                                  page_size=16))
+    ex = CudaGraphExecutor(ckpt, plan, args.device, torch.bfloat16 if cuda else torch.float32, max_decode_rows=16,
+                           prefill_kernels=True,
+                           max_step_tokens=most * args.tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def work(i: int, start: int, length: int) -> SequenceWork:
+        tokens = tuple((7919 * (i + 1) + 31 * j) % spec.vocab_size for j in range(start, start + length))
+        return SequenceWork(f"r{i}", tokens, start, tuple(range(i * pages, (i + 1) * pages)), i, True, greedy, 0)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(works, reps: int) -> list[float]:
+        batch = StepBatch(tuple(works))
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            ex.execute(batch)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    record: dict = {"code": str(root), "layers": args.layers, "tokens": args.tokens, "reps": args.reps,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "prefill_step_ms": {}}
+    for n in spans:
+        works = [work(i, 0, args.tokens) for i in range(n)]
+        timed(works, 2)  # compiles, autotunes
+        t = timed(works, args.reps)
+        record["prefill_step_ms"][n] = round(1e3 * statistics.median(t), 2)
+        print("spans", n, record["prefill_step_ms"][n], "ms", flush=True)
+    one, top = min(spans), max(spans)
+    record["ms_per_extra_span"] = round((record["prefill_step_ms"][top] - record["prefill_step_ms"][one])
+                                        / (top - one), 3)
+    # a mixed step: args.mixed prompts beside args.mixed decode rows (their prompts prefilled first)
+    decodes = range(args.mixed, 2 * args.mixed)
+    timed([work(i, 0, args.tokens) for i in decodes], 1)
+    mixed = [work(i, 0, args.tokens) for i in range(args.mixed)] + [work(i, args.tokens, 1) for i in decodes]
+    timed(mixed, 2)
+    record["mixed_step_ms"] = round(1e3 * statistics.median(timed(mixed, args.reps)), 2)
+    print("mixed", record["mixed_step_ms"], "ms", flush=True)
+    if cuda:
+        count_kernels(record, ex, [work(i, 0, args.tokens) for i in range(top)], timed)
+    print(json.dumps(record), flush=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+def count_kernels(record: dict, ex, works, timed) -> None:
+    """Device kernels and launch calls of one step of `works` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed(works, 1)
+    n = len(works)
+    record[f"device_kernels_{n}_spans"] = sum(e.device_type.name == "CUDA" for e in prof.events())
+    record[f"launch_calls_{n}_spans"] = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                       "cudaLaunchKernelExC") for e in prof.events())
+
+
+if __name__ == "__main__":
+    main()
