@@ -16,7 +16,9 @@
 #            /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory
 #   prefill-a8  scripts/bench_prefill.py resident 4k/32k with bf16 and with FP8 activations (ADR 0018), each with
 #            its record ($OUT/prefill_bf16, $OUT/prefill_a8: the latter's a8_logits says how far the logits move)
-#   http     scripts/gpu_http_bench.sh with the Triton prefill (PREFILL_KERNELS=triton)
+#   spans    the batched prefill spans (session 12-13): their kernels', step's and warm-up's GPU tests, then
+#            scripts/diag/bench_prefill_spans.py (one step of 1..16 short prompts) into $OUT/prefill_spans.json
+#   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
 #   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
 #            1/4/8/16, random and local routing), then bench_decode.py resident bs1/4/16 with them on
@@ -29,14 +31,14 @@ CKPT=${CKPT:-/tmp/qwen36-fp8}
 for phase in "$@"; do
   echo "=== $phase"
   case $phase in
-    tests|tests-prefill|tests-grouped|tests-launch)
+    tests|tests-prefill|tests-grouped|tests-launch|spans)
       # NOTE: one pytest per file, appended to one log: a hanging test costs its own 60 s (pytest-timeout
       # fails it with its stack) instead of the phase, and every file's failures and summary reach the log.
       # A file gets at most $file_limit s (SIGINT first, so pytest still prints what ran); files past 480 s of the
       # phase are skipped, and said so, to leave the summary inside one 10-minute device call.
       log="$OUT/gpu_pytest_fast_path.log"; : > "$log"
       # the prefill warm-up's tests tune every kernel key of a model: 60 s was too short on 2026-12-01
-      per_test=(--timeout "$(case $phase in tests) echo 60 ;; tests-prefill|tests-launch) echo 150 ;; *) echo 300 ;; esac)")
+      per_test=(--timeout "$(case $phase in tests) echo 60 ;; tests-prefill|tests-launch|spans) echo 150 ;; *) echo 300 ;; esac)")
       file_limit=240
       python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "pytest-timeout missing: no per-test limit" | tee -a "$log"; }
       start=$SECONDS
@@ -60,6 +62,10 @@ for phase in "$@"; do
                tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py
                tests/adapters/test_expert_shard.py tests/adapters/test_fp8_activations.py
                tests/adapters/test_prefill_warmup.py)
+      elif [[ $phase == spans ]]; then
+        log="$OUT/gpu_pytest_spans.log"; : > "$log"; file_limit=150
+        files=(tests/adapters/test_kernels_prefill.py tests/adapters/test_prefill_spans.py
+               tests/adapters/test_prefill_warmup.py tests/adapters/test_fast_executor.py)
       else
         log="$OUT/gpu_pytest_grouped.log"; : > "$log"; file_limit=400
         files=(tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_expert_pool_paths.py
@@ -76,7 +82,10 @@ for phase in "$@"; do
         echo "=== $f exit $rc in $((SECONDS - t0)) s" >> "$log"
         echo "$f: exit $rc in $((SECONDS - t0)) s ${summary:-(no pytest summary: killed?)}"
       done
-      grep -E "^(FAILED|ERROR) |Timeout" "$log" | cut -c1-300 ;;
+      grep -E "^(FAILED|ERROR) |Timeout" "$log" | cut -c1-300
+      if [[ $phase == spans ]]; then
+        timeout 150 python3 scripts/diag/bench_prefill_spans.py --out "$OUT/prefill_spans.json" 2>&1 | tail -12 | cut -c1-300
+      fi ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -3 ;;
     dedup)
       timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
@@ -106,7 +115,7 @@ for phase in "$@"; do
           --scenarios resident --prompts 4096,32768 --profile-tokens 0 $([[ $mode == a8 ]] && echo --fp8-activations) 2>&1 \
           | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
-    http) PREFILL_KERNELS=triton timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
+    http) timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
