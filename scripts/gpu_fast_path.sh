@@ -11,9 +11,10 @@
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice: the default
 #            (GEMV projections) into $OUT/decode_reference, --prefill-kernels triton (tensor-core GEMM for
 #            decode buckets of a few rows and more) into $OUT/decode_triton
-#   formats  scripts/bench_decode.py resident bs1/4 for an NVFP4 checkpoint (issue 8's 300 tok/s). BF16 (200 tok/s)
-#            does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB disk, and in
-#            /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory
+#   formats  scripts/bench_decode.py resident bs1/4 for each of $FORMATS (default nvfp4: issue 8's 300 tok/s).
+#            BF16 (200 tok/s) does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB
+#            disk, and in /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory; the
+#            2-GPU kind (128 GiB disk, 256 GiB memory) holds both: FORMATS=bf16 there
 #   prefill-a8  scripts/bench_prefill.py resident 4k/32k with bf16 and with FP8 activations (ADR 0018), each with
 #            its record ($OUT/prefill_bf16, $OUT/prefill_a8: the latter's a8_logits says how far the logits move)
 #   spans    the batched prefill spans (session 12-13): their kernels', step's and warm-up's GPU tests, then
@@ -103,7 +104,7 @@ for phase in "$@"; do
           | grep -E "^resident|parity|Error" | cut -c1-300
       done ;;
     formats)
-      for fmt in nvfp4; do
+      for fmt in ${FORMATS:-nvfp4}; do
         timeout 280 python3 scripts/bench_decode.py --out "$OUT/decode_$fmt" --synth-dir "/tmp/qwen36-$fmt" --reuse \
           --format "$fmt" --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
           | grep -E "^resident|parity|Error" | cut -c1-300
