@@ -20,6 +20,7 @@ from tests.app.conftest import (
     make_container,
     read_response_head,
     start_server,
+    until_running_or_done,
     wait_until_idle,
 )
 from tests.app.test_resize import expected, plan, rebuild, stream
@@ -87,16 +88,6 @@ def test_a_rollback_that_leaves_no_kv_pool_is_caught_by_the_self_check_and_healt
 
 
 # -- 2. one request's bad value failed everyone in its step -------------------------------------------
-async def until_running_or_done(server, mates: list[asyncio.Future]) -> None:
-    """Until the engine runs a request, or every mate has ended (on a loaded machine a short stream can end
-    between two polls: the wait must not outlive it). One client for all polls, off the event loop's path."""
-    async with httpx.AsyncClient(base_url=server.base_url) as http:
-        while not all(m.done() for m in mates):
-            if (await http.get("/v1/stats")).json()["pools"]["running"] > 0:
-                return
-            await asyncio.sleep(0.005)
-
-
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1.4e-45])
 def test_a_degenerate_temperature_is_greedy_and_its_step_mates_are_untouched(srv, temperature):
     async def main():
