@@ -3,6 +3,7 @@ uvicorn, with the model swapped for domain.fakes (FakeExecutor + FakeTokenizer) 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -65,13 +66,14 @@ class SlowExecutor:
         # While set, each step waits for one permit: a test runs the engine step by step to force
         # an interleaving (see step_until) instead of racing it.
         self.step_gate: threading.Semaphore | None = None
+        self.permits_given = self.permits_taken = 0  # step_until's permits: given, and taken by a step
         self.step_breaks_pools = False  # the failing step also leaves the KV pool gone
         self.sampling_seen: dict[str, object] = {}  # request id -> the SamplingParams it ran with
 
     def execute(self, batch):
         gate = self.step_gate
-        if gate is not None:
-            gate.acquire(timeout=10)
+        if gate is not None and gate.acquire(timeout=10):
+            self.permits_taken += 1
         if self.delay:
             time.sleep(self.delay)
         assert not self.kv_freed, "'NoneType' object has no attribute 'page_size'"
@@ -106,17 +108,24 @@ class SlowExecutor:
         self.plan, self.kv_freed = plan, False
 
 
-def step_until(server: RunningServer, condition, limit: int = 50) -> dict:
+def step_until(server: RunningServer, condition, limit: int = 50, timeout: float = 60.0) -> dict:
     """With the executor's step_gate set, let the engine run one step at a time until
-    condition(pools snapshot) holds; returns that snapshot. At most `limit` steps."""
+    condition(pools snapshot) holds; returns that snapshot. At most `limit` steps.
+    A permit is given only once the last one was taken: while the engine idles (a request not yet
+    arrived) or runs slowly, permits do not pile up and let it run steps the test never saw."""
     executor = server.container.executor()
-    for _ in range(limit):
+    first = executor.permits_given
+    deadline = time.monotonic() + timeout
+    while True:
         pools = stats(server)["pools"]
         if condition(pools):
             return pools
-        executor.step_gate.release()
-        time.sleep(0.01)
-    raise AssertionError(f"condition not reached in {limit} steps: {stats(server)['pools']}")
+        if executor.permits_taken >= executor.permits_given:
+            assert executor.permits_given - first < limit, f"condition not reached in {limit} steps: {pools}"
+            executor.permits_given += 1
+            executor.step_gate.release()
+        assert time.monotonic() < deadline, f"condition not reached in {timeout}s: {pools}"
+        time.sleep(0.005)
 
 
 def open_gate(server: RunningServer) -> None:
@@ -176,7 +185,7 @@ def stats(server: RunningServer, headers: dict | None = None) -> dict:
     return httpx.get(server.base_url + "/v1/stats", headers=headers or {}).json()
 
 
-def wait_until_idle(server: RunningServer, timeout: float = 5.0) -> dict:
+def wait_until_idle(server: RunningServer, timeout: float = 30.0) -> dict:
     """The pools snapshot after every request has left (aborts are processed asynchronously)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -184,6 +193,16 @@ def wait_until_idle(server: RunningServer, timeout: float = 5.0) -> dict:
         if pools["running"] == 0 and pools["waiting"] == 0 or time.monotonic() > deadline:
             return pools
         time.sleep(0.02)
+
+
+async def until_running_or_done(server: RunningServer, mates: list) -> None:
+    """Until the engine runs a request, or every mate (a future) has ended (on a loaded machine a short stream
+    can end between two polls: the wait must not outlive it). One client for all polls, off the event loop's path."""
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        while not all(m.done() for m in mates):
+            if (await http.get("/v1/stats")).json()["pools"]["running"] > 0:
+                return
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture(scope="module")

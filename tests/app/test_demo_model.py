@@ -8,9 +8,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +18,7 @@ import pytest
 from app.containers import Container
 from app.serving import RunningServer
 from app.settings import ServeSettings
+from tests.app.processes import FtServe
 
 demo = pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
 DEMO_DIR = demo.DEMO_MODEL_DIR
@@ -117,34 +115,19 @@ def test_resize_while_streaming_with_the_real_executor(demo_server, client):
     assert ask(client, "What is 55 + 44?") == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_python_m_app_serve_with_no_model_answers_within_seconds():
-    port = _free_port()
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port), "--device", "cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # NOTE: --port 0, its URL read from its output: a free port picked here could be taken before it binds
+    server = FtServe(["--port", "0", "--device", "cpu"])
     try:
-        deadline = started + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] != "loading":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        server.wait_ready(120)
         ready_s = time.monotonic() - started
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         answer = ask(client, "What is 19 + 23?")
         print(f"`python -m app serve` ready in {ready_s:.1f}s")
         assert answer.strip() == "42"
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop(30)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tests.app.conftest import (
     make_container,
     read_response_head,
     start_server,
+    until_running_or_done,
     wait_until_idle,
 )
 from tests.app.test_resize import expected, plan, rebuild, stream
@@ -87,16 +88,6 @@ def test_a_rollback_that_leaves_no_kv_pool_is_caught_by_the_self_check_and_healt
 
 
 # -- 2. one request's bad value failed everyone in its step -------------------------------------------
-async def until_running_or_done(server, mates: list[asyncio.Future]) -> None:
-    """Until the engine runs a request, or every mate has ended (on a loaded machine a short stream can end
-    between two polls: the wait must not outlive it). One client for all polls, off the event loop's path."""
-    async with httpx.AsyncClient(base_url=server.base_url) as http:
-        while not all(m.done() for m in mates):
-            if (await http.get("/v1/stats")).json()["pools"]["running"] > 0:
-                return
-            await asyncio.sleep(0.005)
-
-
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1.4e-45])
 def test_a_degenerate_temperature_is_greedy_and_its_step_mates_are_untouched(srv, temperature):
     async def main():
@@ -205,18 +196,22 @@ def test_prompt_ids_expected_by_the_fake_are_stable():
 
 # -- 4. one large request froze the server --------------------------------------------------------------
 class SlowTokenizer(FakeTokenizer):
-    """Tokenizing a text with "SLOW" in it takes a while (sleeping releases the GIL, as the Rust
-    tokenizer does); every encode is counted."""
+    """Tokenizing a text with "SLOW" in it blocks until the test sets `release` (waiting releases the GIL,
+    as the Rust tokenizer does); every encode is counted. A gate, not a sleep: what the tests check
+    happens while the tokenizer is still busy, however slow the machine."""
 
     def __init__(self) -> None:
         self.encoding = threading.Event()
+        self.release = threading.Event()
+        self.encoded = threading.Event()  # a SLOW encode has returned
         self.encoded_chars: list[int] = []
 
     def encode(self, text: str) -> list[int]:
         self.encoded_chars.append(len(text))
         if "SLOW" in text:
             self.encoding.set()
-            time.sleep(1.5)
+            self.release.wait(30)
+            self.encoded.set()
         return super().encode(text)
 
 
@@ -226,6 +221,7 @@ def slow_tok():
     container.tokenizer.override(providers.Singleton(SlowTokenizer))
     server = start_server(container, kv_tokens=512)
     yield server
+    server.container.tokenizer().release.set()
     server.stop()
 
 
@@ -236,11 +232,10 @@ def slow_tok():
 ])
 def test_a_prompt_that_cannot_fit_is_refused_by_its_size_before_tokenizing(slow_tok, path, body):
     tokenizer = slow_tok.container.tokenizer()
-    started = time.monotonic()
-    r = httpx.post(slow_tok.base_url + path, json={"model": MODEL, **body("SLOW" + "x" * 5_000_000)}, timeout=30)
+    r = httpx.post(slow_tok.base_url + path, json={"model": MODEL, **body("SLOW" + "x" * 5_000_000)}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert r.json()["error"]["param"] == ("messages" if "chat" in path else "prompt")
-    assert time.monotonic() - started < 1.0
+    assert not tokenizer.encoding.is_set(), "the prompt was tokenized"
     assert not any(n > 1_000_000 for n in tokenizer.encoded_chars), "the huge prompt was tokenized"
 
 
@@ -257,40 +252,26 @@ def test_a_chat_whose_rendered_prompt_cannot_fit_is_refused_before_tokenizing(sl
 
 
 def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(slow_tok):
+    """While a prompt is being tokenized (held there by the test), /health answers and a whole stream
+    started after it is served: a tokenizer on the event loop would block both until released."""
     tokenizer = slow_tok.container.tokenizer()
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=slow_tok.base_url + "/v1", api_key="x", max_retries=0)
-        gaps: list[float] = []
-
-        async def timed_stream():
-            s = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "pace"}], max_tokens=300, stream=True,
-                extra_body={"ignore_eos": True})
-            last = None
-            async for _ in s:
-                now = time.monotonic()
-                if last is not None and tokenizer.encoding.is_set():
-                    gaps.append(now - last)
-                last = now
-
-        running = asyncio.ensure_future(timed_stream())
-        while httpx.get(slow_tok.base_url + "/v1/stats").json()["pools"]["running"] == 0:
-            await asyncio.sleep(0.005)
+        client = openai.AsyncOpenAI(base_url=slow_tok.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
         slow = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="SLOW please", max_tokens=4))
-        while not tokenizer.encoding.is_set():
-            await asyncio.sleep(0.005)
-        t0 = time.monotonic()
-        health_status = (await asyncio.to_thread(httpx.get, slow_tok.base_url + "/health")).status_code
-        health_s = time.monotonic() - t0
+        assert await asyncio.to_thread(tokenizer.encoding.wait, 30), "the SLOW prompt was never tokenized"
+        health_status = (await asyncio.to_thread(httpx.get, slow_tok.base_url + "/health", timeout=10)).status_code
+        streamed = await stream(client, "pace", 300)
+        still_tokenizing = not tokenizer.encoded.is_set()
+        tokenizer.release.set()
         done = await slow
-        await running
         await client.close()
-        return health_status, health_s, gaps, done
+        return health_status, streamed, still_tokenizing, done
 
-    status, health_s, gaps, done = asyncio.run(main())
-    assert status == 200 and health_s < 0.5, f"/health took {health_s:.2f}s while a prompt was tokenized"
-    assert gaps and max(gaps) < 0.5, f"a stream stalled {max(gaps):.2f}s while a prompt was tokenized"
+    status, streamed, still_tokenizing, done = asyncio.run(main())
+    assert status == 200
+    assert streamed == expected("pace", 300)
+    assert still_tokenizing, "the stream and /health were served only after the tokenizer let go"
     assert done.usage.completion_tokens == 4
 
 
@@ -321,14 +302,15 @@ def test_a_slow_body_that_keeps_arriving_is_read(srv, monkeypatch):
 
     import app.api.schemas as schemas
 
-    monkeypatch.setattr(schemas, "BODY_IDLE_S", 0.5)
+    # NOTE: gaps of an eighth of the limit: a loaded machine may wake the sender late
+    monkeypatch.setattr(schemas, "BODY_IDLE_S", 2.0)
     body = b'{"model": "tiny-fake", "prompt": "hi", "max_tokens": 2}'
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body))
-        for i in range(0, len(body), 10):  # 0.2 s apart: the whole body takes longer than the idle limit
-            s.sendall(body[i:i + 10])
-            time.sleep(0.2)
+        for i in range(0, len(body), 4):  # 14 chunks 0.25 s apart: the whole body takes longer than the limit
+            s.sendall(body[i:i + 4])
+            time.sleep(0.25)
         answer = b""
         while chunk := s.recv(4096):
             answer += chunk

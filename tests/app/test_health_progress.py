@@ -29,16 +29,20 @@ def poll_health(url: str, stop: threading.Event, seen: list[dict]) -> None:
 def test_health_reports_real_load_progress_then_ok(monkeypatch):
     report = PhaseCounter._report
     calls: list[tuple[str, int, int]] = []
+    seen: list[dict] = []
 
     def slowed(self):
-        # NOTE: slowed at the loader's side, so how the app folds the counts is what is tested.
+        # NOTE: slowed at the loader's side, so how the app folds the counts is what is tested. Each report
+        # waits for two more /health answers (the first may predate it), not a fixed sleep: the demo model
+        # loads in well under a second, and a slow machine's poller must still see each step.
         calls.append((self.phase, self.done, self.total))
-        time.sleep(0.02)  # the demo model loads in well under a second; give /health time to look
         report(self)
+        answers, deadline = len(seen), time.monotonic() + 2
+        while len(seen) < answers + 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     monkeypatch.setattr(PhaseCounter, "_report", slowed)
     srv = start_server(Container(), wait=False)
-    seen: list[dict] = []
     stop = threading.Event()
     poller = threading.Thread(target=poll_health, args=(srv.base_url + "/health", stop, seen), daemon=True)
     poller.start()

@@ -3,50 +3,29 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from app.demo_model import DEMO_MODEL_NAME
+from tests.app.processes import FtServe
 
 pytest.importorskip("app.demo_model", reason="the demo model checkpoint has not been committed yet")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_record_routing_writes_a_line_per_computed_token(tmp_path):
     trace = tmp_path / "routing.jsonl"
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port), "--device", "cpu",
-                             "--record-routing", str(trace)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # NOTE: --port 0, its URL read from its output: a free port picked here could be taken before it binds
+    server = FtServe(["--port", "0", "--device", "cpu", "--record-routing", str(trace)])
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"ft serve exited: {proc.stderr.read()}")
-            time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+        server.wait_ready(120)
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "What is 19 + 23?"}],
             "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop(30)
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     # every prompt token and every generated one except the last (it was never fed back)
     assert len(lines) == usage["prompt_tokens"] + usage["completion_tokens"] - 1

@@ -19,6 +19,7 @@ from tests.app.conftest import (
     open_gate,
     start_server,
     step_until,
+    until_running_or_done,
     wait_until_idle,
 )
 
@@ -62,8 +63,7 @@ def resize_while_streaming(server, n_streams: int, max_tokens: int, **body):
     async def main():
         client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
         tasks = [asyncio.ensure_future(stream(client, f"resize {i}", max_tokens)) for i in range(n_streams)]
-        while httpx.get(server.base_url + "/v1/stats").json()["pools"]["running"] == 0:
-            await asyncio.sleep(0.01)
+        await until_running_or_done(server, tasks)
         resize = asyncio.ensure_future(asyncio.to_thread(rebuild, server, **body))
         await asyncio.sleep(0.05)
         late = asyncio.ensure_future(stream(client, "late arrival", max_tokens))
@@ -130,12 +130,19 @@ def test_failed_resize_rolls_back(srv):
 
 
 def test_drain_timeout_keeps_old_pools_and_the_request(srv):
+    """The engine runs step by step (step_gate): the stream (300 steps) is still running when the drain's
+    0.1 s wait ends, however slow the machine (free running, it could finish first or before the poll saw it)."""
+    srv.container.executor().step_gate = threading.Semaphore(0)
+
     async def main():
         client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
         task = asyncio.ensure_future(stream(client, "long one", 300))
-        while httpx.get(srv.base_url + "/v1/stats").json()["pools"]["running"] == 0:
-            await asyncio.sleep(0.01)
-        response = await asyncio.to_thread(rebuild, srv, kv_tokens=1024, wait_s=0.1)
+        await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
+        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=1024, wait_s=0.1))
+        given_up = await asyncio.to_thread(step_until, srv, lambda pools: resize.done(), limit=250)
+        assert given_up["running"] == 1, "the stream must still run when the resize gives up"
+        open_gate(srv)
+        response = await resize
         result = await task
         await client.close()
         return response, result
