@@ -204,7 +204,10 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     if tools and text == render(engine, conversation, None, param):
         raise unsupported("tools", "this model's chat template does not render tools, so it can not call them")
     new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731
-    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id) if tools else None
+    # NOTE: a call must name an offered function, and under a named tool_choice that one (OpenAI's guarantee)
+    allowed = [conversation.forced_function] if conversation.tool_choice == "function" else None
+    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id,
+                                            allowed=allowed) if tools else None
     reasoning = runtime.model.reasoning_parser in REASONING_PARSERS
     budget = conversation.thinking_budget
     if budget is not None and not reasoning:

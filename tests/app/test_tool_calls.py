@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -215,7 +216,7 @@ def test_continue_final_message_continues_the_last_message(client, scripted, str
     messages = QUESTION + [{"role": "assistant", "content": "The answer is "}]
     r = client.chat.completions.create(model=MODEL, messages=messages, stream=stream,
                                        extra_body={"add_generation_prompt": False, "continue_final_message": True})
-    request_id = next(iter(r)).id if stream else r.id
+    request_id = list(r)[0].id if stream else r.id  # NOTE: read to the end: the prompt is seen at the first step
     assert scripted[1].prompts[request_id].endswith("<|im_start|>assistant\nThe answer is ")
 
 
@@ -242,3 +243,30 @@ def test_template_arguments_the_server_sets_are_400s_naming_them(client, scripte
         r = httpx.post(scripted[0].base_url + "/v1/responses",
                        json={"model": MODEL, "input": "hi", "chat_template_kwargs": extra["chat_template_kwargs"]})
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_call_to_a_function_not_offered_is_content_not_a_call(client, scripted, stream, choice):
+    """Offered only `noop`, the model calls `multiply`: that answered tool_calls=[multiply], finish_reason
+    tool_calls. Now the markup stays text (as malformed markup does), finish_reason stop, no call delta."""
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[TOOLS[1]], tool_choice=choice,
+                                       stream=stream)
+    if stream:
+        content, _, calls, finish, chunks = stream_to_message(r)
+        assert not any(ch.delta.tool_calls for c in chunks for ch in c.choices)
+    else:
+        content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls or [], \
+            r.choices[0].finish_reason
+    assert (calls, finish) == ([], "stop")
+    assert content == ("Let me compute.\n" + CALL if choice == "auto" else CALL)
+    # the same through the other two dialects, which share the parser
+    claude = anthropic.Anthropic(base_url=scripted[0].base_url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model=MODEL, max_tokens=300, messages=QUESTION, tool_choice={
+        "type": "auto" if choice == "auto" else "any"}, tools=[{"name": "noop", "input_schema": {"type": "object"}}])
+    assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["thinking", "text"][
+        -len(message.content):]
+    assert message.content[-1].text.endswith(CALL)
+    response = client.responses.create(model=MODEL, input="What is 6 × 7?", tool_choice=choice, tools=[
+        {"type": "function", "name": "noop", "parameters": {"type": "object", "properties": {}}}])
+    assert all(o.type != "function_call" for o in response.output) and response.output_text.endswith(CALL)
