@@ -111,7 +111,9 @@ class Sampler:
         # two transfers per step, not four: the float settings and the integer ones each in one tensor
         temperature, top_p = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]],
                                           dtype=torch.float32).to(dev)
-        top_k, keys = torch.tensor([[p.top_k for p in params],
+        # NOTE: a cut past the vocabulary is no cut; clamped so a huge top_k still fits the int64 tensor
+        vocab = logits.shape[-1]
+        top_k, keys = torch.tensor([[min(p.top_k, vocab) for p in params],
                                     [self.key(p, i) for p, i in zip(params, output_indices, strict=True)]],
                                    dtype=torch.int64).to(dev)
         return sample_rows(logits, temperature, top_k, top_p, keys)

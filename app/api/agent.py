@@ -10,6 +10,7 @@ function tools, which is what chat templates expect) and its own response shape 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ class Conversation:
     template_kwargs: dict = field(default_factory=dict)
     thinking_budget: int | None = None
     budget_param: str = "thinking_token_budget"
+    add_generation_prompt: bool = True  # False: the prompt ends after the last message (no assistant header)
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the model continues
 
 
 @dataclass
@@ -79,6 +82,48 @@ def check_tool_choice(conversation: Conversation, param: str = "tool_choice") ->
         raise bad_value(param, f"tool_choice {conversation.tool_choice!r} needs tools")
     if conversation.tool_choice == "function" and conversation.forced_function not in names:
         raise bad_value(param, f"tool_choice names {conversation.forced_function!r}, which is not among the tools")
+
+
+# Names the server itself hands the chat template (or its render call): a chat_template_kwargs entry with
+# one of them would arrive twice (a Python signature error) or silently replace a request field.
+_TEMPLATE_OWN = {
+    "messages": "the conversation is the request's messages (or input)",
+    "tools": "tools are the request's tools field",
+    "documents": "documents are not supported",
+    "self": "it is not a template variable",
+}
+GENERATION_SWITCHES = ("add_generation_prompt", "continue_final_message")
+
+
+def template_kwargs_of(kwargs: dict | None, param: str = "chat_template_kwargs") -> tuple[dict, dict]:
+    """A client's chat_template_kwargs, checked: (the variables for the template, the generation switches it
+    set). ``add_generation_prompt`` / ``continue_final_message`` given there win over the top-level fields
+    (vLLM's rule); the names the server sets itself (``_TEMPLATE_OWN``) are a 400 naming the key."""
+    kwargs = dict(kwargs or {})
+    for key, why in _TEMPLATE_OWN.items():
+        if key in kwargs:
+            raise bad_value(param, f"{param} may not set {key!r}: {why}")
+    switches = {}
+    for key in GENERATION_SWITCHES:
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if not isinstance(value, bool):
+                raise bad_value(param, f"{param}.{key} must be a boolean, got {value!r}")
+            switches[key] = value
+    return kwargs, switches
+
+
+def check_generation_prompt(conversation: Conversation) -> None:
+    """vLLM's rules for the two switches; a forced call needs somewhere to be written."""
+    if conversation.continue_final_message and conversation.add_generation_prompt:
+        raise bad_value("continue_final_message", "continue_final_message and add_generation_prompt can not both be "
+                        "true: send add_generation_prompt: false to continue the last message")
+    if conversation.continue_final_message and not (conversation.messages[-1].get("content") or "").strip():
+        raise bad_value("continue_final_message", "continue_final_message needs a last message with text to continue")
+    if conversation.tool_choice in ("required", "function") and conversation.tools and not (
+            conversation.add_generation_prompt or conversation.continue_final_message):
+        raise bad_value("tool_choice", f"tool_choice {conversation.tool_choice!r} writes the call's opening after the "
+                        "generation prompt: it needs add_generation_prompt (or continue_final_message)")
 
 
 # OpenAI's reasoning_effort values. "none" turns thinking off in the template (enable_thinking=False);
@@ -151,14 +196,18 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
         problem = TOOL_PARSERS[parser_name].unusable_name(function["name"], [str(k) for k in properties])
         if problem is not None:
             raise bad_value(f"tools[{i}]", problem)
-    text = render(engine, conversation.messages, tools, conversation.template_kwargs, param)
+    check_generation_prompt(conversation)
+    text = render(engine, conversation, tools, param)
     # NOTE: the messages' own text passed the size check, but the template adds its markup per message:
     # 300k empty messages render to 8.4 MB. Checked again before the second render and the tokenizer.
     refuse_if_it_cannot_fit(runtime, engine.tokenizer, len(text), param)
-    if tools and text == render(engine, conversation.messages, None, conversation.template_kwargs, param):
+    if tools and text == render(engine, conversation, None, param):
         raise unsupported("tools", "this model's chat template does not render tools, so it can not call them")
     new_id = lambda: call_id_prefix + secrets.token_hex(12)  # noqa: E731
-    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id) if tools else None
+    # NOTE: a call must name an offered function, and under a named tool_choice that one (OpenAI's guarantee)
+    allowed = [conversation.forced_function] if conversation.tool_choice == "function" else None
+    tool_parser = TOOL_PARSERS[parser_name]([t["function"] for t in tools], new_id=new_id,
+                                            allowed=allowed) if tools else None
     reasoning = runtime.model.reasoning_parser in REASONING_PARSERS
     budget = conversation.thinking_budget
     if budget is not None and not reasoning:
@@ -178,15 +227,33 @@ def prepare(runtime: Runtime, engine: Engine, conversation: Conversation, param:
     return Prompt(text, engine.tokenizer.encode(text), parser, thinking)
 
 
-def render(engine: Engine, messages: list[dict], tools, template_kwargs: dict, param: str) -> str:
+def render(engine: Engine, conversation: Conversation, tools, param: str) -> str:
+    add_generation_prompt = conversation.add_generation_prompt and not conversation.continue_final_message
     try:
-        return engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **template_kwargs)
+        text = engine.tokenizer.apply_chat_template(conversation.messages, tools=tools,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    **conversation.template_kwargs)
     except ChatTemplateError as exc:
         code = "chat_template_missing" if exc.missing else "chat_template_error"
         raise OpenAIError(400, str(exc), param=param, code=code) from None
-    except TypeError as exc:  # e.g. a chat_template_kwargs key that clashes with the template's own
-        raise bad_value("chat_template_kwargs", f"chat template arguments rejected: {exc}") from None
+    except TypeError as exc:  # a chat_template_kwargs key that clashes with a render argument: name it, no internals
+        clash = re.search(r"argument '([^']+)'", str(exc))
+        key = f" {clash.group(1)!r}" if clash else ""
+        raise bad_value("chat_template_kwargs", f"chat_template_kwargs may not set{key or ' these keys'}: "
+                        "the server passes it to the chat template itself") from None
+    return open_final_message(text, conversation.messages[-1]) if conversation.continue_final_message else text
+
+
+def open_final_message(text: str, final: dict) -> str:
+    """The rendered prompt cut right after the last message's text, so the model continues it (Hugging Face's
+    continue_final_message: the last occurrence of that text; trailing spaces kept when the template kept them)."""
+    content = final.get("content") or ""
+    at = text.rfind(content.strip())
+    if at == -1:
+        raise bad_value("continue_final_message", "the last message's text does not appear in the rendered prompt "
+                        "(the chat template changes it), so it can not be continued")
+    kept = content.lstrip()
+    return text[: at + (len(kept) if text[at: at + len(kept)] == kept else len(content.strip()))]
 
 
 class OutputParser:

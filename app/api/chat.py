@@ -17,6 +17,7 @@ from app.api.agent import (
     check_tool_choice,
     function_tool,
     split,
+    template_kwargs_of,
     thinking_budget,
 )
 from app.api.errors import bad_value, unsupported
@@ -100,7 +101,7 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
         if choice.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
             raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
         choice, forced = "function", function["name"]
-    template_kwargs = dict(body.chat_template_kwargs or {})
+    template_kwargs, switches = template_kwargs_of(body.chat_template_kwargs)
     apply_reasoning_effort(template_kwargs, body.reasoning_effort, "reasoning_effort")
     conversation = Conversation(
         messages=_messages(body.messages),
@@ -110,6 +111,8 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         template_kwargs=template_kwargs,
         thinking_budget=thinking_budget(body.thinking_token_budget),
+        add_generation_prompt=switches.get("add_generation_prompt", body.add_generation_prompt),
+        continue_final_message=switches.get("continue_final_message", body.continue_final_message),
     )
     check_tool_choice(conversation)
     return conversation

@@ -114,6 +114,11 @@ def build_sampling(
         top_k = 0
     if top_k < 0:
         raise bad_value("top_k", f"top_k must be >= 0 (or -1 for none), got {top_k}")
+    vocab = getattr(runtime.engine.spec, "vocab_size", None) if runtime.engine is not None else None
+    if vocab is not None and top_k >= vocab:
+        # NOTE: a cut at or past the vocabulary keeps every token (vLLM reads it so too); clamped here, since
+        # the sampler packs top_k into an int64 and any integer the JSON carries is accepted.
+        top_k = 0
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_value(top_logprobs_param,
                         f"{top_logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")

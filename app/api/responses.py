@@ -24,6 +24,7 @@ from app.api.agent import (
     arguments_object,
     check_tool_choice,
     function_tool,
+    template_kwargs_of,
     thinking_budget,
 )
 from app.api.errors import bad_value, unsupported
@@ -172,10 +173,10 @@ def _conversation(body: ResponsesRequest) -> Conversation:
         if choice.get("type") != "function" or not choice.get("name"):
             raise bad_value("tool_choice", 'a named tool_choice is {"type": "function", "name": ...}')
         choice, forced = "function", choice["name"]
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs, switches = template_kwargs_of(body.chat_template_kwargs)
     apply_reasoning_effort(kwargs, (body.reasoning or {}).get("effort"), "reasoning.effort")
     conversation = Conversation(_messages(body), tools, choice, forced, body.parallel_tool_calls is not False, kwargs,
-                                thinking_budget(body.thinking_token_budget))
+                                thinking_budget(body.thinking_token_budget), **switches)
     check_tool_choice(conversation)
     return conversation
 

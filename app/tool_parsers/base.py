@@ -4,8 +4,9 @@ A parser turns model text, fed in arbitrary pieces, into an ordered list of even
 ``str`` content and ``ToolCallDelta``s (OpenAI's incremental ``tool_calls``: the first delta of
 a call carries its id and name, later ones argument fragments; a call's fragments join into
 its JSON arguments). Feeding a text whole or split anywhere gives the same joined result,
-markup never reaches the content, and malformed output degrades to content; parsers never
-raise on model output.
+markup never reaches the content, and malformed output degrades to content; so does a call to
+a function the request did not offer (no delta is emitted for it); parsers never raise on model
+output.
 
 Between calls the parser is in text mode: it releases content but holds back anything that
 could still become ``<tool_call>`` and trailing whitespace (dropped before a call, so the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 START = "<tool_call>"
@@ -59,14 +60,23 @@ class ToolParser:
 
     name = "base"
 
-    def __init__(self, tools: list[dict] | None = None, new_id: Callable[[], str] = random_call_id) -> None:
+    def __init__(self, tools: list[dict] | None = None, new_id: Callable[[], str] = random_call_id,
+                 allowed: Collection[str] | None = None) -> None:
         self.schemas = {t.get("name"): t.get("parameters") or {} for t in (tools or []) if isinstance(t, dict)}
+        # NOTE: a call may only name a function the request offered (``allowed``: the one a named tool_choice
+        # forces); markup naming any other is not a call but content, as malformed markup is. None: any name.
+        if allowed is None and tools is not None:
+            allowed = list(self.schemas)
+        self.allowed = None if allowed is None else frozenset(allowed)
         self.calls: list[ToolCall] = []
         self._new_id = new_id
         self._buf = ""  # text not yet turned into events
         self._held_space = ""  # whitespace held back in text mode
         self._in_call = False
         self._out: list[Event] = []
+
+    def allows(self, name: str) -> bool:
+        return self.allowed is None or name in self.allowed
 
     @classmethod
     def unusable_name(cls, function: str, arguments: list[str]) -> str | None:

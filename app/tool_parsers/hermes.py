@@ -7,7 +7,8 @@
 A call is validated whole, so the name and the complete arguments arrive together when
 ``</tool_call>`` does (or at the end of the output for an unclosed call); a body that is not a
 JSON object with a string ``name`` and object ``arguments`` (``parameters`` is accepted too;
-arguments given as a JSON string are unwrapped) is content, markup included.
+arguments given as a JSON string are unwrapped), or that names a function the request did not
+offer, is content, markup included.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class HermesToolParser(ToolParser):
     def _take_call(self, body: str, closed: bool) -> None:
         self._in_call = False
         parsed = _parse(body)
-        if parsed is None:
+        if parsed is None or not self.allows(parsed[0]):
             self._emit_content(self._held_space + START + body + (END if closed else ""))
             self._held_space = ""
             return

@@ -13,7 +13,7 @@ committed) and each parameter as soon as its value is complete, as an argument f
 (``{"a": 6`` then ``, "b": 7`` then ``}``). Values are raw text, typed by the tool's JSON schema
 (integer, number, boolean, object/array as JSON; anything else, or a value that does not parse
 as its type, stays a string), one newline stripped at each end. Before the header is complete,
-anything that is not ``<function=NAME>`` turns the attempt back into content; after it,
+anything that is not ``<function=NAME>`` with NAME an offered function turns the attempt back into content; after it,
 stray text between parameters is dropped and a missing ``</parameter>`` / ``</function>`` /
 ``</tool_call>`` is tolerated.
 """
@@ -82,7 +82,7 @@ class Qwen3XmlToolParser(ToolParser):
         if body.startswith(FUNCTION):
             close = body.find(">")
             name = body[len(FUNCTION) : close] if close != -1 else body[len(FUNCTION) :]
-            if close != -1 and name.strip() and not any(c in name for c in "<\n"):
+            if close != -1 and name.strip() and not any(c in name for c in "<\n") and self.allows(name.strip()):
                 self._open_call(name.strip())
                 self._params_sent = 0
                 self._buf = body[close + 1 :]

@@ -28,6 +28,14 @@ def test_top_k_keeps_exactly_the_k_best():
     assert set(draws(SamplingParams(top_k=2), 300)) == {1, 3}
 
 
+@pytest.mark.parametrize("top_k", [4, 5, 2**63 - 1, 2**63, 10**30])
+def test_a_top_k_at_or_past_the_vocabulary_is_no_cut(top_k):
+    # NOTE: 2**63 and up used to fail packing the settings into an int64 tensor (HTTP 500 for a client's top_k)
+    params = SamplingParams(top_k=top_k, seed=7)
+    assert draws(params, 40) == draws(SamplingParams(top_k=0, seed=7), 40)
+    assert set(draws(params, 300)) == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize(("top_p", "kept"), [(0.5, {1}), (0.7, {1, 3}), (0.8, {1, 3}), (0.81, {1, 3, 2}),
                                              (1.0, {0, 1, 2, 3})])
 def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):

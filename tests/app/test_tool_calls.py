@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import httpx
 import openai
 import pytest
 
@@ -193,3 +195,78 @@ def test_a_template_without_tools_refuses_them_by_name(server):
     with pytest.raises(openai.BadRequestError) as info:
         plain.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
     assert info.value.body["param"] == "messages" and "renders no tools" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("how", [{"add_generation_prompt": False},
+                                 {"chat_template_kwargs": {"add_generation_prompt": False}},
+                                 {"add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}}])
+def test_add_generation_prompt_false_ends_the_prompt_after_the_last_message(client, scripted, how):
+    """It was declared in the docs but dropped (the prompt had the assistant header anyway), and through
+    chat_template_kwargs it was a 400 quoting a Python signature error."""
+    usual = client.chat.completions.create(model=MODEL, messages=QUESTION)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=how)
+    prompts = scripted[1].prompts
+    assert prompts[usual.id].endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert prompts[r.id] + "<|im_start|>assistant\n<think>\n" == prompts[usual.id]
+    assert r.usage.prompt_tokens < usual.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_continue_final_message_continues_the_last_message(client, scripted, stream):
+    messages = QUESTION + [{"role": "assistant", "content": "The answer is "}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, stream=stream,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    request_id = list(r)[0].id if stream else r.id  # NOTE: read to the end: the prompt is seen at the first step
+    assert scripted[1].prompts[request_id].endswith("<|im_start|>assistant\nThe answer is ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "said"),
+    [
+        ({"chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs", "'tools'"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "'messages'"),
+        ({"chat_template_kwargs": {"documents": []}}, "chat_template_kwargs", "'documents'"),
+        ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs", "'self'"),
+        ({"chat_template_kwargs": {"add_generation_prompt": "no"}}, "chat_template_kwargs", "add_generation_prompt"),
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        ({"tool_choice": "required", "tools": TOOLS, "add_generation_prompt": False}, "tool_choice",
+         "add_generation_prompt"),
+    ],
+)
+def test_template_arguments_the_server_sets_are_400s_naming_them(client, scripted, extra, param, said):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, extra_body=extra)
+    body = info.value.body
+    assert (body["param"], body["code"]) == (param, "invalid_value") and said in body["message"]
+    assert "multiple values" not in body["message"] and "apply_chat_template" not in body["message"]
+    if "chat_template_kwargs" in extra:  # the Responses route checks them the same way
+        r = httpx.post(scripted[0].base_url + "/v1/responses",
+                       json={"model": MODEL, "input": "hi", "chat_template_kwargs": extra["chat_template_kwargs"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_call_to_a_function_not_offered_is_content_not_a_call(client, scripted, stream, choice):
+    """Offered only `noop`, the model calls `multiply`: that answered tool_calls=[multiply], finish_reason
+    tool_calls. Now the markup stays text (as malformed markup does), finish_reason stop, no call delta."""
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[TOOLS[1]], tool_choice=choice,
+                                       stream=stream)
+    if stream:
+        content, _, calls, finish, chunks = stream_to_message(r)
+        assert not any(ch.delta.tool_calls for c in chunks for ch in c.choices)
+    else:
+        content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls or [], \
+            r.choices[0].finish_reason
+    assert (calls, finish) == ([], "stop")
+    assert content == ("Let me compute.\n" + CALL if choice == "auto" else CALL)
+    # the same through the other two dialects, which share the parser
+    claude = anthropic.Anthropic(base_url=scripted[0].base_url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model=MODEL, max_tokens=300, messages=QUESTION, tool_choice={
+        "type": "auto" if choice == "auto" else "any"}, tools=[{"name": "noop", "input_schema": {"type": "object"}}])
+    assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["thinking", "text"][
+        -len(message.content):]
+    assert message.content[-1].text.endswith(CALL)
+    response = client.responses.create(model=MODEL, input="What is 6 × 7?", tool_choice=choice, tools=[
+        {"type": "function", "name": "noop", "parameters": {"type": "object", "properties": {}}}])
+    assert all(o.type != "function_call" for o in response.output) and response.output_text.endswith(CALL)

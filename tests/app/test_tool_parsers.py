@@ -77,6 +77,10 @@ CASES = {
         ("x < y and <tool_ca", "x < y and <tool_ca", []),
         ("<tool_call><function=bad\nname>", "<tool_call><function=bad\nname>", []),
         ("plain answer 42\n", "plain answer 42\n", []),
+        # a function the request did not offer: no call (no delta either), the markup stays content
+        (XML_CALL.replace("multiply", "divide"), XML_CALL.replace("multiply", "divide"), []),
+        ("Sure.\n" + XML_CALL.replace("multiply", "divide") + "\n" + XML_CALL,
+         "Sure.\n" + XML_CALL.replace("multiply", "divide"), [("multiply", {"a": 6, "b": 7})]),
     ],
     HermesToolParser: [
         (HERMES_CALL, "", [("multiply", {"a": 6, "b": 7})]),
@@ -86,6 +90,7 @@ CASES = {
         ('<tool_call>{"name": "multiply", "arguments": {"a": 1}', '<tool_call>{"name": "multiply", "arguments": {"a": 1}', []),
         ("<tool_call>[1, 2]</tool_call> ok", "<tool_call>[1, 2]</tool_call> ok", []),
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+        (HERMES_CALL.replace("multiply", "divide"), HERMES_CALL.replace("multiply", "divide"), []),
     ],
 }
 
@@ -137,6 +142,21 @@ def test_forced_prefixes_open_a_call_the_parser_completes():
 )
 def test_parameter_values_follow_the_schema(value, schema, expected):
     assert convert(value, schema) == expected
+
+
+@pytest.mark.parametrize("parser_cls", [Qwen3XmlToolParser, HermesToolParser])
+def test_only_the_allowed_functions_are_calls(parser_cls):
+    """A named tool_choice allows that function only; with no tools list at all any name is a call."""
+    call = XML_CALL if parser_cls is Qwen3XmlToolParser else HERMES_CALL
+    for allowed, calls in ((["write"], []), (["multiply"], ["multiply"])):
+        parser = parser_cls(TOOLS, allowed=allowed)
+        events = parser.feed(call) + parser.finish()
+        assert [c.name for c in parser.calls] == calls
+        assert "".join(e for e in events if isinstance(e, str)) == ("" if calls else call)
+    parser = parser_cls()
+    parser.feed(call.replace("multiply", "divide"))
+    parser.finish()
+    assert [c.name for c in parser.calls] == ["divide"]
 
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=multiply>", "<function=", "</function>", "<parameter=a>",
