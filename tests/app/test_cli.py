@@ -36,6 +36,8 @@ def test_tables_render(ctl_server, capsys):
     assert ctl(ctl_server, "stats") == 0
     out = capsys.readouterr().out
     assert "kv_pages_total" in out and "decode_tok_s" in out
+    # the pools' prefix cache in rows as `ft ctl cache` shows it, not a Python dict repr
+    assert "prefix_cache.cached_pages" in out and "{'" not in out, out
     assert ctl(ctl_server, "cache") == 0
     assert "plan.kv_tokens" in capsys.readouterr().out
 
@@ -50,6 +52,16 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert "resize refused" in capsys.readouterr().out
     assert ctl(ctl_server, "--json", "cache", "--kv", "1k", "--moe", "auto") == 0
     assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_ctl_accepts_the_openai_style_base_url(ctl_server, suffix, capsys):
+    """`--base-url http://127.0.0.1:1919/v1`, the URL OpenAI clients take, printed only "HTTP 404: Not Found"."""
+    base = ["ctl", "--base-url", ctl_server.base_url + suffix, "--api-key", "k3y"]
+    assert main([*base, "--json", "stats"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"]["kv_pages_total"] > 0
+    assert main([*base, "--json", "health"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
 
 
 def test_generate_streams_text(ctl_server, capsys):
