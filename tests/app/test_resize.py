@@ -180,6 +180,14 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
     assert plan(srv)["expert_slots"] == 4
 
 
+@pytest.mark.parametrize("size", [1.024e3, 1024.0, "1.024e3"])
+def test_an_integral_json_float_is_a_size(srv, size):
+    """docs/serving.md says sizes accept 1e4: the JSON number {"kv_tokens": 1e4} was a 422 invalid_type."""
+    r = rebuild(srv, kv_tokens=size)
+    assert r.status_code == 200, r.text
+    assert plan(srv)["kv_tokens"] == 1024
+
+
 def _late_error(path: str, stream: bool, r: httpx.Response) -> tuple[int, str, str | None]:
     """(status, error type, code) of a late request's answer, whole or streamed, in its dialect's shape."""
     if not stream:
