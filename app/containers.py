@@ -492,7 +492,7 @@ def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     spec = checked.spec
     scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
     summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "
-               f"format {checked.format_name}, {len(checked.files.entries)} tensors; {scan}")
+               f"format {checked.format_label}, {len(checked.files.entries)} tensors; {scan}")
     return summary
 
 
