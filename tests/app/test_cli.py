@@ -231,6 +231,39 @@ def test_serve_names_a_port_in_use(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
 
 
+def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
+    """`ft serve` printed "load failed: ..." and its newline in two writes; a log record written from another
+    thread (Litestar's queue listener) between them ran onto the line. Every echo line is now one write."""
+    import io
+
+    from dependency_injector import providers
+
+    from app.runtime import Runtime
+    from app.serving import build_engine
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    def broken_spec():
+        raise ValueError("no such checkpoint")
+
+    container = make_container()
+    container.model_spec.override(providers.Singleton(broken_spec))
+    err = Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    runtime = Runtime("m")
+    build_engine(container, runtime, echo=True)
+    assert runtime.status == "error"
+    assert "load failed: ValueError: no such checkpoint\n" in err.calls, err.calls
+    assert all(call.endswith("\n") for call in err.calls), err.calls  # no line is split across writes
+
+
 @pytest.mark.parametrize("key", ["", "   ", " k3y", "k3y\t", "ключ"])
 def test_serve_refuses_an_api_key_no_client_can_send(key):
     """`ft serve --api-key "$KEY"` with KEY unset served with the API key OFF (one "(API key off)" line to notice);
