@@ -161,6 +161,16 @@ def test_serve_refuses_an_unknown_log_level_without_a_traceback(capsys):
     assert "--log-level" in err and "Traceback" not in err
 
 
+def test_ft_sim_without_the_sim_extra_says_what_to_install():
+    """After the quick start (`.[serve]`, no simpy) `ft sim predict` was a ModuleNotFoundError traceback."""
+    code = ("import sys; sys.modules['simpy'] = None; from app.cli import main; "
+            "sys.exit(main(['sim', 'predict', '--hardware', 'rtx3090', '--model', 'qwen3.6-35b-a3b-fp8']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        'ft sim: the simulator needs simpy, which the sim extra installs: pip install -e ".[sim]"'], out.stderr
+
+
 def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
