@@ -119,7 +119,7 @@ def _serve(args, parser) -> int:
     import logging
 
     from app.containers import Container, check_device, check_routing_replay, environment_api_key
-    from app.serving import RunningServer
+    from app.serving import RunningServer, say
     from app.settings import ServeSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -181,7 +181,7 @@ def _serve(args, parser) -> int:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 1
     auth = "on" if settings.api_key else "off"
-    print(f"listening on {server.base_url} (API key {auth}); loading the model ...", file=sys.stderr, flush=True)
+    say(f"listening on {server.base_url} (API key {auth}); loading the model ...")  # the loader runs: one write
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

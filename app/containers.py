@@ -472,11 +472,25 @@ def synth_main(argv: list[str]) -> int | None:
     return main(argv)
 
 
-def sim_main(argv: list[str]) -> int:
-    """`ft sim ...`: the simulator's CLI (`python -m simulator`), arguments forwarded."""
-    from simulator.__main__ import main
+# What the "sim" extra brings that the "serve" extra does not (pyproject.toml).
+_SIM_EXTRA_MODULES = frozenset({"simpy", "matplotlib"})
 
-    return main(argv)
+
+def sim_main(argv: list[str]) -> int:
+    """`ft sim ...`: the simulator's CLI (`python -m simulator`), arguments forwarded. Without the "sim" extra
+    (the quick start installs "serve" only) it says what to install in one line instead of a traceback."""
+    try:
+        from simulator.__main__ import main
+
+        return main(argv)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in _SIM_EXTRA_MODULES:
+            raise
+        import sys
+
+        print(f"ft sim: the simulator needs {exc.name}, which the sim extra installs: pip install -e \".[sim]\"",
+              file=sys.stderr)
+        return 1
 
 
 def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
@@ -492,7 +506,7 @@ def check_checkpoint_dir(model_dir: str, verify_weights: bool) -> str:
     spec = checked.spec
     scan = "every value finite" if verify_weights else "scales finite (values not scanned: --verify-weights)"
     summary = (f"{model_dir}: ok: {spec.architecture}, {spec.num_layers} layers x {spec.num_experts} experts, "
-               f"format {checked.format_name}, {len(checked.files.entries)} tensors; {scan}")
+               f"format {checked.format_label}, {len(checked.files.entries)} tensors; {scan}")
     return summary
 
 

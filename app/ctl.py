@@ -43,7 +43,8 @@ def _seconds(low: float, high: float, low_open: bool = False):
 
 def add_ctl_parser(sub) -> None:
     p = sub.add_parser("ctl", help="talk to a running server")
-    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"))
+    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"),
+                   help="the server's URL (FT_BASE_URL); an OpenAI-style one ending in /v1 is accepted")
     p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
     p.add_argument("--json", action="store_true", help="print raw JSON instead of tables")
     p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=30.0)
@@ -72,10 +73,19 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL: the OpenAI-style base URL users paste (`.../v1`, as OpenAI clients take it) is
+    accepted too; ft ctl adds /v1 itself to the routes that have it (/health has not)."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root
+
+
 def _client(args) -> httpx.Client:
     key = args.api_key or os.environ.get("FT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=args.base_url.rstrip("/"), headers=headers, timeout=args.timeout)
+    return httpx.Client(base_url=server_root(args.base_url), headers=headers, timeout=args.timeout)
 
 
 def _table(title: str, rows: dict) -> Table:
@@ -111,7 +121,7 @@ def run_ctl(args) -> int:
         return 1
     except json.JSONDecodeError:  # NOTE: r.json() of a 200 answer: something other than fluxtide on that port
         console.print(f"[red]{args.base_url} answered with something that is not JSON: is it a fluxtide server "
-                      "(ft serve), and the URL without /v1?[/red]")
+                      "(ft serve)?[/red]")
         return 1
 
 
@@ -136,7 +146,7 @@ def _dispatch(args, client: httpx.Client, console: Console) -> int:
         if args.json:
             print(json.dumps(body, indent=2))
         else:
-            console.print(_table("pools", body["pools"]))
+            console.print(_table("pools", _flatten("", body["pools"])))  # prefix_cache.* rows, as `ft ctl cache`
             console.print(_table("last window", _flatten("", body["window"])))
         return 0
     if cmd == "cache":

@@ -113,3 +113,13 @@ class Runtime:
         if self.engine is None:
             return self.model.max_context
         return min(self.model.max_context, self.engine.plan.kv_tokens)
+
+    def context_limit(self) -> tuple[int, str]:
+        """max_context() and the sentence that says which limit it is, for a context_length_exceeded
+        message: the model's context, or the KV cache pool when a smaller pool (--kv-tokens, a live resize)
+        is what bounds a request. NOTE: the sentence keeps "maximum context length", which clients match on."""
+        limit = self.max_context()
+        if limit >= self.model.max_context:
+            return limit, f"This model's maximum context length is {limit} tokens."
+        return limit, (f"This server's maximum context length is {limit} tokens: that is the size of its KV cache "
+                       f"pool now (the model's own context is {self.model.max_context} tokens).")

@@ -18,6 +18,14 @@ from app.settings import ServeSettings
 log = logging.getLogger("fluxtide.serve")
 
 
+def say(line: str) -> None:
+    """One line to stderr in ONE write, newline included. NOTE: print() writes the text and its newline
+    separately, and log records reach stderr from another thread (Litestar's queue listener): a record written
+    between the two ran onto the line ("load failed: ...ERROR ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> None:
     """Load model, plan pools, start the engine thread; errors end up on /health, not in a crash."""
     started = time.monotonic()
@@ -34,7 +42,7 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         # NOTE: the loader reports every expert row; echo a line per phase and at its end only.
         if echo and (new_phase or (bytes_total and bytes_done == bytes_total)):
             size = f" ({p.bytes_done / 2**20:.1f}/{p.bytes_total / 2**20:.1f} MiB)" if p.bytes_total else ""
-            print(f"[{time.monotonic() - started:6.2f}s] {phase}{size}", file=sys.stderr, flush=True)
+            say(f"[{time.monotonic() - started:6.2f}s] {phase}{size}")
 
     try:
         container.progress.override(providers.Object(progress))
@@ -62,7 +70,7 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
             log.exception("model load failed")
         runtime.set_error(f"{type(exc).__name__}: {exc}")
         if echo:
-            print(f"load failed: {runtime.error}", file=sys.stderr, flush=True)
+            say(f"load failed: {runtime.error}")
 
 
 class RunningServer:

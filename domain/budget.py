@@ -199,7 +199,10 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
     staging = request.staging_experts
     staging_claim = ("staging", staging * per_slot, f"{staging} prefill staging experts")
     moe_claim = ("moe", min_slots * per_slot, f"{min_slots} {slots_what}")
-    kv_claim = ("kv", kv_pages * per_page, f"{kv_pages * request.page_size} {kv_what}")
+    kv_size = f"{kv_pages * request.page_size} {kv_what}"
+    if kv_explicit and kv_pages * request.page_size != request.kv_tokens:  # the planned size is not the one asked
+        kv_size += f" ({request.kv_tokens} rounded down to whole {request.page_size}-token pages)"
+    kv_claim = ("kv", kv_pages * per_page, kv_size)
     sized = ((moe_claim, slots_explicit), (kv_claim, kv_explicit))
     claims = [state_claim, *(c for c, explicit in sized if not explicit), *(c for c, explicit in sized if explicit),
               staging_claim, snapshot_claim]

@@ -49,6 +49,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # always stop, even with ignore_eos
     logprobs: bool = False
     top_logprobs: int = 0
+    # The client gave no max_tokens: it is "the rest of the context", and the scheduler re-derives it from
+    # the pools the request is admitted into (a live resize may have changed them since it was computed).
+    max_tokens_is_default: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from domain.kv_pages import PageAllocator
 from domain.ports import SampledToken, SequenceWork, StepBatch
@@ -155,9 +155,20 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         return self._live.get(request_id)
 
+    def room(self, n_prompt: int) -> int:
+        """The most tokens a request with an n_prompt-token prompt may generate on these pools: the
+        model's context or the whole KV pool, whichever is smaller (< 1: the prompt alone fills it)."""
+        return min(self.config.max_context, self.allocator.num_pages * self.config.page_size) - n_prompt
+
+    def _max_tokens(self, request: Request) -> int:
+        """The request's completion cap on these pools: a default one (max_tokens_is_default) is what fits."""
+        if request.sampling.max_tokens_is_default:
+            return self.room(len(request.prompt_token_ids))
+        return request.sampling.max_tokens
+
     def check_request(self, request: Request) -> str | None:
         """None if the request can ever run on these pools; otherwise why it never can."""
-        n_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
+        n_prompt, max_tokens = len(request.prompt_token_ids), self._max_tokens(request)
         if (
             request.state is not RequestState.WAITING
             or request.num_computed_tokens
@@ -166,6 +177,12 @@ class Scheduler:
             return f"request {request.request_id} has already started ({request.state.value})"
         if n_prompt == 0:
             return "empty prompt"
+        pool_tokens = self.allocator.num_pages * self.config.page_size
+        if request.sampling.max_tokens_is_default and max_tokens < 1:
+            limit, what = min(
+                (self.config.max_context, "the model's maximum context"),
+                (pool_tokens, f"the KV cache pool ({self.allocator.num_pages} pages)"))
+            return f"prompt ({n_prompt} tokens) leaves no room for a completion in {what} of {limit} tokens"
         if n_prompt + max_tokens > self.config.max_context:
             return (
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
@@ -175,18 +192,21 @@ class Scheduler:
         if pages > self.allocator.num_pages:
             return (
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs {pages} KV pages "
-                f"but the whole pool has {self.allocator.num_pages}"
+                f"but the whole KV cache pool has {self.allocator.num_pages} ({pool_tokens} tokens)"
             )
         if self.num_state_slots == 0:
             return "the state pool has no slots"
         return None
 
     def add(self, request: Request) -> None:
+        """Admit a waiting request. A default max_tokens becomes what fits these pools."""
         reason = self.check_request(request)
         if reason is not None:
             raise ValueError(reason)
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already live")
+        if request.sampling.max_tokens_is_default:
+            request.sampling = replace(request.sampling, max_tokens=self._max_tokens(request))
         self._live[request.request_id] = request
         self._waiting.append(request)
 

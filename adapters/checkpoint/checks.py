@@ -272,6 +272,8 @@ def _bias_shape(canon: str, expected: dict[str, tuple[int, ...]]) -> tuple[int, 
 
 # ---- checking without loading ------------------------------------------------------------------
 
+FLOAT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
 @dataclass
 class CheckedCheckpoint:
     """Everything learned from the headers and the cheap value checks; nothing allocated yet."""
@@ -288,10 +290,21 @@ class CheckedCheckpoint:
 
     @property
     def format_name(self) -> str:
+        """The on-disk variant ("bf16" is the name of the unquantized one, whatever its float dtype)."""
         dense = sorted({d.name for d in self.plan.values() if d is not None})
         if self.scheme.is_uniform and set(dense) <= {self.fmt.name}:
             return self.fmt.name
         return f"mixed: experts {self.fmt.name}, dense {'+'.join(dense) or 'bf16'}"
+
+    @property
+    def format_label(self) -> str:
+        """format_name for people (`ft check`): an unquantized expert bank is named by its real dtype (the demo
+        model's fp32 checkpoint once read "format bf16", the name of the unquantized variant)."""
+        if self.fmt.is_quantized:
+            return self.format_name
+        real = FLOAT_DTYPE_NAMES.get(self.float_dtype, str(self.float_dtype).removeprefix("torch."))
+        name = self.format_name
+        return real if name == self.fmt.name else name.replace(f"experts {self.fmt.name}", f"experts {real}", 1)
 
 
 def check_checkpoint(path: str | os.PathLike, verify_weights: bool = False) -> CheckedCheckpoint:

@@ -107,19 +107,22 @@ async def routing(request: Request) -> dict:
     return engine.routing()
 
 
-def _count(param: str, value: int | str | None, auto: bool = False) -> int | str | None:
+def _count(param: str, value: int | float | str | None, auto: bool = False) -> int | str | None:
+    """A pool size from the body: an integer, a JSON number written as a float that is one (1e4, 65536.0) or a
+    string (8k, 1.5m, 1e4). NOTE: every spelling takes one path (app.units.parse_count), so the same number gets
+    the same answer: a 400 naming the field when it is not a whole number in [0, 2^50], else it goes to the plan."""
     if value is None:
         return None
     if auto and value == "auto":
         return "auto"
-    if isinstance(value, int):
-        if value < 0:
-            raise bad_value(param, f"{param} must be >= 0, got {value}")
-        return value
+    if isinstance(value, float):
+        if not value.is_integer():  # NOTE: also inf and nan
+            raise bad_value(param, f"{param} must be a whole number, got {value!r}")
+        value = int(value)
     try:
-        return parse_count(value)
+        return parse_count(str(value))
     except ValueError as exc:
-        raise bad_value(param, str(exc)) from None
+        raise bad_value(param, f"{param}: {exc}") from None
 
 
 # The body field that sizes each pool a refusal can name (`param` is the client's spelling); the other

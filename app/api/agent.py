@@ -169,12 +169,12 @@ def refuse_if_it_cannot_fit(runtime: Runtime, tokenizer: Tokenizer, chars: int, 
     per_token = getattr(tokenizer, "max_chars_per_token", None)
     if not per_token:
         return
-    limit = runtime.max_context()
+    limit, which = runtime.context_limit()
     at_least = -(-chars // per_token)
     if at_least >= limit:
         raise OpenAIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, your prompt has {chars} "
+            f"{which} However, your prompt has {chars} "
             f"characters, at least {at_least} tokens, with no room left for the completion. Please reduce "
             f"the prompt.",
             param=param,

@@ -126,16 +126,19 @@ def build_sampling(
         raise bad_value("seed", "seed must fit in 64 bits")
     if prompt_len == 0:
         raise bad_value(prompt_param, "the prompt is empty")
-    limit = runtime.max_context()
+    limit, which = runtime.context_limit()
     if max_tokens is not None and max_tokens < 1:
         raise bad_value(max_tokens_param, f"{max_tokens_param} must be >= 1, got {max_tokens}")
     room = limit - prompt_len
-    if max_tokens is None:
+    # NOTE: no max_tokens is "the rest of the context"; the scheduler re-derives it from the pools the request
+    # is admitted into (a live resize may hold it and change them first).
+    is_default = max_tokens is None
+    if is_default:
         max_tokens = room
     if room < 1 or prompt_len + max_tokens > limit:
         raise OpenAIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{which} However, you requested "
             f"{prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the prompt, {max(max_tokens, 1)} "
             f"for the completion). Please reduce the prompt or the completion length.",
             param=prompt_param,
@@ -150,6 +153,7 @@ def build_sampling(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        max_tokens_is_default=is_default,
     )
 
 

@@ -91,9 +91,10 @@ class RoutingRequest(msgspec.Struct, kw_only=True):
 
 
 class CacheRebuildRequest(msgspec.Struct, kw_only=True):
-    kv_tokens: int | str | None = None
-    moe_slots: int | str | None = None
-    mamba_slots: int | str | None = None
+    # sizes: an integer, an integral JSON float (1e4), or a string (8k, 1.5m, 1e4); app.api.admin._count
+    kv_tokens: int | float | str | None = None
+    moe_slots: int | float | str | None = None
+    mamba_slots: int | float | str | None = None
     wait_s: float = 60.0
 
 

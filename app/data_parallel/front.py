@@ -230,12 +230,26 @@ def _message(body) -> str:
     return str(body)
 
 
+def _resize_message(applied: list[tuple[WorkerProcess, dict]]) -> str:
+    """One message for the workers' resizes: their words once when they agree, else each worker's note (worker
+    0's message alone once said "0 cached pages dropped" when worker 1 had dropped 1)."""
+    messages = [b["message"] for _, b in applied]
+    n = len(messages)
+    if len(set(messages)) == 1:
+        return f"{messages[0]} (on all {n} workers)"
+    split = [m.split("; ", 1) for m in messages]
+    if all(len(parts) == 2 for parts in split) and len({head for head, _ in split}) == 1:
+        notes = "; ".join(f"worker {w.index}: {note}" for (w, _), (_, note) in zip(applied, split, strict=True))
+        return f"{split[0][0]} on all {n} workers; {notes}"
+    return f"on all {n} workers: " + "; ".join(f"worker {w.index}: {m}" for (w, _), m in zip(applied, messages, strict=True))
+
+
 def _applied(applied: list[tuple[WorkerProcess, dict]]) -> dict:
     bodies = [b for _, b in applied]
     first = bodies[0]
     return {
         "status": "ok",
-        "message": f"{first['message']} (on all {len(bodies)} workers)",
+        "message": _resize_message(applied),
         "experts_kept": all(b["experts_kept"] for b in bodies),
         "kept": first["kept"] if len({b["kept"] for b in bodies}) == 1 else [b["kept"] for b in bodies],
         "waited_s": max(b["waited_s"] for b in bodies),

@@ -185,6 +185,18 @@ def test_nan_weight_refused_with_verify_weights_and_by_ft_check(sources, tmp_pat
     assert "format mixed: experts nvfp4_modelopt" in capsys.readouterr().out
 
 
+def test_ft_check_reports_an_unquantized_checkpoints_real_dtype(sources, tmp_path, capsys):
+    """The demo model's fp32 checkpoint was reported as "format bf16": the name of the unquantized variant."""
+    demo = Path(__file__).resolve().parents[2] / "app" / "demo_model" / "checkpoint"
+    assert json.loads((demo / "config.json").read_text())["dtype"] == "float32"
+    assert ft_main(["check", str(demo)]) == 0
+    assert "format fp32," in capsys.readouterr().out
+    bf16 = copy_with(sources["bf16"], tmp_path / "bf16")
+    _small_tokenizer(bf16)
+    assert ft_main(["check", str(bf16), "--no-verify-weights"]) == 0
+    assert "format bf16," in capsys.readouterr().out
+
+
 def test_nan_fp8_code_in_expert_found_by_scan(tmp_path):
     src = synthesize(tmp_path / "s", TINY, "mixed_modelopt", seed=2, tokenizer=False)
     name = P + "layers.3.self_attn.k_proj.weight"  # FP8 in the mixed layout

@@ -36,6 +36,8 @@ def test_tables_render(ctl_server, capsys):
     assert ctl(ctl_server, "stats") == 0
     out = capsys.readouterr().out
     assert "kv_pages_total" in out and "decode_tok_s" in out
+    # the pools' prefix cache in rows as `ft ctl cache` shows it, not a Python dict repr
+    assert "prefix_cache.cached_pages" in out and "{'" not in out, out
     assert ctl(ctl_server, "cache") == 0
     assert "plan.kv_tokens" in capsys.readouterr().out
 
@@ -50,6 +52,16 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert "resize refused" in capsys.readouterr().out
     assert ctl(ctl_server, "--json", "cache", "--kv", "1k", "--moe", "auto") == 0
     assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_ctl_accepts_the_openai_style_base_url(ctl_server, suffix, capsys):
+    """`--base-url http://127.0.0.1:1919/v1`, the URL OpenAI clients take, printed only "HTTP 404: Not Found"."""
+    base = ["ctl", "--base-url", ctl_server.base_url + suffix, "--api-key", "k3y"]
+    assert main([*base, "--json", "stats"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"]["kv_pages_total"] > 0
+    assert main([*base, "--json", "health"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
 
 
 def test_generate_streams_text(ctl_server, capsys):
@@ -149,6 +161,16 @@ def test_serve_refuses_an_unknown_log_level_without_a_traceback(capsys):
     assert "--log-level" in err and "Traceback" not in err
 
 
+def test_ft_sim_without_the_sim_extra_says_what_to_install():
+    """After the quick start (`.[serve]`, no simpy) `ft sim predict` was a ModuleNotFoundError traceback."""
+    code = ("import sys; sys.modules['simpy'] = None; from app.cli import main; "
+            "sys.exit(main(['sim', 'predict', '--hardware', 'rtx3090', '--model', 'qwen3.6-35b-a3b-fp8']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        'ft sim: the simulator needs simpy, which the sim extra installs: pip install -e ".[sim]"'], out.stderr
+
+
 def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
@@ -217,6 +239,39 @@ def test_serve_names_a_port_in_use(capsys):
         assert main(["serve", "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+
+
+def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
+    """`ft serve` printed "load failed: ..." and its newline in two writes; a log record written from another
+    thread (Litestar's queue listener) between them ran onto the line. Every echo line is now one write."""
+    import io
+
+    from dependency_injector import providers
+
+    from app.runtime import Runtime
+    from app.serving import build_engine
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    def broken_spec():
+        raise ValueError("no such checkpoint")
+
+    container = make_container()
+    container.model_spec.override(providers.Singleton(broken_spec))
+    err = Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    runtime = Runtime("m")
+    build_engine(container, runtime, echo=True)
+    assert runtime.status == "error"
+    assert "load failed: ValueError: no such checkpoint\n" in err.calls, err.calls
+    assert all(call.endswith("\n") for call in err.calls), err.calls  # no line is split across writes
 
 
 @pytest.mark.parametrize("key", ["", "   ", " k3y", "k3y\t", "ключ"])

@@ -49,6 +49,26 @@ def test_merge_adds_counts_keeps_shared_values_and_bounds_percentiles():
                                          "pool_bytes": 20, "used_bytes": 12, "free_bytes": 8}
 
 
+def test_a_resize_message_reports_every_workers_prefix_cache():
+    """With --data-parallel 2 the resize said worker 0's "0 cached pages dropped" though worker 1 dropped 1."""
+    from types import SimpleNamespace
+
+    from app.data_parallel.front import _applied
+
+    def body(note: str) -> dict:
+        return {"message": f"pools rebuilt; {note}", "experts_kept": True, "kept": "expert slots kept warm",
+                "waited_s": 0.1, "peak_bytes": 5, "steps": [], "before": {}, "after": {}}
+
+    def cleared(n: int) -> str:
+        return f"prefix cache cleared ({n} cached pages dropped: the KV or snapshot pool was rebuilt)"
+
+    w0, w1 = SimpleNamespace(index=0), SimpleNamespace(index=1)
+    message = _applied([(w0, body(cleared(0))), (w1, body(cleared(1)))])["message"]
+    assert message == f"pools rebuilt on all 2 workers; worker 0: {cleared(0)}; worker 1: {cleared(1)}", message
+    same = _applied([(w0, body(cleared(2))), (w1, body(cleared(2)))])["message"]
+    assert same == f"pools rebuilt; {cleared(2)} (on all 2 workers)", same
+
+
 @pytest.mark.parametrize("statuses, expected", [
     (["ok", "ok"], "ok"), (["ok", "loading"], "loading"), (["starting", "exited"], "loading"),
     (["ok", "exited"], "degraded"), (["unreachable", "ok"], "degraded"), (["error", "exited"], "error")])

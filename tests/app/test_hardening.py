@@ -173,7 +173,16 @@ def test_json_nested_too_deep_is_a_400(server, path, body, depth):
     ({"kv_tokens": "1.0e999"}, 400, "kv_tokens"),
     ({"kv_tokens": "inf"}, 400, "kv_tokens"),
     ({"moe_slots": "1e999999999999"}, 400, "moe_slots"),
-    ({"kv_tokens": 10**30}, 409, "kv_tokens"),
+    # every spelling of one number takes one path: a whole number in [0, 2^50] goes to the plan, any other is a
+    # 400 naming the field (the string "1125899906842625" was a 400 and the same integer a 409 plan_refused)
+    ({"kv_tokens": 10**30}, 400, "kv_tokens"),
+    ({"kv_tokens": 2**50 + 1}, 400, "kv_tokens"),
+    ({"kv_tokens": str(2**50 + 1)}, 400, "kv_tokens"),
+    ({"kv_tokens": 2**50}, 409, "kv_tokens"),
+    ({"kv_tokens": str(2**50)}, 409, "kv_tokens"),
+    ({"kv_tokens": 1e12}, 409, "kv_tokens"),  # an integral JSON float is a size (it was a 422 invalid_type)
+    ({"kv_tokens": 1.5}, 400, "kv_tokens"),
+    ({"moe_slots": 2.5e-1}, 400, "moe_slots"),
     ({"mamba_slots": 0}, 409, "mamba_slots"),
     ({"mamba_slots": "0"}, 409, "mamba_slots"),
     ({"mamba_slots": 0, "kv_tokens": "auto"}, 409, "mamba_slots"),
@@ -184,6 +193,7 @@ def test_resize_values_from_the_client_are_4xx_and_serving_continues(srv, body, 
     r = rebuild(srv, **body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] == {400: "invalid_value", 409: "plan_refused"}[status], r.text
     assert plan(srv) == before
     assert_serves(srv)
 

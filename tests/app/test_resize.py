@@ -187,6 +187,14 @@ def test_moe_resize_reports_cold_experts_and_bad_bodies_are_400(srv):
     assert plan(srv)["expert_slots"] == 4
 
 
+@pytest.mark.parametrize("size", [1.024e3, 1024.0, "1.024e3"])
+def test_an_integral_json_float_is_a_size(srv, size):
+    """docs/serving.md says sizes accept 1e4: the JSON number {"kv_tokens": 1e4} was a 422 invalid_type."""
+    r = rebuild(srv, kv_tokens=size)
+    assert r.status_code == 200, r.text
+    assert plan(srv)["kv_tokens"] == 1024
+
+
 def _late_error(path: str, stream: bool, r: httpx.Response) -> tuple[int, str, str | None]:
     """(status, error type, code) of a late request's answer, whole or streamed, in its dialect's shape."""
     if not stream:
@@ -240,12 +248,71 @@ def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv, path, a
     streamed, resized, late = asyncio.run(main())
     assert streamed == expected("keeps the engine busy", 120)
     assert resized.status_code == 200, resized.text
-    assert "resized pools" in late.text
+    assert "resized pools" in late.text and "KV cache pool has 16 (256 tokens)" in late.text, late.text
     status, kind, code = _late_error(path, as_stream, late)
     assert (status, kind) == (400, "invalid_request_error"), late.text
     assert code == (None if path == "/v1/messages" else "request_too_large"), late.text
     pools = wait_until_idle(srv)
     assert pools["state_slots_used"] == 0 and pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"]
+
+
+def _held_through_a_shrink(server, path: str, body: dict, kv_tokens: int) -> httpx.Response:
+    """Send `body` while a shrink to `kv_tokens` drains, once the engine holds it (step_gate: forced, not raced)."""
+    server.container.executor().step_gate = threading.Semaphore(0)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        running = asyncio.ensure_future(stream(client, "keeps the engine busy", 120))
+        await asyncio.to_thread(step_until, server, lambda pools: pools["running"] > 0)
+        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, server, kv_tokens=kv_tokens, wait_s=30))
+        await asyncio.to_thread(step_until, server, lambda pools: pools["phase"] == "draining")
+        late = asyncio.ensure_future(asyncio.to_thread(httpx.post, server.base_url + path,
+                                                       json={"model": MODEL, **body}, timeout=30))
+        await asyncio.to_thread(step_until, server, lambda pools: pools["held"] == 1)
+        open_gate(server)
+        results = await asyncio.gather(running, resize, late)
+        await client.close()
+        return results
+
+    streamed, resized, late = asyncio.run(main())
+    assert streamed == expected("keeps the engine busy", 120)
+    assert resized.status_code == 200, resized.text
+    return late
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "default later"}], "ignore_eos": True}),
+    ("/v1/responses", {"input": [{"role": "user", "content": "default later"}], "ignore_eos": True}),
+])
+def test_a_held_request_without_max_tokens_gets_the_default_of_the_pool_it_is_admitted_into(srv, path, body):
+    """Its default max_tokens ("the rest of the context") was computed against the 512-token pool before it was
+    held; it once stayed that and the request was refused on the 256-token pool. vLLM's default is what fits."""
+    late = _held_through_a_shrink(srv, path, body, kv_tokens=256)
+    assert late.status_code == 200, late.text
+    answer = late.json()
+    if path == "/v1/responses":
+        usage = answer["usage"]
+        assert usage["output_tokens"] == 256 - usage["input_tokens"] and answer["status"] == "incomplete", late.text
+    else:
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 256 - usage["prompt_tokens"], late.text
+        assert answer["choices"][0]["finish_reason"] == "length", late.text
+    wait_until_idle(srv)
+
+
+def test_a_request_too_long_for_the_shrunk_kv_pool_says_the_pool_is_the_limit(srv):
+    """The KV pool (256 tokens after the shrink) bounds the request, not the model's context (4096 tokens):
+    the message once said "This model's maximum context length is 256 tokens"."""
+    assert rebuild(srv, kv_tokens=256).status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "too long"}], "max_tokens": 400}
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["type"], error["param"]) == (
+        "context_length_exceeded", "invalid_request_error", "messages"), error
+    assert "maximum context length is 256 tokens" in error["message"], error  # the phrase clients match on
+    assert "KV cache pool" in error["message"] and "model's own context is 4096 tokens" in error["message"], error
+    assert "This model's maximum context length" not in error["message"], error
 
 
 def test_moe_auto_fills_what_the_new_kv_pool_leaves(srv):

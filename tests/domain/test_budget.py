@@ -187,6 +187,15 @@ def test_an_explicit_kv_size_below_one_page_is_refused_not_planned_empty(kv_toke
     assert plan_pools(TINY, pool_budget(10**9), PoolRequest(kv_tokens=16, page_size=16)).kv_pages == 1
 
 
+def test_a_refused_kv_size_that_is_not_whole_pages_says_it_was_rounded():
+    """It once said "99999984 KV tokens" when 99999999 was asked, with no word on why."""
+    refusal = plan_pools(QWEN_FP8, pool_budget(10 * GiB), PoolRequest(kv_tokens=99_999_999, page_size=16))
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "kv"
+    assert "99999984 KV tokens (99999999 rounded down to whole 16-token pages)" in refusal.message, refusal.message
+    whole = plan_pools(QWEN_FP8, pool_budget(10 * GiB), PoolRequest(kv_tokens=99_999_984, page_size=16))
+    assert "99999984 KV tokens" in whole.message and "rounded" not in whole.message, whole.message
+
+
 def test_gpu_budget_arithmetic_and_validation():
     assert GpuBudget(total_bytes=1000, memory_ratio=0.9, weights_bytes=100, fixed_bytes=50).pool_bytes == 750
     with pytest.raises(ValueError):

@@ -265,6 +265,24 @@ def test_check_request_names_the_reason():
     assert "no slots" in no_slots.check_request(Request("e", [1], SamplingParams()))
 
 
+def test_a_default_max_tokens_becomes_what_fits_the_pools_it_is_admitted_into():
+    """A default max_tokens (the client gave none) was computed against the pools of the moment; a live resize
+    may have shrunk them before admission: it is re-derived there instead of refusing the request."""
+    scheduler, _, _ = make(num_pages=4, page_size=4, max_context=20, max_running=2, max_step_tokens=8)
+    default = SamplingParams(max_tokens=4080, max_tokens_is_default=True)  # "the rest of" an older, larger pool
+    assert scheduler.room(10) == 6
+    assert scheduler.check_request(Request("a", [1] * 10, default)) is None
+    request = Request("a", [1] * 10, default)
+    scheduler.add(request)
+    assert request.sampling.max_tokens == 6 and request.sampling.max_tokens_is_default
+    # an explicit max_tokens is the client's: it is never changed, and the reason names the KV pool
+    assert "KV cache pool has 4 (16 tokens)" in scheduler.check_request(
+        Request("b", [1] * 10, SamplingParams(max_tokens=8)))
+    # a prompt that fills the pool leaves no room even for a default
+    assert "no room for a completion in the KV cache pool (4 pages) of 16 tokens" in scheduler.check_request(
+        Request("c", [1] * 16, default))
+
+
 def test_duplicate_live_id_is_refused():
     scheduler, _, _ = make()
     scheduler.add(Request("a", [1, 2]))
