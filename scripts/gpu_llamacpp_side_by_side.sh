@@ -42,6 +42,8 @@ if [ $DRY = 1 ]; then  # a CPU machine: tiny everything; every default below can
   : "${LADDER_ARGS:=--levels 1,2 --tokens 8 --warmup-tokens 4 --no-bandwidth}"
   : "${SWEEP_ARGS:=--batch 1,2 --tokens 8 --warmup-tokens 4 --warmup 1 --iterations 1 --no-bandwidth}"
   : "${BENCH_TIMEOUT:=300}" "${READY_TRIES:=120}" "${OUT:=/tmp/sbs-dry/out}"
+  # a CPU decodes the tiny model at ~20 tok/s: the H200's probe lengths (127/255/1,023 x 3) outlast the timeout
+  : "${PROBE_ARGS:=--lengths 15,31 --repeats 1 --warmup-tokens 4}" "${PREFILL_ARGS:=--sizes 256,1024 --repeats 1}"
   [ -x /tmp/llamacpp-conv-venv/bin/python ] && : "${CONVERT_PYTHON:=/tmp/llamacpp-conv-venv/bin/python}"
   export GEOMETRY DEVICE EXECUTOR CUDA CKPT RESIDENT_KV SWEEP_KV BUDGET_GIB LADDER_ARGS SWEEP_ARGS BENCH_TIMEOUT READY_TRIES OUT
   export CONVERT_PYTHON
@@ -249,7 +251,7 @@ phase_extras() {  # probe and prefill of both engines, every expert on the GPU, 
   if [ $ok = 1 ]; then  # llama.cpp first: the tables' ratios read "fluxtide / llama.cpp"
     local urls=(--base-url http://127.0.0.1:8204 --base-url http://127.0.0.1:8104)
     timeout "$BENCH_TIMEOUT" python3 -m app bench probe "${urls[@]}" --model-dir "$CKPT" --no-bandwidth \
-      --out "$WORK/probe.json" 2>&1 | tail -12
+      --out "$WORK/probe.json" ${PROBE_ARGS:-} 2>&1 | tail -12
     timeout "$BENCH_TIMEOUT" python3 -m app bench prefill "${urls[@]}" --model-dir "$CKPT" --no-bandwidth \
       --out "$WORK/prefill.json" ${PREFILL_ARGS:-} 2>&1 | tail -12
     mark "extras measured"

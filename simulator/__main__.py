@@ -6,6 +6,13 @@ import argparse
 import json
 import sys
 
+try:
+    import simpy  # noqa: F401  # NOTE: the sim extra; say so instead of a traceback from deep in the imports
+except ModuleNotFoundError as exc:
+    if __name__ != "__main__":
+        raise  # imported by `ft sim`, which says it in its own words
+    sys.exit(f"python -m simulator needs {exc.name}, which the sim extra installs: pip install -e \".[sim]\"")
+
 from domain.serve_plan import cap_bytes
 from simulator.hardware import GIB, get_profile, load_profiles
 from simulator.predict import Deployment, Workload

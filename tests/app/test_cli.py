@@ -171,6 +171,16 @@ def test_ft_sim_without_the_sim_extra_says_what_to_install():
         'ft sim: the simulator needs simpy, which the sim extra installs: pip install -e ".[sim]"'], out.stderr
 
 
+def test_python_dash_m_simulator_without_the_sim_extra_says_what_to_install():
+    """README's capacity planning runs `python -m simulator predict`: without simpy, one line, not a traceback."""
+    code = "import sys, runpy; sys.modules['simpy'] = None; sys.argv = ['simulator', 'predict']; " \
+           "runpy.run_module('simulator', run_name='__main__')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        'python -m simulator needs simpy, which the sim extra installs: pip install -e ".[sim]"'], out.stderr
+
+
 def test_python_dash_m_app_is_the_ft_command():
     out = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
