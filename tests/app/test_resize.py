@@ -220,42 +220,6 @@ LATE_BODIES = {
 }
 
 
-@pytest.mark.parametrize(("path", "as_stream"), [("/v1/chat/completions", False), ("/v1/chat/completions", True),
-                                                 ("/v1/messages", False), ("/v1/messages", True),
-                                                 ("/v1/responses", False), ("/v1/responses", True)])
-def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv, path, as_stream):
-    """The engine runs step by step (step_gate) until the late request is held: the interleaving is
-    forced, not raced (it once arrived after the resize had finished on a busy machine). Streamed, the
-    error event has the type and code the whole answer has (Messages once said `api_error` and Responses
-    `engine_error` for this client-side condition; Responses' final `response.failed` once said `server_error`)."""
-    srv.container.executor().step_gate = threading.Semaphore(0)
-
-    async def main():
-        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
-        running = asyncio.ensure_future(stream(client, "keeps the engine busy", 120))
-        await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
-        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=256, wait_s=30))
-        await asyncio.to_thread(step_until, srv, lambda pools: pools["phase"] == "draining")
-        body = {"model": MODEL, "stream": as_stream, **LATE_BODIES[path]}
-        late = asyncio.ensure_future(asyncio.to_thread(httpx.post, srv.base_url + path, json=body, timeout=30))
-        held = await asyncio.to_thread(step_until, srv, lambda pools: pools["held"] == 1)
-        assert held["running"] == 1, "the busy request must still be running when the late one is held"
-        open_gate(srv)
-        results = await asyncio.gather(running, resize, late)
-        await client.close()
-        return results
-
-    streamed, resized, late = asyncio.run(main())
-    assert streamed == expected("keeps the engine busy", 120)
-    assert resized.status_code == 200, resized.text
-    assert "resized pools" in late.text and "KV cache pool has 16 (256 tokens)" in late.text, late.text
-    status, kind, code = _late_error(path, as_stream, late)
-    assert (status, kind) == (400, "invalid_request_error"), late.text
-    assert code == (None if path == "/v1/messages" else "request_too_large"), late.text
-    pools = wait_until_idle(srv)
-    assert pools["state_slots_used"] == 0 and pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"]
-
-
 def _held_through_a_shrink(server, path: str, body: dict, kv_tokens: int) -> httpx.Response:
     """Send `body` while a shrink to `kv_tokens` drains, once the engine holds it (step_gate: forced, not raced)."""
     server.container.executor().step_gate = threading.Semaphore(0)
@@ -268,7 +232,8 @@ def _held_through_a_shrink(server, path: str, body: dict, kv_tokens: int) -> htt
         await asyncio.to_thread(step_until, server, lambda pools: pools["phase"] == "draining")
         late = asyncio.ensure_future(asyncio.to_thread(httpx.post, server.base_url + path,
                                                        json={"model": MODEL, **body}, timeout=30))
-        await asyncio.to_thread(step_until, server, lambda pools: pools["held"] == 1)
+        held = await asyncio.to_thread(step_until, server, lambda pools: pools["held"] == 1)
+        assert held["running"] == 1, "the busy request must still be running when the late one is held"
         open_gate(server)
         results = await asyncio.gather(running, resize, late)
         await client.close()
@@ -278,6 +243,23 @@ def _held_through_a_shrink(server, path: str, body: dict, kv_tokens: int) -> htt
     assert streamed == expected("keeps the engine busy", 120)
     assert resized.status_code == 200, resized.text
     return late
+
+
+@pytest.mark.parametrize(("path", "as_stream"), [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                                 ("/v1/messages", False), ("/v1/messages", True),
+                                                 ("/v1/responses", False), ("/v1/responses", True)])
+def test_a_held_request_that_no_longer_fits_after_a_shrink_gets_400(srv, path, as_stream):
+    """The engine runs step by step (step_gate) until the late request is held: the interleaving is
+    forced, not raced (it once arrived after the resize had finished on a busy machine). Streamed, the
+    error event has the type and code the whole answer has (Messages once said `api_error` and Responses
+    `engine_error` for this client-side condition; Responses' final `response.failed` once said `server_error`)."""
+    late = _held_through_a_shrink(srv, path, {"stream": as_stream, **LATE_BODIES[path]}, kv_tokens=256)
+    assert "resized pools" in late.text and "KV cache pool has 16 (256 tokens)" in late.text, late.text
+    status, kind, code = _late_error(path, as_stream, late)
+    assert (status, kind) == (400, "invalid_request_error"), late.text
+    assert code == (None if path == "/v1/messages" else "request_too_large"), late.text
+    pools = wait_until_idle(srv)
+    assert pools["state_slots_used"] == 0 and pools["kv_pages_used"] == pools["prefix_cache"]["cached_pages"]
 
 
 @pytest.mark.parametrize(("path", "body"), [
