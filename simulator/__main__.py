@@ -13,6 +13,8 @@ except ModuleNotFoundError as exc:
         raise  # imported by `ft sim`, which says it in its own words
     sys.exit(f"python -m simulator needs {exc.name}, which the sim extra installs: pip install -e \".[sim]\"")
 
+from domain.model_spec import ModelSpec
+from domain.prefill_choice import resolve_prefill_kernels
 from domain.serve_plan import cap_bytes
 from simulator.hardware import GIB, get_profile, load_profiles
 from simulator.predict import Deployment, Workload
@@ -102,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
     p.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto",
                    help="as `ft serve --staging-experts` (auto: the geometry's rows with --prefill-kernels triton)")
-    p.add_argument("--prefill-kernels", choices=("reference", "triton"),
-                   help="as `ft serve --prefill-kernels` resolves it; triton turns on the auto staging rows "
-                        "(default: the calibration's, reference; ft serve's auto is triton on a card for bf16 and "
-                        "block-FP8 weights)")
+    p.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"),
+                   help="as `ft serve --prefill-kernels`; triton turns on the auto staging rows; auto resolves as "
+                        "ft serve's default does on a card's fast path (triton for bf16 and block-FP8 weights, "
+                        "domain/prefill_choice.py) (default: the calibration's, reference)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--distinct-prompts", action="store_true",
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")
@@ -178,11 +180,19 @@ def expert_parallel_command(args) -> int:
     return 0
 
 
-def deployment_from_args(deployment: Deployment, args) -> Deployment:
-    """The calibration's deployment with the `ft serve` pool flags given on the command line."""
+def deployment_from_args(deployment: Deployment, args, spec: ModelSpec | None = None) -> Deployment:
+    """The calibration's deployment with the `ft serve` pool flags given on the command line. `--prefill-kernels
+    auto` is resolved for `spec` as `ft serve` resolves it on a CUDA card's fast path (the simulated executor);
+    raises ValueError for auto without a spec."""
     changes = {name: getattr(args, name) for name in ("memory_ratio", "cache_type", "snapshot_slots",
                                                       "prefill_kernels", "max_prefill_length")
                if getattr(args, name) is not None}
+    if changes.get("prefill_kernels") == "auto":
+        if spec is None:
+            raise ValueError("--prefill-kernels auto needs the model's formats to resolve")
+        changes["prefill_kernels"] = resolve_prefill_kernels(
+            "auto", device="cuda", fast_path=True, expert_format=spec.expert_format,
+            dense_formats=[spec.dense_format]).kernels
     if args.gpu_budget_gib is not None:
         # NOTE: the card's cap replaces a calibration's fixed pool, if it had one: the budget is read as the server's
         changes.update(gpu_budget_bytes=cap_bytes(args.gpu_budget_gib), pool_bytes=None)
@@ -201,7 +211,7 @@ def predict_command(args) -> int:
         calibration, measured_here = Calibration.resolve(args.calibration), True
     else:
         calibration, measured_here = find_calibration(hardware.name)
-    deployment = deployment_from_args(calibration.deployment_params(), args)
+    deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"

@@ -187,6 +187,18 @@ def test_unset_flags_keep_the_calibrations_deployment_and_set_ones_mean_what_ft_
     assert deployment_from_args(base, args) == base.replace(state_slots=3, staging_experts=0)
 
 
+@pytest.mark.parametrize(("model", "kernels"), [("qwen3.6-35b-a3b-fp8", "triton"), ("qwen3.6-35b-a3b-bf16", "triton"),
+                                                ("qwen3.6-35b-a3b-nvfp4", "reference")])
+def test_prefill_kernels_auto_resolves_as_ft_serve_does_on_a_card(model, kernels):
+    """ft serve's default (auto, ADR 0020) on the fast path of a CUDA card: triton for the GPU-validated formats."""
+    base = Calibration.resolve("h200_v2").deployment_params()
+    args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", model, "--kv", "8k",
+                                      "--prefill-kernels", "auto"])
+    assert deployment_from_args(base, args, resolve_model(model)[1]).prefill_kernels == kernels
+    with pytest.raises(ValueError, match="auto"):
+        deployment_from_args(base, args)
+
+
 
 @pytest.mark.parametrize("flags, message, by_argparse", [
     (["--gpu-budget-gib", "0"], "must be a positive number of GiB", True),
