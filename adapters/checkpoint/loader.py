@@ -123,7 +123,9 @@ def _progress(total: int, enabled: bool):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm ships with the gpu extra
         return None
-    return tqdm(total=total, desc="expert bank", unit="expert", leave=False)
+    # NOTE: disable=None: a bar on a terminal only; in a log file (a service, a benchmark's capture) its carriage
+    # returns are noise beside the per-phase lines the server already writes
+    return tqdm(total=total, desc="expert bank", unit="expert", leave=False, disable=None)
 
 
 class PhaseCounter:
