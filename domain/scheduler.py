@@ -155,10 +155,15 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         return self._live.get(request_id)
 
+    @property
+    def pool_tokens(self) -> int:
+        """The whole KV pool, in tokens."""
+        return self.allocator.num_pages * self.config.page_size
+
     def room(self, n_prompt: int) -> int:
         """The most tokens a request with an n_prompt-token prompt may generate on these pools: the
         model's context or the whole KV pool, whichever is smaller (< 1: the prompt alone fills it)."""
-        return min(self.config.max_context, self.allocator.num_pages * self.config.page_size) - n_prompt
+        return min(self.config.max_context, self.pool_tokens) - n_prompt
 
     def _max_tokens(self, request: Request) -> int:
         """The request's completion cap on these pools: a default one (max_tokens_is_default) is what fits."""
@@ -177,7 +182,7 @@ class Scheduler:
             return f"request {request.request_id} has already started ({request.state.value})"
         if n_prompt == 0:
             return "empty prompt"
-        pool_tokens = self.allocator.num_pages * self.config.page_size
+        pool_tokens = self.pool_tokens
         if request.sampling.max_tokens_is_default and max_tokens < 1:
             limit, what = min(
                 (self.config.max_context, "the model's maximum context"),

@@ -291,10 +291,7 @@ class CheckedCheckpoint:
     @property
     def format_name(self) -> str:
         """The on-disk variant ("bf16" is the name of the unquantized one, whatever its float dtype)."""
-        dense = sorted({d.name for d in self.plan.values() if d is not None})
-        if self.scheme.is_uniform and set(dense) <= {self.fmt.name}:
-            return self.fmt.name
-        return f"mixed: experts {self.fmt.name}, dense {'+'.join(dense) or 'bf16'}"
+        return self._format(self.fmt.name)
 
     @property
     def format_label(self) -> str:
@@ -302,9 +299,14 @@ class CheckedCheckpoint:
         model's fp32 checkpoint once read "format bf16", the name of the unquantized variant)."""
         if self.fmt.is_quantized:
             return self.format_name
-        real = FLOAT_DTYPE_NAMES.get(self.float_dtype, str(self.float_dtype).removeprefix("torch."))
-        name = self.format_name
-        return real if name == self.fmt.name else name.replace(f"experts {self.fmt.name}", f"experts {real}", 1)
+        return self._format(FLOAT_DTYPE_NAMES.get(self.float_dtype, str(self.float_dtype).removeprefix("torch.")))
+
+    def _format(self, experts: str) -> str:
+        """The format line with the expert bank called `experts`: that alone when every module shares its format."""
+        dense = sorted({d.name for d in self.plan.values() if d is not None})
+        if self.scheme.is_uniform and set(dense) <= {self.fmt.name}:
+            return experts
+        return f"mixed: experts {experts}, dense {'+'.join(dense) or 'bf16'}"
 
 
 def check_checkpoint(path: str | os.PathLike, verify_weights: bool = False) -> CheckedCheckpoint:
