@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 from adapters.kernels.gated_rms_norm import gated_rms_norm
 from adapters.kernels.gdn_chunk_out import gdn_chunk_out
 from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
-from adapters.kernels.gdn_chunk_state import CHUNK, MAX_DK, gdn_chunk_state
+from adapters.kernels.gdn_chunk_state import CHUNK, MAX_DK, SpanWalk, gdn_chunk_state
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill
 from adapters.kernels.qk_norm_rope import qk_norm_rope
@@ -134,6 +134,26 @@ def delta_rule(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.
         states = hs if states is None else states
         gdn_chunk_out(mixed[t0:t1], u[:, t0:t1], gc[:, t0:t1], hs, num_k_heads, precise=precise, out=core[t0:t1])
     return core
+
+
+def delta_rule_walks(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
+                     state: torch.Tensor, walk_table: torch.Tensor, walks, chunk_table: tuple[torch.Tensor, torch.Tensor],
+                     num_k_heads: int, *, precise: bool, out: torch.Tensor) -> None:
+    """delta_rule for several spans of a step at once (the split recurrence): per launch of `walks`
+    (step_plan.plan_walks' (first, count, chunk0, chunks)) one gdn_chunk_state over its entries of walk_table
+    (each from and back to its own slot of state, fp32 [S, Nv, Dk, Dv]: a layer of the state pool) and one
+    gdn_chunk_out over its chunks of chunk_table (gdn_chunk_wy's (starts, ends)). mixed, w, u, gc, ks: the
+    step's rows (gdn_chunk_wy over the same chunk table); out fp32 [T, Nv, Dv] gets the spans' rows.
+    Each row gets the bits delta_rule on its span alone gives it. Raises ValueError as the kernels'
+    launchers do."""
+    if not walks:
+        return
+    nv, dk, dv = state.shape[1:]
+    states = torch.empty(nv, max(c for *_, c in walks), dk, dv, dtype=torch.float32, device=mixed.device)
+    for first, count, chunk0, chunks in walks:
+        hs = gdn_chunk_state(mixed, w, u, gc, ks, state, num_k_heads, precise=precise, states=states,
+                             walk=SpanWalk(walk_table, first, count, chunk0, chunks))
+        gdn_chunk_out(mixed, u, gc, hs, num_k_heads, precise=precise, out=out, chunks=(*chunk_table, chunk0))
 
 
 def attention_prefill(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, page_ids: torch.Tensor,

@@ -2,7 +2,7 @@
 one-token rows of a mixed step. What needs no per-sequence state runs once over every token of the step (the
 projections, q/k norms + rotary + the K/V writes, the sigmoid gate, the gated RMSNorm, the output
 projections); per span only what reads its own context or state (attention: the context gather and SDPA;
-Gated DeltaNet: the state walk; its conv and WY form take every span of the step in one launch each); the
+Gated DeltaNet: nothing: its conv, WY form and state walk take every span of the step in one launch each); the
 one-token rows all together through the decode kernels (paged_decode_attention, gdn_decode_step). The
 tables these read are built once per step (step_plan.py).
 
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from adapters.cuda_exec.prefill import check_gdn_slot, delta_rule
+from adapters.cuda_exec import prefill
+from adapters.cuda_exec.prefill import check_gdn_slot, delta_rule, delta_rule_walks
 from adapters.cuda_exec.step_plan import AttentionTables, GdnGroup
 from adapters.kernels.gated_rms_norm import gated_rms_norm
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
@@ -104,7 +105,8 @@ def gdn_spans(mixer: GatedDeltaNet, x: torch.Tensor, groups: tuple[GdnGroup, ...
     [B], state slots int32 [B], distinct) the one-token rows; together every row of x. qkvz_fn(x) -> [qkv
     [T, C], z [T, Nv*Dv]], ab_fn(x) -> [b, a] ([T, Nv] each): the projections, once for all rows (views of
     stacked GEMMs are fine). Per group one conv launch (gdn_conv_prefill_spans) and one WY launch
-    (gdn_chunk_wy over its chunk table), then each span's state walk (prefill.delta_rule); every span
+    (gdn_chunk_wy over its chunk table), then the state walks of all its spans (prefill.delta_rule_walks:
+    one gdn_chunk_state and one gdn_chunk_out launch per GDN_WINDOW tokens of chunks); every span
     continues its slot's conv and recurrent state (pool layer `layer`) and leaves there the state after it,
     as gdn_prefill on the span alone; a group with a snapshot slot (a piece of a cut span) has that state
     copied into `snapshots` at once, before the span's next piece. The one-token rows take one recurrent
@@ -133,9 +135,13 @@ def gdn_spans(mixer: GatedDeltaNet, x: torch.Tensor, groups: tuple[GdnGroup, ...
                                        group.max_len)  # [T, C] fp32, the group's rows written
         wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, nk, geo.k_head_dim, geo.v_head_dim, precise=precise,
                           chunks=(group.chunk_starts, group.chunk_ends))  # over [T] rows, the group's written
-        for r, slot in group.spans:
-            delta_rule(mixed[r], *(t[:, r] for t in wy), pool.recurrent[layer, slot], nk, precise=precise,
-                       out=core[r])
+        if prefill.GDN_RECURRENCE == "split":  # every span's walk in one launch (a few for long spans)
+            delta_rule_walks(mixed, *wy, pool.recurrent[layer], group.walk_table, group.walks,
+                             (group.chunk_starts, group.chunk_ends), nk, precise=precise, out=core)
+        else:  # the fused walk (A/B runs only): span by span
+            for r, slot in group.spans:
+                delta_rule(mixed[r], *(t[:, r] for t in wy), pool.recurrent[layer, slot], nk, precise=precise,
+                           out=core[r])
         if group.snapshot is not None:
             pool.copy_slot(group.spans[0][1], snapshots, group.snapshot, layer)
         del mixed, wy  # NOTE: before the next group allocates its own: one T-row scratch at a time

@@ -19,6 +19,7 @@ from adapters.kernels.gdn_chunk_wy import CHUNK
 from adapters.kernels.paged_decode_attention import default_num_splits
 from adapters.torch_exec.rotary import Rotary
 from adapters.torch_exec.step_inputs import StepInputs
+from domain.step_budget import GDN_WINDOW_TOKENS
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,11 @@ def attention_tables(inp: StepInputs, page_size: int, table_width: int, kv_heads
 @dataclass(frozen=True)
 class GdnGroup:
     """Gated DeltaNet spans whose conv and WY run in one launch each (the span and chunk tables of
-    gdn_conv_prefill_spans and gdn_chunk_wy), then one state walk each."""
+    gdn_conv_prefill_spans and gdn_chunk_wy), then their state walks and outputs in as few launches as the
+    walk's scratch allows (`walks`: gdn_chunk_state's SpanWalk over `walk_table`, gdn_chunk_out over the
+    chunk table). Every table is a view starting on a 16-byte boundary: Triton specializes a pointer
+    argument on that alignment, and a view that has it in one step and not in the next would compile
+    another binary on a request's path."""
 
     spans: tuple[tuple[slice, int], ...]  # (rows of the step, state slot) per span
     starts: torch.Tensor  # int64 [P]: first row of each span
@@ -103,6 +108,52 @@ class GdnGroup:
     chunk_ends: torch.Tensor  # int64 [NC]: the end (exclusive) of each chunk's span
     max_len: int
     snapshot: int | None  # a piece of a cut span: the snapshot slot its state is copied into after it
+    walk_table: torch.Tensor  # int64 [4, E]: SpanWalk's table (begin, end, slot, first hs chunk per piece)
+    walks: tuple[tuple[int, int, int, int], ...]  # SpanWalk's (first, count, chunk0, chunks) per launch
+
+    @property
+    def walk_chunks(self) -> int:
+        """The most chunks one walk launch holds: the entry states' scratch, in chunks."""
+        return max(w[3] for w in self.walks)
+
+
+def plan_walks(spans, window: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
+    """The state walk of spans [(rows, slot)] as launches of at most window // 64 chunks (the entry states
+    one launch keeps: prefill.GDN_WINDOW): (entries [(begin, end, slot, first hs chunk)], launches
+    [(first entry, entries, first chunk in the chunk table, chunks)]). A span longer than the window is cut
+    into window-long pieces, each in a later launch than the one before (it starts from that one's state);
+    short spans share a launch. window: a positive multiple of 64, so pieces start where the chunk table's
+    chunks do. Pure host arithmetic."""
+    if window <= 0 or window % CHUNK:
+        raise ValueError(f"window must be a positive multiple of {CHUNK}, got {window}")
+    limit = window // CHUNK
+    entries, launches, chunk_at, cur = [], [], 0, None
+    for rows, slot in spans:
+        for begin in range(rows.start, rows.stop, window):
+            end = min(rows.stop, begin + window)
+            n = -(-(end - begin) // CHUNK)
+            if cur is None or cur[3] + n > limit or begin != rows.start:
+                if cur is not None:
+                    launches.append(tuple(cur))
+                cur = [len(entries), 0, chunk_at, 0]
+            entries.append((begin, end, slot, cur[3]))
+            cur[1] += 1
+            cur[3] += n
+            chunk_at += n
+    if cur is not None:
+        launches.append(tuple(cur))
+    return entries, launches
+
+
+def upload_aligned(parts: list[list[int]], device) -> list[torch.Tensor]:
+    """int64 tensors of parts in one upload, each starting on a 16-byte boundary of one buffer (a part is
+    padded to an even length: see GdnGroup)."""
+    host, spans = [], []
+    for part in parts:
+        spans.append((len(host), len(part)))
+        host += part + [0] * (len(part) % 2)
+    table = torch.tensor(host, dtype=torch.int64).to(device)
+    return [table[at:at + n] for at, n in spans]
 
 
 def gdn_groups(inp: StepInputs, with_snapshots: bool) -> tuple[GdnGroup, ...]:
@@ -133,19 +184,22 @@ def upload_groups(groups: list, device) -> tuple[GdnGroup, ...]:
     """GdnGroups from [(spans: [(rows, slot)], snapshot slot or None)], every table in one upload."""
     if not groups:
         return ()
-    host, shapes = [], []
+    parts, walks = [], []
     for spans, _ in groups:
-        starts = [r.start for r, _ in spans]
-        lengths = [r.stop - r.start for r, _ in spans]
         chunks = [(r.start + c, r.stop) for r, _ in spans for c in range(0, r.stop - r.start, CHUNK)]
-        host += starts + lengths + [slot for _, slot in spans] + [c for c, _ in chunks] + [e for _, e in chunks]
-        shapes.append((len(spans), len(chunks)))
-    table = torch.tensor(host, dtype=torch.int64).to(device)  # one upload for every layer
-    out, at = [], 0
-    for (spans, snap), (n, nc) in zip(groups, shapes, strict=True):
-        parts = torch.split(table[at:at + 3 * n + 2 * nc], [n, n, n, nc, nc])
-        out.append(GdnGroup(tuple(spans), *parts, max(r.stop - r.start for r, _ in spans), snap))
-        at += 3 * n + 2 * nc
+        entries, launches = plan_walks(spans, GDN_WINDOW_TOKENS)
+        walks.append(tuple(launches))
+        parts += [[r.start for r, _ in spans], [r.stop - r.start for r, _ in spans], [slot for _, slot in spans],
+                  [c for c, _ in chunks], [e for _, e in chunks]]
+        # NOTE: the walk table's rows padded to a multiple of 2 entries: each row 16-byte aligned too
+        width = len(entries) + len(entries) % 2
+        parts.append([v for col in zip(*entries, strict=True) for v in (*col, *[0] * (width - len(col)))])
+    tables = upload_aligned(parts, device)
+    out = []
+    for i, ((spans, snap), launches) in enumerate(zip(groups, walks, strict=True)):
+        starts, lengths, slots, chunk_starts, chunk_ends, walk = tables[6 * i:6 * i + 6]
+        out.append(GdnGroup(tuple(spans), starts, lengths, slots, chunk_starts, chunk_ends,
+                            max(r.stop - r.start for r, _ in spans), snap, walk.view(4, -1), launches))
     return tuple(out)
 
 

@@ -70,10 +70,11 @@ def chunk_output(attn, v_new, q1, q2, rq, gc, h1, h2, SPLIT: tl.constexpr, DOT_P
     return o
 
 
-@triton.jit
+# chunk0 varies with the launch: one binary for every step
+@triton.jit(do_not_specialize=["chunk0"])
 def _gdn_chunk_out_kernel(
-    mixed_ptr, v_ptr, gc_ptr, hs_ptr, out_ptr,
-    T, q_scale,
+    mixed_ptr, v_ptr, gc_ptr, hs_ptr, out_ptr, starts_ptr, ends_ptr,
+    T, chunk0, q_scale,
     stride_mt, stride_mc,
     stride_vh, stride_vt, stride_vv,
     stride_gh, stride_gt,
@@ -81,17 +82,23 @@ def _gdn_chunk_out_kernel(
     stride_ot, stride_oh, stride_ov,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPANS: tl.constexpr,
 ):
-    """Program (chunk, h, v-block): out[chunk rows, h, v-block]. SPLIT: Dk > BLOCK_KB (two key halves)."""
+    """Program (chunk, h, v-block): out[chunk rows, h, v-block] for hs chunk `chunk`. SPANS: its rows are
+    chunk chunk0 + chunk of the (starts, ends) table (rows starts .. min(starts + 64, ends) - 1); else rows
+    chunk*64 .. of 0..T-1. SPLIT: Dk > BLOCK_KB (two key halves)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     vblock = tl.program_id(2)
+    if SPANS:
+        t0 = tl.load(starts_ptr + chunk0 + chunk).to(tl.int32)  # rows as the one-sequence kernel has them
+        T = tl.load(ends_ptr + chunk0 + chunk).to(tl.int32)
+    else:
+        t0 = chunk * CHUNK
     key_head = head // (VALUE_HEADS // KEY_HEADS)
     offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
-    t0 = chunk * CHUNK
     t_mask = t0 + offs_i < T
 
     _, gc = chunk_gates(gc_ptr + head * stride_gh, t0, T, stride_gt, CHUNK)  # [Q]
@@ -111,31 +118,48 @@ def _gdn_chunk_out_kernel(
 
 def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, states: torch.Tensor,
                   num_k_heads: int, *, block_v: int = 32, precise: bool = True,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None,
+                  chunks: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """The chunked delta rule's output for one window, every chunk in parallel.
 
     mixed fp32 [T, C] the conv output (q, k read from it and l2-normed here); v_new fp32 [Nv, T, Dv] and
     states fp32 [Nv, NT, Dk, Dv] as gdn_chunk_state leaves them (its u and its return value); gc fp32
     [Nv, T] from gdn_chunk_wy; views with any strides are fine. block_v, precise: as gdn_chunk_state's.
     out: optional fp32 [T, Nv, Dv] (a view is fine). Returns core fp32 [T, Nv, Dv] (before the gated
-    RMSNorm). Raises ValueError on mismatched shapes, dtypes or devices.
+    RMSNorm).
+    chunks: (starts, ends, chunk0) for a walk over several spans' pieces (gdn_chunk_state's walk): hs chunk i
+    is rows starts[chunk0 + i] .. min(+64, ends[chunk0 + i]) - 1 (gdn_chunk_wy's chunk table, int64 [NC]);
+    only those rows of out are written. Not checked on the host (that would sync): chunks inside [0, T).
+    Raises ValueError on mismatched shapes, dtypes or devices.
     """
     if states.dim() != 4:
         raise ValueError(f"states must be fp32 [Nv, NT, Dk, Dv], got {tuple(states.shape)}")
-    chunks = states.shape[1]
+    count = states.shape[1]
     # one chunk's entry state carries the [Nv, Dk, Dv] shape the shared checks want (a size-0 view at T = 0)
-    tokens, nv, dk, dv = check_recurrence_inputs(mixed, None, v_new, gc, states.select(1, 0) if chunks
+    tokens, nv, dk, dv = check_recurrence_inputs(mixed, None, v_new, gc, states.select(1, 0) if count
                                                  else states.sum(1), num_k_heads, block_v)
-    if chunks != triton.cdiv(tokens, CHUNK):
-        raise ValueError(f"states has {chunks} chunks, T={tokens} needs {triton.cdiv(tokens, CHUNK)}")
+    if chunks is None and count != triton.cdiv(tokens, CHUNK):
+        raise ValueError(f"states has {count} chunks, T={tokens} needs {triton.cdiv(tokens, CHUNK)}")
+    if chunks is not None:
+        starts, ends, chunk0 = chunks
+        for name, t in (("starts", starts), ("ends", ends)):
+            if t.dim() != 1 or t.dtype != torch.int64 or t.device != mixed.device or t.stride(0) != 1:
+                raise ValueError(f"chunk {name} must be a unit-stride int64 [NC] on {mixed.device}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        if chunk0 < 0 or chunk0 + count > starts.shape[0] or ends.shape != starts.shape:
+            raise ValueError(f"chunks {chunk0}+{count} outside a chunk table of {tuple(starts.shape)} / "
+                             f"{tuple(ends.shape)}")
     out = core_buffer(out, tokens, nv, dv, mixed.device)
-    if tokens == 0:
+    if tokens == 0 or count == 0:
         return out
     block_kb, block_v = tiles(dk, dv, block_v)
-    _gdn_chunk_out_kernel[(chunks, nv, triton.cdiv(dv, block_v))](
-        mixed, v_new, gc, states, out, tokens, dk ** -0.5,
+    # NOTE: the table is unread without SPANS; with it a constant T keeps one binary for every step size
+    table, t_arg, chunk0 = ((mixed, mixed), tokens, 0) if chunks is None else (chunks[:2], 0, chunks[2])
+    _gdn_chunk_out_kernel[(count, nv, triton.cdiv(dv, block_v))](
+        mixed, v_new, gc, states, out, *table, t_arg, chunk0, dk ** -0.5,
         *mixed.stride(), *v_new.stride(), *gc.stride(), *states.stride(), *out.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
-        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), **LAUNCH,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), SPANS=chunks is not None,
+        **LAUNCH,
     )
     return out

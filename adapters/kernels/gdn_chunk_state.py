@@ -21,6 +21,8 @@ a fully parallel kernel (NT * Nv * Dv / BV programs). Cost: hs, Nv * Dk * Dv * 4
 at Qwen3.6), which the caller bounds by walking long prompts in windows (prefill.GDN_WINDOW tokens).
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,7 @@ from adapters.kernels.gdn_chunk_wy import (  # the walk's chunks are the WY form
 
 # 8 warps and 16 value columns a program: 256 programs (two per H200 SM, whose serial chains interleave),
 # 168 B of ptxas spill a thread for bf16 models (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9,
-# tests/adapters/test_kernels_prefill.py's sm_90 build). One stage: a serial recurrence leaves the
+# tests/adapters/test_kernels_prefill.py's sm_90 build; 24 B over a span table, with int32 rows). One stage: a serial recurrence leaves the
 # pipeliner nothing to prefetch into.
 LAUNCH = dict(num_warps=8, num_stages=1)
 BLOCK_V = 16
@@ -79,63 +81,109 @@ def chunk_gates(gc_ptr, t0, T, stride_gt, CHUNK: tl.constexpr):
     return g_last, tl.where(t_mask, gc, g_last)
 
 
-@triton.jit
+# entry0 and the table's row stride vary with the step: one binary for every step
+@triton.jit(do_not_specialize=["entry0", "stride_we"])
 def _gdn_chunk_state_kernel(
-    mixed_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr, state_ptr, hs_ptr,
-    T,
+    mixed_ptr, w_ptr, u_ptr, gc_ptr, ks_ptr, state_ptr, hs_ptr, walk_ptr,
+    T, entry0,
     stride_mt, stride_mc,
     stride_wh, stride_wt, stride_wk,
     stride_uh, stride_ut, stride_uv,
     stride_gh, stride_gt,
-    stride_sh, stride_sk, stride_sv,
+    stride_ss, stride_sh, stride_sk, stride_sv,
     stride_hh, stride_hc, stride_hk, stride_hv,
+    stride_we,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPANS: tl.constexpr,
 ):
-    """Program (h, v-block): state tile [Dk, BV] of value head h (halves h1, h2) through all chunks.
-    SPLIT: Dk > BLOCK_KB (h2 holds key rows BLOCK_KB..Dk-1). ks (gdn_chunk_wy's) is each key's l2norm
-    times its decay to the chunk's end, so a [Q, KB] key tile is loaded right before its one product and
-    needs no norm over both halves first: one key tile live at a time (fewer registers, less spill on the
-    serial path)."""
+    """Program (h, v-block, entry): state tile [Dk, BV] of value head h (halves h1, h2) through all chunks
+    of one walk entry. SPANS: the entry is row entry0 + program_id(2) of the walk table (rows begin, end,
+    state slot, first hs chunk; its chunks start 64 rows apart from `begin`); else rows 0..T-1, state
+    slot 0, hs from chunk 0. SPLIT: Dk > BLOCK_KB (h2 holds key rows BLOCK_KB..Dk-1). ks (gdn_chunk_wy's)
+    is each key's l2norm times its decay to the chunk's end, so a [Q, KB] key tile is loaded right before
+    its one product and needs no norm over both halves first: one key tile live at a time (fewer
+    registers, less spill on the serial path)."""
     head = tl.program_id(0)
     vblock = tl.program_id(1)
+    if SPANS:
+        # NOTE: rows as int32, as the one-sequence walk has them (int64 row arithmetic cost ptxas spill on
+        # the serial path); the slot and first chunk only offset base pointers, in 64 bits
+        entry = entry0 + tl.program_id(2)
+        t_begin = tl.load(walk_ptr + entry).to(tl.int32)
+        t_end = tl.load(walk_ptr + stride_we + entry).to(tl.int32)  # the entry's end (exclusive): the row masks
+        slot = tl.load(walk_ptr + 2 * stride_we + entry)
+        c_first = tl.load(walk_ptr + 3 * stride_we + entry)
+    else:
+        t_begin = 0
+        t_end = T
+        slot = 0
+        c_first = 0
     key_head = head // (VALUE_HEADS // KEY_HEADS)
     offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = vblock * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_i = tl.arange(0, CHUNK)
     v_mask = offs_v < DV
-    s_base = state_ptr + head * stride_sh
+    s_base = state_ptr + slot * stride_ss + head * stride_sh
     h1, h2 = load_state(s_base, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)  # [KB, BV] fp32
 
     w_base = w_ptr + head * stride_wh
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
     u_base = u_ptr + head * stride_uh
-    hs_base = hs_ptr + head * stride_hh  # advanced one chunk per step (64-bit pointer arithmetic)
-    for chunk in range(0, tl.cdiv(T, CHUNK)):
-        t0 = chunk * CHUNK
-        t_mask = t0 + offs_i < T
+    hs_base = hs_ptr + head * stride_hh + c_first * stride_hc  # advanced one chunk per step (64-bit arithmetic)
+    for chunk in range(0, tl.cdiv(t_end - t_begin, CHUNK)):
+        t0 = t_begin + chunk * CHUNK
+        t_mask = t0 + offs_i < t_end
         store_state(hs_base, h1, h2, offs_kb, offs_v, stride_hk, stride_hv, DK, DV, BLOCK_KB, SPLIT)
         hs_base += stride_hc
-        g_last, _ = chunk_gates(gc_ptr + head * stride_gh, t0, T, stride_gt, CHUNK)
-        u = load_rows(u_base, t0, T, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK, BLOCK_V)  # [Q, BV]
-        w1 = load_rows(w_base, t0, T, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+        g_last, _ = chunk_gates(gc_ptr + head * stride_gh, t0, t_end, stride_gt, CHUNK)
+        u = load_rows(u_base, t0, t_end, stride_ut, stride_uv, vblock * BLOCK_V, DV, CHUNK, BLOCK_V)  # [Q, BV]
+        w1 = load_rows(w_base, t0, t_end, stride_wt, stride_wk, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
         v_new = u - tl.dot(w1, h1, input_precision=DOT_PRECISION)  # [Q, BV]
         if SPLIT:
-            w2 = load_rows(w_base, t0, T, stride_wt, stride_wk, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            w2 = load_rows(w_base, t0, t_end, stride_wt, stride_wk, BLOCK_KB, DK, CHUNK, BLOCK_KB)
             v_new -= tl.dot(w2, h2, input_precision=DOT_PRECISION)
         u_ptrs = u_base + t0.to(tl.int64) * stride_ut + offs_i[:, None] * stride_ut + offs_v[None, :] * stride_uv
         tl.store(u_ptrs, v_new, mask=t_mask[:, None] & v_mask[None, :])
         # ks is gc's [Nv, T] twin (same strides, the launcher checks)
         k_row = tl.load(ks_ptr + head * stride_gh + (t0 + offs_i) * stride_gt, mask=t_mask, other=0.0)  # [Q]
         decay_last = tl.exp(g_last)
-        k1 = load_rows(k_base, t0, T, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
+        k1 = load_rows(k_base, t0, t_end, stride_mt, stride_mc, 0, DK, CHUNK, BLOCK_KB)  # [Q, KB]
         h1 = h1 * decay_last + tl.dot(tl.trans(k1 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
         if SPLIT:
-            k2 = load_rows(k_base, t0, T, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
+            k2 = load_rows(k_base, t0, t_end, stride_mt, stride_mc, BLOCK_KB, DK, CHUNK, BLOCK_KB)
             h2 = h2 * decay_last + tl.dot(tl.trans(k2 * k_row[:, None]), v_new, input_precision=DOT_PRECISION)
 
     store_state(s_base, h1, h2, offs_kb, offs_v, stride_sk, stride_sv, DK, DV, BLOCK_KB, SPLIT)
+
+
+@dataclass(frozen=True)
+class SpanWalk:
+    """Which pieces of a step's prefill spans one launch of the state walk (and of gdn_chunk_out) covers.
+
+    table: int64 [4, E] on the device, one column per piece (entry) of a span: its first row, its end
+    (exclusive), its state slot, and the index of its first chunk in this launch's hs; a piece's chunks
+    start 64 rows apart from its first row, as gdn_chunk_wy's chunk table has them. first, count: the
+    launch's entries (columns first .. first+count-1). chunk0, chunks: the launch's chunks in the step's
+    chunk table (gdn_chunk_wy's (starts, ends)), in the entries' order: hs chunk i is table chunk chunk0 + i.
+    Host integers all but the table: built once per step (cuda_exec/step_plan.py), no device read.
+    """
+
+    table: torch.Tensor
+    first: int
+    count: int
+    chunk0: int
+    chunks: int
+
+    def check(self, device) -> None:
+        t = self.table
+        if t.dim() != 2 or t.shape[0] != 4 or t.dtype != torch.int64 or t.device != device or t.stride(1) != 1:
+            raise ValueError(f"walk table must be int64 [4, E] with unit column stride on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
+        if not (0 <= self.first and 0 <= self.count and self.first + self.count <= t.shape[1]
+                and 0 <= self.chunk0 and 0 <= self.chunks):
+            raise ValueError(f"walk entries {self.first}+{self.count} / chunks {self.chunk0}+{self.chunks} outside "
+                             f"a table of {t.shape[1]} entries")
 
 
 def check_recurrence_inputs(mixed: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
@@ -181,8 +229,9 @@ def tiles(dk: int, dv: int, block_v: int) -> tuple[int, int]:
 
 def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
                     state: torch.Tensor, num_k_heads: int, *, block_v: int = BLOCK_V, precise: bool = True,
-                    states: torch.Tensor | None = None) -> torch.Tensor:
-    """The chunked delta rule's state walk over one window of a sequence's prefill.
+                    states: torch.Tensor | None = None, walk: SpanWalk | None = None) -> torch.Tensor:
+    """The chunked delta rule's state walk over one window of a sequence's prefill, or (walk) over pieces
+    of several sequences' prefills in one launch.
 
     mixed fp32 [T, C] the conv output (k read from it and l2-normed here); w fp32 [Nv, T, Dk],
     u fp32 [Nv, T, Dv], gc and ks fp32 [Nv, T] (ks with gc's strides) from gdn_chunk_wy (views into larger
@@ -192,13 +241,22 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
     reads. block_v: value columns per program (power of two >= 16). precise: fp32-accurate products
     (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models). states: optional fp32
     [Nv, >= NT, Dk, Dv] buffer. Returns hs fp32 [Nv, NT, Dk, Dv]: the state entering each 64-token chunk.
+    walk: the entries walk.first .. walk.first + walk.count - 1 of walk.table at once, each from and back
+    to its own slot of state, then fp32 [S, Nv, Dk, Dv] (a layer of the state pool); hs holds walk.chunks
+    chunks, entry e's from its table column 3 on (see SpanWalk). The entries must use distinct slots and
+    disjoint rows; neither is checked on the host (that would sync).
     T = 0: nothing is touched. Raises ValueError on mismatched shapes, dtypes or devices.
     """
-    tokens, nv, dk, dv = check_recurrence_inputs(mixed, w, u, gc, state, num_k_heads, block_v)
+    if walk is not None:
+        if state.dim() != 4:
+            raise ValueError(f"with a walk, state must be fp32 [S, Nv, Dk, Dv], got {tuple(state.shape)}")
+        walk.check(mixed.device)
+    tokens, nv, dk, dv = check_recurrence_inputs(mixed, w, u, gc, state if walk is None else state[0], num_k_heads,
+                                                 block_v)
     if ks.shape != gc.shape or ks.dtype != torch.float32 or ks.stride() != gc.stride() or ks.device != gc.device:
         raise ValueError(f"ks must be fp32 {tuple(gc.shape)} with gc's strides {gc.stride()}, got {ks.dtype} "
                          f"{tuple(ks.shape)} strides {ks.stride()}")
-    chunks = triton.cdiv(tokens, CHUNK)
+    chunks = triton.cdiv(tokens, CHUNK) if walk is None else walk.chunks
     if states is None:
         states = torch.empty(nv, chunks, dk, dv, dtype=torch.float32, device=mixed.device)
     if (states.dim() != 4 or states.shape[0] != nv or states.shape[1] < chunks or states.shape[2:] != (dk, dv)
@@ -206,13 +264,18 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
         raise ValueError(f"states must be fp32 [{nv}, >= {chunks}, {dk}, {dv}] on {mixed.device}, "
                          f"got {states.dtype} {tuple(states.shape)}")
     states = states[:, :chunks]
-    if tokens == 0:
+    if tokens == 0 or (walk is not None and walk.count == 0):
         return states
     block_kb, block_v = tiles(dk, dv, block_v)
-    _gdn_chunk_state_kernel[(nv, triton.cdiv(dv, block_v))](
-        mixed, w, u, gc, ks, state, states, tokens,
-        *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state.stride(), *states.stride(),
+    if walk is None:  # NOTE: the table is unread without SPANS; slot 0 of a one-slot view
+        grid, state_arg, table, t_arg, entry0 = (nv, triton.cdiv(dv, block_v), 1), state[None], state, tokens, 0
+    else:  # a constant T keeps one binary for every step size
+        grid, state_arg, table, t_arg, entry0 = (nv, triton.cdiv(dv, block_v), walk.count), state, walk.table, 0, walk.first
+    _gdn_chunk_state_kernel[grid](
+        mixed, w, u, gc, ks, state_arg, states, table, t_arg, entry0,
+        *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state_arg.stride(), *states.stride(),
+        table.stride(0),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
-        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), **LAUNCH,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), SPANS=walk is not None, **LAUNCH,
     )
     return states

@@ -11,9 +11,10 @@ with --code DIR (a checkout's root put first on sys.path) for the other side.
 
 Usage (CUDA): python scripts/diag/bench_prefill_spans.py --out FILE.json [--code DIR] [--synth-dir /tmp/q36L8]
     [--layers 8] [--tokens 20] [--spans 1,2,4,8,16] [--reps 10] [--mixed 8]
-Prints and writes one JSON object. Also counts the device kernels of one 16-span step (torch.profiler).
+Prints and writes one JSON object. Also profiles one step of the fewest and of the most spans (torch.profiler):
+device kernels and launch calls, device busy time against wall time, host syncs, the top kernels and host ops.
 --device cpu runs the same logic on the tiny geometry in Triton's interpreter (a smoke run; its times mean
-nothing). Not yet run on a GPU (this session had no device time left).
+nothing). Run on the H200 on 2026-12-02 (docs/gpu-validation.md, session 14); the profile fields are newer.
 """
 
 from __future__ import annotations
@@ -112,21 +113,46 @@ def main() -> None:
     record["mixed_step_ms"] = round(1e3 * statistics.median(timed(mixed, args.reps)), 2)
     print("mixed", record["mixed_step_ms"], "ms", flush=True)
     if cuda:
-        count_kernels(record, ex, [work(i, 0, args.tokens) for i in range(top)], timed)
+        for n in sorted({one, top}):
+            count_kernels(record, ex, [work(i, 0, args.tokens) for i in range(n)], timed)
     print(json.dumps(record), flush=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
 def count_kernels(record: dict, ex, works, timed) -> None:
-    """Device kernels and launch calls of one step of `works` (torch.profiler)."""
+    """Device kernels and launch calls of one step of `works` (torch.profiler), and where its time goes:
+    the device's busy time (the sum of kernel times) against the step's wall time says whether the step is
+    bound by the GPU or by the host issuing it; the host syncs (.item(), stream syncs) and the top kernels
+    and host ops by time say what to cut."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timed(works, 1)
+        wall = timed(works, 1)[0]
     n = len(works)
-    record[f"device_kernels_{n}_spans"] = sum(e.device_type.name == "CUDA" for e in prof.events())
-    record[f"launch_calls_{n}_spans"] = sum(e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                       "cudaLaunchKernelExC") for e in prof.events())
+    events = prof.events()
+    record[f"device_kernels_{n}_spans"] = sum(e.device_type.name == "CUDA" for e in events)
+    record[f"launch_calls_{n}_spans"] = sum(e.name in LAUNCH_EVENTS for e in events)
+    averages = prof.key_averages()
+
+    def device_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
+
+    kernels = [e for e in averages if e.device_type.name == "CUDA"]  # a host op's device time is its kernels'
+
+    host = [e for e in averages if e.device_type.name == "CPU" and e.key not in LAUNCH_EVENTS]
+    record[f"profile_{n}_spans"] = {
+        "wall_ms": round(1e3 * wall, 3),
+        "device_busy_ms": round(sum(device_us(e) for e in kernels) / 1e3, 3),
+        "host_syncs": {k: sum(e.count for e in averages if e.key == k) for k in SYNC_EVENTS},
+        "top_kernels_us": [(e.key[:90], e.count, round(device_us(e), 1))
+                           for e in sorted(kernels, key=device_us, reverse=True)[:15]],
+        "top_host_ops_self_us": [(e.key[:90], e.count, round(e.self_cpu_time_total, 1))
+                                 for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]],
+    }
 
 
 if __name__ == "__main__":

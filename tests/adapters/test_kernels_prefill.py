@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from adapters.cuda_exec import prefill
 from adapters.kernels.gdn_chunk_out import gdn_chunk_out
 from adapters.kernels.gdn_chunk_scan import gdn_chunk_scan
-from adapters.kernels.gdn_chunk_state import gdn_chunk_state
+from adapters.kernels.gdn_chunk_state import SpanWalk, gdn_chunk_state
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill, gdn_conv_prefill_spans
 from adapters.kernels.gdn_decode import gdn_decode_step
@@ -312,6 +312,61 @@ def test_split_recurrence_in_windows_is_bitwise_one_walk(monkeypatch):
         prefill.delta_rule(mixed, w, u, gc, ks, state, geo.num_k_heads, precise=True)
 
 
+@pytest.mark.parametrize("window", [4096, 128])
+def test_walks_over_a_steps_spans_are_bitwise_one_walk_per_span(window):
+    """prefill.delta_rule_walks (step_plan.plan_walks' launches over one chunk table): spans of 2, 64, 200
+    and 7 tokens with gaps between them, each in its own state slot (slot 1 untouched): every span's core
+    rows and final state bitwise prefill.delta_rule on that span alone (the interpreter; on a GPU within
+    1e-6). Window 128 (2 chunks a launch): the 200-token span is cut into pieces of 128 and 72 in launches
+    of their own, the short spans share launches."""
+    from adapters.cuda_exec.step_plan import plan_walks, upload_aligned
+
+    geo = GEOMETRIES["gqa"]
+    nv, nk, dk, dv = geo.num_v_heads, geo.num_k_heads, geo.k_head_dim, geo.v_head_dim
+    lengths, slots = [2, 64, 200, 7], [0, 2, 3, 4]
+    starts, total = _with_gaps(lengths, 3)
+    mixed, a, b, neg_a, dt_bias, _ = random_wy_inputs(geo, total, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    pool = (torch.randn(5, nv, dk, dv, generator=gen) * 0.3).to(DEVICE)  # [S, Nv, Dk, Dv]
+    spans = [(slice(s0, s0 + n), slot) for s0, n, slot in zip(starts, lengths, slots, strict=True)]
+    chunks = [(r.start + c, r.stop) for r, _ in spans for c in range(0, r.stop - r.start, 64)]
+    entries, launches = plan_walks(spans, window)
+    assert len(launches) == (1 if window == 4096 else 4)
+    walk_rows = [list(col) for col in zip(*entries, strict=True)]
+    chunk_starts, chunk_ends, *rows = upload_aligned([[c for c, _ in chunks], [e for _, e in chunks], *walk_rows],
+                                                     DEVICE)
+    walk_table = torch.stack(rows)  # [4, E]
+    table = (chunk_starts, chunk_ends)
+    w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, nk, dk, dv, chunks=table)
+    u_in = u.clone()  # the walk writes v' over u
+    state = pool.clone()
+    core = torch.full((total, nv, dv), float("nan"), device=DEVICE)
+    prefill.delta_rule_walks(mixed, w, u, gc, ks, state, walk_table, launches, table, nk, precise=True, out=core)
+    assert torch.equal(state[1], pool[1])
+    for (rows_, slot), n in zip(spans, lengths, strict=True):
+        one = pool[slot].clone()
+        want = prefill.delta_rule(mixed[rows_], *(t[:, rows_].clone() for t in (w, u_in, gc, ks)), one, nk,
+                                  precise=True)
+        if DEVICE.type == "cuda":
+            assert rel_err(core[rows_], want) < 1e-6 and rel_err(state[slot], one) < 1e-6, n
+        else:
+            assert torch.equal(core[rows_], want) and torch.equal(state[slot], one), n
+
+
+def test_plan_walks_cuts_long_spans_and_packs_short_ones():
+    """Pure host arithmetic: entries (begin, end, slot, first hs chunk), launches (first entry, entries,
+    first chunk, chunks) under a 128-token (2-chunk) window."""
+    from adapters.cuda_exec.step_plan import plan_walks
+
+    spans = [(slice(0, 20), 5), (slice(20, 40), 6), (slice(40, 300), 7), (slice(300, 301), 8)]
+    entries, launches = plan_walks(spans, 128)
+    assert entries == [(0, 20, 5, 0), (20, 40, 6, 1), (40, 168, 7, 0), (168, 296, 7, 0), (296, 300, 7, 0),
+                       (300, 301, 8, 1)]
+    assert launches == [(0, 2, 0, 2), (2, 1, 2, 2), (3, 1, 4, 2), (4, 2, 6, 2)]
+    with pytest.raises(ValueError, match="multiple of 64"):
+        plan_walks(spans, 100)
+
+
 def test_split_recurrence_rejects_bad_input():
     geo = GEOMETRIES["gqa"]
     c, nv = geo.conv_channels, geo.num_v_heads
@@ -332,6 +387,18 @@ def test_split_recurrence_rejects_bad_input():
                    dict(gc=z(nv, 71)), dict(out=z(70, nv, 4)), dict(block_v=8)]:
         with pytest.raises(ValueError):
             gdn_chunk_out(**{**out, **change})
+    # a walk over several spans: the pool layer's [S, Nv, Dk, Dv] state, an int64 [4, E] table, its ranges
+    table = torch.tensor([[0], [70], [0], [0]], dtype=torch.int64, device=DEVICE)
+    good = SpanWalk(table, 0, 1, 0, 2)
+    for change in [dict(walk=good), dict(state=z(2, nv, 8, 8), walk=SpanWalk(table.int(), 0, 1, 0, 2)),
+                   dict(state=z(2, nv, 8, 8), walk=SpanWalk(table.t(), 0, 1, 0, 2)),
+                   dict(state=z(2, nv, 8, 8), walk=SpanWalk(table, 0, 2, 0, 2))]:
+        with pytest.raises(ValueError, match="walk"):
+            gdn_chunk_state(**{**walk, **change})
+    starts = torch.tensor([0, 64], dtype=torch.int64, device=DEVICE)
+    for chunks in [(starts.int(), starts, 0), (starts, starts, 1), (starts, starts[:1], 0)]:
+        with pytest.raises(ValueError, match="chunk"):
+            gdn_chunk_out(**out, chunks=chunks)
 
 
 def test_chunk_kernels_reject_bad_input():
@@ -677,19 +744,20 @@ for precise in (False, True):
         mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, state_ptr=f32, out_ptr=f32),
         dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise)), scan.LAUNCH)
     out[f"state_{tag}"] = usage(walk._gdn_chunk_state_kernel, dict(
-        mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, ks_ptr=f32, state_ptr=f32, hs_ptr=f32),
-        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=walk.BLOCK_V, DOT_PRECISION=wy.dot_precision(precise)),
-        walk.LAUNCH)
+        mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, ks_ptr=f32, state_ptr=f32, hs_ptr=f32, walk_ptr="*i64"),
+        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=walk.BLOCK_V, DOT_PRECISION=wy.dot_precision(precise),
+             SPANS=True), walk.LAUNCH)
     out[f"out_{tag}"] = usage(chunk_out._gdn_chunk_out_kernel, dict(
-        mixed_ptr=f32, v_ptr=f32, gc_ptr=f32, hs_ptr=f32, out_ptr=f32),
-        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise)),
+        mixed_ptr=f32, v_ptr=f32, gc_ptr=f32, hs_ptr=f32, out_ptr=f32, starts_ptr="*i64", ends_ptr="*i64"),
+        dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise), SPANS=True),
         chunk_out.LAUNCH)
 print(json.dumps(out))
 """
 
 # ptxas' spill stack per thread (bytes) at Qwen3.6 geometry, measured 2026-12-01 (Triton 3.9): conv 0,
 # wy 104 / 1320 (bf16 / fp32 model; the substitution inverse: 120 / 784), scan 1416 / 2944, the split recurrence's state walk 168 / 632 and
-# output 0 / 144. The bounds catch a regression; the fused scan's spill is why the split is the default
+# output 0 / 144. The walk and output over a span table (2026-12-02): state 24 / 368 and output 0 / 128 (Triton
+# 3.9), 0 / 688 and 0 / 0 (3.6, the device's: FT_SM90_TRITON). The bounds catch a regression; the fused scan's spill is why the split is the default
 # (see docs/prefill-kernels.md).
 _STACK_BOUND = {"conv": 0, "wy_bf16": 256, "wy_fp32": 2048, "scan_bf16": 2048, "scan_fp32": 4096,
                 "state_bf16": 384, "state_fp32": 1024, "out_bf16": 64, "out_fp32": 512}

@@ -158,6 +158,8 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
         for name in ("qk_norm_rope", "gated_rms_norm", "paged_decode_attention", "gdn_decode_step",
                      "gdn_conv_prefill_spans", "gdn_chunk_wy", "delta_rule"):
             m.setattr(prefill_spans, name, count(name, getattr(prefill_spans, name)))
+        for name in ("gdn_chunk_state", "gdn_chunk_out"):  # the state walk's launches
+            m.setattr(prefill, name, count(name, getattr(prefill, name)))
         # one lower-right causal mask per SDPA call (patching SDPA itself defeats the mask's dispatch)
         m.setattr(prefill_spans, "causal_lower_right", count("sdpa", prefill_spans.causal_lower_right))
         for name in ("gdn_conv_prefill", "gdn_chunk_wy"):  # the one-span launchers: not on this path
@@ -169,8 +171,8 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
 
 def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monkeypatch):
     """The projections (and o_proj/out_proj, the MoE's shared expert), qk_norm_rope, the gated RMSNorm and the
-    Gated DeltaNet conv and WY launch as often for 8 prefill spans as for 1; only the state walk (delta_rule)
-    and the attention's context gather + SDPA go once per span."""
+    Gated DeltaNet conv, WY form and state walk (gdn_chunk_state + gdn_chunk_out) launch as often for 8
+    prefill spans as for 1; only the attention's context gather + SDPA go once per span."""
     gen = torch.Generator().manual_seed(3)
     layers = ckpt.spec.num_layers
     counts = {}
@@ -187,7 +189,9 @@ def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monk
     gdn = layers - attn
     assert one["gdn_conv_prefill_spans"] == eight["gdn_conv_prefill_spans"] == gdn
     assert one["gdn_chunk_wy"] == eight["gdn_chunk_wy"] == gdn
-    assert (one["delta_rule"], eight["delta_rule"]) == (gdn, 8 * gdn)
+    assert one["gdn_chunk_state"] == eight["gdn_chunk_state"] == gdn
+    assert one["gdn_chunk_out"] == eight["gdn_chunk_out"] == gdn
+    assert "delta_rule" not in one.keys() | eight.keys()  # the per-span walk: only the fused A/B path
     assert (one["sdpa"], eight["sdpa"]) == (attn, 8 * attn)
     assert not {"paged_decode_attention", "gdn_decode_step", "per-span gdn_conv_prefill",
                 "per-span gdn_chunk_wy"} & (one.keys() | eight.keys())
