@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 BLOCK_FIELDS = 4  # int32 per block-table row: (first row, tokens, first token's last visible position, page offset)
-BLOCK_ROWS = 64  # rows (tokens x query heads of one kv head) a block aims at
 
 
 @triton.jit
@@ -102,19 +101,21 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def block_tokens(group: int) -> int:
-    """Tokens per query block U for g query heads per kv head: U*g rows fill about BLOCK_ROWS (at least one
-    token). The block table (span_blocks) and the launch must agree on it."""
-    return max(1, BLOCK_ROWS // group)
-
-
-def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps). The per-token page gather keeps a 64-bit pointer per [BN, D] element live (as
-    paged_decode_attention), so BN stays small; an exact-fp32 ("ieee") dot runs on FMA units and needs the
-    most registers. Checked for spills by ptxas at D = 256 (test_kernel_paged_prefill_attention's sm_90 build)."""
+def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(rows a block aims at, BLOCK_N, num_warps). The per-token page gather keeps a 64-bit pointer per
+    [BN, D] element live (as paged_decode_attention), so the tiles stay small; an exact-fp32 ("ieee") dot runs
+    on FMA units and needs the most registers. ptxas builds these for sm_90 without spills in Triton 3.6 and
+    3.9 (D = 256 bf16 and fp32 in test_kernel_paged_prefill_attention; D = 128 bf16 checked once by hand,
+    2026-12-03; 64 rows at D = 256 spill in 3.9, 64 x 32 with 4 warps spill at D = 128); not yet timed."""
     if dtype == torch.float32:
-        return 16, 8
-    return 32, 8 if head_dim > 128 else 4
+        return 16, 16, 4
+    return (32, 32, 8) if head_dim > 128 else (64, 32, 8)
+
+
+def block_tokens(group: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Tokens per query block U for g query heads per kv head: U*g rows fill launch_config's rows (at least
+    one token). The block table (span_blocks) and the launch must agree on it."""
+    return max(1, launch_config(dtype, head_dim)[0] // group)
 
 
 def span_blocks(row: int, length: int, context: int, page_offset: int, tokens: int) -> list[int]:
@@ -144,7 +145,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     dtype (one layer's pool view, any strides) holding every span's context, the span itself included;
     blocks int32 [NB, BLOCK_FIELDS] (span_blocks' rows of every span), pages int32 [PP] (each span's page
     list, position t of a span at page pages[offset + t // G], row t % G); tokens: the U the block table was
-    built with (block_tokens(g)); out [T, N, D] in q's dtype: each block's rows are written, no other row.
+    built with (block_tokens); out [T, N, D] in q's dtype: each block's rows are written, no other row.
     scale: softmax scale (usually D**-0.5). Softmax and accumulation in fp32. Returns out.
     The tables' contents are not checked on the device (no host sync): rows, page ids and offsets must be in
     range. Raises ValueError on mismatched shapes, dtypes or devices.
@@ -168,11 +169,11 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     _require(len({t.device for t in (q, k_pool, v_pool, blocks, pages, out)}) == 1,
              "q, pools, tables and out must be on one device")
     group = heads // kv_heads
-    _require(1 <= tokens and tokens * group <= max(BLOCK_ROWS, group),
-             f"{tokens} tokens per block x {group} heads exceed {BLOCK_ROWS} rows")
+    rows, block_n, num_warps = launch_config(q.dtype, head_dim)
+    _require(1 <= tokens and tokens * group <= max(rows, group),
+             f"{tokens} tokens per block x {group} heads exceed the tile's {rows} rows")
     if blocks.shape[0] == 0:
         return out
-    block_n, num_warps = launch_config(q.dtype, head_dim)
     f32_dot = not q.is_cuda  # NOTE: Triton's interpreter computes bf16 dots wrongly: fp32 operands there
     _paged_prefill_kernel[(blocks.shape[0], kv_heads)](
         q, k_pool, v_pool, out, blocks, pages,
