@@ -203,3 +203,17 @@ def test_kernel_compiles_for_sm90_at_the_qwen36_shape():
     for name, found in usage.items():
         assert found["SMEM"] <= 227 * 1024, (name, found)
         assert found["STACK"] <= _STACK_BOUND[name], (name, found)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gpu_qwen36_geometry(dtype, bound):
+    """Compiled, at the Qwen3.6 shape (16 query heads over 2 kv heads of 256, pages of 16): spans of 300 from
+    0 and 200 after a 300-token prefix beside short ones, one launch."""
+    spans = [(0, 300), (300, 200), (0, 20), (5, 17), (40, 2)]
+    tokens = block_tokens(8, 256, dtype)
+    q, kv, blocks, pages, rows, contexts = make_step(spans, 16, 2, 256, 16, dtype, tokens, seed=3)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kv.k[0], kv.v[0], blocks, pages, 256 ** -0.5, tokens, out)
+    for r, (ids, x) in zip(rows, contexts, strict=True):
+        assert rel_err(out[r], reference(q[r], kv, ids, x, 256 ** -0.5)) < bound, (r, x)
