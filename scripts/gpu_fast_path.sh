@@ -70,7 +70,7 @@ for phase in "$@"; do
         # one launch); test_kernels_prefill.py's real-geometry tests did not finish in 150 s there
         log="$OUT/gpu_pytest_spans.log"; : > "$log"; file_limit=200
         files=(tests/adapters/test_prefill_warmup.py tests/adapters/test_prefill_spans.py
-               tests/adapters/test_kernels_prefill.py)
+               tests/adapters/test_kernel_paged_prefill_attention.py tests/adapters/test_kernels_prefill.py)
       else
         log="$OUT/gpu_pytest_grouped.log"; : > "$log"; file_limit=400
         files=(tests/adapters/test_kernels_moe_grouped.py tests/adapters/test_expert_pool_paths.py

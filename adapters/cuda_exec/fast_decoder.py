@@ -26,6 +26,7 @@ from adapters.kernels.gated_rms_norm import gated_rms_norm as fused_gated_norm
 from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.kernels.moe_router import moe_router
 from adapters.kernels.paged_decode_attention import paged_decode_attention
+from adapters.kernels.paged_prefill_attention import block_tokens
 from adapters.kernels.qk_norm_rope import qk_norm_rope
 from adapters.kernels.rms_norm import rms_norm as fused_norm
 from adapters.kernels.rms_norm_router import rms_norm_router as norm_router
@@ -238,7 +239,9 @@ class FastDecoder(MoeDecoder):
             return [_biased(y, mixer.bias[n]) for y, n in zip(self._projections(i, mixer, x, "qkv", names), names,
                                                               strict=True)]
 
-        tables = step.attention(kv.page_size, self.decode_pages, mixer.geo.num_kv_heads)
+        geo = mixer.geo
+        tables = step.attention(kv.page_size, self.decode_pages, geo.num_kv_heads,
+                                block_tokens(geo.num_heads // geo.num_kv_heads, geo.head_dim, h.dtype))
         return attention_spans(mixer, h, kv, tables, step.cos_sin(mixer.rotary, h.dtype), qkv_fn=qkv,
                                linear_fn=self._linear)
 

@@ -1,15 +1,19 @@
 """The token mixers of a whole prefill or mixed step at once: several sequences' prompt chunks (spans) and the
 one-token rows of a mixed step. What needs no per-sequence state runs once over every token of the step (the
 projections, q/k norms + rotary + the K/V writes, the sigmoid gate, the gated RMSNorm, the output
-projections); per span only what reads its own context or state (attention: the context gather and SDPA;
-Gated DeltaNet: nothing: its conv, WY form and state walk take every span of the step in one launch each); the
-one-token rows all together through the decode kernels (paged_decode_attention, gdn_decode_step). The
-tables these read are built once per step (step_plan.py).
+projections); the attention of every span of up to step_plan.PAGED_PREFILL_MAX_PAIRS query-context pairs in
+one launch (paged_prefill_attention, K/V read from the pages); per span only the attention of a bigger span
+(the context gather and SDPA); Gated DeltaNet: its conv, WY form and state walk take every span of
+the step in one launch each; the one-token rows all together through the decode kernels
+(paged_decode_attention, gdn_decode_step). The tables these read are built once per step (step_plan.py).
 
 Why: run span by span (prefill.attention_prefill / gdn_prefill), a step of N short prompts issued every
 launch of every mixer N times. On the H200 (Qwen3.6-35B-A3B resident, --prefill-kernels triton, HTTP,
 2026-12-02) each extra ~20-token span cost ~40 ms: time to first token 0.117 s for one prompt, 0.74 s for
-16 arriving together, although the scheduler put all 16 into one step.
+16 arriving together, although the scheduler put all 16 into one step. With the projections, norms, conv and
+WY form step-wide but the state walk and the attention's gather + SDPA still per span, each extra span cost
+~3.1 ms per 8 layers (scripts/diag/bench_prefill_spans.py, H200, 2026-12-02): hence the walk over every span
+(prefill.delta_rule_walks) and paged_prefill_attention.
 
 Each entry point keeps its reference's contract for the step (FullAttention.forward;
 MoeDecoder._linear_attention with the snapshot cuts); numerics as prefill.py's per-span entry points, the
@@ -36,6 +40,7 @@ from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill_spans
 from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.kernels.paged_decode_attention import paged_decode_attention
+from adapters.kernels.paged_prefill_attention import paged_prefill_attention
 from adapters.kernels.qk_norm_rope import qk_norm_rope
 from adapters.torch_exec.full_attention import FullAttention
 from adapters.torch_exec.gated_deltanet import GatedDeltaNet, LinearStatePool
@@ -53,9 +58,10 @@ def attention_spans(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, tab
     of one stacked GEMM are fine); cos_sin [T, R] at each token's position; tables from attention_tables for
     this step and kv's page size. Writes every token's K/V into its pages (layer mixer.kv_layer) before any
     span reads its context, which is safe: a step's sequences write disjoint pages (shared prefix pages are
-    only read). A span of more than one token attends causally over its whole context (SDPA, lower-right
-    aligned after a prefix, as attention_prefill); the one-token rows together through
-    paged_decode_attention. Then the sigmoid output gate and o_proj once. Returns [T, H] in x's dtype.
+    only read). A span of more than one token attends causally over its whole context (lower-right aligned
+    after a prefix, as attention_prefill): every small span (step_plan.PAGED_PREFILL_MAX_PAIRS) in one
+    paged_prefill_attention launch, a bigger one through SDPA; the one-token rows together through paged_decode_attention. Then the
+    sigmoid output gate and o_proj once. Returns [T, H] in x's dtype.
     Raises ValueError on an empty x or tables of another step size."""
     geo, tokens = mixer.geo, x.shape[0]
     if x.dim() != 2 or tokens == 0 or tables.kv_rows.shape != (tokens,):
@@ -77,7 +83,10 @@ def attention_spans(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, tab
         out = paged_decode_attention(q, k_pool, v_pool, tables.page_table, tables.seq_lens, scale, tables.num_splits)
     else:
         out = torch.empty_like(q)  # [T, N, D]
-        for span in tables.prefill:
+        if tables.blocks is not None:  # every span over a short context: one launch
+            paged_prefill_attention(q, k_pool, v_pool, tables.blocks, tables.block_pages, scale, tables.block_tokens,
+                                    out)
+        for span in tables.prefill:  # a long context: SDPA's flash kernel, span by span (step_plan.py says why)
             k_ctx, v_ctx = kv.read(layer, span.context)  # [X, M, D]
             n, end = span.rows.stop - span.rows.start, span.context.shape[0]
             # NOTE: kv head m serves query heads m*groups .. (transformers' repeat_kv): SDPA's GQA grouping

@@ -19,10 +19,12 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               the alignment kernels (moe_align) built at that BLOCK_M over E + 1 groups as well
   moe_fused   the per-pair GEMVs once with partials (the variant the grouped-by-S and streamed paths launch)
   forward     small scratch steps through the model's own forward (prefill spans of 1, 17, 18, 20, 24, 32
-              tokens, a span after a cached prefix, mixed steps with 1, 2, 4, 8, 16 decode rows and with the
-              most a step can carry): every other
+              tokens, two spans in one step, one of them after a cached prefix, mixed steps with 1, 2, 4, 8,
+              16 decode rows and with the most a step can carry): every other
               kernel (norms, router, GDN chunk kernels, conv, attention's rope, the residency lookup, the
-              MoE sum) once per specialization class of the token counts it sees
+              MoE sum) once per specialization class of the token counts it sees; the prefill attention
+              (paged_prefill_attention) once: it takes no integer that varies by step and its tables are
+              16-byte aligned views (step_plan.attention_tables), so one binary serves every step
   gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves), through
               prefill_spans.gdn_spans as a step runs it
   moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
@@ -72,7 +74,9 @@ log = logging.getLogger(__name__)
 # Token counts of the scratch steps: gcd(T, 16) takes every value 1, 2, 4, 8, 16, and T == 1 (Triton
 # specializes an int argument on == 1 and on % 16 == 0; an argument c*T falls in a class set by gcd(T, 16)).
 SPAN_TOKENS = (1, 17, 18, 20, 24, 32)
-PREFIX_TOKENS, PREFIX_SPAN = 32, 17  # a span after a cached prefix (lower-right causal attention)
+# a span after a cached prefix (lower-right causal attention), in one step with a span from 0 (the attention of
+# every span of a step in one launch, over a block table of both)
+PREFIX_TOKENS, PREFIX_SPAN = 32, 17
 MIXED_PREFILL = 16  # the prefill span of a mixed step; its decode rows take the gcd classes
 DECODE_ROWS = (1, 2, 4, 8, 16)
 
@@ -262,7 +266,9 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
     rows = tuple(n for n in sorted({*DECODE_ROWS, max_decode_rows})
                  if n <= max_decode_rows and MIXED_PREFILL + n <= max_tokens)
     forwards = [ForwardItem(((t, 0),), 0) for t in SPAN_TOKENS if t <= max_tokens]
-    if PREFIX_SPAN <= max_tokens:
+    if 2 * PREFIX_SPAN <= max_tokens:
+        forwards.append(ForwardItem(((PREFIX_SPAN, PREFIX_TOKENS), (PREFIX_SPAN, 0)), 0))
+    elif PREFIX_SPAN <= max_tokens:
         forwards.append(ForwardItem(((PREFIX_SPAN, PREFIX_TOKENS),), 0))
     forwards += [ForwardItem(((MIXED_PREFILL, 0),), n) for n in rows]
     pieces = (GdnPieceItem(1),) if model.linear_layers else ()  # forward's spans of 1 token are decode rows
@@ -429,12 +435,12 @@ class _Scratch:
                   linear_fn=model._linear)
 
     def _forward(self, item: ForwardItem) -> None:
-        """One scratch step through the model's forward and logits: prefill spans in state slot 0 and the
+        """One scratch step through the model's forward and logits: prefill span i in state slot i % 2 and the
         first pages, every decode row in slot 1 and the last page (rows sharing a slot or a page only mix
-        scratch values)."""
+        scratch values; the plan's two-span step has no decode rows, so its spans' states stay apart)."""
         vocab = self.model.embed.shape[0]
         spans, tokens, positions, offset = [], [], [], 0
-        works = [(length, start, 0, tuple(range(self.span_pages))) for length, start in item.spans]
+        works = [(length, start, i % 2, tuple(range(self.span_pages))) for i, (length, start) in enumerate(item.spans)]
         works += [(1, 0, 1, (self.span_pages,))] * item.decodes
         for i, (length, start, slot, pages) in enumerate(works):
             work = SequenceWork(f"warmup-{i}", tuple(torch.randint(vocab, (length,), generator=self.host_gen).tolist()),

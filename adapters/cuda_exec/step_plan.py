@@ -1,11 +1,13 @@
 """What every token-mixer layer of one prefill or mixed step shares, built once per step on the host (a few
-uploads) for prefill_spans.py: each token's flat KV row, each prefill span's context rows, the one-token
-rows' page table and lengths, the rotary tables at every token's position, and the Gated DeltaNet launch
+uploads) for prefill_spans.py: each token's flat KV row, the prefill spans' query-block table and page lists
+(paged_prefill_attention; a span over a long context: its context rows), the one-token rows' page table and
+lengths, the rotary tables at every token's position, and the Gated DeltaNet launch
 groups (span and chunk tables of the conv and WY kernels; the pieces of spans cut by a prefix-cache
 snapshot). Before, every layer recomputed its share of these on the device, span by span.
 
 Shape legend: T tokens of the step, B one-token rows, X context tokens of a span (its cached prefix + the
-span), G page size, W page-table width, R rotary dim, P spans of a launch group, NC their 64-token chunks.
+span), G page size, W page-table width, R rotary dim, P spans of a launch group, NC their 64-token chunks,
+NB query blocks of paged_prefill_attention, PP the page-list entries of their spans.
 """
 
 from __future__ import annotations
@@ -17,9 +19,20 @@ import torch
 
 from adapters.kernels.gdn_chunk_wy import CHUNK
 from adapters.kernels.paged_decode_attention import default_num_splits
+from adapters.kernels.paged_prefill_attention import BLOCK_FIELDS, span_blocks
 from adapters.torch_exec.rotary import Rotary
 from adapters.torch_exec.step_inputs import StepInputs
 from domain.step_budget import GDN_WINDOW_TOKENS
+
+# NOTE: a prefill span of n tokens over a context of X (its cached prefix + itself) attends through
+# paged_prefill_attention, every such span of the step in one launch, while n * X is at most this many
+# query-context pairs; a bigger one through SDPA, span by span. Why the product: the paged kernel reads the
+# context's K/V once per query block of a few tokens (block_tokens: 4-8 at Qwen3.6), so its K/V traffic grows
+# as n / U * X, where SDPA's flash kernel reads it once per 128-row tile after one gather; and a big span's
+# own launches are few against its work. At the bound (e.g. 128 tokens after a 4k prefix, or a 724-token
+# prompt) the paged kernel reads ~0.5 GB of K/V a layer at Qwen3.6 (bf16, 2 kv heads of 256). Not yet timed
+# against SDPA on a GPU.
+PAGED_PREFILL_MAX_PAIRS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -30,10 +43,16 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionTables:
-    """What every attention layer of one step reads, built on the host once per step (two uploads)."""
+    """What every attention layer of one step reads, built on the host once per step (one upload). NOTE:
+    every device table is a view of that upload starting at a multiple of 16 bytes: Triton specializes
+    pointer arguments on 16-byte alignment, and a differently aligned view would compile another binary on
+    a request's path."""
 
     kv_rows: torch.Tensor  # int64 [T]: flat KV row each token's K/V is written to
-    prefill: tuple[PrefillSpan, ...]  # spans of more than one token
+    prefill: tuple[PrefillSpan, ...]  # spans of more than one token past PAGED_PREFILL_MAX_PAIRS (SDPA)
+    blocks: torch.Tensor | None  # int32 [NB, BLOCK_FIELDS]: the other such spans' query blocks; None when none
+    block_pages: torch.Tensor | None  # int32 [PP]: those spans' page lists, one after another
+    block_tokens: int  # tokens per query block of `blocks` (paged_prefill_attention.block_tokens)
     decode_rows: torch.Tensor | None  # int64 [B]: rows of the one-token spans; None when there are none
     decode_all: bool  # every row is a one-token span (rows 0..T-1 in order): q is used as it is
     page_table: torch.Tensor | None  # int32 [B, W] of the one-token rows
@@ -41,16 +60,32 @@ class AttentionTables:
     num_splits: int  # paged_decode_attention's static split count
 
 
-def attention_tables(inp: StepInputs, page_size: int, table_width: int, kv_heads: int) -> AttentionTables:
+def upload_aligned(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """The host tensors `parts` (any integer dtypes and shapes) on `device` in one copy: views of one buffer,
+    each starting at a multiple of 16 bytes."""
+    raw, at, where = [], 0, []
+    for t in parts:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        raw += [b, torch.zeros(-b.numel() % 16, dtype=torch.uint8)]
+        where.append((at, b.numel()))
+        at += b.numel() + raw[-1].numel()
+    buf = torch.cat(raw).to(device)
+    return [buf[a:a + n].view(t.dtype).view(t.shape) for (a, n), t in zip(where, parts, strict=True)]
+
+
+def attention_tables(inp: StepInputs, page_size: int, table_width: int, kv_heads: int,
+                     block_tokens: int) -> AttentionTables:
     """The step's AttentionTables. table_width: the page-table width W of the one-token rows (0: the smallest
-    power of two that holds their pages). NOTE: W and the split count are compile-time constants of
-    paged_decode_attention: a fixed W (the decode graphs') and a split count from the row count rounded up
-    to a power of two keep mixed steps on the binaries the graph capture and the prefill warm-up built.
-    Raises ValueError when a span's pages do not cover its positions or a row's context exceeds W pages."""
+    power of two that holds their pages); block_tokens: tokens per query block of paged_prefill_attention
+    (its block_tokens for the model's heads and dtype). NOTE: W and the split count are compile-time
+    constants of paged_decode_attention: a fixed W (the decode graphs') and a split count from the row count
+    rounded up to a power of two keep mixed steps on the binaries the graph capture and the prefill warm-up
+    built. Raises ValueError when a span's pages do not cover its positions or a row's context exceeds W
+    pages."""
     device = inp.token_ids.device
     g = page_size
     offsets = torch.arange(g, dtype=torch.int64)  # [G]
-    kv_rows, contexts, spans, decodes = [], [], [], []
+    kv_rows, contexts, spans, decodes, blocks, block_pages = [], [], [], [], [], []
     for s in inp.spans:
         start, end = s.start_position, s.end_position
         pages = s.work.page_ids
@@ -60,35 +95,51 @@ def attention_tables(inp: StepInputs, page_size: int, table_width: int, kv_heads
             kv_rows.append(torch.tensor([pages[start // g] * g + start % g], dtype=torch.int64))
             decodes.append(s)
             continue
+        used = pages[: -(-end // g)]
+        if s.length * end <= PAGED_PREFILL_MAX_PAIRS:  # its query blocks and page list; its own positions' rows
+            pos = torch.arange(start, end)
+            kv_rows.append(torch.tensor(used, dtype=torch.int64)[pos // g] * g + pos % g)
+            blocks += span_blocks(s.offset, s.length, end, len(block_pages), block_tokens)
+            block_pages += used
+            continue
         # NOTE: on the host: every position's flat row from the page list (a few microseconds per span), so
         # no layer computes slots on the device
-        flat = (torch.tensor(pages[: -(-end // g)], dtype=torch.int64)[:, None] * g + offsets).reshape(-1)[:end]
+        flat = (torch.tensor(used, dtype=torch.int64)[:, None] * g + offsets).reshape(-1)[:end]
         kv_rows.append(flat[start:])
         spans.append(s.rows)
         contexts.append(flat)
-    sizes = [t.shape[0] for t in contexts]
-    packed = torch.cat(kv_rows + contexts).to(device)  # one upload: [T + sum X]
-    tokens = len(inp.token_ids)
-    parts = torch.split(packed[tokens:], sizes) if sizes else ()
-    prefill = tuple(PrefillSpan(rows, ctx) for rows, ctx in zip(spans, parts, strict=True))
+    parts = [torch.cat(kv_rows), *contexts]
+    if blocks:
+        parts += [torch.tensor(blocks, dtype=torch.int32).view(-1, BLOCK_FIELDS),
+                  torch.tensor(block_pages, dtype=torch.int32)]
+    if decodes:
+        need = max(-(-s.end_position // g) for s in decodes)
+        width = table_width or 1 << (need - 1).bit_length()
+        if need > width:
+            raise ValueError(f"a one-token row's context of {need} pages exceeds the page table's {width}")
+        count = len(decodes)
+        table = torch.zeros(count, width, dtype=torch.int32)  # [B, W]
+        for r, s in enumerate(decodes):
+            pages = s.work.page_ids[:width]
+            table[r, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        parts += [table, torch.tensor([s.end_position for s in decodes], dtype=torch.int32),
+                  torch.tensor([s.offset for s in decodes], dtype=torch.int64)]
+    dev = upload_aligned(parts, device)  # NOTE: one upload for every layer of the step
+    n_ctx = len(contexts)
+    rows_all, prefill = dev[0], tuple(PrefillSpan(r, c) for r, c in zip(spans, dev[1:1 + n_ctx], strict=True))
+    at = 1 + n_ctx
+    blocks_dev = pages_dev = None
+    if blocks:
+        blocks_dev, pages_dev = dev[at:at + 2]
+        at += 2
     if not decodes:
-        return AttentionTables(packed[:tokens], prefill, None, False, None, None, 1)
-    need = max(-(-s.end_position // g) for s in decodes)
-    width = table_width or 1 << (need - 1).bit_length()
-    if need > width:
-        raise ValueError(f"a one-token row's context of {need} pages exceeds the page table's {width}")
-    count = len(decodes)
-    host = torch.zeros(count * (width + 1), dtype=torch.int32)  # [B*W + B]: the page table, then the lengths
-    for r, s in enumerate(decodes):
-        pages = s.work.page_ids[:width]
-        host[r * width:r * width + len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        host[count * width + r] = s.end_position
-    table = host.to(device)  # NOTE: the kernel reads the lengths with unit stride: they get their own tail
-    rows = torch.tensor([s.offset for s in decodes], dtype=torch.int64).to(device)
+        return AttentionTables(rows_all, prefill, blocks_dev, pages_dev, block_tokens, None, False, None, None, 1)
+    table_dev, lens_dev, rows_dev = dev[at:at + 3]
+    tokens = len(inp.token_ids)
     in_order = count == tokens and all(s.offset == r for r, s in enumerate(decodes))
     splits = default_num_splits(1 << (count - 1).bit_length(), kv_heads, width * g, device)
-    return AttentionTables(packed[:tokens], prefill, rows, in_order, table[:count * width].view(count, width),
-                           table[count * width:], splits)
+    return AttentionTables(rows_all, prefill, blocks_dev, pages_dev, block_tokens, rows_dev, in_order, table_dev,
+                           lens_dev, splits)
 
 
 @dataclass(frozen=True)
@@ -145,17 +196,6 @@ def plan_walks(spans, window: int) -> tuple[list[tuple[int, int, int, int]], lis
     return entries, launches
 
 
-def upload_aligned(parts: list[list[int]], device) -> list[torch.Tensor]:
-    """int64 tensors of parts in one upload, each starting on a 16-byte boundary of one buffer (a part is
-    padded to an even length: see GdnGroup)."""
-    host, spans = [], []
-    for part in parts:
-        spans.append((len(host), len(part)))
-        host += part + [0] * (len(part) % 2)
-    table = torch.tensor(host, dtype=torch.int64).to(device)
-    return [table[at:at + n] for at, n in spans]
-
-
 def gdn_groups(inp: StepInputs, with_snapshots: bool) -> tuple[GdnGroup, ...]:
     """The step's spans of more than one token as launch groups, built on the host and uploaded in one copy:
     first every span without a prefix-cache snapshot strictly inside it (with_snapshots), all in one group;
@@ -189,17 +229,16 @@ def upload_groups(groups: list, device) -> tuple[GdnGroup, ...]:
         chunks = [(r.start + c, r.stop) for r, _ in spans for c in range(0, r.stop - r.start, CHUNK)]
         entries, launches = plan_walks(spans, GDN_WINDOW_TOKENS)
         walks.append(tuple(launches))
-        parts += [[r.start for r, _ in spans], [r.stop - r.start for r, _ in spans], [slot for _, slot in spans],
-                  [c for c, _ in chunks], [e for _, e in chunks]]
-        # NOTE: the walk table's rows padded to a multiple of 2 entries: each row 16-byte aligned too
-        width = len(entries) + len(entries) % 2
-        parts.append([v for col in zip(*entries, strict=True) for v in (*col, *[0] * (width - len(col)))])
+        parts += [torch.tensor(v, dtype=torch.int64) for v in (
+            [r.start for r, _ in spans], [r.stop - r.start for r, _ in spans], [slot for _, slot in spans],
+            [c for c, _ in chunks], [e for _, e in chunks])]
+        parts.append(torch.tensor(entries, dtype=torch.int64).t().contiguous())  # [4, E]
     tables = upload_aligned(parts, device)
     out = []
     for i, ((spans, snap), launches) in enumerate(zip(groups, walks, strict=True)):
         starts, lengths, slots, chunk_starts, chunk_ends, walk = tables[6 * i:6 * i + 6]
         out.append(GdnGroup(tuple(spans), starts, lengths, slots, chunk_starts, chunk_ends,
-                            max(r.stop - r.start for r, _ in spans), snap, walk.view(4, -1), launches))
+                            max(r.stop - r.start for r, _ in spans), snap, walk, launches))
     return tuple(out)
 
 
@@ -216,9 +255,9 @@ class StepPlan:
             self._memo[key] = build()
         return self._memo[key]
 
-    def attention(self, page_size: int, table_width: int, kv_heads: int) -> AttentionTables:
-        return self.memo(("attention", page_size, table_width, kv_heads),
-                         lambda: attention_tables(self.inp, page_size, table_width, kv_heads))
+    def attention(self, page_size: int, table_width: int, kv_heads: int, block_tokens: int) -> AttentionTables:
+        return self.memo(("attention", page_size, table_width, kv_heads, block_tokens),
+                         lambda: attention_tables(self.inp, page_size, table_width, kv_heads, block_tokens))
 
     def cos_sin(self, rotary: Rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, R] at every token's own position."""

@@ -332,10 +332,9 @@ def test_walks_over_a_steps_spans_are_bitwise_one_walk_per_span(window):
     chunks = [(r.start + c, r.stop) for r, _ in spans for c in range(0, r.stop - r.start, 64)]
     entries, launches = plan_walks(spans, window)
     assert len(launches) == (1 if window == 4096 else 4)
-    walk_rows = [list(col) for col in zip(*entries, strict=True)]
-    chunk_starts, chunk_ends, *rows = upload_aligned([[c for c, _ in chunks], [e for _, e in chunks], *walk_rows],
-                                                     DEVICE)
-    walk_table = torch.stack(rows)  # [4, E]
+    chunk_starts, chunk_ends, walk_table = upload_aligned(
+        [torch.tensor(v, dtype=torch.int64) for v in ([c for c, _ in chunks], [e for _, e in chunks])]
+        + [torch.tensor(entries, dtype=torch.int64).t().contiguous()], DEVICE)  # walk_table [4, E]
     table = (chunk_starts, chunk_ends)
     w, u, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, nk, dk, dv, chunks=table)
     u_in = u.clone()  # the walk writes v' over u

@@ -1,8 +1,8 @@
 """The fast path's batched token mixers (adapters/cuda_exec/prefill_spans.py): one step holding several
 sequences' prefill spans and the one-token rows of a mixed step gives every token the logits, and leaves in
 the KV pages, the Gated DeltaNet states and the prefix cache's snapshot slots what the same spans give run
-one per step on the reference executor; and the projections, norms, rope and the GDN conv and WY of a step
-launch as often for 8 spans as for 1.
+one per step on the reference executor; and the projections, norms, rope, the attention and the GDN conv
+and WY of a step launch as often for 8 spans as for 1.
 
 On the CPU the Triton kernels run in Triton's interpreter (fp32 tiny models; bound: 1e-4 of the logit scale).
 """
@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from adapters.cuda_exec import prefill, prefill_spans
+from adapters.cuda_exec import prefill, prefill_spans, step_plan
 from adapters.cuda_exec.executor import CudaGraphExecutor
 from adapters.torch_exec.executor import TorchExecutor
 from adapters.torch_exec.step_inputs import flatten
@@ -109,8 +109,13 @@ def _worst(got: dict, want: dict) -> float:
     return max(((got[r] - want[r]).abs().max() / want[r].abs().max()).item() for r in want)
 
 
-def test_one_step_of_many_spans_matches_the_spans_one_per_step(ckpt):
-    """Against the reference executor running each work as a step of its own (its setup too)."""
+@pytest.mark.parametrize("sdpa_past", [step_plan.PAGED_PREFILL_MAX_PAIRS, 60], ids=["paged", "paged+sdpa"])
+def test_one_step_of_many_spans_matches_the_spans_one_per_step(ckpt, sdpa_past, monkeypatch):
+    """Against the reference executor running each work as a step of its own (its setup too). sdpa_past: the
+    query-context pairs (span tokens x context) beyond which a span attends through SDPA instead of
+    paged_prefill_attention (60: `a` (7 x 16) and `b` (13 x 13) through SDPA, `c` (7 x 7) through the paged
+    kernel, in one step)."""
+    monkeypatch.setattr(step_plan, "PAGED_PREFILL_MAX_PAIRS", sdpa_past)
     setup, step = _scenario()
     fast, ref = _fast(ckpt), TorchExecutor(ckpt, _plan(ckpt), DEVICE, torch.float32)
     _fast_step(fast, setup)
@@ -155,8 +160,8 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
         return wrapped
 
     with monkeypatch.context() as m:
-        for name in ("qk_norm_rope", "gated_rms_norm", "paged_decode_attention", "gdn_decode_step",
-                     "gdn_conv_prefill_spans", "gdn_chunk_wy", "delta_rule"):
+        for name in ("qk_norm_rope", "gated_rms_norm", "paged_decode_attention", "paged_prefill_attention",
+                     "gdn_decode_step", "gdn_conv_prefill_spans", "gdn_chunk_wy", "delta_rule"):
             m.setattr(prefill_spans, name, count(name, getattr(prefill_spans, name)))
         for name in ("gdn_chunk_state", "gdn_chunk_out"):  # the state walk's launches
             m.setattr(prefill, name, count(name, getattr(prefill, name)))
@@ -170,9 +175,10 @@ def _counts(ex, works, monkeypatch) -> dict[str, int]:
 
 
 def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monkeypatch):
-    """The projections (and o_proj/out_proj, the MoE's shared expert), qk_norm_rope, the gated RMSNorm and the
-    Gated DeltaNet conv, WY form and state walk (gdn_chunk_state + gdn_chunk_out) launch as often for 8
-    prefill spans as for 1; only the attention's context gather + SDPA go once per span."""
+    """The projections (and o_proj/out_proj, the MoE's shared expert), qk_norm_rope, the attention, the gated
+    RMSNorm and the Gated DeltaNet conv, WY form and state walk (gdn_chunk_state + gdn_chunk_out) launch as
+    often for 8 prefill spans as for 1: nothing goes once per span (but the attention's gather + SDPA of a
+    span over a long context: none here)."""
     gen = torch.Generator().manual_seed(3)
     layers = ckpt.spec.num_layers
     counts = {}
@@ -191,7 +197,6 @@ def test_a_step_projects_norms_and_ropes_once_whatever_its_span_count(ckpt, monk
     assert one["gdn_chunk_wy"] == eight["gdn_chunk_wy"] == gdn
     assert one["gdn_chunk_state"] == eight["gdn_chunk_state"] == gdn
     assert one["gdn_chunk_out"] == eight["gdn_chunk_out"] == gdn
-    assert "delta_rule" not in one.keys() | eight.keys()  # the per-span walk: only the fused A/B path
-    assert (one["sdpa"], eight["sdpa"]) == (attn, 8 * attn)
-    assert not {"paged_decode_attention", "gdn_decode_step", "per-span gdn_conv_prefill",
+    assert one["paged_prefill_attention"] == eight["paged_prefill_attention"] == attn
+    assert not {"sdpa", "delta_rule", "paged_decode_attention", "gdn_decode_step", "per-span gdn_conv_prefill",
                 "per-span gdn_chunk_wy"} & (one.keys() | eight.keys())

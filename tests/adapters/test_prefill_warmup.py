@@ -120,6 +120,7 @@ def warmed(ckpt):
         wrap(prefill_spans, "gdn_chunk_wy", lambda *a, **k: ("gdn_chunk_wy", "table"))
         wrap(prefill, "gdn_chunk_state", lambda mixed, *a, **k: ("gdn_chunk_state", _cls(mixed.shape[0])))
         wrap(prefill_spans, "qk_norm_rope", lambda q, *a, **k: ("qk_norm_rope", _cls(q.shape[0])))
+        wrap(prefill_spans, "paged_prefill_attention", _prefill_attention_key)
         wrap(device_residency, "layer_lookup", lambda ids, *a, **k:
              ("residency_lookup", (max(16, 1 << (ids.numel() - 1).bit_length()), _cls(ids.numel()))))
         for module in (fast_decoder, prefill_spans):  # a step of one-token rows only; a mixed step's rows
@@ -132,6 +133,17 @@ def warmed(ckpt):
                                           dtype=DTYPE, device=torch.device(DEVICE),
                                           on_item=lambda kernel, item: ran.append((kernel, item.key)))
     return ex, before, seen, plan, report, ran
+
+
+def _prefill_attention_key(q, k_pool, v_pool, blocks, pages, scale, tokens, out):
+    """(spans of the launch, whether one follows a cached prefix, whether every pointer is 16-byte aligned:
+    Triton's only specialization of this kernel that a step could change)."""
+    rows = blocks.tolist()  # (first row, tokens, first token's last visible position, page offset) per block
+    firsts = {}
+    for _, _, last, offset in rows:  # a span's blocks share its page offset; its first block's position is least
+        firsts[offset] = min(last, firsts.get(offset, last))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k_pool, v_pool, blocks, pages, out))
+    return "paged_prefill_attention", (len(firsts), any(p > 0 for p in firsts.values()), aligned)
 
 
 def _kind(keys, kernel):
@@ -163,6 +175,9 @@ def test_the_warm_up_compiles_every_specialization_class_of_the_mixers(warmed):
     assert _kind(seen, "gdn_chunk_state") == every
     assert _kind(seen, "gdn_chunk_wy") == {"table"}
     assert _kind(seen, "qk_norm_rope") == every
+    # the attention of a step's spans: one launch over both spans of the two-span step (one after a cached
+    # prefix) and the single spans, every pointer aligned alike: the one binary a request's steps reuse
+    assert _kind(seen, "paged_prefill_attention") == {(1, False, True), (2, True, True)}
     assert _kind(seen, "gdn_decode_step") == {"one", 2, 4}  # mixed steps' decode rows, up to 4 running
     # chunks of 1-4 tokens x top-2 fit the one-launch lookup on 8 slots: 2, 4, 6, 8 keys in one 16-wide block
     assert _kind(seen, "residency_lookup") == {(16, 2), (16, 4), (16, 8)}
