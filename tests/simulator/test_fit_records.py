@@ -206,3 +206,25 @@ def test_the_fast_engines_records_reproduce_h200_v2_within_the_held_out_bound(tm
     held = [p for p in rep["points"] if p["role"] == "held_out"]
     assert len(held) == 4 and rc == 0 and rep["within_bound"]
     assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
+
+
+SESSION14 = [REPO / "docs/bench" / n for n in ("2026-12-02-http-sweep-24gib-h200-triton-prefill.json",
+                                               "2026-12-02-http-ladder-resident-h200-spans.json",
+                                               "2026-12-02-bench-decode-h200-run7-triton-prefill.json")]
+
+
+def test_the_current_engines_records_reproduce_h200_records_v3_with_bs3_and_bs6_held_out(tmp_path):
+    # Session 14's records (Triton prefill by default, batched spans): the 8k bs3/bs6 points, every 64k point
+    # and c2/c8 are held out and predicted within +-10 % (6.3 % at most when fitted on 2026-12-02)
+    out, report = tmp_path / "h200_records_v3.json", tmp_path / "report.json"
+    rc = sim_main(["calibrate", "--records", *map(str, SESSION14), "--out", str(out), "--report", str(report),
+                   "--strict"])
+    fresh = json.loads(out.read_text())
+    committed = json.loads((REPO / "simulator/calibration/h200_records_v3.json").read_text())
+    fresh["provenance"]["records"] = committed["provenance"]["records"]
+    assert_same_profile(fresh, committed)
+    rep = json.loads(report.read_text())
+    held = {p["label"] for p in rep["points"] if p["role"] == "held_out"}
+    assert len(held) == 8 and rc == 0 and rep["within_bound"]
+    assert any("bs=3" in h for h in held) and any("bs=6" in h for h in held)
+    assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
