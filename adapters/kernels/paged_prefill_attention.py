@@ -106,7 +106,7 @@ def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     [BN, D] element live (as paged_decode_attention), so the tiles stay small; an exact-fp32 ("ieee") dot runs
     on FMA units and needs the most registers. ptxas builds these for sm_90 without spills in Triton 3.6 and
     3.9 (D = 256 bf16 and fp32 in test_kernel_paged_prefill_attention; D = 128 bf16 checked once by hand,
-    2026-12-03; 64 rows at D = 256 spill in 3.9, 64 x 32 with 4 warps spill at D = 128); not yet timed."""
+    2026-12-02; 64 rows at D = 256 spill in 3.9, 64 x 32 with 4 warps spill at D = 128); not yet timed."""
     if dtype == torch.float32:
         return 16, 16, 4
     return (32, 32, 8) if head_dim > 128 else (64, 32, 8)

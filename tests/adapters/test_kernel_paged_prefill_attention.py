@@ -186,7 +186,7 @@ for name, dtype, elem in (("bf16", torch.bfloat16, "*bf16"), ("fp32", torch.floa
 print(json.dumps(out))
 """
 
-# ptxas at the Qwen3.6 shape, 2026-12-03: bf16 182 / 237 registers (Triton 3.9 / 3.6), fp32 175 / 254, no
+# ptxas at the Qwen3.6 shape, 2026-12-02: bf16 182 / 237 registers (Triton 3.9 / 3.6), fp32 175 / 254, no
 # spill in either; 64-row bf16 tiles spilled 192 bytes in 3.9
 _STACK_BOUND = {"bf16": 0, "fp32": 0}
 
