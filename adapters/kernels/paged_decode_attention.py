@@ -111,9 +111,27 @@ def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     return 32, 8 if head_dim > 128 else 4
 
 
-def _require(cond: bool, msg: str) -> None:
+def require(cond: bool, msg: str) -> None:
+    """Raises ValueError(msg) unless cond: the launchers' argument checks."""
     if not cond:
         raise ValueError(msg)
+
+
+def check_paged_pools(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: str) -> tuple[int, int]:
+    """The checks every paged attention launcher makes of q [rows, N, D] against one layer's K/V pools
+    [P, G, M, D] (shapes, head dims, GQA grouping, dtypes); rows names q's first dim in the messages.
+    Returns (page size G, kv heads M). Raises ValueError on a mismatch."""
+    require(q.dim() == 3, f"q must be [{rows}, N, D], got {tuple(q.shape)}")
+    require(k_pool.dim() == 4 and k_pool.shape == v_pool.shape,
+             f"k_pool/v_pool must both be [P, G, M, D], got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    _, heads, head_dim = q.shape
+    _, page_size, kv_heads, pool_dim = k_pool.shape
+    require(pool_dim == head_dim, f"head dim differs: q {head_dim}, pool {pool_dim}")
+    require(heads % kv_heads == 0, f"query heads {heads} not a multiple of kv heads {kv_heads}")
+    require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported q dtype {q.dtype}")
+    require(k_pool.dtype == q.dtype and v_pool.dtype == q.dtype,
+             f"pool dtype {k_pool.dtype}/{v_pool.dtype} differs from q dtype {q.dtype}")
+    return page_size, kv_heads
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -134,33 +152,25 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     Page ids must lie in [0, P) and seq_len <= W*G (longer lengths are clamped to W*G); neither is checked
     on the device (no host sync). Raises ValueError on mismatched shapes, dtypes or devices.
     """
-    _require(q.dim() == 3, f"q must be [B, N, D], got {tuple(q.shape)}")
-    _require(k_pool.dim() == 4 and k_pool.shape == v_pool.shape,
-             f"k_pool/v_pool must both be [P, G, M, D], got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    page_size, kv_heads = check_paged_pools(q, k_pool, v_pool, "B")
     batch, heads, head_dim = q.shape
-    _, page_size, kv_heads, pool_dim = k_pool.shape
-    _require(pool_dim == head_dim, f"head dim differs: q {head_dim}, pool {pool_dim}")
-    _require(heads % kv_heads == 0, f"query heads {heads} not a multiple of kv heads {kv_heads}")
-    _require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported q dtype {q.dtype}")
-    _require(k_pool.dtype == q.dtype and v_pool.dtype == q.dtype,
-             f"pool dtype {k_pool.dtype}/{v_pool.dtype} differs from q dtype {q.dtype}")
-    _require(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
+    require(page_table.dim() == 2 and page_table.shape[0] == batch and page_table.dtype == torch.int32,
              f"page_table must be int32 [B={batch}, W], got {page_table.dtype} {tuple(page_table.shape)}")
-    _require(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32,
+    require(seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32,
              f"seq_lens must be int32 [B={batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    _require(len({t.device for t in (q, k_pool, v_pool, page_table, seq_lens)}) == 1,
+    require(len({t.device for t in (q, k_pool, v_pool, page_table, seq_lens)}) == 1,
              "q, pools, page_table and seq_lens must be on one device")
     max_pages = page_table.shape[1]
-    _require(max_pages > 0, "page_table needs at least one column")
+    require(max_pages > 0, "page_table needs at least one column")
     default_block_n, num_warps = launch_config(q.dtype, head_dim)
     block_n = default_block_n if block_n is None else block_n
-    _require(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+    require(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, max_pages * page_size, q.device, block_n)
-    _require(1 <= num_splits <= 1024, f"num_splits must be in 1..1024, got {num_splits}")
+    require(1 <= num_splits <= 1024, f"num_splits must be in 1..1024, got {num_splits}")
     if out is None:
         out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
-    _require(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
+    require(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
              f"out must be {q.dtype} {tuple(q.shape)} on {q.device}")
     if batch == 0:
         return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.paged_decode_attention import check_paged_pools, require
+
 BLOCK_FIELDS = 4  # int32 per block-table row: (first row, tokens, first token's last visible position, page offset)
 
 
@@ -132,11 +134,6 @@ def span_blocks(row: int, length: int, context: int, page_offset: int, tokens: i
     return out
 
 
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
                             pages: torch.Tensor, scale: float, tokens: int, out: torch.Tensor) -> torch.Tensor:
     """Causal attention of every prefill span of a step in one launch, over the paged K/V.
@@ -150,27 +147,19 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     The tables' contents are not checked on the device (no host sync): rows, page ids and offsets must be in
     range. Raises ValueError on mismatched shapes, dtypes or devices.
     """
-    _require(q.dim() == 3, f"q must be [T, N, D], got {tuple(q.shape)}")
-    _require(k_pool.dim() == 4 and k_pool.shape == v_pool.shape,
-             f"k_pool/v_pool must both be [P, G, M, D], got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    page_size, kv_heads = check_paged_pools(q, k_pool, v_pool, "T")
     _, heads, head_dim = q.shape
-    _, page_size, kv_heads, pool_dim = k_pool.shape
-    _require(pool_dim == head_dim, f"head dim differs: q {head_dim}, pool {pool_dim}")
-    _require(heads % kv_heads == 0, f"query heads {heads} not a multiple of kv heads {kv_heads}")
-    _require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"unsupported q dtype {q.dtype}")
-    _require(k_pool.dtype == q.dtype and v_pool.dtype == q.dtype,
-             f"pool dtype {k_pool.dtype}/{v_pool.dtype} differs from q dtype {q.dtype}")
-    _require(blocks.dim() == 2 and blocks.shape[1] == BLOCK_FIELDS and blocks.dtype == torch.int32
+    require(blocks.dim() == 2 and blocks.shape[1] == BLOCK_FIELDS and blocks.dtype == torch.int32
              and blocks.is_contiguous(),
              f"blocks must be a contiguous int32 [NB, {BLOCK_FIELDS}], got {blocks.dtype} {tuple(blocks.shape)}")
-    _require(pages.dim() == 1 and pages.dtype == torch.int32 and pages.stride(0) == 1,
+    require(pages.dim() == 1 and pages.dtype == torch.int32 and pages.stride(0) == 1,
              f"pages must be a unit-stride int32 [PP], got {pages.dtype} {tuple(pages.shape)}")
-    _require(out.shape == q.shape and out.dtype == q.dtype, f"out must be {q.dtype} {tuple(q.shape)}")
-    _require(len({t.device for t in (q, k_pool, v_pool, blocks, pages, out)}) == 1,
+    require(out.shape == q.shape and out.dtype == q.dtype, f"out must be {q.dtype} {tuple(q.shape)}")
+    require(len({t.device for t in (q, k_pool, v_pool, blocks, pages, out)}) == 1,
              "q, pools, tables and out must be on one device")
     group = heads // kv_heads
     rows, block_n, num_warps = launch_config(q.dtype, head_dim)
-    _require(1 <= tokens and tokens * group <= max(rows, group),
+    require(1 <= tokens and tokens * group <= max(rows, group),
              f"{tokens} tokens per block x {group} heads exceed the tile's {rows} rows")
     if blocks.shape[0] == 0:
         return out
