@@ -23,12 +23,7 @@ from adapters.kernels.paged_prefill_attention import (
 )
 from adapters.torch_exec.paged_attention import PagedKVCache
 from tests.adapters.sm90 import build_for_sm90
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+from tests.adapters.test_kernels_attention_gdn import DEVICE, rel_err
 
 
 def make_step(spans, heads, kv_heads, head_dim, page_size, dtype, tokens, seed=0, gap=1):
@@ -149,17 +144,14 @@ def test_bad_input_is_rejected():
 # ---------------------------------------------------------------- CPU: compiled for sm_90 by ptxas
 
 _SM90_COMPILE = r"""
-import json, subprocess, tempfile
-from pathlib import Path
+import json
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from adapters.kernels import paged_prefill_attention as ppa
+from tests.adapters.sm90_usage import resource_usage
 
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 fn = ppa._paged_prefill_kernel
 out = {}
 # Qwen3.6-35B-A3B: 16 query heads over 2 kv heads of 256, pages of 16; bf16 (the served model) and fp32
@@ -171,18 +163,8 @@ for name, dtype, elem in (("bf16", torch.bfloat16, "*bf16"), ("fp32", torch.floa
                   BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_D=head_dim,
                   BLOCK_N=block_n, F32_DOT=False, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     pointers = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, out_ptr=elem, blocks_ptr="*i32", pages_ptr="*i32")
-    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-           for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
-    line = next(l for l in text.splitlines() if "REG:" in l)
-    found = {kv.split(":")[0]: int(kv.split(":")[1]) for kv in line.split() if kv.split(":")[0] in ("REG", "STACK")}
-    out[name] = found | {"SMEM": kernel.metadata.shared}
+    out[name] = resource_usage(fn, pointers, consts, {"num_warps": warps},
+                               lambda n: "fp32" if n == "qk_scale" else "i32")
 print(json.dumps(out))
 """
 

@@ -7,8 +7,6 @@ per row (or state). Bounds: fp32 1e-5 (observed ~1e-7: only summation order diff
 """
 
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -442,32 +440,18 @@ def test_gpu_kernels_replay_inside_a_cuda_graph():
 # ---------------------------------------------------------------- CPU: compiled for sm_90 by ptxas
 
 _SM90_COMPILE = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
+import json
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from adapters.kernels import gdn_conv_decode as conv, gdn_decode as gdn
 from adapters.kernels import paged_decode_attention as attn, paged_decode_combine as comb
-
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+from tests.adapters.sm90_usage import resource_usage
 
 
 def usage(fn, pointers, constexprs, num_warps):
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i64" if n.startswith("stride") else "fp32")
-           for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
-    line = next(l for l in text.splitlines() if "REG:" in l)
-    return {kv.split(":")[0]: int(kv.split(":")[1]) for kv in line.split() if kv.split(":")[0] in ("REG", "STACK")}
+    return resource_usage(fn, pointers, constexprs, {"num_warps": num_warps},
+                          lambda n: "i64" if n.startswith("stride") else "fp32")
 
 
 out = {}
@@ -501,15 +485,10 @@ def test_kernels_compile_for_sm90_without_register_spills():
     triton) builds each one for sm_90 at Qwen3.6 geometry, in a fresh process (no TRITON_INTERPRET), and
     reports no spill stack. The launch parameters mirror the launchers' (launch_config, block_c, block_v)."""
     import json
-    import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    usage = json.loads(done.stdout.strip().splitlines()[-1])
+    from tests.adapters.sm90 import build_for_sm90
+
+    usage = json.loads(build_for_sm90(_SM90_COMPILE, timeout=300).strip().splitlines()[-1])
     assert set(usage) == {"split_bf16", "split_fp32", "combine", "combine_gated", "gdn_conv", "gdn_recurrent",
                           "gdn_recurrent_project_ab"}
     for name, regs in usage.items():

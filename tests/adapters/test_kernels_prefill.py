@@ -696,33 +696,15 @@ def test_gpu_attention_prefill_qwen36_geometry(dtype, bound):
 # ---------------------------------------------------------------- CPU: compiled for sm_90 by ptxas
 
 _SM90_COMPILE = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 
 from adapters.kernels import gdn_chunk_out as chunk_out, gdn_chunk_scan as scan, gdn_chunk_state as walk
 from adapters.kernels import gdn_chunk_wy as wy, gdn_conv_prefill as conv
-
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+from tests.adapters.sm90_usage import resource_usage
 
 
 def usage(fn, pointers, constexprs, options):
-    # strides and lengths as i32: what the launcher passes for tensors under 2**31 elements
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "q_scale" else "i32")
-           for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
-    line = next(l for l in text.splitlines() if "REG:" in l)
-    out = {kv.split(":")[0]: int(kv.split(":")[1]) for kv in line.split() if kv.split(":")[0] in ("REG", "STACK")}
-    out["SMEM"] = kernel.metadata.shared
-    return out
+    return resource_usage(fn, pointers, constexprs, options, lambda n: "fp32" if n == "q_scale" else "i32")
 
 
 heads = dict(KEY_HEADS=16, VALUE_HEADS=32, DK=128, DV=128, CHUNK=64)
