@@ -162,11 +162,6 @@ class GdnGroup:
     walk_table: torch.Tensor  # int64 [4, E]: SpanWalk's table (begin, end, slot, first hs chunk per piece)
     walks: tuple[tuple[int, int, int, int], ...]  # SpanWalk's (first, count, chunk0, chunks) per launch
 
-    @property
-    def walk_chunks(self) -> int:
-        """The most chunks one walk launch holds: the entry states' scratch, in chunks."""
-        return max(w[3] for w in self.walks)
-
 
 def plan_walks(spans, window: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]:
     """The state walk of spans [(rows, slot)] as launches of at most window // 64 chunks (the entry states
