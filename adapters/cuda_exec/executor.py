@@ -31,7 +31,7 @@ from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.paged_attention import PagedKVCache
 from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
-from adapters.torch_exec.step_inputs import check_batch, flatten
+from adapters.torch_exec.step_inputs import check_batch, flatten, upload
 from domain.ports import SampledToken, StepBatch
 from domain.streamed_prefill import LINK_BYTES_PER_S, pcie_bound_s
 
@@ -309,7 +309,7 @@ class CudaGraphExecutor(ExecutorPools):
         wanted = [s for s in inp.spans if s.work.sample]
         if not wanted:
             return {}
-        rows = torch.tensor([s.offset + s.length - 1 for s in wanted], device=self.device)
+        rows = upload(torch.tensor([s.offset + s.length - 1 for s in wanted]), self.device)
         logits = self.model.logits(hidden[rows])  # [n, V]
         return {s.work.request_id: logits[i:i + 1] for i, s in enumerate(wanted)}
 
@@ -330,19 +330,29 @@ class CudaGraphExecutor(ExecutorPools):
             n = len(tokens)
             drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
             self._host_counters = (drawn[n], drawn[n + 1])
-            for i, w in enumerate(batch.works):
-                p = w.sampling
-                if drawn[i] >= 0 and not (p.logprobs or p.top_logprobs):
-                    out[w.request_id] = SampledToken(w.request_id, drawn[i])
-                else:  # -1: the batched draw failed; the row is sampled alone (its error stays its own)
-                    out[w.request_id] = self._sample(w.request_id, logits_rows[i], w, drawn[i] if drawn[i] >= 0 else None)
-            return out
+            return self._sampled(batch.works, logits_rows, drawn[:n])
         if self.on_launched is not None:  # an eager step launches and waits as it goes
             self.on_launched()
         logits = self.compute_logits(batch)
-        for rid, row in logits.items():
-            if works[rid].sample:
-                out[rid] = self._sample(rid, row[0], works[rid])
+        wanted = [works[rid] for rid in logits if works[rid].sample]
+        if not wanted:
+            return out
+        # NOTE: every sampled row's token in one batch and one device->host read, as the graph step does:
+        # drawn row by row, a step of N prompts waited N times on the device (one argmax and .item() each)
+        rows = torch.cat([logits[w.request_id] for w in wanted]).float()  # [n, V]
+        return self._sampled(wanted, rows, self._draw(wanted, rows, torch.argmax(rows, dim=-1)).tolist())
+
+    def _sampled(self, works, logits_rows: torch.Tensor, drawn: list[int]) -> dict[str, SampledToken]:
+        """Each work's SampledToken from the step's drawn tokens (drawn[i] for logits_rows [n, V] row i);
+        a row asking for log-probabilities, or whose batched draw failed (-1), is sampled alone (its error
+        stays its own)."""
+        out = {}
+        for i, w in enumerate(works):
+            p = w.sampling
+            if drawn[i] >= 0 and not (p.logprobs or p.top_logprobs):
+                out[w.request_id] = SampledToken(w.request_id, drawn[i])
+            else:
+                out[w.request_id] = self._sample(w.request_id, logits_rows[i], w, drawn[i] if drawn[i] >= 0 else None)
         return out
 
     def expert_counters(self) -> tuple[int, int]:

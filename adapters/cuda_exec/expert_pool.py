@@ -46,6 +46,13 @@ assert GEMV_MAX_PAIRS >= MAX_KEYS
 # per-pair GEMVs (scripts/bench_kernels.py --only dedup); like GEMV_MAX_PAIRS the choice depends on the
 # pair count only, never on the pool size.
 DEDUP_MIN_PAIRS: int | None = None
+# An eager step's call (inside `streamed_step`) of more keys than this, e.g. a 17..32-token prompt at top-8,
+# takes the set lookup (`_routed_set`) where the layer's experts fit the slots, not the one-program kernel:
+# the kernel compares every key with every other in [n, n] register tiles, which spill past 128 lanes.
+# Measured on the H200 (2026-12-02, scripts/diag/bench_prefill_spans.py's profile of one 20-token prompt,
+# 160 keys): _layer_lookup_kernel 154 us a layer, against 8 us at 128 keys (bench_decode bs16). Decode
+# steps (graph buckets, outside a streamed step) keep the kernel; both make the domain LRU's decisions.
+ONE_LAUNCH_EAGER_KEYS = 128
 assert MAX_DEDUP_PAIRS >= MAX_KEYS * 2  # the shared expert's column adds at most one pair per routed top-k
 _POOL_DEFAULT = object()
 
@@ -266,7 +273,8 @@ class DeviceExpertPool:
 
         Graph-capturable when T * K <= S (always so for the decode buckets): the keys are looked up in
         ascending (layer, expert) order, the order the reference executor uses, so both make the same
-        residency decisions. Otherwise, inside `streamed_step` with staging rows, the streamed prefill:
+        residency decisions (inside `streamed_step`, more than ONE_LAUNCH_EAGER_KEYS of them take the set
+        lookup below instead, which makes the same decisions). Otherwise, inside `streamed_step` with staging rows, the streamed prefill:
         resident experts read in place, the others staged, the residency untouched. Otherwise, when S >= E,
         the lookup of the set of experts the chunk routes to (`_routed_set`: 3 kernels, pairs aligned by
         expert); else one sync-free lookup of the chunk's keys when they fit (T*K <= S, or a shard's keys),
@@ -279,6 +287,9 @@ class DeviceExpertPool:
             raise ValueError(f"weights {tuple(weights.shape)} do not fit ids {tuple(ids.shape)} (shared={shared})")
         if shared and not self.has_shared:
             raise ValueError("this pool holds no shared experts")
+        if self._step_open and ids.numel() > ONE_LAUNCH_EAGER_KEYS and self.residency.can_lookup_set() \
+                and ids.numel() <= min(self.num_slots, MAX_KEYS):  # a short prompt: ONE_LAUNCH_EAGER_KEYS
+            return self._routed_set(layer, x, weights, ids, valid, shared)
         if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)

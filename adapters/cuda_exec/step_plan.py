@@ -21,7 +21,7 @@ from adapters.kernels.gdn_chunk_wy import CHUNK
 from adapters.kernels.paged_decode_attention import default_num_splits
 from adapters.kernels.paged_prefill_attention import BLOCK_FIELDS, span_blocks
 from adapters.torch_exec.rotary import Rotary
-from adapters.torch_exec.step_inputs import StepInputs
+from adapters.torch_exec.step_inputs import StepInputs, upload
 from domain.step_budget import GDN_WINDOW_TOKENS
 
 # NOTE: a prefill span of n tokens over a context of X (its cached prefix + itself) attends through
@@ -69,7 +69,8 @@ def upload_aligned(parts: list[torch.Tensor], device) -> list[torch.Tensor]:
         raw += [b, torch.zeros(-b.numel() % 16, dtype=torch.uint8)]
         where.append((at, b.numel()))
         at += b.numel() + raw[-1].numel()
-    buf = torch.cat(raw).to(device)
+    buf = upload(torch.cat(raw), device)  # NOTE: asynchronous: built at the first attention layer, it would wait
+    # for the layers queued before it
     return [buf[a:a + n].view(t.dtype).view(t.shape) for (a, n), t in zip(where, parts, strict=True)]
 
 

@@ -17,7 +17,7 @@ from adapters.torch_exec.moe import route, routed_experts, shared_expert
 from adapters.torch_exec.norms import rms_norm
 from adapters.torch_exec.paged_attention import PagedKVCache
 from adapters.torch_exec.rotary import Rotary
-from adapters.torch_exec.step_inputs import StepInputs
+from adapters.torch_exec.step_inputs import StepInputs, upload
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -94,8 +94,9 @@ class MoeDecoder:
         executor takes the ones at a work's end, and restores, around this call)."""
         x = self.embed[inp.token_ids]  # [T, H]
         decode_spans = [s for s in inp.spans if s.length == 1]
-        decode_rows = torch.tensor([s.offset for s in decode_spans], dtype=torch.long, device=self.device)
-        decode_slots = torch.tensor([s.work.state_slot for s in decode_spans], dtype=torch.long, device=self.device)
+        decode_rows, decode_slots = upload(torch.tensor([[s.offset for s in decode_spans],
+                                                         [s.work.state_slot for s in decode_spans]],
+                                                        dtype=torch.long).reshape(2, -1), self.device)  # [B] x2
         for i, mixer in enumerate(self.mixers):
             w = self.w
             h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]

@@ -12,7 +12,8 @@ with --code DIR (a checkout's root put first on sys.path) for the other side.
 Usage (CUDA): python scripts/diag/bench_prefill_spans.py --out FILE.json [--code DIR] [--synth-dir /tmp/q36L8]
     [--layers 8] [--tokens 20] [--spans 1,2,4,8,16] [--reps 10] [--mixed 8]
 Prints and writes one JSON object. Also profiles one step of the fewest and of the most spans (torch.profiler):
-device kernels and launch calls, device busy time against wall time, host syncs, the top kernels and host ops.
+device kernels and launch calls, device busy time against wall time, host syncs, the top kernels and host ops;
+and the host's Python time of the fewest-span step by function (cProfile).
 --device cpu runs the same logic on the tiny geometry in Triton's interpreter (a smoke run; its times mean
 nothing). Run on the H200 on 2026-12-02 (docs/gpu-validation.md, session 14); the profile fields are newer.
 """
@@ -115,6 +116,7 @@ def main() -> None:
     if cuda:
         for n in sorted({one, top}):
             count_kernels(record, ex, [work(i, 0, args.tokens) for i in range(n)], timed)
+    python_profile(record, [work(i, 0, args.tokens) for i in range(one)], timed, root)
     print(json.dumps(record), flush=True)
     if cuda:  # NOTE: last: importing gpu_check puts this checkout first on sys.path (it would shadow --code)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -158,6 +160,35 @@ def count_kernels(record: dict, ex, works, timed) -> None:
         "top_host_ops_self_us": [(e.key[:90], e.count, round(e.self_cpu_time_total, 1))
                                  for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]],
     }
+
+
+def python_profile(record: dict, works, timed, root: Path, reps: int = 5) -> None:
+    """Where the host's Python time of a step of `works` goes (cProfile over `reps` steps, per step): the
+    functions with the most own time and the most cumulative time, named by path under `root` (or the
+    library's file name). The step is host-bound when its wall time is well above the device's busy time
+    (count_kernels); this says which code issues it. cProfile slows Python code down, not the device."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    timed(works, reps)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, callers)}
+
+    def where(key) -> str:
+        path, line, name = key
+        short = os.path.relpath(path, root) if path.startswith(str(root)) else Path(path).name
+        return f"{short}:{line}({name})"
+
+    def top(column: int) -> list:
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:25]
+        return [(where(k), v[0] // reps, round(1e3 * v[2] / reps, 3), round(1e3 * v[3] / reps, 3)) for k, v in ranked]
+
+    total = sum(v[2] for v in stats.values()) / reps
+    record[f"python_profile_{len(works)}_spans"] = {
+        "note": "cProfile, per step: (function, calls, own ms, cumulative ms); cProfile inflates Python time",
+        "total_ms": round(1e3 * total, 3), "top_own": top(2), "top_cumulative": top(3)}
 
 
 if __name__ == "__main__":

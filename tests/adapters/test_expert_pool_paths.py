@@ -85,3 +85,48 @@ def test_a_prefill_lookup_gathers_over_at_most_a_layers_experts_not_every_key(mo
     again = pool.routed(1, x, weights, ids)  # now all resident: no fill, the same experts
     assert pool.misses == E and torch.equal(got, again)
     pool.check_valid()
+
+
+def test_an_eager_call_past_the_kernels_lanes_takes_the_set_lookup_with_the_kernels_decisions(monkeypatch):
+    """Inside a streamed step (an eager prefill), a call of ONE_LAUNCH_EAGER_KEYS < T*K <= MAX_KEYS keys (a
+    17..32-token prompt at top-8) is looked up as a set, not by the one-program kernel whose [n, n] tiles
+    spill there; the same call outside a step (a decode bucket) keeps the kernel. Same rows, hits, misses
+    and LRU order either way, and the domain's."""
+    from adapters.cuda_exec.device_residency import DeviceResidency
+    from adapters.cuda_exec.expert_pool import ONE_LAUNCH_EAGER_KEYS
+
+    calls: list[str] = []
+    for name in ("lookup_layer", "lookup_set"):
+        real = getattr(DeviceResidency, name)
+        monkeypatch.setattr(DeviceResidency, name,
+                            lambda self, *a, _real=real, _name=name, **kw: calls.append(_name) or _real(self, *a, **kw))
+    bank = _bank()
+    gen = torch.Generator().manual_seed(5)
+    tokens = ONE_LAUNCH_EAGER_KEYS // K + 4
+    assert ONE_LAUNCH_EAGER_KEYS < tokens * K <= MAX_KEYS
+    x = torch.randn(tokens, H, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1).to(DEVICE)
+    valid = torch.ones(tokens, dtype=torch.bool, device=DEVICE)
+    valid[-1] = False  # a padded row routes nowhere on both paths
+    slots = E + E // 2  # some misses evict on the second layer
+    outs, states = {}, {}
+    for eager in (False, True):
+        pool, ref = DeviceExpertPool(bank, slots, DEVICE), ExpertResidency(slots)
+        calls.clear()
+        for layer in range(L):
+            if eager:
+                with pool.streamed_step():
+                    outs.setdefault(eager, []).append(pool.routed(layer, x, weights, ids, valid).cpu())
+            else:
+                outs.setdefault(eager, []).append(pool.routed(layer, x, weights, ids, valid).cpu())
+            ref.lookup([(layer, e) for e in sorted({int(e) for e in ids[:-1].flatten().tolist()})])
+            ref.release()
+        assert calls == [("lookup_set" if eager else "lookup_layer")] * L
+        assert (pool.hits, pool.misses) == (ref.hits, ref.misses)
+        assert pool.residency.lru_order() == ref.lru_order()
+        states[eager] = (pool.hits, pool.misses, pool.residency.lru_order())
+        pool.check_valid()
+    assert states[True] == states[False]
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert torch.equal(a, b) and not a[-1].any()
