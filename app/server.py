@@ -89,12 +89,19 @@ def _why_not_listening(host: str, port: int) -> str:
     return f"uvicorn did not start on {host}:{port}"
 
 
+# NOTE: longer than any common client keeps an idle connection (httpx, so the openai and anthropic
+# clients: 5 s; aiohttp: 15 s). At uvicorn's default of 5 s both ends give up on an idle connection at
+# the same moment, and a request written just then meets a closed socket (ECONNRESET: a failed request
+# for a client with max_retries=0). A server must outlast its clients' pools, as nginx (75 s) does.
+KEEP_ALIVE_S = 75
+
+
 class ServerThread:
     """uvicorn in a background thread (tests, and `ft serve` while the model loads)."""
 
     def __init__(self, app: Litestar, host: str = "127.0.0.1", port: int = 1919, log_level: str = "warning") -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
-                                http=OpenAIErrorH11Protocol)
+                                timeout_keep_alive=KEEP_ALIVE_S, http=OpenAIErrorH11Protocol)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="fluxtide-http", daemon=True)
 
