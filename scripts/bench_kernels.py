@@ -2,14 +2,16 @@
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
-        [--variants scripts.scratch] [--only fusions|dedup]
+        [--variants scripts.scratch] [--only fusions|dedup|grouped]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
 current ones (an A/B of a kernel change on the same machine in one run). `fusions` holds each decode
 fusion's A/B (the norm + router rows also name rms_norm_router's autotuned tile at each T and time every
 candidate tile); `route_lookup` the router + lookup A/B at --route-rows (where moe_route_lookup.FUSED_MAX_TILE,
-the decode step's crossover, belongs); --only fusions runs just those two.
+the decode step's crossover, belongs); --only fusions runs just those two. `grouped_decode` (--only grouped)
+times the decode-sized MoE layer per pair and grouped by expert, part by part (whether grouping a bs16
+step's pairs by expert pays: grouped_decode_points).
 """
 
 from __future__ import annotations
@@ -163,6 +165,89 @@ def crossover_points() -> dict:
         moe.append(row)
         print(row, flush=True)
     return {"dense": dense, "moe": moe}
+
+
+def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 256, timer=None) -> list[dict]:
+    """The decode-sized MoE layer both ways, part by part, on the same inputs (Qwen3.6 shapes: 8 of 256
+    experts + the resident shared one, block FP8, a pool of SLOTS rows far past L2):
+
+    * per-pair (what the decode graphs run): moe_gate_up, moe_down's partials, moe_sum: every (token, k) pair
+      streams its expert, so a layer's duplicate experts are read once per pair;
+    * grouped by expert (what `_routed_set` does for a prefill chunk): align_by_slot over the E + 1 expert keys
+      (the three Triton launches: E + 1 <= MAX_TRITON_SLOTS), the blocks' keys mapped to slots, the two
+      tensor-core GEMMs with BLOCK_M 16, moe_sum: each distinct expert is read once per 16 of its pairs.
+
+    At 16 tokens random routing gives ~100 distinct experts for 128 routed pairs, so the grouped side streams
+    ~72 % of the per-pair side's weight bytes: the prize for bs16 decode (docs/fast-decode.md). bench_kernels'
+    `crossover` rows timed grouped_moe aligned by pool slot (SLOTS > MAX_TRITON_SLOTS: the ~25-launch torch
+    alignment), which is not the path a decode step could take; these rows time the one it could, and each part
+    alone, so the record says where the grouped side's time goes. `max_rel_diff`: the two sides' outputs
+    (bf16 between the GEMMs on both) relative to the per-pair output's largest value. dev/experts/timer let a
+    CPU test run the same code at tiny shapes in Triton's interpreter."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.kernels.grouped_moe import grouped_gemms
+    from adapters.kernels.moe_align import align_by_slot, choose_block_m, uses_triton
+    from adapters.kernels.moe_down import moe_down
+    from adapters.kernels.moe_gate_up import moe_gate_up
+    from adapters.kernels.moe_sum import moe_sum
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
+    pool = random_pool(layout, dev)
+    gen = torch.Generator(device=dev).manual_seed(4)
+    routed = TOP_K - 1
+    groups = experts + 1  # the routed experts and the shared one (key E)
+    # each expert key's slot, and -1 at the end (key -1 reads it): the lookup's slot map, as `_routed_set` gets it
+    slot_map = torch.cat((torch.randperm(SLOTS, device=dev, generator=gen)[:groups],
+                          torch.full((1,), -1, device=dev))).to(torch.int32)
+    points = []
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        ids = torch.stack([torch.randperm(experts, device=dev, generator=gen)[:routed] for _ in range(t)])
+        keys = torch.cat((ids, torch.full((t, 1), experts, device=dev)), 1).to(torch.int32)  # [T, K+1]
+        slot_ids = slot_map[keys]  # [T, K+1] int32
+        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
+        block_m = choose_block_m(keys.numel(), groups)
+        row = {"tokens": t, "pairs": keys.numel(), "distinct_experts": int(torch.unique(keys).numel()),
+               "block_m": block_m, "triton_align": uses_triton(keys, groups)}
+        # per-pair: the decode graphs' kernels, each part alone and the three together
+        h_pp = moe_gate_up(x, slot_ids, pool, layout)  # [T, K, I]; autotunes on CUDA
+        y_pp = torch.zeros(t, TOP_K, HIDDEN, device=dev, dtype=torch.float32)
+        out_pp = torch.empty_like(x)
+
+        def per_pair(x=x, slot_ids=slot_ids, weights=weights, h=h_pp, y=y_pp, out=out_pp):
+            moe_gate_up(x, slot_ids, pool, layout, out=h)
+            moe_down(h, slot_ids, weights, pool, layout, partials=y)
+            return moe_sum(y, out)
+
+        row["per_pair_gate_up_us"] = timer(lambda x=x, s=slot_ids, h=h_pp: moe_gate_up(x, s, pool, layout, out=h))
+        row["per_pair_down_us"] = timer(lambda h=h_pp, s=slot_ids, w=weights, y=y_pp: moe_down(h, s, w, pool, layout,
+                                                                                              partials=y))
+        row["per_pair_sum_us"] = timer(lambda y=y_pp, out=out_pp: moe_sum(y, out))
+        row["per_pair_layer_us"] = timer(per_pair)
+        # grouped by expert key, its blocks' keys mapped to slots (-1 past the last used block)
+        align = align_by_slot(keys, groups, block_m, groups)
+        mapped = align._replace(block_slots=slot_map[align.block_slots])
+        y_g = torch.zeros(t, TOP_K, HIDDEN, device=dev, dtype=torch.float32)
+        h_g = grouped_gemms(x, mapped, weights, pool, layout, y_g)  # [P, I]; autotunes on CUDA
+        out_g = torch.empty_like(x)
+
+        def grouped(x=x, keys=keys, weights=weights, y=y_g, h=h_g, out=out_g, block_m=block_m):
+            a = align_by_slot(keys, groups, block_m, groups)
+            y.zero_()
+            grouped_gemms(x, a._replace(block_slots=slot_map[a.block_slots]), weights, pool, layout, y, h)
+            return moe_sum(y, out)
+
+        row["grouped_align_us"] = timer(lambda keys=keys, block_m=block_m: align_by_slot(keys, groups, block_m, groups))
+        row["grouped_gemms_us"] = timer(lambda x=x, a=mapped, w=weights, y=y_g, h=h_g: grouped_gemms(
+            x, a, w, pool, layout, y, h))
+        row["grouped_layer_us"] = timer(grouped)
+        ref, got = per_pair().float(), grouped().float()
+        row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        points.append(row)
+        print(row, flush=True)
+    return points
 
 
 def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=None, timer=None) -> list[dict]:
@@ -361,9 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
-    p.add_argument("--only", choices=("fusions", "dedup"), default=None,
+    p.add_argument("--only", choices=("fusions", "dedup", "grouped"), default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
-                        "vs expert-deduplicated MoE GEMVs")
+                        "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
+                        "layer at decode sizes, part by part")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -377,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
               "hardware": hardware_profile("cuda"), "args": vars(args)}
     if args.only in (None, "dedup"):
         record["dedup"] = dedup_points(args.tokens if args.only is None else sorted({1, 4, 8, 16, *args.tokens}))
+    if args.only in (None, "grouped"):
+        record["grouped_decode"] = grouped_decode_points(sorted({1, 4, 8, 16, *args.tokens}))
     if args.only in (None, "fusions"):
         record["fusions"] = fusion_points(args.tokens)
         record["route_lookup"] = route_lookup_points(args.route_rows)

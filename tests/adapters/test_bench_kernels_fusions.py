@@ -68,3 +68,25 @@ def test_route_lookup_points_time_both_sides_and_name_the_steps_side(tiny, monke
     for (w_unfused, ids_unfused), (w_fused, ids_fused) in zip(calls[::2], calls[1::2], strict=True):
         assert torch.equal(ids_unfused, ids_fused) and (ids_fused[:, :-1] >= 0).all()  # routed pairs resident
         assert torch.allclose(w_unfused, w_fused, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
+def test_grouped_decode_points_time_both_sides_on_the_same_layer(tiny):
+    """Both sides of the decode-sized MoE layer run on the same inputs and agree (the grouped side aligned by
+    expert key over E + 1 groups, through the Triton alignment), every part timed."""
+    bench_kernels, timer, calls = tiny
+    rows = bench_kernels.grouped_decode_points([1, 4], dev="cpu", experts=16, timer=timer)
+    assert [r["tokens"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["pairs"] == row["tokens"] * bench_kernels.TOP_K
+        assert 1 + bench_kernels.TOP_K - 1 <= row["distinct_experts"] <= row["pairs"]
+        assert row["block_m"] == 16 and row["triton_align"] is True
+        for part in ("per_pair_gate_up", "per_pair_down", "per_pair_sum", "per_pair_layer", "grouped_align",
+                     "grouped_gemms", "grouped_layer"):
+            assert row[f"{part}_us"] == 1.0
+        assert row["max_rel_diff"] < 2e-2  # bf16 between the GEMMs on both sides; fp32 accumulators
+    assert len(calls) == 2 * 7
+    # the whole layers the timer ran: per-pair and grouped give the same output for each token count
+    for per_pair, grouped in ((calls[3], calls[6]), (calls[10], calls[13])):
+        scale = per_pair.float().abs().max()
+        assert scale > 0 and ((grouped.float() - per_pair.float()).abs().max() / scale) < 2e-2
