@@ -246,11 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dedup-min-pairs", type=int, default=None,
                    help="MoE layers of this many routed pairs and more take the expert-deduplicated GEMVs "
                         "(expert_pool.DEDUP_MIN_PAIRS; default: the module's, off)")
+    p.add_argument("--grouped-decode-min-pairs", type=int, default=None,
+                   help="decode MoE layers of this many routed pairs and more run the grouped GEMMs over their "
+                        "pairs aligned by expert (expert_pool.GROUPED_DECODE_MIN_PAIRS; default: the module's, off)")
     args = p.parse_args(argv)
-    if args.dedup_min_pairs is not None:
+    if args.dedup_min_pairs is not None or args.grouped_decode_min_pairs is not None:
         from adapters.cuda_exec import expert_pool
 
-        expert_pool.DEDUP_MIN_PAIRS = args.dedup_min_pairs  # read by every pool built from here on
+        # read by every pool built from here on
+        if args.dedup_min_pairs is not None:
+            expert_pool.DEDUP_MIN_PAIRS = args.dedup_min_pairs
+        if args.grouped_decode_min_pairs is not None:
+            expert_pool.GROUPED_DECODE_MIN_PAIRS = args.grouped_decode_min_pairs
 
     from dataclasses import replace
 

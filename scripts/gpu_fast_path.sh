@@ -26,6 +26,11 @@
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
 #            1/4/8/16, random and local routing), then bench_decode.py resident bs1/4/16 with them on
 #            (--dedup-min-pairs 1; needs the checkpoint the decode phase made: run after it, same machine)
+#   grouped  the decode calls on the grouped GEMMs aligned by expert (expert_pool.GROUPED_DECODE_MIN_PAIRS, off by
+#            default): their GPU tests (the per-pair layers within fp32 rounding, the same residency decisions,
+#            inside the captured graphs), bench_kernels.py --only grouped (the layer per pair vs grouped, part by
+#            part, 1/4/8/16 tokens), then bench_decode.py resident bs1/4/16 with them on from 64 routed pairs
+#            (bs8 and bs16; bs1 and bs4 keep the GEMVs: the control). Synthesizes $CKPT if absent (~40 s)
 # Usage: ./scripts/gpu_fast_path.sh tests kernels   (carry the serving wheels in .whl/ for http)
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
@@ -101,6 +106,14 @@ for phase in "$@"; do
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
         --dedup-min-pairs 1 2>&1 \
         | grep -E "^resident|parity|Error" | cut -c1-300 ;;
+    grouped)
+      timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
+        tests/adapters/test_expert_pool_grouped_decode.py tests/adapters/test_fast_executor_grouped_decode.py \
+        2>&1 | tee "$OUT/grouped_pytest.log" | tail -8
+      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/grouped" --only grouped 2>&1 | tail -3
+      timeout 220 python3 scripts/bench_decode.py --out "$OUT/decode_grouped" --synth-dir "$CKPT" --reuse \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
+        --grouped-decode-min-pairs 64 2>&1 | grep -E "^resident|parity|Error" | cut -c1-300 ;;
     decode)
       for kernels in reference triton; do
         timeout 270 python3 scripts/bench_decode.py --out "$OUT/decode_$kernels" --synth-dir "$CKPT" --reuse \

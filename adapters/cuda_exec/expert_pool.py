@@ -46,6 +46,13 @@ assert GEMV_MAX_PAIRS >= MAX_KEYS
 # per-pair GEMVs (scripts/bench_kernels.py --only dedup); like GEMV_MAX_PAIRS the choice depends on the
 # pair count only, never on the pool size.
 DEDUP_MIN_PAIRS: int | None = None
+# Calls of GROUPED_DECODE_MIN_PAIRS..MAX_KEYS routed pairs that take the one-launch lookup (the decode buckets)
+# run the grouped tensor-core GEMMs over their pairs aligned by expert key (`_grouped_by_expert`: each distinct
+# expert streamed once per BLOCK_M of its pairs) instead of the per-pair GEMVs; None: never. NOTE: None (off)
+# until the H200 measures the two (scripts/bench_kernels.py --only grouped, docs/gpu-validation.md item 1): at
+# bs16 the GEMVs stream ~144 experts a layer where ~102 are distinct (gate/up + down: 4.8 of the 8.5 ms step).
+# Like GEMV_MAX_PAIRS the choice depends on the pair count only, never on the pool size.
+GROUPED_DECODE_MIN_PAIRS: int | None = None
 # An eager step's call (inside `streamed_step`) of more keys than this, e.g. a 17..32-token prompt at top-8,
 # takes the set lookup (`_routed_set`) where the layer's experts fit the slots, not the one-program kernel:
 # the kernel compares every key with every other in [n, n] register tiles, which spill past 128 lanes.
@@ -64,7 +71,8 @@ class DeviceExpertPool:
     def __init__(self, bank: HostExpertBank, num_slots: int, device: torch.device | str,
                  shared_rows: torch.Tensor | None = None, grouped: bool = True, staging_slots: int = 0,
                  shard: ExpertShard | None = None, dedup_min_pairs: int | None | object = _POOL_DEFAULT,
-                 staging_copy: str = COPY_ENGINE, fp8_activations: bool = False):
+                 staging_copy: str = COPY_ENGINE, fp8_activations: bool = False,
+                 grouped_decode_min_pairs: int | None | object = _POOL_DEFAULT):
         """shared_rows: uint8 [L, R], each layer's shared expert packed in the routed experts' layout; kept
         resident after the S routed slots (slot S + layer) so the fused kernels compute it as one more
         expert per token. None: the caller computes the shared expert itself.
@@ -81,7 +89,10 @@ class DeviceExpertPool:
         memcpys, no SM; the default) or "kernel" (the UVA gather kernel, as rounds masked by routing always
         are); an attribute a benchmark may change between steps.
         fp8_activations: the grouped GEMMs take e4m3 activations per 128 columns when the layout is FP8
-        (grouped_moe.grouped_gemms; ADR 0018); also an attribute read at every call."""
+        (grouped_moe.grouped_gemms; ADR 0018); also an attribute read at every call.
+        grouped_decode_min_pairs: one-launch lookups of this many routed pairs up to MAX_KEYS run the grouped
+        GEMMs over their pairs aligned by expert (None: never; default GROUPED_DECODE_MIN_PAIRS, read when the
+        pool is built)."""
         if num_slots <= 0:
             raise ValueError(f"the expert pool needs at least one slot, got {num_slots}")
         if not isinstance(staging_slots, int) or isinstance(staging_slots, bool) or staging_slots < 0:
@@ -111,6 +122,13 @@ class DeviceExpertPool:
         if self.dedup_min_pairs is not None and (not isinstance(self.dedup_min_pairs, int)
                                                  or isinstance(self.dedup_min_pairs, bool) or self.dedup_min_pairs < 1):
             raise ValueError(f"dedup_min_pairs must be a positive int or None, got {self.dedup_min_pairs!r}")
+        self.grouped_decode_min_pairs = (GROUPED_DECODE_MIN_PAIRS if grouped_decode_min_pairs is _POOL_DEFAULT
+                                         else grouped_decode_min_pairs)
+        if self.grouped_decode_min_pairs is not None and (
+                not isinstance(self.grouped_decode_min_pairs, int) or isinstance(self.grouped_decode_min_pairs, bool)
+                or self.grouped_decode_min_pairs < 1):
+            raise ValueError(f"grouped_decode_min_pairs must be a positive int or None, got "
+                             f"{self.grouped_decode_min_pairs!r}")
         if shared_rows is not None:
             self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
         self.staging_slots, self.staging_base = staging_slots, num_slots + extra
@@ -214,6 +232,44 @@ class DeviceExpertPool:
         fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         if self.dedups(rows * top_k):  # reads the per-pair tiles just tuned; compiles before any capture
             fused_moe(x, slot_ids, weights, self.all_slots, self.layout, dedup=True)
+        if self.grouped_decode_min_pairs is not None:
+            # NOTE: the largest decode call's rows over distinct real slots, with the BLOCK_M its alignment by
+            # expert takes: the autotune key does not hold the row count, so the first call to tune it decides
+            big = MAX_KEYS // top_k
+            ids = (torch.arange(big * top_k, device=self.device) % self.num_slots).view(big, top_k).to(torch.int32)
+            ids = self._with_shared(0, ids, self.has_shared)
+            grouped_moe(x.expand(big, -1).contiguous(), ids, torch.full(ids.shape, 1.0 / top_k, device=self.device),
+                        self.all_slots, self.layout, block_m=choose_block_m(ids.numel(), self.bank.num_experts + 1))
+
+    def groups_decode(self, pairs: int) -> bool:
+        """Whether a one-launch lookup of `pairs` routed (token, top-k) pairs runs the grouped GEMMs over its
+        pairs aligned by expert (`_grouped_by_expert`) instead of the per-pair GEMVs."""
+        return self.grouped_decode_min_pairs is not None and self.grouped_decode_min_pairs <= pairs <= MAX_KEYS
+
+    def _grouped_by_expert(self, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor,
+                           weights: torch.Tensor, shared: bool) -> torch.Tensor:
+        """The MoE output [T, H] of a one-launch lookup's pairs on the grouped GEMMs: the pairs aligned by expert
+        key (`align_by_expert`: E + 1 groups, the Triton alignment), each block's key mapped to the slot the lookup
+        gave it (slot_ids int32 [T, K(+1)], the shared column included), bf16 activations as the per-pair
+        decode path. Graph-capturable: every size comes from T, K and E. Padded rows (valid False) compute
+        nothing, the shared expert included."""
+        experts = self.bank.num_experts
+        skip = ~valid[:, None]  # [T, 1]
+        keys = self.expert_keys(ids, skip, shared)  # int32 [T, K(+1)]
+        if shared:
+            keys[:, -1:].masked_fill_(skip, -1)  # the per-pair path's shared column is -1 on padded rows too
+        # NOTE: every pair of a key has the same slot, so the scatter's duplicate writes agree; key -1 lands on
+        # entry E + 1 with slot -1 (the lookup gives skipped pairs -1), which block key -1 then reads
+        slot_map = torch.full((experts + 2,), -1, dtype=torch.int32, device=x.device)
+        slot_map.scatter_(0, torch.remainder(keys, experts + 2).reshape(-1).to(torch.int64), slot_ids.reshape(-1))
+        align = self.align_by_expert(keys)
+        align = align._replace(block_slots=slot_map[align.block_slots])  # [B]: -1 for unused blocks
+        if self.shard is None:
+            partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+        else:
+            partials = self.shard.partials(x, weights.shape[1])
+        grouped_gemms(x, align, weights, self.all_slots, self.layout, partials)  # bf16 activations: a decode call
+        return self._reduce(partials, x)
 
     def dedups(self, pairs: int) -> bool:
         """Whether a call of `pairs` routed (token, top-k) pairs takes the expert-deduplicated GEMVs."""
@@ -225,6 +281,12 @@ class DeviceExpertPool:
         GEMV_MAX_PAIRS, grouped GEMMs above (bounding the distinct slots of a call by the layer's experts
         plus the shared one, which keeps their block size, and so their bits, the same in every call); the
         decode-sized calls `dedups` picks take the expert-deduplicated GEMVs (the per-pair GEMVs' bits)."""
+        if self.groups_decode(pairs):
+            # NOTE: a decode-sized call off the one-launch lookup (a pool smaller than its keys, a streamed round):
+            # grouped by slot with the bound and BLOCK_M of `_grouped_by_expert`, so the same blocks of pairs and
+            # the same bits at any pool size; bf16 activations, as there
+            return grouped_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
+                               max_groups=self.bank.num_experts + 1)
         if pairs <= GEMV_MAX_PAIRS or not self.grouped:
             return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, partials=partials,
                              dedup=self.dedups(pairs))
@@ -258,12 +320,13 @@ class DeviceExpertPool:
         return align_by_slot(keys, groups, choose_block_m(keys.numel(), groups), groups)
 
     def grouped_round(self, x: torch.Tensor, align: Alignment, weights: torch.Tensor, partials: torch.Tensor,
-                      h: torch.Tensor | None = None) -> torch.Tensor:
+                      h: torch.Tensor | None = None, a8: bool | None = None) -> torch.Tensor:
         """The grouped GEMMs over all_slots for the blocks of `align` whose slot is not -1, into partials fp32
         [T, K', H] (weights fp32 [T, K']); h: the gate/up scratch [P, I] of an earlier call with the same
-        pairs (reused; only live blocks' rows are written and read). Returns h. With `fp8_activations` and
-        an FP8 layout, x and h enter the GEMMs as e4m3 per 128 columns (act_quant_fp8, ADR 0018)."""
-        return grouped_gemms(x, align, weights, self.all_slots, self.layout, partials, h, a8=self.fp8_activations)
+        pairs (reused; only live blocks' rows are written and read). Returns h. With `fp8_activations` (a8
+        None) and an FP8 layout, x and h enter the GEMMs as e4m3 per 128 columns (act_quant_fp8, ADR 0018)."""
+        a8 = self.fp8_activations if a8 is None else a8
+        return grouped_gemms(x, align, weights, self.all_slots, self.layout, partials, h, a8=a8)
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
@@ -298,6 +361,8 @@ class DeviceExpertPool:
                 layer, ids, valid, self.shared_slot(layer) if shared else None)
             self._snapshot = None  # the residency moved: a later streamed call of the step snapshots it again
             self._gather(fill_keys, fill_slots)
+            if self.groups_decode(ids.numel()):
+                return self._grouped_by_expert(x, ids, valid, slot_ids, weights, shared)
             return self._moe_out(ids.numel(), x, slot_ids, weights)
         if self._step_open and self.staging_slots:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
@@ -352,7 +417,8 @@ class DeviceExpertPool:
         # the shared key E on every row, padding included, as _with_shared
         keys = self.expert_keys(ids, None if valid is None else ~valid[:, None], shared)  # int32 [T, K(+1)]
         # NOTE: slot_map[-1] is entry E + 1, which is -1: indexing by a key or block key of -1 gives slot -1
-        if not self.takes_grouped(ids.numel()):
+        decode_sized = self.groups_decode(ids.numel())  # the grouped GEMMs as the one-launch lookup's call takes them
+        if not self.takes_grouped(ids.numel()) and not decode_sized:
             return self._moe_out(ids.numel(), x, slot_map[keys], weights)
         align = self.align_by_expert(keys)
         slots = slot_map[align.block_slots]  # [B] int32: each block's slot, -1 for unused blocks
@@ -360,7 +426,7 @@ class DeviceExpertPool:
             partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
         else:
             partials = self.shard.partials(x, weights.shape[1])
-        self.grouped_round(x, align._replace(block_slots=slots), weights, partials)
+        self.grouped_round(x, align._replace(block_slots=slots), weights, partials, a8=False if decode_sized else None)
         return self._reduce(partials, x)
 
     def can_route(self, rows: int, top_k: int) -> bool:
