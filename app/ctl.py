@@ -9,6 +9,7 @@ import sys
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from app.units import parse_count
@@ -95,7 +96,8 @@ def _table(title: str, rows: dict) -> Table:
     for key, value in rows.items():
         if isinstance(value, float):
             value = f"{value:.4g}"
-        table.add_row(str(key), "" if value is None else str(value))
+        # NOTE: escaped: rich reads "[...]" in a cell as markup and drops it (a list value, a range in a message)
+        table.add_row(escape(str(key)), "" if value is None else escape(str(value)))
     return table
 
 
@@ -114,13 +116,13 @@ def run_ctl(args) -> int:
         with _client(args) as client:
             return _dispatch(args, client, console)
     except httpx.InvalidURL as exc:
-        console.print(f"[red]--base-url {args.base_url}: {exc}[/red]")
+        console.print(f"[red]--base-url {escape(args.base_url)}: {escape(str(exc))}[/red]")
         return 2
     except httpx.HTTPError as exc:
-        console.print(f"[red]cannot reach {args.base_url}: {exc}[/red]")
+        console.print(f"[red]cannot reach {escape(args.base_url)}: {escape(str(exc))}[/red]")
         return 1
     except json.JSONDecodeError:  # NOTE: r.json() of a 200 answer: something other than fluxtide on that port
-        console.print(f"[red]{args.base_url} answered with something that is not JSON: is it a fluxtide server "
+        console.print(f"[red]{escape(args.base_url)} answered with something that is not JSON: is it a fluxtide server "
                       "(ft serve)?[/red]")
         return 1
 
@@ -164,12 +166,13 @@ def _dispatch(args, client: httpx.Client, console: Console) -> int:
         if args.json:
             print(json.dumps(body, indent=2))
         else:
-            console.print(f"[green]{body['message']}[/green]; {body['kept']}; waited {body['waited_s']} s")
+            console.print(f"[green]{escape(str(body['message']))}[/green]; {escape(str(body['kept']))}; "
+                          f"waited {body['waited_s']} s")
             table = Table(title="resize")
             for col in ("pool", "before", "after"):
                 table.add_column(col)
             for key in ("kv_tokens", "expert_slots", "state_slots", "used_bytes", "free_bytes", "residency"):
-                table.add_row(key, str(body["before"][key]), str(body["after"][key]))
+                table.add_row(key, escape(str(body["before"][key])), escape(str(body["after"][key])))
             console.print(table)
         return 0
     if cmd == "generate":
@@ -185,7 +188,7 @@ def _error(args, console: Console, r: httpx.Response) -> int:
     if args.json:
         print(json.dumps(body, indent=2))
     else:
-        console.print(f"[red]HTTP {r.status_code}: {body.get('error', {}).get('message', body)}[/red]")
+        console.print(f"[red]HTTP {r.status_code}: {escape(str(body.get('error', {}).get('message', body)))}[/red]")
     return 1
 
 
@@ -212,7 +215,7 @@ def _generate(args, client: httpx.Client, console: Console) -> int:
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                console.print(f"\n[red]{chunk['error']['message']}[/red]")
+                console.print(f"\n[red]{escape(str(chunk['error']['message']))}[/red]")
                 return 1
             for choice in chunk.get("choices", []):
                 sys.stdout.write(choice["delta"].get("content") or "")

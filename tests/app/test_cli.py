@@ -55,6 +55,17 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
 
 
+def test_a_refusal_with_brackets_is_printed_whole(ctl_server, capsys):
+    """The server's reason names the allowed range in brackets; rich read "[top_k 2, ...]" as markup and dropped it,
+    so the table output ended at "outside " (the --json output had it all)."""
+    assert ctl(ctl_server, "--json", "cache", "--moe", "1") == 1
+    message = json.loads(capsys.readouterr().out)["error"]["message"]
+    assert "[" in message and "]" in message, message
+    assert ctl(ctl_server, "cache", "--moe", "1") == 1
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines at the terminal's width
+    assert " ".join(message.split()) in out, out
+
+
 @pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
 def test_ctl_accepts_the_openai_style_base_url(ctl_server, suffix, capsys):
     """`--base-url http://127.0.0.1:1919/v1`, the URL OpenAI clients take, printed only "HTTP 404: Not Found"."""
