@@ -52,6 +52,8 @@ def check_model(runtime: Runtime, model: str | None) -> None:
 def reject_unsupported(body: _Sampling) -> None:
     if body.stream_options is not None and not body.stream:
         raise bad_value("stream_options", "stream_options is only allowed when stream is true")
+    if body.n is not None and body.n < 1:  # OpenAI's own answer to n=0: an invalid value, not a missing feature
+        raise bad_value("n", f"n must be at least 1, got {body.n}")
     if body.n is not None and body.n != 1:
         raise unsupported("n", f"n={body.n} is not supported: only one choice per request (n=1)")
     for name in ("presence_penalty", "frequency_penalty"):

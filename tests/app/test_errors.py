@@ -60,10 +60,12 @@ def test_unknown_model_is_404_with_the_openai_client(client):
         ("top_k", -3, "top_k"),
         ("max_tokens", 0, "max_tokens"),
         ("stop", [""], "stop"),
+        ("n", 0, "n"),
     ],
 )
 def test_bad_values_are_400_naming_the_parameter(server, field, value, param):
-    assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(**{field: value})), 400, param=param)
+    assert_openai_error(post(server, "/v1/chat/completions", json=chat_body(**{field: value})), 400, param=param,
+                        code="invalid_value")
 
 
 def test_wrong_types_are_422_naming_the_parameter(server):
