@@ -106,6 +106,11 @@ class RunningServer:
         return self
 
     def stop(self) -> None:
-        self.http.stop()
+        """Listeners closed first (uvicorn's should_exit: no new request), then the engine, which ends every running
+        stream with its abort event ("server shutting down"), then uvicorn's graceful wait for the connections.
+        NOTE: in the other order uvicorn waited its 5 s for streams only the engine could end, then cancelled
+        them: each client got a body cut mid-chunk and the log an ASGI traceback per stream."""
+        self.http.server.should_exit = True
         if self.runtime.engine is not None:
             self.runtime.engine.stop()
+        self.http.stop()

@@ -348,3 +348,42 @@ def test_a_connection_idle_past_the_clients_keep_alive_expiry_is_still_served(se
             while len(body) < length:
                 body += s.recv(4096)
             assert MODEL.encode() in body
+
+
+# -- 7. shutting down while a stream runs ------------------------------------------------------------------
+def test_stopping_the_server_ends_running_streams_with_an_error_event_at_once():
+    """Ctrl-C on `ft serve` mid-stream: the client's body was cut mid-chunk after uvicorn's 5 s graceful wait
+    (RemoteProtocolError, an ASGI traceback in the log), because the HTTP side stopped before the engine that ends
+    the streams. Now each stream gets the abort as an error event and [DONE], and the server is down within ~1 s."""
+    import json as json_mod
+
+    server = start_server(make_container(delay=0.01), kv_tokens=2048)
+    events, errors = [], []
+    started = threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=30, json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000,
+                    "stream": True, "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        except Exception as exc:  # NOTE: the failure this test is about; asserted below
+            errors.append(repr(exc))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert started.wait(30), "the stream never started"
+    finally:
+        stop_started = time.monotonic()
+        server.stop()
+        stop_s = time.monotonic() - stop_started
+        reader.join(30)
+    assert errors == []
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json_mod.loads(events[-2])
+    assert last["error"]["code"] == "service_unavailable" and "shutting down" in last["error"]["message"], last
+    assert stop_s < 3, stop_s  # uvicorn's graceful wait (5 s) never ran out
