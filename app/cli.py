@@ -9,6 +9,7 @@ import sys
 import threading
 
 from app.units import parse_count
+from domain.arrival_window import DEFAULT_MAX_MS as DEFAULT_ARRIVAL_WINDOW_MS
 
 
 def _count(text: str) -> int:
@@ -34,6 +35,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--mixed-prefill-length", type=_count, default=None,
                    help="token budget of a step that carries decodes, decodes included (the gap the running "
                         "streams see); default 512, at most --max-prefill-length (docs/adr/0011-mixed-step-budget.md)")
+    p.add_argument("--arrival-window-ms", type=float, default=DEFAULT_ARRIVAL_WINDOW_MS,
+                   help="an idle server's first step waits up to this long for the rest of a burst of requests, so "
+                        "they share one prefill step (0: never; docs/adr/0021-arrival-window.md)")
     p.add_argument("--memory-ratio", type=float, default=0.9)
     p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap device memory (emulate a smaller card)")
     p.add_argument("--kv-tokens", type=_count, default=None, help="KV pool size in tokens (8k, 1.5m ...)")
@@ -135,6 +139,7 @@ def _serve(args, parser) -> int:
             max_running_requests=args.max_running_requests,
             max_prefill_length=args.max_prefill_length,
             mixed_prefill_length=args.mixed_prefill_length,
+            arrival_window_ms=args.arrival_window_ms,
             memory_ratio=args.memory_ratio,
             gpu_budget_gib=args.gpu_budget_gib,
             kv_tokens=args.kv_tokens,

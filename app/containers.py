@@ -20,6 +20,7 @@ from app.engine import Engine
 from app.runtime import ModelInfo
 from app.settings import ServeSettings
 from app.stats import ServingStats
+from domain.arrival_window import ArrivalWindow
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, plan_pools
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec, WeightFormat
@@ -450,7 +451,8 @@ class Container(containers.DeclarativeContainer):
     stats = providers.Singleton(ServingStats)
     model_info = providers.Singleton(_model_info, settings, model_spec, generation_config)
     engine = providers.Singleton(
-        lambda settings, **kw: Engine(debug=settings.debug, **kw),
+        lambda settings, **kw: Engine(debug=settings.debug,
+                                      arrival_window=ArrivalWindow(settings.arrival_window_ms / 1000), **kw),
         settings,
         scheduler=scheduler,
         allocator=allocator,

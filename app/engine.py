@@ -27,6 +27,7 @@ from app.resize_coordinator import ResizeCoordinator, ResizeOutcome, plan_live_r
 from app.self_check import first_failure
 from app.stats import ServingStats
 from app.streams import LiveStream, RequestStreams
+from domain.arrival_window import ArrivalWindow
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
@@ -60,6 +61,7 @@ class Engine:
         debug: bool = False,
         clock: Callable[[], float] = time.monotonic,
         routing_replay: RoutingReplayControl | None = None,
+        arrival_window: ArrivalWindow | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -70,6 +72,8 @@ class Engine:
         self.stats = stats
         self.debug = debug
         self.routing_replay = routing_replay  # --routing-replay (benchmark-only); None: natural routing
+        # --arrival-window-ms: an idle engine's first step waits for the rest of a burst (domain/arrival_window.py)
+        self.arrival_window = arrival_window or ArrivalWindow(0.0)
         self.eos_token_ids = frozenset(eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self._allocator = allocator
         self._clock = clock
@@ -198,6 +202,8 @@ class Engine:
             self._wake.clear()
             batch = None
             try:
+                if was_idle and not self._commands.empty():
+                    self._await_burst()  # the rest of a burst of submissions joins the first step
                 if not self._commands.empty():  # an abort or a resize acts on what the last step's events say
                     self._deliver()
                 self._drain_commands()
@@ -227,6 +233,19 @@ class Engine:
         self._deliver_after_failure()
         self._shutdown()
         self._streams.flush()
+
+    def _await_burst(self) -> None:
+        """After idling: wait while submissions keep arriving (ArrivalWindow: until they are quiet for its quiet_s,
+        at most its max_s after the first), so a burst that lands over a few milliseconds is admitted to one step.
+        NOTE: only the engine thread takes from the command queue, so its size only grows here."""
+        first = last = self._clock()
+        seen = self._commands.qsize()
+        while not self._stopping and (left := self.arrival_window.remaining(self._clock(), first, last)) > 0:
+            self._wake.clear()
+            if self._commands.qsize() == seen:  # NOTE: after clear(): a submission now sets the event again
+                self._wake.wait(left)
+            if (size := self._commands.qsize()) != seen:
+                seen, last = size, self._clock()
 
     def _drain_commands(self) -> None:
         # NOTE: empty() first: the engine thread is the only consumer, and an exception per step is not free.
@@ -434,5 +453,14 @@ class Engine:
         return message
 
     def _shutdown(self) -> None:
-        self._streams.close_all(held=self._resizer.take_held(), error="server shutting down")
+        # NOTE: commands still queued are answered too: a submission the loop never drained (sent while it was
+        # stopping, or waiting out the arrival window) would leave its stream open until uvicorn cancels it
+        queued = []
+        while not self._commands.empty():
+            kind, payload = self._commands.get_nowait()
+            if kind == "submit":
+                queued.append(payload)
+            elif kind == "resize":
+                payload.future.set_result(ResizeOutcome(False, "server shutting down"))
+        self._streams.close_all(held=[*self._resizer.take_held(), *queued], error="server shutting down")
         self._resizer.cancel("server shutting down")

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from domain.arrival_window import DEFAULT_MAX_MS as DEFAULT_ARRIVAL_WINDOW_MS
 from domain.prefill_choice import PREFILL_KERNELS
 from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
 
@@ -23,6 +24,9 @@ class ServeSettings:
     # token), and of a step that carries decodes (the running streams' gap); None = min(512, max_prefill_length)
     max_prefill_length: int = DEFAULT_MAX_STEP_TOKENS
     mixed_prefill_length: int | None = None
+    # an idle engine's first step waits up to this long for the rest of a burst of requests (0: never);
+    # domain/arrival_window.py, docs/adr/0021-arrival-window.md
+    arrival_window_ms: float = DEFAULT_ARRIVAL_WINDOW_MS
     memory_ratio: float = 0.9
     gpu_budget_gib: float | None = None  # cap on the card's memory (emulate a smaller card)
     kv_tokens: int | None = None
@@ -75,6 +79,8 @@ class ServeSettings:
                 self.max_running_requests <= self.mixed_prefill_length <= self.max_prefill_length):
             raise ValueError(f"--mixed-prefill-length ({self.mixed_prefill_length}) must be >= --max-running-requests "
                              f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
+        if not (math.isfinite(self.arrival_window_ms) and 0 <= self.arrival_window_ms <= 1000):
+            raise ValueError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms}")
         if not 0 < self.memory_ratio <= 1:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.gpu_budget_gib is not None and not 0 < self.gpu_budget_gib < math.inf:  # NOTE: False for nan
