@@ -55,6 +55,10 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role not in _ROLES:
             raise bad_value(f"messages[{i}].role", f"unknown role {m.role!r}")
         content = m.content
+        # NOTE: OpenAI's rule: content is required, except for an assistant message that carries tool calls
+        if content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_value(f"messages[{i}].content", f"a {m.role} message needs content"
+                            + (" (or tool_calls)" if m.role == "assistant" else ""))
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):

@@ -149,3 +149,23 @@ def test_unknown_route_and_method_keep_the_shape(server):
 def test_server_still_serves_after_errors(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still?"}], max_tokens=2)
     assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"role": "system", "content": None},
+                                     {"role": "tool", "tool_call_id": "c1"}, {"role": "assistant", "content": None}])
+def test_a_message_without_content_is_a_400_naming_it(server, message):
+    """OpenAI refuses these (content is required but for an assistant message with tool calls); they were served."""
+    body = chat_body()
+    body["messages"] = [{"role": "user", "content": "hi"}, message]
+    err = assert_openai_error(post(server, "/v1/chat/completions", json=body), 400, param="messages[1].content",
+                              code="invalid_value")
+    assert message["role"] in err["message"]
+
+
+def test_an_assistant_tool_call_without_content_is_still_accepted(server):
+    body = chat_body()
+    body["messages"] = [{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert post(server, "/v1/chat/completions", json=body).status_code == 200
