@@ -89,7 +89,10 @@ def _anthropic_error(_: Request, exc: Exception) -> Response:
     if not isinstance(exc, OpenAIError):
         internal_error_handler(_, exc)  # logs it
         exc = OpenAIError(500, f"internal error: {exc!r}")
-    return Response(content=_error_body(exc), status_code=exc.status_code, headers=exc.headers)
+    # NOTE: Anthropic answers a wrong type or a missing field with 400 invalid_request_error, never 422 (the
+    # anthropic client raises BadRequestError on it: code written against Anthropic's API expects that class)
+    status = 400 if exc.status_code == 422 else exc.status_code
+    return Response(content=_error_body(exc), status_code=status, headers=exc.headers)
 
 
 # NOTE: keyed like the app-level handlers: Litestar picks the most specific class across layers.

@@ -107,6 +107,12 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"},
                      json={"model": MODEL, "messages": QUESTION})
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens")
+    # a wrong type and a missing field: Anthropic's 400 invalid_request_error (the anthropic client's BadRequestError),
+    # not the 422 the OpenAI routes answer
+    for body in ({"model": MODEL, "max_tokens": "x", "messages": QUESTION}, {"model": MODEL, "max_tokens": 5}):
+        raw = httpx.post(scripted[0].base_url + "/v1/messages", headers={"x-api-key": "k3y"}, json=body)
+        assert raw.status_code == 400, raw.text
+        assert raw.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(("body", "message"), [
