@@ -64,6 +64,10 @@ def _add_serve(sub) -> None:
                         "docs/prefill-kernels.md); auto (default): triton on the CUDA fast path for bf16/fp16/fp32 "
                         "and block-FP8 weights, else reference (the choice and its reason are logged at start-up "
                         "and in /v1/stats; docs/adr/0020-prefill-kernels-auto.md)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="prefill and mixed steps of up to 32 tokens replay each layer's MoE half from a CUDA graph "
+                        "(the token mixers stay eager): less host time for short prompts; off until measured on a "
+                        "GPU (adapters/cuda_exec/prefill_graphs.py)")
     p.add_argument("--prefill-fp8-activations", action="store_true",
                    help="with the Triton prefill (--prefill-kernels triton, or auto where it picks triton) and an "
                         "FP8 checkpoint: prefill GEMMs quantize their inputs to "
@@ -153,6 +157,7 @@ def _serve(args, parser) -> int:
             executor=args.executor,
             prefill_kernels=args.prefill_kernels,
             prefill_fp8_activations=args.prefill_fp8_activations,
+            prefill_graphs=args.prefill_graphs,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

@@ -274,7 +274,11 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         return _reporting(choice, CudaGraphExecutor(
             checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests, on_phase=progress,
             prefill_kernels=choice.triton, routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
-            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations))
+            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations,
+            prefill_graphs=settings.prefill_graphs))
+    if settings.prefill_graphs:
+        raise ValueError("--prefill-graphs applies to the fast path's Triton prefill, which cannot run here (the "
+                         "reference executor serves: CPU, --executor reference, --mmap-experts or --record-routing)")
     if settings.prefill_fp8_activations:
         raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
                          "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "
@@ -306,6 +310,9 @@ def _prefill_choice(settings: ServeSettings, checkpoint, device: str, fast: bool
                  choice.reason)
     else:
         log.info("prefill: %s (%s)", choice.kernels, choice.reason)
+    if settings.prefill_graphs and fast and not choice.triton:
+        raise ValueError(f"--prefill-graphs is a mode of the Triton prefill, and --prefill-kernels {choice.requested} "
+                         f"chose the reference prefill ({choice.reason}); add --prefill-kernels triton to run it anyway")
     if settings.prefill_fp8_activations and fast and not choice.triton:
         raise ValueError(f"--prefill-fp8-activations is a mode of the Triton prefill, and --prefill-kernels "
                          f"{choice.requested} chose the reference prefill ({choice.reason}); add --prefill-kernels "

@@ -46,6 +46,9 @@ class ServeSettings:
     prefill_kernels: str = "auto"
     # the Triton prefill's FP8 GEMMs take e4m3 activations per 128 columns (ADR 0018; off: bf16 activations)
     prefill_fp8_activations: bool = False
+    # the MoE half of prefill steps of up to 32 tokens from CUDA graphs per token bucket (adapters/cuda_exec/
+    # prefill_graphs.py; off until measured on a GPU): a mode of the fast path's Triton prefill
+    prefill_graphs: bool = False
     tool_call_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.tool_parsers
     reasoning_parser: str = "auto"  # "auto" (by architecture) | "none" | a name in app.reasoning
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients ("*" = any); () = no CORS headers
@@ -104,6 +107,17 @@ class ServeSettings:
             if clash:
                 raise ValueError(f"--prefill-fp8-activations needs the CUDA fast path, which cannot run with "
                                  f"{', '.join(clash)}")
+        if self.prefill_graphs:
+            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"),
+                                           ("--executor reference", self.executor == "reference"),
+                                           ("--prefill-kernels reference", self.prefill_kernels == "reference"),
+                                           ("--expert-parallel", self.expert_parallel > 1),
+                                           ("--routing-replay", self.routing_replay is not None),
+                                           ("--mmap-experts", self.mmap_experts),
+                                           ("--record-routing", self.record_routing is not None)) if on]
+            if clash:
+                raise ValueError(f"--prefill-graphs is a mode of the CUDA fast path's Triton prefill, which cannot run "
+                                 f"with {', '.join(clash)}")
         if self.executor not in ("auto", "reference", "cuda-graph"):
             raise ValueError(f"--executor must be auto, reference or cuda-graph, got {self.executor!r}")
         if self.executor == "cuda-graph":

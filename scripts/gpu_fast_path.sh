@@ -31,6 +31,11 @@
 #            inside the captured graphs), bench_kernels.py --only grouped (the layer per pair vs grouped, part by
 #            part, 1/4/8/16 tokens), then bench_decode.py resident bs1/4/16 with them on from 64 routed pairs
 #            (bs8 and bs16; bs1 and bs4 keep the GEMVs: the control). Synthesizes $CKPT if absent (~40 s)
+#   graphs   the MoE half of short prefill steps from CUDA graphs (--prefill-graphs, off by default): its GPU test
+#            (the eager path's logits, tokens and residency decisions, now with the segments captured and
+#            replayed), then bench_prefill_spans.py at 1 and 2 spans of 20 tokens (a one-span step of 20 tokens
+#            is a segment step; two spans, 40 tokens, run eagerly: the control) without and with --prefill-graphs
+#            into $OUT/prefill_spans_{eager,graphs}.json
 # Usage: ./scripts/gpu_fast_path.sh tests kernels   (carry the serving wheels in .whl/ for http)
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
@@ -106,6 +111,13 @@ for phase in "$@"; do
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
         --dedup-min-pairs 1 2>&1 \
         | grep -E "^resident|parity|Error" | cut -c1-300 ;;
+    graphs)
+      timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
+        tests/adapters/test_prefill_graphs.py 2>&1 | tee "$OUT/graphs_pytest.log" | tail -6
+      for mode in eager graphs; do
+        timeout 170 python3 scripts/diag/bench_prefill_spans.py --out "$OUT/prefill_spans_$mode.json" --spans 1,2 \
+          $([[ $mode == graphs ]] && echo --prefill-graphs) 2>&1 | grep -E "^spans|^mixed|Error" | cut -c1-300
+      done ;;
     grouped)
       timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
         tests/adapters/test_expert_pool_grouped_decode.py tests/adapters/test_fast_executor_grouped_decode.py \

@@ -21,6 +21,7 @@ from adapters.checkpoint.loader import LoadedCheckpoint
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
+from adapters.cuda_exec.prefill_graphs import MoeSegments
 from adapters.cuda_exec.prefill_linear import a8_weight
 from adapters.cuda_exec.prefill_warmup import WarmupReport, plan_warmup, warm_prefill_kernels
 from adapters.cuda_exec.routing_replay import DeviceRoutingTable
@@ -75,7 +76,7 @@ class CudaGraphExecutor(ExecutorPools):
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
                  routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
-                 warm_prefill: bool = False, fp8_activations: bool = False):
+                 warm_prefill: bool = False, fp8_activations: bool = False, prefill_graphs: bool = False):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
@@ -89,7 +90,11 @@ class CudaGraphExecutor(ExecutorPools):
         first steps that need each key (tests, benchmarks with their own warm-up).
         fp8_activations: the Triton prefill's FP8 projections and grouped MoE GEMMs take e4m3 activations per
         128 columns (ADR 0018, --prefill-fp8-activations); needs prefill_kernels and FP8 weights (block,
-        tensor or channel scales), else ValueError. Captured decode steps keep bf16 activations."""
+        tensor or channel scales), else ValueError. Captured decode steps keep bf16 activations.
+        prefill_graphs: prefill and mixed steps of up to prefill_graphs.BUCKETS[-1] tokens replay each layer's MoE
+        half from a CUDA graph per token bucket, the token mixers eager between them (prefill_graphs.py,
+        --prefill-graphs); needs prefill_kernels, else ValueError. Off CUDA (use_graphs False) the same padded
+        buffers run eagerly (tests)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -106,6 +111,10 @@ class CudaGraphExecutor(ExecutorPools):
         if fp8_activations:
             check_fp8_activations(checkpoint, prefill_kernels)
         self.fp8_activations = self.model.fp8_activations = fp8_activations
+        if prefill_graphs and not prefill_kernels:
+            raise ValueError("prefill graphs are a mode of the Triton prefill: use --prefill-kernels triton with them")
+        self.prefill_graphs = prefill_graphs
+        self._segments_ready = False  # set once the prefill kernels are tuned: a capture cannot autotune
         self.bank = checkpoint.experts
         # host copy: a resize rebuilds the pool, and the dense copies are gone from the model
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
@@ -135,6 +144,8 @@ class CudaGraphExecutor(ExecutorPools):
         self.resize_pools(plan)
         if warm_prefill:
             self._warm_prefill()
+        self._segments_ready = True
+        self._build_segments()
         self._on_phase = None  # later captures (after a resize) are not start-up phases
 
     # ---- pools -------------------------------------------------------------------------------------
@@ -142,6 +153,7 @@ class CudaGraphExecutor(ExecutorPools):
         """As TorchExecutor.resize_pools (frees before it allocates), the graphs dropped first (they hold
         the step's activations), then the decode inputs sized and the graphs captured again."""
         self.graphs = {}
+        self.model.segments = None  # its graphs hold activations and read the old pools: dropped first too
         self.inputs = None
         self._host_counters = None
         self._swap_pools(plan)
@@ -157,6 +169,21 @@ class CudaGraphExecutor(ExecutorPools):
                                                    self.device)
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
+        if self._segments_ready:
+            self._build_segments()
+
+    def _build_segments(self) -> None:
+        """The MoE segments of short prefill steps (prefill_graphs.py), captured on CUDA; none without
+        prefill_graphs, with routing replay (it rewrites ids between router and lookup) or an expert shard."""
+        if not self.prefill_graphs or self.routing_replay is not None or self.experts.shard is not None:
+            return
+        segments = MoeSegments(self.model, self.experts, use_graphs=self.use_graphs)
+        if self.use_graphs and segments.buckets:
+            start = time.perf_counter()
+            segments.capture()
+            log.info("captured prefill MoE graphs for token buckets %s x %d layers in %.1f s", segments.buckets,
+                     len(self.model.mixers), time.perf_counter() - start)
+        self.model.segments = segments
 
     def _decode_rows(self, plan: PoolPlan) -> int:
         """The largest decode batch a graph is captured for: every row's top-k fits the pool at once (the

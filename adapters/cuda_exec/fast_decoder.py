@@ -17,6 +17,7 @@ from adapters.checkpoint.quant import QTensor, as_linear_weight, qlinear
 from adapters.cuda_exec.decode_inputs import KV_ROW, POSITION, SEQ_LEN, STATE_SLOT, TOKEN, VALID, DecodeView
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fused_weights import concat_rows
+from adapters.cuda_exec.prefill_graphs import MoeSegments
 from adapters.cuda_exec.prefill_linear import prefill_linear
 from adapters.cuda_exec.prefill_spans import attention_spans, gdn_spans
 from adapters.cuda_exec.routing_replay import replace_routing
@@ -69,6 +70,8 @@ class FastDecoder(MoeDecoder):
     # paged_decode_attention (W is one of its compile-time constants) runs binaries already built
     decode_pages = 0
     _step: StepPlan | None = None  # the step forward() is running: what its layers share (step_plan.py)
+    # the MoE segments of short steps (prefill_graphs.py, --prefill-graphs; the executor sets them); None: off
+    segments: MoeSegments | None = None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | QTensor) -> torch.Tensor:
         """The step's projections: with the Triton prefill on, or for a step of at most decode_gemm_rows
@@ -220,9 +223,28 @@ class FastDecoder(MoeDecoder):
             return super().forward(inp, kv, state, experts, snapshots)
         self._step = StepPlan(inp)
         try:
+            segments = self.segments
+            if segments is not None and self.replay_ids is None and segments.experts is experts \
+                    and segments.bucket(inp.token_ids.shape[0]) is not None:
+                return self._forward_segments(inp, kv, state, snapshots, segments)
             return super().forward(inp, kv, state, experts, snapshots)
         finally:
             self._step = None
+
+    def _forward_segments(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None,
+                          snapshots: LinearStatePool | None, segments: MoeSegments) -> torch.Tensor:
+        """MoeDecoder.forward for a step of at most segments.max_tokens tokens: the token mixers eager, each
+        layer's MoE half from its segment (a graph replay on CUDA) over the bucket's padded rows. Returns the
+        hidden rows [T, H], a view of the bucket's buffer: valid until the next step."""
+        tokens = inp.token_ids.shape[0]
+        buf = segments.start(self.embed[inp.token_ids])
+        rows = self._decode_rows(inp)
+        h = self._norm(buf.x[:tokens], self.w["layers.0.input_layernorm.weight"])  # [T, H]
+        for i, mixer in enumerate(self.mixers):
+            buf.mix[:tokens].copy_(self._mix(i, mixer, h, inp, kv, state, rows, snapshots))
+            segments.run(i, buf)
+            h = buf.h[:tokens]
+        return buf.x[:tokens]
 
     def _plan(self, inp: StepInputs) -> StepPlan:
         if self._step is None or self._step.inp is not inp:  # a mixer called outside forward()

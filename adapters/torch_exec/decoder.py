@@ -93,22 +93,29 @@ class MoeDecoder:
         strictly inside its prefill chunk are copied into `snapshots` here, layer by layer (the
         executor takes the ones at a work's end, and restores, around this call)."""
         x = self.embed[inp.token_ids]  # [T, H]
+        rows = self._decode_rows(inp)
+        for i, mixer in enumerate(self.mixers):
+            w = self.w
+            h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
+            x = x + self._mix(i, mixer, h, inp, kv, state, rows, snapshots)
+            h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])
+            x = x + self._moe(i, h, experts)
+        return x
+
+    def _decode_rows(self, inp: StepInputs) -> tuple:
+        """The step's one-token spans, their rows of the step and their state slots (int64 [B] each, one upload)."""
         decode_spans = [s for s in inp.spans if s.length == 1]
         decode_rows, decode_slots = upload(torch.tensor([[s.offset for s in decode_spans],
                                                          [s.work.state_slot for s in decode_spans]],
                                                         dtype=torch.long).reshape(2, -1), self.device)  # [B] x2
-        for i, mixer in enumerate(self.mixers):
-            w = self.w
-            h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
-            if isinstance(mixer, FullAttention):
-                h = self._attention(mixer, h, inp, kv)
-            else:
-                h = self._linear_attention(mixer, h, inp, state, self.linear_layers.index(i),
-                                           decode_spans, decode_rows, decode_slots, snapshots)
-            x = x + h
-            h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])
-            x = x + self._moe(i, h, experts)
-        return x
+        return decode_spans, decode_rows, decode_slots
+
+    def _mix(self, i: int, mixer, h: torch.Tensor, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None,
+             rows: tuple, snapshots: LinearStatePool | None) -> torch.Tensor:
+        """Layer i's token mixer over the step: [T, H] for its normed input h [T, H]; rows: `_decode_rows`."""
+        if isinstance(mixer, FullAttention):
+            return self._attention(mixer, h, inp, kv)
+        return self._linear_attention(mixer, h, inp, state, self.linear_layers.index(i), *rows, snapshots)
 
     def _linear_attention(self, mixer: GatedDeltaNet, h, inp, state, layer, decode_spans, decode_rows, decode_slots,
                           snapshots=None):

@@ -10,7 +10,7 @@ the step's spans (adapters/cuda_exec/prefill_spans.py) should cut; run it on the
 with --code DIR (a checkout's root put first on sys.path) for the other side.
 
 Usage (CUDA): python scripts/diag/bench_prefill_spans.py --out FILE.json [--code DIR] [--synth-dir /tmp/q36L8]
-    [--layers 8] [--tokens 20] [--spans 1,2,4,8,16] [--reps 10] [--mixed 8]
+    [--layers 8] [--tokens 20] [--spans 1,2,4,8,16] [--reps 10] [--mixed 8] [--prefill-graphs]
 Prints and writes one JSON object. Also profiles one step of the fewest and of the most spans (torch.profiler):
 device kernels and launch calls, device busy time against wall time, host syncs, the top kernels and host ops;
 and the host's Python time of the fewest-span step by function (cProfile).
@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--mixed", type=int, default=8)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="the MoE half of steps of up to 32 tokens from CUDA graphs (adapters/cuda_exec/prefill_graphs.py;"
+                        " the prefill kernels are tuned first, as ft serve does, since a capture cannot autotune)")
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -71,9 +74,10 @@ def main() -> None:
     plan = plan_pools(spec, GpuBudget(total_bytes=1 << 40),
                       PoolRequest(kv_tokens=16 * pages * most + 64, expert_slots=spec.total_experts, state_slots=most,
                                   page_size=16))
+    graphs = {"prefill_graphs": True, "warm_prefill": True} if args.prefill_graphs else {}  # older --code: no such option
     ex = CudaGraphExecutor(ckpt, plan, args.device, torch.bfloat16 if cuda else torch.float32, max_decode_rows=16,
                            prefill_kernels=True,
-                           max_step_tokens=most * args.tokens)
+                           max_step_tokens=most * args.tokens, **graphs)
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
 
     def work(i: int, start: int, length: int) -> SequenceWork:
@@ -96,6 +100,7 @@ def main() -> None:
         return times
 
     record: dict = {"code": str(root), "layers": args.layers, "tokens": args.tokens, "reps": args.reps,
+                    "prefill_graphs": args.prefill_graphs,
                     "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "prefill_step_ms": {}}
     for n in spans:
         works = [work(i, 0, args.tokens) for i in range(n)]

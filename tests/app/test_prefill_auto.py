@@ -51,6 +51,17 @@ def test_fp8_activations_are_refused_before_loading_only_where_no_triton_prefill
         ServeSettings(prefill_fp8_activations=True, device="cpu")
 
 
+@pytest.mark.parametrize(("overrides", "flag"), [({"device": "cpu"}, "--device cpu"),
+                                                 ({"prefill_kernels": "reference"}, "--prefill-kernels reference"),
+                                                 ({"executor": "reference"}, "--executor reference"),
+                                                 ({"routing_replay": "uniform"}, "--routing-replay")])
+def test_prefill_graphs_are_refused_before_loading_where_they_cannot_run(overrides, flag):
+    assert ServeSettings(prefill_graphs=True).prefill_graphs  # auto: decided once the checkpoint is read
+    with pytest.raises(ValueError, match=f"--prefill-graphs is a mode of the CUDA fast path's Triton prefill, which "
+                                         f"cannot run with {flag}"):
+        ServeSettings(prefill_graphs=True, **overrides)
+
+
 def qtensor(fmt: F):
     from adapters.checkpoint.quant import QTensor
 
