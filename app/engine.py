@@ -128,13 +128,15 @@ class Engine:
     def executor_info(self) -> dict:
         """Which executor serves and the modes that change its numbers (in /v1/stats, so every `ft bench` record
         carries them): its class, whether the Triton prefill runs (`prefill_kernels`: --prefill-kernels triton, or
-        auto resolved to it) and e4m3 prefill activations (--prefill-fp8-activations, ADR 0018). Read by
+        auto resolved to it), e4m3 prefill activations (--prefill-fp8-activations, ADR 0018) and the short steps'
+        MoE graphs (--prefill-graphs). Read by
         attribute: an executor without them has them off. Where the container attached its prefill choice
         (domain.prefill_choice.PrefillChoice), also the setting asked for and the reason for what it resolved to
         (`prefill_kernels_setting`, `prefill_kernels_reason`; ADR 0020)."""
         inner = getattr(self.executor, "executor", self.executor)  # StepLeader (expert parallelism) wraps rank 0's
         info = {"kind": type(inner).__name__, "prefill_kernels": bool(getattr(inner, "prefill_kernels", False)),
-                "prefill_fp8_activations": bool(getattr(inner, "fp8_activations", False))}
+                "prefill_fp8_activations": bool(getattr(inner, "fp8_activations", False)),
+                "prefill_graphs": bool(getattr(inner, "prefill_graphs", False))}
         choice = getattr(inner, "prefill_choice", None)
         if choice is not None:
             info.update(prefill_kernels_setting=choice.requested, prefill_kernels_reason=choice.reason)

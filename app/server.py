@@ -10,6 +10,7 @@ from litestar import Litestar, Request, Response, Router
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
 from app.api.admin import cache_rebuild, cache_status, health, metrics, routing, stats
@@ -65,6 +66,10 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
         ],
     )
     return Litestar(
+        # NOTE: Litestar configures the root logger by default (its own handler, format and INFO level), which
+        # replaced `ft serve`'s format and, in tests, printed "Logging error" from threads logging after pytest
+        # closed the stream it held; it keeps its own "litestar" logger only
+        logging_config=LoggingConfig(configure_root_logger=False),
         route_handlers=[health, protected],
         state=State({"runtime": runtime}),
         exception_handlers={**EXCEPTION_HANDLERS, HTTPException: _http_error},

@@ -67,10 +67,12 @@ def stats(request: Request) -> dict:
 
 
 def _step_budgets(engine: Engine) -> dict:
-    """The scheduler's step budgets (docs/adr/0011-mixed-step-budget.md): what `ft bench mixed` records."""
+    """The scheduler's step budgets (docs/adr/0011-mixed-step-budget.md): what `ft bench mixed` records; and the
+    arrival window an idle engine's first step waits for a burst (ADR 0021), which moves time to first token."""
     config = engine.scheduler.config
     return {"max_running": config.max_running, "max_step_tokens": config.max_step_tokens,
-            "mixed_step_tokens": config.mixed_step_tokens}
+            "mixed_step_tokens": config.mixed_step_tokens,
+            "arrival_window_ms": round(engine.arrival_window.max_s * 1000, 3)}
 
 
 @get_or_head("/metrics", sync_to_thread=False)

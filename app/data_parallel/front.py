@@ -15,6 +15,7 @@ import httpx
 import msgspec
 from litestar import HttpMethod, Litestar, Request, Response, Router, post, route
 from litestar.datastructures import State
+from litestar.logging.config import LoggingConfig
 from litestar.response import Stream
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -396,6 +397,10 @@ def create_front_app(front: Front, allowed_origins: tuple[str, ...] = ()) -> Lit
     protected = Router(path="/", guards=[require_api_key],
                        route_handlers=[stats, metrics, cache_status, cache_rebuild, routing, proxy])
     return Litestar(
+        # NOTE: Litestar configures the root logger by default (its own handler, format and INFO level), which
+        # replaced `ft serve`'s format and, in tests, printed "Logging error" from threads logging after pytest
+        # closed the stream it held; it keeps its own "litestar" logger only
+        logging_config=LoggingConfig(configure_root_logger=False),
         route_handlers=[health, protected],
         state=State({"runtime": front}),
         exception_handlers=EXCEPTION_HANDLERS,

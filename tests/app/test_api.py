@@ -146,7 +146,8 @@ def test_stats_and_metrics_report_the_work(server, client):
     assert s["pools"]["kv_pages_total"] == s["plan"]["kv_pages"]
     # the CPU serves on the reference executor (wrapped by this module's test executor): neither numerics mode
     # of the fast path is on
-    assert s["executor"] == {"kind": "SlowExecutor", "prefill_kernels": False, "prefill_fp8_activations": False}
+    assert s["executor"] == {"kind": "SlowExecutor", "prefill_kernels": False, "prefill_fp8_activations": False,
+                           "prefill_graphs": False}
     text = httpx.get(server.base_url + "/metrics").text
     generated = [line for line in text.splitlines() if line.startswith("ft_generation_tokens_total ")]
     assert generated and float(generated[0].split()[1]) > 0

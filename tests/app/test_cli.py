@@ -331,3 +331,16 @@ def test_a_reader_that_closes_the_pipe_early_ends_ctl_quietly(ctl_server, args):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err  # 128 + SIGPIPE, as a shell reports `cat` cut short by `head`
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_the_http_app_leaves_the_root_logger_as_ft_serve_set_it():
+    """Litestar's default logging config replaced the root logger's handlers, format and level when the app was built:
+    `ft serve`'s log lines came out in Litestar's format ("INFO - time - name - module - msg") and, in tests, threads
+    logged through a stream pytest had closed ("Logging error" in CI's output)."""
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    server = start_server(make_container())
+    try:
+        assert (list(root.handlers), root.level) == before
+    finally:
+        server.stop()

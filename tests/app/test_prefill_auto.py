@@ -148,7 +148,7 @@ def test_the_demo_model_serves_on_the_cpu_with_the_reference_prefill_under_the_d
     assert demo_server.settings.prefill_kernels == "auto"
     executor = httpx.get(demo_server.base_url + "/v1/stats").json()["executor"]
     assert executor == {"kind": "TorchExecutor", "prefill_kernels": False, "prefill_fp8_activations": False,
-                        "prefill_kernels_setting": "auto",
+                        "prefill_graphs": False, "prefill_kernels_setting": "auto",
                         "prefill_kernels_reason": "auto: cpu has no Triton prefill (CUDA only)"}
     r = httpx.post(demo_server.base_url + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "What is 19 + 23?"}], "max_tokens": 8,
