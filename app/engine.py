@@ -78,6 +78,10 @@ class Engine:
         self._allocator = allocator
         self._clock = clock
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # NOTE: _command and the shutdown's last drain take this lock: a command sent once the engine thread has
+        # answered its last ones (`_closed`) is answered where it is sent, never left in a queue nobody reads
+        self._command_lock = threading.Lock()
+        self._closed = False
         self._wake = threading.Event()
         self._streams = RequestStreams(scheduler=scheduler, stats=stats, eos_token_ids=self.eos_token_ids, clock=clock)
         self._resizer = ResizeCoordinator(
@@ -195,8 +199,23 @@ class Engine:
 
     # -- engine thread -------------------------------------------------------------------------
     def _command(self, command: tuple) -> None:
-        self._commands.put(command)
+        with self._command_lock:
+            if self._closed:
+                self._answer_closed(command)
+                return
+            self._commands.put(command)
         self._wake.set()
+
+    def _answer_closed(self, command: tuple) -> None:
+        """A command for an engine whose thread has ended (the server shutting down): a submission ends at once
+        with the shutdown's abort, a resize is answered not applied. Under _command_lock (the thread is gone, so
+        the streams are this caller's alone)."""
+        kind, payload = command
+        if kind == "submit":
+            self._streams.finish(payload, "abort", "server shutting down")
+            self._streams.flush()
+        elif kind == "resize":
+            payload.future.set_result(ResizeOutcome(False, "server shutting down"))
 
     def _run(self) -> None:
         was_idle = False
@@ -234,20 +253,21 @@ class Engine:
                 self._republish()
         self._deliver_after_failure()
         self._shutdown()
-        self._streams.flush()
 
     def _await_burst(self) -> None:
         """After idling: wait while submissions keep arriving (ArrivalWindow: until they are quiet for its quiet_s,
         at most its max_s after the first), so a burst that lands over a few milliseconds is admitted to one step.
         NOTE: only the engine thread takes from the command queue, so its size only grows here."""
-        first = last = self._clock()
+        # NOTE: time.monotonic, not the injected clock: the wait below is in real time (a test's frozen clock
+        # would never let the window end)
+        first = last = time.monotonic()
         seen = self._commands.qsize()
-        while not self._stopping and (left := self.arrival_window.remaining(self._clock(), first, last)) > 0:
+        while not self._stopping and (left := self.arrival_window.remaining(time.monotonic(), first, last)) > 0:
             self._wake.clear()
             if self._commands.qsize() == seen:  # NOTE: after clear(): a submission now sets the event again
                 self._wake.wait(left)
             if (size := self._commands.qsize()) != seen:
-                seen, last = size, self._clock()
+                seen, last = size, time.monotonic()
 
     def _drain_commands(self) -> None:
         # NOTE: empty() first: the engine thread is the only consumer, and an exception per step is not free.
@@ -456,13 +476,17 @@ class Engine:
 
     def _shutdown(self) -> None:
         # NOTE: commands still queued are answered too: a submission the loop never drained (sent while it was
-        # stopping, or waiting out the arrival window) would leave its stream open until uvicorn cancels it
-        queued = []
-        while not self._commands.empty():
-            kind, payload = self._commands.get_nowait()
-            if kind == "submit":
-                queued.append(payload)
-            elif kind == "resize":
-                payload.future.set_result(ResizeOutcome(False, "server shutting down"))
-        self._streams.close_all(held=[*self._resizer.take_held(), *queued], error="server shutting down")
-        self._resizer.cancel("server shutting down")
+        # stopping, or waiting out the arrival window) would leave its stream open until uvicorn cancels it; and
+        # from here on _command answers new ones itself (_closed, under the same lock)
+        with self._command_lock:
+            self._closed = True
+            queued = []
+            while not self._commands.empty():
+                kind, payload = self._commands.get_nowait()
+                if kind == "submit":
+                    queued.append(payload)
+                elif kind == "resize":
+                    payload.future.set_result(ResizeOutcome(False, "server shutting down"))
+            self._streams.close_all(held=[*self._resizer.take_held(), *queued], error="server shutting down")
+            self._resizer.cancel("server shutting down")
+            self._streams.flush()

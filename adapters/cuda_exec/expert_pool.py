@@ -437,7 +437,10 @@ class DeviceExpertPool:
         """Whether the decode step should take `routed_logits` for `rows` rows: it can (can_route) and the
         one-program kernel is the faster side at this tile (moe_route_lookup.pays: small buckets; above, the
         step runs moe_router then `routed`, whose lookup makes the same decisions)."""
-        return self.can_route(rows, top_k) and route_lookup_pays(rows, self.bank.num_experts)
+        # NOTE: a bucket on the grouped decode GEMMs needs the router's ids (`_grouped_by_expert` aligns by expert);
+        # the fused launch gives slot ids only, and grouping those by pool slot takes the torch alignment
+        return (self.can_route(rows, top_k) and route_lookup_pays(rows, self.bank.num_experts)
+                and not self.groups_decode(rows * top_k))
 
     def routed_logits(self, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
                       gate_weight: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:

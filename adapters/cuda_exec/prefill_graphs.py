@@ -97,6 +97,9 @@ class MoeSegments:
         torch.cuda.current_stream(device).wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), self.experts.streamed_step():
+            # NOTE: the step's residency snapshot (staging pools) is dropped here, not by the first captured lookup:
+            # no segment streams, and its CUDA event must not be destroyed inside a capture
+            self.experts._snapshot = None
             for b in sorted(self.buckets, reverse=True):
                 for i in range(len(self.model.mixers)):
                     graph = torch.cuda.CUDAGraph()

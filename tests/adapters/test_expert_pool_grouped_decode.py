@@ -36,6 +36,8 @@ def test_grouped_decode_is_off_by_default(bank_and_shared):
     assert not any(pool.groups_decode(p) for p in (1, 8, 16 * 8, MAX_KEYS))
     on = DeviceExpertPool(bank, 8, DEVICE, grouped_decode_min_pairs=8)
     assert [on.groups_decode(p) for p in (7, 8, MAX_KEYS, MAX_KEYS + 1)] == [False, True, True, False]
+    # a bucket on the grouped GEMMs takes the unfused routing: _grouped_by_expert needs the router's ids
+    assert pool.fuses_routing(1, K) == pool.can_route(1, K) and not on.fuses_routing(2, K)
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="grouped_decode_min_pairs"):
             DeviceExpertPool(bank, 8, DEVICE, grouped_decode_min_pairs=bad)

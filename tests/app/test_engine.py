@@ -395,3 +395,25 @@ def test_sliding_window_percentiles_and_trimming():
     w = stats.window()
     assert w["steps"] == 1 and w["prefill_tokens"] == 0 and w["ttft_s"]["count"] == 0
     stats.check_valid()
+
+
+def test_commands_after_the_engine_stopped_are_answered_where_they_are_sent():
+    """A request or resize sent once the engine thread has answered its last commands (the server shutting down, a
+    keep-alive connection still open) sat in a queue nobody read: the stream stayed open until uvicorn cancelled it,
+    the resize's caller waited forever. Now the submission ends at once with the shutdown's abort, and the resize is
+    answered not applied."""
+    import concurrent.futures
+
+    engine = make_engine()
+    engine.start()
+    engine.stop()
+
+    async def late():
+        events = engine.submit("late", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+        return await asyncio.wait_for(events.get(), 5)
+
+    event = asyncio.run(late())
+    assert event.finish_reason == "abort" and "shutting down" in event.error
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outcome = pool.submit(engine.resize, kv_tokens=128, wait_s=1).result(timeout=5)
+    assert not outcome.ok and "shutting down" in outcome.message
