@@ -37,6 +37,7 @@ from domain.resize import ResizePlan
 from domain.scheduler import Scheduler
 
 log = logging.getLogger("fluxtide.engine")
+SHUTTING_DOWN = "server shutting down"
 
 
 class RequestRejected(ValueError):
@@ -212,10 +213,10 @@ class Engine:
         the streams are this caller's alone)."""
         kind, payload = command
         if kind == "submit":
-            self._streams.finish(payload, "abort", "server shutting down")
+            self._streams.finish(payload, "abort", SHUTTING_DOWN)
             self._streams.flush()
         elif kind == "resize":
-            payload.future.set_result(ResizeOutcome(False, "server shutting down"))
+            payload.future.set_result(ResizeOutcome(False, SHUTTING_DOWN))
 
     def _run(self) -> None:
         was_idle = False
@@ -482,11 +483,11 @@ class Engine:
             self._closed = True
             queued = []
             while not self._commands.empty():
-                kind, payload = self._commands.get_nowait()
-                if kind == "submit":
-                    queued.append(payload)
-                elif kind == "resize":
-                    payload.future.set_result(ResizeOutcome(False, "server shutting down"))
-            self._streams.close_all(held=[*self._resizer.take_held(), *queued], error="server shutting down")
-            self._resizer.cancel("server shutting down")
+                command = self._commands.get_nowait()
+                if command[0] == "submit":  # ended with the live and held streams, in one outbox
+                    queued.append(command[1])
+                else:
+                    self._answer_closed(command)
+            self._streams.close_all(held=[*self._resizer.take_held(), *queued], error=SHUTTING_DOWN)
+            self._resizer.cancel(SHUTTING_DOWN)
             self._streams.flush()

@@ -72,6 +72,15 @@ class ServeSettings:
             return self.mixed_prefill_length
         return min(self.max_prefill_length, max(DEFAULT_MIXED_STEP_TOKENS, self.max_running_requests))
 
+    def _fast_path_clashes(self, *extra: tuple[str, bool]) -> list[str]:
+        """The flags set here that keep the CUDA-graph fast path from serving (the reference executor would), and
+        those of `extra` (flag, set) pairs that are set: what a fast-path-only option is refused with."""
+        return [flag for flag, on in (("--device cpu", self.device == "cpu"),
+                                      ("--executor reference", self.executor == "reference"),
+                                      *extra,
+                                      ("--mmap-experts", self.mmap_experts),
+                                      ("--record-routing", self.record_routing is not None)) if on]
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
@@ -100,21 +109,14 @@ class ServeSettings:
                                  "triton (or auto), not reference")
             # NOTE: as for --executor cuda-graph: what can be known before loading is refused here; the rest
             # (--device auto without CUDA, an unpinned bank, no FP8 weights) when the executor is built, on /health
-            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"),
-                                           ("--executor reference", self.executor == "reference"),
-                                           ("--mmap-experts", self.mmap_experts),
-                                           ("--record-routing", self.record_routing is not None)) if on]
+            clash = self._fast_path_clashes()
             if clash:
                 raise ValueError(f"--prefill-fp8-activations needs the CUDA fast path, which cannot run with "
                                  f"{', '.join(clash)}")
         if self.prefill_graphs:
-            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"),
-                                           ("--executor reference", self.executor == "reference"),
-                                           ("--prefill-kernels reference", self.prefill_kernels == "reference"),
-                                           ("--expert-parallel", self.expert_parallel > 1),
-                                           ("--routing-replay", self.routing_replay is not None),
-                                           ("--mmap-experts", self.mmap_experts),
-                                           ("--record-routing", self.record_routing is not None)) if on]
+            clash = self._fast_path_clashes(("--prefill-kernels reference", self.prefill_kernels == "reference"),
+                                            ("--expert-parallel", self.expert_parallel > 1),
+                                            ("--routing-replay", self.routing_replay is not None))
             if clash:
                 raise ValueError(f"--prefill-graphs is a mode of the CUDA fast path's Triton prefill, which cannot run "
                                  f"with {', '.join(clash)}")
@@ -123,8 +125,7 @@ class ServeSettings:
         if self.executor == "cuda-graph":
             # NOTE: what can be known before loading is refused here; the rest (no CUDA device after
             # --device auto, an unpinned bank) is refused when the executor is built, on /health
-            clash = [flag for flag, on in (("--device cpu", self.device == "cpu"), ("--mmap-experts", self.mmap_experts),
-                                           ("--record-routing", self.record_routing is not None)) if on]
+            clash = self._fast_path_clashes()  # (its --executor reference entry is off here)
             if clash:
                 raise ValueError(f"--executor cuda-graph cannot run with {', '.join(clash)} (use --executor auto or "
                                  "reference)")

@@ -64,6 +64,15 @@ assert MAX_DEDUP_PAIRS >= MAX_KEYS * 2  # the shared expert's column adds at mos
 _POOL_DEFAULT = object()
 
 
+def _min_pairs(name: str, value, default: int | None) -> int | None:
+    """A pool's pair-count threshold: `default` (the module constant, read now) when not given, else a positive
+    int or None (off); raises ValueError otherwise."""
+    value = default if value is _POOL_DEFAULT else value
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
+
+
 class DeviceExpertPool:
     """uint8 [S, R] expert slots on the device, filled from the pinned host bank by the gather kernel
     on the decisions of a DeviceResidency (the domain LRU, decision for decision)."""
@@ -118,17 +127,9 @@ class DeviceExpertPool:
         self.has_shared = shared_rows is not None
         self.grouped = grouped
         self.fp8_activations = fp8_activations
-        self.dedup_min_pairs = DEDUP_MIN_PAIRS if dedup_min_pairs is _POOL_DEFAULT else dedup_min_pairs
-        if self.dedup_min_pairs is not None and (not isinstance(self.dedup_min_pairs, int)
-                                                 or isinstance(self.dedup_min_pairs, bool) or self.dedup_min_pairs < 1):
-            raise ValueError(f"dedup_min_pairs must be a positive int or None, got {self.dedup_min_pairs!r}")
-        self.grouped_decode_min_pairs = (GROUPED_DECODE_MIN_PAIRS if grouped_decode_min_pairs is _POOL_DEFAULT
-                                         else grouped_decode_min_pairs)
-        if self.grouped_decode_min_pairs is not None and (
-                not isinstance(self.grouped_decode_min_pairs, int) or isinstance(self.grouped_decode_min_pairs, bool)
-                or self.grouped_decode_min_pairs < 1):
-            raise ValueError(f"grouped_decode_min_pairs must be a positive int or None, got "
-                             f"{self.grouped_decode_min_pairs!r}")
+        self.dedup_min_pairs = _min_pairs("dedup_min_pairs", dedup_min_pairs, DEDUP_MIN_PAIRS)
+        self.grouped_decode_min_pairs = _min_pairs("grouped_decode_min_pairs", grouped_decode_min_pairs,
+                                                   GROUPED_DECODE_MIN_PAIRS)
         if shared_rows is not None:
             self.all_slots[num_slots:num_slots + extra].copy_(shared_rows)
         self.staging_slots, self.staging_base = staging_slots, num_slots + extra

@@ -7,29 +7,15 @@ import pytest
 import torch
 
 import adapters.cuda_exec.expert_pool as expert_pool_mod
-from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.checkpoint.host_bank import HostExpertBank
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.kernels.moe_align import choose_block_m
 from adapters.kernels.residency_lookup import MAX_KEYS
-from domain.model_spec import WeightFormat
-from tests.adapters.torch_exec_models import packed_expert_rows
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-H, I, L, E, K = 128, 32, 2, 12, 4
+# NOTE: the dedup tests' bank (the same shapes, FP8 block, a packed shared expert per layer)
+from tests.adapters.test_expert_pool_dedup import DEVICE, E, H, K, L, bank_and_shared  # noqa: E402, F401
 
 
-@pytest.fixture(scope="module")
-def bank_and_shared():
-    gen = torch.Generator().manual_seed(7)
-    layout = ExpertLayout(WeightFormat.FP8_BLOCK, H, I)
-    rows = packed_expert_rows(layout, L * E, gen)
-    if DEVICE == "cuda":
-        rows = rows.pin_memory()
-    return HostExpertBank(layout, L, E, rows), packed_expert_rows(layout, L, gen)
-
-
-def test_grouped_decode_is_off_by_default(bank_and_shared):
+def test_grouped_decode_is_off_by_default(bank_and_shared):  # noqa: F811
     bank, shared = bank_and_shared
     assert expert_pool_mod.GROUPED_DECODE_MIN_PAIRS is None
     pool = DeviceExpertPool(bank, 8, DEVICE, shared_rows=shared)
@@ -44,7 +30,7 @@ def test_grouped_decode_is_off_by_default(bank_and_shared):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_decode_layers_match_the_per_pair_layers(bank_and_shared, monkeypatch, dtype):
+def test_grouped_decode_layers_match_the_per_pair_layers(bank_and_shared, monkeypatch, dtype):  # noqa: F811
     bank, shared = bank_and_shared
     gen = torch.Generator().manual_seed(8)
     tokens = 4
@@ -87,7 +73,7 @@ def test_grouped_decode_layers_match_the_per_pair_layers(bank_and_shared, monkey
         assert torch.equal(got, want)  # grouped by expert: the same bits at any pool size
 
 
-def test_tune_runs_the_grouped_gemms_on_real_slots_when_on(bank_and_shared, monkeypatch):
+def test_tune_runs_the_grouped_gemms_on_real_slots_when_on(bank_and_shared, monkeypatch):  # noqa: F811
     """The graph capture tunes before it captures (an autotune inside a capture is fatal): with grouped decode on,
     tune() also runs the grouped GEMMs once over real slots, at the BLOCK_M of the largest one-launch call (at the
     Qwen3.6 shapes every decode bucket's: 16)."""
