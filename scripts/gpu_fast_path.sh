@@ -12,7 +12,8 @@
 #            --prefill-kernels reference into $OUT/decode_reference and triton into $OUT/decode_triton. The decode
 #            graphs ran the same kernels both ways in run 7 (2026-12-02: bs16 replay 8.53 ms each, the tensor-core
 #            dense GEMM for its projections): the pair is a run-to-run check
-#   formats  scripts/bench_decode.py resident bs1/4 for each of $FORMATS (default nvfp4: issue 8's 300 tok/s).
+#   formats  scripts/bench_decode.py resident bs1/4 for each of $FORMATS (default the two NVFP4 layouts, nvfp4_modelopt
+#            and nvfp4_ct: issue 8's 300 tok/s; ft synth names formats by layout, a bare nvfp4 is refused).
 #            BF16 (200 tok/s) does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB
 #            disk, and in /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory; the
 #            2-GPU kind (128 GiB disk, 256 GiB memory) holds both: FORMATS=bf16 there
@@ -31,7 +32,8 @@
 #            inside the captured graphs), bench_kernels.py --only grouped (the layer per pair vs grouped, part by
 #            part, 1/4/8/16 tokens), then bench_decode.py resident bs1/4/16 with them on from 64 routed pairs
 #            (bs8 and bs16; bs1 and bs4 keep the GEMVs: the control). Synthesizes $CKPT if absent (~40 s)
-#   graphs   the MoE half of short prefill steps from CUDA graphs (--prefill-graphs, off by default): its GPU test
+#   graphs   the MoE half of short prefill steps from CUDA graphs (ft serve --prefill-graphs, default auto since
+#            2026-12-04: on with the fast path's Triton prefill; bench_prefill_spans.py only when asked): its GPU test
 #            (the eager path's logits, tokens and residency decisions, now with the segments captured and
 #            replayed), then bench_prefill_spans.py at 1 and 2 spans of 20 tokens (a one-span step of 20 tokens
 #            is a segment step; two spans, 40 tokens, run eagerly: the control) without and with --prefill-graphs
@@ -133,7 +135,7 @@ for phase in "$@"; do
           | grep -E "^resident|parity|Error" | cut -c1-300
       done ;;
     formats)
-      for fmt in ${FORMATS:-nvfp4}; do
+      for fmt in ${FORMATS:-nvfp4_modelopt nvfp4_ct}; do
         timeout 280 python3 scripts/bench_decode.py --out "$OUT/decode_$fmt" --synth-dir "/tmp/qwen36-$fmt" --reuse \
           --format "$fmt" --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
           | grep -E "^resident|parity|Error" | cut -c1-300

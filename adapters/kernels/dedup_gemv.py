@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.packed_gemv import load_tile, load_x, row_scale, term
+from adapters.kernels.packed_gemv import acc_cols, load_tile, load_x, row_scale, term
 
 MAX_PAIRS = 4  # accumulators per program (registers: PAIRS x BLOCK_N x BLOCK_K fp32)
 MAX_DEDUP_PAIRS = 1024  # pairs of one call: the segment logic holds every slot id in one program's registers
@@ -76,10 +76,10 @@ def packed_gemv_multi(row_ptr, x0_ptr, x1_ptr, x2_ptr, x3_ptr, count, n0,
     FOLD: tl.constexpr = FMT == 1 and EVEN and BLOCK_N <= GROUP
     kk = tl.arange(0, BLOCK_K)
     gi = tl.arange(0, BLOCK_K // GROUP)
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, acc_cols(FMT, BLOCK_K, GROUP)], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, acc_cols(FMT, BLOCK_K, GROUP)], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, acc_cols(FMT, BLOCK_K, GROUP)], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, acc_cols(FMT, BLOCK_K, GROUP)], dtype=tl.float32)
     for k0 in range(0, COLS, BLOCK_K):
         w, s = load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA, SCALE, COLS, W_DTYPE, FMT, GROUP, EVEN, FOLD,
                          BLOCK_N, BLOCK_K)  # [N, BK] fp32 and the step's scales, as packed_gemv loads them

@@ -4,7 +4,8 @@ in registers (no dequantized copy of W is ever written to memory).
 Shape legend: M rows of x (decode batch, small), K in features, N out features, G scale block (128).
 
 Formats (adapters/checkpoint/quant.py canonical forms): FP8_BLOCK (e4m3 data, fp32 scale per 128x128
-block), FP8_TENSOR (one fp32 scale), FP8_CHANNEL and INT8_CHANNEL (fp32 scale per output row). Decode
+block), FP8_TENSOR (one fp32 scale), FP8_CHANNEL and INT8_CHANNEL (fp32 scale per output row); the launcher
+hands NVFP4 and MXFP4 to dense_gemv_fp4's kernel. Decode
 is memory-bound: each program streams a [BLOCK_N, BLOCK_K] tile of W per step and reduces it against
 one row of x with fp32 accumulation; the weight is re-read per row of x, which stays in L2 for the
 small M this kernel is for (prefill-sized M belongs to a tensor-core GEMM).
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import FP8_BLOCK, QTensor
+from adapters.kernels import dense_gemv_fp4
 from adapters.kernels.packed_gemv import untuned_block_n
 from domain.model_spec import WeightFormat
 
@@ -80,7 +82,8 @@ _TUNED = triton.autotune(
 
 
 def supports(q: QTensor) -> bool:
-    return q.fmt in SUPPORTED
+    """True for the formats dense_gemv reads: the 8-bit ones here, NVFP4 and MXFP4 through dense_gemv_fp4."""
+    return q.fmt in SUPPORTED or q.fmt in dense_gemv_fp4.GROUPS
 
 
 def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int | None = None,
@@ -89,8 +92,11 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
 
     block_n/block_k: a fixed tile (block_k a multiple of the 128-column scale block); None: on CUDA the
     measured best tile for this shape (triton.autotune), elsewhere 16 x 128.
+    NVFP4/MXFP4 weights go to dense_gemv_fp4 (its own kernel; block_k a multiple of the format's group there).
     Raises ValueError for unsupported formats or mismatched shapes.
     """
+    if q.fmt in dense_gemv_fp4.GROUPS:
+        return dense_gemv_fp4.dense_gemv_fp4(x, q, out=out, block_n=block_n, block_k=block_k)
     if q.fmt not in SUPPORTED:
         raise ValueError(f"dense_gemv does not read {q.fmt.value} weights (supported: "
                          f"{sorted(f.value for f in SUPPORTED)})")

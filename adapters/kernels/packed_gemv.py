@@ -102,13 +102,27 @@ def check_pool(slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout
 
 @triton.jit
 def _e2m1(code):
-    """e2m1 code in the low 4 bits (sign bit 3) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    # exact powers of two by integer shift (ex2.approx is not guaranteed exact)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where((c & 8) != 0, -mag, mag)
+    """e2m1 code in the low 4 bits (sign bit 3) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, exactly.
+    NOTE: the code's 3 magnitude bits placed at fp16's exponent/mantissa boundary (bits 9-11, sign at 15) are
+    the fp16 number value * 2^-14 (codes 0 and 1 land on fp16 subnormals, which the fp16 -> fp32 convert keeps
+    exact), so two masks, two shifts and one convert decode a nibble; the arithmetic decode this replaces took
+    ~6x the instructions per weight byte of block FP8 in the decode GEMVs (PTX of the sm_90 build)."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e2m1_bytes(b, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """uint8 [N, BK/2] of packed e2m1 pairs (low nibble = even column) -> fp32 [N, BK] in column order,
+    each value * 2^-14 (the caller scales a group's sum by 2^14: one multiply per group, not per weight).
+    NOTE: _e2m1's fp16 placement for both nibbles straight from the byte (the sign and magnitude bits shifted
+    into place and masked: no nibble extraction first)."""
+    c = b.to(tl.uint16)
+    lo = ((c << 9) & 0x0E00) | ((c << 12) & 0x8000)
+    hi = ((c << 5) & 0x0E00) | ((c << 8) & 0x8000)
+    w = tl.join(lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)).to(tl.float32)  # [N, BK/2, 2]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -124,6 +138,13 @@ def _group_scaled(prod, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: 
     return tl.reshape(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
 
 
+@triton.constexpr_function
+def acc_cols(FMT, BLOCK_K, GROUP):
+    """Columns of packed_gemv's accumulator: BLOCK_K, or the K step's scale groups for the 4-bit formats
+    (their term sums each group before scaling it)."""
+    return BLOCK_K // GROUP if FMT == 5 or FMT == 6 else BLOCK_K
+
+
 @triton.jit
 def load_x(x_ptr, k0, kk, COLS: tl.constexpr, EVEN: tl.constexpr):
     if EVEN:
@@ -137,9 +158,11 @@ def load_x(x_ptr, k0, kk, COLS: tl.constexpr, EVEN: tl.constexpr):
 def term(w, x, s, FMT: tl.constexpr, FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           GROUP: tl.constexpr):
     """What packed_gemv adds to its accumulator for one K step: w [N, BK] fp32, x [BK], s the step's scales
-    ([BK] when FOLD, [N, BK/G] for group-scaled formats, unused otherwise)."""
+    ([BK] when FOLD, [N, BK/G] for group-scaled formats, unused otherwise). [N, BK], or [N, BK/G] for the
+    4-bit formats (acc_cols)."""
     if FMT == 5 or FMT == 6:
-        t = _group_scaled(w * x[None, :], s, BLOCK_N, BLOCK_K, GROUP)
+        # [N, BK/G]: each group's products summed, then its scale (w carries 2^-14: _e2m1_bytes) applied once
+        t = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2) * 16384.0 * s
     elif FMT == 1:
         if FOLD:
             t = w * (x * s)[None, :]
@@ -163,27 +186,46 @@ def row_scale(acc, row_ptr, n, n_ok, SCALE: tl.constexpr, GSCALE: tl.constexpr, 
 
 
 @triton.jit
+def load_fp4_tile(data_ptr, scale_ptr, n, n_ok, k0, gi, COLS: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                  EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of a 4-bit matrix: w [N, BK] fp32 (the e2m1 values times 2^-14, _e2m1_bytes) and its group
+    scales s [N, BK/G] fp32; zeros outside the matrix. data_ptr: uint8 [ROWS, COLS/2]; scale_ptr: e4m3 (NVFP4)
+    or uint8 e8m0 (MXFP4) [ROWS, COLS/G]; n [N] int32 rows, gi = arange(BK/G)."""
+    jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
+    b_ptrs = data_ptr + n[:, None].to(tl.int64) * (COLS // 2) + (k0 // 2 + jb)[None, :]
+    s_ptrs = scale_ptr + n[:, None].to(tl.int64) * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
+    if EVEN:  # the tile divides the matrix: no masks (the lean loop, as for the 8-bit formats)
+        b = tl.load(b_ptrs)
+        if FMT == 5:
+            s = tl.load(s_ptrs).to(tl.float32)
+        else:
+            s = _e8m0(tl.load(s_ptrs))
+    else:
+        b = tl.load(b_ptrs, mask=n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :], other=0)
+        s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
+        if FMT == 5:
+            s = tl.where(s_ok, tl.load(s_ptrs, mask=s_ok).to(tl.float32), 0.0)
+        else:
+            s = tl.where(s_ok, _e8m0(tl.load(s_ptrs, mask=s_ok, other=0)), 0.0)
+    return _e2m1_bytes(b, BLOCK_N, BLOCK_K), s
+
+
+@triton.jit
 def load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA: tl.constexpr, SCALE: tl.constexpr, COLS: tl.constexpr,
               W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr,
               FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step's weight tile w [N, BK] fp32 (rows n, columns k0 + kk, dequantized but unscaled) and its
-    scales s: [BK] when FOLD (block FP8, the tile inside one scale row), [N, BK/G] for the group-scaled
-    formats (block FP8, NVFP4, MXFP4), 0.0 where the scale is constant along a row (row_scale applies it)."""
+    """One K step's weight tile w [N, BK] fp32 (rows n, columns k0 + kk, dequantized but unscaled; the 4-bit
+    formats' values times 2^-14, which term takes back) and its scales s: [BK] when FOLD (block FP8, the tile
+    inside one scale row), [N, BK/G] for the group-scaled formats (block FP8, NVFP4, MXFP4), 0.0 where the
+    scale is constant along a row (row_scale applies it)."""
     k_ok = k0 + kk < COLS
     if FMT == 5 or FMT == 6:
-        jb = tl.arange(0, BLOCK_K // 2)  # byte j of the tile holds columns 2j (low nibble), 2j+1 (high)
-        b_ok = n_ok[:, None] & (k0 // 2 + jb < COLS // 2)[None, :]
-        b = tl.load((row_ptr + DATA) + n[:, None] * (COLS // 2) + (k0 // 2 + jb)[None, :], mask=b_ok, other=0)
-        # join puts (low, high) side by side: [N, BK/2, 2] reshapes to the columns in order
-        w = tl.reshape(_e2m1(tl.join(b & 15, b >> 4)), (BLOCK_N, BLOCK_K))  # [N, BK]
-        s_ok = n_ok[:, None] & (k0 // GROUP + gi < COLS // GROUP)[None, :]
-        s_off = n[:, None] * (COLS // GROUP) + (k0 // GROUP + gi)[None, :]  # [N, BK/G]
         if FMT == 5:
-            s = tl.load((row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)) + s_off, mask=s_ok)
-            s = tl.where(s_ok, s.to(tl.float32), 0.0)
+            w, s = load_fp4_tile(row_ptr + DATA, (row_ptr + SCALE).to(tl.pointer_type(tl.float8e4nv)), n, n_ok, k0,
+                                 gi, COLS, FMT, GROUP, EVEN, BLOCK_N, BLOCK_K)
         else:
-            s = _e8m0(tl.load((row_ptr + SCALE) + s_off, mask=s_ok, other=0))
-            s = tl.where(s_ok, s, 0.0)
+            w, s = load_fp4_tile(row_ptr + DATA, row_ptr + SCALE, n, n_ok, k0, gi, COLS, FMT, GROUP, EVEN, BLOCK_N,
+                                 BLOCK_K)
     else:
         w_ptrs = (row_ptr + DATA).to(tl.pointer_type(W_DTYPE)) + n[:, None] * COLS + (k0 + kk)[None, :]
         if EVEN:
@@ -229,7 +271,7 @@ def packed_gemv(row_ptr, x_ptr, n0, ROWS: tl.constexpr, COLS: tl.constexpr, DATA
     kk = tl.arange(0, BLOCK_K)
     gi = tl.arange(0, BLOCK_K // GROUP)
     FOLD: tl.constexpr = FMT == 1 and EVEN and BLOCK_N <= GROUP
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, acc_cols(FMT, BLOCK_K, GROUP)], dtype=tl.float32)
     for k0 in range(0, COLS, BLOCK_K):
         w, s = load_tile(row_ptr, n, n_ok, n0, k0, kk, gi, DATA, SCALE, COLS, W_DTYPE, FMT, GROUP, EVEN, FOLD,
                          BLOCK_N, BLOCK_K)  # [N, BK]

@@ -27,14 +27,41 @@ def test_dense_gemv_matches_the_reference(fmt, rows):
     assert err < 1e-5, err
 
 
-def test_dense_gemv_refuses_fp4_and_bad_shapes():
+def test_dense_gemv_refuses_unread_formats_and_bad_shapes():
     q = quantize(torch.randn(32, 128) * 0.05, WeightFormat.FP8_BLOCK)
     with pytest.raises(ValueError, match="must be"):
         dense_gemv(torch.randn(1, 64), q)
-    fp4 = QTensor(WeightFormat.NVFP4, (32, 128), torch.zeros(32, 64, dtype=torch.uint8),
-                  torch.zeros(32, 8, dtype=torch.float8_e4m3fn), torch.ones(1))
+    bf16 = QTensor(WeightFormat.BF16, (32, 128), torch.zeros(32, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="does not read"):
+        dense_gemv(torch.randn(1, 128), bf16)
+    fp4 = quantize(torch.randn(32, 128) * 0.05, WeightFormat.NVFP4)
+    with pytest.raises(ValueError, match="must be"):
+        dense_gemv(torch.randn(1, 64), fp4)
+    with pytest.raises(ValueError, match="scale group"):
+        dense_gemv(torch.randn(1, 128), fp4, block_k=8)
+    fp4.global_scale = torch.ones(3)
+    with pytest.raises(ValueError, match="holds one value"):
         dense_gemv(torch.randn(1, 128), fp4)
+
+
+FP4 = [WeightFormat.NVFP4, WeightFormat.MXFP4]
+
+
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize(("rows", "n", "k", "tile"), [
+    (1, 200, 384, (None, None)),  # N and K not multiples of the tile: the masked loop
+    (3, 64, 512, (16, 256)),  # a tile that divides the matrix: the lean loop without masks
+    (2, 48, 512, (8, 512)),
+])
+def test_dense_gemv_reads_the_4_bit_formats(fmt, rows, n, k, tile):
+    gen = torch.Generator().manual_seed(rows + n)
+    q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+    x = torch.randn(rows, k, generator=gen)
+    out = torch.full((rows, n), float("nan"), device=DEVICE)
+    dense_gemv(x.to(DEVICE), q.to(DEVICE), out=out, block_n=tile[0], block_k=tile[1])
+    ref = x.double() @ dequantize(q, torch.float64).T
+    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, err
 
 
 @pytest.mark.parametrize("block_n,block_k", [(8, 256), (4, 512)])

@@ -282,7 +282,7 @@ def test_kernels_compile_for_sm90_with_16_byte_weight_loads():
 # ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8) ------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.BF16])
+@pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.BF16, F_.NVFP4, F_.MXFP4])
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_real_geometry_on_gpu(fmt, tokens):
     layout, slots, where = make_pool(fmt, 2048, 512, experts=16, num_slots=24, seed=13, device="cuda")
