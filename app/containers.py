@@ -268,17 +268,14 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         return _expert_parallel_executor(settings, checkpoint, plan, device, dtype, progress)
     fast = _use_fast_path(settings, checkpoint, device)
     choice = _prefill_choice(settings, checkpoint, device, fast)
+    graphs = _prefill_graphs(settings, choice, fast)
     if fast:
         from adapters.cuda_exec.executor import CudaGraphExecutor
 
         return _reporting(choice, CudaGraphExecutor(
             checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests, on_phase=progress,
             prefill_kernels=choice.triton, routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
-            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations,
-            prefill_graphs=settings.prefill_graphs))
-    if settings.prefill_graphs:
-        raise ValueError("--prefill-graphs applies to the fast path's Triton prefill, which cannot run here (the "
-                         "reference executor serves: CPU, --executor reference, --mmap-experts or --record-routing)")
+            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations, prefill_graphs=graphs))
     if settings.prefill_fp8_activations:
         raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
                          "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "
@@ -310,14 +307,40 @@ def _prefill_choice(settings: ServeSettings, checkpoint, device: str, fast: bool
                  choice.reason)
     else:
         log.info("prefill: %s (%s)", choice.kernels, choice.reason)
-    if settings.prefill_graphs and fast and not choice.triton:
-        raise ValueError(f"--prefill-graphs is a mode of the Triton prefill, and --prefill-kernels {choice.requested} "
-                         f"chose the reference prefill ({choice.reason}); add --prefill-kernels triton to run it anyway")
     if settings.prefill_fp8_activations and fast and not choice.triton:
         raise ValueError(f"--prefill-fp8-activations is a mode of the Triton prefill, and --prefill-kernels "
                          f"{choice.requested} chose the reference prefill ({choice.reason}); add --prefill-kernels "
                          f"triton to run the Triton prefill anyway")
     return choice
+
+
+def _prefill_graphs(settings: ServeSettings, choice: PrefillChoice, fast: bool) -> bool:
+    """--prefill-graphs resolved for the executor about to serve (fast: _use_fast_path's answer; choice: the
+    prefill _prefill_choice resolved), logged once. auto: on wherever the fast path runs the Triton prefill and
+    neither routing replay (it rewrites ids between router and lookup) nor expert parallelism (a shard) excludes
+    the segments, else off without complaint; on: ValueError where it cannot run (ServeSettings refused the clashes
+    it can see before loading); off: never."""
+    if settings.prefill_graphs == "on":
+        if not fast:
+            raise ValueError("--prefill-graphs applies to the fast path's Triton prefill, which cannot run here (the "
+                             "reference executor serves: CPU, --executor reference, --mmap-experts or "
+                             "--record-routing)")
+        if not choice.triton:
+            raise ValueError(f"--prefill-graphs is a mode of the Triton prefill, and --prefill-kernels "
+                             f"{choice.requested} chose the reference prefill ({choice.reason}); add --prefill-kernels "
+                             "triton to run it anyway")
+    why_not = [why for why, off in (("--prefill-graphs off", settings.prefill_graphs == "off"),
+                                    ("the reference executor serves", not fast),
+                                    ("the reference prefill runs", fast and not choice.triton),
+                                    ("--routing-replay", settings.routing_replay is not None),
+                                    ("--expert-parallel", settings.expert_parallel > 1)) if off]
+    # NOTE: "on" gets here only fast with the Triton prefill, and ServeSettings refused it with the last two
+    if why_not:
+        log.info("prefill graphs: off (%s: %s)", settings.prefill_graphs, "; ".join(why_not))
+        return False
+    log.info("prefill graphs: on (%s: the MoE half of steps of up to 32 tokens from CUDA graphs)",
+             settings.prefill_graphs)
+    return True
 
 
 def _reporting(choice: PrefillChoice, executor):
@@ -345,6 +368,7 @@ def _expert_parallel_executor(settings: ServeSettings, checkpoint, plan: PoolPla
         raise ValueError("--expert-parallel: no rendezvous address (ft serve sets it for every rank)")
     fast = _use_fast_path(settings, checkpoint, device)
     choice = _prefill_choice(settings, checkpoint, device, fast)
+    _prefill_graphs(settings, choice, fast)  # NOTE: off here (a shard has no segments); logged as the prefill is
     if device.startswith("cuda"):
         # NOTE: allocations on the capture stream stay in the graph's pool (no record_stream), and NVLink
         # SHARP/multicast stays off (ADR 0005); an operator's own setting wins

@@ -3,7 +3,8 @@
 # 1. full-size Qwen3.6-35B-A3B block-FP8 (ft synth, random weights), every expert resident:
 #    ft bench ladder c1..c16 (128-token outputs) with --max-running-requests 16;
 # 2. the same checkpoint under --gpu-budget-gib 24 from 8k KV: ft bench sweep (live rebuild to 64k, bs 1, 3, 4, 6).
-# Records land in $OUT. PREFILL_KERNELS=triton|reference overrides ft serve's default (auto, ADR 0020).
+# Records land in $OUT. PREFILL_KERNELS=triton|reference overrides ft serve's default (auto, ADR 0020);
+# PREFILL_GRAPHS=on|off its --prefill-graphs (auto: on with the Triton prefill; off: the eager control run).
 # Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
 # missing sniffio).
 # Sourced (not run), it only defines the pieces below: scripts/gpu_llamacpp_side_by_side.sh measures
@@ -34,7 +35,7 @@ write_tokenizer_files(pathlib.Path(sys.argv[1]))" "$CKPT"
 }
 
 serve_flags() {  # the ft serve options every fluxtide start shares (a word list: no value holds a space)
-  echo "--model $CKPT --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} --prefill-kernels ${PREFILL_KERNELS:-auto} ${EXTRA_SERVE_ARGS:-}"
+  echo "--model $CKPT --device ${DEVICE:-cuda} --executor ${EXECUTOR:-cuda-graph} --prefill-kernels ${PREFILL_KERNELS:-auto} --prefill-graphs ${PREFILL_GRAPHS:-auto} ${EXTRA_SERVE_ARGS:-}"
 }
 
 serve() {  # serve PORT LOG ARGS... ; sets SERVER, waits for /health ok (or gives up)

@@ -134,6 +134,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.plan: PoolPlan | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self._side_stream = None  # the captures' warm-up stream (_warmup_stream), made on first use
         # (hits, misses) as of the end of the last step: a captured step reads them back with its tokens
         self._host_counters: tuple[int, int] | None = None
         if max_step_tokens < 1:
@@ -180,7 +181,7 @@ class CudaGraphExecutor(ExecutorPools):
         segments = MoeSegments(self.model, self.experts, use_graphs=self.use_graphs)
         if self.use_graphs and segments.buckets:
             start = time.perf_counter()
-            segments.capture()
+            segments.capture(self._warmup_stream())
             log.info("captured prefill MoE graphs for token buckets %s x %d layers in %.1f s", segments.buckets,
                      len(self.model.mixers), time.perf_counter() - start)
         self.model.segments = segments
@@ -220,7 +221,7 @@ class CudaGraphExecutor(ExecutorPools):
         with torch.inference_mode():
             self.experts.tune(torch.randn(1, self.model.opts.hidden, dtype=self.dtype, device=self.device),
                               self.model.opts.top_k)
-        stream = torch.cuda.Stream(self.device)
+        stream = self._warmup_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             # warm-up: compiles the Triton kernels, creates cuBLAS handles, and tunes the kernels autotuned
@@ -245,6 +246,15 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("captured decode graphs for batch sizes %s in %.1f s", buckets, self.capture_seconds)
         if self._on_phase is not None:
             self._on_phase(f"decode graphs captured in {self.capture_seconds:.1f} s")
+
+    def _warmup_stream(self) -> torch.cuda.Stream:
+        """The side stream every capture's eager warm-up runs on, made once per executor.
+        NOTE: cuBLAS keeps a workspace (32 MiB on Hopper) per (handle, stream) for the life of the process; a
+        fresh stream per capture left one more behind at every resize's recapture (decode graphs and prefill
+        segments: a resize's peak 32-64 MiB over its planned ceiling in tests/app/test_gpu_serve.py, H200)."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
 
     def _before_capture(self) -> None:
         """Hook between the eager warm-up steps (kernels compiled and tuned) and the capture; nothing here."""

@@ -57,6 +57,9 @@ def test_serves_on_cuda_in_bf16(gpu_server):
     assert r["usage"]["completion_tokens"] >= 1
     stats = httpx.get(gpu_server.base_url + "/v1/stats").json()
     assert stats["window"]["expert_hit_rate"] is not None
+    # the defaults on CUDA: the fast path's Triton prefill (auto, bf16 weights) with the short steps' MoE graphs
+    # (--prefill-graphs auto, on there since 2026-12-04)
+    assert stats["executor"]["prefill_kernels"] and stats["executor"]["prefill_graphs"], stats["executor"]
 
 
 # NOTE: 16k -> 1m grows; 1m -> 512k shrinks and 512k -> 768k grows between LARGE pools, where

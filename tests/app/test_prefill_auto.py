@@ -55,11 +55,38 @@ def test_fp8_activations_are_refused_before_loading_only_where_no_triton_prefill
                                                  ({"prefill_kernels": "reference"}, "--prefill-kernels reference"),
                                                  ({"executor": "reference"}, "--executor reference"),
                                                  ({"routing_replay": "uniform"}, "--routing-replay")])
-def test_prefill_graphs_are_refused_before_loading_where_they_cannot_run(overrides, flag):
-    assert ServeSettings(prefill_graphs=True).prefill_graphs  # auto: decided once the checkpoint is read
+def test_prefill_graphs_on_is_refused_before_loading_where_they_cannot_run(overrides, flag):
+    assert ServeSettings(prefill_graphs="on").prefill_graphs == "on"  # the prefill: decided once the weights are read
     with pytest.raises(ValueError, match=f"--prefill-graphs is a mode of the CUDA fast path's Triton prefill, which "
                                          f"cannot run with {flag}"):
-        ServeSettings(prefill_graphs=True, **overrides)
+        ServeSettings(prefill_graphs="on", **overrides)
+    for value in ("auto", "off"):  # auto turns itself off there (below), never an error
+        assert ServeSettings(prefill_graphs=value, **overrides).prefill_graphs == value
+
+
+def test_prefill_graphs_default_to_auto_and_the_value_is_checked(capsys):
+    assert ServeSettings().prefill_graphs == "auto" and parse_serve().prefill_graphs == "auto"
+    assert parse_serve("--prefill-graphs").prefill_graphs == "on"  # the bare flag of old scripts
+    for value in ("auto", "on", "off"):
+        assert parse_serve("--prefill-graphs", value).prefill_graphs == value
+        assert ServeSettings(prefill_graphs=value).prefill_graphs == value
+    assert parse_serve("--prefill-graphs", "--device", "cpu").prefill_graphs == "on"
+    with pytest.raises(SystemExit):
+        parse_serve("--prefill-graphs", "yes")
+    assert "argument --prefill-graphs: invalid choice: 'yes'" in capsys.readouterr().err
+    for bad in ("yes", True, False):  # the bool it was before auto is refused, not read as a truth value
+        with pytest.raises(ValueError, match=f"--prefill-graphs must be auto, on or off, got {bad!r}"):
+            ServeSettings(prefill_graphs=bad)
+
+
+def test_prefill_graphs_travel_to_data_parallel_workers_as_given():
+    from app.data_parallel.serve import worker_argv
+
+    parser = argparse.ArgumentParser(prog="ft")
+    serve = _add_serve(parser.add_subparsers(dest="command"))
+    for flags, forwarded in (((), None), (("--prefill-graphs",), "on"), (("--prefill-graphs", "off"), "off")):
+        argv = worker_argv(serve, parser.parse_args(["serve", *flags]))
+        assert (argv[argv.index("--prefill-graphs") + 1] if "--prefill-graphs" in argv else None) == forwarded
 
 
 def qtensor(fmt: F):
@@ -110,6 +137,66 @@ def test_the_fast_path_is_built_with_the_resolved_prefill(fast_path, caplog, req
     choice = executor.prefill_choice  # what Engine.executor_info reports
     assert (choice.requested, choice.triton) == (requested, triton) and reason in choice.reason
     assert f"prefill: {choice.kernels} ({choice.reason})" in caplog.text
+
+
+@pytest.mark.parametrize("setting, ckpt, overrides, graphs, why", [
+    ("auto", checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), {}, True, "on (auto"),  # the default on the Triton prefill
+    ("on", checkpoint(F.BF16), {}, True, "on (on"),
+    ("off", checkpoint(F.BF16), {}, False, "off (off: --prefill-graphs off)"),
+    ("auto", checkpoint(F.NVFP4, F.NVFP4), {}, False, "off (auto: the reference prefill runs)"),
+    ("auto", checkpoint(F.BF16), {"prefill_kernels": "reference"}, False, "off (auto: the reference prefill runs)"),
+    ("auto", checkpoint(F.BF16), {"routing_replay": "uniform"}, False, "off (auto: --routing-replay)"),
+])
+def test_the_fast_path_is_built_with_the_resolved_prefill_graphs(fast_path, caplog, setting, ckpt, overrides,
+                                                                 graphs, why):
+    settings = ServeSettings(prefill_graphs=setting, **overrides)
+    with caplog.at_level(logging.INFO, logger="fluxtide.serve"):
+        containers._torch_executor(settings, ckpt, None, "cuda")
+    assert [kw["prefill_graphs"] for kw in fast_path] == [graphs]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefill graphs: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"prefill graphs: {why}"), lines
+
+
+def test_prefill_graphs_on_names_why_where_auto_chose_the_reference_prefill(fast_path):
+    with pytest.raises(ValueError) as refused:
+        containers._torch_executor(ServeSettings(prefill_graphs="on"), checkpoint(F.NVFP4, F.NVFP4), None, "cuda")
+    assert "--prefill-graphs is a mode of the Triton prefill, and --prefill-kernels auto chose the reference " \
+           "prefill (auto: the Triton prefill is not GPU-validated with experts nvfp4" in str(refused.value)
+    assert "add --prefill-kernels triton" in str(refused.value) and not fast_path  # refused before building
+
+
+@pytest.fixture
+def reference_executor(monkeypatch):
+    """The reference executor's branch taken on the CPU (_use_fast_path as there: no fast path) with TorchExecutor
+    replaced by a recorder of its arguments."""
+    import adapters.torch_exec.executor as torch_executor
+
+    built: list[dict] = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: False)
+    monkeypatch.setattr(torch_executor, "TorchExecutor", Recorder)
+    return built
+
+
+def test_prefill_graphs_auto_is_off_on_the_reference_executor_without_complaint(reference_executor, caplog):
+    with caplog.at_level(logging.INFO, logger="fluxtide.serve"):
+        for value in ("auto", "off"):
+            executor = containers._torch_executor(ServeSettings(prefill_graphs=value), None, None, "cpu")
+            assert not getattr(executor, "prefill_graphs", False)  # what /v1/stats reports
+    assert "prefill graphs: off (auto: the reference executor serves)" in caplog.text
+    assert len(reference_executor) == 2
+
+
+def test_prefill_graphs_on_is_refused_on_the_reference_executor(reference_executor):
+    # --device auto with no CUDA: the settings cannot see it before loading; the container refuses it, clearly
+    with pytest.raises(ValueError, match="--prefill-graphs applies to the fast path's Triton prefill, which cannot "
+                                         "run here \\(the reference executor serves"):
+        containers._torch_executor(ServeSettings(prefill_graphs="on"), None, None, "cpu")
+    assert not reference_executor
 
 
 def test_fp8_activations_follow_auto_to_the_triton_prefill_or_name_why_not(fast_path):
