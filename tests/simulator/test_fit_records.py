@@ -228,3 +228,25 @@ def test_the_current_engines_records_reproduce_h200_records_v3_with_bs3_and_bs6_
     assert len(held) == 8 and rc == 0 and rep["within_bound"]
     assert any("bs=3" in h for h in held) and any("bs=6" in h for h in held)
     assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
+
+
+SESSION17 = [REPO / "docs/bench" / name for name in (
+    "2026-12-04-http-sweep-24gib-h200-prefill-graphs.json", "2026-12-04-http-ladder-resident-h200-prefill-graphs.json",
+    "2026-12-02-bench-decode-h200-run7-triton-prefill.json")]
+
+
+def test_session_17s_records_reproduce_h200_records_v4_with_bs3_and_bs6_held_out(tmp_path):
+    # Session 17's records (prefill graphs, the arrival window: identical prompts decode in lockstep) with session
+    # 14's split: the held-out points predicted within +-10 % (6.7 % at most when fitted on 2026-12-04)
+    out, report = tmp_path / "h200_records_v4.json", tmp_path / "report.json"
+    rc = sim_main(["calibrate", "--records", *map(str, SESSION17), "--hardware", "h200", "--out", str(out),
+                   "--report", str(report), "--strict"])
+    fresh = json.loads(out.read_text())
+    committed = json.loads((REPO / "simulator/calibration/h200_records_v4.json").read_text())
+    fresh["provenance"]["records"] = committed["provenance"]["records"]
+    assert_same_profile(fresh, committed)
+    rep = json.loads(report.read_text())
+    held = {p["label"] for p in rep["points"] if p["role"] == "held_out"}
+    assert rc == 0 and rep["within_bound"]
+    assert any("bs=3" in h for h in held) and any("bs=6" in h for h in held)
+    assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
