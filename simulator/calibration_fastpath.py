@@ -174,7 +174,8 @@ def fit(record: dict, probe: dict, hardware: HardwareProfile | None = None) -> F
     h2d_eff = gather_bps / hw.h2d_bytes_per_s
     if not 0 < h2d_eff <= 1:
         raise ValueError(f"gather {gather_bps / GB:.1f} GB/s exceeds the profile's {hw.h2d_bytes_per_s / GB:.1f}")
-    unit = CostParams(memory_efficiency=1.0, transfer_setup_s=setup, h2d_efficiency=h2d_eff)
+    # NOTE: resident_step_s reads the expected distinct experts: the fit of h200_v1 is per distinct expert.
+    unit = CostParams(memory_efficiency=1.0, transfer_setup_s=setup, h2d_efficiency=h2d_eff, expert_reads="distinct")
     physics = [resident_step_s(CostModel(spec, hw, unit), p.batch, context) for p in train]
     overhead, per_row, inv_eff = _fit_resident(train, physics)
     cost = unit.replace(step_overhead_s=overhead, sequence_overhead_s=per_row, memory_efficiency=1 / inv_eff)

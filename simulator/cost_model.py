@@ -18,6 +18,13 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
   (no misses) unless padding_fetches says the engine routes them;
 - host overhead outside the graph (`host_overhead`): per step and per real row, during which the
   GPU and the link are both idle.
+
+How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
+reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
+engine's reading, and every calibration written before the field existed); "pairs" streams the expert of
+every routed (token, top-k) pair, shared or not, in calls of up to `pair_gemv_max_pairs` pairs (our fast
+engine's per-pair decode GEMVs), and reads distinct experts above that (the grouped prefill GEMMs). Copies
+of misses are per distinct expert either way: a miss is copied once, whatever rows route to it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from dataclasses import dataclass
 from domain.model_spec import LayerKind, ModelSpec
 from simulator.hardware import HardwareProfile
 from simulator.params import StrictParams, require_positive
+
+EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,15 @@ class CostParams(StrictParams):
     # Per step of a server measured through HTTP (ft bench): streaming, detokenising, the engine loop's
     # Python. Not part of an execute() step; predict's workload is the HTTP benchmark, so it applies there.
     server_step_s: float = 0.0
+    # How the routed-expert GEMMs of one layer call read weights (module docstring). "distinct": each distinct
+    # expert once per step, however many rows route to it (grouped GEMMs; the reference engine's reading and the
+    # default of files without the field). "pairs": one GEMV per routed (token, top-k) pair, each streaming its
+    # expert's weights whether or not other rows share it (our fast engine's decode, adapters/kernels/
+    # moe_gate_up.py and moe_down.py; DEDUP_MIN_PAIRS and grouped decode are off), for calls of at most
+    # pair_gemv_max_pairs pairs; larger calls (prefill chunks) run grouped GEMMs, each distinct expert read once
+    # (adapters/cuda_exec/expert_pool.py GEMV_MAX_PAIRS).
+    expert_reads: str = "distinct"
+    pair_gemv_max_pairs: int = 512
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
@@ -79,6 +97,11 @@ class CostParams(StrictParams):
                 raise ValueError(f"CostParams.{name} must be <= 1, got {getattr(self, name)}")
         if not isinstance(self.overlap_copy_compute, bool):
             raise ValueError("CostParams.overlap_copy_compute must be a bool")
+        if self.expert_reads not in EXPERT_READS:
+            raise ValueError(f"CostParams.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
+        m = self.pair_gemv_max_pairs
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"CostParams.pair_gemv_max_pairs must be an integer >= 1, got {m!r}")
 
 
 @dataclass(frozen=True)
@@ -157,18 +180,29 @@ class CostModel:
             nbytes += 2 * self.state_bytes_layer * len(loads)  # read and write the recurrent state
         return launch + self._roofline(nbytes, flops)
 
-    def expert_gemms(self, tokens_per_expert: Sequence[int]) -> float:
-        """Grouped GEMMs of the given experts (each reads its weights once)."""
+    def reads_per_pair(self, pairs: float) -> bool:
+        """Whether a layer call of `pairs` routed (token, top-k) pairs streams an expert's weights per pair
+        (per-pair GEMVs: expert_reads "pairs", at most pair_gemv_max_pairs pairs) rather than once per
+        distinct expert. Like the engine's choice, it depends on the call's pair count only."""
+        p = self.params
+        return p.expert_reads == "pairs" and pairs <= p.pair_gemv_max_pairs
+
+    def expert_gemms(self, tokens_per_expert: Sequence[int], per_pair: bool = False) -> float:
+        """The routed-expert GEMMs of the given experts over the tokens routed to each: each expert's
+        weights read once (grouped GEMMs), or once per routed pair with `per_pair` (per-pair GEMVs; see
+        reads_per_pair, decided on the whole layer call's pairs)."""
         if not tokens_per_expert:
             return 0.0
-        return self.expert_read(len(tokens_per_expert), sum(tokens_per_expert))
+        routed = sum(tokens_per_expert)
+        return self.expert_read(routed if per_pair else len(tokens_per_expert), routed)
 
-    def expert_read(self, distinct_experts: float, routed_tokens: float) -> float:
-        """Seconds for the grouped GEMMs of `distinct_experts` experts (each read once) over
-        `routed_tokens` (token, expert) pairs; fractional counts allowed (expected values)."""
-        if distinct_experts < 0 or routed_tokens < 0:
-            raise ValueError(f"negative expert counts: {distinct_experts}, {routed_tokens}")
-        return self._roofline(distinct_experts * self.expert_bytes, self.expert_flops_per_token * routed_tokens)
+    def expert_read(self, weight_reads: float, routed_tokens: float) -> float:
+        """Seconds for routed-expert GEMMs that read `weight_reads` experts' weights (distinct experts for
+        grouped GEMMs, routed pairs for per-pair GEMVs) over `routed_tokens` (token, expert) pairs;
+        fractional counts allowed (expected values)."""
+        if weight_reads < 0 or routed_tokens < 0:
+            raise ValueError(f"negative expert counts: {weight_reads}, {routed_tokens}")
+        return self._roofline(weight_reads * self.expert_bytes, self.expert_flops_per_token * routed_tokens)
 
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
@@ -222,9 +256,12 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
                 via_server: bool = False) -> StepBreakdown:
     """Closed-form time of one decode step of `rows` real rows at `context` KV positions each.
 
-    distinct_per_layer: expected distinct routed experts one layer reads for the real rows (<= E);
+    distinct_per_layer: expected distinct routed experts one layer looks up for the real rows (<= E);
     misses_per_step: expert rows copied in the step (over all layers), spread evenly over
-    `layers_with_misses` layers (default: every layer when there are misses). The padded rows of
+    `layers_with_misses` layers (default: every layer when there are misses). The expert GEMMs read
+    each distinct expert once, or, where the model reads per pair (CostModel.reads_per_pair of the
+    rows x top-k pairs), every routed pair's expert: then rows in lockstep (distinct_per_layer ~ top-k)
+    share the misses but not the compute. The padded rows of
     the graph bucket pay dense compute and lm_head and skip the experts (no misses). Per layer:
     pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs), summed over layers (never a
     per-step max of compute and copy). ValueError on counts out of range.
@@ -248,8 +285,11 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     hit_l = distinct_per_layer - miss_l
     copy_l = model.transfer(miss_l, layers_with_misses / layers) if misses_per_step else 0.0
     share = miss_l / distinct_per_layer if distinct_per_layer else 0.0
-    hit_gemm = model.expert_read(hit_l, routed * (1 - share))
-    miss_gemm = model.expert_read(miss_l, routed * share)
+    # NOTE: per pair, a distinct expert is read once per pair routed to it (routed / distinct on average);
+    # the copies above stay per distinct miss.
+    reads_hit, reads_miss = (routed * (1 - share), routed * share) if model.reads_per_pair(routed) else (hit_l, miss_l)
+    hit_gemm = model.expert_read(reads_hit, routed * (1 - share))
+    miss_gemm = model.expert_read(reads_miss, routed * share)
     dense = sum(model.layer_pre_expert(layer, loads) for layer in range(layers)) + model.head(padded)
     expert_phase = layers * model.layer_expert_time(copy_l, hit_gemm, miss_gemm)
     copy = layers * copy_l

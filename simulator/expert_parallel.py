@@ -120,7 +120,8 @@ class ExpertParallelSimExecutor(SimExecutor):
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             # NOTE: ascending keys, the order the executors look them up in
             shares = self.partition.split([(layer, e) for e in sorted(tokens_per_expert)])
-            plans = [self._rank_work(r, keys, tokens_per_expert) for r, keys in enumerate(shares)]
+            per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))  # the layer call's pairs, as SimExecutor
+            plans = [self._rank_work(r, keys, tokens_per_expert, per_pair) for r, keys in enumerate(shares)]
             copying = sum(1 for misses, _, _ in plans if misses)
             procs = [host.env.process(self._rank_layer(r, dense, *plans[r], copying)) for r in range(n)]
             yield simpy.AllOf(host.env, procs)
@@ -131,7 +132,8 @@ class ExpertParallelSimExecutor(SimExecutor):
         yield simpy.AllOf(host.env, [host.env.process(g.use(cost.head(sum(1 for w in works if w.sample))))
                                      for g in host.gpus])
 
-    def _rank_work(self, rank: int, keys, tokens_per_expert: dict[int, int]) -> tuple[int, int, list[float]]:
+    def _rank_work(self, rank: int, keys, tokens_per_expert: dict[int, int],
+                   per_pair: bool = False) -> tuple[int, int, list[float]]:
         """(misses, copy calls, [seconds of GEMMs before each group's copies, ..., after the last]) of one
         rank's keys of one layer, looked up in groups of its slots (as the executors do)."""
         residency, c, cost = self.ranks[rank], self.counters, self.cost
@@ -144,7 +146,8 @@ class ExpertParallelSimExecutor(SimExecutor):
             c.expert_hits += len(lookup.hits)
             c.expert_misses += len(lookup.fills)
             c.bytes_moved += len(lookup.fills) * cost.expert_bytes
-            work = cost.expert_gemms([tokens_per_expert[e] for _, e in (*lookup.hits, *(k for k, _ in lookup.fills))])
+            work = cost.expert_gemms([tokens_per_expert[e] for _, e in (*lookup.hits, *(k for k, _ in lookup.fills))],
+                                     per_pair)
             if lookup.fills:
                 misses += len(lookup.fills)
                 calls += 1

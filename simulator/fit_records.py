@@ -15,8 +15,11 @@ layer's misses before its expert GEMMs, and the fit stays linear):
     host = host_step_s + host_row_s * B                                             (bench_decode execute - replay)
 
 physics(P) is the roofline time at memory efficiency 1 of the dense layers, KV/state reads, lm_head
-(P computed rows) and the distinct routed experts of the B real rows; decode is memory bound, so the
-time scales as 1 / memory_efficiency. h2d is the profile's pinned bandwidth; graph buckets come from
+(P computed rows) and the routed experts of the B real rows: with --expert-reads pairs (the default, our
+fast engine's per-pair decode GEMVs) one expert read per routed (row, top-k) pair, B x K a layer, whether
+or not rows share experts; with --expert-reads distinct (an engine that deduplicates) the distinct experts
+per layer the record measured. Misses are copied once per distinct expert either way. Decode is memory
+bound, so the time scales as 1 / memory_efficiency. h2d is the profile's pinned bandwidth; graph buckets come from
 the records (bench_decode `graph_buckets`).
 
 Fit: least squares of the relative residuals (each row divided by its measurement), parameters
@@ -41,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from domain.model_spec import ModelSpec, qwen36_35b_a3b
-from simulator.cost_model import CostModel, CostParams, decode_step
+from simulator.cost_model import EXPERT_READS, CostModel, CostParams, decode_step
 from simulator.hardware import HardwareProfile, get_profile
 from simulator.predict import Deployment, Workload
 from simulator.records import RecordSet, StepObservation, load_records
@@ -50,6 +53,7 @@ CALIBRATION_DIR = Path(__file__).parent / "calibration"
 FREE = ("step_overhead_s", "inverse_memory_efficiency", "host_step_s", "host_row_s", "server_step_s",
         "transfer_latency_s")
 DEFAULT_FIT_BATCHES = (1, 4, 16)
+DEFAULT_EXPERT_READS = "pairs"  # our fast engine's decode: per-pair GEMVs (CostParams.expert_reads)
 HELD_OUT_BOUND = 0.10  # issue 10: held-out predictions within +-10 %
 
 
@@ -79,9 +83,9 @@ def nnls(A: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
     return x
 
 
-def unit_params(buckets: tuple[int, ...]) -> CostParams:
+def unit_params(buckets: tuple[int, ...], expert_reads: str = DEFAULT_EXPERT_READS) -> CostParams:
     """The model with every free parameter at its 'physics only' value (efficiency 1, overheads 0)."""
-    return CostParams(memory_efficiency=1.0, h2d_efficiency=1.0, graph_buckets=buckets)
+    return CostParams(memory_efficiency=1.0, h2d_efficiency=1.0, graph_buckets=buckets, expert_reads=expert_reads)
 
 
 def design_row(model: CostModel, obs: StepObservation) -> tuple[list[float], float]:
@@ -130,15 +134,17 @@ class FitReport:
         return max(map(abs, self.errors("fit")))
 
 
-def fit_observations(records: RecordSet, train: list[bool], spec: ModelSpec, hardware: HardwareProfile) -> FitReport:
-    """Fit FREE on the observations marked True, predict all; ValueError if the fit set is too small."""
+def fit_observations(records: RecordSet, train: list[bool], spec: ModelSpec, hardware: HardwareProfile,
+                     expert_reads: str = DEFAULT_EXPERT_READS) -> FitReport:
+    """Fit FREE on the observations marked True, predict all; ValueError if the fit set is too small.
+    expert_reads: how the modelled engine's expert GEMMs read weights (CostParams.expert_reads)."""
     obs = records.observations
     if len(train) != len(obs):
         raise ValueError(f"split has {len(train)} flags for {len(obs)} observations")
     fit_obs = [o for o, t in zip(obs, train, strict=True) if t]
     if not any(o.kind == "step" for o in fit_obs):
         raise ValueError("the fit set has no decode-step observation (check --fit-batches against the records)")
-    unit = CostModel(spec, hardware, unit_params(records.graph_buckets))
+    unit = CostModel(spec, hardware, unit_params(records.graph_buckets, expert_reads))
     rows, known = zip(*(design_row(unit, o) for o in fit_obs), strict=True)
     A, known = np.array(rows, float), np.array(known)
     y = np.array([o.measured_s for o in fit_obs])
@@ -174,7 +180,7 @@ def fit_observations(records: RecordSet, train: list[bool], spec: ModelSpec, har
     fitted = {name: float(x[i]) for i, name in enumerate(FREE) if name != "inverse_memory_efficiency"}
     if "inverse_memory_efficiency" in held:
         x[inv_eff] = 1.0
-    cost = unit_params(records.graph_buckets).replace(memory_efficiency=float(1.0 / x[inv_eff]), **fitted)
+    cost = unit_params(records.graph_buckets, expert_reads).replace(memory_efficiency=float(1.0 / x[inv_eff]), **fitted)
     model = CostModel(spec, hardware, cost)
     out = []
     for o, t in zip(obs, train, strict=True):
@@ -216,6 +222,10 @@ def profile_record(report: FitReport, name: str, hardware: HardwareProfile, path
             "summary": "decode step = host (outside the graph) + fixed + physics(bucket) / memory_efficiency "
                        "+ misses x (transfer_latency + row bytes / pinned h2d); least squares of relative "
                        "residuals, parameters >= 0",
+            "expert_reads": ("per routed (row, top-k) pair: the per-pair decode GEMVs stream every pair's expert, "
+                             "shared or not; misses copied once per distinct expert"
+                             if report.cost.expert_reads == "pairs" else
+                             "per distinct expert: rows that share an expert share its read"),
             "graph_buckets": list(recs.graph_buckets),
             "held": report.held,
             "records_pinned_h2d_gb_s": recs.pinned_h2d_gb_s,
@@ -269,7 +279,8 @@ def print_table(report: FitReport, log=print) -> None:
     c = report.cost
     log(f"fitted: step_overhead {c.step_overhead_s * 1e3:.3f} ms, memory_efficiency {c.memory_efficiency:.3f}, "
         f"host {c.host_step_s * 1e3:.3f} ms + {c.host_row_s * 1e3:.4f} ms/row, server {c.server_step_s * 1e3:.3f} ms, "
-        f"per miss +{c.transfer_latency_s * 1e6:.1f} us")
+        f"per miss +{c.transfer_latency_s * 1e6:.1f} us; expert reads per "
+        + ("pair" if c.expert_reads == "pairs" else "distinct expert"))
     for name, why in report.held.items():
         log(f"held: {name}: {why}")
     for s in report.records.skipped:
@@ -290,6 +301,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path,
                    help="held-out report JSON (default simulator/calibration/reports/<profile name>.json)")
     p.add_argument("--strict", action="store_true", help="exit 3 when a held-out error exceeds +-10 %%")
+    p.add_argument("--expert-reads", choices=EXPERT_READS, default=DEFAULT_EXPERT_READS,
+                   help="how the recorded engine's expert GEMMs read weights: pairs (per-pair decode GEMVs, every "
+                        "routed pair streams its expert: our fast engine, the default) or distinct (each distinct "
+                        "expert once a step: an engine that deduplicates); misses are copied per distinct expert")
 
 
 def run(args: argparse.Namespace, log=print) -> int:
@@ -301,7 +316,8 @@ def run(args: argparse.Namespace, log=print) -> int:
     hardware = get_profile(args.hardware)
     spec = qwen36_35b_a3b()
     records = load_records(list(args.records), spec)
-    report = fit_observations(records, default_split(records.observations, fit_batches), spec, hardware)
+    report = fit_observations(records, default_split(records.observations, fit_batches), spec, hardware,
+                              getattr(args, "expert_reads", DEFAULT_EXPERT_READS))
     out = args.out or CALIBRATION_DIR / f"{hardware.name}_records_v1.json"
     profile = profile_record(report, out.stem, hardware, list(args.records), fit_batches)
     report_path = args.report or CALIBRATION_DIR / "reports" / f"{out.stem}.json"

@@ -12,6 +12,9 @@ by their prompt head, so requests with the same prompt produce the same tokens a
 identically (as in the customer's benchmark); sampled requests by seed and prompt head, or a
 stream of their own. Sampled token ids are a hash of (stream, position): deterministic.
 
+Expert compute (CostParams.expert_reads): works in lockstep are looked up and copied once, but with
+per-pair reads each of them still streams its pairs' expert weights (the fast engine's decode GEMVs).
+
 Step terms (cost_model docstring): every step first spends the host overhead outside the graph
 (GPU and link idle); a decode-only step runs as its graph bucket, the padded rows paying dense and
 lm_head compute and skipping the experts (with padding_fetches they route through streams of their own
@@ -145,15 +148,19 @@ class SimExecutor:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             keys = [(layer, e) for e in tokens_per_expert]
+            # NOTE: the engine picks per-pair GEMVs or grouped GEMMs from the layer call's pair count (lockstep
+            # rows included: each streams its pairs), never from the pool size or the lookup groups below.
+            per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
-                pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending)
+                pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
+                                                        per_pair)
         pending += cost.head(sum(1 for w in works if w.sample) + padding)
         yield from host.gpu.use(pending)
 
-    def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float):
-        """Looks the group up, copies its misses and queues its GEMMs; returns GPU time still
-        pending (not yet handed to simpy)."""
+    def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float, per_pair: bool = False):
+        """Looks the group up, copies its misses (once per distinct expert) and queues its GEMMs (weights
+        read per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
         host, cost, residency, c = self.host, self.cost, self.residency, self.counters
         lookup = residency.lookup(keys)
         misses = len(lookup.fills)
@@ -164,17 +171,17 @@ class SimExecutor:
         miss_tokens = [tokens_per_expert[e] for (_, e), _slot in lookup.fills]
         if not misses:
             residency.release()
-            return pending + cost.expert_gemms(hit_tokens)
+            return pending + cost.expert_gemms(hit_tokens, per_pair)
         # The router's output is needed before the copies can start: flush the GPU up to here.
         yield from host.gpu.use(pending)
         copies = host.env.process(host.pcie.use(cost.transfer(misses)))
         if cost.params.overlap_copy_compute:
-            yield from host.gpu.use(cost.expert_gemms(hit_tokens))
+            yield from host.gpu.use(cost.expert_gemms(hit_tokens, per_pair))
             yield copies
-            gemms = cost.expert_gemms(miss_tokens)
+            gemms = cost.expert_gemms(miss_tokens, per_pair)
         else:
             yield copies
-            gemms = cost.expert_gemms(hit_tokens + miss_tokens)
+            gemms = cost.expert_gemms(hit_tokens + miss_tokens, per_pair)
         # NOTE: this group holds the only pins, so release-all equals release(keys) without
         # validating every key again. The GEMMs are queued; nothing looks up before they run.
         residency.release()
