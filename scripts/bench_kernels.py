@@ -2,7 +2,7 @@
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
-        [--variants scripts.scratch] [--only fusions|dedup|grouped]
+        [--variants scripts.scratch] [--only fusions|dedup|grouped|order]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -439,6 +439,73 @@ def dedup_points(tokens: list[int], dev: str = "cuda", timer=None, hidden: int =
     return points
 
 
+def pair_order_points(tokens: list[int], dev: str = "cuda", experts: int = 256, timer=None) -> list[dict]:
+    """The decode graphs' per-pair MoE GEMVs (moe_gate_up, moe_down's partials) on one layer's pairs in three
+    launch orders, the kernels unchanged (Qwen3.6 shapes, block FP8, 8 of 256 experts + the shared one):
+
+    * `launched`: [T, K + 1] as the decode step launches them (the pair index runs fastest in the grid, so
+      programs that run together are different tokens' pairs, mostly different experts);
+    * `sorted`: the same pairs flattened to [P, 1] and sorted by slot, so the pairs of one expert are adjacent
+      in the grid and the second and later reads of a shared weight tile can come from L2 (50 MB on the H200);
+    * `shuffled`: flattened to [P, 1] in a random order: the control for the [P, 1] launch shape itself.
+
+    Why: at bs16 ~100 distinct experts serve 144 pairs a layer, and the per-pair GEMVs stream every pair's expert
+    from HBM (docs/fast-decode.md: the next bs16 idea). If `sorted` beats `launched` and `shuffled` ties it, a
+    permutation written beside the slot ids would pay. The rows time the GEMVs only: building the permutation
+    (a sort of P slot ids) and gathering x would add to `sorted`. `max_rel_diff`: `sorted`'s partials put back in
+    pair order against `launched`'s, relative to their largest value (the [P, 1] shape has its own autotune key,
+    so the tile, and the bits, may differ). dev/experts/timer let a CPU test run the same code at tiny shapes."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.kernels.moe_down import moe_down
+    from adapters.kernels.moe_gate_up import moe_gate_up
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
+    pool = random_pool(layout, dev)
+    gen = torch.Generator(device=dev).manual_seed(5)
+    routed = TOP_K - 1
+    slot_map = torch.randperm(SLOTS, device=dev, generator=gen)[:experts + 1].to(torch.int32)  # key E: shared
+    points = []
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        ids = torch.stack([torch.randperm(experts, device=dev, generator=gen)[:routed] for _ in range(t)])
+        slot_ids = slot_map[torch.cat((ids, torch.full((t, 1), experts, device=dev)), 1)]  # [T, K+1] int32
+        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
+        pairs = slot_ids.numel()
+        flat = slot_ids.reshape(-1)
+        token_of = torch.arange(t, device=dev).repeat_interleave(TOP_K)  # [P]
+        orders = {"sorted": torch.sort(flat, stable=True).indices,
+                  "shuffled": torch.randperm(pairs, device=dev, generator=gen)}
+        row = {"tokens": t, "pairs": pairs, "distinct_experts": int(torch.unique(flat).numel())}
+        h = moe_gate_up(x, slot_ids, pool, layout)  # [T, K, I]; autotunes on CUDA
+        y = torch.zeros(t, TOP_K, HIDDEN, device=dev, dtype=torch.float32)
+        row["launched_gate_up_us"] = timer(lambda x=x, s=slot_ids, h=h: moe_gate_up(x, s, pool, layout, out=h))
+        row["launched_down_us"] = timer(lambda h=h, s=slot_ids, w=weights, y=y: moe_down(h, s, w, pool, layout,
+                                                                                       partials=y))
+        for name, perm in orders.items():
+            xs = x[token_of[perm]]  # [P, H]: each pair's token row, in the new order
+            ss = flat[perm].reshape(pairs, 1).contiguous()  # [P, 1]
+            ws = weights.reshape(-1)[perm].reshape(pairs, 1).contiguous()
+            hs = moe_gate_up(xs, ss, pool, layout)  # [P, 1, I]; its own autotune key (K = 1)
+            ys = torch.zeros(pairs, 1, HIDDEN, device=dev, dtype=torch.float32)
+            row[f"{name}_gate_up_us"] = timer(lambda xs=xs, ss=ss, hs=hs: moe_gate_up(xs, ss, pool, layout, out=hs))
+            row[f"{name}_down_us"] = timer(lambda hs=hs, ss=ss, ws=ws, ys=ys: moe_down(hs, ss, ws, pool, layout,
+                                                                                     partials=ys))
+            if name == "sorted":
+                back = torch.empty_like(ys)
+                back[perm] = ys
+                ref = y.reshape(pairs, HIDDEN)
+                row["max_rel_diff"] = float((back.reshape(pairs, HIDDEN) - ref).abs().max()
+                                            / ref.abs().max().clamp_min(1e-30))
+        for name in ("launched", *orders):
+            row[f"{name}_us"] = row[f"{name}_gate_up_us"] + row[f"{name}_down_us"] \
+                if isinstance(row[f"{name}_gate_up_us"], float) and isinstance(row[f"{name}_down_us"], float) else None
+        points.append(row)
+        print(row, flush=True)
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -446,10 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
-    p.add_argument("--only", choices=("fusions", "dedup", "grouped"), default=None,
+    p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order"), default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
-                        "layer at decode sizes, part by part")
+                        "layer at decode sizes, part by part; order: only the per-pair GEMVs launched as the "
+                        "decode step does, sorted by expert, and shuffled")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -465,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         record["dedup"] = dedup_points(args.tokens if args.only is None else sorted({1, 4, 8, 16, *args.tokens}))
     if args.only in (None, "grouped"):
         record["grouped_decode"] = grouped_decode_points(sorted({1, 4, 8, 16, *args.tokens}))
+    if args.only in (None, "order"):
+        record["pair_order"] = pair_order_points(sorted({1, 4, 8, 16, *args.tokens}))
     if args.only in (None, "fusions"):
         record["fusions"] = fusion_points(args.tokens)
         record["route_lookup"] = route_lookup_points(args.route_rows)

@@ -90,3 +90,18 @@ def test_grouped_decode_points_time_both_sides_on_the_same_layer(tiny):
     for per_pair, grouped in ((calls[3], calls[6]), (calls[10], calls[13])):
         scale = per_pair.float().abs().max()
         assert scale > 0 and ((grouped.float() - per_pair.float()).abs().max() / scale) < 2e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
+def test_pair_order_points_time_the_same_pairs_in_three_orders(tiny):
+    """The per-pair GEMVs over one layer's pairs as launched, sorted by expert and shuffled: every side timed, and
+    the sorted side's partials, put back in pair order, are the launched side's."""
+    bench_kernels, timer, calls = tiny
+    rows = bench_kernels.pair_order_points([1, 4], dev="cpu", experts=16, timer=timer)
+    assert [r["tokens"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["pairs"] == row["tokens"] * bench_kernels.TOP_K
+        for side in ("launched", "sorted", "shuffled"):
+            assert row[f"{side}_gate_up_us"] == row[f"{side}_down_us"] == 1.0 and row[f"{side}_us"] == 2.0
+        assert row["max_rel_diff"] < 1e-6  # the same pair's products, the same kernels
+    assert len(calls) == 2 * 6
