@@ -167,6 +167,15 @@ def crossover_points() -> dict:
     return {"dense": dense, "moe": moe}
 
 
+def decode_layer_inputs(t: int, experts: int, gen: torch.Generator, dev: str):
+    """One decode-sized MoE layer's inputs: x bf16 [T, H], the expert keys int32 [T, K+1] (TOP_K - 1 distinct
+    random routed experts per token, then the shared one as key E = experts) and router weights fp32 [T, K+1]."""
+    x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+    ids = torch.stack([torch.randperm(experts, device=dev, generator=gen)[:TOP_K - 1] for _ in range(t)])
+    keys = torch.cat((ids, torch.full((t, 1), experts, device=dev)), 1).to(torch.int32)
+    return x, keys, torch.rand(t, TOP_K, device=dev, generator=gen)
+
+
 def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 256, timer=None) -> list[dict]:
     """The decode-sized MoE layer both ways, part by part, on the same inputs (Qwen3.6 shapes: 8 of 256
     experts + the resident shared one, block FP8, a pool of SLOTS rows far past L2):
@@ -196,18 +205,14 @@ def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 2
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
     pool = random_pool(layout, dev)
     gen = torch.Generator(device=dev).manual_seed(4)
-    routed = TOP_K - 1
     groups = experts + 1  # the routed experts and the shared one (key E)
     # each expert key's slot, and -1 at the end (key -1 reads it): the lookup's slot map, as `_routed_set` gets it
     slot_map = torch.cat((torch.randperm(SLOTS, device=dev, generator=gen)[:groups],
                           torch.full((1,), -1, device=dev))).to(torch.int32)
     points = []
     for t in tokens:
-        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
-        ids = torch.stack([torch.randperm(experts, device=dev, generator=gen)[:routed] for _ in range(t)])
-        keys = torch.cat((ids, torch.full((t, 1), experts, device=dev)), 1).to(torch.int32)  # [T, K+1]
+        x, keys, weights = decode_layer_inputs(t, experts, gen, dev)
         slot_ids = slot_map[keys]  # [T, K+1] int32
-        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
         block_m = choose_block_m(keys.numel(), groups)
         row = {"tokens": t, "pairs": keys.numel(), "distinct_experts": int(torch.unique(keys).numel()),
                "block_m": block_m, "triton_align": uses_triton(keys, groups)}
@@ -464,14 +469,11 @@ def pair_order_points(tokens: list[int], dev: str = "cuda", experts: int = 256, 
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
     pool = random_pool(layout, dev)
     gen = torch.Generator(device=dev).manual_seed(5)
-    routed = TOP_K - 1
     slot_map = torch.randperm(SLOTS, device=dev, generator=gen)[:experts + 1].to(torch.int32)  # key E: shared
     points = []
     for t in tokens:
-        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
-        ids = torch.stack([torch.randperm(experts, device=dev, generator=gen)[:routed] for _ in range(t)])
-        slot_ids = slot_map[torch.cat((ids, torch.full((t, 1), experts, device=dev)), 1)]  # [T, K+1] int32
-        weights = torch.rand(t, TOP_K, device=dev, generator=gen)
+        x, keys, weights = decode_layer_inputs(t, experts, gen, dev)
+        slot_ids = slot_map[keys]  # [T, K+1] int32
         pairs = slot_ids.numel()
         flat = slot_ids.reshape(-1)
         token_of = torch.arange(t, device=dev).repeat_interleave(TOP_K)  # [P]

@@ -75,13 +75,12 @@ class MoeSegments:
         if i + 1 < len(m.mixers):
             buf.h.copy_(m._norm(buf.x, w[f"layers.{i + 1}.input_layernorm.weight"]))
 
-    def capture(self, stream: torch.cuda.Stream | None = None) -> None:
+    def capture(self, stream: torch.cuda.Stream) -> None:
         """Record every (bucket, layer) segment on all-padded rows (nothing routes, no pool is written), inside a
         streamed step as a real step runs them (so `routed` takes the same branch). Largest bucket first: the
         smaller graphs reuse its memory pool. Kernels must be tuned before (the prefill warm-up): a capture
         cannot autotune. Without graphs (use_graphs False) there is nothing to record. stream: the side stream
-        of the eager warm-up (the executor passes its one reused stream: see CudaGraphExecutor._warmup_stream);
-        None makes one."""
+        of the eager warm-up (the executor's one reused stream: see CudaGraphExecutor._warmup_stream)."""
         self.graphs = {}
         if not self.use_graphs or not self.buckets:
             return
@@ -90,7 +89,6 @@ class MoeSegments:
             buf.x.zero_()
             buf.mix.zero_()
             buf.valid.zero_()
-        stream = stream if stream is not None else torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode(), self.experts.streamed_step():
             for b in self.buckets:  # warm-up: compiles what is not compiled yet, creates cuBLAS handles

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from adapters.checkpoint.quant import FP8_BLOCK, QTensor
 from adapters.kernels import dense_gemv_fp4
-from adapters.kernels.packed_gemv import untuned_block_n
+from adapters.kernels.packed_gemv import check_dense_operands, untuned_block_n
 from domain.model_spec import WeightFormat
 
 # scale modes (tl.constexpr)
@@ -100,10 +100,7 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if q.fmt not in SUPPORTED:
         raise ValueError(f"dense_gemv does not read {q.fmt.value} weights (supported: "
                          f"{sorted(f.value for f in SUPPORTED)})")
-    if x.dim() != 2 or x.shape[1] != q.shape[1]:
-        raise ValueError(f"x must be [M, {q.shape[1]}], got {tuple(x.shape)}")
-    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
-        raise ValueError("x rows, q.data and q.scale must be contiguous")
+    check_dense_operands(x, q)
     mode = SUPPORTED[q.fmt]
     if block_k is not None and mode == SCALE_BLOCK and block_k % FP8_BLOCK:
         raise ValueError(f"block_k {block_k} must be a multiple of the scale block {FP8_BLOCK}")

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import MXFP4_GROUP, NVFP4_GROUP, QTensor
-from adapters.kernels.packed_gemv import FORMAT_CODES, load_fp4_tile, load_x, term, untuned_block_n
+from adapters.kernels.packed_gemv import (
+    FORMAT_CODES,
+    check_dense_operands,
+    load_fp4_tile,
+    load_x,
+    term,
+    untuned_block_n,
+)
 from domain.model_spec import WeightFormat
 
 GROUPS = {WeightFormat.NVFP4: NVFP4_GROUP, WeightFormat.MXFP4: MXFP4_GROUP}
@@ -68,11 +75,8 @@ def dense_gemv_fp4(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None,
     """
     if q.fmt not in GROUPS:
         raise ValueError(f"dense_gemv_fp4 reads nvfp4 and mxfp4 weights, not {q.fmt.value}")
+    check_dense_operands(x, q)
     n, k = q.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
-    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
-        raise ValueError("x rows, q.data and q.scale must be contiguous")
     group = GROUPS[q.fmt]
     if block_k is not None and (block_k < group or block_k & (block_k - 1)):
         raise ValueError(f"block_k {block_k} must be a power of two and a multiple of the scale group {group}")

@@ -100,6 +100,15 @@ def check_pool(slot_ids: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout
     return int(slot_ids.shape[1])
 
 
+def check_dense_operands(x: torch.Tensor, q) -> None:
+    """The dense GEMVs' operand checks (dense_gemv, dense_gemv_fp4): x [M, K] with unit column stride for a
+    QTensor q of logical shape [N, K], its data and scales contiguous. Raises ValueError."""
+    if x.dim() != 2 or x.shape[1] != q.shape[1]:
+        raise ValueError(f"x must be [M, {q.shape[1]}], got {tuple(x.shape)}")
+    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
+        raise ValueError("x rows, q.data and q.scale must be contiguous")
+
+
 @triton.jit
 def _e2m1(code):
     """e2m1 code in the low 4 bits (sign bit 3) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives, exactly.

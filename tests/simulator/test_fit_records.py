@@ -165,18 +165,24 @@ def test_a_failed_point_is_listed_not_fitted(tmp_path):
     assert not any(o.label == "sweep kv=8192 bs=3" for o in records.observations)
 
 
+def refit(tmp_path, records, name: str, *args: str) -> tuple[int, dict, Path]:
+    """`ft sim calibrate --strict` over `records` (extra `args`) into tmp_path/name.json, checked against the
+    committed simulator/calibration/name.json (the same profile); (exit code, report, the new file)."""
+    out, report = tmp_path / f"{name}.json", tmp_path / "report.json"
+    rc = sim_main(["calibrate", "--records", *map(str, records), *args, "--out", str(out), "--report", str(report),
+                   "--strict"])
+    fresh = json.loads(out.read_text())
+    committed = json.loads((REPO / f"simulator/calibration/{name}.json").read_text())
+    fresh["provenance"]["records"] = committed["provenance"]["records"]  # absolute here, relative there
+    assert_same_profile(fresh, committed)
+    return rc, json.loads(report.read_text()), out
+
+
 def test_todays_records_reproduce_the_committed_profile_and_report_their_error(tmp_path, capsys):
     # Fitted reading each distinct expert once (--expert-reads distinct): the HTTP records are the old engine's, and
     # the per-pair refit is no better (held-out max 17.5 %, also outside +-10 %), so the file keeps its fit.
-    out, report = tmp_path / "h200_records_v1.json", tmp_path / "report.json"
-    rc = sim_main(["calibrate", "--records", *map(str, TODAY), "--expert-reads", "distinct", "--out", str(out),
-                   "--report", str(report), "--strict"])
+    rc, rep, out = refit(tmp_path, TODAY, "h200_records_v1", "--expert-reads", "distinct")
     table = capsys.readouterr().out
-    fresh = json.loads(out.read_text())
-    committed = json.loads((REPO / "simulator/calibration/h200_records_v1.json").read_text())
-    fresh["provenance"]["records"] = committed["provenance"]["records"]  # absolute here, relative there
-    assert_same_profile(fresh, committed)
-    rep = json.loads(report.read_text())
     held = [p for p in rep["points"] if p["role"] == "held_out"]
     assert {p["label"] for p in held} == {"sweep kv=65536 bs=1", "sweep kv=65536 bs=4", "ladder kv=65536 bs=2",
                                           "ladder kv=65536 bs=8"}
@@ -201,14 +207,7 @@ def test_the_fast_engines_records_reproduce_h200_v2_within_the_held_out_bound(tm
     # held-out points (other KV size, c2, c8) within +-10 %, so it is the H200 default (h200_v2). Fitted reading each
     # distinct expert once (--expert-reads distinct); the per-pair refit is outside the bound (next test), so h200_v2
     # keeps this fit.
-    out, report = tmp_path / "h200_v2.json", tmp_path / "report.json"
-    rc = sim_main(["calibrate", "--records", *map(str, FAST), "--expert-reads", "distinct", "--out", str(out),
-                   "--report", str(report), "--strict"])
-    fresh = json.loads(out.read_text())
-    committed = json.loads((REPO / "simulator/calibration/h200_v2.json").read_text())
-    fresh["provenance"]["records"] = committed["provenance"]["records"]
-    assert_same_profile(fresh, committed)
-    rep = json.loads(report.read_text())
+    rc, rep, out = refit(tmp_path, FAST, "h200_v2", "--expert-reads", "distinct")
     held = [p for p in rep["points"] if p["role"] == "held_out"]
     assert len(held) == 4 and rc == 0 and rep["within_bound"]
     assert rep["max_abs_held_out_error"] <= fr.HELD_OUT_BOUND
@@ -234,14 +233,7 @@ def test_the_current_engines_records_reproduce_h200_records_v3_with_bs3_and_bs6_
     # Session 14's records (Triton prefill by default, batched spans): the 8k bs3/bs6 points, every 64k point
     # and c2/c8 are held out and predicted within +-10 % (6.3 % at most when fitted on 2026-12-02 reading each
     # distinct expert once; 8.5 % refitted on 2026-12-04 with per-pair expert reads, the default, which ships)
-    out, report = tmp_path / "h200_records_v3.json", tmp_path / "report.json"
-    rc = sim_main(["calibrate", "--records", *map(str, SESSION14), "--out", str(out), "--report", str(report),
-                   "--strict"])
-    fresh = json.loads(out.read_text())
-    committed = json.loads((REPO / "simulator/calibration/h200_records_v3.json").read_text())
-    fresh["provenance"]["records"] = committed["provenance"]["records"]
-    assert_same_profile(fresh, committed)
-    rep = json.loads(report.read_text())
+    rc, rep, out = refit(tmp_path, SESSION14, "h200_records_v3")
     held = {p["label"] for p in rep["points"] if p["role"] == "held_out"}
     assert len(held) == 8 and rc == 0 and rep["within_bound"]
     assert any("bs=3" in h for h in held) and any("bs=6" in h for h in held)
@@ -258,14 +250,7 @@ def test_session_17s_records_reproduce_h200_records_v4_with_bs3_and_bs6_held_out
     # Session 17's records (prefill graphs, the arrival window: identical prompts decode in lockstep) with session
     # 14's split: the held-out points predicted within +-10 % (6.7 % at most when fitted on 2026-12-04 reading each
     # distinct expert once; 8.5 % with per-pair expert reads, the default, which ships: bs6 +7.6 / +8.5 %)
-    out, report = tmp_path / "h200_records_v4.json", tmp_path / "report.json"
-    rc = sim_main(["calibrate", "--records", *map(str, SESSION17), "--hardware", "h200", "--out", str(out),
-                   "--report", str(report), "--strict"])
-    fresh = json.loads(out.read_text())
-    committed = json.loads((REPO / "simulator/calibration/h200_records_v4.json").read_text())
-    fresh["provenance"]["records"] = committed["provenance"]["records"]
-    assert_same_profile(fresh, committed)
-    rep = json.loads(report.read_text())
+    rc, rep, out = refit(tmp_path, SESSION17, "h200_records_v4", "--hardware", "h200")
     held = {p["label"] for p in rep["points"] if p["role"] == "held_out"}
     assert rc == 0 and rep["within_bound"]
     assert any("bs=3" in h for h in held) and any("bs=6" in h for h in held)
