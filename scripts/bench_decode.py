@@ -4,16 +4,22 @@ from a profile, checks the fast path against the reference executor, and writes 
 the hardware profile.
 
     python scripts/bench_decode.py --out $OUT [--format fp8_block] [--batch 1,4,16] [--plans resident,24]
+        [--splitk-max-rows 1,32] [--pairs-bucket-max 1,1024]
 
 Scenarios: `resident` holds all 10,240 experts; a number is a GPU budget in GiB planned by the domain
 planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt per row, warm up
 (--warmup steps, fills the LRU), then time --steps decode steps through execute() (host clock, which
 includes input staging and the one device->host copy) and the bare graph replay (CUDA events).
+--splitk-max-rows / --pairs-bucket-max run every scenario once per value (the cross product when both are
+given), the module constant set before its executor is built: `resident_splitk1` (1: no split-K GEMM, the
+control), `resident_splitk32_pairs1024`, ...; each scenario records the values it ran with.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 import json
 import statistics
 import sys
@@ -178,6 +184,42 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
     torch.cuda.empty_cache()
 
 
+# A/B knobs: (option dest, scenario name tag, module, constant). The executor reads the constants while it builds
+# (prefill warm-up, graph capture: autotune keys, kernel choice), so a variant sets them before building it.
+KNOBS = (("splitk_max_rows", "splitk", "adapters.cuda_exec.prefill_linear", "SPLITK_MAX_ROWS"),
+         ("pairs_bucket_max", "pairs", "adapters.kernels.packed_gemv", "PAIRS_BUCKET_MAX"))
+
+
+def knob_variants(args) -> list[dict[str, int]]:
+    """One {dest: value} per variant: the cross product of the knob options given ([{}]: none given)."""
+    given = [(dest, getattr(args, dest)) for dest, *_ in KNOBS if getattr(args, dest)]
+    return [dict(zip([dest for dest, _ in given], values, strict=True))
+            for values in itertools.product(*(vals for _, vals in given))]
+
+
+def run_variants(args, ckpt, name: str, budget_gib: float | None, record: dict) -> None:
+    """run_scenario once per knob variant, the knobs' constants set for its executor and restored after (a
+    failed variant is recorded, the others still run). Each scenario records every knob's value it ran with,
+    under `name` plus a tag per given knob (`resident_splitk32_pairs1024`; the plain name with no knob given)."""
+    knobs = {dest: (tag, importlib.import_module(mod), const) for dest, tag, mod, const in KNOBS}
+    defaults = {dest: getattr(mod, const) for dest, (_, mod, const) in knobs.items()}
+    for variant in knob_variants(args):
+        scen_name = name + "".join(f"_{knobs[dest][0]}{v}" for dest, v in variant.items())
+        values = {**defaults, **variant}
+        try:
+            for dest, (_, mod, const) in knobs.items():
+                setattr(mod, const, values[dest])
+            record["scenarios"].setdefault(scen_name, {"budget_gib": budget_gib}).update(values)
+            run_scenario(args, ckpt, scen_name, budget_gib, record)
+        except Exception as exc:
+            record["scenarios"].setdefault(scen_name, {})["error"] = traceback.format_exc()[-3000:]
+            print("scenario failed:", scen_name, exc, flush=True)
+        finally:  # the next variant, and the parity run, start from the modules' values
+            for dest, (_, mod, const) in knobs.items():
+                setattr(mod, const, defaults[dest])
+        _save(args, record)
+
+
 def run_parity(args, ckpt, record: dict) -> None:
     """Greedy tokens and logits of the fast path against the reference executor, full size, in fp32 (both
     paths' only differences are then summation order; in bf16 a random 40-layer model amplifies the two
@@ -249,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grouped-decode-min-pairs", type=int, default=None,
                    help="decode MoE layers of this many routed pairs and more run the grouped GEMMs over their "
                         "pairs aligned by expert (expert_pool.GROUPED_DECODE_MIN_PAIRS; default: the module's, off)")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--splitk-max-rows", type=ints, default=None, metavar="LIST",
+                   help="run every scenario once per value of prefill_linear.SPLITK_MAX_ROWS (the most rows the "
+                        "split-K GEMM takes; 1: none, 2+ rows take dense_gemm, the control); default: the module's")
+    p.add_argument("--pairs-bucket-max", type=ints, default=None, metavar="LIST",
+                   help="run every scenario once per value of packed_gemv.PAIRS_BUCKET_MAX (the per-pair MoE "
+                        "GEMVs' largest autotune pairs bucket; 1: one key for every pair count); default: the "
+                        "module's. With --splitk-max-rows: the cross product")
     args = p.parse_args(argv)
     if args.dedup_min_pairs is not None or args.grouped_decode_min_pairs is not None:
         from adapters.cuda_exec import expert_pool
@@ -284,13 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         record["row_bytes"] = ckpt.experts.layout.row_bytes
         _save(args, record)
         for plan in args.plans.split(","):
-            try:
-                run_scenario(args, ckpt, f"budget_{plan}gib" if plan != "resident" else "resident",
-                             None if plan == "resident" else float(plan), record)
-            except Exception as exc:
-                record["scenarios"].setdefault(plan, {})["error"] = traceback.format_exc()[-3000:]
-                print("scenario failed:", plan, exc, flush=True)
-            _save(args, record)
+            run_variants(args, ckpt, f"budget_{plan}gib" if plan != "resident" else "resident",
+                         None if plan == "resident" else float(plan), record)
         if args.parity_steps:
             try:
                 run_parity(args, ckpt, record)

@@ -2,7 +2,7 @@
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
-        [--variants scripts.scratch] [--only fusions|dedup|grouped|order]
+        [--variants scripts.scratch] [--only fusions|dedup|grouped|order|crossover]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -11,7 +11,9 @@ fusion's A/B (the norm + router rows also name rms_norm_router's autotuned tile 
 candidate tile); `route_lookup` the router + lookup A/B at --route-rows (where moe_route_lookup.FUSED_MAX_TILE,
 the decode step's crossover, belongs); --only fusions runs just those two. `grouped_decode` (--only grouped)
 times the decode-sized MoE layer per pair and grouped by expert, part by part (whether grouping a bs16
-step's pairs by expert pays: grouped_decode_points).
+step's pairs by expert pays: grouped_decode_points). `crossover` (also in the full run) times the dense
+kernels per row count, dense_gemv / dense_gemm_splitk / dense_gemm and the one prefill_linear picks (where its
+GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong), then fused_moe vs grouped_moe; --only crossover runs the dense half.
 """
 
 from __future__ import annotations
@@ -128,27 +130,57 @@ def _timed(fn) -> float | str:
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def crossover_points() -> dict:
-    """Where the tensor-core kernels overtake the per-row GEMVs: dense_gemv vs dense_gemm per row count
-    (decode buckets and short prefill) and fused_moe (per-pair GEMV) vs grouped_moe per token count."""
-    from adapters.checkpoint.expert_layout import ExpertLayout
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode buckets and short prefill steps
+
+
+def prefill_kernel(rows: int, q) -> str:
+    """The kernel prefill_linear runs for `rows` rows of q (bf16 activations, a8 off, its constants as they are
+    now): "gemv", "splitk" or "gemm"."""
+    from adapters.cuda_exec import prefill_linear as pl
+
+    if pl.use_gemv(rows, q.shape[1]) and pl.gemv.supports(q):
+        return "gemv"
+    return "splitk" if pl.use_splitk(rows, q) else "gemm"
+
+
+def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = CROSSOVER_ROWS) -> list[dict]:
+    """dense_gemv vs dense_gemm_splitk vs dense_gemm per row count at the DENSE shapes (block FP8): where
+    prefill_linear's GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong. `chosen`: the kernel prefill_linear runs today;
+    `best`: the fastest, when all three timed (the split-K GEMM takes at most its SPLITK_MAX_ROWS rows: None
+    past them). dev/timer let a CPU test run the same code at tiny shapes in Triton's interpreter."""
     from adapters.checkpoint.quantize import quantize
+    from adapters.kernels import dense_gemm_splitk as sk
     from adapters.kernels.dense_gemm import dense_gemm
     from adapters.kernels.dense_gemv import dense_gemv
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    points = []
+    for shape_name, (n, k) in DENSE.items():
+        q = quantize(torch.randn(n, k) * 0.05, WeightFormat.FP8_BLOCK).to(dev)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"matrix": shape_name, "rows": m, "chosen": prefill_kernel(m, q)}
+            row["gemv_us"] = timer(lambda x=x, q=q: dense_gemv(x, q))
+            # at its autotuned tile and split on CUDA, as prefill_linear runs it (a fixed tile elsewhere)
+            row["splitk_us"] = (timer(lambda x=x, q=q: sk.dense_gemm_splitk(x, q))
+                                if m <= sk.SPLITK_MAX_ROWS else None)
+            row["gemm_us"] = timer(lambda x=x, q=q: dense_gemm(x, q))
+            times = {name: row[f"{name}_us"] for name in ("gemv", "splitk", "gemm")}
+            if all(isinstance(t, float) for t in times.values()):
+                row["best"] = min(times, key=times.get)
+            points.append(row)
+            print(row, flush=True)
+    return points
+
+
+def moe_crossover_points() -> list[dict]:
+    """fused_moe (per-pair GEMV) vs grouped_moe per token count."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
     from adapters.kernels.fused_moe import fused_moe
     from adapters.kernels.grouped_moe import grouped_moe
     from domain.model_spec import WeightFormat
 
-    dense = []
-    for shape_name, (n, k) in DENSE.items():
-        q = quantize(torch.randn(n, k) * 0.05, WeightFormat.FP8_BLOCK).to("cuda")
-        for m in (1, 2, 4, 8, 16, 32, 64):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"matrix": shape_name, "rows": m}
-            for name, fn in (("gemv", dense_gemv), ("gemm", dense_gemm)):
-                row[f"{name}_us"] = _timed(lambda f=fn, x=x, q=q: f(x, q))
-            dense.append(row)
-            print(row, flush=True)
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
     pool = random_pool(layout)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -164,7 +196,14 @@ def crossover_points() -> dict:
             row[f"{name}_us"] = _timed(lambda f=fn, x=x, i=ids, w=weights: f(x, i, w, pool, layout))
         moe.append(row)
         print(row, flush=True)
-    return {"dense": dense, "moe": moe}
+    return moe
+
+
+def crossover_points(dev: str = "cuda", timer=None, moe: bool = True) -> dict:
+    """Where the tensor-core kernels overtake the per-row GEMVs: the dense kernels per row count (decode
+    buckets and short prefill: dense_crossover_points, on dev with timer) and, unless moe is False (--only
+    crossover: the MoE half is slow; CUDA only), fused_moe vs grouped_moe per token count."""
+    return {"dense": dense_crossover_points(dev, timer), **({"moe": moe_crossover_points()} if moe else {})}
 
 
 def decode_layer_inputs(t: int, experts: int, gen: torch.Generator, dev: str):
@@ -515,11 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
-    p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order"), default=None,
+    p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order", "crossover"), default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
                         "layer at decode sizes, part by part; order: only the per-pair GEMVs launched as the "
-                        "decode step does, sorted by expert, and shuffled")
+                        "decode step does, sorted by expert, and shuffled; crossover: only the dense GEMV vs "
+                        "split-K GEMM vs GEMM per row count (the MoE half of the crossover is slow)")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -543,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only is None:
         record.update(moe=moe_points(moe_mods, args.tokens), dense=dense_points(dense_mods),
                       crossover=crossover_points())
+    elif args.only == "crossover":
+        record["crossover"] = crossover_points(moe=False)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_kernels.json").write_text(json.dumps(record, indent=1, default=str))
     return 0

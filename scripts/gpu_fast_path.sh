@@ -22,6 +22,10 @@
 #   spans    the batched prefill spans (sessions 12-14): their warm-up's, step's and kernels' GPU tests, then
 #            scripts/diag/bench_prefill_spans.py (one step of 1..16 short prompts, with a profile of the 1- and
 #            16-span steps: device busy vs wall time, host syncs, top kernels and host ops) into $OUT/prefill_spans.json
+#   splitk   the split-K GEMM's and the pair buckets' GPU tests (the fast executor's and the prefill graphs' too:
+#            they tune and capture), then bench_kernels.py --only crossover (GEMV / split-K / GEMM per row count);
+#            synthesizes $CKPT meanwhile
+#   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
 #   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
@@ -104,6 +108,24 @@ for phase in "$@"; do
         timeout 150 python3 scripts/diag/bench_prefill_spans.py --out "$OUT/prefill_spans.json" 2>&1 | tail -12 | cut -c1-300
       fi ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tail -3 ;;
+    splitk)
+      # session 19: the split-K GEMM for 2..32-row projections and the per-pair GEMVs' pair buckets. Synthesizes
+      # $CKPT in the background for `splitk-decode` (the next call, same warm machine)
+      [[ -f $CKPT/config.json ]] || { python3 -c "import sys; from pathlib import Path
+from adapters.checkpoint.synth import synthesize; from adapters.checkpoint.synth_config import GEOMETRIES
+synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0, tokenizer=False, progress=False,
+           device='cuda')" "$CKPT" > "$OUT/synth.log" 2>&1 & }
+      timeout -k 10 -s INT 330 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
+        tests/adapters/test_kernel_dense_gemm_splitk.py tests/adapters/test_prefill_linear.py \
+        tests/adapters/test_kernels_moe.py tests/adapters/test_fast_executor.py tests/adapters/test_prefill_graphs.py \
+        2>&1 | tee "$OUT/splitk_pytest.log" | tail -12
+      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover" --only crossover 2>&1 | tail -2 | cut -c1-300
+      wait ;;
+    splitk-decode)
+      # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / four (1024)
+      timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
+        --splitk-max-rows 1,32 --pairs-bucket-max 1,1024 2>&1 | grep -E "^resident|parity|Error|failed" | cut -c1-300 ;;
     dedup)
       timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
         tests/adapters/test_kernels_moe_dedup.py tests/adapters/test_expert_pool_dedup.py \

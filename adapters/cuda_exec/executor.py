@@ -220,7 +220,7 @@ class CudaGraphExecutor(ExecutorPools):
             self._on_phase(f"capturing decode graphs for batch sizes {', '.join(map(str, buckets))}")
         with torch.inference_mode():
             self.experts.tune(torch.randn(1, self.model.opts.hidden, dtype=self.dtype, device=self.device),
-                              self.model.opts.top_k)
+                              self.model.opts.top_k, rows=buckets)
         stream = self._warmup_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():

@@ -9,6 +9,7 @@ G staging rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +32,7 @@ from adapters.kernels.moe_align import Alignment, align_by_slot, choose_block_m,
 from adapters.kernels.moe_route_lookup import fits as route_lookup_fits
 from adapters.kernels.moe_route_lookup import pays as route_lookup_pays
 from adapters.kernels.moe_sum import moe_sum
+from adapters.kernels.packed_gemv import PAIRS_BUCKETS, pairs_bucket
 from adapters.kernels.residency_lookup import MAX_KEYS
 
 # Above this many (token, top-k) pairs a layer's experts run as grouped tensor-core GEMMs (grouped_moe),
@@ -223,9 +225,27 @@ class DeviceExpertPool:
             self.shard.all_reduce(partials)
         return moe_sum(partials, torch.empty_like(x))
 
-    def tune(self, x: torch.Tensor, top_k: int) -> None:
-        """Run the fused kernels once on real slots so their tiles are measured on real work (the graph
-        warm-up runs padded rows, which skip every expert)."""
+    def tune(self, x: torch.Tensor, top_k: int, rows: Sequence[int] = (1,)) -> None:
+        """Run the fused kernels once on real slots at each of `rows` token counts, and at the most tokens a
+        per-pair chunk holds (GEMV_MAX_PAIRS: the prefill's small chunks), so every pair bucket's tiles
+        (packed_gemv.pairs_bucket) are measured on real work before any capture: the graph warm-ups run padded
+        rows, which skip every expert, and a capture cannot measure. x [1, H]: the activation row, repeated.
+        `rows` first, largest first: the first call of a bucket decides its tile, so where a decode bucket's own
+        count falls in a pair bucket (bs16: 144 pairs), that count tunes it; then each pair bucket at the most
+        tokens it holds. One count per bucket; with one bucket for all (PAIRS_BUCKET_MAX 1, the A/B's control)
+        the fewest rows, as before the buckets (bs1's tile)."""
+        columns = top_k + self.has_shared
+        fill = [max(1, min(b, GEMV_MAX_PAIRS) // columns) for b in PAIRS_BUCKETS]
+        first: dict[int, int] = {}  # pair bucket -> the row count that tunes it
+        for n in [*sorted(set(rows), reverse=True), *fill]:
+            first.setdefault(pairs_bucket(n * columns), n)
+        counts = list(first.values()) if len(first) > 1 else [min(rows)]
+        for n in counts:
+            self._tune_rows(x[:1].expand(n, -1).contiguous(), top_k)
+        if self.grouped_decode_min_pairs is not None:
+            self._tune_grouped_decode(x[:1], top_k)
+
+    def _tune_rows(self, x: torch.Tensor, top_k: int) -> None:
         rows = x.shape[0]
         slot_ids = (torch.arange(rows * top_k, device=self.device) % self.num_slots).view(rows, top_k)
         weights = torch.full((rows, top_k + self.has_shared), 1.0 / top_k, device=self.device)
@@ -233,14 +253,15 @@ class DeviceExpertPool:
         fused_moe(x, slot_ids, weights, self.all_slots, self.layout)
         if self.dedups(rows * top_k):  # reads the per-pair tiles just tuned; compiles before any capture
             fused_moe(x, slot_ids, weights, self.all_slots, self.layout, dedup=True)
-        if self.grouped_decode_min_pairs is not None:
-            # NOTE: the largest decode call's rows over distinct real slots, with the BLOCK_M its alignment by
-            # expert takes: the autotune key does not hold the row count, so the first call to tune it decides
-            big = MAX_KEYS // top_k
-            ids = (torch.arange(big * top_k, device=self.device) % self.num_slots).view(big, top_k).to(torch.int32)
-            ids = self._with_shared(0, ids, self.has_shared)
-            grouped_moe(x.expand(big, -1).contiguous(), ids, torch.full(ids.shape, 1.0 / top_k, device=self.device),
-                        self.all_slots, self.layout, block_m=choose_block_m(ids.numel(), self.bank.num_experts + 1))
+
+    def _tune_grouped_decode(self, x: torch.Tensor, top_k: int) -> None:
+        # NOTE: the largest decode call's rows over distinct real slots, with the BLOCK_M its alignment by
+        # expert takes: the autotune key does not hold the row count, so the first call to tune it decides
+        big = MAX_KEYS // top_k
+        ids = (torch.arange(big * top_k, device=self.device) % self.num_slots).view(big, top_k).to(torch.int32)
+        ids = self._with_shared(0, ids, self.has_shared)
+        grouped_moe(x.expand(big, -1).contiguous(), ids, torch.full(ids.shape, 1.0 / top_k, device=self.device),
+                    self.all_slots, self.layout, block_m=choose_block_m(ids.numel(), self.bank.num_experts + 1))
 
     def groups_decode(self, pairs: int) -> bool:
         """Whether a one-launch lookup of `pairs` routed (token, top-k) pairs runs the grouped GEMMs over its

@@ -11,7 +11,8 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
   dense_gemm  each distinct quantized weight (shape, format, dtypes) x each M bucket a step can send to it:
               the projections (stacked where they are: a step projects all its tokens at once, decode rows
               included) and the unpacked shared expert for 1..max_tokens rows, the LM head for
-              1..max_decode_rows; tuned at the bucket's largest row count. The parts of a stacked weight are
+              1..max_decode_rows; tuned at the bucket's largest row count (buckets of 2..SPLITK_MAX_ROWS rows
+              tune the split-K GEMM, which prefill_linear sends them to). The parts of a stacked weight are
               never multiplied alone on this path and are left out
   dense_gemv  each such weight that some row count sends to the GEMV (one key per weight)
   moe_grouped each BLOCK_M that choose_block_m returns for a chunk of more than GEMV_MAX_PAIRS pairs up to
@@ -54,10 +55,11 @@ import triton
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.device_residency import DeviceResidency
-from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv
+from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv, use_splitk
 from adapters.cuda_exec.prefill_spans import gdn_spans
 from adapters.cuda_exec.step_plan import upload_groups
 from adapters.kernels import dense_gemm as gemm
+from adapters.kernels import dense_gemm_splitk as splitk
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.act_quant_fp8 import act_quant_fp8
 from adapters.kernels.fused_moe import fused_moe
@@ -385,7 +387,11 @@ class _Scratch:
         if a8 and item.rows > decode_rows:
             gemm.dense_gemm(act_quant_fp8(x), item.weight, out_dtype=x.dtype)
         if not a8 or gemm.m_bucket(item.rows) // 2 < decode_rows:
-            gemm.dense_gemm(x, item.weight)
+            # the bf16 rows of this bucket: the split-K GEMM's rows tune it (prefill_linear.use_splitk)
+            if use_splitk(item.rows, item.weight):
+                splitk.dense_gemm_splitk(x, item.weight)
+            else:
+                gemm.dense_gemm(x, item.weight)
 
     def _dense_gemv(self, item: GemvItem) -> None:
         gemv.dense_gemv(self._randn(1, item.weight.shape[1]), item.weight)

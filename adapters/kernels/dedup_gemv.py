@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapters.kernels.packed_gemv import acc_cols, load_tile, load_x, row_scale, term
+from adapters.kernels.packed_gemv import acc_cols, autotune_key, load_tile, load_x, row_scale, term
 
 MAX_PAIRS = 4  # accumulators per program (registers: PAIRS x BLOCK_N x BLOCK_K fp32)
 MAX_DEDUP_PAIRS = 1024  # pairs of one call: the segment logic holds every slot id in one program's registers
@@ -127,32 +127,13 @@ def padded_pairs(pairs: int) -> int:
     return triton.next_power_of_2(max(pairs, 1))
 
 
-# dtypes of the per-pair kernels' pointer parameters by name ("act": the activations' float dtype)
-_PTR_DTYPES = {"x_ptr": "act", "h_ptr": "act", "out_ptr": "act", "slot_ids_ptr": torch.int32,
-               "slots_ptr": torch.uint8, "weights_ptr": torch.float32, "y_ptr": torch.float32}
-
-
-def _autotune_key(tuner, act: torch.dtype, values: dict) -> tuple:
-    """The key triton.autotune files a per-pair launch under (Triton 3.x: the `key` arguments' values in
-    order, then str(dtype) of each tensor argument in argument order; all tensors are `*_ptr` parameters).
-    Raises RuntimeError on a pointer parameter this table does not know (a renamed per-pair kernel)."""
-    key = [values[k] for k in tuner.keys]
-    for name in tuner.arg_names:
-        if name.endswith("_ptr"):
-            if name not in _PTR_DTYPES:
-                raise RuntimeError(f"dedup tile lookup: unknown per-pair kernel parameter {name!r}")
-            dtype = _PTR_DTYPES[name]
-            key.append(str(act if dtype == "act" else dtype))
-    return tuple(key)
-
-
 def per_pair_tile(tuner, act: torch.dtype, values: dict, tune) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) the per-pair kernel's autotuner chose for this key, read
     from its cache at every call (the expert-parallel path may replace it with rank 0's choice). Not tuned
     yet: `tune()` runs the per-pair launcher once on the caller's inputs (it measures its tiles there, as
     the per-pair path would have) — refused inside a CUDA graph capture (tune before capturing, as
     DeviceExpertPool.tune does). Raises RuntimeError when the choice cannot be found."""
-    key = _autotune_key(tuner, act, values)
+    key = autotune_key(tuner, act, values)
     cfg = tuner.cache.get(key)
     if cfg is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -30,14 +30,16 @@ from adapters.kernels.packed_gemv import (
     launch,
     layout_consts,
     packed_gemv,
+    pairs_bucket,
     prune_tiles,
     resolve_tiles,
     tune_configs,
 )
 
 
-@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
+# S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
+@triton.jit(do_not_specialize=["S", "PAIRS_BUCKET"])
+def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S, PAIRS_BUCKET,
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                      D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
                      W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, WRITE_SKIPPED: tl.constexpr,
@@ -57,7 +59,7 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S,
         tl.store(dst, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n < H)
 
 
-_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
+_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT", "PAIRS_BUCKET"],
                          prune_configs_by={"early_config_prune": prune_tiles},
                          cache_results=True)(_moe_down_kernel)
 
@@ -107,7 +109,7 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
     c = layout_consts(layout)
     launch(_TUNED, _moe_down_kernel, tuned, tokens * k, hidden, block_n, block_k, num_warps,
            h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, y, slots.shape[0],
-           K=k, H=hidden, I=inter, R=c.row_bytes,
+           K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
            W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None)
     return y if partials is not None else moe_sum(y, out)

@@ -32,7 +32,7 @@ from adapters.kernels.dedup_gemv import (
     per_pair_tile,
     segment_lead,
 )
-from adapters.kernels.packed_gemv import check_pool, layout_consts, resolve_tiles
+from adapters.kernels.packed_gemv import check_pool, layout_consts, pairs_bucket, resolve_tiles
 
 
 # S only feeds the debug assert, P a mask: no recompiles on a pool resize or per decode bucket (PB is a power of 2)
@@ -115,13 +115,14 @@ def moe_down_dedup(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tenso
     c = layout_consts(layout)
     h, slot_ids, weights = h.contiguous(), slot_ids.contiguous(), weights.contiguous()
     key = dict(K=k, H=hidden, I=inter, R=c.row_bytes, FMT=c.fmt_code)
+    tile_key = {**key, "PAIRS_BUCKET": pairs_bucket(tokens * k)}  # the per-pair autotuner's key
     stages = {}
     if tuned:
         def tune():  # the per-pair kernel on a scratch buffer: the caller's partials stay untouched
             scratch = torch.zeros((tokens, k, hidden), dtype=torch.float32, device=h.device)
             per_pair.moe_down(h, slot_ids, weights, slots, layout, partials=scratch)
 
-        block_n, block_k, num_warps, num_stages = per_pair_tile(per_pair._TUNED, h.dtype, key, tune)
+        block_n, block_k, num_warps, num_stages = per_pair_tile(per_pair._TUNED, h.dtype, tile_key, tune)
         stages = {"num_stages": num_stages}
     tiles = triton.cdiv(hidden, block_n)
     if work is not None and (work.shape != (tokens * k, tiles) or work.dtype != torch.int32):

@@ -21,14 +21,16 @@ from adapters.kernels.packed_gemv import (
     launch,
     layout_consts,
     packed_gemv,
+    pairs_bucket,
     prune_tiles,
     resolve_tiles,
     tune_configs,
 )
 
 
-@triton.jit(do_not_specialize=["S"])  # S only feeds the debug assert: no recompiles on a pool resize
-def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
+# S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
+@triton.jit(do_not_specialize=["S", "PAIRS_BUCKET"])
+def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S, PAIRS_BUCKET,
                         K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                         G_DATA: tl.constexpr, G_SCALE: tl.constexpr, G_GSCALE: tl.constexpr,
                         U_DATA: tl.constexpr, U_SCALE: tl.constexpr, U_GSCALE: tl.constexpr,
@@ -49,7 +51,7 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S,
     tl.store(h_ptr + tk.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
 
 
-_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT"],
+_TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT", "PAIRS_BUCKET"],
                          prune_configs_by={"early_config_prune": prune_tiles},
                          cache_results=True)(_moe_gate_up_kernel)
 
@@ -86,7 +88,7 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
     c = layout_consts(layout)
     launch(_TUNED, _moe_gate_up_kernel, tuned, tokens * k, inter, block_n, block_k, num_warps,
            x.contiguous(), slot_ids.contiguous(), slots, out, slots.shape[0],
-           K=k, H=hidden, I=inter, R=c.row_bytes,
+           K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
            U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
            W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1))

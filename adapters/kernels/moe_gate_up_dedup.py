@@ -29,7 +29,7 @@ from adapters.kernels.dedup_gemv import (
     per_pair_tile,
     segment_lead,
 )
-from adapters.kernels.packed_gemv import check_pool, layout_consts, resolve_tiles
+from adapters.kernels.packed_gemv import check_pool, layout_consts, pairs_bucket, resolve_tiles
 
 
 # S only feeds the debug assert, P a mask: no recompiles on a pool resize or per decode bucket (PB is a power of 2)
@@ -109,10 +109,11 @@ def moe_gate_up_dedup(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tens
     c = layout_consts(layout)
     x, slot_ids = x.contiguous(), slot_ids.contiguous()
     key = dict(K=k, H=hidden, I=inter, R=c.row_bytes, FMT=c.fmt_code)
+    tile_key = {**key, "PAIRS_BUCKET": pairs_bucket(tokens * k)}  # the per-pair autotuner's key
     stages = {}
     if tuned:
         block_n, block_k, num_warps, num_stages = per_pair_tile(
-            per_pair._TUNED, x.dtype, key, lambda: per_pair.moe_gate_up(x, slot_ids, slots, layout, out=out))
+            per_pair._TUNED, x.dtype, tile_key, lambda: per_pair.moe_gate_up(x, slot_ids, slots, layout, out=out))
         stages = {"num_stages": num_stages}
     tiles = triton.cdiv(inter, block_n)
     if work is not None and (work.shape != (tokens * k, tiles) or work.dtype != torch.int32):

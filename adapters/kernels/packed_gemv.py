@@ -12,6 +12,7 @@ Formats (canonical forms of adapters/checkpoint/quant.py), as the FMT constexpr:
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ import triton.language as tl
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.checkpoint.quant import FP8_BLOCK, MXFP4_GROUP, NVFP4_GROUP
 from domain.model_spec import WeightFormat
+
+_log = logging.getLogger(__name__)
 
 FORMAT_CODES = {
     WeightFormat.BF16: 0, WeightFormat.FP8_BLOCK: 1, WeightFormat.FP8_TENSOR: 2, WeightFormat.FP8_CHANNEL: 3,
@@ -288,11 +291,84 @@ def packed_gemv(row_ptr, x_ptr, n0, ROWS: tl.constexpr, COLS: tl.constexpr, DATA
     return row_scale(tl.sum(acc2, axis=1), row_ptr, n, n_ok, SCALE, GSCALE, FMT)  # [N]
 
 
-# Tiles tried on CUDA (once per shape and format, by measurement, before any graph capture); the 4-bit
-# formats need BLOCK_K >= 256 (16-byte loads), block FP8 a multiple of 128. The interpreter runs the
-# launcher's default tile instead.
+# Tiles tried on CUDA (once per shape, format and pairs bucket, by measurement, before any graph capture);
+# the 4-bit formats need BLOCK_K >= 256 (16-byte loads), block FP8 a multiple of 128. The interpreter runs
+# the launcher's default tile instead.
 TUNE_TILES = ((16, 128, 4, 1), (16, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (4, 512, 4, 3),
               (16, 512, 8, 2), (32, 256, 8, 3), (4, 1024, 4, 2))
+
+
+# The per-pair GEMVs' (moe_gate_up, moe_down) autotune key holds the launch's pair count as a bucket (PAIRS_BUCKET):
+# the first of PAIRS_BUCKETS that holds T*K pairs, at most PAIRS_BUCKET_MAX (1: one key for every pair count, tuned
+# at bs1's 9 pairs by DeviceExpertPool.tune). Why buckets: the best tile depends on the grid's pairs (programs per
+# SM). H200 (session 19): with four buckets moe_down took 36.0 us at 16 tokens (bench_kernels --only order;
+# session 18 measured 50.3 us with the one key), and the decode step (graph replay) went bs16 8.86 -> 8.37 ms,
+# bs4 4.38 -> 4.30, bs1 2.43 -> 2.51 (docs/bench/2026-12-04-bench-decode-h200-splitk-pairs-ab.json).
+# NOTE: off by default: through HTTP, with the buckets and the split-K GEMM on, the resident ladder's c8/c16 TTFT
+# doubled (0.08 -> 0.15-0.18 s) and c16 fell 1,745 -> 1,641 tok/s against a control run (docs/fast-decode.md,
+# session 19). The suspect, unproven: the prefill's small chunks (prefix-cache hits of identical prompts, up to
+# GEMV_MAX_PAIRS pairs) run bucket 1024's tile, tuned at 504 pairs over distinct experts. Four buckets, not one per
+# power of two: each is tuned before any capture and a capture cannot tune (launch's guard), so each costs
+# start-up time. 16: bs1; 64: bs2-bs7; 256: bs8-bs28 (bs16: 144 pairs); 1024: prefill chunks.
+PAIRS_BUCKETS = (16, 64, 256, 1024)
+PAIRS_BUCKET_MAX = 1
+
+
+def pairs_bucket(pairs: int) -> int:
+    """The PAIRS_BUCKET autotune key of a per-pair GEMV launch over `pairs` (token, top-k) pairs: the first of
+    PAIRS_BUCKETS that holds them (the last for more), at most PAIRS_BUCKET_MAX. Only a key: the kernels do not
+    read it (nor specialize on it: no recompiles). NOTE: buckets may pick different tiles, and a tile of another
+    BLOCK_K sums in another order, so results can differ in the last bits between buckets (as dense_gemm's M
+    buckets); the dedup kernels look up the same bucket's choice (dedup_gemv.per_pair_tile), so they stay
+    bitwise per-pair."""
+    bucket = next((b for b in PAIRS_BUCKETS if pairs <= b), PAIRS_BUCKETS[-1])
+    return min(bucket, PAIRS_BUCKET_MAX)
+
+
+# dtypes of the per-pair kernels' pointer parameters by name ("act": the activations' float dtype)
+_PTR_DTYPES = {"x_ptr": "act", "h_ptr": "act", "out_ptr": "act", "slot_ids_ptr": torch.int32,
+               "slots_ptr": torch.uint8, "weights_ptr": torch.float32, "y_ptr": torch.float32}
+
+
+def autotune_key(tuner, act: torch.dtype, values: dict) -> tuple:
+    """The key triton.autotune files a per-pair launch under (Triton 3.x: the `key` arguments' values in
+    order, then str(dtype) of each tensor argument in argument order; all tensors are `*_ptr` parameters).
+    Raises RuntimeError on a pointer parameter this table does not know (a renamed per-pair kernel)."""
+    key = [values[k] for k in tuner.keys]
+    for name in tuner.arg_names:
+        if name.endswith("_ptr"):
+            if name not in _PTR_DTYPES:
+                raise RuntimeError(f"per-pair tile lookup: unknown per-pair kernel parameter {name!r}")
+            dtype = _PTR_DTYPES[name]
+            key.append(str(act if dtype == "act" else dtype))
+    return tuple(key)
+
+
+def captured_tile(tuner, act: torch.dtype, values: dict):
+    """The triton.Config a per-pair launch inside a CUDA graph capture runs (tuned_tile); None outside a capture
+    (the autotuner runs as usual)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None
+    return tuned_tile(tuner, act, values)
+
+
+def tuned_tile(tuner, act: torch.dtype, values: dict):
+    """The autotuner's choice (triton.Config) for this launch's key, else (a pair bucket no warm-up tuned) its
+    choice for the nearest tuned PAIRS_BUCKET of the same shape, logged. Raises RuntimeError when no bucket of
+    the shape is tuned: a capture cannot measure tiles (tune before capturing, as DeviceExpertPool.tune does)."""
+    key = autotune_key(tuner, act, values)
+    cfg = tuner.cache.get(key)
+    if cfg is not None:
+        return cfg
+    at = tuner.keys.index("PAIRS_BUCKET")
+    same_shape = [(abs(k[at].bit_length() - key[at].bit_length()), k[at], k) for k in tuner.cache
+                  if len(k) == len(key) and k[:at] + k[at + 1:] == key[:at] + key[at + 1:]]
+    if not same_shape:
+        raise RuntimeError(f"per-pair GEMV: no tile tuned for {key} before a CUDA graph capture")
+    near = min(same_shape)[2]
+    _log.warning("per-pair GEMV: pair bucket %s not tuned before a capture; running bucket %s's tile", key[at],
+                 near[at])
+    return tuner.cache[near]
 
 
 def tune_configs() -> list:
@@ -336,10 +412,15 @@ def resolve_tiles(layout: ExpertLayout, block_n: int | None, block_k: int | None
 
 def launch(tuned_kernel, kernel, tuned: bool, rows: int, cols: int, block_n: int, block_k: int, num_warps: int,
            *args, **constants) -> None:
-    """Launch over (rows, cdiv(cols, BLOCK_N)): the autotuned kernel picks its own tile, the plain one
-    runs the given tile."""
-    if tuned:
+    """Launch over (rows, cdiv(cols, BLOCK_N)): the autotuned kernel picks its own tile (inside a CUDA graph
+    capture, the tile captured_tile reads from its cache: a capture cannot measure), the plain one runs the given
+    tile. The per-pair kernels pass PAIRS_BUCKET among the constants; args[0] holds the activations."""
+    cfg = captured_tile(tuned_kernel, args[0].dtype, constants) if tuned else None
+    if tuned and cfg is None:
         tuned_kernel[lambda meta: (rows, triton.cdiv(cols, meta["BLOCK_N"]))](*args, **constants)
+    elif cfg is not None:
+        kernel[(rows, triton.cdiv(cols, cfg.kwargs["BLOCK_N"]))](*args, **constants, **cfg.kwargs,
+                                                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         kernel[(rows, triton.cdiv(cols, block_n))](*args, **constants, BLOCK_N=block_n, BLOCK_K=block_k,
                                                    num_warps=num_warps)

@@ -330,8 +330,8 @@ def test_bf16_fast_path_stays_within_bf16_error_of_the_reference(ckpt):
 
 def test_decode_buckets_take_the_tensor_core_gemm_under_the_reference_prefill(tmp_path, monkeypatch):
     """On CUDA the executor hands its largest decode bucket to FastDecoder.decode_gemm_rows, so decode steps
-    of a few rows and more take prefill_linear's tensor-core GEMM (bs16's dense projections 4.97 -> 1.25 ms
-    on the H200) while long prefill chunks stay on the reference path. Forced here so the CPU runs that
+    of a few rows and more take prefill_linear's tensor-core GEMMs (the split-K one at decode rows; bs16's dense
+    projections 4.97 -> 1.25 ms on the H200 with dense_gemm, less with split-K) while long prefill chunks stay on the reference path. Forced here so the CPU runs that
     path too, on a block-FP8 checkpoint: the tokens and logits are still the reference executor's."""
     import adapters.cuda_exec.prefill_linear as pl
 
@@ -344,14 +344,16 @@ def test_decode_buckets_take_the_tensor_core_gemm_under_the_reference_prefill(tm
                              use_graphs=False)
     assert fast.decode_rows == 4 and fast.model.decode_gemm_rows == (4 if DEVICE == "cuda" else 0)
     fast.model.decode_gemm_rows = fast.decode_rows
-    gemm_rows: list[int] = []
-    real = pl.gemm.dense_gemm
+    gemm_rows: list[int] = []  # rows of every tensor-core GEMM call: the split-K one (decode rows) or dense_gemm
 
-    def counted(x, w, *args, **kwargs):
-        gemm_rows.append(x.shape[0])
-        return real(x, w, *args, **kwargs)
+    def counted(real):
+        def call(x, w, *args, **kwargs):
+            gemm_rows.append(x.shape[0])
+            return real(x, w, *args, **kwargs)
+        return call
 
-    monkeypatch.setattr(pl.gemm, "dense_gemm", counted)
+    monkeypatch.setattr(pl.gemm, "dense_gemm", counted(pl.gemm.dense_gemm))
+    monkeypatch.setattr(pl.splitk, "dense_gemm_splitk", counted(pl.splitk.dense_gemm_splitk))
 
     def run(executor, record):
         seqs = [Sequence(f"r{i}", p, pages_for(i, len(p) + NEW_TOKENS + 1), state_slot=i)

@@ -246,7 +246,7 @@ from adapters.kernels.packed_gemv import default_block_k, layout_consts
 from domain.model_spec import WeightFormat
 
 def build(kernel, ptrs, consts):
-    sig = {**ptrs, "S": "i32", **{k: "constexpr" for k in consts}}
+    sig = {**ptrs, "S": "i32", "PAIRS_BUCKET": "i32", **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
     return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
@@ -301,3 +301,43 @@ def test_real_geometry_on_gpu(fmt, tokens):
     partials = torch.zeros(tokens, 8, layout.hidden, device="cuda")
     moe_down(hb, slot_ids, weights, slots, layout, partials=partials)
     assert torch.equal(moe_sum(partials, torch.empty_like(xb)), out_b)
+
+
+def test_pair_buckets_are_coarse_and_capped(monkeypatch):
+    from adapters.kernels import packed_gemv
+
+    assert {packed_gemv.pairs_bucket(p) for p in (1, 144, 5000)} == {packed_gemv.PAIRS_BUCKET_MAX}
+    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1024)  # on (off by default: docs/fast-decode.md)
+    # bs1 (9 pairs), bs2-bs7, bs8-bs28 (bs16: 144), prefill chunks: one autotune key each
+    assert [packed_gemv.pairs_bucket(p) for p in (0, 9, 16, 17, 63, 72, 144, 256, 257, 504, 5000)] == \
+        [16, 16, 16, 64, 64, 256, 256, 256, 1024, 1024, 1024]
+    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1)  # the A/B's control: one key for every pair count
+    assert {packed_gemv.pairs_bucket(p) for p in (1, 144, 5000)} == {1}
+
+
+class _FakeTuner:
+    """What tuned_tile reads of a triton.autotune object: its key names, argument names and cache."""
+
+    keys = ["K", "H", "I", "R", "FMT", "PAIRS_BUCKET"]
+    arg_names = ["x_ptr", "slot_ids_ptr", "slots_ptr", "h_ptr", "S", "PAIRS_BUCKET", "K", "H", "I", "R", "FMT"]
+
+    def __init__(self, cache):
+        self.cache = cache
+
+
+def test_a_capture_runs_its_buckets_tile_else_the_nearest_tuned_one():
+    from adapters.kernels import packed_gemv
+
+    values = dict(K=9, H=2048, I=512, R=3 << 20, FMT=1)
+    key = lambda bucket, **kw: packed_gemv.autotune_key(  # noqa: E731
+        _FakeTuner({}), torch.bfloat16, {**values, **kw, "PAIRS_BUCKET": bucket})
+    tuner = _FakeTuner({key(16): "tile16", key(1024): "tile1024", key(64, H=4096): "other shape"})
+    assert key(16)[-4:] == (str(torch.bfloat16), "torch.int32", "torch.uint8", str(torch.bfloat16))
+    assert packed_gemv.tuned_tile(tuner, torch.bfloat16, {**values, "PAIRS_BUCKET": 1024}) == "tile1024"
+    # 64 is untuned for this shape: 16 is nearer than 1024 (in powers of two); the other shape's 64 is ignored
+    assert packed_gemv.tuned_tile(tuner, torch.bfloat16, {**values, "PAIRS_BUCKET": 64}) == "tile16"
+    assert packed_gemv.tuned_tile(tuner, torch.bfloat16, {**values, "PAIRS_BUCKET": 256}) == "tile1024"
+    with pytest.raises(RuntimeError, match="no tile tuned"):
+        packed_gemv.tuned_tile(tuner, torch.bfloat16, {**values, "FMT": 5, "PAIRS_BUCKET": 16})
+    # outside a capture the autotuner decides
+    assert packed_gemv.captured_tile(tuner, torch.bfloat16, {**values, "PAIRS_BUCKET": 64}) is None

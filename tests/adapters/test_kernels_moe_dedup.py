@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adapters.kernels import moe_down, moe_down_dedup, moe_gate_up, moe_gate_up_dedup
-from adapters.kernels.dedup_gemv import _autotune_key, pairs_per_program, per_pair_tile
+from adapters.kernels.dedup_gemv import pairs_per_program, per_pair_tile
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.packed_gemv import layout_consts
 from domain.model_spec import WeightFormat
@@ -186,17 +186,17 @@ def test_the_dedup_kernels_run_the_per_pair_autotuners_choice(monkeypatch):
     for mod in (moe_gate_up, moe_down, moe_gate_up_dedup, moe_down_dedup):
         monkeypatch.setattr(mod, "resolve_tiles", on_cuda)
     c = layout_consts(layout)
-    key = dict(K=2, H=256, I=128, R=c.row_bytes, FMT=c.fmt_code)
+    key = dict(K=2, H=256, I=128, R=c.row_bytes, FMT=c.fmt_code, PAIRS_BUCKET=packed_gemv.pairs_bucket(x.shape[0] * 2))
     # never tuned: the dedup launcher tunes the per-pair kernel on its inputs, then runs its tile
     h_dd = moe_gate_up_dedup.moe_gate_up_dedup(x, slot_ids, slots, layout)
-    cfg = moe_gate_up._TUNED.cache[_autotune_key(moe_gate_up._TUNED, x.dtype, key)]
+    cfg = moe_gate_up._TUNED.cache[packed_gemv.autotune_key(moe_gate_up._TUNED, x.dtype, key)]
     assert (cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_K"]) == winner
     assert per_pair_tile(moe_gate_up._TUNED, x.dtype, key, tune=None)[:2] == winner  # cached: no tuning
     h_pp = moe_gate_up.moe_gate_up(x, slot_ids, slots, layout)
     assert torch.equal(h_dd, h_pp)
     y_dd = moe_down_dedup.moe_down_dedup(h_pp, slot_ids, weights, slots, layout)
     assert len(moe_down._TUNED.cache) == 1
-    assert _autotune_key(moe_down._TUNED, x.dtype, key) in moe_down._TUNED.cache
+    assert packed_gemv.autotune_key(moe_down._TUNED, x.dtype, key) in moe_down._TUNED.cache
     y_pp = torch.zeros_like(y_dd)
     moe_down.moe_down(h_pp, slot_ids, weights, slots, layout, partials=y_pp)
     assert torch.equal(y_dd, y_pp)
@@ -281,10 +281,10 @@ def case(fmt, bn, bk, warps, stages):
     pp_dn = dict(p_dn, **{n: "*bf16" if n == "out_ptr" else "*fp32" for n in ("out_ptr", "y_ptr") if n in names})
     pp_flags = {n: v for n, v in dict(SUM_PAIRS=False, MUL_RN=True, WRITE_SKIPPED=False).items() if n in names}
     for name, a, b in (
-        ("gate_up", (moe_gate_up._moe_gate_up_kernel, p_gu, ["S"], gu),
+        ("gate_up", (moe_gate_up._moe_gate_up_kernel, p_gu, ["S", "PAIRS_BUCKET"], gu),
                     (moe_gate_up_dedup._moe_gate_up_dedup_kernel, dict(p_gu, work_ptr="*i32"), ["S", "P"],
                      dict(gu, PB=256, PAIRS=pairs, WORK=False))),
-        ("down", (moe_down._moe_down_kernel, pp_dn, ["S"], dict(dn, K=9, **pp_flags)),
+        ("down", (moe_down._moe_down_kernel, pp_dn, ["S", "PAIRS_BUCKET"], dict(dn, K=9, **pp_flags)),
                  (moe_down_dedup._moe_down_dedup_kernel, dict(p_dn, y_ptr="*fp32", work_ptr="*i32"), ["S", "P"],
                   dict(dn, PB=256, PAIRS=pairs, ZERO_SKIPPED=True, WORK=False)))):
         ta, ra, sa = build(*a, warps, stages)

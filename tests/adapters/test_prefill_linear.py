@@ -18,26 +18,33 @@ def _err(got, ref):
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.NVFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("rows", [3, 20])
-def test_quantized_weights_match_the_reference_for_any_row_count(fmt, rows, monkeypatch):
+@pytest.mark.parametrize("rows,kernel", [(1, "dense_gemv"), (3, "dense_gemm_splitk"), (20, "dense_gemm")])
+def test_quantized_weights_match_the_reference_for_any_row_count(fmt, rows, kernel, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
     q = quantize(torch.randn(48, 256, generator=gen) * 0.05, fmt).to(DEVICE)
-    x = torch.randn(2, rows, 256, generator=gen).to(DEVICE)  # [B, M, I]: leading dims are kept
+    x = torch.randn(2 if rows > 1 else 1, rows, 256, generator=gen).to(DEVICE)  # [B, M, I]: leading dims kept
     called = []
-    for mod, name in ((pl.gemv, "dense_gemv"), (pl.gemm, "dense_gemm")):
+    for mod, name in ((pl.gemv, "dense_gemv"), (pl.gemm, "dense_gemm"), (pl.splitk, "dense_gemm_splitk")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
     out = pl.prefill_linear(x, q)
-    assert out.shape == (2, rows, 48)
+    assert out.shape == (*x.shape[:2], 48)
     assert _err(out, x.double().cpu() @ dequantize(q.to("cpu"), torch.float64).T) < 1e-5
-    gemv_ok = fmt == WeightFormat.FP8_BLOCK and pl.use_gemv(2 * rows, 256)
-    assert called == ["dense_gemv" if gemv_ok else "dense_gemm"]
+    # 1 row: the GEMV; 2 x 3 rows: the split-K GEMM; 2 x 20 = 40 rows: the tensor-core GEMM
+    assert called == [kernel]
 
 
-def test_the_gemv_gemm_crossover_follows_the_h200_measurement():
-    # narrow K (qkv projections): the GEMM from 4 rows; wide K (o/out projections): from 9 rows
+def test_the_kernel_per_row_count(monkeypatch):
+    q = quantize(torch.randn(32, 256) * 0.05, WeightFormat.FP8_BLOCK)
+    # split-K on (the default): the GEMV for 1-2 rows, split-K for 3..SPLITK_MAX_ROWS, dense_gemm above
+    assert [pl.use_gemv(r, 2048) for r in (1, 2, 3, 16)] == [True, True, False, False]
+    assert [pl.use_splitk(r, q) for r in (1, 2, 3, 16, pl.SPLITK_MAX_ROWS, pl.SPLITK_MAX_ROWS + 1)] == \
+        [False, False, True, True, True, False]
+    # off: the H200's GEMV/GEMM crossover per K (narrow K: the GEMM from 4 rows; wide K: from 9)
+    monkeypatch.setattr(pl, "SPLITK_MAX_ROWS", 0)
     assert [pl.use_gemv(r, 2048) for r in (1, 3, 4, 16)] == [True, True, False, False]
     assert [pl.use_gemv(r, 4096) for r in (1, 8, 9, 16)] == [True, True, False, False]
+    assert not any(pl.use_splitk(r, q) for r in (1, 3, 16, 32))
 
 
 def test_float_weights_and_refusals():

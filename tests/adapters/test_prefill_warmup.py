@@ -19,7 +19,7 @@ import torch
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import GEOMETRIES
-from adapters.cuda_exec import device_residency, fast_decoder, prefill, prefill_spans
+from adapters.cuda_exec import device_residency, fast_decoder, prefill, prefill_linear, prefill_spans
 from adapters.cuda_exec import expert_pool as pool_mod
 from adapters.cuda_exec.executor import CudaGraphExecutor
 from adapters.cuda_exec.prefill_warmup import (
@@ -30,6 +30,7 @@ from adapters.cuda_exec.prefill_warmup import (
     warm_prefill_kernels,
 )
 from adapters.kernels import dense_gemm as gemm
+from adapters.kernels import dense_gemm_splitk as splitk
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels import fused_moe as fused_mod
 from adapters.kernels import grouped_moe as grouped_mod
@@ -111,6 +112,8 @@ def warmed(ckpt):
         mp.setattr(pool_mod, "GEMV_MAX_PAIRS", GROUPED_THRESHOLD)
         wrap(gemm, "dense_gemm", lambda x, q, *a, **k: ("dense_gemm", (gemm.m_bucket(x.shape[0]), *q.shape,
                                                                         q.fmt.value)))
+        wrap(splitk, "dense_gemm_splitk", lambda x, q, *a, **k: ("dense_gemm_splitk", (gemm.m_bucket(x.shape[0]),
+                                                                                      *q.shape, q.fmt.value)))
         wrap(gemv, "dense_gemv", lambda x, q, *a, **k: ("dense_gemv", (*q.shape, q.fmt.value)))
         wrap(grouped_mod, "moe_grouped_gate_up", lambda x, align, top_k, *a, **k: ("moe_grouped", (align.block_m, top_k)))
         wrap(fused_mod, "moe_down", lambda h, ids, *a, partials=None, **k:
@@ -153,13 +156,16 @@ def _kind(keys, kernel):
 def test_the_warm_up_launches_every_tuning_key_a_step_can_produce(warmed):
     ex, _, seen, plan, report, ran = warmed
     want_gemm = {(b, n, k, "fp8_block") for n, k in SPAN_SHAPES | {STACKED} for b in SPAN_BUCKETS}
-    assert _kind(seen, "dense_gemm") == want_gemm
+    # buckets of up to SPLITK_MAX_ROWS rows tune the split-K GEMM (prefill_linear sends them there), the rest dense_gemm
+    assert _kind(seen, "dense_gemm") | _kind(seen, "dense_gemm_splitk") == want_gemm
+    assert {key[0] for key in _kind(seen, "dense_gemm_splitk")} == {4, 8, 16, 32}
     assert _kind(seen, "dense_gemv") == {(n, k, "fp8_block") for n, k in SPAN_SHAPES | {STACKED}}
     # 9..40 tokens x top-2 over at most 8 experts + 1: mean group size under 24, BLOCK_M 16 only
     assert _kind(seen, "moe_grouped") == {(16, 2)}
     assert _kind(seen, "moe_fused") == {(2, "partials")}
     # the plan names what ran: its tuned keys are exactly the ones launched
-    for kernel in ("dense_gemm", "dense_gemv", "moe_grouped", "moe_fused"):
+    assert _kind(plan.keys(), "dense_gemm") == want_gemm
+    for kernel in ("dense_gemv", "moe_grouped", "moe_fused"):
         assert _kind(plan.keys(), kernel) == _kind(seen, kernel), kernel
     assert ran == [(kernel, item.key) for kernel, item in plan.items()] and report.skipped == []
     # the tuned GEMM keys run first, each at its bucket's largest row count (40 for bucket 64)
@@ -203,13 +209,18 @@ def test_the_executor_skips_the_warm_up_where_nothing_is_tuned_ahead(ckpt, caplo
     assert "prefill kernel warm-up skipped: the reference prefill runs" in text
 
 
-def test_the_plan_at_the_qwen36_geometry_covers_the_block_sizes_the_h200_re_tuned():
+def test_the_plan_at_the_qwen36_geometry_covers_the_block_sizes_the_h200_re_tuned(monkeypatch):
     # 8 routed + the packed shared expert (9 columns) over 256 experts (+1): BLOCK_M 16 below a mean group of
     # 24 pairs (685 tokens), 32 below 48 (1,370), 64 below 384 (10,965), then 128; grouped above 512 pairs
     assert grouped_tokens(16_500, 8, 9, 257, 512) == {16: 685, 32: 1370, 64: 10965, 128: 16_500}
     assert min(t for t in range(1, 2000) if t * 8 > 512) == 65
     assert grouped_tokens(2048, 8, 9, 257, 512) == {16: 685, 32: 1370, 64: 2048}
-    # block FP8, K = 2048: GEMV up to 3 rows; then one key per power-of-two bucket, the top one at 4096 rows
+    # block FP8 with the split-K GEMM (the default): GEMV up to 2 rows; then one key per power-of-two bucket, the
+    # top one at 4096 rows (up to 32 rows the split-K GEMM's keys)
+    assert gemm_rows(16_500, 2048, True) == (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert gemm_rows(16_500, 4096, True) == (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert gemm_rows(100, 2048, False) == (1, 2, 4, 8, 16, 32, 64, 100)  # no GEMV: every bucket
+    monkeypatch.setattr(prefill_linear, "SPLITK_MAX_ROWS", 0)  # without it: K = 2048, GEMV up to 3 rows
     assert gemm_rows(16_500, 2048, True) == (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
     assert gemm_rows(16_500, 4096, True) == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # GEMV up to 8 rows
     assert gemm_rows(100, 2048, False) == (1, 2, 4, 8, 16, 32, 64, 100)  # 4-bit: no GEMV; bucket 128 at 100

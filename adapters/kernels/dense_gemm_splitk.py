@@ -1,0 +1,220 @@
+"""Dense quantized GEMM for decode-sized M (at most SPLITK_MAX_ROWS rows): y = x @ dequant(W)^T on tensor
+cores with the K loop split over SPLIT_K programs per output tile, the last of them adding the partials.
+
+Shape legend: M rows of x (decode batch), K in features, N out features, S splits of K.
+  x [M, K] bf16/fp16/fp32; W a QTensor [N, K] (any quantized format dense_gemm reads); y [M, N] in x.dtype.
+Grid: (cdiv(M, 16) * cdiv(N, BLOCK_N) * SPLIT_K,). Program (tile, s) runs K steps [s*per, (s+1)*per) of
+tile's [16, BLOCK_N] block (per = cdiv(cdiv(K, BLOCK_K), SPLIT_K)), the same dequantize-and-dot step as
+dense_gemm (dequant_tile.py), and writes its fp32 partial to a workspace [S, M, N]. It then adds one to the
+tile's arrival counter; the program that arrives last sums the S partials in order s = 0..S-1 (the same
+order whichever program is last: deterministic), applies the row scales, writes y and zeroes the counter
+for the next launch (so a captured graph replays it as is). Why: at 16 rows the one-program-per-tile
+dense_gemm is bound by its serial K loop, not by HBM: ~0.8-1.1 us per 128-column step whatever the rows
+(H200, docs/bench/2026-12-01-bench-kernels-h200.json: K = 4096, N = 2048 took 24-25 us at 1-16 rows for
+8.4 MB of weights, 0.33 TB/s, on 128 programs for 132 SMs). Splitting K gives S times the programs and
+1/S of the chain; the partials cost 4*S*M*N bytes, a few % of the weight bytes at decode M.
+Split-K GEMMs with a last-arriving fix-up are the standard remedy for skinny GEMMs (CUTLASS's "serial
+split-K" semaphore, stream-K's fix-up).
+
+NOTE: the counters are one buffer per device, shared by every launch: launches on one device must not run
+concurrently (true here: the executor runs its steps, captured or eager, on one stream at a time; the
+prefill's side stream only copies experts). It is allocated at the first launch on a device, which must
+not be inside a CUDA graph capture (the graph warm-up launches first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapters.checkpoint.quant import QTensor
+from adapters.kernels.dense_gemm import SUPPORTED, m_bucket
+from adapters.kernels.dequant_tile import (
+    FOUR_BIT,
+    MAX_W4_PER_THREAD,
+    block_scale,
+    dot_modes,
+    dot_step,
+    row_scale,
+    w_tile,
+)
+from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
+
+BLOCK_M = 16  # tl.dot's smallest row tile: every decode bucket is one row tile (two up to 32 rows, ...)
+BLOCK_K = 128  # one 128x128 block-FP8 scale per K step, as in dense_gemm
+SPLITK_MAX_ROWS = 64  # decode buckets and short prefill segments; more rows have enough row tiles already
+MAX_SPLIT = 16
+MIN_STEPS_PER_SPLIT = 2  # a split of one K step is all prologue and fix-up
+
+
+# NOTE: M, M_BUCKET and SPLIT_K are runtime values (SPLIT_K only bounds loops), so the autotuner's splits
+# share one binary per (BLOCK_N, warps, stages): a handful of compiles per shape, not one per split
+@triton.jit(do_not_specialize=["M", "M_BUCKET", "SPLIT_K"])
+def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, M, M_BUCKET, stride_xm,
+                              stride_ym, SPLIT_K, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr,
+                              GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M_BUCKET: only an autotune key (the next power of two of M), like dense_gemm's
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m = tile // tiles_n
+    pid_n = tile % tiles_n
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = m < M
+    out_ok = m_ok[:, None] & (n < N)[None, :]  # [BM, BN]
+    steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    per = (steps + SPLIT_K - 1) // SPLIT_K
+    k_lo = split * per * BLOCK_K
+    k_hi = tl.minimum((split + 1) * per * BLOCK_K, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # empty for a split past the last step (its partial is zeros)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        s = 1.0
+        if FMT == 1:
+            s = block_scale(s_ptr, pid_n * BLOCK_N, k0, K, GROUP)
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
+        w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
+        acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+    offs = m[:, None].to(tl.int64) * N + n[None, :]  # [BM, BN] into one split's [M, N] partial
+    plane = M.to(tl.int64) * N
+    tl.store(ws_ptr + split * plane + offs, acc, mask=out_ok)
+    # NOTE: every thread's partial stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival by
+    # the barrier; the last arrival's acquire makes all S partials visible to its loads, which bypass L1
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(0, SPLIT_K):
+            total += tl.load(ws_ptr + j * plane + offs, mask=out_ok, other=0.0, cache_modifier=".cg")
+        total = row_scale(total, s_ptr, g_ptr, n, N, FMT)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty),
+                 mask=out_ok)
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (or graph replay)
+
+
+# (BLOCK_N, num_warps, num_stages) x SPLIT_K, measured per (M bucket, N, K, format, x dtype) on CUDA before use
+TUNE_TILES = ((16, 4, 4), (32, 4, 4), (64, 4, 3), (16, 4, 2))
+SPLITS = (1, 2, 4, 8, 16)
+MAX_FMA_BLOCK_N = 32  # fp32 activations ("ieee" dots are FMA loops): 16 x 32 fp32 accumulators on 4 warps at most
+
+
+def _prune(configs, named_args, **kwargs):
+    """early_config_prune: splits that leave every split MIN_STEPS_PER_SPLIT K steps and tiles no wider than
+    the matrix (or than the FMA bound for fp32 activations), num_stages at most a split's steps; at least one."""
+    steps = -(-kwargs["K"] // BLOCK_K)
+    n_cap = max(16, triton.next_power_of_2(kwargs["N"]))
+    if kwargs["PRECISION"] == "ieee":
+        n_cap = min(n_cap, MAX_FMA_BLOCK_N)
+    four_bit = kwargs["FMT"] in FOUR_BIT
+    kept, seen = [], set()
+    for c in configs:
+        split, bn = c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"]
+        if split > 1 and steps < split * MIN_STEPS_PER_SPLIT or bn > n_cap:
+            continue
+        if four_bit and bn * BLOCK_K / (32 * c.num_warps) > MAX_W4_PER_THREAD:
+            continue
+        stages = min(c.num_stages, -(-steps // split))
+        key = (bn, split, c.num_warps, stages)
+        if key not in seen:
+            seen.add(key)
+            kept.append(triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
+    return kept or [triton.Config({"BLOCK_N": 16, "SPLIT_K": 1}, num_warps=4, num_stages=1)]
+
+
+def _bench(fn, quantiles):
+    # NOTE: a decode GEMM takes 3-25 us: 5 ms warm-up and 20 ms of repetitions decide as well as Triton's
+    # default 25/100 ms, at a fifth of the tuning time (~30 configs per key, 20 keys at start-up)
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_TUNED = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=w, num_stages=st)
+             for bn, w, st in TUNE_TILES for sk in SPLITS],
+    key=["M_BUCKET", "N", "K", "FMT"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_bench,
+    cache_results=True,
+)(_dense_gemm_splitk_kernel)
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's arrival counters (int32, zero between launches), at least `tiles` of them.
+    Raises RuntimeError when they must grow inside a CUDA graph capture (launch once before capturing)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"dense_gemm_splitk: {tiles} arrival counters needed inside a graph capture; "
+                               f"launch the shape once before capturing")
+        have = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
+
+
+def supports(q: QTensor, rows: int) -> bool:
+    """True when dense_gemm_splitk reads q's format at `rows` rows (1..SPLITK_MAX_ROWS)."""
+    return q.fmt in SUPPORTED and 1 <= rows <= SPLITK_MAX_ROWS
+
+
+def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int | None = None,
+                      split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, 1 <= M <= SPLITK_MAX_ROWS) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32
+    accumulation; the same tile arithmetic as dense_gemm (exact dequantization, block scales per 128-column
+    step, row scales after the sum), the K loop split in split_k parts summed in order.
+
+    out: optional [M, N] x.dtype with unit column stride, written in place. block_n / split_k: a fixed tile
+    (block_n a power of two 16..128, split_k 1..MAX_SPLIT); None for both: on CUDA the measured best
+    (triton.autotune over TUNE_TILES x SPLITS), elsewhere 16 columns x 2 splits (1 for K of
+    fewer than 4 steps).
+    Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, too many rows, bad
+    tiles; RuntimeError for a first launch on a device inside a CUDA graph capture (see the module note).
+    """
+    if q.fmt not in SUPPORTED:
+        raise ValueError(f"dense_gemm_splitk does not read {q.fmt.value} weights (supported: "
+                         f"{sorted(f.value for f in SUPPORTED)})")
+    if x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dense_gemm_splitk: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m, (n, k) = x.shape[0], q.shape
+    if m > SPLITK_MAX_ROWS:
+        raise ValueError(f"dense_gemm_splitk: {m} rows > {SPLITK_MAX_ROWS} (more rows belong to dense_gemm)")
+    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
+        raise ValueError("dense_gemm_splitk: x rows, q.data and q.scale must be contiguous")
+    if not x.device == q.data.device == q.scale.device:
+        raise ValueError(f"dense_gemm_splitk: x on {x.device}, weight on {q.data.device}, scale on {q.scale.device}")
+    if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
+        raise ValueError(f"dense_gemm_splitk: block_n={block_n} must be a power of two in 16..128")
+    if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
+        raise ValueError(f"dense_gemm_splitk: split_k={split_k} must be in 1..{MAX_SPLIT}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
+        raise ValueError(f"dense_gemm_splitk: out must be {x.dtype} [{m}, {n}] with unit column stride on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)}")
+    if m == 0:
+        return out
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 16)  # the most tiles any BLOCK_N gives
+    cnt = counters(x.device, tiles)
+    tuned = x.is_cuda and block_n is None and split_k is None
+    # the workspace holds one partial per split: the most _prune admits for this K when tuned
+    most = min(MAX_SPLIT, max(1, triton.cdiv(k, BLOCK_K) // MIN_STEPS_PER_SPLIT))
+    bn, sk = block_n or 16, split_k or min(2, most)
+    ws = torch.empty((most if tuned else sk, m, n), dtype=torch.float32, device=x.device)
+    glob = q.global_scale if q.global_scale is not None else q.scale
+    args = (x, q.data, q.scale, glob, out, ws, cnt, m, m_bucket(m), x.stride(0), out.stride(0))
+    consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), BLOCK_M=BLOCK_M,
+                  BLOCK_K=BLOCK_K, **dot_modes(x))
+    tiles_m = triton.cdiv(m, BLOCK_M)
+    if tuned:
+        _TUNED[lambda meta: (tiles_m * triton.cdiv(n, meta["BLOCK_N"]) * meta["SPLIT_K"],)](*args, **consts)
+    else:
+        _dense_gemm_splitk_kernel[(tiles_m * triton.cdiv(n, bn) * sk,)](
+            *args[:11], sk, **consts, BLOCK_N=bn, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
+    return out

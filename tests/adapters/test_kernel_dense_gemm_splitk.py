@@ -1,0 +1,148 @@
+"""Split-K dense GEMM (decode rows) against the reference dequantization and against dense_gemm, every
+quantized format (Triton's interpreter on the CPU, with fp32 dot operands; compiled on a GPU host).
+
+Bounds as test_kernel_dense_gemm.py: fp32 activations 1e-5 relative (exact fp32 products, reordered sums);
+bf16 activations 8e-3 (one rounding of the output to bf16).
+"""
+
+import pytest
+import torch
+
+from adapters.checkpoint.quant import QTensor, dequantize
+from adapters.checkpoint.quantize import quantize
+from adapters.kernels import dense_gemm_splitk as sk
+from adapters.kernels.dense_gemm import SUPPORTED, dense_gemm
+from adapters.kernels.dense_gemm_splitk import SPLITK_MAX_ROWS, dense_gemm_splitk, supports
+from domain.model_spec import WeightFormat
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FORMATS = sorted(SUPPORTED, key=lambda f: f.value)
+
+
+def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
+
+
+def _case(fmt, rows, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+    x = torch.randn(rows, k, generator=gen)
+    return x.to(DEVICE), q.to(DEVICE)
+
+
+def _exact(x, q):
+    return x.double().cpu() @ dequantize(q.to("cpu"), torch.float64).T
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_every_split_matches_the_reference_in_fp32(fmt):
+    # K=640: five 128-column steps, so splits 2 and 4 leave ragged last splits and split 8 leaves empty
+    # ones (their partials are zeros); N=48 a partial 32-column tile; M=5 a partial row tile
+    x, q = _case(fmt, 5, 48, 640, seed=1)
+    exact = _exact(x, q)
+    for split in (1, 2, 4, 8):
+        out = torch.full((5, 48), float("nan"), device=DEVICE)  # an unwritten element fails below
+        dense_gemm_splitk(x, q, out=out, block_n=32, split_k=split)
+        assert torch.isfinite(out).all(), split
+        assert _err(out, exact) < 1e-5, split
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, SPLITK_MAX_ROWS])
+def test_row_counts_up_to_the_limit(rows):
+    # 17 and 64 rows: two and four 16-row tiles, each with its own counters
+    x, q = _case(WeightFormat.FP8_BLOCK, rows, 32, 512, seed=2)
+    out = dense_gemm_splitk(x, q, block_n=16, split_k=2)
+    assert _err(out, _exact(x, q)) < 1e-5
+
+
+def test_bf16_activations_match_dense_gemm():
+    x, q = _case(WeightFormat.FP8_BLOCK, 8, 64, 512, seed=3)
+    xb = x.bfloat16()
+    out = dense_gemm_splitk(xb, q, block_n=32, split_k=2)
+    assert out.dtype == torch.bfloat16
+    assert _err(out, _exact(xb, q)) < 8e-3
+    assert _err(out, dense_gemm(xb, q)) < 8e-3
+
+
+def test_launches_are_deterministic_and_leave_the_counters_zeroed():
+    """The last arrival resets its tile's counter: a second launch (a graph replay) must find them at zero,
+    or it would add its partials at the wrong arrival and write y early or never."""
+    x, q = _case(WeightFormat.INT8_CHANNEL, 3, 48, 512, seed=4)
+    first = dense_gemm_splitk(x, q, block_n=16, split_k=4)
+    assert int(sk.counters(x.device, 1).abs().sum()) == 0
+    second = dense_gemm_splitk(x, q, block_n=16, split_k=4)
+    assert torch.equal(first, second)
+    assert _err(first, _exact(x, q)) < 1e-5
+
+
+def test_writes_into_a_strided_out_and_handles_zero_rows():
+    x, q = _case(WeightFormat.FP8_CHANNEL, 4, 32, 256, seed=5)
+    wide = torch.full((4, 50), float("nan"), device=DEVICE)
+    dense_gemm_splitk(x, q, out=wide[:, 9:41], split_k=2)
+    assert torch.isnan(wide[:, :9]).all() and torch.isnan(wide[:, 41:]).all()
+    assert _err(wide[:, 9:41], _exact(x, q)) < 1e-5
+    assert dense_gemm_splitk(x[:0], q).shape == (0, 32)
+
+
+def test_supports_and_refusals():
+    q = quantize(torch.randn(32, 128) * 0.05, WeightFormat.FP8_BLOCK).to(DEVICE)
+    bf16 = QTensor(WeightFormat.BF16, (32, 128), torch.randn(32, 128, dtype=torch.bfloat16))
+    assert supports(q, 1) and supports(q, SPLITK_MAX_ROWS)
+    assert not supports(q, SPLITK_MAX_ROWS + 1) and not supports(q, 0) and not supports(bf16, 4)
+    x = torch.randn(4, 128, device=DEVICE)
+    cases = [
+        ((x, bf16), {}, "does not read bf16"),
+        ((x[:, :64], q), {}, r"\[M, 128\]"),
+        ((x.to(torch.int32), q), {}, "bf16/fp16/fp32"),
+        ((torch.randn(SPLITK_MAX_ROWS + 1, 128, device=DEVICE), q), {}, "rows >"),
+        ((x, q), {"block_n": 8}, "block_n=8"),
+        ((x, q), {"block_n": 256}, "block_n=256"),
+        ((x, q), {"split_k": 0}, "split_k=0"),
+        ((x, q), {"split_k": 17}, "split_k=17"),
+        ((x, q), {"out": torch.empty(4, 16, device=DEVICE)}, "out must be"),
+        ((torch.randn(128, 4, device=DEVICE).T, q), {}, "contiguous"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dense_gemm_splitk(*args, **kwargs)
+
+
+def _pruned(prec, fmt, n, k):
+    kept = sk._prune(sk._TUNED.configs, {}, PRECISION=prec, FMT=fmt, N=n, K=k)
+    return [(c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"], c.num_warps, c.num_stages) for c in kept]
+
+
+def test_autotune_tries_only_splits_and_tiles_that_fit():
+    # K = 4096 (32 steps): every split up to 16, each split >= 2 steps
+    wide = _pruned("tf32", 1, 2048, 4096)
+    assert {s for _, s, _, _ in wide} == {1, 2, 4, 8, 16}
+    # K = 2048 (16 steps): no split of 16; stages never above a split's steps
+    mid = _pruned("tf32", 1, 12288, 2048)
+    assert max(s for _, s, _, _ in mid) == 8
+    assert all(st <= -(-16 // s) for _, s, _, st in mid)
+    # fp32 activations: FMA loops, no tile wider than 32 columns
+    assert max(bn for bn, _, _, _ in _pruned("ieee", 1, 2048, 4096)) == 32
+    # one K step: only the unsplit kernel
+    assert {s for _, s, _, _ in _pruned("tf32", 1, 64, 128)} == {1}
+    assert len(set(wide)) == len(wide)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4],
+                         ids=lambda f: f.value)
+@pytest.mark.parametrize("shape", [(12288, 2048), (2048, 4096)], ids=["qkvz", "out"])
+@pytest.mark.parametrize("rows", [2, 16])
+def test_real_shapes_on_gpu(fmt, shape, rows):
+    """Autotuned split and tile at the Qwen3.6 projection shapes, fp32 (exact products) and bf16; then every
+    split at the out projection's shape, so a split the compiler or the fix-up gets wrong is named."""
+    x, q = _case(fmt, rows, *shape, seed=6)
+    assert _err(dense_gemm_splitk(x, q), _exact(x, q)) < 1e-5
+    xb = x.bfloat16()
+    assert _err(dense_gemm_splitk(xb, q), _exact(xb, q)) < 8e-3
+    bad = {}
+    for split in sk.SPLITS:
+        for _ in range(3):  # the fix-up is a race between programs: run it more than once
+            err = _err(dense_gemm_splitk(xb, q, block_n=32, split_k=split), _exact(xb, q))
+            if not err < 8e-3:
+                bad[split] = err
+    assert not bad, f"splits off the reference: {bad}"
