@@ -306,8 +306,8 @@ TUNE_TILES = ((16, 128, 4, 1), (16, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), 
 # bs4 4.38 -> 4.30, bs1 2.43 -> 2.51 (docs/bench/2026-12-04-bench-decode-h200-splitk-pairs-ab.json).
 # NOTE: off by default: through HTTP, with the buckets and the split-K GEMM on, the resident ladder's c8/c16 TTFT
 # doubled (0.08 -> 0.15-0.18 s) and c16 fell 1,745 -> 1,641 tok/s against a control run (docs/fast-decode.md,
-# session 19). The suspect, unproven: the prefill's small chunks (prefix-cache hits of identical prompts, up to
-# GEMV_MAX_PAIRS pairs) run bucket 1024's tile, tuned at 504 pairs over distinct experts. Four buckets, not one per
+# session 19; ADR 0022). The suspect, unproven: short prefill steps (up to GEMV_MAX_PAIRS pairs, and the prefill
+# graphs' segments) run buckets 256/1024's tiles, tuned over distinct experts. Four buckets, not one per
 # power of two: each is tuned before any capture and a capture cannot tune (launch's guard), so each costs
 # start-up time. 16: bs1; 64: bs2-bs7; 256: bs8-bs28 (bs16: 144 pairs); 1024: prefill chunks.
 PAIRS_BUCKETS = (16, 64, 256, 1024)
