@@ -11,22 +11,17 @@ import torch
 from adapters.checkpoint.quant import QTensor, dequantize
 from adapters.checkpoint.quantize import quantize
 from adapters.kernels import dense_gemm_splitk as sk
-from adapters.kernels.dense_gemm import SUPPORTED, dense_gemm
+from adapters.kernels.dense_gemm import dense_gemm
 from adapters.kernels.dense_gemm_splitk import SPLITK_MAX_ROWS, dense_gemm_splitk, supports
 from domain.model_spec import WeightFormat
+from tests.adapters.test_kernel_dense_gemm import FORMATS, _err
+from tests.adapters.test_kernel_dense_gemm import _case as _cpu_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = sorted(SUPPORTED, key=lambda f: f.value)
-
-
-def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
 
 
 def _case(fmt, rows, n, k, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
-    x = torch.randn(rows, k, generator=gen)
+    x, q = _cpu_case(fmt, rows, n, k, seed)  # the same draws as dense_gemm's tests
     return x.to(DEVICE), q.to(DEVICE)
 
 
