@@ -143,6 +143,14 @@ def prefill_kernel(rows: int, q) -> str:
     return "splitk" if pl.use_splitk(rows, q) else "gemm"
 
 
+def _tuned_choice(tuner) -> dict | None:
+    """The autotuner's last choice (its kwargs, warps and stages): which of TUNE_TILES x SPLITS win, so the
+    split-K GEMM's tuning space (its start-up cost) can be pruned from a record. None where it never ran (the
+    interpreter launches the untuned kernel)."""
+    cfg = getattr(tuner, "best_config", None)
+    return None if cfg is None else {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
 def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = CROSSOVER_ROWS) -> list[dict]:
     """dense_gemv vs dense_gemm_splitk vs dense_gemm per row count at the DENSE shapes (block FP8): where
     prefill_linear's GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong. `chosen`: the kernel prefill_linear runs today;
@@ -165,6 +173,7 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
             # at its autotuned tile and split on CUDA, as prefill_linear runs it (a fixed tile elsewhere)
             row["splitk_us"] = (timer(lambda x=x, q=q: sk.dense_gemm_splitk(x, q))
                                 if m <= sk.SPLITK_MAX_ROWS else None)
+            row["splitk_tile"] = _tuned_choice(sk._TUNED) if m <= sk.SPLITK_MAX_ROWS else None
             row["gemm_us"] = timer(lambda x=x, q=q: dense_gemm(x, q))
             times = {name: row[f"{name}_us"] for name in ("gemv", "splitk", "gemm")}
             if all(isinstance(t, float) for t in times.values()):
