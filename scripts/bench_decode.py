@@ -4,7 +4,7 @@ from a profile, checks the fast path against the reference executor, and writes 
 the hardware profile.
 
     python scripts/bench_decode.py --out $OUT [--format fp8_block] [--batch 1,4,16] [--plans resident,24]
-        [--splitk-max-rows 1,32] [--pairs-bucket-max 1,1024]
+        [--splitk-max-rows 1,32] [--pairs-bucket-max 1,256]
 
 Scenarios: `resident` holds all 10,240 experts; a number is a GPU budget in GiB planned by the domain
 planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt per row, warm up
@@ -12,7 +12,7 @@ planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt 
 includes input staging and the one device->host copy) and the bare graph replay (CUDA events).
 --splitk-max-rows / --pairs-bucket-max run every scenario once per value (the cross product when both are
 given), the module constant set before its executor is built: `resident_splitk1` (1: no split-K GEMM, the
-control), `resident_splitk32_pairs1024`, ...; each scenario records the values it ran with.
+control), `resident_splitk32_pairs256`, ...; each scenario records the values it ran with.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def knob_variants(args) -> list[dict[str, int]]:
 def run_variants(args, ckpt, name: str, budget_gib: float | None, record: dict) -> None:
     """run_scenario once per knob variant, the knobs' constants set for its executor and restored after (a
     failed variant is recorded, the others still run). Each scenario records every knob's value it ran with,
-    under `name` plus a tag per given knob (`resident_splitk32_pairs1024`; the plain name with no knob given)."""
+    under `name` plus a tag per given knob (`resident_splitk32_pairs256`; the plain name with no knob given)."""
     knobs = {dest: (tag, importlib.import_module(mod), const) for dest, tag, mod, const in KNOBS}
     defaults = {dest: getattr(mod, const) for dest, (_, mod, const) in knobs.items()}
     for variant in knob_variants(args):

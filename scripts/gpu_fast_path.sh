@@ -122,10 +122,10 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover" --only crossover 2>&1 | tail -2 | cut -c1-300
       wait ;;
     splitk-decode)
-      # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / four (1024)
+      # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
       timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
-        --splitk-max-rows 1,32 --pairs-bucket-max 1,1024 2>&1 | grep -E "^resident|parity|Error|failed" | cut -c1-300 ;;
+        --splitk-max-rows 1,32 --pairs-bucket-max 1,256 2>&1 | grep -E "^resident|parity|Error|failed" | cut -c1-300 ;;
     dedup)
       timeout -k 10 -s INT 200 python3 -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" -rfE \
         tests/adapters/test_kernels_moe_dedup.py tests/adapters/test_expert_pool_dedup.py \

@@ -226,21 +226,18 @@ class DeviceExpertPool:
         return moe_sum(partials, torch.empty_like(x))
 
     def tune(self, x: torch.Tensor, top_k: int, rows: Sequence[int] = (1,)) -> None:
-        """Run the fused kernels once on real slots at each of `rows` token counts, and at the most tokens a
-        per-pair chunk holds (GEMV_MAX_PAIRS: the prefill's small chunks), so every pair bucket's tiles
-        (packed_gemv.pairs_bucket) are measured on real work before any capture: the graph warm-ups run padded
-        rows, which skip every expert, and a capture cannot measure. x [1, H]: the activation row, repeated.
-        `rows` first, largest first: the first call of a bucket decides its tile, so where a decode bucket's own
-        count falls in a pair bucket (bs16: 144 pairs), that count tunes it; then each pair bucket at the most
-        tokens it holds. One count per bucket; with one bucket for all (PAIRS_BUCKET_MAX 1, the A/B's control)
-        the fewest rows, as before the buckets (bs1's tile)."""
+        """Run the fused kernels once on real slots, so the per-pair GEMVs' tiles are measured on real work before
+        any capture: the graph warm-ups run padded rows, which skip every expert, and a capture cannot measure.
+        x [1, H]: the activation row, repeated. With pair buckets (packed_gemv.pairs_bucket) each bucket is tuned by
+        the first count that falls inside it: `rows` largest first (a decode bucket's own count: bs16's 144 pairs
+        tunes bucket 256), then each bucket at the most tokens it holds; a count past the largest bucket shares the
+        first bucket's key and never tunes it. Without buckets (one key): at the fewest rows, bs1's tile."""
         columns = top_k + self.has_shared
-        fill = [max(1, min(b, GEMV_MAX_PAIRS) // columns) for b in PAIRS_BUCKETS]
         first: dict[int, int] = {}  # pair bucket -> the row count that tunes it
-        for n in [*sorted(set(rows), reverse=True), *fill]:
-            first.setdefault(pairs_bucket(n * columns), n)
-        counts = list(first.values()) if len(first) > 1 else [min(rows)]
-        for n in counts:
+        for n in [*sorted(set(rows), reverse=True), *(max(1, b // columns) for b in PAIRS_BUCKETS)]:
+            if n * columns <= pairs_bucket(n * columns):
+                first.setdefault(pairs_bucket(n * columns), n)
+        for n in first.values() or [min(rows)]:
             self._tune_rows(x[:1].expand(n, -1).contiguous(), top_k)
         if self.grouped_decode_min_pairs is not None:
             self._tune_grouped_decode(x[:1], top_k)

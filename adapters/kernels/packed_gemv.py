@@ -299,30 +299,33 @@ TUNE_TILES = ((16, 128, 4, 1), (16, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), 
 
 
 # The per-pair GEMVs' (moe_gate_up, moe_down) autotune key holds the launch's pair count as a bucket (PAIRS_BUCKET):
-# the first of PAIRS_BUCKETS that holds T*K pairs, at most PAIRS_BUCKET_MAX (1: one key for every pair count, tuned
-# at bs1's 9 pairs by DeviceExpertPool.tune). Why buckets: the best tile depends on the grid's pairs (programs per
-# SM). H200 (session 19): with four buckets moe_down took 36.0 us at 16 tokens (bench_kernels --only order;
-# session 18 measured 50.3 us with the one key), and the decode step (graph replay) went bs16 8.86 -> 8.37 ms,
-# bs4 4.38 -> 4.30, bs1 2.43 -> 2.51 (docs/bench/2026-12-04-bench-decode-h200-splitk-pairs-ab.json).
-# NOTE: off by default: through HTTP, with the buckets and the split-K GEMM on, the resident ladder's c8/c16 TTFT
-# doubled (0.08 -> 0.15-0.18 s) and c16 fell 1,745 -> 1,641 tok/s against a control run (docs/fast-decode.md,
-# session 19; ADR 0022). The suspect, unproven: short prefill steps (up to GEMV_MAX_PAIRS pairs, and the prefill
-# graphs' segments) run buckets 256/1024's tiles, tuned over distinct experts. Four buckets, not one per
-# power of two: each is tuned before any capture and a capture cannot tune (launch's guard), so each costs
-# start-up time. 16: bs1; 64: bs2-bs7; 256: bs8-bs28 (bs16: 144 pairs); 1024: prefill chunks.
-PAIRS_BUCKETS = (16, 64, 256, 1024)
+# the first of PAIRS_BUCKETS up to PAIRS_BUCKET_MAX that holds T*K pairs; launches of more pairs (prefill chunks)
+# share the first bucket's key, the tile tuned at bs1 that every launch ran before the buckets; PAIRS_BUCKET_MAX 1:
+# one key for every pair count (off). Why buckets: the best tile depends on the grid's pairs (programs per SM).
+# H200 (session 19), with buckets up to 1024 (prefill chunks then had their own): moe_down 36.0 us at 16 tokens
+# (bench_kernels --only order; session 18 measured 50.3 with the one key); the decode step (graph replay) bs16
+# 8.86 -> 8.37 ms, bs4 4.38 -> 4.30, bs1 2.43 -> 2.51 (docs/bench/2026-12-04-bench-decode-h200-splitk-pairs-ab.json).
+# NOTE: off by default: through HTTP, with those buckets and the split-K GEMM on, the resident ladder's c8/c16 TTFT
+# doubled (0.08 -> 0.15-0.18 s) against a control run (ADR 0022), and only c8/c16's bursts run more than 256 pairs
+# per launch (c8: 8 short prompts' tokens in one prefill graph segment, 288 pairs; c16: 576 pairs, eager), under
+# bucket 1024's tile, tuned over distinct experts where identical prompts route to the same few. Hence the decode
+# buckets only (16: bs1; 64: bs2-bs7; 256: bs8-bs28, bs16's 144 pairs), each tuned before any capture (a capture
+# cannot tune: launch's guard); measure them through HTTP before turning them on (docs/gpu-validation.md).
+PAIRS_BUCKETS = (16, 64, 256)
 PAIRS_BUCKET_MAX = 1
 
 
 def pairs_bucket(pairs: int) -> int:
     """The PAIRS_BUCKET autotune key of a per-pair GEMV launch over `pairs` (token, top-k) pairs: the first of
-    PAIRS_BUCKETS that holds them (the last for more), at most PAIRS_BUCKET_MAX. Only a key: the kernels do not
-    read it (nor specialize on it: no recompiles). NOTE: buckets may pick different tiles, and a tile of another
-    BLOCK_K sums in another order, so results can differ in the last bits between buckets (as dense_gemm's M
-    buckets); the dedup kernels look up the same bucket's choice (dedup_gemv.per_pair_tile), so they stay
-    bitwise per-pair."""
-    bucket = next((b for b in PAIRS_BUCKETS if pairs <= b), PAIRS_BUCKETS[-1])
-    return min(bucket, PAIRS_BUCKET_MAX)
+    PAIRS_BUCKETS up to PAIRS_BUCKET_MAX that holds them; more pairs than the largest: the first bucket (bs1's tile);
+    1 when PAIRS_BUCKET_MAX admits none. Only a key: the kernels do not read it (nor specialize on it: no
+    recompiles). NOTE: buckets may pick different tiles, and a tile of another BLOCK_K sums in another order, so
+    results can differ in the last bits between buckets (as dense_gemm's M buckets); the dedup kernels look up the
+    same bucket's choice (dedup_gemv.per_pair_tile), so they stay bitwise per-pair."""
+    allowed = [b for b in PAIRS_BUCKETS if b <= PAIRS_BUCKET_MAX]
+    if not allowed:
+        return 1
+    return next((b for b in allowed if pairs <= b), allowed[0])
 
 
 # dtypes of the per-pair kernels' pointer parameters by name ("act": the activations' float dtype)

@@ -95,20 +95,23 @@ def test_tune_runs_the_grouped_gemms_on_real_slots_when_on(bank_and_shared, monk
 def test_tune_measures_every_pair_bucket_with_the_decode_counts_first(bank_and_shared, monkeypatch):  # noqa: F811
     """The per-pair GEMVs' tiles are tuned per pair bucket (packed_gemv.pairs_bucket), and a capture cannot tune:
     tune() runs each decode bucket's own row count first (largest first: the first call of a bucket decides its
-    tile), then every pair bucket no decode count reached, at the most tokens it holds."""
+    tile), then every pair bucket no decode count reached, at the most tokens it holds; a count past the largest
+    bucket (it shares bs1's key) tunes nothing."""
     import adapters.cuda_exec.expert_pool as pool_mod
     from adapters.kernels import packed_gemv
     from adapters.kernels.packed_gemv import PAIRS_BUCKETS, pairs_bucket
 
     bank, shared = bank_and_shared
-    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1024)  # the buckets on (off by default)
+    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 256)  # the buckets on (off by default)
     calls = []
     real = pool_mod.fused_moe
     monkeypatch.setattr(pool_mod, "fused_moe", lambda x, ids, *a, **k: calls.append(
         (x.shape[0], pairs_bucket(ids.numel()))) or real(x, ids, *a, **k))
-    DeviceExpertPool(bank, L * E, DEVICE, shared_rows=shared).tune(torch.randn(1, H).to(DEVICE), K, rows=(1, 2, 4))
-    # K + 1 = 5 columns: 4 rows (20 pairs) and 2 rows (10) open buckets 64 and 16; 1 row (5) falls in 16, tuned
-    assert [rows for rows, _ in calls[:2]] == [4, 2] and 1 not in [rows for rows, _ in calls]
+    DeviceExpertPool(bank, L * E, DEVICE, shared_rows=shared).tune(torch.randn(1, H).to(DEVICE), K,
+                                                                    rows=(1, 2, 4, 64))
+    # K + 1 = 5 columns: 64 rows (320 pairs) are past the largest bucket (bs1's key, which they must not tune);
+    # 4 rows (20 pairs) and 2 rows (10) open buckets 64 and 16; 1 row (5) falls in 16, tuned
+    assert [rows for rows, _ in calls[:2]] == [4, 2] and not {1, 64} & {rows for rows, _ in calls}
     assert sorted(bucket for _, bucket in calls) == sorted(PAIRS_BUCKETS)  # every key, once, before any capture
     calls.clear()
     monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1)  # one key for all: bs1 tunes it, as before

@@ -303,16 +303,16 @@ def test_real_geometry_on_gpu(fmt, tokens):
     assert torch.equal(moe_sum(partials, torch.empty_like(xb)), out_b)
 
 
-def test_pair_buckets_are_coarse_and_capped(monkeypatch):
+def test_pair_buckets_cover_the_decode_sizes_and_leave_prefill_chunks_on_bs1s_key(monkeypatch):
     from adapters.kernels import packed_gemv
 
-    assert {packed_gemv.pairs_bucket(p) for p in (1, 144, 5000)} == {packed_gemv.PAIRS_BUCKET_MAX}
-    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1024)  # on (off by default: docs/fast-decode.md)
-    # bs1 (9 pairs), bs2-bs7, bs8-bs28 (bs16: 144), prefill chunks: one autotune key each
+    assert {packed_gemv.pairs_bucket(p) for p in (1, 144, 5000)} == {1}  # off by default: one key
+    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 256)
+    # bs1 (9 pairs), bs2-bs7, bs8-bs28 (bs16: 144); prefill chunks past 256 pairs: bs1's key, as before the buckets
     assert [packed_gemv.pairs_bucket(p) for p in (0, 9, 16, 17, 63, 72, 144, 256, 257, 504, 5000)] == \
-        [16, 16, 16, 64, 64, 256, 256, 256, 1024, 1024, 1024]
-    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 1)  # the A/B's control: one key for every pair count
-    assert {packed_gemv.pairs_bucket(p) for p in (1, 144, 5000)} == {1}
+        [16, 16, 16, 64, 64, 256, 256, 256, 16, 16, 16]
+    monkeypatch.setattr(packed_gemv, "PAIRS_BUCKET_MAX", 64)  # a lower cap: bs8 and up share bs1's key
+    assert [packed_gemv.pairs_bucket(p) for p in (9, 36, 72, 144)] == [16, 64, 16, 16]
 
 
 class _FakeTuner:
