@@ -306,11 +306,10 @@ TUNE_TILES = ((16, 128, 4, 1), (16, 256, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), 
 # (bench_kernels --only order; session 18 measured 50.3 with the one key); the decode step (graph replay) bs16
 # 8.86 -> 8.37 ms, bs4 4.38 -> 4.30, bs1 2.43 -> 2.51 (docs/bench/2026-12-04-bench-decode-h200-splitk-pairs-ab.json).
 # NOTE: off by default: through HTTP, with those buckets and the split-K GEMM on, the resident ladder's c8/c16 TTFT
-# doubled (0.08 -> 0.15-0.18 s) against a control run (ADR 0022), and only c8/c16's bursts run more than 256 pairs
-# per launch (c8: 8 short prompts' tokens in one prefill graph segment, 288 pairs; c16: 576 pairs, eager), under
-# bucket 1024's tile, tuned over distinct experts where identical prompts route to the same few. Hence the decode
-# buckets only (16: bs1; 64: bs2-bs7; 256: bs8-bs28, bs16's 144 pairs), each tuned before any capture (a capture
-# cannot tune: launch's guard); measure them through HTTP before turning them on (docs/gpu-validation.md).
+# doubled (0.08 -> 0.15-0.18 s) against a control run (ADR 0022), cause not established (one run each; c16's TTFT
+# has ranged 0.06-0.15 s across sessions). The buckets now stop at the decode sizes (16: bs1; 64: bs2-bs7; 256:
+# bs8-bs28, bs16's 144 pairs), so turning them on changes only decode-sized launches and an HTTP A/B isolates them
+# (docs/gpu-validation.md). Each is tuned before any capture (a capture cannot tune: launch's guard).
 PAIRS_BUCKETS = (16, 64, 256)
 PAIRS_BUCKET_MAX = 1
 
