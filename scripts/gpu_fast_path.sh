@@ -26,6 +26,8 @@
 #            they tune and capture), then bench_kernels.py --only crossover (GEMV / split-K / GEMM per row count);
 #            synthesizes $CKPT meanwhile
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
+#   http-ab  ADR 0022's HTTP A/B on one machine: the resident ladder per variant of $AB (default, splitk0,
+#            pairs256), each server through scripts/diag/serve_with_knobs.py (~4-5 min a variant on a cold machine)
 #   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
 #   dedup    the expert-deduplicated MoE GEMVs (ADR 0015, off by default): their GPU tests (bitwise the per-pair
 #            kernels, autotuned tiles, graph replay), bench_kernels.py --only dedup (per-pair vs dedup at rows
@@ -170,6 +172,34 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
           | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
     http) timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
+    http-ab)
+      # ADR 0022's same-machine A/B: the resident ladder once per variant of $AB (default "default splitk0"; also
+      # "pairs256"), each a fresh server through scripts/diag/serve_with_knobs.py on one machine, one after the
+      # other; then what each server logged after it was ready (a tuning or compile on the request path)
+      ( . "$(dirname "$0")/gpu_http_bench.sh"
+        synth_ckpt
+        for variant in ${AB:-default splitk0}; do
+          case $variant in
+            default) knobs=() ;;
+            splitk0) knobs=(--splitk-max-rows 0) ;;
+            pairs256) knobs=(--pairs-bucket-max 256) ;;
+            *) echo "unknown A/B variant $variant"; continue ;;
+          esac
+          log="$OUT/serve_$variant.log"
+          # shellcheck disable=SC2046
+          python3 scripts/diag/serve_with_knobs.py ${knobs[@]+"${knobs[@]}"} -- $(serve_flags) --port 8101 \
+            $(resident_serve_args) > "$log" 2>&1 &
+          SERVER=$!
+          if wait_healthy 8101 "$SERVER" "$log" "$READY_TRIES"; then
+            ready=$(wc -l < "$log")
+            LADDER_ARGS="--rounds 3" bench_ladder http://127.0.0.1:8101 "$OUT/ladder_$variant.json" > /dev/null
+            python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], 'c/aggregate/TTFT/steady:',
+  *(f\"{p['concurrency']}/{p['aggregate_tok_s']:.0f}/{p['ttft_s_median']:.3f}/{p['steady_decode_tok_s_median']:.0f}\"
+    for p in r['points']))" "$OUT/ladder_$variant.json" "$variant"
+            echo "$variant: logged after ready:"; tail -n +"$((ready + 1))" "$log" | grep -v "POST\|GET" | cut -c1-200 | tail -5
+          fi
+          kill $SERVER; wait $SERVER 2>/dev/null
+        done ) ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
