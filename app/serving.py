@@ -60,7 +60,8 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         engine = container.engine()
         engine.start()
         runtime.set_ready(engine, container.model_info())
-        progress("ready")
+        if echo:  # NOTE: set_ready already moved the phase to "ready", so progress() would not echo it
+            say(f"[{time.monotonic() - started:6.2f}s] ready: serving {runtime.model.served_name}")
     except Exception as exc:  # NOTE: surfaced on /health and stderr; the HTTP server stays up
         if isinstance(exc, (ValueError, OSError)):
             # the checkpoint's or the flags' fault (a damaged file, a plan that does not fit), named by the message;

@@ -299,6 +299,22 @@ def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
     assert all(call.endswith("\n") for call in err.calls), err.calls  # no line is split across writes
 
 
+def test_serve_says_when_it_is_ready(monkeypatch, capsys):
+    """The echo ended at "building executor": a user watching `ft serve` could not tell when it took requests
+    (only /health said so). The last line names the served model."""
+    from app.runtime import Runtime
+    from app.serving import build_engine
+
+    runtime = Runtime("m")
+    build_engine(make_container(), runtime, echo=True)
+    try:
+        assert runtime.status == "ok"
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.endswith(f"] ready: serving {runtime.model.served_name}"), last
+    finally:
+        runtime.engine.stop()
+
+
 @pytest.mark.parametrize("key", ["", "   ", " k3y", "k3y\t", "ключ"])
 def test_serve_refuses_an_api_key_no_client_can_send(key):
     """`ft serve --api-key "$KEY"` with KEY unset served with the API key OFF (one "(API key off)" line to notice);
