@@ -116,6 +116,34 @@ def m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 4096)
 
 
+def check_weight(q: QTensor, where: str) -> None:
+    """Refuses a weight format the tensor-core GEMMs (dense_gemm, dense_gemm_splitk) do not read. ValueError."""
+    if q.fmt not in SUPPORTED:
+        raise ValueError(f"{where} does not read {q.fmt.value} weights (float weights: F.linear; "
+                         f"supported: {sorted(f.value for f in SUPPORTED)})")
+
+
+def check_placement(xq: torch.Tensor, q: QTensor, where: str) -> None:
+    """Activation rows with unit column stride, the weight's data and scales contiguous, all on one device.
+    ValueError."""
+    if xq.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
+        raise ValueError(f"{where}: x rows, q.data and q.scale must be contiguous")
+    if not xq.device == q.data.device == q.scale.device:
+        raise ValueError(f"{where}: x on {xq.device}, weight on {q.data.device}, scale on {q.scale.device}")
+
+
+def out_buffer(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, device: torch.device,
+               where: str) -> torch.Tensor:
+    """The [M, N] output: `out` when it is `dtype` with unit column stride on `device`, a new one when None.
+    ValueError otherwise."""
+    if out is None:
+        return torch.empty((m, n), dtype=dtype, device=device)
+    if out.shape != (m, n) or out.dtype != dtype or out.stride(1) != 1 or out.device != device:
+        raise ValueError(f"{where}: out must be {dtype} [{m}, {n}] with unit column stride on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
                block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -131,9 +159,7 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
     the fixed tile's launch options (num_stages None: Triton's default); ignored when autotuned.
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, bad tiles.
     """
-    if q.fmt not in SUPPORTED:
-        raise ValueError(f"dense_gemm does not read {q.fmt.value} weights (float weights: F.linear; "
-                         f"supported: {sorted(f.value for f in SUPPORTED)})")
+    check_weight(q, "dense_gemm")
     a8 = isinstance(x, Fp8Rows)
     if a8:
         if FORMAT_CODES[q.fmt] not in A8_FORMATS:
@@ -144,22 +170,14 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
     elif x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dense_gemm: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     xq, xs = (x.q, x.scales) if a8 else (x, x)  # without A8 the scale pointer is never read
-    if xq.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
-        raise ValueError("dense_gemm: x rows, q.data and q.scale must be contiguous")
-    if not x.device == q.data.device == q.scale.device:
-        raise ValueError(f"dense_gemm: x on {x.device}, weight on {q.data.device}, scale on {q.scale.device}")
+    check_placement(xq, q, "dense_gemm")
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if block is not None and (block < 16 or block & (block - 1)):
             raise ValueError(f"dense_gemm: {name}={block} must be a power of two >= 16")
     if block_n is not None and block_n > 128:
         raise ValueError(f"dense_gemm: block_n={block_n} must be <= 128 (one block-FP8 scale per tile)")
     m, (n, k) = x.shape[0], q.shape
-    y_dtype = out_dtype if a8 else x.dtype
-    if out is None:
-        out = torch.empty((m, n), dtype=y_dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != y_dtype or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"dense_gemm: out must be {y_dtype} [{m}, {n}] with unit column stride on {x.device}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    out = out_buffer(out, m, n, out_dtype if a8 else x.dtype, xq.device, "dense_gemm")
     if m == 0:
         return out
     glob = q.global_scale if q.global_scale is not None else q.scale

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import QTensor
-from adapters.kernels.dense_gemm import SUPPORTED, m_bucket
+from adapters.kernels.dense_gemm import SUPPORTED, check_placement, check_weight, m_bucket, out_buffer
 from adapters.kernels.dequant_tile import (
     FOUR_BIT,
     MAX_W4_PER_THREAD,
@@ -175,28 +175,19 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, too many rows, bad
     tiles; RuntimeError for a first launch on a device inside a CUDA graph capture (see the module note).
     """
-    if q.fmt not in SUPPORTED:
-        raise ValueError(f"dense_gemm_splitk does not read {q.fmt.value} weights (supported: "
-                         f"{sorted(f.value for f in SUPPORTED)})")
+    check_weight(q, "dense_gemm_splitk")
     if x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dense_gemm_splitk: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} "
                          f"{tuple(x.shape)}")
     m, (n, k) = x.shape[0], q.shape
     if m > SPLITK_MAX_ROWS:
         raise ValueError(f"dense_gemm_splitk: {m} rows > {SPLITK_MAX_ROWS} (more rows belong to dense_gemm)")
-    if x.stride(1) != 1 or not q.data.is_contiguous() or not q.scale.is_contiguous():
-        raise ValueError("dense_gemm_splitk: x rows, q.data and q.scale must be contiguous")
-    if not x.device == q.data.device == q.scale.device:
-        raise ValueError(f"dense_gemm_splitk: x on {x.device}, weight on {q.data.device}, scale on {q.scale.device}")
+    check_placement(x, q, "dense_gemm_splitk")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"dense_gemm_splitk: block_n={block_n} must be a power of two in 16..128")
     if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
         raise ValueError(f"dense_gemm_splitk: split_k={split_k} must be in 1..{MAX_SPLIT}")
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device:
-        raise ValueError(f"dense_gemm_splitk: out must be {x.dtype} [{m}, {n}] with unit column stride on "
-                         f"{x.device}, got {out.dtype} {tuple(out.shape)}")
+    out = out_buffer(out, m, n, x.dtype, x.device, "dense_gemm_splitk")
     if m == 0:
         return out
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, 16)  # the most tiles any BLOCK_N gives
