@@ -154,7 +154,7 @@ def _tuned_choice(tuner) -> dict | None:
 def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = CROSSOVER_ROWS) -> list[dict]:
     """dense_gemv vs dense_gemm_splitk vs dense_gemm per row count at the DENSE shapes (block FP8): where
     prefill_linear's GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong. `chosen`: the kernel prefill_linear runs today;
-    `best`: the fastest, when all three timed (the split-K GEMM takes at most its SPLITK_MAX_ROWS rows: None
+    `best`: the fastest, when all three timed (the split-K GEMM takes at most its MAX_ROWS rows: None
     past them). dev/timer let a CPU test run the same code at tiny shapes in Triton's interpreter."""
     from adapters.checkpoint.quantize import quantize
     from adapters.kernels import dense_gemm_splitk as sk
@@ -172,8 +172,8 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
             row["gemv_us"] = timer(lambda x=x, q=q: dense_gemv(x, q))
             # at its autotuned tile and split on CUDA, as prefill_linear runs it (a fixed tile elsewhere)
             row["splitk_us"] = (timer(lambda x=x, q=q: sk.dense_gemm_splitk(x, q))
-                                if m <= sk.SPLITK_MAX_ROWS else None)
-            row["splitk_tile"] = _tuned_choice(sk._TUNED) if m <= sk.SPLITK_MAX_ROWS else None
+                                if m <= sk.MAX_ROWS else None)
+            row["splitk_tile"] = _tuned_choice(sk._TUNED) if m <= sk.MAX_ROWS else None
             row["gemm_us"] = timer(lambda x=x, q=q: dense_gemm(x, q))
             times = {name: row[f"{name}_us"] for name in ("gemv", "splitk", "gemm")}
             if all(isinstance(t, float) for t in times.values()):

@@ -235,8 +235,9 @@ class DeviceExpertPool:
         columns = top_k + self.has_shared
         first: dict[int, int] = {}  # pair bucket -> the row count that tunes it
         for n in [*sorted(set(rows), reverse=True), *(max(1, b // columns) for b in PAIRS_BUCKETS)]:
-            if n * columns <= pairs_bucket(n * columns):
-                first.setdefault(pairs_bucket(n * columns), n)
+            bucket = pairs_bucket(n * columns)
+            if n * columns <= bucket:
+                first.setdefault(bucket, n)
         for n in first.values() or [min(rows)]:
             self._tune_rows(x[:1].expand(n, -1).contiguous(), top_k)
         if self.grouped_decode_min_pairs is not None:

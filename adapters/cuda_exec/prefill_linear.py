@@ -60,7 +60,7 @@ def a8_weight(w: torch.Tensor | QTensor) -> bool:
 def prefill_linear(x: torch.Tensor, w: torch.Tensor | QTensor, a8: bool = False) -> torch.Tensor:
     """x [..., I] @ w^T -> [..., O] in x.dtype, fp32 accumulation.
 
-    Float weights (tensors or bf16-format QTensors): F.linear / qlinear. Quantized: dense_gemv for one row
+    Float weights (tensors or bf16-format QTensors): F.linear / qlinear. Quantized: dense_gemv for the few rows
     (use_gemv) in a format it reads, the split-K GEMM for decode row counts (use_splitk), else the tensor-core
     dense_gemm (every quantized format).
     a8: the GEMM's rows quantized to e4m3 per 128 columns first (act_quant_fp8) and multiplied on FP8 tensor

@@ -1,4 +1,4 @@
-"""Dense quantized GEMM for decode-sized M (at most SPLITK_MAX_ROWS rows): y = x @ dequant(W)^T on tensor
+"""Dense quantized GEMM for decode-sized M (at most MAX_ROWS rows): y = x @ dequant(W)^T on tensor
 cores with the K loop split over SPLIT_K programs per output tile, the last of them adding the partials.
 
 Shape legend: M rows of x (decode batch), K in features, N out features, S splits of K.
@@ -43,7 +43,7 @@ from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 
 BLOCK_M = 16  # tl.dot's smallest row tile: every decode bucket is one row tile (two up to 32 rows, ...)
 BLOCK_K = 128  # one 128x128 block-FP8 scale per K step, as in dense_gemm
-SPLITK_MAX_ROWS = 64  # decode buckets and short prefill segments; more rows have enough row tiles already
+MAX_ROWS = 64  # decode buckets and short prefill segments; more rows have enough row tiles already
 MAX_SPLIT = 16
 MIN_STEPS_PER_SPLIT = 2  # a split of one K step is all prologue and fix-up
 
@@ -158,13 +158,13 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def supports(q: QTensor, rows: int) -> bool:
-    """True when dense_gemm_splitk reads q's format at `rows` rows (1..SPLITK_MAX_ROWS)."""
-    return q.fmt in SUPPORTED and 1 <= rows <= SPLITK_MAX_ROWS
+    """True when dense_gemm_splitk reads q's format at `rows` rows (1..MAX_ROWS)."""
+    return q.fmt in SUPPORTED and 1 <= rows <= MAX_ROWS
 
 
 def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int | None = None,
                       split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32, 1 <= M <= SPLITK_MAX_ROWS) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32
+    """x [M, K] (bf16/fp16/fp32, 1 <= M <= MAX_ROWS) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32
     accumulation; the same tile arithmetic as dense_gemm (exact dequantization, block scales per 128-column
     step, row scales after the sum), the K loop split in split_k parts summed in order.
 
@@ -180,8 +180,8 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
         raise ValueError(f"dense_gemm_splitk: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} "
                          f"{tuple(x.shape)}")
     m, (n, k) = x.shape[0], q.shape
-    if m > SPLITK_MAX_ROWS:
-        raise ValueError(f"dense_gemm_splitk: {m} rows > {SPLITK_MAX_ROWS} (more rows belong to dense_gemm)")
+    if m > MAX_ROWS:
+        raise ValueError(f"dense_gemm_splitk: {m} rows > {MAX_ROWS} (more rows belong to dense_gemm)")
     check_placement(x, q, "dense_gemm_splitk")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"dense_gemm_splitk: block_n={block_n} must be a power of two in 16..128")

@@ -27,7 +27,7 @@ def test_dense_crossover_times_three_kernels_and_names_the_chosen_and_best(monke
     monkeypatch.setattr(bench_kernels, "DENSE", {"narrow": (48, 256), "wide": (32, 512)})
     monkeypatch.setattr(pl, "SPLITK_GEMV_MAX_ROWS", 1)  # prefill_linear's choice pinned: the GEMV at 1 row,
     monkeypatch.setattr(pl, "SPLITK_MAX_ROWS", 2)  # split-K at 2
-    monkeypatch.setattr(sk, "SPLITK_MAX_ROWS", 4)  # the kernel's limit: 8 rows record None
+    monkeypatch.setattr(sk, "MAX_ROWS", 4)  # the kernel's limit: 8 rows record None
     ran, outs = [], []
     for mod_name, fn_name, tag in KERNELS:  # each kernel says it ran (the timer tells them apart)
         mod = importlib.import_module(f"adapters.kernels.{mod_name}")

@@ -12,7 +12,7 @@ from adapters.checkpoint.quant import QTensor, dequantize
 from adapters.checkpoint.quantize import quantize
 from adapters.kernels import dense_gemm_splitk as sk
 from adapters.kernels.dense_gemm import dense_gemm
-from adapters.kernels.dense_gemm_splitk import SPLITK_MAX_ROWS, dense_gemm_splitk, supports
+from adapters.kernels.dense_gemm_splitk import MAX_ROWS, dense_gemm_splitk, supports
 from domain.model_spec import WeightFormat
 from tests.adapters.sm90 import build_for_sm90
 from tests.adapters.test_kernel_dense_gemm import FORMATS, _err
@@ -43,7 +43,7 @@ def test_every_split_matches_the_reference_in_fp32(fmt):
         assert _err(out, exact) < 1e-5, split
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, SPLITK_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 16, 17, MAX_ROWS])
 def test_row_counts_up_to_the_limit(rows):
     # 17 and 64 rows: two and four 16-row tiles, each with its own counters
     x, q = _case(WeightFormat.FP8_BLOCK, rows, 32, 512, seed=2)
@@ -83,14 +83,14 @@ def test_writes_into_a_strided_out_and_handles_zero_rows():
 def test_supports_and_refusals():
     q = quantize(torch.randn(32, 128) * 0.05, WeightFormat.FP8_BLOCK).to(DEVICE)
     bf16 = QTensor(WeightFormat.BF16, (32, 128), torch.randn(32, 128, dtype=torch.bfloat16))
-    assert supports(q, 1) and supports(q, SPLITK_MAX_ROWS)
-    assert not supports(q, SPLITK_MAX_ROWS + 1) and not supports(q, 0) and not supports(bf16, 4)
+    assert supports(q, 1) and supports(q, MAX_ROWS)
+    assert not supports(q, MAX_ROWS + 1) and not supports(q, 0) and not supports(bf16, 4)
     x = torch.randn(4, 128, device=DEVICE)
     cases = [
         ((x, bf16), {}, "does not read bf16"),
         ((x[:, :64], q), {}, r"\[M, 128\]"),
         ((x.to(torch.int32), q), {}, "bf16/fp16/fp32"),
-        ((torch.randn(SPLITK_MAX_ROWS + 1, 128, device=DEVICE), q), {}, "rows >"),
+        ((torch.randn(MAX_ROWS + 1, 128, device=DEVICE), q), {}, "rows >"),
         ((x, q), {"block_n": 8}, "block_n=8"),
         ((x, q), {"block_n": 256}, "block_n=256"),
         ((x, q), {"split_k": 0}, "split_k=0"),
