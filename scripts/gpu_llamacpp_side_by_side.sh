@@ -8,15 +8,24 @@
 #           (setsid), so a call cut at its time limit loses nothing: `build` again waits for them.
 #   llama   llama-server under the fluxtide budget (experts of the first --n-cpu-moe layers in host memory,
 #           planned from the GGUF to fit $BUDGET_GIB GiB like `ft serve --gpu-budget-gib`), one start per KV
-#           size of the sweep: `ft bench sweep --kv current`; then everything on the GPU: `ft bench ladder`.
-#   ours    fluxtide the same way, with scripts/gpu_http_bench.sh's pieces (resident ladder, 24 GiB sweep).
-#   report  the side-by-side tables (ratio to llama.cpp) -> $OUT/side_by_side.json
+#           size of the sweep: `ft bench sweep --kv current`; then everything on the GPU: `ft bench ladder`
+#           (LADDER=off: the sweeps only, the ladder left to `extras`).
+#   ours    fluxtide the same way, with scripts/gpu_http_bench.sh's pieces (resident ladder, 24 GiB sweep;
+#           LADDER=off: the sweep only).
+#   report  the engines' records from every run in $WORK, then the side-by-side tables (ratio to llama.cpp)
+#           -> $OUT/side_by_side.json
 #   coldstart  fluxtide only: `ft bench cold-start` of the resident server (its start-up milestones)
 #   extras  both resident servers up at once (~38 + ~42 GiB), then `ft bench probe` and `ft bench prefill`
-#           against both in one call each (one record per server and a side-by-side table)
+#           against both in one call each (one record per server and a side-by-side table); with
+#           EXTRAS_LADDER=on, then `ft bench ladder` of each server in turn (the other one idle beside it),
+#           recorded as the engines' resident runs, so one pair of starts serves all three
 #   bench   = llama ours report.   No phase: build bench.
 # Each engine's phase writes $OUT/<engine>.json: its runs (server command, planned and measured VRAM,
 # readiness time, the ft bench record); logs go to $OUT/logs_<phase>.tar.gz. Milestones print with times.
+# Every measured start first waits (at most QUIET_WAIT_S, 240 s) until the page cache's dirty and writeback
+# pages are under QUIET_DIRTY_MIB (512) and the 1-minute load under QUIET_LOAD (3), and each run's record keeps
+# host_at_start / host_after: llama.cpp computes host-resident experts on every core, so a host still writing
+# back the synthesized checkpoint slows it (2026-12-04: 30-45 % below 2026-12-02's same plan).
 # --dry-run: the same steps on a CPU machine, tiny geometry, CPU build, tiny token counts (no GPU figures).
 # Usage on the H200 (carry .llamacpp and .whl): scripts/gpu_llamacpp_side_by_side.sh build; ... bench
 set -uo pipefail
@@ -70,6 +79,30 @@ T0=$(date +%s)
 mark() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 late() { [ $(( $(date +%s) - T0 )) -gt "$DEADLINE" ] && { mark "skipping $1: past the ${DEADLINE}s deadline"; return 0; }; return 1; }
 count() { python3 -c "from app.units import parse_count; print(parse_count('$1'))"; }
+host_state() {  # JSON: dirty + writeback page cache (MiB) and the 1-minute load average, from /proc
+  python3 - <<'PY'
+import json
+m = {}
+for line in open("/proc/meminfo"):
+    k, v = line.split(":", 1)
+    m[k] = int(v.split()[0]) / 1024
+print(json.dumps({"dirty_mib": round(m.get("Dirty", 0)), "writeback_mib": round(m.get("Writeback", 0)),
+                  "loadavg_1m": float(open("/proc/loadavg").read().split()[0])}))
+PY
+}
+host_quiet() {  # host_quiet NAME: wait up to $QUIET_WAIT_S s for a quiet host before a measured start; sets HOST_STATE
+  # NOTE: on 2026-12-04 llama.cpp's CPU-expert sweeps ran minutes after ft synth had written 35 GB and the
+  # converter 38 GB, and decoded 30-45 % below the same plan on 2026-12-02: its 16 threads share the cores
+  # with whatever the kernel still flushes. Measured starts now wait for the page cache to be written back.
+  local waited=0
+  HOST_STATE=$(host_state)
+  while [ "$waited" -lt "${QUIET_WAIT_S:-240}" ] && ! python3 -c "import json,sys; h=json.loads(sys.argv[1])
+sys.exit(h['dirty_mib'] + h['writeback_mib'] > ${QUIET_DIRTY_MIB:-512} or h['loadavg_1m'] > ${QUIET_LOAD:-3})" "$HOST_STATE"; do
+    [ $(( waited % 30 )) = 0 ] && mark "$1: waiting for a quiet host: $HOST_STATE"
+    sleep 5; waited=$(( waited + 5 )); HOST_STATE=$(host_state)
+  done
+  mark "$1: host $HOST_STATE after ${waited}s"
+}
 gpu_mib() {  # MiB in use on GPU 0 (one server runs at a time), null without nvidia-smi
   local v; v=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -d ' ')
   echo "${v:-null}"
@@ -130,14 +163,17 @@ phase_build() {
 
 # ---- one measured run: start a server, bench it, keep what it used ---------------------------------------
 run_meta() {  # run_meta FILE ENGINE ROLE NAME KV RECORD READY_S VRAM_IDLE VRAM_READY VRAM_AFTER PLAN_JSON CMD...
+  # (HOST_STATE, from host_quiet before the start, and the host's state now go in as host_at_start / host_after)
   local file=$1; shift
-  python3 - "$@" > "$file" <<'PY'
-import json, sys
+  HOST_AT_START=${HOST_STATE:-} HOST_AFTER=$(host_state) python3 - "$@" > "$file" <<'PY'
+import json, os, sys
 engine, role, name, kv, record, ready, idle, ready_v, after, plan, *cmd = sys.argv[1:]
 num = lambda s: None if s in ("", "null") else float(s)
+host = lambda k: json.loads(os.environ[k]) if os.environ.get(k) else None
 print(json.dumps({"engine": engine, "role": role, "name": name, "kv_tokens": num(kv), "record_path": record,
                   "ready_s": num(ready),
                   "vram_mib": {"idle_before": num(idle), "ready": num(ready_v), "after_bench": num(after)},
+                  "host_at_start": host("HOST_AT_START"), "host_after": host("HOST_AFTER"),
                   "plan": json.loads(plan) if plan else None, "server_command": cmd}))
 PY
 }
@@ -161,6 +197,7 @@ llama_run() {  # llama_run ROLE NAME PORT CTX PARALLEL CPU_MOE|gpu KIND KVARG: o
   fi
   # shellcheck disable=SC2206  # LLAMA_ARGS is a list of options
   cmd+=($LLAMA_ARGS)
+  host_quiet "llama.cpp $name"
   idle=$(gpu_mib); t=$(date +%s)
   "${cmd[@]}" > "$WORK/logs/llama_$name.log" 2>&1 &
   SERVER=$!
@@ -184,8 +221,10 @@ phase_llama() {
     llama_run sweep "budget-$kv" 8201 "$(count "$kv")" "$BUDGET_RUNNING" plan sweep current
     runs+=("$WORK/run_llamacpp_budget-$kv.json")
   done
-  llama_run ladder resident 8202 "$(count "$RESIDENT_KV")" "$RESIDENT_RUNNING" gpu ladder
-  runs+=("$WORK/run_llamacpp_resident.json")
+  if [ "${LADDER:-on}" = on ]; then
+    llama_run ladder resident 8202 "$(count "$RESIDENT_KV")" "$RESIDENT_RUNNING" gpu ladder
+    runs+=("$WORK/run_llamacpp_resident.json")
+  fi
   python3 "$HERE/llama_cpp/sbs.py" engine llama.cpp "$WORK/llamacpp.json" "${runs[@]}"
   cp "$WORK/llamacpp.json" "$OUT/"
 }
@@ -193,6 +232,7 @@ phase_llama() {
 ours_run() {  # ours_run ROLE NAME PORT KIND SERVE_ARGS...: gpu_http_bench.sh's serve + ft bench call
   local role=$1 name=$2 port=$3 kind=$4 idle ready_v after t; shift 4
   late "fluxtide $name" && return 1
+  host_quiet "fluxtide $name"
   idle=$(gpu_mib); t=$(date +%s)
   mark "fluxtide $name: ft serve $*"
   if serve "$port" "$WORK/logs/ft_$name.log" "$@"; then
@@ -210,14 +250,25 @@ phase_ours() {
   synth_ckpt
   # shellcheck disable=SC2046  # the shapes are option lists
   ours_run sweep budget 8101 sweep $(budget_serve_args)
-  # shellcheck disable=SC2046
-  ours_run ladder resident 8102 ladder $(resident_serve_args)
-  python3 "$HERE/llama_cpp/sbs.py" engine fluxtide "$WORK/fluxtide.json" \
-    "$WORK/run_fluxtide_budget.json" "$WORK/run_fluxtide_resident.json"
+  local runs=("$WORK/run_fluxtide_budget.json")
+  if [ "${LADDER:-on}" = on ]; then
+    # shellcheck disable=SC2046
+    ours_run ladder resident 8102 ladder $(resident_serve_args)
+    runs+=("$WORK/run_fluxtide_resident.json")
+  fi
+  python3 "$HERE/llama_cpp/sbs.py" engine fluxtide "$WORK/fluxtide.json" "${runs[@]}"
   cp "$WORK/fluxtide.json" "$OUT/"
 }
 
 phase_report() {
+  # every run kept in $WORK, whichever phase and call made it (extras' ladders included)
+  local engine name runs
+  for engine in llamacpp fluxtide; do
+    runs=("$WORK"/run_"$engine"_*.json)
+    [ -f "${runs[0]}" ] || continue
+    name=$([ $engine = llamacpp ] && echo llama.cpp || echo fluxtide)
+    python3 "$HERE/llama_cpp/sbs.py" engine "$name" "$WORK/$engine.json" "${runs[@]}" && cp "$WORK/$engine.json" "$OUT/"
+  done
   # llama.cpp first: the ratios read "fluxtide / llama.cpp"
   python3 "$HERE/llama_cpp/sbs.py" compare "$WORK/side_by_side.json" "$WORK/llamacpp.json" "$WORK/fluxtide.json" \
     && cp "$WORK/side_by_side.json" "$OUT/"
@@ -233,10 +284,23 @@ phase_coldstart() {  # start-up milestones of the resident fluxtide server, laun
   cp "$WORK/fluxtide_cold_start.json" "$OUT/" 2>/dev/null
 }
 
+extras_ladder() {  # extras_ladder FILE_ENGINE ENGINE PORT KV CMD...: ft bench ladder of a server extras started
+  local file=$1 engine=$2 port=$3 kv=$4 idle t; shift 4
+  late "$engine ladder" && return 1
+  host_quiet "$engine ladder"
+  idle=$(gpu_mib); t=$(date +%s)
+  bench_ladder "http://127.0.0.1:$port" "$WORK/${file}_resident.json"
+  mark "$engine ladder measured (the other engine's server idle beside it)"
+  # ready_s: the ladder's own time (the server came up with the other one, before the probes)
+  run_meta "$WORK/run_${file}_resident.json" "$engine" ladder resident "$kv" "$WORK/${file}_resident.json" \
+    "$(( $(date +%s) - t ))" "$idle" "$idle" "$(gpu_mib)" "" "$@"
+}
+
 phase_extras() {  # probe and prefill of both engines, every expert on the GPU, the two servers side by side
   [ -x "$LLAMA_SERVER" ] && [ -f "$GGUF" ] || { echo "extras: run the build phase first"; return 1; }
   synth_ckpt
   late "extras" && return 1
+  host_quiet extras
   local llama ours ok=0
   llama_cmd 8204 "$(count "$RESIDENT_KV")" "$RESIDENT_RUNNING"
   # shellcheck disable=SC2086  # LLAMA_ARGS is a list of options
@@ -255,6 +319,11 @@ phase_extras() {  # probe and prefill of both engines, every expert on the GPU, 
     timeout "$BENCH_TIMEOUT" python3 -m app bench prefill "${urls[@]}" --model-dir "$CKPT" --no-bandwidth \
       --out "$WORK/prefill.json" ${PREFILL_ARGS:-} 2>&1 | tail -12
     mark "extras measured"
+    if [ "${EXTRAS_LADDER:-off}" = on ]; then  # the resident role of both engines, on the servers already up
+      extras_ladder llamacpp llama.cpp 8204 "$(count "$RESIDENT_KV")" "${LLAMA_CMD[@]}" $LLAMA_ARGS
+      # shellcheck disable=SC2046
+      extras_ladder fluxtide fluxtide 8104 "" python3 -m app serve $(serve_flags) --port 8104 $(resident_serve_args)
+    fi
   fi
   kill "$llama" ${ours:+"$ours"} 2>/dev/null; wait "$llama" ${ours:+"$ours"} 2>/dev/null
   cp "$WORK"/probe*.json "$WORK"/prefill*.json "$OUT/" 2>/dev/null

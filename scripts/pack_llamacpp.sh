@@ -4,7 +4,7 @@
 # only what `llama-server` (CPU + CUDA backends) and the HF -> GGUF converter (convert_hf_to_gguf.py,
 # conversion/, the in-tree gguf-py) need.
 #   Usage: scripts/pack_llamacpp.sh [OUT.tar.gz] [VERSION]
-#   OUT      default .llamacpp/llama.cpp.tar.gz (ignored by git: /.llamacpp/ in .git/info/exclude;
+#   OUT      default .llamacpp/llama.cpp.tar.gz (ignored by git: /.llamacpp/ in .gitignore;
 #            the GPU calls carry it)
 #   VERSION  llama-cpp-python version; pinned to 0.3.36 (the newest on the package index on
 #            2026-12-01; its vendored llama.cpp converts qwen3_5_moe and its MTP block)

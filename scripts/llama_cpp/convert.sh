@@ -29,5 +29,8 @@ if [ "$has_mtp" = 0 ]; then
     echo "convert.sh: $ckpt has no mtp.* tensors; converting with --no-mtp"
     extra=(--no-mtp)
 fi
+# convert_parallel.py runs the converter unchanged, its tensors evaluated ahead of the writer by
+# CONVERT_THREADS threads (default: cores - 2; 1 = the converter's own sequential loop)
 PYTHONPATH="$src/gguf-py${PYTHONPATH:+:$PYTHONPATH}" \
-    "${CONVERT_PYTHON:-python3}" "$src/convert_hf_to_gguf.py" "$ckpt" --outtype "${4:-q8_0}" --outfile "$out" "${extra[@]}"
+    "${CONVERT_PYTHON:-python3}" "$(dirname "$0")/convert_parallel.py" "$src" "$ckpt" --outtype "${4:-q8_0}" \
+    --outfile "$out" "${extra[@]}"
