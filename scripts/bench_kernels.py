@@ -19,6 +19,7 @@ GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong), then fused_moe vs grouped_moe; --only c
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
@@ -180,6 +181,66 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
                 row["best"] = min(times, key=times.get)
             points.append(row)
             print(row, flush=True)
+    return points
+
+
+# The split-K study (--only splitk-tiles): every fixed tile, split, warp count and stage count at the decode row
+# counts, to see what the autotuner's space (TUNE_TILES x SPLITS) misses. Session 19 measured the tuned kernel at
+# ~1.7 TB/s on gdn_qkvz (14.6 us for 25 MB at 4-16 rows) where the one-row GEMV streams 3.2 TB/s; BLOCK_N 128
+# and 8 warps are outside the tuned space.
+SPLITK_STUDY_ROWS = (4, 16, 32)
+SPLITK_STUDY_TILES = tuple((bn, w, st) for bn in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4))
+
+
+def splitk_tile_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = SPLITK_STUDY_ROWS,
+                       shapes: dict | None = None, tiles=SPLITK_STUDY_TILES) -> list[dict]:
+    """dense_gemm_splitk at each fixed (BLOCK_N, warps, stages) x split that _prune admits for the shape, per
+    matrix and row count, beside the autotuned launch and the GEMV; `gb_s`: weight bytes / time (the kernels
+    are bound by streaming the weight). Every fixed launch's output is checked against the autotuned one's
+    (max relative difference, fp32 sums in another order). dev/timer/shapes: a CPU test's tiny run."""
+    import triton
+
+    from adapters.checkpoint.quantize import quantize
+    from adapters.kernels import dense_gemm_splitk as sk
+    from adapters.kernels.dense_gemv import dense_gemv
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    points = []
+    for shape_name, (n, k) in (shapes or DENSE).items():
+        q = quantize(torch.randn(n, k) * 0.05, WeightFormat.FP8_BLOCK).to(dev)
+        weight_bytes = q.data.numel() * q.data.element_size() + q.scale.numel() * q.scale.element_size()
+        steps = -(-k // sk.BLOCK_K)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = sk.dense_gemm_splitk(x, q).float()
+            row = {"matrix": shape_name, "rows": m, "weight_bytes": weight_bytes,
+                   "gemv_us": timer(lambda x=x, q=q: dense_gemv(x, q)),
+                   "tuned_us": timer(lambda x=x, q=q: sk.dense_gemm_splitk(x, q)),
+                   "tuned_tile": _tuned_choice(sk._TUNED), "tiles": []}
+            for bn, warps, stages in tiles:
+                if bn > max(16, triton.next_power_of_2(n)):
+                    continue
+                for split in sk.SPLITS:
+                    if split > 1 and steps < split * sk.MIN_STEPS_PER_SPLIT:
+                        continue
+                    run = functools.partial(sk.dense_gemm_splitk, x, q, block_n=bn, split_k=split, num_warps=warps,
+                                            num_stages=min(stages, -(-steps // split)))
+                    got = run().float()
+                    diff = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                    us = timer(run)
+                    row["tiles"].append({"block_n": bn, "split_k": split, "num_warps": warps, "num_stages": run.keywords["num_stages"],
+                                         "us": us, "max_rel_diff": diff,
+                                         "gb_s": round(weight_bytes / us / 1e3, 1) if isinstance(us, float) else None})
+            timed = [t for t in row["tiles"] if isinstance(t["us"], float)]
+            row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
+            for name in ("gemv", "tuned"):
+                us = row[f"{name}_us"]
+                row[f"{name}_gb_s"] = round(weight_bytes / us / 1e3, 1) if isinstance(us, float) else None
+            points.append(row)
+            best = row["best"] or {}
+            print({k: row[k] for k in ("matrix", "rows", "gemv_us", "tuned_us", "tuned_tile")},
+                  {k: best.get(k) for k in ("block_n", "split_k", "num_warps", "num_stages", "us", "gb_s")}, flush=True)
     return points
 
 
@@ -563,12 +624,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=None, help="package with *_v0 copies of the kernels to compare")
     p.add_argument("--route-rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="row counts of the router + lookup A/B (the fused kernel's crossover)")
-    p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order", "crossover"), default=None,
+    p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order", "crossover", "splitk-tiles"),
+                   default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
                         "layer at decode sizes, part by part; order: only the per-pair GEMVs launched as the "
                         "decode step does, sorted by expert, and shuffled; crossover: only the dense GEMV vs "
-                        "split-K GEMM vs GEMM per row count (the MoE half of the crossover is slow)")
+                        "split-K GEMM vs GEMM per row count (the MoE half of the crossover is slow); "
+                        "splitk-tiles: only the split-K GEMM at every fixed tile, split, warp and stage count "
+                        "(SPLITK_STUDY_TILES, 4-32 rows; ~4 min), against its autotuned launch and the GEMV")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -594,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
                       crossover=crossover_points())
     elif args.only == "crossover":
         record["crossover"] = crossover_points(moe=False)
+    elif args.only == "splitk-tiles":
+        record["splitk_tiles"] = splitk_tile_points()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_kernels.json").write_text(json.dumps(record, indent=1, default=str))
     return 0

@@ -25,6 +25,8 @@
 #   splitk   the split-K GEMM's and the pair buckets' GPU tests (the fast executor's and the prefill graphs' too:
 #            they tune and capture), then bench_kernels.py --only crossover (GEMV / split-K / GEMM per row count);
 #            synthesizes $CKPT meanwhile
+#   splitk-tiles  bench_kernels.py --only splitk-tiles (every fixed split-K tile, split, warps, stages at 4/16/32 rows
+#            against the autotuned launch and the GEMV; ~4 min), then --only crossover (the tuned tiles named)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   http-ab  ADR 0022's HTTP A/B on one machine: the resident ladder per variant of $AB (default, splitk0,
 #            pairs256), each server through scripts/diag/serve_with_knobs.py (~4-5 min a variant on a cold machine)
@@ -123,6 +125,12 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
         2>&1 | tee "$OUT/splitk_pytest.log" | tail -12
       timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover" --only crossover 2>&1 | tail -2 | cut -c1-300
       wait ;;
+    splitk-tiles)
+      # session 20: the split-K GEMM at every fixed tile x split x warps x stages (BLOCK_N 128 and 8 warps are
+      # outside the autotuner's space) at 4/16/32 rows, beside its autotuned launch and the GEMV: does a tile
+      # reach the GEMV's ~3.2 TB/s on the wide projections? Then the crossover again, with the tuned tiles named
+      timeout 420 python3 scripts/bench_kernels.py --out "$OUT/splitk_tiles" --only splitk-tiles 2>&1 | tail -14 | cut -c1-300
+      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover" --only crossover 2>&1 | tail -2 | cut -c1-300 ;;
     splitk-decode)
       # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
       timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \

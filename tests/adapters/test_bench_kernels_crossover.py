@@ -77,3 +77,42 @@ def test_only_crossover_runs_the_dense_half_alone(monkeypatch, tmp_path):
     assert calls == [{"moe": False}]
     record = json.loads((tmp_path / "bench_kernels.json").read_text())
     assert record["crossover"] == {"dense": []} and record["args"]["only"] == "crossover"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/bench_kernels.py itself")
+def test_splitk_tile_study_runs_every_admitted_fixed_tile_and_names_the_fastest(monkeypatch, tmp_path):
+    """--only splitk-tiles: each (tile, warps, stages) x split _prune would admit for the shape runs at every row
+    count, its output checked against the default launch's (the interpreter computes them exactly alike
+    up to the split's summation order), with bytes / time and the fastest named."""
+    import bench_kernels
+
+    import adapters.kernels.dense_gemm_splitk as sk
+
+    tiles = ((16, 4, 3), (32, 4, 4), (128, 8, 3))
+    # K = 512: four 128-column steps admit splits 1 and 2 (MIN_STEPS_PER_SPLIT = 2); N = 48 caps BLOCK_N at 64
+    us = iter(range(1, 1000))
+
+    def timer(fn):
+        fn()
+        return float(next(us))
+
+    rows = bench_kernels.splitk_tile_points(dev="cpu", timer=timer, rows=(2, 5), shapes={"tiny": (48, 512)},
+                                            tiles=tiles)
+    assert [(r["matrix"], r["rows"]) for r in rows] == [("tiny", 2), ("tiny", 5)]
+    for row in rows:
+        got = [(t["block_n"], t["split_k"], t["num_warps"]) for t in row["tiles"]]
+        assert got == [(16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 2, 4)]  # 128 > the 64-column cap: not run
+        assert [t["num_stages"] for t in row["tiles"]] == [3, 2, 4, 2]  # at most a split's K steps
+        assert all(t["max_rel_diff"] < 1e-5 for t in row["tiles"])
+        assert row["best"] == min(row["tiles"], key=lambda t: t["us"]) == row["tiles"][0]  # the timer counts up
+        assert row["tuned_tile"] is None  # no autotuning off CUDA
+        assert row["weight_bytes"] == 48 * 512 + 1 * 4 * 4  # fp8 weights + one fp32 scale per 128 x 128 block
+        assert row["tiles"][0]["gb_s"] == round(row["weight_bytes"] / row["tiles"][0]["us"] / 1e3, 1)
+    assert sk.SPLITS[:2] == (1, 2)
+    # and the flag runs it alone into the record
+    calls = []
+    monkeypatch.setattr(bench_kernels, "splitk_tile_points", lambda **kw: calls.append(kw) or [{"rows": 4}])
+    monkeypatch.setattr(bench_kernels, "hardware_profile", lambda dev: {})
+    assert bench_kernels.main(["--out", str(tmp_path), "--only", "splitk-tiles"]) == 0
+    record = json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert calls == [{}] and record["splitk_tiles"] == [{"rows": 4}] and "crossover" not in record
