@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from adapters.cuda_exec import prefill
@@ -48,6 +49,31 @@ from adapters.torch_exec.paged_attention import PagedKVCache
 
 Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, I], weight [O, I] or QTensor) -> [T, O]
 Projections = Callable[[torch.Tensor], list]  # x [T, H] -> the named projections' outputs [T, O_i]
+
+# NOTE: the SDPA backends a long span's attention may take. cuDNN is left out (unless CUDNN_ATTENTION): torch
+# would run a span from position 0 (query length == context length, plain causal) through cuDNN on sm_90, whose
+# graph torch builds and caches per shape, i.e. per prompt length: ~90 ms on the first prompt of every new length
+# and ~2 s on the first one of the process (H200, HTTP, 2026-12-04; docs/prefill-kernels.md, "First requests").
+# A span after a cached prefix already took the flash kernel (torch's lower-right causal dispatch calls it
+# directly), which builds nothing per shape. Efficient and math stay as fallbacks (the CPU, odd head dims).
+CUDNN_ATTENTION = False
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def span_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one span's queries q [n, N, D] over its context k, v [X, M, D] (X >= n: a cached
+    prefix, then the span; lower-right aligned), GQA as transformers' repeat_kv (kv head m serves query heads
+    m*N/M ..). Returns [n, N, D]. SDPA over the backends above (with CUDNN_ATTENTION, torch's own choice)."""
+    n, end = q.shape[0], k.shape[0]
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    if CUDNN_ATTENTION:
+        out = F.scaled_dot_product_attention(*args, attn_mask=causal_lower_right(n, end), scale=scale,
+                                             enable_gqa=True)
+    else:
+        with sdpa_kernel(_BACKENDS):
+            out = F.scaled_dot_product_attention(*args, attn_mask=causal_lower_right(n, end), scale=scale,
+                                                 enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, N, D]
 
 
 def attention_spans(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, tables: AttentionTables,
@@ -88,13 +114,7 @@ def attention_spans(mixer: FullAttention, x: torch.Tensor, kv: PagedKVCache, tab
                                     out)
         for span in tables.prefill:  # a long context: SDPA's flash kernel, span by span (step_plan.py says why)
             k_ctx, v_ctx = kv.read(layer, span.context)  # [X, M, D]
-            n, end = span.rows.stop - span.rows.start, span.context.shape[0]
-            # NOTE: kv head m serves query heads m*groups .. (transformers' repeat_kv): SDPA's GQA grouping
-            out[span.rows] = F.scaled_dot_product_attention(
-                q[span.rows].transpose(0, 1)[None], k_ctx.to(q.dtype).transpose(0, 1)[None],
-                v_ctx.to(q.dtype).transpose(0, 1)[None], attn_mask=causal_lower_right(n, end), scale=scale,
-                enable_gqa=True,
-            )[0].transpose(0, 1)  # [n, N, D]
+            out[span.rows] = span_sdpa(q[span.rows], k_ctx.to(q.dtype), v_ctx.to(q.dtype), scale)  # [n, N, D]
         if tables.decode_rows is not None:
             rows = tables.decode_rows
             out[rows] = paged_decode_attention(q[rows], k_pool, v_pool, tables.page_table, tables.seq_lens, scale,

@@ -25,7 +25,10 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               kernel (norms, router, GDN chunk kernels, conv, attention's rope, the residency lookup, the
               MoE sum) once per specialization class of the token counts it sees; the prefill attention
               (paged_prefill_attention) once: it takes no integer that varies by step and its tables are
-              16-byte aligned views (step_plan.attention_tables), so one binary serves every step
+              16-byte aligned views (step_plan.attention_tables), so one binary serves every step; and,
+              where max_tokens allows, a 725-token span from position 0 and one after a 1-token prefix: the
+              two SDPA dispatches of a span past PAGED_PREFILL_MAX_PAIRS, whose first calls in a process load
+              their kernels (prefill_spans.span_sdpa; ~1.4-2 s each on the H200 when a request paid them)
   gdn_prefill a 1-token GDN prefill piece (what a prefix-cache snapshot 1 token into a span leaves), through
               prefill_spans.gdn_spans as a step runs it
   moe_block   every layer's MoE block for chunks small enough for the one-launch residency lookup (on a
@@ -54,6 +57,7 @@ import triton
 
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
+from adapters.cuda_exec import step_plan
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv, use_splitk
 from adapters.cuda_exec.prefill_spans import gdn_spans
@@ -81,6 +85,12 @@ SPAN_TOKENS = (1, 17, 18, 20, 24, 32)
 PREFIX_TOKENS, PREFIX_SPAN = 32, 17
 MIXED_PREFILL = 16  # the prefill span of a mixed step; its decode rows take the gcd classes
 DECODE_ROWS = (1, 2, 4, 8, 16)
+
+
+def long_span() -> int:
+    """The fewest tokens of a span from position 0 whose attention leaves paged_prefill_attention for SDPA
+    (n * n > step_plan.PAGED_PREFILL_MAX_PAIRS: 725 at 2^19)."""
+    return math.isqrt(step_plan.PAGED_PREFILL_MAX_PAIRS) + 1
 
 
 @dataclass(frozen=True)
@@ -273,6 +283,11 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
     elif PREFIX_SPAN <= max_tokens:
         forwards.append(ForwardItem(((PREFIX_SPAN, PREFIX_TOKENS),), 0))
     forwards += [ForwardItem(((MIXED_PREFILL, 0),), n) for n in rows]
+    # NOTE: a span past PAGED_PREFILL_MAX_PAIRS attends through SDPA, whose first call of each kind in the process
+    # loads its kernels (seconds on the H200): a span from position 0 and one after a cached prefix (the flash
+    # kernel's lower-right dispatch), each once, as the first long prompt and its second chunk would
+    if model.full_layers and long_span() <= max_tokens:
+        forwards += [ForwardItem(((long_span(), 0),), 0), ForwardItem(((long_span(), 1),), 0)]
     pieces = (GdnPieceItem(1),) if model.linear_layers else ()  # forward's spans of 1 token are decode rows
     blocks = tuple(MoeBlockItem(t, top_k) for t in lookup_tokens(max_tokens, top_k, min(experts.num_slots, MAX_KEYS)))
     return WarmupPlan(tuple(gemms), tuple(gemvs), tuple(grouped), (FusedItem(columns),), tuple(forwards), pieces,
@@ -334,7 +349,8 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
     each item runs. Raises whatever a kernel raises other than running out of memory (a kernel that
     cannot build for this model would fail every request that reaches it)."""
     start = time.perf_counter()
-    scratch = _Scratch(model, experts, page_size, dtype, device, seed)
+    context = max((start + n for item in plan.forwards for n, start in item.spans), default=1)
+    scratch = _Scratch(model, experts, page_size, dtype, device, seed, context)
     skipped: list[str] = []
     with torch.inference_mode():
         scratch.read_only.warm_set_lookup()
@@ -356,14 +372,15 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
 class _Scratch:
     """Inputs of each warm-up item, on scratch memory (never the executor's KV, state or slot bytes)."""
 
-    def __init__(self, model, experts, page_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, model, experts, page_size: int, dtype: torch.dtype, device: torch.device, seed: int,
+                 context: int = 1):
         self.model, self.experts, self.dtype, self.device = model, experts, dtype, device
         # NOTE: inputs drawn on the device (a 16k x 2048 draw on the host takes longer than its GEMM's tuning)
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.host_gen = torch.Generator().manual_seed(seed)  # token ids (host lists)
         self.page_size = page_size
         self.read_only = ReadOnlyExperts(experts)
-        longest = max(PREFIX_TOKENS + PREFIX_SPAN, max(SPAN_TOKENS), MIXED_PREFILL)
+        longest = max(PREFIX_TOKENS + PREFIX_SPAN, max(SPAN_TOKENS), MIXED_PREFILL, context)
         self.span_pages = -(-longest // page_size)
         attn = model.opts.attention
         self.kv = PagedKVCache(len(model.full_layers), self.span_pages + 1, page_size, attn.num_kv_heads,

@@ -94,6 +94,10 @@ def align_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_grou
     return align_by_slot_triton(slot_ids, num_slots, block_m, max_groups)
 
 
+def _up4(n: int) -> int:
+    return (n + 3) & ~3
+
+
 def align_by_slot_triton(slot_ids: torch.Tensor, num_slots: int, block_m: int, max_groups: int | None = None,
                          chunk: int = CHUNK) -> Alignment:
     """align_by_slot in three Triton launches (count per chunk, prefix over chunks, place + pad), for
@@ -112,11 +116,15 @@ def align_by_slot_triton(slot_ids: torch.Tensor, num_slots: int, block_m: int, m
         empty = torch.empty(0, dtype=torch.int32, device=slot_ids.device)
         return Alignment(empty, empty, block_m)
     # NOTE: one buffer: [R] pairs | [B] block_slots | [C, S] per-chunk counts | [S] totals (the last two
-    # are scratch the alignment keeps alive: C*S*4 bytes, 148 KB at a 4k prefill)
-    work = torch.empty(rows + blocks + (chunks + 1) * num_slots, dtype=torch.int32, device=slot_ids.device)
+    # are scratch the alignment keeps alive: C*S*4 bytes, 148 KB at a 4k prefill). Each part starts at a
+    # multiple of 4 int32s: Triton specializes pointers on 16-byte alignment, and counts/totals at offsets
+    # set by B and C (S = 257 by expert at Qwen3.6) compiled another binary per alignment on a request's path
+    at_counts = _up4(rows + blocks)
+    at_totals = at_counts + _up4(chunks * num_slots)
+    work = torch.empty(at_totals + num_slots, dtype=torch.int32, device=slot_ids.device)
     pairs, block_slots = work[:rows], work[rows:rows + blocks]
-    counts = work[rows + blocks:rows + blocks + chunks * num_slots].view(chunks, num_slots)
-    totals = work[rows + blocks + chunks * num_slots:]
+    counts = work[at_counts:at_counts + chunks * num_slots].view(chunks, num_slots)
+    totals = work[at_totals:]
     count_chunks(flat, num_slots, chunk, counts)
     scan_chunks(counts, totals)
     place_pairs(flat, counts, totals, block_m, chunk, pairs, block_slots)
