@@ -23,7 +23,7 @@
 # Each engine's phase writes $OUT/<engine>.json: its runs (server command, planned and measured VRAM,
 # readiness time, the ft bench record); logs go to $OUT/logs_<phase>.tar.gz. Milestones print with times.
 # Every measured start first waits (at most QUIET_WAIT_S, 240 s) until the page cache's dirty and writeback
-# pages are under QUIET_DIRTY_MIB (512) and the 1-minute load under QUIET_LOAD (3), and each run's record keeps
+# pages are under QUIET_DIRTY_MIB (512) and the CPUs under QUIET_CPU_PCT (20 %) busy, and each run's record keeps
 # host_at_start / host_after: llama.cpp computes host-resident experts on every core, so a host still writing
 # back the synthesized checkpoint slows it (2026-12-04: 30-45 % below 2026-12-02's same plan).
 # --dry-run: the same steps on a CPU machine, tiny geometry, CPU build, tiny token counts (no GPU figures).
@@ -79,27 +79,34 @@ T0=$(date +%s)
 mark() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 late() { [ $(( $(date +%s) - T0 )) -gt "$DEADLINE" ] && { mark "skipping $1: past the ${DEADLINE}s deadline"; return 0; }; return 1; }
 count() { python3 -c "from app.units import parse_count; print(parse_count('$1'))"; }
-host_state() {  # JSON: dirty + writeback page cache (MiB) and the 1-minute load average, from /proc
+host_state() {  # JSON: dirty + writeback page cache (MiB), CPU busy % over 1 s, 1-minute load, from /proc
   python3 - <<'PY'
-import json
+import json, time
+def cpu():
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(v), v[3] + v[4]  # all, idle + iowait
 m = {}
 for line in open("/proc/meminfo"):
     k, v = line.split(":", 1)
     m[k] = int(v.split()[0]) / 1024
+(t0, i0), _ = cpu(), time.sleep(1)
+t1, i1 = cpu()
 print(json.dumps({"dirty_mib": round(m.get("Dirty", 0)), "writeback_mib": round(m.get("Writeback", 0)),
+                  "cpu_busy_pct": round(100 * (1 - (i1 - i0) / max(1, t1 - t0)), 1),
                   "loadavg_1m": float(open("/proc/loadavg").read().split()[0])}))
 PY
 }
 host_quiet() {  # host_quiet NAME: wait up to $QUIET_WAIT_S s for a quiet host before a measured start; sets HOST_STATE
   # NOTE: on 2026-12-04 llama.cpp's CPU-expert sweeps ran minutes after ft synth had written 35 GB and the
   # converter 38 GB, and decoded 30-45 % below the same plan on 2026-12-02: its 16 threads share the cores
-  # with whatever the kernel still flushes. Measured starts now wait for the page cache to be written back.
+  # with whatever the kernel still flushes. Measured starts now wait for the page cache to be written back
+  # and the CPUs to be idle (busy over the last second, not the load average, which lags a minute behind)
   local waited=0
   HOST_STATE=$(host_state)
   while [ "$waited" -lt "${QUIET_WAIT_S:-240}" ] && ! python3 -c "import json,sys; h=json.loads(sys.argv[1])
-sys.exit(h['dirty_mib'] + h['writeback_mib'] > ${QUIET_DIRTY_MIB:-512} or h['loadavg_1m'] > ${QUIET_LOAD:-3})" "$HOST_STATE"; do
+sys.exit(h['dirty_mib'] + h['writeback_mib'] > ${QUIET_DIRTY_MIB:-512} or h['cpu_busy_pct'] > ${QUIET_CPU_PCT:-20})" "$HOST_STATE"; do
     [ $(( waited % 30 )) = 0 ] && mark "$1: waiting for a quiet host: $HOST_STATE"
-    sleep 5; waited=$(( waited + 5 )); HOST_STATE=$(host_state)
+    sleep 4; waited=$(( waited + 5 )); HOST_STATE=$(host_state)
   done
   mark "$1: host $HOST_STATE after ${waited}s"
 }
