@@ -51,6 +51,13 @@ def _positive(kind):
     return parse
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _url(text: str) -> str:
     """An http(s) URL with a host: a malformed one was an httpx.InvalidURL traceback, one without a scheme a
     'cannot reach' failure after the run had started."""
@@ -112,7 +119,10 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--warmup-tokens", type=_positive(int), default=64)
     s = cmds.add_parser("prefill", parents=[_common(False)], help="TTFT and prefill tok/s of long prompts")
     s.add_argument("--sizes", type=_counts, default=[1024, 4096, 8192, 16384, 32768])
-    s.add_argument("--repeats", type=_positive(int), default=2)
+    s.add_argument("--repeats", type=_positive(int), default=2, help="measured requests per size")
+    s.add_argument("--warmup", type=_non_negative, default=1,
+                   help="unmeasured requests per size first (a new size's first request can pay one-time costs; "
+                        "kept in the record as warmup_runs and first_ttft_s)")
     s = cmds.add_parser("mixed", parents=[_common(False)],
                         help="gaps between the tokens of running streams while a long prompt prefills")
     s.add_argument("--streams", type=_positive(int), default=3, help="running streams")
@@ -169,7 +179,7 @@ async def _http_run(args, record: Record) -> None:
             elif kind == "probe":
                 await probe.run(ctx, lengths=args.lengths, repeats=args.repeats, warmup_tokens=args.warmup_tokens)
             elif kind == "prefill":
-                await prefill.run(ctx, sizes=args.sizes, repeats=args.repeats)
+                await prefill.run(ctx, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup)
             elif kind == "mixed":
                 await mixed.run(ctx, streams=args.streams, prompt_tokens=args.prompt_tokens,
                                 stream_tokens=args.stream_tokens, warmup_tokens=args.warmup_tokens,

@@ -141,23 +141,47 @@ def test_logprobs_give_one_arrival_time_per_token(tmp_path, demo):
 
 
 def test_prefill_sizes_prompts_and_records_a_too_long_one(tmp_path, demo):
-    code, rec = bench(tmp_path, demo, "prefill", "--sizes", "100,400,5000", "--repeats", "1")
+    code, rec = bench(tmp_path, demo, "prefill", "--sizes", "100,400,5000", "--repeats", "2")  # --warmup 1
     check_common(rec, "prefill")
     assert code == 3
     cal = rec["settings"]["calibration"]
-    assert cal["tokens_per_filler_unit"] > 1
+    assert cal["tokens_per_filler_unit"] > 1 and rec["settings"]["warmup"] == 1
     small, mid, long = rec["points"]
     for p in (small, mid):
-        assert p["ok"] and p["failed_requests"] == 0
-        # sized in whole filler units: within one unit of the target
-        assert abs(p["prompt_tokens"] - p["prompt_tokens_target"]) <= cal["tokens_per_filler_unit"]
-        run = p["runs"][0]
-        assert run["prompt_tokens"] == p["prompt_tokens"] and run["completion_tokens"] == 1
-        assert math.isclose(p["prefill_tok_s_median"], run["prompt_tokens"] / run["ttft_s"])
+        assert p["ok"] and p["failed_requests"] == 0 and p["requests"] == 2 and p["warmup_requests"] == 1
+        assert len(p["runs"]) == 2 and len(p["warmup_runs"]) == 1 and p["warmup_failed_requests"] == 0
+        runs, warm = p["runs"], p["warmup_runs"][0]
+        # the warm-up went first and is its cold cost; it is left out of every median
+        assert warm["sent_at"] < runs[0]["sent_at"] < runs[1]["sent_at"]
+        assert p["first_ttft_s"] == warm["ttft_s"] > 0
+        assert math.isclose(p["ttft_s_median"], (runs[0]["ttft_s"] + runs[1]["ttft_s"]) / 2)
+        assert math.isclose(p["prefill_tok_s_median"],
+                            sum(r["prompt_tokens"] / r["ttft_s"] for r in runs) / 2)
+        assert p["prompt_tokens"] == (runs[0]["prompt_tokens"] + runs[1]["prompt_tokens"]) / 2
+        # one filler unit more each request (the server's counts), centred on the target
+        lengths = [warm["prompt_tokens"]] + [r["prompt_tokens"] for r in runs]
+        assert [b - a for a, b in zip(lengths, lengths[1:], strict=False)] == [cal["tokens_per_filler_unit"]] * 2
+        assert abs(lengths[1] - p["prompt_tokens_target"]) <= cal["tokens_per_filler_unit"] / 2 + 1
+        assert all(r["completion_tokens"] == 1 for r in [warm, *runs])
     assert mid["prompt_tokens"] > small["prompt_tokens"]
-    assert long["ok"] is False and long["failed_requests"] == 1 and long["prefill_tok_s_median"] is None
+    assert long["ok"] is False and long["failed_requests"] == 2 and long["prefill_tok_s_median"] is None
+    assert long["first_ttft_s"] is None and long["warmup_failed_requests"] == 1
     assert "maximum context length" in long["error"] and long["runs"][0]["status"] == 400
-    assert [f["where"] for f in rec["failures"]] == ["prompt=5000"]
+    assert long["warmup_runs"][0]["status"] == 400
+    assert [f["where"] for f in rec["failures"]] == ["prompt=5000 warm-up", "prompt=5000", "prompt=5000"]
+
+
+def test_prefill_without_warmup_measures_every_request(tmp_path, demo):
+    code, rec = bench(tmp_path, demo, "prefill", "--sizes", "200", "--repeats", "1", "--warmup", "0")
+    assert code == 0
+    cal = rec["settings"]["calibration"]
+    (p,) = rec["points"]
+    (run,) = p["runs"]
+    assert p["warmup_runs"] == [] and p["warmup_requests"] == 0 and p["requests"] == 1
+    assert p["first_ttft_s"] == run["ttft_s"] == p["ttft_s_median"]
+    # one request: exactly the target's own units, as before the lengths varied
+    assert abs(p["prompt_tokens"] - p["prompt_tokens_target"]) <= cal["tokens_per_filler_unit"] / 2 + 1
+    assert math.isclose(p["prefill_tok_s_median"], run["prompt_tokens"] / run["ttft_s"])
 
 
 def test_smoke_checks_the_exact_answer(tmp_path, demo):
