@@ -189,6 +189,11 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
 # ~1.7 TB/s on gdn_qkvz (14.6 us for 25 MB at 4-16 rows) where the one-row GEMV streams 3.2 TB/s; BLOCK_N 128
 # and 8 warps are outside the tuned space.
 SPLITK_STUDY_ROWS = (4, 16, 32)
+
+
+def _gb_s(nbytes: int, us) -> float | None:
+    """GB/s of nbytes streamed in `us` microseconds; None where the timer recorded a failure (a string)."""
+    return round(nbytes / us / 1e3, 1) if isinstance(us, float) else None
 SPLITK_STUDY_TILES = tuple((bn, w, st) for bn in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4))
 
 
@@ -231,12 +236,11 @@ def splitk_tile_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = SP
                     us = timer(run)
                     row["tiles"].append({"block_n": bn, "split_k": split, "num_warps": warps, "num_stages": run.keywords["num_stages"],
                                          "us": us, "max_rel_diff": diff,
-                                         "gb_s": round(weight_bytes / us / 1e3, 1) if isinstance(us, float) else None})
+                                         "gb_s": _gb_s(weight_bytes, us)})
             timed = [t for t in row["tiles"] if isinstance(t["us"], float)]
             row["best"] = min(timed, key=lambda t: t["us"]) if timed else None
             for name in ("gemv", "tuned"):
-                us = row[f"{name}_us"]
-                row[f"{name}_gb_s"] = round(weight_bytes / us / 1e3, 1) if isinstance(us, float) else None
+                row[f"{name}_gb_s"] = _gb_s(weight_bytes, row[f"{name}_us"])
             points.append(row)
             best = row["best"] or {}
             print({k: row[k] for k in ("matrix", "rows", "gemv_us", "tuned_us", "tuned_tile")},

@@ -26,6 +26,7 @@ head dim.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -65,14 +66,10 @@ def span_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     prefix, then the span; lower-right aligned), GQA as transformers' repeat_kv (kv head m serves query heads
     m*N/M ..). Returns [n, N, D]. SDPA over the backends above (with CUDNN_ATTENTION, torch's own choice)."""
     n, end = q.shape[0], k.shape[0]
-    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    if CUDNN_ATTENTION:
-        out = F.scaled_dot_product_attention(*args, attn_mask=causal_lower_right(n, end), scale=scale,
-                                             enable_gqa=True)
-    else:
-        with sdpa_kernel(_BACKENDS):
-            out = F.scaled_dot_product_attention(*args, attn_mask=causal_lower_right(n, end), scale=scale,
-                                                 enable_gqa=True)
+    with contextlib.nullcontext() if CUDNN_ATTENTION else sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=causal_lower_right(n, end),
+                                             scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, N, D]
 
 

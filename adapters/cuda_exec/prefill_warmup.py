@@ -349,7 +349,7 @@ def warm_prefill_kernels(model, experts, plan: WarmupPlan, *, page_size: int, dt
     each item runs. Raises whatever a kernel raises other than running out of memory (a kernel that
     cannot build for this model would fail every request that reaches it)."""
     start = time.perf_counter()
-    context = max((start + n for item in plan.forwards for n, start in item.spans), default=1)
+    context = max((pos + n for item in plan.forwards for n, pos in item.spans), default=1)  # the longest KV a span needs
     scratch = _Scratch(model, experts, page_size, dtype, device, seed, context)
     skipped: list[str] = []
     with torch.inference_mode():

@@ -32,7 +32,11 @@ class Ctx:
         results: list[RequestResult] = []
         for _ in range(rounds):
             results += (await self.chat_round(concurrency, max_tokens)).results
-        for r in results:
-            if not r.ok:
-                self.record.fail(f"{where} warm-up", r.error, status=r.status)
-        return {"rounds": rounds, "max_tokens": max_tokens, "failed_requests": sum(not r.ok for r in results)}
+        return {"rounds": rounds, "max_tokens": max_tokens, "failed_requests": self.fail_warmups(results, where)}
+
+    def fail_warmups(self, results: list[RequestResult], where: str) -> int:
+        """Records each failed warm-up request (as '<where> warm-up'); returns how many failed."""
+        failed = [r for r in results if not r.ok]
+        for r in failed:
+            self.record.fail(f"{where} warm-up", r.error, status=r.status)
+        return len(failed)

@@ -73,9 +73,7 @@ async def run(ctx: Ctx, *, sizes: list[int], repeats: int, warmup: int = 1) -> N
             sent.append(await stream_request(ctx.client, *body, ctx.timeout))
             ctx.progress.advance(task)
         warm, results = sent[:warmup], sent[warmup:]
-        for r in warm:
-            if not r.ok:  # recorded like every warm-up failure; the point's figures are the measured requests'
-                record.fail(f"{where} warm-up", r.error, status=r.status)
+        warm_failed = ctx.fail_warmups(warm, where)  # the point's figures are the measured requests'
         ok = [r for r in results if r.ok]
         point = {
             "prompt_tokens_target": size,
@@ -87,7 +85,7 @@ async def run(ctx: Ctx, *, sizes: list[int], repeats: int, warmup: int = 1) -> N
             # --warmup 0); null if it failed
             "first_ttft_s": sent[0].ttft_s if sent and sent[0].ok else None,
             "warmup_requests": warmup,
-            "warmup_failed_requests": sum(not r.ok for r in warm),
+            "warmup_failed_requests": warm_failed,
             "runs": [r.as_dict() for r in results],
             "warmup_runs": [r.as_dict() for r in warm],
         }
