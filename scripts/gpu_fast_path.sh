@@ -14,9 +14,15 @@
 #            dense GEMM for its projections): the pair is a run-to-run check
 #   formats  scripts/bench_decode.py resident bs1/4 for each of $FORMATS (default the two NVFP4 layouts, nvfp4_modelopt
 #            and nvfp4_ct: issue 8's 300 tok/s; ft synth names formats by layout, a bare nvfp4 is refused).
-#            BF16 (200 tok/s) does not fit the lent single-GPU machine: its 70 GB checkpoint exceeds the 64 GiB
-#            disk, and in /dev/shm it plus the 67 GB pinned bank exceed the 128 GiB of host memory; the
-#            2-GPU kind (128 GiB disk, 256 GiB memory) holds both: FORMATS=bf16 there
+#            BF16 (200 tok/s): the phase bf16 below (its checkpoint fits neither the disk nor /dev/shm alone)
+#   bf16     issue 8's BF16 target on the single-GPU kind: the 64.6 GiB checkpoint exceeds the 64 GiB disk, and in
+#            /dev/shm it plus its 60 GiB pinned bank exceed the 128 GiB of host memory, so ft synth --spill-dir
+#            splits it (SHM_GIB in /dev/shm, default what host memory leaves beside the bank and 24 GiB of
+#            headroom, the rest on the disk; symlinked into /tmp/qwen36-bf16), then bench_decode.py resident bs1/4
+#            as in formats (~6 min on a cold machine; the 2-GPU kind, never lent so far, would hold it unsplit)
+#   formats-http  ft serve each of $FORMATS resident (the checkpoint formats or bf16 left in /tmp/qwen36-FMT,
+#            synthesized if absent, tokenizer added) and ft bench ladder c1/c4 (LEVELS) and probe: issue 8's format
+#            targets through the HTTP API, as the customer measures (run after formats / bf16 on a warm machine)
 #   prefill-a8  scripts/bench_prefill.py resident 4k/32k with bf16 and with FP8 activations (ADR 0018), each with
 #            its record ($OUT/prefill_bf16, $OUT/prefill_a8: the latter's a8_logits says how far the logits move)
 #   spans    the batched prefill spans (sessions 12-14): their warm-up's, step's and kernels' GPU tests, then
@@ -172,6 +178,44 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
           --format "$fmt" --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
           | grep -E "^resident|parity|Error" | cut -c1-300
       done ;;
+    bf16)
+      ck=/tmp/qwen36-bf16
+      if [ ! -f "$ck/config.json" ]; then
+        total=65  # GiB: 60.0 of experts + 4.6 dense (domain.model_spec: qwen36_35b_a3b(WeightFormat.BF16))
+        mem=$(awk '/^MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+        disk=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+        shm_free=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
+        shm=${SHM_GIB:-$(( mem - 60 - 24 ))}  # the pinned bank (60) and headroom (CUDA, torch, page cache) stay free
+        (( shm > shm_free )) && shm=$shm_free
+        keep=$(( total - shm )); (( keep < 0 )) && keep=0
+        echo "bf16: host memory $mem GiB, disk free $disk GiB, /dev/shm free $shm_free GiB: $keep GiB on the disk, the rest in /dev/shm"
+        if (( keep + 4 > disk )); then echo "bf16: does not fit this machine (needs $keep + 4 GiB on the disk)"; continue; fi
+        timeout 420 python3 -m app synth --out "$ck" --geometry qwen3.6-35b-a3b --format bf16 --device cuda \
+          --spill-dir /dev/shm/qwen36-bf16 --max-out-gb "$keep" 2>&1 | tail -1
+      fi
+      free -g | head -2; df -h /tmp /dev/shm | tail -2
+      timeout 400 python3 scripts/bench_decode.py --out "$OUT/decode_bf16" --synth-dir "$ck" --reuse \
+        --format bf16 --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
+        | grep -E "^resident|parity|Error" | cut -c1-300 ;;
+    formats-http)
+      ( . "$(dirname "$0")/gpu_http_bench.sh"
+        for fmt in ${FORMATS:-nvfp4_modelopt}; do
+          CKPT=/tmp/qwen36-$fmt
+          [ -f "$CKPT/config.json" ] || timeout 200 python3 -m app synth --out "$CKPT" --geometry qwen3.6-35b-a3b \
+            --format "$fmt" --device cuda 2>&1 | tail -1
+          synth_ckpt  # adds the tokenizer files bench_decode.py leaves out
+          if serve 8101 "$OUT/serve_$fmt.log" $(resident_serve_args); then
+            LADDER_ARGS="--levels ${LEVELS:-1,4} --rounds 2" bench_ladder http://127.0.0.1:8101 "$OUT/ladder_$fmt.json" > /dev/null
+            timeout "$BENCH_TIMEOUT" python3 -m app bench probe --base-url http://127.0.0.1:8101 --model-dir "$CKPT" \
+              --quiet --out "$OUT/probe_$fmt.json" 2>&1 | tail -3
+            python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], 'c/aggregate/TTFT/steady:',
+  *(f\"{p['concurrency']}/{p['aggregate_tok_s']:.0f}/{p['ttft_s_median']:.3f}/{p['steady_decode_tok_s_median']:.0f}\"
+    for p in r['points']))" "$OUT/ladder_$fmt.json" "$fmt"
+            kill $SERVER; wait $SERVER 2>/dev/null
+          else
+            tail -5 "$OUT/serve_$fmt.log"
+          fi
+        done ) ;;
     prefill-a8)
       # ADR 0018: the resident 32k prefill with bf16 and with e4m3 activations (synthesizes $CKPT if absent: ~40 s)
       for mode in bf16 a8; do

@@ -155,14 +155,30 @@ def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator
 # ---- streaming shard writer ---------------------------------------------------------------------
 
 class ShardWriter:
-    """Collects tensors and writes a shard whenever `shard_bytes` is reached."""
+    """Collects tensors and writes a shard whenever `shard_bytes` is reached.
 
-    def __init__(self, out_dir: Path, shard_bytes: int):
+    With `spill_dir`, a shard that would take the shards kept in `out_dir` past `max_out_bytes` is written to
+    `spill_dir` instead and linked into `out_dir` by a symlink of its final name, so the checkpoint reads as one
+    directory. Why: the lent GPU host has a 64 GiB disk and 128 GiB of RAM, and the full model in BF16 (~69 GB)
+    fits neither alone, nor in RAM beside its own ~64 GiB pinned expert bank; split between the disk and
+    /dev/shm it fits both (docs/gpu-validation.md, "BF16 on one GPU").
+    """
+
+    def __init__(self, out_dir: Path, shard_bytes: int, spill_dir: Path | None = None,
+                 max_out_bytes: int | None = None):
+        if (spill_dir is None) != (max_out_bytes is None):
+            raise ValueError("spill_dir and max_out_bytes go together")
+        if max_out_bytes is not None and max_out_bytes < 0:
+            raise ValueError(f"max_out_bytes must be >= 0, got {max_out_bytes}")
         self.out_dir = out_dir
         self.shard_bytes = shard_bytes
+        self.spill_dir = spill_dir
+        self.max_out_bytes = max_out_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.shards: list[list[str]] = []
+        self.shard_dirs: list[Path] = []  # where each shard's file is (out_dir or spill_dir)
+        self.out_bytes = 0  # bytes of the shards written to out_dir itself
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -176,21 +192,34 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        save_file(self.pending, self.out_dir / f"shard-{len(self.shards):05d}.tmp", metadata={"format": "pt"})
+        where = self.out_dir
+        if self.spill_dir is not None and self.out_bytes + self.pending_bytes > self.max_out_bytes:
+            where = self.spill_dir
+        else:
+            self.out_bytes += self.pending_bytes
+        save_file(self.pending, where / f"shard-{len(self.shards):05d}.tmp", metadata={"format": "pt"})
         self.shards.append(sorted(self.pending))
+        self.shard_dirs.append(where)
         self.pending, self.pending_bytes = {}, 0
+
+    def _place(self, i: int, final_name: str) -> Path:
+        """Rename shard i to its final name; a spilled shard gets a symlink of that name in out_dir."""
+        where = self.shard_dirs[i]
+        (where / f"shard-{i:05d}.tmp").rename(where / final_name)
+        final = self.out_dir / final_name
+        if where != self.out_dir:
+            final.unlink(missing_ok=True)  # a previous run's link or file of that name
+            final.symlink_to((where / final_name).resolve())
+        return final
 
     def finish(self) -> list[Path]:
         self.flush()
         n = len(self.shards)
         if n == 1:
-            final = self.out_dir / "model.safetensors"
-            (self.out_dir / "shard-00000.tmp").rename(final)
-            return [final]
+            return [self._place(0, "model.safetensors")]
         weight_map, paths = {}, []
         for i, names in enumerate(self.shards):
-            final = self.out_dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.out_dir / f"shard-{i:05d}.tmp").rename(final)
+            final = self._place(i, f"model-{i + 1:05d}-of-{n:05d}.safetensors")
             weight_map.update(dict.fromkeys(names, final.name))
             paths.append(final)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -318,6 +347,8 @@ def synthesize(
     float_weights: dict[str, torch.Tensor] | None = None,
     device: str = "cpu",
     mtp: bool = True,
+    spill_dir: str | Path | None = None,
+    max_out_bytes: int | None = None,
 ) -> Path:
     """Write config.json, safetensors shards (+ index), generation_config.json and, with
     `tokenizer`, tokenizer.json + tokenizer_config.json into `out_dir`. Returns out_dir.
@@ -334,6 +365,9 @@ def synthesize(
     generator needs ~20 ms per 1M-element matrix (~10 min for the full model's 30k expert
     matrices), a CUDA one a fraction of that. A seed reproduces a checkpoint on the same device
     kind only. The quantize-from-float path (small geometries) always runs on the CPU.
+
+    `spill_dir` with `max_out_bytes`: shards past `max_out_bytes` of `out_dir` are written to `spill_dir` and
+    symlinked into `out_dir` (ShardWriter); the bytes are the same as without.
     """
     g = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
     if fmt not in FORMATS:
@@ -347,7 +381,11 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     direct = g.hidden_size >= DIRECT_THRESHOLD if direct is None else direct
     prefix = "model.language_model." if layout == "nested" else "model."
-    writer = ShardWriter(out, shard_bytes)
+    spill = None
+    if spill_dir is not None:
+        spill = Path(spill_dir)
+        spill.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, shard_bytes, spill, max_out_bytes)
     started = time.monotonic()
     make = _TensorMaker(g, fmt, prefix, direct, float_weights)
     draw_on = device if direct else "cpu"
@@ -411,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mtp", action="store_true",
                         help="leave out the MTP block (mtp.*) that qwen3_5_moe checkpoints carry; the config "
                              "then declares mtp_num_hidden_layers: 0")
+    parser.add_argument("--spill-dir", type=Path, default=None,
+                        help="write the shards that would take --out past --max-out-gb here (e.g. /dev/shm/x), "
+                             "symlinked into --out: a checkpoint larger than one disk")
+    parser.add_argument("--max-out-gb", type=float, default=None,
+                        help="GiB of shards kept in --out itself (needs --spill-dir)")
     parser.add_argument("--device", default="cpu",
                         help="where to draw the random weights of large geometries (cpu | cuda | cuda:N)")
     args = parser.parse_args(argv)
@@ -418,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device {args.device}: no such device here (cpu, or cuda on a CUDA host)")
     if not 0 < args.shard_gb < math.inf:  # NOTE: False for nan
         parser.error(f"--shard-gb must be a positive number of GiB, got {args.shard_gb}")
+    if (args.spill_dir is None) != (args.max_out_gb is None):
+        parser.error("--spill-dir and --max-out-gb go together")
+    if args.max_out_gb is not None and not 0 <= args.max_out_gb < math.inf:
+        parser.error(f"--max-out-gb must be a number of GiB >= 0, got {args.max_out_gb}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: not a directory")
     g = GEOMETRIES[args.geometry]
@@ -441,11 +488,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         synthesize(args.out, g, args.fmt, args.seed, args.layout, args.experts,
                    shard_bytes=max(1, int(args.shard_gb * 2**30)), tokenizer=not args.no_tokenizer, progress=True,
-                   device=args.device, mtp=not args.no_mtp)
+                   device=args.device, mtp=not args.no_mtp, spill_dir=args.spill_dir,
+                   max_out_bytes=None if args.max_out_gb is None else int(args.max_out_gb * 2**30))
     except OSError as exc:  # the folder cannot be made or written (disk full, permissions): the machine's, not ours
         parser.exit(1, f"ft synth: error: {exc}\n")
-    size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
+    shards = list(args.out.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in shards)
+    spilled = sum(f.stat().st_size for f in shards if f.is_symlink())
     print(f"wrote {args.out} ({args.geometry}, {args.fmt}): {size / 2**30:.2f} GiB in "
-          f"{time.monotonic() - started:.1f}s")
+          f"{time.monotonic() - started:.1f}s" + (f" ({spilled / 2**30:.2f} GiB of it in {args.spill_dir})"
+                                                  if args.spill_dir else ""))
     return 0
 

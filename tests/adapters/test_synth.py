@@ -219,3 +219,33 @@ def test_mixed_modelopt_lists_the_mtp_modules_it_quantizes():
     assert layers["mtp.layers.0.self_attn.q_proj"] == {"quant_algo": "FP8"}
     assert layers["mtp.layers.0.mlp.experts.7.down_proj"]["quant_algo"] == "NVFP4"
     assert "model.language_model.layers.3.self_attn.q_proj" in layers
+
+
+def test_spilled_shards_are_the_same_checkpoint_split_over_two_directories(tmp_path):
+    # ft synth --spill-dir: what --out cannot hold goes to another directory, linked back by name (BF16 on one GPU)
+    plain = synthesize(tmp_path / "plain", TINY, "bf16", seed=3, tokenizer=False, shard_bytes=200_000)
+    split = synthesize(tmp_path / "split", TINY, "bf16", seed=3, tokenizer=False, shard_bytes=200_000,
+                       spill_dir=tmp_path / "shm", max_out_bytes=400_000)
+    names = sorted(p.name for p in plain.glob("*.safetensors"))
+    assert len(names) >= 4 and names == sorted(p.name for p in split.glob("*.safetensors"))
+    kept = [split / n for n in names if not (split / n).is_symlink()]
+    spilled = [split / n for n in names if (split / n).is_symlink()]
+    assert kept and spilled
+    assert sum(p.stat().st_size for p in kept) <= 400_000 + 4096  # the budget, plus each shard's header
+    assert all(p.resolve().parent == (tmp_path / "shm").resolve() for p in spilled)
+    assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == sorted(p.name for p in spilled)  # no .tmp left
+    for n in names:
+        assert (plain / n).read_bytes() == (split / n).read_bytes()
+    assert (plain / "model.safetensors.index.json").read_text() == (split / "model.safetensors.index.json").read_text()
+    a, b = load_checkpoint(plain, progress=False), load_checkpoint(split, progress=False)
+    assert torch.equal(a.experts.row(1, 2), b.experts.row(1, 2))
+    assert all(torch.equal(a.dense[k], b.dense[k]) for k in a.dense)
+
+
+def test_spill_cli_refuses_half_a_pair(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--spill-dir", str(tmp_path / "shm")])
+    assert "--spill-dir and --max-out-gb go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--spill-dir", str(tmp_path / "shm"), "--max-out-gb", "-1"])
+    assert "--max-out-gb must be" in capsys.readouterr().err
