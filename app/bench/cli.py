@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import httpx
-from rich.console import Console
 
 from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke, sweep, target, view
 from app.bench.context import Ctx
+from app.bench.plot import missing as plot_missing
 from app.bench.plot import plot
 from app.bench.record import Record, default_out
 from app.bench.target import BenchError
@@ -227,6 +227,9 @@ def _numbered(path: str | None, i: int) -> str | None:
 
 def run_bench(args) -> int:
     kind = args.bench_command
+    if getattr(args, "plot", None) and (why := plot_missing()):
+        print(f"ft bench: error: {why}", file=sys.stderr)
+        return 2
     urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
     out = args.out or default_out(kind)
     if kind == "cold-start":
@@ -254,5 +257,5 @@ def run_bench(args) -> int:
         codes.append(code)
         records += done
     if len(records) > 1 and not args.quiet:
-        Console().print(view.side_by_side(records))
+        view.wide_console().print(view.side_by_side(records))
     return max(codes)

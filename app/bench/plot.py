@@ -15,6 +15,15 @@ def _pyplot():
     return plt
 
 
+def missing() -> str | None:
+    """Why --plot cannot draw here (matplotlib not installed), or None: checked before a run, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed (pip install -e \".[sim]\" brings it)"
+    return None
+
+
 def plot(record: dict, out: str | Path) -> Path:
     """Draw ``record`` (a sweep or ladder record) into ``out``; failed points are left out of
     the lines and listed in the title. Raises ValueError for other kinds."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -56,10 +58,16 @@ def table(record: dict) -> Table:
     return t
 
 
+def wide_console() -> Console:
+    """The console tables print to: the terminal's width, or 200 columns when stdout is a file or a pipe (rich's
+    default of 80 there cut figures to `163…` in CI logs)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def show(record: dict, path, quiet: bool) -> None:
     if quiet:
         return
-    console = Console()
+    console = wide_console()
     console.print(table(record))
     hw = record.get("hardware") or {}
     gpu = ", ".join(g.get("name", "?") for g in hw.get("gpus") or []) or "no GPU"

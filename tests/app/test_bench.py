@@ -337,3 +337,22 @@ def test_cold_start_reads_the_graph_capture_and_the_prefill_warm_up_from_the_pha
     order = phases(lines)
     ends = {name: phase_end(order, needle) for name, needle in PHASE_MILESTONES}
     assert ends["graph_capture_done"] == 4.5 and ends["prefill_kernels_tuned"] == 40.0
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    # nothing listens on this port: a run that started would fail to connect, not stop at the --plot check
+    code = main(["bench", "ladder", "--base-url", "http://127.0.0.1:9", "--quiet", "--levels", "1",
+                 "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "l.png")])
+    assert code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

@@ -130,3 +130,21 @@ def test_a_negative_warmup_is_refused():
     with pytest.raises(SystemExit) as info:
         main(["bench", "prefill", "--warmup", "-1", "--quiet"])
     assert info.value.code == 2
+
+
+def _prompts_of_a_fresh_process() -> list[str]:
+    import subprocess
+    import sys
+
+    code = "from app.bench.prefill import make_prompt; print(make_prompt(1)); print(make_prompt(1))"
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.splitlines()
+
+
+def test_a_second_run_never_resends_the_first_runs_prompts():
+    # the nonce counter restarts in every process: without a run id, a second `ft bench prefill` against the same
+    # server sent the first run's prompts again and measured its prefix cache (123k tok/s on the CPU demo)
+    first, second = _prompts_of_a_fresh_process(), _prompts_of_a_fresh_process()
+    assert len(set(first + second)) == 4
+    page = 16  # a cached page is 16 tokens: the nonce must differ inside the first one
+    assert all(a[:page] != b[:page] for a in first for b in second)
+    assert {len(p) for p in first + second} == {len(first[0])}  # same length every run: same token count
