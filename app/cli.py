@@ -130,7 +130,13 @@ def _check(args) -> int:
 def _serve(args, parser) -> int:
     import logging
 
-    from app.containers import Container, check_device, check_routing_replay, environment_api_key
+    from app.containers import (
+        Container,
+        check_device,
+        check_routing_replay,
+        environment_api_key,
+        model_dir_problem,
+    )
     from app.serving import RunningServer, say
     from app.settings import ServeSettings
 
@@ -174,6 +180,8 @@ def _serve(args, parser) -> int:
         )
         if args.data_parallel != 1 and args.expert_parallel != 1:
             raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
+        if problem := model_dir_problem(settings):
+            raise ValueError(problem)
         check_routing_replay(settings)
         if args.data_parallel == 1 and args.expert_parallel == 1:  # NOTE: those assign devices (and say so) their way
             check_device(settings)

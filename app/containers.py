@@ -45,11 +45,24 @@ def default_model_dir() -> str:
     return str(DEMO_MODEL_DIR)
 
 
-def _model_dir(settings: ServeSettings) -> Path:
+def model_dir_problem(settings: ServeSettings) -> str | None:
+    """Why --model cannot be a checkpoint folder (it does not exist, is not a folder, has no config.json), or None.
+    ft serve checks it before it listens (exit 2, as vLLM exits); what only reading the files can tell (a damaged
+    shard) still comes after the start, as a 503 with the reason."""
     path = Path(settings.model_dir or default_model_dir())
+    if not path.exists():
+        return f"--model {path}: no such file or directory"
+    if not path.is_dir():
+        return f"--model {path}: not a directory (give the checkpoint's folder, the one holding config.json)"
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"--model {path}: not a checkpoint directory (no config.json)")
-    return path
+        return f"--model {path}: not a checkpoint directory (no config.json)"
+    return None
+
+
+def _model_dir(settings: ServeSettings) -> Path:
+    if problem := model_dir_problem(settings):
+        raise FileNotFoundError(problem)
+    return Path(settings.model_dir or default_model_dir())
 
 
 def resolve_device(settings: ServeSettings) -> str:

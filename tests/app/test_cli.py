@@ -360,3 +360,17 @@ def test_the_http_app_leaves_the_root_logger_as_ft_serve_set_it():
         assert (list(root.handlers), root.level) == before
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: d / "missing", "no such file or directory"),
+    (lambda d: (d / "weights.safetensors").write_bytes(b"x") and d / "weights.safetensors", "not a directory"),
+    (lambda d: d, "not a checkpoint directory (no config.json)"),
+])
+def test_serve_refuses_a_model_path_that_is_no_checkpoint_before_listening(tmp_path, make, message):
+    """A new user's `ft serve --model /wrong/path` listened and answered 503 until killed; vLLM exits at once."""
+    path = make(tmp_path)
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--port", "0", "--model", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"--model {path}: {message}" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
