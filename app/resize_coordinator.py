@@ -48,7 +48,9 @@ def fill_auto(
     spec: ModelSpec, budget: GpuBudget, current: PoolPlan, kv_tokens, expert_slots, state_slots
 ) -> tuple[int | None, int | None] | PlanRefusal:
     """"auto" for one pool = whatever the budget leaves once the other pools are sized
-    (the benchmark's `cache --kv N --moe auto`). Pure planning: nothing is touched."""
+    (the benchmark's `cache --kv N --moe auto`), KV capped as at start-up (domain.serve_plan.plan_serve_pools) at
+    state slots x the model's context: KV past every running sequence at full context is never used, and a resize
+    that took it left no room for a later `--mamba` growth. Pure planning: nothing is touched."""
     if kv_tokens == "auto" and expert_slots == "auto":
         raise ValueError("only one of kv_tokens and expert_slots can be 'auto'")
     if "auto" not in (kv_tokens, expert_slots):
@@ -71,7 +73,7 @@ def fill_auto(
     if isinstance(filled, PlanRefusal):
         return filled
     if kv_tokens == "auto":
-        return filled.kv_tokens, expert_slots
+        return min(filled.kv_tokens, request.state_slots * spec.max_context), expert_slots
     return kv_tokens, filled.expert_slots
 
 

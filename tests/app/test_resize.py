@@ -310,3 +310,17 @@ def test_moe_auto_fills_what_the_new_kv_pool_leaves(srv):
     r = rebuild(srv, moe_slots=4, kv_tokens="auto")
     assert r.status_code == 200, r.text
     assert r.json()["after"]["expert_slots"] == 4 and r.json()["after"]["kv_tokens"] > 1024
+
+
+def test_kv_auto_stops_at_every_running_sequence_at_full_context(srv):
+    # as at start-up: KV past state slots x context is never used (a new user's `ft ctl cache --kv auto` took
+    # 746,992 tokens of a 4 x 4,096-token demo, and the next `--mamba 8` found no room)
+    context = 4096  # the fake model's own context (test_prompt_longer_than_the_pool_... above)
+    r = rebuild(srv, moe_slots=4, kv_tokens="auto")
+    assert r.status_code == 200, r.text
+    after = r.json()["after"]
+    assert after["kv_tokens"] == after["state_slots"] * context, after
+    assert after["free_bytes"] > 0  # what the cap left is free, not in a pool
+    r = rebuild(srv, mamba_slots=after["state_slots"] * 2, kv_tokens="auto")
+    assert r.status_code == 200, r.text
+    assert r.json()["after"]["kv_tokens"] == 2 * after["kv_tokens"]
