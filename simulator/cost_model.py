@@ -79,12 +79,28 @@ class CostParams(StrictParams):
     # (adapters/cuda_exec/expert_pool.py GEMV_MAX_PAIRS).
     expert_reads: str = "distinct"
     pair_gemv_max_pairs: int = 512
+    # The streamed prefill (docs/adr/0010-streamed-prefill.md): an uncaptured step (prefill or mixed) whose layer
+    # calls route more than min(expert slots, lookup_max_keys) (token, top-k) pairs reads the resident experts in
+    # place and copies the layer's non-resident ones through the plan's staging rows, in rounds that alternate
+    # between two halves, overlapped with compute; the LRU is neither stamped nor filled (SimExecutor docstring).
+    # Smaller calls take the device lookup and go through the residency as before. Needs staging rows in the plan
+    # (`ft serve --staging-experts`, auto with the Triton prefill); False: every prefill goes through the LRU
+    # (the simulator before 2026-12-04, and every calibration file without the field).
+    streamed_prefill: bool = False
+    # The most keys one layer call looks up on the device without streaming: MAX_KEYS in
+    # adapters/kernels/residency_lookup.py (256: a 32-token step at top-8).
+    lookup_max_keys: int = 256
+    # Per request served over HTTP, before the engine sees it: the client's send, the server's parse, chat
+    # template and tokenizer, the arrival window's quiet gap (ADR 0021), and the first token's way back. The
+    # requests of one burst pay it side by side (they are admitted together after it); GPU and link idle.
+    request_overhead_s: float = 0.0
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
             object.__setattr__(self, "graph_buckets", tuple(self.graph_buckets))
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
-                         "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", allow_zero=True)
+                         "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", "request_overhead_s",
+                         allow_zero=True)
         buckets = self.graph_buckets
         if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                                                  for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -99,9 +115,12 @@ class CostParams(StrictParams):
             raise ValueError("CostParams.overlap_copy_compute must be a bool")
         if self.expert_reads not in EXPERT_READS:
             raise ValueError(f"CostParams.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
-        m = self.pair_gemv_max_pairs
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"CostParams.pair_gemv_max_pairs must be an integer >= 1, got {m!r}")
+        for name in ("pair_gemv_max_pairs", "lookup_max_keys"):
+            m = getattr(self, name)
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"CostParams.{name} must be an integer >= 1, got {m!r}")
+        if not isinstance(self.streamed_prefill, bool):
+            raise ValueError("CostParams.streamed_prefill must be a bool")
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,26 @@ class CostModel:
         if rows < 1:
             raise ValueError(f"a step has at least one row, got {rows}")
         return next((b for b in self.params.graph_buckets if b >= rows), rows)
+
+    def graph_step(self, rows: int, decode_only: bool) -> bool:
+        """Whether a step of `rows` rows replays a captured decode graph: decode-only and no larger than the
+        largest graph bucket (without buckets no step is captured). Every other step runs eagerly."""
+        buckets = self.params.graph_buckets
+        return decode_only and bool(buckets) and rows <= buckets[-1]
+
+    def streams_prefill(self, pairs: int, expert_slots: int, staging_rows: int) -> bool:
+        """Whether an eager step whose layer calls route `pairs` (token, top-k) pairs each streams its experts
+        through `staging_rows` staging rows (streamed_prefill, docs/adr/0010-streamed-prefill.md) instead of
+        looking them up in the residency: as DeviceExpertPool.routed decides, when there are staging rows and
+        the call has more keys than one device lookup takes, min(expert_slots, lookup_max_keys)."""
+        if pairs < 0 or expert_slots < 0 or staging_rows < 0:
+            raise ValueError(f"negative counts: {pairs} pairs, {expert_slots} slots, {staging_rows} staging rows")
+        p = self.params
+        return p.streamed_prefill and staging_rows > 0 and pairs > min(expert_slots, p.lookup_max_keys)
+
+    def request_overhead(self, via_server: bool = True) -> float:
+        """Seconds before the engine sees a request served over HTTP (request_overhead_s); 0 otherwise."""
+        return self.params.request_overhead_s if via_server else 0.0
 
     def host_overhead(self, rows: int, via_server: bool = True) -> float:
         """Seconds of host work outside the graph for a step of `rows` real rows (GPU and link idle):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
+from domain.prefix_store import snapshot_interval
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
 from domain.serve_plan import CACHE_TYPES, ServePlan, ServePools, plan_serve_pools, serve_budget
@@ -76,6 +77,11 @@ class Deployment(StrictParams):
     # --max-prefill-length: its step's bf16 activations are held beside the pools (ADR 0011), as the server
     # does; None: no reserve (the server before that ADR, e.g. the 2026-12-01 H200 records)
     max_prefill_length: int | None = 8192
+    # With cache_type radix, the simulated scheduler runs the domain's radix prefix cache over the planned
+    # snapshot slots, as `ft serve` does (app/containers.py: SchedulerConfig(prefix_cache=...)): a repeated
+    # prompt resumes from its deepest cached snapshot and prefills only the rest. False: every prompt is
+    # prefilled from position 0 (the simulator before 2026-12-04 session 21; files without the field).
+    simulate_prefix_cache: bool = False
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
@@ -88,6 +94,8 @@ class Deployment(StrictParams):
         require_positive(self, "fixed_bytes", allow_zero=True)
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
+        if not isinstance(self.simulate_prefix_cache, bool):
+            raise ValueError("Deployment.simulate_prefix_cache must be a bool")
         if self.prefill_kernels not in PREFILL_KERNELS:
             raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
                              f"got {self.prefill_kernels!r}")
@@ -157,6 +165,12 @@ class RunStats:
     requests_finished: int
     requests_added: int
     ttft_probe_s: float | None = None
+    # the measured window's streamed prefill (steps, routed experts not resident, rows staged) and the prompt
+    # tokens its requests took from the prefix cache
+    streamed_steps: int = 0
+    streamed_not_resident: int = 0
+    streamed_staged: int = 0
+    cached_prompt_tokens: int = 0
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
@@ -189,15 +203,26 @@ def plan_summary(plan: PoolPlan) -> dict:
 
 
 def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
-                 max_context: int, check: bool = False) -> RunStats:
-    """Drives the domain scheduler with the simulated executor through the benchmark method."""
+                 max_context: int, check: bool = False, prefix_cache: bool = False,
+                 linear_state: bool = True) -> RunStats:
+    """Drives the domain scheduler with the simulated executor through the benchmark method.
+
+    prefix_cache: the scheduler runs the radix prefix cache over the plan's snapshot slots (as `ft serve
+    --cache-type radix`; linear_state: the model has linear-attention state, so a match needs a snapshot).
+    Each round's requests reach the scheduler CostParams.request_overhead_s after they are sent (served over
+    HTTP); their times to first token and lifetimes count from the send."""
     host = executor.host
     # NOTE: as the server's scheduler (app/containers.py): at most state_slots requests run, the rest of the
     # batch queues; the benchmark's per-request time counts from the request's arrival, queueing included.
     config = SchedulerConfig(max_running=plan.state_slots,
                              max_step_tokens=max(workload.max_step_tokens, plan.state_slots),
-                             page_size=plan.page_size, max_context=max_context)
-    scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots)
+                             page_size=plan.page_size, max_context=max_context, prefix_cache=prefix_cache,
+                             snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
+                             linear_state=linear_state)
+    scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
+                          plan.snapshot_slots if prefix_cache else 0)
+    overhead = executor.cost.request_overhead(executor.via_server)
+    cached_tokens = 0
     iterations = ([(workload.warmup_tokens, False)] * workload.warmup_iterations
                   + [(workload.measure_tokens, True)] * workload.measure_iterations)
     window_seconds, output_tokens, per_request, ttfts = 0.0, 0, [], []
@@ -207,6 +232,9 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
         if measured and start_counters is None:
             start_counters, start_snapshot = executor.counters.copy(), host.snapshot()
         t0 = host.now()
+        # NOTE: the burst is sent at t0 and reaches the engine together, the overhead later (GPU and link idle)
+        if overhead:
+            host.env.run(until=t0 + overhead)
         requests = []
         for r in range(batch):
             prompt_seed = 0 if workload.same_prompt else index * batch + r + 1
@@ -231,6 +259,7 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
         finished += len(done)
         if measured:
             window_seconds += host.now() - t0
+            cached_tokens += sum(req.num_cached_tokens for req in requests)
             for req in requests:
                 output_tokens += len(req.output_token_ids)
                 per_request.append(len(req.output_token_ids) / (done[req.request_id] - t0))
@@ -238,7 +267,9 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
     c = executor.counters.minus(start_counters)
     gpu_util, pcie_util = SimHost.utilisation(start_snapshot, host.snapshot())
     stats = RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
-                     c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added)
+                     c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added,
+                     streamed_steps=c.streamed_steps, streamed_not_resident=c.streamed_not_resident,
+                     streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens)
     if workload.ttft_prompt_tokens:
         stats.ttft_probe_s = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
     return stats
@@ -283,8 +314,11 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         # step's experts evicts every key before the next step can reuse it: hit rate ~0.
         result.extra["warning"] = (f"{plan.expert_slots} expert slots < one step's {working_set} experts "
                                    f"(top_k x layers x distinct sequences): the LRU keeps nothing between tokens")
-    executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots)
-    stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check)
+    executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots,
+                           staging_experts=plan.staging_experts)
+    prefix_cache = deployment.simulate_prefix_cache and deployment.cache_type == "radix"
+    stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check, prefix_cache=prefix_cache,
+                         linear_state=spec.linear_state_bytes_per_sequence() > 0)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds
@@ -301,4 +335,10 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,
                               "output_tokens": stats.output_tokens}
+    if cost.streamed_prefill:
+        result.extra["window"]["prefill_streaming"] = {
+            "steps": stats.streamed_steps, "experts_not_resident": stats.streamed_not_resident,
+            "experts_staged": stats.streamed_staged}
+    if prefix_cache:
+        result.extra["window"]["cached_prompt_tokens"] = stats.cached_prompt_tokens
     return result
