@@ -49,6 +49,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 429: "rate_limit_error", 503: "overloaded_error"}
 
 
+# Anthropic's tool_choice types and the Conversation's tool_choice each one is.
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
 _CHAT_ONLY = {"stop": " (use stop_sequences)", "n": "", "max_completion_tokens": " (use max_tokens)",
               "presence_penalty": "", "frequency_penalty": "", "logit_bias": "", "stream_options": ""}
 
@@ -184,9 +187,11 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
                               "tools with an input_schema")
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool["input_schema"], f"tools[{i}]"))
     choice = body.tool_choice or {"type": "auto"}
-    kind = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}.get(choice.get("type"))
+    given = choice.get("type")
+    # NOTE: any JSON value may arrive here: only a string is looked up (a list or an object is unhashable)
+    kind = _TOOL_CHOICES.get(given) if isinstance(given, str) else None
     if kind is None:
-        raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {choice.get('type')!r}")
+        raise bad_value("tool_choice.type", f"tool_choice type must be auto, any, tool or none, got {given!r}")
     # NOTE: checked here in Anthropic's terms; check_tool_choice below would say 'required' / 'function'.
     if kind in ("required", "function") and not tools:
         raise bad_value("tool_choice", f"tool_choice {choice.get('type')!r} needs tools")

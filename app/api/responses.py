@@ -93,6 +93,8 @@ def _refuse_stateful(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise unsupported("max_tool_calls", "max_tool_calls is not supported (parallel_tool_calls: false keeps one call)")
     fmt = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise bad_value("text.format", 'text.format must be an object such as {"type": "text"}')
     if fmt.get("type") != "text":
         raise unsupported("text.format", "only the text output format is supported")
 

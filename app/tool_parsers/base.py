@@ -17,6 +17,8 @@ newline a model writes before its call is not content). Inside a call a subclass
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -45,6 +47,41 @@ Event = str | ToolCallDelta
 
 def random_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+# NOTE: far deeper than any tool's arguments, far below the interpreter's recursion limit (~1,000 frames), which
+# json.loads and every encoder of the answer (json, msgspec) run into on nesting: a value this deep writes back anywhere.
+MAX_JSON_DEPTH = 128
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):  # 1e400: json.dumps would write it back as Infinity
+        raise ValueError(f"{number} is out of range")
+    return value
+
+
+def loads_json(text: str):
+    """``json.loads`` for model output, held to what every client can read back: NaN, Infinity and numbers past a
+    float's range (which Python reads, and json.dumps writes back as NaN / Infinity, which no JSON parser takes)
+    and nesting deeper than MAX_JSON_DEPTH are a ValueError, never a RecursionError (parsers never raise on
+    model output)."""
+    try:
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH}")
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return value
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from app.tool_parsers.base import END, START, ToolParser
+from app.tool_parsers.base import END, START, ToolParser, loads_json
 
 
 class HermesToolParser(ToolParser):
@@ -51,7 +51,7 @@ class HermesToolParser(ToolParser):
 
 def _parse(body: str) -> tuple[str, str] | None:
     try:
-        value = json.loads(body)
+        value = loads_json(body)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
@@ -59,7 +59,7 @@ def _parse(body: str) -> tuple[str, str] | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_json(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):

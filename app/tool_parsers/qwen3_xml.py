@@ -21,8 +21,9 @@ stray text between parameters is dropped and a missing ``</parameter>`` / ``</fu
 from __future__ import annotations
 
 import json
+import math
 
-from app.tool_parsers.base import END, START, ToolParser
+from app.tool_parsers.base import END, START, ToolParser, loads_json
 
 FUNCTION = "<function="
 PARAMETER = "<parameter="
@@ -44,11 +45,13 @@ def convert(value: str, schema: object):
             return int(value.strip())
         if kind == "number":
             number = float(value.strip())
+            if not math.isfinite(number):  # nan, inf, 1e400: no JSON number (json.dumps writes NaN / Infinity)
+                return value
             return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
         if kind == "boolean" and value.strip().lower() in ("true", "false"):
             return value.strip().lower() == "true"
         if kind in ("object", "array"):
-            return json.loads(value)
+            return loads_json(value)
     except ValueError:
         pass
     return value

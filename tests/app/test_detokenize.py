@@ -81,3 +81,41 @@ def test_the_matcher_reports_what_it_released_with_or_without_stop_strings(text,
     if not stops:
         assert out[:-1] == list(text) and out[-1] == ""
     matcher.check_valid()
+
+
+@settings(max_examples=300)
+@given(text=st.text(alphabet="ab", max_size=40), stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=5),
+                                                                 min_size=1, max_size=3))
+def test_the_matcher_holds_back_exactly_the_longest_stop_prefix_at_every_step(text, stops):
+    """Oracle for the search that looks at the unreleased text only: after every character, what went out is the
+    text less its longest suffix that begins a stop string (the search over the whole text)."""
+    matcher = StopStringMatcher(tuple(stops))
+    for end in range(1, len(text) + 1):
+        matcher.feed(text[end - 1])
+        if matcher.stopped:
+            return
+        seen = text[:end]
+        held = max((n for s in stops for n in range(min(len(s) - 1, len(seen)) + 1) if seen.endswith(s[:n])), default=0)
+        assert matcher.text == seen[: len(seen) - held], (seen, stops)
+
+
+class _Sliced(str):
+    """A stop string that counts the characters sliced out of it (the held-back search's work)."""
+
+    chars = 0
+
+    def __getitem__(self, key):
+        part = str.__getitem__(self, key)
+        _Sliced.chars += len(part)
+        return part
+
+
+def test_the_held_back_search_costs_each_token_its_own_text_not_the_whole_output():
+    """16 stop strings of 4,000 characters that never match: the search sliced ~16 x 1,750 characters per
+    token (3,500 tokens: ~10^8 in all), on the engine thread; it is now bounded by the text not yet released."""
+    _Sliced.chars = 0
+    matcher = StopStringMatcher([_Sliced(chr(0x4E00 + i) * 4000) for i in range(16)])
+    for _ in range(3500):
+        matcher.feed("ab")
+    assert matcher.text == "ab" * 3500 and not matcher.stopped
+    assert _Sliced.chars <= 16 * 3500 * 3, _Sliced.chars

@@ -286,6 +286,28 @@ def test_tokenizing_runs_off_the_event_loop_health_and_streams_keep_their_pace(s
     assert done.usage.completion_tokens == 4
 
 
+def test_long_stop_strings_cost_each_token_its_own_text_not_the_whole_output():
+    """16 stop strings of 4,000 characters that never match: the held-back search went over the whole output at
+    every token, on the engine thread (a 3,500-token completion took 19.5 s instead of 1.6 s on this fake model,
+    every other stream's steps waiting with it, and it grows with the square of the output). A bound with a wide
+    margin both ways: the search now looks at the text it holds back only."""
+    server = start_server(kv_tokens=4096)
+    try:
+        def seconds(stop) -> float:
+            started = time.monotonic()
+            r = client_of(server).completions.create(model=MODEL, prompt="hi", max_tokens=3500, stop=stop,
+                                                     extra_body={"ignore_eos": True}, timeout=300)
+            assert r.usage.completion_tokens == 3500 and r.choices[0].finish_reason == "length"
+            return time.monotonic() - started
+
+        plain = seconds(None)
+        long_stops = seconds([chr(0x4E00 + i) * 4000 for i in range(16)])  # CJK: never in the fake's output
+        assert long_stops < 3 * plain + 2, f"{long_stops:.1f} s with the stop strings, {plain:.1f} s without"
+        assert_serves(server)
+    finally:
+        server.stop()
+
+
 # -- 5. a client that stops sending its body ------------------------------------------------------------
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                                   "/v1/cache/rebuild"])

@@ -131,6 +131,9 @@ def test_errors_are_in_anthropic_shape(client, scripted):
     ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
     ({"tools": [{"name": "multiply"}]}, "tools[0].input_schema: a client tool needs an input_schema"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: tool_choice 'tool' needs the name"),
+    # a type that is not a string answered 500 (TypeError: unhashable type, looking it up)
+    ({"tool_choice": {"type": ["auto"]}}, "tool_choice.type: tool_choice type must be auto, any, tool or none"),
+    ({"tool_choice": {"type": {"tool": "multiply"}}, "tools": TOOLS}, "tool_choice.type: tool_choice type must be"),
     # named Chat Completions' `stop`, a field this route refuses
     ({"stop_sequences": [str(i) for i in range(17)]}, "stop_sequences: at most 16 stop strings"),
     ({"stop_sequences": [""]}, "stop_sequences: stop strings must be non-empty"),
@@ -144,6 +147,16 @@ def test_bad_blocks_and_tool_choices_are_explained_in_anthropic_terms(scripted, 
     assert raw.status_code == 400, raw.text
     error = raw.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"].startswith(message), error
+
+
+@pytest.mark.parametrize("kind", [["auto"], {"type": "auto"}, 5])
+def test_count_tokens_explains_a_tool_choice_type_that_is_not_a_string(scripted, kind):
+    """Answered 500 (TypeError: unhashable type) for a list or an object, like /v1/messages."""
+    raw = httpx.post(scripted[0].base_url + "/v1/messages/count_tokens", headers={"x-api-key": "k3y"},
+                     json={"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": {"type": kind}})
+    assert raw.status_code == 400, raw.text
+    error = raw.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("tool_choice.type: "), error
 
 
 @pytest.mark.parametrize("field", [{"stop": ["4"]}, {"n": 2}, {"max_completion_tokens": 5}, {"presence_penalty": 1.0},

@@ -100,6 +100,9 @@ def test_reasoning_effort_none_turns_thinking_off_and_max_output_tokens_is_incom
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        # a format that is not an object answered 500 (AttributeError: 'str' object has no attribute 'get')
+        ({"text": {"format": "json_object"}}, "text.format"),
+        ({"text": {"format": ["text"]}}, "text.format"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         # malformed input items: the first two and the reasoning one answered 500
         ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input[0].content"),

@@ -138,7 +138,11 @@ def test_forced_prefixes_open_a_call_the_parser_completes():
     [("6", {"type": "integer"}, 6), ("six", {"type": "integer"}, "six"), ("1.5", {"type": "number"}, 1.5),
      ("2", {"type": "number"}, 2), ("True", {"type": "boolean"}, True), ("[1]", {"type": "array"}, [1]),
      ("{bad", {"type": "object"}, "{bad"), ("null", {"type": ["integer", "null"]}, None), ("7", None, "7"),
-     ("null", {"type": "string"}, "null")],
+     ("null", {"type": "string"}, "null"),
+     # no JSON value: Python reads them, json.dumps writes NaN / Infinity back (arguments no client parses)
+     ("nan", {"type": "number"}, "nan"), ("-inf", {"type": "number"}, "-inf"), ("1e400", {"type": "number"}, "1e400"),
+     ('{"v": NaN}', {"type": "object"}, '{"v": NaN}'), ("[1e999]", {"type": "array"}, "[1e999]"),
+     ("[" * 200 + "]" * 200, {"type": "array"}, "[" * 200 + "]" * 200)],
 )
 def test_parameter_values_follow_the_schema(value, schema, expected):
     assert convert(value, schema) == expected
