@@ -128,7 +128,8 @@ _MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 def decode_body(body: bytes, kind: type[_T]) -> _T:
-    """Decode a JSON body: malformed JSON -> 400, wrong types or missing fields -> 422, param named."""
+    """Decode a JSON body: malformed JSON -> 400, wrong types or missing fields -> 422, a number past a float's
+    range (1e999) -> 400 invalid_value (as the same size spelled "1e999" in a string); param named."""
     if not body.strip():
         raise OpenAIError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -136,6 +137,8 @@ def decode_body(body: bytes, kind: type[_T]) -> _T:
     except msgspec.ValidationError as exc:
         match = _PATH.search(str(exc)) or _MISSING.search(str(exc))
         param = match.group(1) if match else None
+        if str(exc).startswith("Number out of range"):  # 1e999: a number of the right type, its value unusable
+            raise OpenAIError(400, f"invalid request: {exc}", param=param or None, code="invalid_value") from None
         raise OpenAIError(422, f"invalid request: {exc}", param=param or None, code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None

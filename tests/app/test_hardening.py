@@ -199,6 +199,18 @@ def test_resize_values_from_the_client_are_4xx_and_serving_continues(srv, body, 
     assert_serves(srv)
 
 
+@pytest.mark.parametrize("literal", ["1e999", "-1e999", "1.0e999"])
+def test_a_size_past_a_floats_range_written_as_a_json_number_is_the_same_400_as_its_string(srv, literal):
+    # a new user's `{"kv_tokens": 1e999}` got 422 invalid_type where "1e999" in a string got 400 invalid_value
+    before = plan(srv)
+    r = httpx.post(srv.base_url + "/v1/cache/rebuild", content='{"kv_tokens": ' + literal + '}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", "kv_tokens"), r.text
+    assert plan(srv) == before
+    assert_serves(srv)
+
+
 def test_prompt_ids_expected_by_the_fake_are_stable():
     """Guards the helpers these tests lean on: the fake model's greedy output is a pure function."""
     ids = chat_prompt_ids("x")
