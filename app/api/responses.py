@@ -113,6 +113,10 @@ def _text(content, param: str) -> str:
     return "".join(texts)
 
 
+def _nonempty_str(value) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 def _part_text(part: dict, param: str) -> str:
     if not isinstance(part.get("text"), str):
         raise bad_value(f"{param}.text", f"a {part.get('type')} part needs a `text` string")
@@ -139,8 +143,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": {
                 "name": item.get("name"), "arguments": arguments_object(item.get("arguments", "{}"), f"{param}.arguments")}}
-            if not item.get("name") or not item.get("call_id"):
-                raise bad_value(param, "a function_call item needs call_id and name")
+            if not _nonempty_str(item.get("name")) or not _nonempty_str(item.get("call_id")):
+                raise bad_value(param, "a function_call item needs call_id and name (non-empty strings)")
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or reasoning is None):
                 last.setdefault("tool_calls", []).append(call)
@@ -149,8 +153,8 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 if reasoning is not None:
                     out[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
-            if not item.get("call_id"):
-                raise bad_value(param, "a function_call_output item needs call_id")
+            if not _nonempty_str(item.get("call_id")):
+                raise bad_value(param, "a function_call_output item needs call_id (a non-empty string)")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
         elif kind == "reasoning":

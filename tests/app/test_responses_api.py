@@ -111,6 +111,10 @@ def test_reasoning_effort_none_turns_thinking_off_and_max_output_tokens_is_incom
         ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]},
                     {"role": "user", "content": "hi"}]}, "input[0].content[0].text"),
         ({"input": [{"type": "function_call_output", "output": "42"}]}, "input[0]"),  # once named `max_tokens`, which this API has not
+        # a call id that is no string was taken (200) and reached the chat template as a number
+        ({"input": [{"type": "function_call_output", "call_id": 7, "output": "42"}]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": ["c"], "name": "multiply", "arguments": "{}"}]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": 3, "arguments": "{}"}]}, "input[0]"),
         # Chat Completions' fields the server declares (shared sampling body) were silently dropped here
         ({"extra_body": {"max_tokens": 5}}, "max_tokens"),
         ({"extra_body": {"max_completion_tokens": 5}}, "max_completion_tokens"),
