@@ -225,7 +225,7 @@ class Engine:
             batch = None
             try:
                 if was_idle and not self._commands.empty():
-                    self._await_burst()  # the rest of a burst of submissions joins the first step
+                    self.stats.record_burst(self._await_burst())  # the rest of a burst joins the first step
                 if not self._commands.empty():  # an abort or a resize acts on what the last step's events say
                     self._deliver()
                 self._drain_commands()
@@ -255,9 +255,10 @@ class Engine:
         self._deliver_after_failure()
         self._shutdown()
 
-    def _await_burst(self) -> None:
+    def _await_burst(self) -> int:
         """After idling: wait while submissions keep arriving (ArrivalWindow: until they are quiet for its quiet_s,
         at most its max_s after the first), so a burst that lands over a few milliseconds is admitted to one step.
+        Returns the commands queued when the window closed.
         NOTE: only the engine thread takes from the command queue, so its size only grows here."""
         # NOTE: time.monotonic, not the injected clock: the wait below is in real time (a test's frozen clock
         # would never let the window end)
@@ -269,6 +270,7 @@ class Engine:
                 self._wake.wait(left)
             if (size := self._commands.qsize()) != seen:
                 seen, last = size, time.monotonic()
+        return seen
 
     def _drain_commands(self) -> None:
         # NOTE: empty() first: the engine thread is the only consumer, and an exception per step is not free.

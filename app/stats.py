@@ -47,6 +47,8 @@ class ServingStats:
         self._lock = threading.Lock()
         self._steps: deque[_Step] = deque()
         self._ttfts: deque[tuple[float, float]] = deque()
+        self._bursts: deque[int] = deque(maxlen=64)  # commands queued as each idle wake's arrival window closed
+        self._idle_wakes = 0
         self.registry = CollectorRegistry()
         r = self.registry
         self.prompt_tokens = Counter("ft_prompt_tokens", "Prompt tokens admitted", registry=r)
@@ -124,6 +126,19 @@ class ServingStats:
             self._ttfts.append((now, seconds))
             self._trim(now)
         self.ttft_seconds.observe(seconds)
+
+    def record_burst(self, commands: int) -> None:
+        """An idle engine woke to `commands` queued (submissions, aborts, resizes) when its arrival window closed
+        (ADR 0021): the burst its first step can admit. A round of N concurrent requests that records fewer than N
+        split across steps (the simulator admits a round at one instant: docs/simulator.md)."""
+        with self._lock:
+            self._bursts.append(commands)
+            self._idle_wakes += 1
+
+    def bursts(self) -> dict:
+        """/v1/stats `arrivals`: idle wakes since start and the burst sizes of the last 64."""
+        with self._lock:
+            return {"idle_wakes": self._idle_wakes, "last_burst_sizes": list(self._bursts)}
 
     def record_admitted(self, prompt_tokens: int) -> None:
         self.admitted.inc()

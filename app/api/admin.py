@@ -13,6 +13,7 @@ from app.api.generation import require_engine, runtime_of
 from app.api.routing import get_or_head
 from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body, read_body
 from app.engine import Engine
+from app.gc_pauses import GC_PAUSES
 from app.units import parse_count
 
 
@@ -63,6 +64,8 @@ def stats(request: Request) -> dict:
         "routing": engine.routing(),
         "executor": engine.executor_info(),
         "scheduler": _step_budgets(engine),
+        "arrivals": engine.stats.bursts(),
+        "gc": GC_PAUSES.snapshot(),
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -64,6 +65,9 @@ def test_a_burst_spread_over_the_window_shares_one_prefill_step(server):
     answers = burst(server, 4, gap_s=0.05)
     assert all(answers)
     assert steps[0] == 4, steps  # every request's prompt in the first step
+    # /v1/stats says so too (what a benchmark record keeps: a round split across steps shows as a smaller burst)
+    arrivals = httpx.get(server.base_url + "/v1/stats").json()["arrivals"]
+    assert arrivals["last_burst_sizes"][-1] == 4 and arrivals["idle_wakes"] >= 1, arrivals
 
 
 def test_a_lone_request_waits_only_the_quiet_gap(server):
