@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio` (default: the calibration's, 0.9)")
     p.add_argument("--max-prefill-length", type=parse_count,
                    help="as `ft serve --max-prefill-length`: the largest step, whose activations are held beside "
-                        "the pools (default: the calibration's, 8192)")
+                        "the pools, and the simulated prefill step's token budget (default: the calibration's, "
+                        "8192 for the plan; its workload.max_step_tokens for the steps)")
     p.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
                    help="as `ft serve --max-running-requests`: GDN state slots and the most requests running at "
                         "once; a larger batch queues (default: the calibration's; ft serve's 4 for the H200)")
@@ -208,12 +209,18 @@ def predict_command(args) -> int:
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
     if args.calibration:
-        calibration, measured_here = Calibration.resolve(args.calibration), True
+        calibration = Calibration.resolve(args.calibration)
+        # NOTE: a calibration named on the command line may come from another card (e.g. h200_v2 on a 4090)
+        measured_here = calibration.hardware == hardware.name
     else:
         calibration, measured_here = find_calibration(hardware.name)
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
+    if args.max_prefill_length is not None:
+        # NOTE: as `ft serve`, whose scheduler's max_step_tokens is --max-prefill-length (app/containers.py): the
+        # flag sizes the simulated prefill steps too, not only the activations the memory plan holds
+        workload = workload.replace(max_step_tokens=args.max_prefill_length)
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     cfg = SweepConfig(model_name, spec, hardware, deployment, calibration.cost_params(), args.routing,
                       calibration.locality_params(), workload,
@@ -228,7 +235,8 @@ def predict_command(args) -> int:
     else:
         from simulator.table import print_table
 
-        print_table(results, title=f"{model_name} on {hardware.name} ({label}, routing {args.routing})")
+        print_table(results, title=f"{model_name} on {hardware.name} ({calibration.describe(hardware.name)}; "
+                                   f"routing {args.routing})")
     return 0
 
 

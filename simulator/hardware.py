@@ -17,6 +17,7 @@ from simulator.params import StrictParams, require_positive
 
 GB = 1e9
 GIB = 2**30
+MIB = 2**20
 H200_TOTAL_MEMORY = 150_109_880_320  # bytes CUDA reports on the H200 (143,156 MiB; the datasheet says 141 GB)
 
 
@@ -37,6 +38,13 @@ class HardwareProfile(StrictParams):
         require_positive(self, "vram_bytes", "h2d_bytes_per_s", "memory_bytes_per_s", "bf16_flops",
                          "host_ram_bytes")
         require_positive(self, "pageable_h2d_bytes_per_s", allow_zero=True)
+        # NOTE: every figure is bytes (or bytes/s); a file written in GB gave "pool budget is -4294967275 bytes"
+        for name, unit in (("vram_bytes", "bytes"), ("host_ram_bytes", "bytes"), ("h2d_bytes_per_s", "bytes/s"),
+                           ("memory_bytes_per_s", "bytes/s")):
+            value = getattr(self, name)
+            if value < MIB:
+                raise ValueError(f"HardwareProfile {self.name!r}: {name} = {value!r} looks like GB, expected {unit} "
+                                 f"(e.g. 24 GiB is {24 * GIB}, 25 GB/s is 25e9)")
 
 
 BUILTIN_PROFILES: dict[str, HardwareProfile] = {

@@ -4,6 +4,7 @@ error, never a silently ignored setting."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Self
 
 
@@ -44,3 +45,27 @@ def require_positive(obj: object, *names: str, allow_zero: bool = False) -> None
         if not isinstance(value, int | float) or isinstance(value, bool) or not ok:
             bound = ">= 0" if allow_zero else "> 0"
             raise ValueError(f"{type(obj).__name__}.{name} must be a number {bound}, got {value!r}")
+
+
+def json_difference(fresh, committed, rel: float = 1e-9, path: str = "$") -> str | None:
+    """Where two parsed JSON documents differ, or None: every key, length and non-float value equal, floats to
+    `rel` relative (a least-squares fit's last digits follow the BLAS and numpy build, not the records). The
+    `--check` of the fit scripts, which compared the text byte for byte."""
+    if isinstance(fresh, float) or isinstance(committed, float):
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (fresh, committed))
+        if numbers and math.isclose(fresh, committed, rel_tol=rel, abs_tol=1e-15):
+            return None
+        return f"{path}: {committed!r} committed, {fresh!r} fresh"
+    if isinstance(committed, dict):
+        if not isinstance(fresh, dict) or fresh.keys() != committed.keys():
+            keys = sorted(set(fresh) ^ set(committed)) if isinstance(fresh, dict) else "not an object"
+            return f"{path}: keys differ ({keys})"
+        return next((d for k in committed if (d := json_difference(fresh[k], committed[k], rel, f"{path}.{k}"))),
+                    None)
+    if isinstance(committed, list):
+        if not isinstance(fresh, list) or len(fresh) != len(committed):
+            return f"{path}: lengths differ"
+        return next((d for i, (a, b) in enumerate(zip(fresh, committed, strict=True))
+                     if (d := json_difference(a, b, rel, f"{path}[{i}]"))), None)
+    return None if fresh == committed and type(fresh) is type(committed) else (
+        f"{path}: {committed!r} committed, {fresh!r} fresh")

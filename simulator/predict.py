@@ -165,6 +165,7 @@ class RunStats:
     requests_finished: int
     requests_added: int
     ttft_probe_s: float | None = None
+    ttft_probe_refused: str | None = None  # why the TTFT probe's prompt can never run on this point's pools
     # the measured window's streamed prefill (steps, routed experts not resident, rows staged) and the prompt
     # tokens its requests took from the prefix cache
     streamed_steps: int = 0
@@ -271,17 +272,22 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
                      streamed_steps=c.streamed_steps, streamed_not_resident=c.streamed_not_resident,
                      streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens)
     if workload.ttft_prompt_tokens:
-        stats.ttft_probe_s = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
+        probe = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
+        if isinstance(probe, str):
+            stats.ttft_probe_refused = probe
+        else:
+            stats.ttft_probe_s = probe
     return stats
 
 
-def _ttft_probe(executor: SimExecutor, scheduler: Scheduler, prompt_tokens: int) -> float:
-    """Time to first token of one fresh prompt on the warm engine (chunked prefill included)."""
+def _ttft_probe(executor: SimExecutor, scheduler: Scheduler, prompt_tokens: int) -> float | str:
+    """Time to first token of one fresh prompt on the warm engine (chunked prefill included), or why the
+    prompt can never run on these pools (the point's decode figures stand; only the probe is refused)."""
     prompt = [(i * 7 + 3) % 50000 for i in range(prompt_tokens)]
     request = Request("ttft-probe", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     reason = scheduler.check_request(request)
     if reason is not None:
-        raise ValueError(f"TTFT probe of {prompt_tokens} tokens: {reason}")
+        return f"TTFT probe of {prompt_tokens} tokens not possible: {reason}"
     scheduler.add(request)
     t0 = executor.host.now()
     while (step := scheduler.schedule()) is not None:
@@ -331,6 +337,12 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         result.extra["ttft_prompt_tokens"] = workload.ttft_prompt_tokens
         result.extra["ttft_prompt_s"] = stats.ttft_probe_s
         result.extra["prefill_tok_s"] = workload.ttft_prompt_tokens / stats.ttft_probe_s
+    elif stats.ttft_probe_refused is not None:
+        # NOTE: a point whose pool is too small for the probe still fits and keeps its decode figures (the
+        # probe used to raise and lose every point of the sweep)
+        result.extra["ttft_prompt_tokens"] = workload.ttft_prompt_tokens
+        result.extra["ttft_prompt_s"] = None
+        result.extra["ttft_prompt_reason"] = stats.ttft_probe_refused
     result.simulated_s = executor.host.now()
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,

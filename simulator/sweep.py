@@ -76,6 +76,16 @@ class Calibration(StrictParams):
     def locality_params(self) -> LocalityParams:
         return LocalityParams.from_dict(self.routing.get("locality", {}), where=f"{self.name}.routing")
 
+    def describe(self, hardware: str) -> str:
+        """What a prediction's title says of this calibration: its name, the card and engine it was measured on
+        (the file's own `hardware` and `engine` fields), and whether it is carried over to another card."""
+        engine = self.engine.strip()
+        joiner = ", " if engine.startswith("fitted") else " with "  # "fitted from the records ..." / "the customer's ..."
+        text = f"calibration {self.name}: measured on {self.hardware}{joiner}{engine}"
+        if self.hardware != hardware:
+            text += f"; its engine overheads carried over to {hardware}"
+        return text
+
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
         return cls.from_dict(json.loads(Path(path).read_text()), where=str(path))

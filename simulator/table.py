@@ -16,11 +16,12 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def _notes(r: PointResult) -> str:
     """What a fitting point's row must say: requests that queue (batch above --max-running-requests),
-    pools the server would drop, the LRU warning."""
+    pools the server would drop, the LRU warning, a TTFT probe the pools cannot run."""
     notes = []
     if r.extra.get("queued"):
         notes.append(f"{r.extra['queued']} of {r.batch} requests queue (max running {r.state_slots})")
-    notes += [f"[yellow]{n}[/yellow]" for n in (*r.extra.get("plan_notes", ()), r.extra.get("warning")) if n]
+    notes += [f"[yellow]{n}[/yellow]" for n in (*r.extra.get("plan_notes", ()), r.extra.get("warning"),
+                                                  r.extra.get("ttft_prompt_reason")) if n]
     return "; ".join(notes)
 
 

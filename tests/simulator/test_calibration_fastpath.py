@@ -116,3 +116,43 @@ def test_predict_uses_it_by_default_and_by_name(capsys):
     assert rc == 0
     (point,) = json.loads(capsys.readouterr().out)
     assert point["calibration"] == "h200_v1" and point["fits"] and point["decode_tok_s"] > 0
+
+
+def _perturbed(value, factor):
+    """Every float of a parsed JSON document times `factor`."""
+    if isinstance(value, float):
+        return value * factor
+    if isinstance(value, dict):
+        return {k: _perturbed(v, factor) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_perturbed(v, factor) for v in value]
+    return value
+
+
+def test_check_accepts_last_digit_float_noise_and_refuses_a_real_difference(tmp_path, capsys):
+    # --check used to compare the text byte for byte, and a clean checkout failed on the fit's last digits
+    out = tmp_path / fp.OUT.name
+    committed = json.loads(fp.OUT.read_text())
+    out.write_text(json.dumps(_perturbed(committed, 1 + 1e-13), indent=2) + "\n")
+    assert out.read_text() != fp.OUT.read_text()
+    assert fp.main(["--check", "--out", str(out)]) == 0
+    assert "up to date" in capsys.readouterr().out
+    changed = copy.deepcopy(committed)
+    changed["cost"]["memory_efficiency"] *= 1 + 1e-6
+    out.write_text(json.dumps(changed, indent=2) + "\n")
+    assert fp.main(["--check", "--out", str(out)]) == 1
+    assert "differs from a fresh fit: $.cost.memory_efficiency" in capsys.readouterr().out
+    del changed["cost"]["memory_efficiency"]
+    out.write_text(json.dumps(changed, indent=2) + "\n")
+    assert fp.main(["--check", "--out", str(out)]) == 1
+    assert "keys differ" in capsys.readouterr().out
+
+
+def test_json_difference_compares_structure_and_floats_to_a_relative_tolerance():
+    from simulator.params import json_difference
+
+    assert json_difference({"a": [1, 0.2775530208681904, "x"]}, {"a": [1, 0.27755302086819017, "x"]}) is None
+    assert json_difference({"a": 0.2776}, {"a": 0.2775}) == "$.a: 0.2775 committed, 0.2776 fresh"
+    assert json_difference({"a": [1, 2]}, {"a": [1]}) == "$.a: lengths differ"
+    assert json_difference({"a": True}, {"a": 1}) is not None
+    assert json_difference({"a": "1"}, {"a": 1.0}) is not None

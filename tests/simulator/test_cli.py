@@ -79,3 +79,72 @@ def test_bad_numbers_are_argument_errors_naming_the_flag(capsys, argv, flag):
 
 def test_counts_accept_suffixes():
     assert parse_count("8k") == 8192 and parse_count("1m") == 1 << 20 and parse_count("700000") == 700000
+
+
+def _tiny_checkpoint(tmp_path) -> str:
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64,
+                         vocab_size=1000, max_position_embeddings=65536).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_a_ttft_probe_too_long_for_one_points_pool_refuses_the_probe_not_the_sweep(capsys, tmp_path):
+    """--ttft-prompt 4k on a 2,048-token pool: that point keeps its decode figures and says why the probe cannot run
+    (it used to raise, exit 2 and print nothing); the 16k point still times the probe."""
+    argv = ["predict", "--hardware", "rtx3090", "--model", _tiny_checkpoint(tmp_path), "--kv", "2048,16k",
+            "--batch", "1", "--routing", "uniform", "--ttft-prompt", "4k", "--workers", "1"]
+    assert main([*argv, "--json"]) == 0
+    small, large = sorted(json.loads(capsys.readouterr().out), key=lambda p: p["kv_tokens"])
+    assert small["fits"] and small["decode_tok_s"] > 0 and small["reason"] is None
+    assert small["ttft_prompt_s"] is None and small["ttft_prompt_tokens"] == 4096
+    assert "TTFT probe of 4096 tokens not possible" in small["ttft_prompt_reason"]
+    assert "KV pages" in small["ttft_prompt_reason"]
+    assert large["fits"] and large["ttft_prompt_s"] > 0 and "ttft_prompt_reason" not in large
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # the reason column wraps: its first words and the 16k point's probe cell (23 ms) are on the rows
+    assert "TTFT probe of" in out and "possible" in out and "16,384" in out
+
+
+@pytest.mark.parametrize("hardware, calibration, title", [
+    # the reference calibration borrowed by a card without its own
+    ("rtx4090", None, "calibration rtx3090_v2: measured on rtx3090 with the customer's existing engine (SPEC.md "
+                      "reference table); its engine overheads carried over to rtx4090"),
+    # named on the command line for another card: used to say nothing
+    ("rtx4090", "h200_v2", "calibration h200_v2: measured on h200, fitted from the records listed in provenance "
+                           "(whatever engine produced them); its engine overheads carried over to rtx4090"),
+    ("rtx3090", None, "calibration rtx3090_v2: measured on rtx3090 with the customer's existing engine (SPEC.md "
+                      "reference table); routing"),
+])
+def test_the_table_title_names_the_calibration_and_where_it_was_measured(monkeypatch, tmp_path, capsys, hardware,
+                                                                          calibration, title):
+    import simulator.table
+
+    titles = []
+    monkeypatch.setattr(simulator.table, "print_table", lambda results, title="": titles.append(title))
+    argv = ["predict", "--hardware", hardware, "--model", _tiny_checkpoint(tmp_path), "--kv", "2048",
+            "--routing", "uniform", "--workers", "1"]
+    assert main(argv + (["--calibration", calibration] if calibration else [])) == 0
+    assert title in titles[0]
+    assert ("carried over" in titles[0]) == (hardware != "rtx3090")
+    if calibration:
+        assert main([*argv, "--calibration", calibration, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["calibration"] == f"{calibration} (engine overheads carried over)"
+
+
+def test_max_prefill_length_sets_the_simulated_step_budget_too(tmp_path, capsys):
+    # it used to change the memory plan only: the 8k probe still prefilled in the calibration's 2,048-token steps
+    argv = ["predict", "--hardware", "rtx3090", "--model", _tiny_checkpoint(tmp_path), "--kv", "16k",
+            "--routing", "uniform", "--ttft-prompt", "8k", "--workers", "1", "--json"]
+    steps = {}
+    for length in ("2048", "8192"):
+        assert main([*argv, "--max-prefill-length", length]) == 0
+        point = json.loads(capsys.readouterr().out)[0]
+        steps[length] = point["simulated_s"], point["ttft_prompt_s"]
+    assert main(argv) == 0
+    default = json.loads(capsys.readouterr().out)[0]
+    assert (default["simulated_s"], default["ttft_prompt_s"]) == steps["2048"]  # rtx3090_v2's 2,048-token steps
+    assert steps["8192"][1] < steps["2048"][1]  # one 8k step instead of four 2k ones

@@ -61,3 +61,26 @@ def test_user_profile_typos_are_rejected(tmp_path):
         load_profiles(j)
     with pytest.raises(ValueError, match="unknown hardware"):
         get_profile("rtx9999")
+
+
+@pytest.mark.parametrize("field", ["vram_bytes", "host_ram_bytes", "h2d_bytes_per_s", "memory_bytes_per_s"])
+def test_a_profile_written_in_gb_is_refused_as_such(tmp_path, field):
+    # a user who wrote vram_bytes = 24 got "pool budget is -4294967275 bytes" from deep in the planner
+    entry = {"name": "gb-card", "vram_bytes": 24 * 2**30, "h2d_bytes_per_s": 25e9, "memory_bytes_per_s": 900e9,
+             "bf16_flops": 70e12, "host_ram_bytes": 64 * 2**30, field: 24}
+    path = tmp_path / "gb.json"
+    path.write_text(json.dumps(entry))
+    with pytest.raises(ValueError, match=f"{field} = 24 looks like GB, expected bytes"):
+        load_profiles(path)
+
+
+def test_the_documented_hardware_file_example_loads(tmp_path):
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs/simulator.md").read_text()
+    section = doc.split("## Hardware-file format", 1)[1].split("\n## ", 1)[0]
+    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "acme-a20.toml"
+    path.write_text(example)
+    card = load_profiles(path)["acme-a20"]
+    assert card.vram_bytes == 20 * 2**30 and card.h2d_bytes_per_s == 24e9 and card.host_ram_bytes == 64 * 2**30
