@@ -26,7 +26,7 @@ class _Step:
     host_seconds: float | None = None  # engine-thread time between this model call and the previous one
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -230,15 +230,15 @@ class ServingStats:
             "prefill_tok_s_while_busy": prefill / busy if busy > 0 else 0.0,
             "ttft_s": {
                 "count": len(ttfts),
-                "p50": _percentile(ttfts, 50),
-                "p90": _percentile(ttfts, 90),
-                "p99": _percentile(ttfts, 99),
+                "p50": percentile(ttfts, 50),
+                "p90": percentile(ttfts, 90),
+                "p99": percentile(ttfts, 99),
             },
             "expert_hit_rate": hits / (hits + misses) if hits + misses else None,
             # Where a token's time goes: the model call (decode-only steps) and the engine thread's work
             # between two model calls. Their sum is the step period a stream sees.
-            "step_s": {"decode_p50": _percentile(decode_only, 50), "decode_p90": _percentile(decode_only, 90)},
-            "host_s": {"count": len(host), "p50": _percentile(host, 50), "p90": _percentile(host, 90)},
+            "step_s": {"decode_p50": percentile(decode_only, 50), "decode_p90": percentile(decode_only, 90)},
+            "host_s": {"count": len(host), "p50": percentile(host, 50), "p90": percentile(host, 90)},
         }
 
     def prometheus_text(self) -> bytes:

@@ -47,7 +47,7 @@ from domain.model_spec import qwen36_35b_a3b
 from simulator.calibration import CALIBRATION_DIR, minimax_fit
 from simulator.cost_model import CostModel, CostParams, SequenceLoad
 from simulator.hardware import GB, HardwareProfile, get_profile
-from simulator.params import json_difference
+from simulator.params import check_written
 from simulator.predict import Deployment, Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run} {p['scenario']:>13} bs{p['batch']:<3} measured {p['measured_step_ms']:8.3f} ms "
               f"predicted {p['predicted_step_ms']:8.3f} ms ({p['step_error']:+.1%})")
     if args.check:
-        # NOTE: structurally, floats to 1e-9 relative: the text's last digits follow the BLAS/numpy build
-        difference = (json_difference(json.loads(text), json.loads(args.out.read_text())) if args.out.is_file()
-                      else "no such file")
-        print("up to date" if difference is None else f"{args.out} differs from a fresh fit: {difference}")
-        return 0 if difference is None else 1
+        return check_written(text, args.out)  # NOTE: floats to 1e-9: last digits follow the BLAS build
     args.out.write_text(text)
     print(f"wrote {args.out}")
     return 0

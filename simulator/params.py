@@ -4,7 +4,9 @@ error, never a silently ignored setting."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any, Self
 
 
@@ -69,3 +71,12 @@ def json_difference(fresh, committed, rel: float = 1e-9, path: str = "$") -> str
                      if (d := json_difference(a, b, rel, f"{path}[{i}]"))), None)
     return None if fresh == committed and type(fresh) is type(committed) else (
         f"{path}: {committed!r} committed, {fresh!r} fresh")
+
+
+
+def check_written(text: str, path: Path) -> int:
+    """A fit script's --check: 0 when `path` holds what `text` (a fresh build's JSON) says, to json_difference's
+    tolerance, else 1; prints which, and where they differ."""
+    where = json_difference(json.loads(text), json.loads(path.read_text())) if path.is_file() else "no such file"
+    print(f"{path}: up to date" if where is None else f"{path} differs from a fresh fit: {where}")
+    return 0 if where is None else 1

@@ -37,17 +37,9 @@ from collections import defaultdict
 
 sys.path.insert(0, os.getcwd())
 
+from app.stats import percentile  # noqa: E402  (the repository root first)
+
 PROMPT = "Count from 1 to 10"  # 18 byte tokens with the fake tokenizer: the ladder's 18-token prompt
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class Timings:
@@ -103,9 +95,9 @@ def _steps_summary(steps: list[dict]) -> dict:
     for kind, chosen in (("admitting", [s for s in steps if s["prefill"]]),
                          ("decode", [s for s in steps if not s["prefill"]])):
         host = [s["host_s"] for s in chosen if s["host_s"] is not None]
-        out[kind] = {"steps": len(chosen), "host_ms_p50": _r(_pct(host, 50)), "host_ms_p90": _r(_pct(host, 90)),
+        out[kind] = {"steps": len(chosen), "host_ms_p50": _r(percentile(host, 50)), "host_ms_p90": _r(percentile(host, 90)),
                      "host_ms_max": _r(max(host) if host else None),
-                     "step_ms_p50": _r(_pct([s["step_s"] for s in chosen], 50))}
+                     "step_ms_p50": _r(percentile([s["step_s"] for s in chosen], 50))}
     return out
 
 
@@ -189,10 +181,10 @@ def run(args) -> dict:
             for _ in range(args.rounds):
                 ttfts += [t for t in await asyncio.gather(*(one(client, PROMPT, 128) for _ in range(c))) if t]
                 await asyncio.sleep(0.2)  # idle again before the next round
-            out[f"c{c}"] = {"ttft_ms_p50": _r(_pct(ttfts, 50)), "ttft_ms_p90": _r(_pct(ttfts, 90)),
+            out[f"c{c}"] = {"ttft_ms_p50": _r(percentile(ttfts, 50)), "ttft_ms_p90": _r(percentile(ttfts, 90)),
                             "requests": len(ttfts),
-                            "submit_to_launch_ms_p50": _r(_pct(timings.launch_s, 50)),
-                            "submit_to_launch_ms_p90": _r(_pct(timings.launch_s, 90)),
+                            "submit_to_launch_ms_p50": _r(percentile(timings.launch_s, 50)),
+                            "submit_to_launch_ms_p90": _r(percentile(timings.launch_s, 90)),
                             "steps": _steps_summary(timings.steps), "gc": timings.gc_summary(),
                             "calls": timings.summary(), "pools_after": _cache(pools())}
         return out
