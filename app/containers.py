@@ -131,7 +131,8 @@ def _step_tokens(settings: ServeSettings, spec: ModelSpec) -> int:
 def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
     """Bytes of the largest step's activations (domain/step_budget.py), in the executor's dtype."""
     dtype_bytes = 2 if device.startswith("cuda") else 4  # bf16 on CUDA, fp32 on the CPU (_torch_executor)
-    return serve_step_reserve(spec, settings.max_prefill_length, settings.max_running_requests, dtype_bytes)
+    return serve_step_reserve(spec, settings.max_prefill_length, settings.max_running_requests, dtype_bytes,
+                              layered_prefill=settings.layered_prefill)
 
 
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
@@ -228,6 +229,8 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
         prefix_cache=settings.cache_type == "radix",
         snapshot_interval=snapshot_interval(plan.page_size),
         linear_state=spec.linear_state_bytes_per_sequence() > 0,
+        layered_prefill=settings.layered_prefill,
+        num_layers=spec.num_layers,
     )
 
 

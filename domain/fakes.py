@@ -8,7 +8,7 @@ reset: each breach of the SequenceWork contract raises ContractViolation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from domain.ports import ChatTemplateError, ExpertKey, SampledToken, SequenceWork, StepBatch
@@ -41,13 +41,17 @@ class FakeExecutor:
     """
 
     def __init__(self, page_size: int, num_pages: int, num_state_slots: int, vocab_size: int = 64,
-                 num_snapshot_slots: int = 0, linear_state: bool = True) -> None:
+                 num_snapshot_slots: int = 0, linear_state: bool = True, num_layers: int = 1) -> None:
         """linear_state=False models a KV-only model: a sequence may resume at any position its
-        pages cover, with no state to restore."""
+        pages cover, with no state to restore. num_layers: the model's layers, which layered prefill's
+        groups divide (a chunk's tokens are computed when its last group runs)."""
         if min(page_size, vocab_size) < 1 or min(num_pages, num_state_slots, num_snapshot_slots) < 0:
             raise ValueError("FakeExecutor needs page_size, vocab_size >= 1 and pools >= 0")
         self.vocab_size = vocab_size
         self.linear_state = linear_state
+        self.num_layers = num_layers
+        self.num_layer_groups = 0
+        self._kept: tuple[str, SequenceWork, int] | None = None  # layered chunk part-way: (id, chunk, layers done)
         self.num_steps = 0
         self.num_tokens = 0
         self.num_restores = 0
@@ -77,10 +81,15 @@ class FakeExecutor:
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         self._check_batch(batch)
-        for work in batch.works:  # write every work's tokens first, as one fused step would
+        done = []  # works whose tokens are computed this step (a layered chunk in its last group)
+        for work in batch.works:
+            whole = self._layer_group(work) if work.layers is not None else work
+            if whole is not None:
+                done.append(whole)
+        for work in done:  # write every work's tokens first, as one fused step would
             self._write(work)
         out = {}
-        for work in batch.works:
+        for work in done:
             seen = self._read(work)
             _require(seen == self._history[work.state_slot], f"{work.request_id}: KV pages lost its tokens")
             if work.sample:
@@ -132,7 +141,31 @@ class FakeExecutor:
                 page = w.page_ids[pos // self.page_size]
                 _require(written.setdefault(page, w.request_id) == w.request_id, f"page {page} written twice")
 
-    def _write(self, work: SequenceWork) -> None:
+    def _layer_group(self, work: SequenceWork) -> SequenceWork | None:
+        """Checks one layer group against the SequenceWork contract; the chunk as a whole work once its last
+        group runs, else None. The state is reset or restored by the first group."""
+        first, end = work.layers
+        rid = work.request_id
+        _require(0 <= first < end <= self.num_layers, f"{rid}: layers {work.layers} outside 0..{self.num_layers}")
+        _require(not work.sample or end == self.num_layers, f"{rid}: group {work.layers} samples before the last layer")
+        chunk = replace(work, layers=None, restore_from=None, sample=False)
+        if first == 0:
+            self._prepare(work)
+        else:
+            kept = self._kept
+            _require(kept is not None and kept[0] == rid and kept[2] == first and kept[1] == chunk,
+                     f"{rid}: group {work.layers} does not continue the chunk kept ({kept and kept[0]}, "
+                     f"layers done {kept and kept[2]})")
+            _require(work.restore_from is None, f"{rid}: a later group restores a snapshot")
+        self.num_layer_groups += 1
+        if end < self.num_layers:
+            self._kept = (rid, chunk, end)
+            return None
+        self._kept = None
+        return replace(work, layers=None, restore_from=None)
+
+    def _prepare(self, work: SequenceWork) -> None:
+        """A work's state before its tokens: reset at 0, restored from a snapshot, or (KV only) its pages."""
         if work.start_position == 0:
             self._history[work.state_slot] = []
         elif work.restore_from is not None:
@@ -140,6 +173,10 @@ class FakeExecutor:
             self.num_restores += 1
         elif not self.linear_state:
             self._history[work.state_slot] = self._read(work)[: work.start_position]
+
+    def _write(self, work: SequenceWork) -> None:
+        if work.start_position == 0 or work.restore_from is not None or not self.linear_state:
+            self._prepare(work)
         history = self._history[work.state_slot]
         for position, slot in work.snapshots:
             self._snapshots[slot] = history + list(work.token_ids[: position - work.start_position])

@@ -29,11 +29,23 @@ class SequenceWork:
       state_slot. With restore_from set (start_position > 0, a prefix-cache hit) copy that
       snapshot slot into state_slot first: it holds the state after exactly start_position
       tokens of this sequence. Otherwise start_position equals the end of the previous work
-      with this state_slot (no gaps, no repeats).
+      with this state_slot (no gaps, no repeats; the layer groups of one chunk, below, share theirs).
     - snapshots: (position, snapshot slot) pairs, positions strictly increasing in
       (start_position, end_position]: once the tokens before `position` are computed, copy the
       linear-attention state (recurrent + conv, every layer) of state_slot into that slot.
       Executors without linear-attention layers ignore restore_from and snapshots.
+    - layers (layered prefill, docs/adr/0024-layered-prefill.md): None = every layer of the model,
+      as always. (first, end) with 0 <= first < end <= L (the model's layer count) = one *layer
+      group* of a prefill chunk: compute only layers [first, end) of this work's tokens. The groups
+      of one chunk come in consecutive steps of that request, in layer order, with no gap: the same
+      token_ids, start_position, page_ids, state_slot and snapshots each time; the executor keeps
+      the chunk's residual stream [T, H] after layer end - 1 until the next group continues from it
+      (one chunk at a time: a group with first == 0 starts a new chunk and drops any kept one; a
+      chunk abandoned mid-way, its request preempted or aborted, is simply never continued). Only the
+      group with first == 0 resets or restores the state (restore_from is None in the others).
+      Snapshots strictly inside the chunk are taken layer by layer as each group computes its
+      layers; snapshots at end_position after the last group (end == L). Only the last group may
+      sample (sample is False while end < L). At most one work of a StepBatch carries layers.
     - page_ids cover positions [0, start_position + len(token_ids)): position p lives in
       page_ids[p // page_size] at offset p % page_size. Pages holding positions
       < start_position keep what earlier steps wrote there.
@@ -53,6 +65,18 @@ class SequenceWork:
     output_index: int  # tokens generated so far (seeded sampling uses (seed, output_index))
     restore_from: int | None = None  # snapshot slot to load into state_slot first (prefix-cache hit)
     snapshots: tuple[tuple[int, int], ...] = ()  # (position, snapshot slot) to take in this work
+    layers: tuple[int, int] | None = None  # (first, end) layer group of a layered prefill chunk; None: all
+
+    @property
+    def starts_chunk(self) -> bool:
+        """True when this work begins its computation (every work but a layered chunk's later groups):
+        where the state is reset or restored."""
+        return self.layers is None or self.layers[0] == 0
+
+    def ends_chunk(self, num_layers: int) -> bool:
+        """True when this work completes its tokens (every work but a layered chunk's groups before the
+        last): where the end snapshots are taken and a token may be sampled."""
+        return self.layers is None or self.layers[1] == num_layers
 
     @property
     def end_position(self) -> int:
@@ -69,7 +93,13 @@ class StepBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(len(w.token_ids) for w in self.works if not _is_decode(w))
+        """Prefill tokens this step computes; a layered chunk's count once, in its first group."""
+        return sum(len(w.token_ids) for w in self.works if not _is_decode(w) and w.starts_chunk)
+
+    @property
+    def layered(self) -> SequenceWork | None:
+        """The work that carries a layer group (at most one), or None."""
+        return next((w for w in self.works if w.layers is not None), None)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -96,6 +96,11 @@ class Request:
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # kept (position, slot), taken
     rolling_snapshot: tuple[int, int] | None = None  # latest decode page boundary (replaced as it moves)
     pending_snapshots: list[tuple[int, int, bool]] = field(default_factory=list)  # in flight: (pos, slot, rolling)
+    # ---- layered prefill (scheduler-owned; docs/adr/0024-layered-prefill.md) ----
+    # The chunk being computed layer group by layer group (its first group's work, sample as the chunk's) and
+    # the layers its completed groups reached; None / 0 when no chunk is part-way.
+    layer_chunk: object | None = None  # domain.ports.SequenceWork
+    layers_done: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -155,6 +160,11 @@ class Request:
             assert self.prefix is None and not held and self.restore_snapshot is None and not self.branch_point, self
         if self.state is RequestState.WAITING:
             assert not self.pages and self.state_slot is None and self.num_computed_tokens == 0, self
+        if self.layer_chunk is None:
+            assert self.layers_done == 0, self
+        else:
+            assert self.state is RequestState.PREFILLING and self.layers_done > 0, self
+            assert self.layer_chunk.start_position == self.num_computed_tokens, self
         if self.state in (RequestState.PREFILLING, RequestState.DECODING):
             assert self.state_slot is not None, self
         if self.state is RequestState.DECODING:

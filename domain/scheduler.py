@@ -6,7 +6,11 @@ admission of waiting requests while slots, pages and budget allow. The budget ha
 (docs/adr/0011-mixed-step-budget.md): `max_step_tokens` for a step with no decode in it (a long
 chunk: the fixed cost of a step is paid fewer times, so time to first token is short) and
 `mixed_step_tokens` for a step that carries decodes (a short chunk: the running streams wait one
-step between tokens, so that step must stay short). KV pages are allocated
+step between tokens, so that step must stay short). With layered prefill on (docs/adr/0024-layered-prefill.md), a step that carries
+decodes takes a prompt longer than its budget as one chunk of up to `max_step_tokens` and runs it a layer
+group per step (SequenceWork.layers): as many layers as the budget's token x layers allow, so every step
+stays as short as a mixed one while the chunk's experts stream once, not once per short chunk; at most one
+chunk is part-way at a time, and once no decode runs its remaining layers go in one step. KV pages are allocated
 lazily as sequences grow. When a decode cannot get a page, the newest running request is
 preempted (pages + state slot freed, put back at the head of the queue; it re-prefills
 prompt + output later). docs/adr/0002-pool-exhaustion.md says why.
@@ -50,9 +54,11 @@ class SchedulerConfig:
     prefix_cache: bool = False  # radix prefix cache (ft serve --cache-type radix)
     snapshot_interval: int = 0  # tokens between kept state snapshots; a multiple of page_size (0 = none)
     linear_state: bool = True  # the model has linear-attention state: a cache hit needs a snapshot
+    layered_prefill: bool = False  # steps with decodes run a long chunk a layer group at a time (ADR 0024)
+    num_layers: int = 1  # the model's layers: what a layer group divides
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_step_tokens", "page_size", "max_context"):
+        for name in ("max_running", "max_step_tokens", "page_size", "max_context", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_interval < 0 or self.snapshot_interval % self.page_size:
@@ -89,6 +95,8 @@ class Scheduler:
         self._live: dict[str, Request] = {}
         self._in_flight: StepBatch | None = None
         self._in_flight_owners: dict[str, Request] = {}
+        self._layered: Request | None = None  # the request whose chunk is part-way through its layer groups
+        self.num_layer_groups = 0  # layer-group works scheduled (cumulative, for the stats)
         self.prefix: PrefixStore | None = None
         self._set_pools(allocator, num_state_slots, num_snapshot_slots)
 
@@ -259,13 +267,16 @@ class Scheduler:
         while True:
             decodes = self._schedule_decodes()
             budget = self.step_budget(bool(decodes)) - len(decodes)
-            prefills, starved = self._schedule_prefills(budget)
-            budget -= sum(len(w.token_ids) for w in prefills)
+            prefills = self._schedule_layered(budget, bool(decodes))
+            budget -= sum(self._charge(w) for w in prefills)
+            more, starved = self._schedule_prefills(budget, bool(decodes))
+            prefills += more
+            budget -= sum(self._charge(w) for w in more)
             # NOTE: no admission while a running request is short of pages or was just
             # preempted: the newcomer would take the pages they need and thrash.
             pressure = starved or self.num_preemptions != preemptions_before
             if not pressure or not self._running:
-                prefills += self._admit(budget)
+                prefills += self._admit(budget, bool(decodes))
             if decodes or prefills or not self._running:
                 break
             # Every running request is prefilling and none can get a page: deadlock. Preempting
@@ -305,25 +316,70 @@ class Scheduler:
         request.pages += self.prefix.allocate(need)
         return True
 
-    def _schedule_prefills(self, budget: int) -> tuple[list[SequenceWork], bool]:
+    # ---- layered prefill (docs/adr/0024-layered-prefill.md) ------------------------------------------
+    def _layered_chunk(self, pending: int, budget: int, with_decodes: bool) -> int:
+        """Tokens of a layered chunk for a prompt with `pending` tokens to go, or 0 when it should take an
+        ordinary chunk: layered prefill is on, the step carries decodes, the budget would cut the prompt, and
+        no other chunk is part-way. At most max_step_tokens (the activations reserved for one step), and at
+        most what lets one layer of it fit the budget."""
+        if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget < pending):
+            return 0
+        return min(pending, self.config.max_step_tokens, budget * self.config.num_layers)
+
+    def _schedule_layered(self, budget: int, with_decodes: bool) -> list[SequenceWork]:
+        """The next layer group of the chunk part-way, if any (its request may have been preempted by the
+        decodes above: then there is none)."""
+        request = self._layered
+        # NOTE: not even one layer fits beside this many decodes (a budget far smaller than the chunk's
+        # tokens / layers): the chunk waits, as any prefill does on an empty budget
+        if request is None or budget * self.config.num_layers < len(request.layer_chunk.token_ids):
+            return []
+        return [self._group(request, budget, with_decodes)]
+
+    def _first_group(self, request: Request, chunk: int, budget: int) -> SequenceWork:
+        request.layer_chunk, request.layers_done = self._work(request, chunk), 0
+        self._layered = request
+        return self._group(request, budget, True)
+
+    def _group(self, request: Request, budget: int, with_decodes: bool) -> SequenceWork:
+        """The request's next layer group: beside decodes, as many layers as the budget's token x layers
+        allow (at least one); alone, every layer left."""
+        chunk, first, layers = request.layer_chunk, request.layers_done, self.config.num_layers
+        k = max(1, budget * layers // len(chunk.token_ids)) if with_decodes else layers
+        end = min(layers, first + k)
+        self.num_layer_groups += 1
+        return replace(chunk, layers=(first, end), sample=chunk.sample and end == layers,
+                       restore_from=chunk.restore_from if first == 0 else None)
+
+    def _charge(self, work: SequenceWork) -> int:
+        """The budget a work takes: its tokens, or a layer group's share of its chunk's token x layers."""
+        if work.layers is None:
+            return len(work.token_ids)
+        first, end = work.layers
+        return _ceil_div(len(work.token_ids) * (end - first), self.config.num_layers)
+
+    # ---- prefill chunks ------------------------------------------------------------------------------
+    def _schedule_prefills(self, budget: int, with_decodes: bool) -> tuple[list[SequenceWork], bool]:
         works, starved = [], False
         for request in self._running:
-            if budget == 0:
+            if budget <= 0:
                 break
-            if request.state is not RequestState.PREFILLING:
+            if request.state is not RequestState.PREFILLING or request is self._layered:
                 continue
-            wanted = min(request.num_pending_tokens, budget)
+            wanted = self._layered_chunk(request.num_pending_tokens, budget, with_decodes) \
+                or min(request.num_pending_tokens, budget)
             coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
             chunk = min(wanted, coverable - request.num_computed_tokens)
-            starved |= chunk < wanted
+            starved |= chunk < min(request.num_pending_tokens, budget)
             if chunk <= 0:
                 continue
             self._grow_to(request, request.num_computed_tokens + chunk)
-            works.append(self._work(request, chunk))
-            budget -= chunk
+            work = self._first_group(request, chunk, budget) if chunk > budget else self._work(request, chunk)
+            works.append(work)
+            budget -= self._charge(work)
         return works, starved
 
-    def _admit(self, budget: int) -> list[SequenceWork]:
+    def _admit(self, budget: int, with_decodes: bool = False) -> list[SequenceWork]:
         if not self._waiting:  # NOTE: every step of a steady decode: skip the headroom count below
             return []
         works = []
@@ -334,9 +390,16 @@ class Scheduler:
             request = self._waiting[0]
             match = self.prefix.match(request)
             start = match.num_tokens if match is not None else 0
-            chunk = min(request.num_tokens - start, budget)
-            need = _ceil_div(start + chunk, self.config.page_size) - (len(match.pages) if match else 0)
-            if need + headroom > self.prefix.available_pages() - self.prefix.pages_locked_by(match):
+            room = self.prefix.available_pages() - self.prefix.pages_locked_by(match) - headroom
+            chunk = 0
+            # NOTE: a layered chunk when it applies and its pages fit, else the budget's ordinary chunk
+            for wanted in (self._layered_chunk(request.num_tokens - start, budget, with_decodes),
+                           min(request.num_tokens - start, budget)):
+                need = _ceil_div(start + wanted, self.config.page_size) - (len(match.pages) if match else 0)
+                if wanted and need <= room:
+                    chunk = wanted
+                    break
+            if not chunk:
                 break  # FIFO: the head is never skipped
             self._waiting.popleft()
             self.prefix.attach(request, match)
@@ -346,8 +409,9 @@ class Scheduler:
             request.transition(RequestState.PREFILLING)
             self._running.append(request)
             self._grow_to(request, start + chunk)
-            works.append(self._work(request, chunk))
-            budget -= chunk
+            work = self._first_group(request, chunk, budget) if chunk > budget else self._work(request, chunk)
+            works.append(work)
+            budget -= self._charge(work)
         return works
 
     def can_admit_more(self) -> bool:
@@ -387,6 +451,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, request: Request, *, keep: bool) -> None:
+        # NOTE: a chunk part-way is abandoned: its computed tokens stop where its first group started (the
+        # pages past them, partly written by its groups, are freed by the prefix store like any unfinished chunk)
+        if request is self._layered:
+            self._layered = None
+        request.layer_chunk, request.layers_done = None, 0
         self.prefix.release(request, keep=keep)
         heapq.heappush(self._free_slots, request.state_slot)
         request.state_slot = None
@@ -407,6 +476,11 @@ class Scheduler:
         events = []
         for work in current:
             request = self._live[work.request_id]
+            if work.layers is not None:
+                if not work.ends_chunk(self.config.num_layers):
+                    request.layers_done = work.layers[1]  # the next group continues from here
+                    continue
+                request.layer_chunk, request.layers_done, self._layered = None, 0, None
             request.num_computed_tokens = work.end_position
             self.prefix.commit(request)
             if work.sample:
@@ -459,6 +533,11 @@ class Scheduler:
         in_flight_end = {
             w.request_id: w.end_position for w in (self._in_flight.works if self._in_flight else ())
         }
+        layered = [r for r in self._running if r.layer_chunk is not None]
+        assert layered == ([self._layered] if self._layered is not None else []), "layered chunk bookkeeping"
+        for request in layered:
+            assert 0 <= request.layers_done < self.config.num_layers, request
+            in_flight_end.setdefault(request.request_id, request.layer_chunk.end_position)
         for request in self._waiting:
             assert request.state is RequestState.WAITING, request
             request.check_valid()

@@ -171,9 +171,20 @@ def serve_step_tokens(spec: ModelSpec, max_prefill_length: int, max_running_requ
     return min(max_prefill_length, max_running_requests * spec.max_context)
 
 
+def layered_chunk_bytes(spec: ModelSpec, step_tokens: int, dtype_bytes: int = BF16_BYTES) -> int:
+    """The residual stream [T, H] a layered prefill chunk of step_tokens keeps between its layer groups
+    (docs/adr/0024-layered-prefill.md): step_tokens x hidden x dtype_bytes (32 MiB at 8,192 tokens of
+    Qwen3.6 in bf16). Raises ValueError on a negative count."""
+    if step_tokens < 0:
+        raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
+    return step_tokens * spec.hidden_size * dtype_bytes
+
+
 def serve_step_reserve(spec: ModelSpec, max_prefill_length: int, max_running_requests: int,
-                       dtype_bytes: int = BF16_BYTES) -> int:
-    """Bytes `ft serve` holds outside the pools for its largest step's activations (ADR 0011); the server
-    and the simulator both size it here."""
-    return step_activation_bytes(spec, serve_step_tokens(spec, max_prefill_length, max_running_requests),
-                                 max_running_requests, dtype_bytes)
+                       dtype_bytes: int = BF16_BYTES, layered_prefill: bool = False) -> int:
+    """Bytes `ft serve` holds outside the pools for its largest step's activations (ADR 0011), plus, with
+    layered prefill, the chunk kept between its groups (ADR 0024); the server and the simulator both size it
+    here."""
+    tokens = serve_step_tokens(spec, max_prefill_length, max_running_requests)
+    kept = layered_chunk_bytes(spec, tokens, dtype_bytes) if layered_prefill else 0
+    return step_activation_bytes(spec, tokens, max_running_requests, dtype_bytes) + kept

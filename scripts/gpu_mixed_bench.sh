@@ -2,18 +2,19 @@
 # Mixed batches (issue 9, docs/adr/0011-mixed-step-budget.md) through the HTTP API on a CUDA host: the full-size
 # Qwen3.6-35B-A3B block-FP8 checkpoint (ft synth) served with --prefill-kernels triton and 4 running requests;
 # ft bench mixed (3 streams, one 8,192-token prompt, 3 repeats) at the new step budgets (--max-prefill-length
-# 8192 / --mixed-prefill-length 512, the defaults) and at the old single budget (2048 / 2048) for comparison.
+# 8192 / --mixed-prefill-length 512, the defaults) with and without --layered-prefill (docs/adr/0024-layered-prefill.md).
 #   scripts/gpu_mixed_bench.sh [resident] [24gib]   (default: resident; each scenario is two server starts,
 #                                                    ~4-5 min: one scenario per 10-minute device call)
 #   resident: every expert resident (--gpu-budget-gib $RESIDENT_BUDGET_GIB, 64k KV): the ADR's cost model
 #   24gib:    --gpu-budget-gib $BUDGET_GIB, 16k KV: the issue's card, the prefill streams what is not resident
-#   MIXED_BUDGETS="8192:512 2048:2048" (max:mixed pairs), MIXED_ARGS (extra ft bench mixed arguments)
-# Records: $OUT/mixed_<scenario>_<max>-<mixed>.json, the server logs beside them (serve_mixed_*.log).
+#   MIXED_BUDGETS="8192:512 8192:512:layered" (max:mixed[:layered] per server; the old single budget is 2048:2048),
+#   MIXED_ARGS (extra ft bench mixed arguments)
+# Records: $OUT/mixed_<scenario>_<max>-<mixed>[-layered].json, the server logs beside them (serve_mixed_*.log).
 # Sources gpu_http_bench.sh for the checkpoint, the server start and the budgets (carry .whl/ as there).
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_http_bench.sh"
 export PREFILL_KERNELS=${PREFILL_KERNELS:-triton}
-MIXED_BUDGETS=${MIXED_BUDGETS:-8192:512 2048:2048}
+MIXED_BUDGETS=${MIXED_BUDGETS:-8192:512 8192:512:layered}
 MIXED_ARGS=${MIXED_ARGS:---repeats 3}
 
 mixed_summary() {  # one line from a record: the gaps in the window against the target, the prompt's TTFT
@@ -33,17 +34,18 @@ EOF
 }
 
 run_scenario() {  # run_scenario NAME PORT: one server per budget pair, ft bench mixed against each
-  local scen=$1 port=$2 shape pair max mixed name
+  local scen=$1 port=$2 shape pair max mixed layered name rest
   case $scen in
     resident) shape="--gpu-budget-gib $RESIDENT_BUDGET_GIB --kv-tokens 64k" ;;
     24gib) shape="--gpu-budget-gib $BUDGET_GIB --kv-tokens 16k" ;;
     *) echo "unknown scenario $scen (resident | 24gib)"; return 2 ;;
   esac
   for pair in $MIXED_BUDGETS; do
-    max=${pair%%:*} mixed=${pair##*:} name=mixed_${scen}_${pair/:/-}
+    max=${pair%%:*} rest=${pair#*:} mixed=${rest%%:*} layered=off name=mixed_${scen}_${pair//:/-}
+    [[ $rest == *:layered ]] && layered=on
     # shellcheck disable=SC2086  # shape is a list of options
     if serve "$port" "$OUT/serve_$name.log" $shape --max-running-requests 4 --max-prefill-length "$max" \
-        --mixed-prefill-length "$mixed"; then
+        --mixed-prefill-length "$mixed" --layered-prefill "$layered"; then
       # shellcheck disable=SC2086
       timeout "$BENCH_TIMEOUT" python3 -m app bench mixed --base-url "http://127.0.0.1:$port" --model-dir "$CKPT" \
         --quiet --out "$OUT/$name.json" $MIXED_ARGS 2>&1 | grep -v "^INFO" | tail -5

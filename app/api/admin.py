@@ -75,6 +75,8 @@ def _step_budgets(engine: Engine) -> dict:
     config = engine.scheduler.config
     return {"max_running": config.max_running, "max_step_tokens": config.max_step_tokens,
             "mixed_step_tokens": config.mixed_step_tokens,
+            # ADR 0024: on/off, and the layer-group works run so far (a chunk beside decodes takes several)
+            "layered_prefill": config.layered_prefill, "layer_groups": engine.scheduler.num_layer_groups,
             "arrival_window_ms": round(engine.arrival_window.max_s * 1000, 3)}
 
 

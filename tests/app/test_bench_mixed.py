@@ -128,7 +128,7 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
     assert summary["within_gap_threshold"] == (summary["window"]["p99_ms"] <= 150.0)
     assert summary["window"]["count"] == point["gaps_in_window"]
     assert summary["server_step_budgets"] == {"max_running": 4, "max_step_tokens": 1024, "mixed_step_tokens": MIXED,
-                                             "arrival_window_ms": 30.0}
+                                             "layered_prefill": False, "layer_groups": 0, "arrival_window_ms": 30.0}
     assert rec["budget"]["fixed_bytes"] > 0  # the step's activations, held outside the pools
     # the streams were closed, and the server let them go (nothing left running)
     deadline = time.monotonic() + 30

@@ -70,3 +70,24 @@ def test_a_step_size_the_budget_cannot_hold_is_refused_by_name():
     with pytest.raises(ValueError, match=r"a prefill step of 4096 tokens \(--max-prefill-length\) needs .* GiB of "
                                          r"activations beside the pools.*lower --max-prefill-length"):
         _pool_plan(refused, TINY_SPEC, _budget(refused, TINY_SPEC, "cpu"))
+
+
+def test_layered_prefill_reaches_the_scheduler_and_its_kept_chunk_is_reserved():
+    """--layered-prefill (docs/adr/0024-layered-prefill.md): off by default; on, the scheduler gets it with the
+    model's layer count, and the residual stream a chunk keeps between its groups is held beside the pools."""
+    assert ServeSettings().layered_prefill is False
+    off = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024)
+    on = replace(off, layered_prefill=True)
+    plan = _pool_plan(on, TINY_SPEC, _budget(on, TINY_SPEC, "cpu"))
+    config = _scheduler_config(on, TINY_SPEC, plan, ())
+    assert (config.layered_prefill, config.num_layers) == (True, TINY_SPEC.num_layers)
+    assert _scheduler_config(off, TINY_SPEC, plan, ()).layered_prefill is False
+    step = min(1024, 4 * TINY_SPEC.max_context)
+    kept = step * TINY_SPEC.hidden_size * 2  # bf16 on CUDA
+    assert _step_reserve(on, TINY_SPEC, "cuda:0") - _step_reserve(off, TINY_SPEC, "cuda:0") == kept > 0
+
+
+def test_serve_takes_layered_prefill_on_the_command_line():
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--layered-prefill", "maybe"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--layered-prefill: invalid choice: 'maybe'" in bad.stderr

@@ -32,6 +32,14 @@ def solo_output(prompt: list[int], sampling: SamplingParams) -> tuple[list[int],
             return out, "length"
 
 
+def step_charge(work: SequenceWork, num_layers: int) -> int:
+    """What a work takes of its step's budget: its tokens, or a layer group's share of its chunk's token x layers."""
+    if work.layers is None:
+        return len(work.token_ids)
+    first, end = work.layers
+    return -(-len(work.token_ids) * (end - first) // num_layers)
+
+
 def run_to_idle(
     scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
 ) -> dict[str, list[int]]:
@@ -55,8 +63,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_pages=st.integers(4, 12),
         num_slots=st.integers(1, 4),
         max_context=st.integers(8, 36),
+        layers=st.sampled_from([0, 1, 3]),
     )
-    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context):
+    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context, layers):
         self.config = SchedulerConfig(
             max_running=max_running,
             max_step_tokens=max_running + extra_budget,
@@ -64,10 +73,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             page_size=page_size,
             max_context=max_context,
             eos_token_ids=EOS,
+            layered_prefill=layers > 0,  # 0: off; else a model of this many layers (ADR 0024)
+            num_layers=max(layers, 1),
         )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.config, self.allocator, num_slots)
-        self.executor = FakeExecutor(page_size, num_pages, num_slots, vocab_size=VOCAB)
+        self.executor = FakeExecutor(page_size, num_pages, num_slots, vocab_size=VOCAB, num_layers=max(layers, 1))
         self.live: dict[str, Request] = {}  # shadow: requests not yet finished or aborted
         self.expected: dict[str, tuple[list[int], str]] = {}
         self.received: dict[str, list[int]] = {}
@@ -145,7 +156,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert decoding == sorted(decoding), "decodes must come after prefill chunks"
         # NOTE: the budget of a step depends on whether it carries decodes (ADR 0011)
         limit = self.config.mixed_step_tokens if any(decoding) else self.config.max_step_tokens
-        assert batch.num_tokens <= limit, (batch.num_tokens, limit, any(decoding))
+        # a layer group counts its share of its chunk's token x layers (ADR 0024)
+        charged = sum(step_charge(w, self.config.num_layers) for w in works)
+        assert charged <= limit, (charged, limit, any(decoding))
+        layered = [w for w in works if w.layers is not None]
+        assert len(layered) <= 1, "two layered works in one step"
+        if layered:
+            assert self.config.layered_prefill and len(layered[0].token_ids) <= self.config.max_step_tokens
+            event("a prefill chunk ran as a layer group")
         if any(decoding) and self.config.mixed_step_tokens < self.config.max_step_tokens:
             event("a mixed step ran under the smaller budget")
         in_batch = {w.request_id for w in works}
@@ -212,7 +230,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.scheduler.replace_pools(allocator, num_slots)
         self.allocator = allocator
-        self.executor = FakeExecutor(self.config.page_size, num_pages, num_slots, vocab_size=VOCAB)
+        self.executor = FakeExecutor(self.config.page_size, num_pages, num_slots, vocab_size=VOCAB,
+                                     num_layers=self.config.num_layers)
 
     @invariant()
     def pools_are_consistent(self):

@@ -1,0 +1,152 @@
+"""Layered prefill (docs/adr/0024-layered-prefill.md): a long prompt arriving while streams decode runs as one
+chunk, a layer group per step, each step within the mixed budget; targeted cases (the state machines in
+test_scheduler.py and test_scheduler_prefix.py run it on random schedules too)."""
+
+from __future__ import annotations
+
+import pytest
+
+from domain.fakes import FakeExecutor
+from domain.kv_pages import PageAllocator
+from domain.request import Request, SamplingParams
+from domain.scheduler import Scheduler, SchedulerConfig
+from tests.domain.test_scheduler import EOS, VOCAB, run_to_idle, solo_output, step_charge
+
+LAYERS = 8
+
+
+def make(num_pages=128, num_slots=4, snapshot_slots=0, layered=True, **config):
+    config.setdefault("eos_token_ids", EOS)
+    cfg = SchedulerConfig(layered_prefill=layered, num_layers=LAYERS, **config)
+    allocator = PageAllocator(num_pages)
+    executor = FakeExecutor(cfg.page_size, num_pages, num_slots, VOCAB, num_snapshot_slots=snapshot_slots,
+                            num_layers=LAYERS)
+    return Scheduler(cfg, allocator, num_slots, snapshot_slots), executor
+
+
+def step(scheduler, executor, outputs):
+    batch = scheduler.schedule()
+    for ev in scheduler.complete(batch, executor.execute(batch)):
+        outputs.setdefault(ev.request_id, []).append(ev.token_id)
+    scheduler.check_valid()
+    return batch
+
+
+def start_streams(scheduler, executor, outputs, n=2, max_tokens=60):
+    for i in range(n):
+        scheduler.add(Request(f"s{i}", [1 + i, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    step(scheduler, executor, outputs)  # their prompts, then they decode
+
+
+def test_a_long_prompt_beside_decodes_runs_as_one_chunk_a_layer_group_per_step():
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    prompt = list(range(1, 40))
+    scheduler.add(Request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    groups = []
+    while "long" not in outputs:
+        batch = step(scheduler, executor, outputs)
+        assert sorted(w.request_id for w in batch.works if w.layers is None) == ["s0", "s1"]  # decodes every step
+        assert sum(step_charge(w, LAYERS) for w in batch.works) <= 6  # the mixed budget holds
+        (work,) = [w for w in batch.works if w.layers is not None]
+        groups.append((work.start_position, len(work.token_ids), work.layers, work.sample))
+    # budget 6 - 2 decodes = 4 tokens x 8 layers = 32 token-layers: the chunk may be 32 tokens (one layer each
+    # step), then the last 7 tokens in groups of floor(4 * 8 / 7) = 4 layers
+    assert groups == [(0, 32, (i, i + 1), False) for i in range(LAYERS)] + [(32, 7, (0, 4), False),
+                                                                           (32, 7, (4, 8), True)]
+    assert outputs["long"] == solo_output(prompt, SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert scheduler.num_layer_groups == 10 and executor.num_layer_groups == 10
+
+
+def test_without_layered_prefill_the_same_prompt_takes_budget_sized_chunks():
+    scheduler, executor = make(layered=False, page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    scheduler.add(Request("long", list(range(1, 40)), SamplingParams(max_tokens=1, ignore_eos=True)))
+    steps = 0
+    while "long" not in outputs:
+        batch = step(scheduler, executor, outputs)
+        assert all(w.layers is None for w in batch.works)
+        steps += 1
+    assert steps == 10  # 39 tokens in chunks of 4: the same step count as the layered run above, but 10 passes
+    # over every layer's experts instead of 2 (where the experts are not resident, 10 copies of the model)
+
+
+def test_once_no_decode_runs_the_rest_of_the_chunk_goes_in_one_step():
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    scheduler.add(Request("long", list(range(1, 30)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    batch = step(scheduler, executor, outputs)
+    (work,) = [w for w in batch.works if w.layers is not None]
+    assert work.layers == (0, 1) and len(work.token_ids) == 29
+    step(scheduler, executor, outputs)
+    scheduler.abort("s0")
+    scheduler.abort("s1")
+    batch = step(scheduler, executor, outputs)
+    assert [(w.request_id, w.layers, w.sample) for w in batch.works] == [("long", (2, LAYERS), True)]
+    assert len(outputs["long"]) == 1
+
+
+def test_a_chunk_abandoned_mid_way_restarts_from_its_first_group():
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    prompt = list(range(3, 30))
+    sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+    scheduler.add(Request("long", prompt, sampling))
+    for _ in range(3):
+        step(scheduler, executor, outputs)
+    request = scheduler.get("long")
+    assert request.layers_done == 3 and request.num_computed_tokens == 0
+    scheduler._preempt(request)  # what a decode short of pages does to the newest request
+    scheduler.check_valid()
+    assert request.layer_chunk is None and request.layers_done == 0 and not request.pages
+    batch = step(scheduler, executor, outputs)
+    (work,) = [w for w in batch.works if w.request_id == "long"]
+    assert work.layers == (0, 1) and work.start_position == 0
+    outputs.update(run_to_idle(scheduler, executor))
+    assert outputs["long"] == solo_output(prompt, sampling)[0]
+
+    scheduler.add(Request("gone", prompt, sampling))
+    scheduler.add(Request("s9", [5, 6], SamplingParams(max_tokens=30, ignore_eos=True)))
+    step(scheduler, executor, outputs)  # both prefill alone (no decode): whole chunks
+    scheduler.add(Request("next", prompt[::-1], sampling))
+    step(scheduler, executor, outputs)
+    assert scheduler.get("next").layer_chunk is not None
+    scheduler.abort("next")  # part-way: its pages and slot are freed, another chunk may be layered
+    scheduler.check_valid()
+    scheduler.add(Request("after", prompt, sampling))
+    batch = step(scheduler, executor, outputs)
+    assert [w.layers for w in batch.works if w.request_id == "after"] == [(0, 1)]
+
+
+def test_with_the_prefix_cache_only_the_first_group_restores_and_every_group_carries_the_snapshots():
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6,
+                               snapshot_slots=8, prefix_cache=True, snapshot_interval=8)
+    outputs: dict[str, list[int]] = {}
+    system = list(range(1, 21))
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    scheduler.add(Request("first", system + [7], sampling))
+    outputs.update(run_to_idle(scheduler, executor))
+    start_streams(scheduler, executor, outputs)
+    prompt = system + list(range(30, 50))
+    scheduler.add(Request("again", prompt, sampling))
+    works = []
+    while "again" not in outputs:
+        batch = step(scheduler, executor, outputs)
+        works += [w for w in batch.works if w.request_id == "again"]
+    assert works[0].layers[0] == 0 and works[0].restore_from is not None and works[0].start_position == 20
+    assert all(w.restore_from is None for w in works[1:])
+    assert all(w.layers is not None for w in works)
+    assert len({w.snapshots for w in works}) == 1 and works[0].snapshots  # the chunk's snapshots, every group
+    while not scheduler.is_idle():
+        step(scheduler, executor, outputs)
+    assert outputs["again"] == solo_output(prompt, sampling)[0]
+    assert executor.num_restores >= 1
+
+
+def test_config_checks_the_layer_count():
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        SchedulerConfig(layered_prefill=True, num_layers=0)
