@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 try:
@@ -136,6 +137,50 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host-gb-s", type=float, default=0.0, help="host memory bandwidth all links share (0: no cap)")
     e.add_argument("--calibration", default="h200_v1")
     e.add_argument("--json", action="store_true")
+    m = sub.add_parser("mixed", help="predict `ft bench mixed` (issue 9): the gaps between the tokens of running "
+                                     "streams while one long prompt prefills, and its TTFT, with --layered-prefill "
+                                     "off and on (docs/simulator.md, 'Layered prefill')")
+    m.add_argument("--hardware", default="h200", help="a built-in profile or a name from --hardware-file")
+    m.add_argument("--hardware-file", help="JSON/TOML file with extra hardware profiles")
+    m.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
+                   help=f"one of {sorted(BUILTIN_MODELS)} or a checkpoint directory")
+    m.add_argument("--kv", type=parse_count, default=16384,
+                   help="KV pool in tokens, as `ft serve --kv-tokens` (default 16k, the benchmark's 24gib scenario: "
+                        "8k cannot hold an 8k prompt beside the streams)")
+    m.add_argument("--gpu-budget-gib", type=parse_gib, help="as `ft serve --gpu-budget-gib` (24: issue 9's card; "
+                                                            "130 with --kv 64k: the benchmark's resident scenario)")
+    m.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio`")
+    m.add_argument("--max-prefill-length", type=parse_count, help="as `ft serve --max-prefill-length` (8192)")
+    m.add_argument("--mixed-prefill-length", type=parse_count,
+                   help="as `ft serve --mixed-prefill-length` (default: min(512, --max-prefill-length))")
+    m.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
+                   help="as `ft serve --max-running-requests` (default: the calibration's, 4)")
+    m.add_argument("--cache-type", choices=("radix", "none"), help="as `ft serve --cache-type`")
+    m.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
+    m.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto", help="as `ft serve --staging-experts`")
+    m.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"), default="auto",
+                   help="as `ft serve --prefill-kernels` (default auto: triton for block-FP8 on a card, so the "
+                        "prefill streams what is not resident through the staging rows)")
+    m.add_argument("--layered-prefill", default="off,on", help="off, on, or off,on (default: both)")
+    m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
+    m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
+    m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
+    m.add_argument("--stream-prompt-tokens", type=parse_count, help="the streams' prompt (default: the "
+                                                                   "calibration's prompt, the customer's 18 tokens)")
+    m.add_argument("--warmup-tokens", type=parse_count, default=16)
+    m.add_argument("--baseline-tokens", type=parse_count, default=64)
+    m.add_argument("--repeats", type=parse_count, default=3, help="measured repeats (ft bench mixed: 3)")
+    m.add_argument("--warmup-repeats", type=parse_count_or_zero, default=1)
+    m.add_argument("--same-prompt", action="store_true",
+                   help="every stream the one prompt (lockstep routing); the benchmark gives each its own")
+    m.add_argument("--routing", default="uniform",
+                   help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
+                        "locality | trace:FILE")
+    m.add_argument("--calibration", help="default: h200_records_v5 on the H200 (its streamed prefill and HTTP "
+                                         "overhead), else the newest for the hardware")
+    m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
+    m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    m.add_argument("--out", help="also write the JSON to this file")
     from simulator.fit_records import add_arguments
 
     c = sub.add_parser("calibrate", help="fit a hardware profile to ft bench / bench_decode records and report "
@@ -240,13 +285,69 @@ def predict_command(args) -> int:
     return 0
 
 
+MIXED_DEFAULT_CALIBRATION = {"h200": "h200_records_v5"}  # the profile with the streamed prefill and HTTP overhead
+
+
+def mixed_command(args) -> int:
+    from simulator.mixed import MixedConfig, MixedScenario, predict_mixed
+    from simulator.routing import make_routing
+
+    modes = [m.strip() for m in args.layered_prefill.split(",") if m.strip()]
+    if not modes or any(m not in ("off", "on") for m in modes):
+        raise ValueError(f"--layered-prefill takes off, on or off,on, got {args.layered_prefill!r}")
+    extra = load_profiles(args.hardware_file) if args.hardware_file else None
+    hardware = get_profile(args.hardware, extra)
+    model_name, spec = resolve_model(args.model)
+    name = args.calibration or MIXED_DEFAULT_CALIBRATION.get(hardware.name)
+    if name:
+        calibration = Calibration.resolve(name)
+        measured_here = calibration.hardware == hardware.name
+    else:
+        calibration, measured_here = find_calibration(hardware.name)
+    deployment = deployment_from_args(calibration.deployment_params(), args, spec)
+    workload = Workload.from_dict(calibration.workload)
+    scenario = MixedScenario(streams=args.streams, prompt_tokens=args.prompt_tokens, stream_tokens=args.stream_tokens,
+                             stream_prompt_tokens=args.stream_prompt_tokens or workload.prompt_tokens,
+                             warmup_tokens=args.warmup_tokens, baseline_tokens=args.baseline_tokens,
+                             repeats=args.repeats, warmup_repeats=args.warmup_repeats, same_prompt=args.same_prompt)
+    scenario.check_valid()
+    label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
+    cfg = MixedConfig(spec, model_name, hardware, deployment, calibration.cost_params(), args.kv, label,
+                      routing=args.routing, mixed_prefill_length=args.mixed_prefill_length,
+                      page_size=workload.page_size)
+    seed = calibration.seed if args.seed is None else args.seed
+    results = []
+    for mode in modes:
+        # NOTE: a fresh routing model per mode: both see the same streams
+        routing = make_routing(args.routing, spec.num_layers, spec.num_experts, spec.top_k, seed,
+                               calibration.locality_params())
+        results.append({"command": "python -m simulator " + shlex.join(args.argv),
+                        **predict_mixed(cfg, routing, scenario, layered=mode == "on")})
+    text = json.dumps(results, indent=2)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        from simulator.table import print_mixed
+
+        print_mixed(results, title=f"ft bench mixed, predicted: {model_name} on {hardware.name}, "
+                                   f"{calibration.describe(hardware.name)}; routing {args.routing}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "predict":
             return predict_command(args)
         if args.command == "expert-parallel":
             return expert_parallel_command(args)
+        if args.command == "mixed":
+            return mixed_command(args)
         if args.command == "calibrate":
             from simulator.fit_records import run
 

@@ -101,17 +101,24 @@ class ExpertParallelSimExecutor(SimExecutor):
             residency.resize(p.expert_slots)
 
     def _step(self, batch: StepBatch):
-        host, cost, c = self.host, self.cost, self.counters
+        host, cost = self.host, self.cost
         works, n = batch.works, len(self.ranks)
-        routes = self._routes(works)  # identical greedy streams route once, weighted
-        loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
-        c.steps += 1
-        c.sequence_steps += len(works)
-        c.prefill_tokens += batch.num_prefill_tokens
-        c.decode_tokens += batch.num_decode_tokens
-        exchange = self.exchange.seconds(cost.spec, batch.num_tokens, n)
+        self._count(batch)
+        # NOTE: the reference executor captures nothing: a layer group (layered prefill) runs beside the decode
+        # rows in the one eager pass, computing only its layers; a layer no row computes costs nothing
+        spans = [w.layers or (0, cost.spec.num_layers) for w in works]
+        by_set: dict[tuple[int, ...], tuple] = {}
         dense = cost.step_overhead(len(works))
         for layer in range(cost.spec.num_layers):
+            active = tuple(i for i, (first, end) in enumerate(spans) if first <= layer < end)
+            if not active:
+                continue
+            if active not in by_set:
+                rows = [works[i] for i in active]
+                by_set[active] = (self._routes(rows),  # identical greedy streams route once, weighted
+                                  [SequenceLoad(len(w.token_ids), w.end_position) for w in rows],
+                                  self.exchange.seconds(cost.spec, sum(len(w.token_ids) for w in rows), n))
+            routes, loads, exchange = by_set[active]
             dense += cost.layer_pre_expert(layer, loads)
             tokens_per_expert: dict[int, int] = {}
             for weight, seq in routes.values():
@@ -130,7 +137,7 @@ class ExpertParallelSimExecutor(SimExecutor):
                 self.exchange_seconds += exchange
                 yield simpy.AllOf(host.env, [host.env.process(g.use(exchange)) for g in host.gpus])
         yield simpy.AllOf(host.env, [host.env.process(g.use(cost.head(sum(1 for w in works if w.sample))))
-                                     for g in host.gpus])
+                                     for g in host.gpus])  # a group that does not end its chunk samples nothing
 
     def _rank_work(self, rank: int, keys, tokens_per_expert: dict[int, int],
                    per_pair: bool = False) -> tuple[int, int, list[float]]:

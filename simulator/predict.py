@@ -100,13 +100,15 @@ class Deployment(StrictParams):
             raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
                              f"got {self.prefill_kernels!r}")
 
-    def budget(self, spec: ModelSpec, hardware: HardwareProfile) -> GpuBudget:
+    def budget(self, spec: ModelSpec, hardware: HardwareProfile, layered_prefill: bool = False) -> GpuBudget:
+        """layered_prefill: `ft serve --layered-prefill on` also holds the chunk kept between layer groups."""
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
         budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
         if self.max_prefill_length is None:
             return budget
-        return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots))
+        return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots,
+                                                       layered_prefill=layered_prefill))
 
     def pools(self, kv_tokens: int, page_size: int = 16, expert_parallel: bool = False) -> ServePools:
         """The server's pool flags for one point. The simulated executor is the CUDA-graph fast path, so
@@ -175,14 +177,15 @@ class RunStats:
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
-                    page_size: int = 16) -> ServePlan | str:
+                    page_size: int = 16, layered_prefill: bool = False) -> ServePlan | str:
     """The server's plan for this point (domain.serve_plan: the defaults it drops and why included), or
-    why it cannot run."""
+    why it cannot run. layered_prefill: as `ft serve --layered-prefill on` (its kept chunk beside the pools)."""
     bank = spec.total_experts * spec.expert_bytes()
     if bank > hardware.host_ram_bytes:
         return (f"expert bank needs {bank / GIB:.1f} GiB of host RAM, "
                 f"{hardware.name} has {hardware.host_ram_bytes / GIB:.1f} GiB")
-    planned = plan_serve_pools(spec, deployment.budget(spec, hardware), deployment.pools(kv_tokens, page_size))
+    planned = plan_serve_pools(spec, deployment.budget(spec, hardware, layered_prefill),
+                               deployment.pools(kv_tokens, page_size))
     if isinstance(planned, PlanRefusal):
         return planned.message
     return planned

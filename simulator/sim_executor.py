@@ -31,6 +31,18 @@ step speculates (speculate_whole_layers), for its layer's router, and then copie
 router, then its rounds in order, each after its copy: the first with the layer's resident experts. So the
 next layer's first round copies while this layer computes. Nothing is stamped, filled or evicted, and the
 hit/miss counters do not move (the engine's do not); the copies are counted apart (streamed_* counters).
+
+Layered prefill (SequenceWork.layers, docs/adr/0024-layered-prefill.md; docs/simulator.md "Layered prefill"): a
+step that carries a layer group (first, end) of a chunk runs as the engine runs it. Its decode rows go first, as
+the graph bucket a decode-only step of those rows would replay (padding, lookups through the residency, lm_head
+over the bucket); then, uncaptured, the group's layers [first, end) over the chunk's rows (and any other prefill
+chunk of the step over every layer): token mixer, router, expert lookups or, when the step streams, the streamed
+rounds of those layers only, planned from the residency as the decode graph left it, with a copy lane that starts
+there. The chunk's rows route through the same stream positions in every group, so the groups of one chunk look
+up, copy or stream exactly the layers the whole chunk would, once each. lm_head runs for the eager rows only in
+the group that ends the chunk (it alone may sample). Per step, never per group or layer: the host overhead (over
+all the step's rows) and the fixed step overhead (over the graph bucket's rows plus the eager rows), each once.
+The chunk's prefill tokens are counted once (StepBatch.num_prefill_tokens: in its first group).
 """
 
 from __future__ import annotations
@@ -60,6 +72,9 @@ class ExecutorCounters:
     streamed_steps: int = 0
     streamed_not_resident: int = 0
     streamed_staged: int = 0
+    # layered prefill: steps that carried a layer group, and the layers those groups computed
+    layered_steps: int = 0
+    layered_layers: int = 0
 
     def minus(self, other: ExecutorCounters) -> ExecutorCounters:
         return ExecutorCounters(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
@@ -87,6 +102,8 @@ class SimExecutor:
         if isinstance(staging_experts, bool) or not isinstance(staging_experts, int) or staging_experts < 0:
             raise ValueError(f"staging_experts must be an integer >= 0, got {staging_experts!r}")
         self.staging_experts = staging_experts  # the plan's staging rows (streamed prefill; 0: none)
+        # the layered chunk part-way (SequenceWork.layers): (request id, start, tokens, layers computed)
+        self._kept: tuple[str, int, int, int] | None = None
 
     # ---- ModelExecutor ---------------------------------------------------------------------
 
@@ -95,6 +112,7 @@ class SimExecutor:
             raise RuntimeError("execute() re-entered while a step is in flight")
         if not batch.works:
             raise ValueError("empty StepBatch")
+        self._check_layers(batch)
         self._in_step = True
         try:
             process = self.host.env.process(self._step(batch))
@@ -106,6 +124,30 @@ class SimExecutor:
     def resize_pools(self, plan) -> None:
         """Expert slots come back cold, as on the device; KV/state need no simulation."""
         self.residency.resize(plan.expert_slots)
+        self._kept = None
+
+    def _check_layers(self, batch: StepBatch) -> None:
+        """SequenceWork.layers' contract (ValueError, before the step runs); keeps track of the chunk part-way."""
+        grouped = [w for w in batch.works if w.layers is not None]
+        if not grouped:
+            return
+        num_layers = self.cost.spec.num_layers
+        if len(grouped) > 1:
+            raise ValueError(f"{len(grouped)} works carry layers in one step; at most one may")
+        w = grouped[0]
+        first, end = w.layers
+        if not 0 <= first < end <= num_layers:
+            raise ValueError(f"{w.request_id}: layers {w.layers} outside 0 <= first < end <= {num_layers}")
+        if end < num_layers and w.sample:
+            raise ValueError(f"{w.request_id}: group {w.layers} samples before the chunk's last layer")
+        chunk = (w.request_id, w.start_position, len(w.token_ids))
+        if first > 0:
+            if self._kept != (*chunk, first):
+                raise ValueError(f"{w.request_id}: group {w.layers} at {w.start_position}+{len(w.token_ids)} "
+                                 f"continues no kept chunk (kept: {self._kept})")
+            if w.restore_from is not None:
+                raise ValueError(f"{w.request_id}: only a chunk's first group restores a snapshot")
+        self._kept = None if end == num_layers else (*chunk, end)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -137,26 +179,19 @@ class SimExecutor:
         return SampledToken(work.request_id, token)
 
     def _step(self, batch: StepBatch):
-        host, cost, residency, c = self.host, self.cost, self.residency, self.counters
+        if batch.layered is not None:
+            yield from self._layered_step(batch)
+            return
+        host, cost, residency = self.host, self.cost, self.residency
         works = batch.works
         routes = self._routes(works)
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
         decode_only = batch.num_prefill_tokens == 0 and all(len(w.token_ids) == 1 for w in works)
         padding = cost.padded_rows(len(works)) - len(works) if decode_only else 0
         loads += [SequenceLoad(1, 1)] * padding  # a padded row attends over nothing
-        if padding and cost.params.padding_fetches:
-            # NOTE: stale inputs route somewhere else than the real rows: one stream per padded slot.
-            for i in range(padding):
-                routes[(f"padding-row-{i}", self._padding_position, 1)] = [
-                    1, self.routing.stream(f"padding-row-{i}").tokens(self._padding_position, 1)]
-            self._padding_position += 1
-        # NOTE: otherwise padded rows skip every expert (their lookup key is -1, as in
-        # adapters/cuda_exec/expert_pool.py): no lookups, no misses, no routed FLOPs.
+        self._route_padding(routes, padding)
         weighted = list(routes.values())
-        c.steps += 1
-        c.sequence_steps += len(works)
-        c.prefill_tokens += batch.num_prefill_tokens
-        c.decode_tokens += batch.num_decode_tokens
+        self._count(batch)
         # NOTE: the GPU stream has one user (this step), so back-to-back kernels are merged into
         # one busy period and handed to simpy only where the copy engine must synchronise with
         # it. Same timeline as one event per kernel, far fewer events.
@@ -164,12 +199,85 @@ class SimExecutor:
         if host_s:
             yield host.env.timeout(host_s)  # outside the graph: neither the GPU nor the link works
         pairs = batch.num_tokens * cost.spec.top_k  # keys of every layer call: all of the step's rows
+        segment = [(layer, loads, weighted) for layer in range(cost.spec.num_layers)]
+        samples = sum(1 for w in works if w.sample)
         if not cost.graph_step(len(works), decode_only) and cost.streams_prefill(
                 pairs, residency.num_slots, self.staging_experts):
-            yield from self._streamed_step(loads, weighted, len(works), sum(1 for w in works if w.sample))
+            yield from self._streamed_pass(segment, cost.step_overhead(len(works)), samples)
             return
-        pending = cost.step_overhead(len(works) + padding)
-        for layer in range(cost.spec.num_layers):
+        yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding)
+
+    def _count(self, batch: StepBatch) -> None:
+        c = self.counters
+        c.steps += 1
+        c.sequence_steps += len(batch.works)
+        c.prefill_tokens += batch.num_prefill_tokens  # a layered chunk's tokens once, in its first group
+        c.decode_tokens += batch.num_decode_tokens
+        if batch.layered is not None:
+            c.layered_steps += 1
+            c.layered_layers += batch.layered.layers[1] - batch.layered.layers[0]
+
+    def _route_padding(self, routes: dict, padding: int) -> None:
+        if padding and self.cost.params.padding_fetches:
+            # NOTE: stale inputs route somewhere else than the real rows: one stream per padded slot.
+            for i in range(padding):
+                routes[(f"padding-row-{i}", self._padding_position, 1)] = [
+                    1, self.routing.stream(f"padding-row-{i}").tokens(self._padding_position, 1)]
+            self._padding_position += 1
+        # NOTE: otherwise padded rows skip every expert (their lookup key is -1, as in
+        # adapters/cuda_exec/expert_pool.py): no lookups, no misses, no routed FLOPs.
+
+    def _layered_step(self, batch: StepBatch):
+        """A step that carries a layer group (module docstring, "Layered prefill"): the decode rows as their graph
+        bucket, then the eager rows (the group over its layers, any other prefill chunk over every layer)."""
+        host, cost = self.host, self.cost
+        works, num_layers = batch.works, cost.spec.num_layers
+        decodes = [w for w in works if _is_decode_row(w)]
+        graph = decodes if decodes and cost.graph_step(len(decodes), True) else []
+        in_graph = {id(w) for w in graph}
+        eager = [w for w in works if id(w) not in in_graph]  # the group first: prefill chunks come first
+        padding = cost.padded_rows(len(graph)) - len(graph) if graph else 0
+        self._count(batch)
+        host_s = cost.host_overhead(len(works), self.via_server)  # once per step, however it is split
+        if host_s:
+            yield host.env.timeout(host_s)
+        # NOTE: the step's fixed cost once, over the rows it computes (graph bucket + eager rows), as a whole step
+        pending = cost.step_overhead(len(graph) + padding + len(eager))
+        if graph:
+            routes = self._routes(graph)
+            self._route_padding(routes, padding)
+            loads = [SequenceLoad(1, w.end_position) for w in graph] + [SequenceLoad(1, 1)] * padding
+            weighted = list(routes.values())
+            yield from self._lookup_pass([(layer, loads, weighted) for layer in range(num_layers)], pending,
+                                         len(graph) + padding)  # every graph row runs the head, padded ones too
+            pending = 0.0
+        ranged = []  # (first, end, load, work): the layers each eager row computes
+        for w in eager:
+            first, end = w.layers if w.layers is not None else (0, num_layers)
+            ranged.append((first, end, SequenceLoad(len(w.token_ids), w.end_position), w))
+        segment, pairs, by_set = [], 0, {}
+        for layer in range(num_layers):
+            active = tuple(i for i, (first, end, _, _) in enumerate(ranged) if first <= layer < end)
+            if not active:
+                continue
+            if active not in by_set:  # the chunk's rows route through its stream positions, as unlayered
+                routes = self._routes([ranged[i][3] for i in active])
+                by_set[active] = ([ranged[i][2] for i in active], list(routes.values()))
+                pairs = max(pairs, sum(ranged[i][2].num_tokens for i in active) * cost.spec.top_k)
+            segment.append((layer, *by_set[active]))
+        samples = sum(1 for w in eager if w.sample)  # only the group that ends its chunk may sample
+        # NOTE: a step streams or not as a whole, on its largest layer call (the group's: every layer of it routes
+        # the chunk's rows); the decode graph never streams
+        if cost.streams_prefill(pairs, self.residency.num_slots, self.staging_experts):
+            yield from self._streamed_pass(segment, pending, samples)
+        else:
+            yield from self._lookup_pass(segment, pending, samples)
+
+    def _lookup_pass(self, segment, pending: float, head_rows: int):
+        """Layers through the residency: segment = [(layer, loads, weighted routes)] in layer order; `pending` GPU
+        time queued before the first layer; the head over `head_rows` rows after the last."""
+        host, cost, residency = self.host, self.cost, self.residency
+        for layer, loads, weighted in segment:
             pending += cost.layer_pre_expert(layer, loads)
             tokens_per_expert: dict[int, int] = {}  # expert -> tokens routed to it, first-seen order
             for weight, seq in weighted:
@@ -184,45 +292,46 @@ class SimExecutor:
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
                                                         per_pair)
-        pending += cost.head(sum(1 for w in works if w.sample) + padding)
+        pending += cost.head(head_rows)
         yield from host.gpu.use(pending)
 
-    def _streamed_step(self, loads, weighted, rows: int, samples: int):
-        """The compute stream of one streamed step (module docstring) beside its copy lane (`_copy_lane`)."""
+    def _streamed_pass(self, segment, pending: float, samples: int):
+        """The compute stream of one streamed step (module docstring) over segment = [(layer, loads, weighted
+        routes)] beside its copy lane (`_copy_lane`); `pending` GPU time queued before the first layer."""
         host, cost, residency, c = self.host, self.cost, self.residency, self.counters
         spec, env = cost.spec, host.env
         experts = spec.num_experts
-        # NOTE: the engine snapshots the residency as the step opens; nothing in the step changes it
-        missing = [[e for e in range(experts) if residency.slot_of((layer, e)) is None]
-                   for layer in range(spec.num_layers)]
+        # NOTE: the engine snapshots the residency as the step opens; nothing in the step changes it. Rounds are
+        # planned over the segment's layers only (a layer group copies its own layers' rounds); indices below
+        # (rounds[k].layer included) are positions in the segment.
+        missing = [[e for e in range(experts) if residency.slot_of((layer, e)) is None] for layer, _, _ in segment]
         rounds = plan_rounds(missing, self.staging_experts)
         buffers, _ = staging_buffers(self.staging_experts)
         routed: list[dict[int, int]] = []  # per layer: expert -> tokens routed to it, first-seen order
-        for layer in range(spec.num_layers):
+        for layer, _, weighted in segment:
             tokens_per_expert: dict[int, int] = {}
             for weight, seq in weighted:
                 for token in seq:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             routed.append(tokens_per_expert)
-        pairs = sum(routed[0].values())
+        pairs = max(sum(r.values()) for r in routed)
         speculate = speculate_whole_layers(pairs, experts)
-        per_pair = cost.reads_per_pair(pairs)
-        router_done = [env.event() for _ in range(spec.num_layers)]
+        router_done = [env.event() for _ in segment]
         copied = [env.event() for _ in rounds]
         computed = [env.event() for _ in rounds]
         c.streamed_steps += 1
         lane = env.process(self._copy_lane(rounds, routed, speculate, buffers, router_done, copied, computed))
-        pending = cost.step_overhead(rows)
         k = 0
-        for layer in range(spec.num_layers):
+        for i, (layer, loads, _) in enumerate(segment):
             pending += cost.layer_pre_expert(layer, loads)
             yield from host.gpu.use(pending)
             pending = 0.0
-            router_done[layer].succeed()
-            tokens_per_expert, absent = routed[layer], set(missing[layer])
+            router_done[i].succeed()
+            tokens_per_expert, absent = routed[i], set(missing[i])
+            per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))
             c.streamed_not_resident += sum(1 for e in tokens_per_expert if e in absent)
-            while k < len(rounds) and rounds[k].layer == layer:
+            while k < len(rounds) and rounds[k].layer == i:
                 rnd = rounds[k]
                 mine = [tokens_per_expert[e] for e in rnd.experts if e in tokens_per_expert]
                 if rnd.first:  # the layer's resident experts compute with its first round
@@ -291,3 +400,8 @@ class SimExecutor:
         assert (c.expert_hits, c.expert_misses) == (self.residency.hits, self.residency.misses), (
             "executor and residency disagree on hits/misses"
         )
+
+
+def _is_decode_row(work: SequenceWork) -> bool:
+    """A row the decode graph runs: StepBatch's decode rule (domain.ports), never a layer group."""
+    return work.layers is None and StepBatch((work,)).num_decode_tokens == 1

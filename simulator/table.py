@@ -46,3 +46,36 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
     # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.
     console = console or (Console() if sys.stdout.isatty() else Console(width=160))
     console.print(table)
+
+
+def print_mixed(results: list[dict], title: str = "", console: Console | None = None) -> None:
+    """`python -m simulator mixed`: one row per prediction (layered prefill off / on), then what it leaves out."""
+    from simulator.mixed import summary_row
+
+    table = Table(title=title)
+    for name in ("GPU budget", "KV pool", "layered", "expert slots", "residency", "gaps", "gap p50 ms", "gap p99 ms",
+                 "gap max ms", "baseline p99 ms", "TTFT s", "steps to 1st token", "GB staged", "reason"):
+        table.add_column(name, justify="left" if name == "reason" else "right")
+    for r in results:
+        row = summary_row(r)
+        budget = r.get("gpu_budget_gib")
+        notes = [row["reason"]] if row["reason"] else []
+        notes += [f"[yellow]{f['error']}[/yellow]" for f in r.get("failures", ())]
+        table.add_row(
+            "card" if budget is None else f"{budget:g} GiB", f"{r['kv_tokens']:,}", row["layered"],
+            _fmt(row["expert_slots"], ",.0f"), _fmt(row["residency"], ".0%"), _fmt(row["gaps"], ".0f"),
+            _fmt(row["p50_ms"], ".1f"), _fmt(row["p99_ms"], ".1f"), _fmt(row["max_ms"], ".1f"),
+            _fmt(row["baseline_p99_ms"], ".1f"), _fmt(row["ttft_s"], ".3f"), _fmt(row["steps"], ".0f"),
+            _fmt(row["gb_staged"], ".1f"), "; ".join(notes),
+        )
+    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    console.print(table)
+    scheduler = next((r["scheduler"] for r in results if "scheduler" in r), None)
+    if scheduler:
+        console.print(f"budgets: {scheduler['max_step_tokens']} tokens alone, {scheduler['mixed_step_tokens']} "
+                      f"beside decodes; {scheduler['num_layers']} layers")
+    notes = next((r["not_modelled"] for r in results if "not_modelled" in r), [])
+    if notes:
+        console.print("Not modelled (the figures lack these):")
+        for note in notes:
+            console.print(f"  - {note}")

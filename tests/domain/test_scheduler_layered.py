@@ -52,11 +52,12 @@ def test_a_long_prompt_beside_decodes_runs_as_one_chunk_a_layer_group_per_step()
         (work,) = [w for w in batch.works if w.layers is not None]
         groups.append((work.start_position, len(work.token_ids), work.layers, work.sample))
     # budget 6 - 2 decodes = 4 tokens x 8 layers = 32 token-layers: the chunk may be 32 tokens (one layer each
-    # step), then the last 7 tokens in groups of floor(4 * 8 / 7) = 4 layers
-    assert groups == [(0, 32, (i, i + 1), False) for i in range(LAYERS)] + [(32, 7, (0, 4), False),
-                                                                           (32, 7, (4, 8), True)]
+    # step); the last 7 tokens go one layer a step too: groups are sized for a max_step_tokens chunk, since a
+    # layer's copies and launches do not shrink with its tokens
+    assert groups == [(0, 32, (i, i + 1), False) for i in range(LAYERS)] + [
+        (32, 7, (i, i + 1), i == LAYERS - 1) for i in range(LAYERS)]
     assert outputs["long"] == solo_output(prompt, SamplingParams(max_tokens=1, ignore_eos=True))[0]
-    assert scheduler.num_layer_groups == 10 and executor.num_layer_groups == 10
+    assert scheduler.num_layer_groups == 16 and executor.num_layer_groups == 16
 
 
 def test_without_layered_prefill_the_same_prompt_takes_budget_sized_chunks():
@@ -69,7 +70,7 @@ def test_without_layered_prefill_the_same_prompt_takes_budget_sized_chunks():
         batch = step(scheduler, executor, outputs)
         assert all(w.layers is None for w in batch.works)
         steps += 1
-    assert steps == 10  # 39 tokens in chunks of 4: the same step count as the layered run above, but 10 passes
+    assert steps == 10  # 39 tokens in chunks of 4: fewer steps than the layered run above (16), but 10 passes
     # over every layer's experts instead of 2 (where the experts are not resident, 10 copies of the model)
 
 

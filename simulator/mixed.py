@@ -1,0 +1,347 @@
+"""Issue 9's mixed scenario, predicted: `python -m simulator mixed` (docs/simulator.md, "Layered prefill").
+
+The scenario and its figures are `ft bench mixed`'s (app/bench/mixed.py), so a prediction reads beside that
+benchmark's record: N streams are started (short greedy prompts, ignore_eos; each its own prompt, as the
+benchmark's fresh nonces make them, unless `same_prompt`). Once each has `warmup_tokens` tokens the baseline
+window opens; once each has `baseline_tokens` more, one long prompt is sent (fresh, greedy, max_tokens 1). The
+prefill window runs from that send to the long prompt's first token; once every stream has a token after it, the
+streams are aborted (the benchmark closes them) and the next repeat starts. `warmup_repeats` unrecorded repeats
+go first (on the engine they compile kernels; here they warm the expert LRU as the benchmark's warm-up does).
+
+Definitions (app/bench/mixed.py): a gap is the time between two consecutive tokens of one stream; the window's
+gaps are those that overlap [send, first token] (later token after the send, earlier one before the first
+token), the baseline's those wholly inside [baseline start, send]; percentiles interpolate linearly between
+ranks; TTFT is first token - send. Each request reaches the scheduler CostParams.request_overhead_s after it is
+sent (HTTP, as in predict's workload); tokens reach the client as their step ends.
+
+The engine loop is the server's: the domain Scheduler, configured as app/containers.py configures it for
+`ft serve` (budgets, prefix cache, `--layered-prefill`), over the pools `plan_deployment` plans as the server
+does, with a SimExecutor; a request that arrives while a step runs is admitted at the next schedule().
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from domain.kv_pages import PageAllocator
+from domain.model_spec import ModelSpec
+from domain.prefix_store import snapshot_interval
+from domain.request import Request, SamplingParams
+from domain.scheduler import Scheduler, SchedulerConfig
+from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
+from simulator.cost_model import CostModel, CostParams
+from simulator.hardware import GB, HardwareProfile
+from simulator.host import SimHost
+from simulator.params import StrictParams, require_positive
+from simulator.predict import Deployment, plan_deployment, plan_summary
+from simulator.routing import RoutingModel
+from simulator.sim_executor import SimExecutor
+
+TARGET_GAP_P99_MS = 150.0  # issue 9 (app/bench/mixed.py TARGET_GAP_P99_MS)
+
+
+@dataclass(frozen=True)
+class MixedScenario(StrictParams):
+    """`ft bench mixed`'s arguments (its defaults, but 128-token streams: the customer's output length)."""
+
+    streams: int = 3  # --streams
+    stream_prompt_tokens: int = 18  # the streams' prompt (the customer's prompt as the server counted it)
+    stream_tokens: int = 128  # --stream-tokens
+    warmup_tokens: int = 16  # --warmup-tokens
+    baseline_tokens: int = 64  # --baseline-tokens
+    prompt_tokens: int = 8192  # --prompt-tokens
+    repeats: int = 3  # --repeats
+    warmup_repeats: int = 1  # unrecorded repeats first (ft bench mixed: 1)
+    same_prompt: bool = False  # every stream one prompt (they decode in lockstep); the benchmark's differ
+
+    def check_valid(self) -> None:
+        require_positive(self, "streams", "stream_prompt_tokens", "stream_tokens", "warmup_tokens",
+                         "baseline_tokens", "prompt_tokens", "repeats")
+        require_positive(self, "warmup_repeats", allow_zero=True)
+        if not isinstance(self.same_prompt, bool):
+            raise ValueError("MixedScenario.same_prompt must be a bool")
+        if self.warmup_tokens + self.baseline_tokens >= self.stream_tokens:
+            raise ValueError(f"stream_tokens ({self.stream_tokens}) must exceed warmup_tokens + baseline_tokens "
+                             f"({self.warmup_tokens + self.baseline_tokens}): the streams must still decode when "
+                             "the long prompt arrives")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), interpolated linearly between ranks; None for no values (the benchmark's)."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def gap_figures(gaps_s: list[float]) -> dict:
+    """count, p50, p99 and max of gaps given in seconds, in milliseconds (None without gaps)."""
+    ms = [g * 1e3 for g in gaps_s]
+    return {"count": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+            "max_ms": max(ms) if ms else None}
+
+
+def gaps_between(times: list[float], start: float, end: float, *, overlapping: bool) -> list[float]:
+    """Gaps of consecutive arrivals: overlapping=True those that overlap [start, end] (later token after
+    start, earlier one before end); False those wholly inside it."""
+    pairs = zip(times, times[1:], strict=False)
+    if overlapping:
+        return [b - a for a, b in pairs if b > start and a < end]
+    return [b - a for a, b in pairs if a >= start and b <= end]
+
+
+def mixed_step_tokens(max_prefill_length: int, max_running: int, mixed_prefill_length: int | None = None) -> int:
+    """`ft serve`'s budget of a step that carries decodes (app/settings.py ServeSettings.mixed_step_tokens)."""
+    if mixed_prefill_length is not None:
+        return mixed_prefill_length
+    return min(max_prefill_length, max(DEFAULT_MIXED_STEP_TOKENS, max_running))
+
+
+class _Broken(Exception):
+    """A repeat cannot be measured (a stream ended, the engine went idle); the message says why."""
+
+
+class _Loop:
+    """The engine loop with arrivals in simulated time: a request reaches the scheduler at its arrival (a step
+    in flight finishes first, as on the server); every token's time is kept per request."""
+
+    def __init__(self, executor: SimExecutor, scheduler: Scheduler, check: bool = False) -> None:
+        self.executor, self.scheduler, self.check = executor, scheduler, check
+        self.host = executor.host
+        self._arrivals: list[tuple[float, int, Request]] = []
+        self._order = 0
+        self.tokens: dict[str, list[float]] = {}
+        self.ended: dict[str, str | None] = {}
+
+    def submit(self, request: Request, at: float) -> None:
+        self.tokens[request.request_id] = []
+        heapq.heappush(self._arrivals, (at, self._order, request))
+        self._order += 1
+
+    def step(self) -> bool:
+        """One engine step (or an idle wait for the next arrival); False when nothing is left to do."""
+        while self._arrivals and self._arrivals[0][0] <= self.host.now():
+            self.scheduler.add(heapq.heappop(self._arrivals)[2])
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if not self._arrivals:
+                return False
+            self.host.advance_to(self._arrivals[0][0])
+            return True
+        sampled = self.executor.execute(batch)
+        now = self.host.now()
+        for event in self.scheduler.complete(batch, sampled):
+            if event.token_id is not None:
+                self.tokens[event.request_id].append(now)
+            if event.finished:
+                self.ended[event.request_id] = event.finish_reason
+        if self.check:
+            self.scheduler.check_valid()
+            self.executor.check_valid()
+        return True
+
+    def until(self, condition: Callable[[], bool], streams: list[str], what: str) -> None:
+        """Steps until condition() holds; _Broken if a stream ends first or the engine has nothing left to do."""
+        while not condition():
+            for k, rid in enumerate(streams):
+                if rid in self.ended:
+                    raise _Broken(f"stream {k} ended ({self.ended[rid]}) after {len(self.tokens[rid])} tokens "
+                                  f"while waiting for {what} (raise --stream-tokens?)")
+            if not self.step():
+                raise _Broken(f"the engine went idle waiting for {what}")
+
+
+def _prompt(seed: int, tokens: int) -> list[int]:
+    return [(seed * 7919 + i * 31 + 11) % 50000 for i in range(tokens)]
+
+
+def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float) -> dict:
+    host, ex, s = loop.host, loop.executor, scenario
+    t0 = host.now()
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    ids = []
+    for k in range(s.streams):
+        seed = 1 if s.same_prompt else 2 + index * s.streams + k
+        request = Request(f"rep{index}-stream{k}", _prompt(seed, s.stream_prompt_tokens),
+                          SamplingParams(max_tokens=s.stream_tokens, **greedy), arrival_time=t0)
+        loop.submit(request, t0 + overhead)
+        ids.append(request.request_id)
+    loop.until(lambda: all(len(loop.tokens[i]) >= s.warmup_tokens for i in ids), ids,
+               f"{s.warmup_tokens} tokens on every stream")
+    baseline_start = host.now()
+    counts = [len(loop.tokens[i]) for i in ids]
+    loop.until(lambda: all(len(loop.tokens[i]) >= c + s.baseline_tokens for i, c in zip(ids, counts, strict=True)),
+               ids, f"{s.baseline_tokens} baseline tokens on every stream")
+    send = host.now()
+    long = Request(f"rep{index}-long", _prompt(1_000_003 + index, s.prompt_tokens),
+                   SamplingParams(max_tokens=1, **greedy), arrival_time=send)
+    reason = loop.scheduler.check_request(long)
+    if reason is not None:
+        raise _Broken(f"the long prompt can never run on these pools: {reason}")
+    loop.submit(long, send + overhead)
+    before = ex.counters.copy()
+    loop.until(lambda: bool(loop.tokens[long.request_id]), ids, "the long prompt's first token")
+    first = loop.tokens[long.request_id][0]
+    during = ex.counters.minus(before)
+    loop.until(lambda: all(loop.tokens[i] and loop.tokens[i][-1] > first for i in ids), ids,
+               "a token after the prefill window on every stream")
+    for rid in ids:
+        loop.scheduler.abort(rid)  # the benchmark closes the streams; the server aborts them
+    window = [g for i in ids for g in gaps_between(loop.tokens[i], send, first, overlapping=True)]
+    baseline = [g for i in ids for g in gaps_between(loop.tokens[i], baseline_start, send, overlapping=False)]
+    return {"window_gaps_s": window, "baseline_gaps_s": baseline, "ttft_s": first - send, "window_s": first - send,
+            "steps": during.steps, "layered_steps": during.layered_steps, "streamed_steps": during.streamed_steps,
+            "streamed_staged": during.streamed_staged, "expert_misses": during.expert_misses,
+            "stream_tokens_seen": [len(loop.tokens[i]) for i in ids]}
+
+
+def not_modelled(cost: CostParams) -> list[str]:
+    """What this prediction leaves out, in the words a reader of its figures needs (docs/simulator.md)."""
+    notes = []
+    if cost.layer_overhead_s == 0:
+        notes.append("the eager step's own fixed cost: ADR 0011 measured c = 81.1 ms per uncaptured prefill step "
+                     "on the H200 (resident, t = c + 52.6 us x tokens); this calibration has no term for it "
+                     "(layer_overhead_s 0; step_overhead_s was fitted on captured decode steps), so every mixed "
+                     "step and every layer group here lacks it, and how it splits over a group's layers is unknown")
+    notes += [
+        "prefill compute is not calibrated: the resident 32k prefill simulates at 0.83 s against 1.57 s measured "
+        "(docs/simulator.md, 'Before the first token'), so compute-bound steps (resident) come out short",
+        "an unlayered mixed step's decode rows run eagerly on the engine (not as their graph); they are costed "
+        "at the roofline like any eager row, with no eager launch cost (not measured)",
+        "per-forward host work of a layer group (its step plan, the streamed step opening for every group) and "
+        "the streamed prefill's per-round launch cost (ADR 0010 estimates 50-100 us a round)",
+        "HTTP: request_overhead_s (fitted on 18-token prompts) delays each send; tokenizing the long prompt and "
+        "the client's stream handling are not timed",
+    ]
+    return notes
+
+
+@dataclass(frozen=True)
+class MixedConfig:
+    """One prediction: a plan (hardware, model, deployment, KV) and a calibration."""
+
+    spec: ModelSpec
+    model_name: str
+    hardware: HardwareProfile
+    deployment: Deployment
+    cost: CostParams
+    kv_tokens: int
+    calibration: str
+    routing: str = "uniform"
+    mixed_prefill_length: int | None = None  # --mixed-prefill-length (None: ft serve's default)
+    page_size: int = 16
+
+
+def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenario, layered: bool,
+                  check: bool = False) -> dict:
+    """The mixed scenario on cfg's plan with `--layered-prefill` on or off: a JSON-able dict (fits, reason, plan,
+    scheduler budgets, the pooled window/baseline gap figures, TTFT, one point per measured repeat)."""
+    scenario.check_valid()
+    spec, dep = cfg.spec, cfg.deployment
+    max_step = dep.max_prefill_length or DEFAULT_MAX_STEP_TOKENS
+    out: dict = {"hardware": cfg.hardware.name, "model": cfg.model_name, "kv_tokens": cfg.kv_tokens,
+                 "layered_prefill": layered, "calibration": cfg.calibration, "routing": cfg.routing,
+                 "gpu_budget_gib": dep.gpu_budget_bytes / 2**30 if dep.gpu_budget_bytes else None,
+                 "scenario": scenario.to_dict(), "fits": False, "reason": None}
+    planned = plan_deployment(spec, cfg.hardware, dep, cfg.kv_tokens, page_size=cfg.page_size,
+                              layered_prefill=layered)
+    if isinstance(planned, str):
+        out["reason"] = planned
+        return out
+    plan = planned.plan
+    out.update(fits=True, plan=plan_summary(plan), residency=plan.residency)
+    if planned.notes:
+        out["plan_notes"] = list(planned.notes)
+    needed = scenario.prompt_tokens + scenario.streams * (scenario.stream_prompt_tokens + scenario.stream_tokens)
+    if plan.kv_tokens < needed:
+        out.update(fits=False, reason=f"a KV pool of {plan.kv_tokens:,} tokens cannot hold the {scenario.prompt_tokens:,}"
+                   f"-token prompt beside {scenario.streams} streams of {scenario.stream_prompt_tokens} + "
+                   f"{scenario.stream_tokens} tokens ({needed:,}); give --kv of at least that (the benchmark's "
+                   "24gib scenario serves 16k)")
+        return out
+    running = min(dep.state_slots, max(plan.state_slots, 1))
+    prefix_cache = dep.simulate_prefix_cache and dep.cache_type == "radix"
+    linear = spec.linear_state_bytes_per_sequence() > 0
+    config = SchedulerConfig(max_running=running, max_step_tokens=max_step,
+                             mixed_step_tokens=mixed_step_tokens(max_step, running, cfg.mixed_prefill_length),
+                             page_size=plan.page_size, max_context=spec.max_context, prefix_cache=prefix_cache,
+                             snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
+                             linear_state=linear, layered_prefill=layered, num_layers=spec.num_layers)
+    out["scheduler"] = {"max_step_tokens": config.max_step_tokens, "mixed_step_tokens": config.mixed_step_tokens,
+                        "max_running": config.max_running, "layered_prefill": layered,
+                        "num_layers": config.num_layers, "prefix_cache": prefix_cache}
+    scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
+                          plan.snapshot_slots if prefix_cache else 0)
+    cost = CostModel(spec, cfg.hardware, cfg.cost)
+    executor = SimExecutor(SimHost(), cost, routing, plan.expert_slots, staging_experts=plan.staging_experts)
+    loop = _Loop(executor, scheduler, check)
+    overhead = cost.request_overhead(executor.via_server)
+    points, window, baseline, ttfts, failures = [], [], [], [], []
+    for index in range(scenario.warmup_repeats + scenario.repeats):
+        recorded = index >= scenario.warmup_repeats
+        try:
+            got = _repeat(loop, scenario, index, overhead)
+        except _Broken as exc:
+            failures.append({"repeat": index, "warmup": not recorded, "error": str(exc)})
+            if recorded:
+                points.append({"repeat": index - scenario.warmup_repeats, "ok": False, "error": str(exc)})
+            _drain(loop)
+            continue
+        if not recorded:
+            continue
+        figures = gap_figures(got["window_gaps_s"])
+        points.append({
+            "repeat": index - scenario.warmup_repeats, "ok": True, "error": None, "ttft_s": got["ttft_s"],
+            "gaps_in_window": figures["count"], "gap_p50_ms": figures["p50_ms"], "gap_p99_ms": figures["p99_ms"],
+            "gap_max_ms": figures["max_ms"], "baseline": gap_figures(got["baseline_gaps_s"]),
+            "window_steps": got["steps"], "window_layered_steps": got["layered_steps"],
+            "window_streamed_steps": got["streamed_steps"], "window_experts_staged": got["streamed_staged"],
+            "window_bytes_staged": got["streamed_staged"] * cost.expert_bytes,
+            "window_expert_misses": got["expert_misses"], "stream_tokens_seen": got["stream_tokens_seen"],
+            "window_gaps_ms": [round(g * 1e3, 3) for g in got["window_gaps_s"]],
+        })
+        window += got["window_gaps_s"]
+        baseline += got["baseline_gaps_s"]
+        ttfts.append(got["ttft_s"])
+    pooled = gap_figures(window)
+    out.update(points=points, failures=failures, window=pooled, baseline=gap_figures(baseline),
+               ttft_s_median=statistics.median(ttfts) if ttfts else None,
+               within_target=pooled["p99_ms"] <= TARGET_GAP_P99_MS if pooled["p99_ms"] is not None else None,
+               target_gap_p99_ms=TARGET_GAP_P99_MS, not_modelled=not_modelled(cfg.cost),
+               simulated_s=executor.host.now())
+    return out
+
+
+def _drain(loop: _Loop) -> None:
+    """After a broken repeat: abort what still runs and let the engine go idle, as a fresh repeat expects."""
+    for rid in list(loop.tokens):
+        if rid not in loop.ended:
+            loop.scheduler.abort(rid)
+            loop.ended[rid] = "abort"
+    loop._arrivals.clear()
+
+
+def summary_row(result: dict) -> dict:
+    """The figures a table shows for one prediction."""
+    ok = [p for p in result.get("points", ()) if p.get("ok")]
+
+    def mean(key: str) -> float | None:
+        return statistics.fmean(p[key] for p in ok) if ok else None
+
+    staged = mean("window_bytes_staged")
+    return {"layered": "on" if result["layered_prefill"] else "off", "fits": result["fits"],
+            "reason": result.get("reason"), "expert_slots": (result.get("plan") or {}).get("expert_slots"),
+            "residency": result.get("residency"), "gaps": (result.get("window") or {}).get("count"),
+            "p50_ms": (result.get("window") or {}).get("p50_ms"), "p99_ms": (result.get("window") or {}).get("p99_ms"),
+            "max_ms": (result.get("window") or {}).get("max_ms"),
+            "baseline_p99_ms": (result.get("baseline") or {}).get("p99_ms"), "ttft_s": result.get("ttft_s_median"),
+            "steps": mean("window_steps"), "gb_staged": staged / GB if staged is not None else None,
+            "failures": len(result.get("failures", ()))}
