@@ -26,7 +26,8 @@ except (OSError, ValueError) as exc:
     sys.exit(f"{sys.argv[1]}: no record ({exc})")
 s = rec.get("summary") or {}
 w, b = s.get("window") or {}, s.get("baseline") or {}
-print(f"{sys.argv[1]}: budgets {s.get('server_step_budgets')}; window gaps {w.get('count')} p50 {w.get('p50_ms')} "
+after = ((rec.get("server_after") or {}).get("stats") or {}).get("scheduler") or {}
+print(f"{sys.argv[1]}: budgets {s.get('server_step_budgets')} (layer groups after the run: {after.get('layer_groups')}); window gaps {w.get('count')} p50 {w.get('p50_ms')} "
       f"p99 {w.get('p99_ms')} max {w.get('max_ms')} ms (target {(s.get('target') or {}).get('gap_p99_ms')}: "
       f"met={s.get('meets_target')}, not issue 9's scenario in {sorted(s.get('target_conditions_differ') or {})}); baseline p99 {b.get('p99_ms')} ms; TTFT p50 {s.get('ttft_s_median')} s; "
       f"failures {len(rec.get('failures') or [])}")

@@ -155,6 +155,7 @@ class CudaGraphExecutor(ExecutorPools):
         the step's activations), then the decode inputs sized and the graphs captured again."""
         self.graphs = {}
         self.model.segments = None  # its graphs hold activations and read the old pools: dropped first too
+        self.model._chunk_plan = None  # a layered chunk's tables: the chunk goes with the pools (_swap_pools)
         self.inputs = None
         self._host_counters = None
         self._swap_pools(plan)
@@ -289,8 +290,9 @@ class CudaGraphExecutor(ExecutorPools):
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots(),
-                           self._checked_pages)
+        reason = check_batch(batch, self.plan.page_size, self.plan.kv_pages, slots, self._snapshot_slots(),
+                             self._checked_pages, num_layers=len(self.model.mixers))
+        return reason if reason is not None else self._chunk_reason(batch)
 
     def _decode(self, works) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 logits [n, V], greedy tokens [n]) of n single-token works, by graph replay (or eagerly)."""
@@ -319,30 +321,45 @@ class CudaGraphExecutor(ExecutorPools):
         self.model.replay_ids = self.replay_table.view(n) if self.replay_table is not None else None
 
     def _is_graph_step(self, batch: StepBatch) -> bool:
-        works = batch.works
-        return 0 < len(works) <= self.decode_rows and all(len(w.token_ids) == 1 and w.sample for w in works)
+        return self._is_graph_works(batch.works)
+
+    def _is_graph_works(self, works) -> bool:
+        """Whether `works` run as one decode step (`_decode`: a captured graph on CUDA): one sampled token each,
+        no more than the largest bucket, no layer group."""
+        return 0 < len(works) <= self.decode_rows and all(
+            len(w.token_ids) == 1 and w.sample and w.layers is None for w in works)
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch) -> dict[str, torch.Tensor]:
-        """fp32 logits [1, V] for the last token of each work with sample=True."""
+        """fp32 logits [1, V] for the last token of each work with sample=True. A layered work runs as a forward
+        of its own over its layer group, after the other works (a decode step, or one forward over every layer)."""
         reason = self.can_execute(batch)
         if reason is not None:
             raise ValueError(f"cannot execute step: {reason}")
         self._host_counters = None  # this step moves them: read from the device when next asked for
-        if self._is_graph_step(batch):
-            logits, _ = self._decode(batch.works)
+        group, works = self._split_layered(batch)
+        out = {}
+        if self._is_graph_works(works):
+            logits, _ = self._decode(works)
             # NOTE: a graph's logits live in its static output, which the next replay overwrites
-            return {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(batch.works)}
-        inp = flatten(batch, self.device)
-        self._prepare_states(batch.works)  # prefix cache (ExecutorPools)
-        table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
-        self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
+            out = {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(works)}
+        elif works:
+            out = self._forward_logits(works)
+        if group is not None:
+            out.update(self._group_logits(group))
+        return out
+
+    def _forward_logits(self, works) -> dict[str, torch.Tensor]:
+        """compute_logits for works without a layer group, eagerly: one forward over every layer."""
+        inp = flatten(StepBatch(works), self.device)
+        self._prepare_states(works)  # prefix cache (ExecutorPools)
+        self.model.replay_ids = self._replay_ids(works)
         try:
             with self.experts.streamed_step():  # prefill chunks stream experts past the LRU (ADR 0010)
                 hidden = self.model.forward(inp, self.kv, self.state, self.experts, self.snapshots)  # [T, H]
         finally:
             self.model.replay_ids = None
-        self._take_end_snapshots(batch.works)
+        self._take_end_snapshots(works)
         wanted = [s for s in inp.spans if s.work.sample]
         if not wanted:
             return {}
@@ -350,24 +367,26 @@ class CudaGraphExecutor(ExecutorPools):
         logits = self.model.logits(hidden[rows])  # [n, V]
         return {s.work.request_id: logits[i:i + 1] for i, s in enumerate(wanted)}
 
+    def _group_logits(self, group) -> dict[str, torch.Tensor]:
+        """A layer group's forward (ExecutorPools._run_group): {rid: fp32 [1, V]} when it ends its chunk and
+        samples, else {}."""
+        hidden = self._run_group(group)  # [T, H] after the chunk's last group, else None
+        if hidden is None or not group.sample:
+            return {}
+        return {group.request_id: self.model.logits(hidden[-1:])}
+
+    def _group_forward(self, chunk, layers: tuple[int, int]) -> torch.Tensor:
+        """ExecutorPools._group_forward in a streamed step of its own: the group's non-resident experts are
+        staged past the LRU (ADR 0010), whatever the other works of the step did to the residency."""
+        with self.experts.streamed_step(layers):  # rounds for the group's layers only: none prefetched past it
+            return super()._group_forward(chunk, layers)
+
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         works = {w.request_id: w for w in batch.works}
         out: dict[str, SampledToken] = {}
-        if self._is_graph_step(batch):
-            reason = self.can_execute(batch)
-            if reason is not None:
-                raise ValueError(f"cannot execute step: {reason}")
-            with torch.inference_mode():
-                logits_rows, tokens = self._decode(batch.works)
-                tokens = self._draw(batch.works, logits_rows, tokens)
-            if self.on_launched is not None:  # the engine streams the last step's tokens while this one runs
-                self.on_launched()
-            # every row's token and the expert cache's counters in one device->host copy (a second read would
-            # cost a second wait on the engine's path between two steps); log-probabilities only where asked for
-            n = len(tokens)
-            drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
-            self._host_counters = (drawn[n], drawn[n + 1])
-            return self._sampled(batch.works, logits_rows, drawn[:n])
+        group = batch.layered
+        if self._is_graph_works(batch.works if group is None else [w for w in batch.works if w is not group]):
+            return self._execute_decodes(batch)
         if self.on_launched is not None:  # an eager step launches and waits as it goes
             self.on_launched()
         logits = self.compute_logits(batch)
@@ -378,6 +397,36 @@ class CudaGraphExecutor(ExecutorPools):
         # drawn row by row, a step of N prompts waited N times on the device (one argmax and .item() each)
         rows = torch.cat([logits[w.request_id] for w in wanted]).float()  # [n, V]
         return self._sampled(wanted, rows, self._draw(wanted, rows, torch.argmax(rows, dim=-1)).tolist())
+
+    def _execute_decodes(self, batch: StepBatch) -> dict[str, SampledToken]:
+        """execute() for a step whose works (but its layered one, if any) are one decode step: the captured graph
+        is launched, the engine's launch hook runs while the device computes, then the layer group (if any) runs
+        eagerly after it, and every token and the expert counters come back in one device->host copy."""
+        reason = self.can_execute(batch)
+        if reason is not None:
+            raise ValueError(f"cannot execute step: {reason}")
+        self._host_counters = None
+        group, decodes = self._split_layered(batch)
+        with torch.inference_mode():
+            logits_rows, tokens = self._decode(decodes)
+            tokens = self._draw(decodes, logits_rows, tokens)
+        if self.on_launched is not None:  # the engine streams the last step's tokens while this one runs
+            self.on_launched()
+        done = [*decodes]
+        if group is not None:
+            with torch.inference_mode():
+                sampled = self._group_logits(group)  # {rid: [1, V]} when it ends its chunk and samples
+            if sampled:  # the chunk's token drawn with the decodes' (one read-back)
+                row = sampled[group.request_id].float()
+                logits_rows = torch.cat((logits_rows, row))  # [n + 1, V]
+                tokens = torch.cat((tokens, self._draw([group], row, torch.argmax(row, dim=-1))))
+                done.append(group)
+        # every row's token and the expert cache's counters in one device->host copy (a second read would
+        # cost a second wait on the engine's path between two steps); log-probabilities only where asked for
+        n = len(tokens)
+        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
+        self._host_counters = (drawn[n], drawn[n + 1])
+        return self._sampled(done, logits_rows, drawn[:n])
 
     def _sampled(self, works, logits_rows: torch.Tensor, drawn: list[int]) -> dict[str, SampledToken]:
         """Each work's SampledToken from the step's drawn tokens (drawn[i] for logits_rows [n, V] row i);

@@ -5,7 +5,9 @@ the captured decode graphs on CUDA (NCCL) and eagerly on the CPU (gloo, Triton's
 
 Rank 0 drives and the others follow with the reference path's machinery (StepLeader / follow in
 adapters/torch_exec/expert_parallel.py): every rank executes the same StepBatches and resizes in the same
-order, so the collectives pair up, and the same decode bucket is replayed on every rank.
+order, so the collectives pair up, and the same decode bucket is replayed on every rank. A layered prefill's
+group (SequenceWork.layers) runs after the step's decode rows on every rank alike (CudaGraphExecutor.execute), its
+eager exchanges in layer order: it needs nothing of its own here.
 
 Shape legend: B decode rows.
 """

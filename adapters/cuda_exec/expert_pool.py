@@ -155,6 +155,7 @@ class DeviceExpertPool:
         self._lane = CopyLane(self.device) if staging_slots else None
         self.staging_copy = staging_copy
         self._step_open = False
+        self._stream_layers: tuple[int, int] | None = None  # the open streamed step's layer group (None: all)
         self._stream: PrefillStream | None = None
         self._snapshot: ResidencySnapshot | None = None
         self._snapshot_host: torch.Tensor | None = None  # pinned int64 [L*E], reused by every step
@@ -485,16 +486,19 @@ class DeviceExpertPool:
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager
-    def streamed_step(self):
+    def streamed_step(self, layers: tuple[int, int] | None = None):
         """Open one step whose prefill-sized layer calls (those that do not take the one-launch decode
         lookup) stream their non-resident experts through the staging rows; a no-op without staging.
         Layers must come in ascending order with the same rows (as a forward pass calls them). The
         residency's table is snapshotted as the step opens (copied to the host asynchronously); a one-launch
         lookup inside the step (the only thing that changes the residency) makes the next streamed call
-        snapshot it again."""
+        snapshot it again. layers: (first, end), the only layers the step computes (a layered prefill's group,
+        ADR 0024): rounds are planned for those alone, so none is prefetched for a layer the step never runs;
+        None: every layer."""
         if self._step_open:
             raise RuntimeError("a streamed step is already open")
         self._step_open = True
+        self._stream_layers = layers
         if self.staging_slots:
             self._snapshot = self._take_snapshot()
         try:
@@ -529,7 +533,7 @@ class DeviceExpertPool:
         if self._stream is None:
             if self._snapshot is None:
                 self._snapshot = self._take_snapshot()
-            self._stream = PrefillStream(self, self._lane, ids.numel(), self._snapshot)
+            self._stream = PrefillStream(self, self._lane, ids.numel(), self._snapshot, self._stream_layers)
         # NOTE: as the grouped path, every call fills its pairs' partials and one ordered sum ends the
         # layer, so staging in rounds gives the bits of the one-launch path at any S and G
         partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)

@@ -70,6 +70,7 @@ class FastDecoder(MoeDecoder):
     # paged_decode_attention (W is one of its compile-time constants) runs binaries already built
     decode_pages = 0
     _step: StepPlan | None = None  # the step forward() is running: what its layers share (step_plan.py)
+    _chunk_plan: StepPlan | None = None  # a layered chunk's plan between its groups (forward with layers)
     # the MoE segments of short steps (prefill_graphs.py, --prefill-graphs; the executor sets them); None: off
     segments: MoeSegments | None = None
 
@@ -216,18 +217,27 @@ class FastDecoder(MoeDecoder):
         return fused_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)[1]
 
     def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None, experts,
-                snapshots: LinearStatePool | None = None) -> torch.Tensor:
-        """MoeDecoder.forward; with the prefill kernels, the step's shared tables (flat KV rows, rotary
-        tables, the one-token rows' page table, the GDN launch groups) are built once for all layers (step_plan.py)."""
+                snapshots: LinearStatePool | None = None, layers: tuple[int, int] | None = None,
+                x: torch.Tensor | None = None) -> torch.Tensor:
+        """MoeDecoder.forward (layers, x: a layered prefill's group, from the residual stream x [T, H]); with
+        the prefill kernels, the step's shared tables (flat KV rows, rotary tables, the one-token rows' page
+        table, the GDN launch groups) are built once for all layers (step_plan.py), and once for all the groups
+        of a layered chunk (kept while its groups come with the same `inp`). A layer group never takes the
+        MoE segments (they start from the embedding and run every layer)."""
         if not self.prefill_kernels:
-            return super().forward(inp, kv, state, experts, snapshots)
-        self._step = StepPlan(inp)
+            return super().forward(inp, kv, state, experts, snapshots, layers, x)
+        if layers is None:
+            self._step = StepPlan(inp)
+        else:  # NOTE: a group continuing its chunk (the executor hands it the same inputs) reuses the chunk's plan
+            chunk = self._chunk_plan
+            self._step = chunk if layers[0] > 0 and chunk is not None and chunk.inp is inp else StepPlan(inp)
+            self._chunk_plan = self._step if layers[1] < len(self.mixers) else None
         try:
             segments = self.segments
-            if segments is not None and self.replay_ids is None and segments.experts is experts \
+            if layers is None and segments is not None and self.replay_ids is None and segments.experts is experts \
                     and segments.bucket(inp.token_ids.shape[0]) is not None:
                 return self._forward_segments(inp, kv, state, snapshots, segments)
-            return super().forward(inp, kv, state, experts, snapshots)
+            return super().forward(inp, kv, state, experts, snapshots, layers, x)
         finally:
             self._step = None
 

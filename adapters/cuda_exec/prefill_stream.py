@@ -134,7 +134,10 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class PrefillStream:
     """The staging state of one step whose chunk has `pairs` routed (token, top-k) pairs per layer."""
 
-    def __init__(self, pool, lane: CopyLane, pairs: int, snapshot: ResidencySnapshot):
+    def __init__(self, pool, lane: CopyLane, pairs: int, snapshot: ResidencySnapshot,
+                 computed: tuple[int, int] | None = None):
+        """computed: (first, end), the only layers the step runs (a layered prefill's group); the other layers
+        get no copies (their one empty round each), so nothing is prefetched past the group. None: every layer."""
         bank, dev = pool.bank, pool.device
         self.pool, self.lane, self.pairs = pool, lane, pairs
         layers, experts = bank.num_layers, bank.num_experts
@@ -144,6 +147,7 @@ class PrefillStream:
         resident_host = snapshot.host_rows(layers, experts)  # NOTE: waits for the snapshot's copy only
         shard = pool.shard  # expert parallelism: only this rank's experts are ever staged
         missing = [[e for e, s in enumerate(row) if s < 0 and (shard is None or shard.partition.owns(shard.rank, (l, e)))]
+                   if computed is None or computed[0] <= l < computed[1] else []
                    for l, row in enumerate(resident_host)]
         self.rounds: tuple[StagingRound, ...] = plan_rounds(missing, pool.staging_slots)
         self.buffers, self.per_round = staging_buffers(pool.staging_slots)

@@ -1,7 +1,7 @@
 """The decoder stack shared by the Qwen3 MoE family: per layer a token mixer (full attention or Gated
 DeltaNet), then a sparse MoE block; final RMSNorm and LM head. Architecture files only choose options.
 
-Shape legend: T tokens of the step, H hidden, V vocab, n rows whose logits are wanted.
+Shape legend: T tokens of the step, H hidden, V vocab, K top-k, L layers, n rows whose logits are wanted.
 """
 
 from dataclasses import dataclass
@@ -88,16 +88,27 @@ class MoeDecoder:
         return rms_norm(x, weight, self.opts.eps, unit_offset=self.opts.unit_offset_norm)
 
     def forward(self, inp: StepInputs, kv: PagedKVCache, state: LinearStatePool | None,
-                experts: ExpertSlotCache, snapshots: LinearStatePool | None = None) -> torch.Tensor:
-        """Hidden states [T, H] after the last layer (before the final norm). Snapshots a work asks for
+                experts: ExpertSlotCache, snapshots: LinearStatePool | None = None,
+                layers: tuple[int, int] | None = None, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, H] after the last layer run (before the final norm). Snapshots a work asks for
         strictly inside its prefill chunk are copied into `snapshots` here, layer by layer (the
-        executor takes the ones at a work's end, and restores, around this call)."""
-        x = self.embed[inp.token_ids]  # [T, H]
+        executor takes the ones at a work's end, and restores, around this call).
+
+        layers (first, end): run only layers [first, end) (a layered prefill's group, SequenceWork.layers);
+        None: every layer. x [T, H]: the residual stream after layer first - 1, as the call that ran that
+        layer returned it; required when first > 0, refused at 0 (layer 0 starts from the embedding)."""
+        first, end = layers if layers is not None else (0, len(self.mixers))
+        if not 0 <= first < end <= len(self.mixers):
+            raise ValueError(f"layers {layers} outside 0 <= first < end <= {len(self.mixers)}")
+        if (x is None) != (first == 0):
+            raise ValueError(f"layers {layers}: the residual stream x is needed exactly when first > 0")
+        if x is None:
+            x = self.embed[inp.token_ids]  # [T, H]
         rows = self._decode_rows(inp)
-        for i, mixer in enumerate(self.mixers):
+        for i in range(first, end):
             w = self.w
             h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
-            x = x + self._mix(i, mixer, h, inp, kv, state, rows, snapshots)
+            x = x + self._mix(i, self.mixers[i], h, inp, kv, state, rows, snapshots)
             h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])
             x = x + self._moe(i, h, experts)
         return x

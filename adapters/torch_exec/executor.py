@@ -82,27 +82,39 @@ class TorchExecutor(ExecutorPools):
 
     # ---- execution ---------------------------------------------------------------------------------
     def can_execute(self, batch: StepBatch) -> str | None:
-        """None when `batch` fits the current pools, else the reason (read-only probe)."""
+        """None when `batch` fits the current pools (and its layered work continues the chunk kept, if it
+        continues one), else the reason (read-only probe)."""
         slots = self.state.num_slots if self.state is not None else None
-        return check_batch(batch, self.kv.page_size, self.kv.num_pages, slots, self._snapshot_slots(),
-                           self._checked_pages)
+        reason = check_batch(batch, self.kv.page_size, self.kv.num_pages, slots, self._snapshot_slots(),
+                             self._checked_pages, num_layers=len(self.model.mixers))
+        return reason if reason is not None else self._chunk_reason(batch)
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch, all_positions: bool = False) -> dict[str, torch.Tensor]:
         """fp32 logits per request: [1, V] for the last token of each work with sample=True, or with
-        all_positions=True [len(token_ids), V] for every token of every work."""
+        all_positions=True [len(token_ids), V] for every token of every work (a layered chunk's only at its
+        last group). A layered work runs as a forward of its own over its layer group, after the others'."""
         reason = self.can_execute(batch)
         if reason is not None:
             raise ValueError(f"cannot execute step: {reason}")
-        inp = flatten(batch, self.device)
-        self._prepare_states(batch.works)
-        table = self.routing_replay.step_table(batch.works) if self.routing_replay is not None else None
-        self.model.replay_ids = torch.from_numpy(table).to(self.device) if table is not None else None
+        group, works = self._split_layered(batch)
+        out = self._compute(works, all_positions) if works else {}
+        if group is not None:
+            hidden = self._run_group(group)  # [T, H] once the chunk's last group has run
+            if hidden is not None and (all_positions or group.sample):
+                out[group.request_id] = self.model.logits(hidden if all_positions else hidden[-1:])
+        return out
+
+    def _compute(self, works: tuple, all_positions: bool) -> dict[str, torch.Tensor]:
+        """compute_logits for works without a layer group: one forward over every layer."""
+        inp = flatten(StepBatch(works), self.device)
+        self._prepare_states(works)
+        self.model.replay_ids = self._replay_ids(works)
         try:
             hidden = self._forward(inp)  # [T, H]
         finally:
             self.model.replay_ids = None
-        self._take_end_snapshots(batch.works)
+        self._take_end_snapshots(works)
         if all_positions:
             return {s.work.request_id: self.model.logits(hidden[s.rows]) for s in inp.spans}
         wanted = [s for s in inp.spans if s.work.sample]
@@ -124,6 +136,33 @@ class TorchExecutor(ExecutorPools):
             raise
         recorder.end_pass()
         return hidden
+
+    # ---- layered prefill: the routing trace of a chunk computed in layer groups --------------------------
+    def _group_forward(self, chunk, layers: tuple[int, int]) -> torch.Tensor:
+        """ExecutorPools._group_forward; while recording a routing trace, the group's routing is kept with the
+        chunk (the recorder takes whole passes: every layer of every token), and written when it ends."""
+        recorder = self.routing_recorder
+        if recorder is None:
+            return super()._group_forward(chunk, layers)
+        self.model.on_route = lambda layer, ids: chunk.routes.__setitem__(layer, ids.detach().clone())  # [T, K]
+        try:
+            return super()._group_forward(chunk, layers)
+        finally:
+            self.model.on_route = recorder.record_layer
+
+    def _chunk_done(self, chunk) -> None:
+        recorder = self.routing_recorder
+        if recorder is None:
+            return
+        w = chunk.work
+        recorder.begin_pass([(w.request_id, w.start_position, len(w.token_ids))])
+        try:
+            for layer, ids in sorted(chunk.routes.items()):
+                recorder.record_layer(layer, ids)
+        except BaseException:
+            recorder.abort_pass()
+            raise
+        recorder.end_pass()
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         logits = self.compute_logits(batch)

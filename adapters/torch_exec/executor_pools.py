@@ -1,34 +1,65 @@
 """What both executors (the reference TorchExecutor and the fast CudaGraphExecutor) do alike with their
 pools: swap them to a new plan freeing before allocating, check them against the plan, report their
 bytes and expert counters, reset / restore / snapshot linear-attention state slots for the prefix cache,
-and sample one sequence with its failure confined to it.
+keep a layered prefill chunk between its layer groups, and sample one sequence with its failure confined to it.
 
 The snapshot pool (prefix cache) is a LinearStatePool of plan.snapshot_slots slots built here for both
 executors (None when the model has no linear-attention layers or the plan no snapshot slots).
 
 Each executor builds its own pools (`_new_kv`, `_new_state`, `_new_experts`) and says how many KV pages
 its pool holds for a plan (`_kv_pool_pages`: the fast path adds a scratch page for padded rows).
+
+Layered prefill (SequenceWork.layers, docs/adr/0024-layered-prefill.md): a step's layered work runs as a forward
+of its own over its layer group (`_run_group`), the other works as always; between groups the executor keeps the
+chunk (`KeptChunk`: its residual stream, its flattened inputs, its routing-replay ids). Each executor runs the
+group's forward (`_group_forward`: the reference records its routing, the fast path streams the experts).
+
+Shape legend: T tokens of a chunk, H hidden, L layers, K top-k.
 """
 
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from adapters.torch_exec.gated_deltanet import LinearStatePool
-from domain.ports import SampledToken
+from adapters.torch_exec.step_inputs import StepInputs, flatten
+from domain.ports import SampledToken, SequenceWork, StepBatch
 
 if TYPE_CHECKING:
     from domain.budget import PoolPlan
 
 
+@dataclass
+class KeptChunk:
+    """A layered prefill chunk part-way: what its next layer group continues from."""
+
+    work: SequenceWork  # its latest group (tokens, positions, pages, state slot, snapshots: the chunk's)
+    inp: StepInputs  # the chunk flattened alone: one upload for all its groups
+    replay: torch.Tensor | None  # int [T, L, K] routing-replay ids, taken at its first group; None: natural
+    reached: int = 0  # layers [0, reached) computed
+    x: torch.Tensor | None = None  # [T, H] the residual stream after layer reached - 1
+    routes: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> ids [T, K] (the routing trace)
+
+
+def same_chunk(a: SequenceWork, b: SequenceWork) -> bool:
+    """Whether two layer groups are of one chunk (SequenceWork: same request, tokens, positions, pages, state
+    slot and snapshots)."""
+    return (a.request_id == b.request_id and a.start_position == b.start_position and a.state_slot == b.state_slot
+            and (a.token_ids is b.token_ids or a.token_ids == b.token_ids)
+            and (a.page_ids is b.page_ids or a.page_ids == b.page_ids) and a.snapshots == b.snapshots)
+
+
 class ExecutorPools:
     """Mixin for an executor with `kv`, `state` (None without linear-attention layers), `experts`,
-    `plan`, `bank`, `model`, `device`, `dtype` and `sampler`; it owns `snapshots`."""
+    `plan`, `bank`, `model`, `device`, `dtype`, `sampler` and `routing_replay` (None: off); it owns
+    `snapshots` and the kept layered chunk."""
 
     snapshots: LinearStatePool | None = None
+    _kept: KeptChunk | None = None  # the layered prefill chunk part-way, if any
 
     def _new_snapshots(self, plan: PoolPlan) -> LinearStatePool | None:
         if not self.model.linear_layers or plan.snapshot_slots == 0:
@@ -64,6 +95,7 @@ class ExecutorPools:
         plan made a rollback "keep" a KV pool that was gone.
         """
         plan.check_valid()
+        self._kept = None  # no request is live: a chunk part-way is never continued
         old = self.plan
         keep_kv = (self.kv is not None and old is not None
                    and (self.kv.num_pages, self.kv.page_size) == (self._kv_pool_pages(plan), plan.page_size))
@@ -110,14 +142,22 @@ class ExecutorPools:
         self.experts.check_valid()
         if self.state is not None:
             self.state.check_valid()
+        kept = self._kept
+        if kept is not None:
+            layers, tokens = len(self.model.mixers), len(kept.work.token_ids)
+            assert 0 < kept.reached < layers, f"kept chunk at layer {kept.reached} of {layers}"
+            assert kept.x is not None and tuple(kept.x.shape) == (tokens, self.model.opts.hidden), "kept chunk's x"
 
     # ---- linear-attention state around a step (prefix cache) ---------------------------------------------
     def _prepare_states(self, works) -> None:
         """Before a step: a sequence starting at 0 gets a zeroed slot; one resuming from the prefix cache
-        gets its snapshot copied in (SequenceWork contract)."""
+        gets its snapshot copied in (SequenceWork contract). A layered chunk's later groups are skipped: its
+        first group did it."""
         if self.state is None:
             return
         for w in works:
+            if not w.starts_chunk:
+                continue
             if w.start_position == 0:
                 self.state.reset(w.state_slot)
             elif w.restore_from is not None:
@@ -126,15 +166,86 @@ class ExecutorPools:
                 self.snapshots.copy_slot(w.restore_from, self.state, w.state_slot)
 
     def _take_end_snapshots(self, works) -> None:
-        """After a step: the snapshots works asked for at their end (the decoder took the inner ones)."""
+        """After a step: the snapshots works asked for at their end (the decoder took the inner ones); a
+        layered chunk's only after its last group (the state of every layer is then at its end)."""
         if self.state is None:
             return
+        layers = len(self.model.mixers)
         for w in works:
+            if not w.ends_chunk(layers):
+                continue
             for position, slot in w.snapshots:
                 if position == w.end_position:
                     if self.snapshots is None:
                         raise ValueError(f"{w.request_id}: snapshot {slot} asked without a snapshot pool")
                     self.state.copy_slot(w.state_slot, self.snapshots, slot)
+
+    # ---- layered prefill: one chunk's layer groups over several steps ----------------------------------
+    def _chunk_reason(self, batch: StepBatch) -> str | None:
+        """Why the batch's layered work cannot continue the kept chunk (read-only), or None."""
+        w = batch.layered
+        if w is None or w.layers[0] == 0:
+            return None
+        kept = self._kept
+        if kept is not None and kept.reached == w.layers[0] and same_chunk(kept.work, w):
+            return None
+        held = "none" if kept is None else f"{kept.work.request_id}'s chunk at position {kept.work.start_position} " \
+            f"with layers [0, {kept.reached}) done"
+        return f"{w.request_id}: layer group {w.layers} at position {w.start_position} continues a chunk this " \
+               f"executor does not keep (it keeps {held}); the groups of a chunk come in consecutive steps, in " \
+               "layer order, with the same tokens, positions, pages, state slot and snapshots (a scheduler bug)"
+
+    def _split_layered(self, batch: StepBatch) -> tuple[SequenceWork | None, tuple[SequenceWork, ...]]:
+        """(the layered work or None, the other works). A kept chunk whose request or state slot another work
+        of this step uses is dropped: its request was preempted or finished, and its slot is being rewritten."""
+        group = batch.layered
+        kept = self._kept
+        if kept is not None and any(w is not group and (w.request_id == kept.work.request_id
+                                                        or w.state_slot == kept.work.state_slot)
+                                    for w in batch.works):
+            self._kept = None
+        if group is None:
+            return None, batch.works
+        return group, tuple(w for w in batch.works if w is not group)
+
+    def _run_group(self, work: SequenceWork) -> torch.Tensor | None:
+        """Compute one layer group of a layered chunk (the batch passed `_chunk_reason`): its first group resets
+        or restores the state and starts a new chunk (dropping any kept one); its last returns the chunk's hidden
+        states [T, H] after the end snapshots are taken; the others keep it and return None. A failure drops it."""
+        first, end = work.layers
+        if first == 0:
+            self._kept = None
+            chunk = KeptChunk(work, flatten(StepBatch((work,)), self.device), self._replay_ids((work,)))
+            self._prepare_states((work,))
+        else:
+            chunk = self._kept
+        self._kept = None  # NOTE: kept again only once this group has run
+        x = self._group_forward(chunk, (first, end))  # [T, H]
+        chunk.work, chunk.reached, chunk.x = work, end, x
+        if end < len(self.model.mixers):
+            self._kept = chunk
+            return None
+        self._take_end_snapshots((work,))
+        self._chunk_done(chunk)
+        return x
+
+    def _group_forward(self, chunk: KeptChunk, layers: tuple[int, int]) -> torch.Tensor:
+        """The model's forward over one group of `chunk` (its replay ids set around it): x [T, H] after the group."""
+        self.model.replay_ids = chunk.replay
+        try:
+            return self.model.forward(chunk.inp, self.kv, self.state, self.experts, self.snapshots, layers=layers,
+                                      x=chunk.x)
+        finally:
+            self.model.replay_ids = None
+
+    def _chunk_done(self, chunk: KeptChunk) -> None:
+        """Hook: a layered chunk's last group has run (the reference writes its routing trace here)."""
+
+    def _replay_ids(self, works) -> torch.Tensor | None:
+        """int [T, L, K] routing-replay ids of `works` on the device, or None (no replay, or inactive)."""
+        replay = self.routing_replay
+        table = replay.step_table(works) if replay is not None else None
+        return torch.from_numpy(table).to(self.device) if table is not None else None
 
     def _sample(self, rid: str, logits: torch.Tensor, work, token: int | None = None) -> SampledToken:
         """One sequence's token (token: drawn already for the whole step; log-probabilities added); a

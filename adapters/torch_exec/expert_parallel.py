@@ -8,6 +8,9 @@ and x + 0 = x exactly in IEEE arithmetic, so every rank holds the same bits what
 collective uses. Each rank then adds the pairs in the reference order (ascending expert id, index_add_ of
 the model dtype), which makes the output bitwise the single-process reference's for any N.
 
+A layered prefill (SequenceWork.layers) needs nothing of its own here: every rank keeps the chunk and runs the
+group's forward after the step's other works, as one process does, so the exchanges still pair up in order.
+
 Shape legend: T tokens of the step, K top-k, H hidden.
 """
 

@@ -42,9 +42,14 @@ class StepInputs:
 
 
 def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slots: int | None,
-                num_snapshot_slots: int = 0, checked_pages: dict | None = None) -> str | None:
+                num_snapshot_slots: int = 0, checked_pages: dict | None = None,
+                num_layers: int | None = None) -> str | None:
     """None when the executor can run `batch` on pools of this size, else the reason (read-only probe).
     Snapshot slots (prefix cache) are checked only where there is linear-attention state.
+
+    num_layers: the model's layer count L, against which a layered work's group (SequenceWork.layers) is
+    checked: 0 <= first < end <= L, one such work per step, no sample before the last layer, no restore
+    after the first group. None: the caller runs no layered works (any is refused).
 
     checked_pages: the caller's memo (request id -> (num_pages, page ids) of its work in the last batch
     that passed). A page table that starts with the one found in range last time has only its new tail
@@ -52,6 +57,11 @@ def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slot
     cost ~75 us per sequence and step); it is replaced by this batch's tables when the batch passes."""
     ids, slots, written = set(), set(), set()
     restored = {w.restore_from for w in batch.works if w.restore_from is not None}
+    layered = [w for w in batch.works if w.layers is not None]
+    if layered:
+        reason = _check_layers(layered, num_layers)
+        if reason is not None:
+            return reason
     for w in batch.works:
         if not w.token_ids:
             return f"{w.request_id}: no tokens to compute"
@@ -87,6 +97,23 @@ def check_batch(batch: StepBatch, page_size: int, num_pages: int, num_state_slot
     if checked_pages is not None:
         checked_pages.clear()  # only this batch's requests: finished ones do not linger
         checked_pages.update((w.request_id, (num_pages, w.page_ids)) for w in batch.works)
+    return None
+
+
+def _check_layers(layered: list[SequenceWork], num_layers: int | None) -> str | None:
+    """The reason the layered works of one step break SequenceWork's layer-group contract, or None."""
+    if num_layers is None:
+        return f"{layered[0].request_id}: layer group {layered[0].layers} on an executor that runs no layered works"
+    if len(layered) > 1:
+        return f"{', '.join(w.request_id for w in layered)}: {len(layered)} layered works in one step (at most one)"
+    w = layered[0]
+    first, end = w.layers
+    if not 0 <= first < end <= num_layers:
+        return f"{w.request_id}: layer group {w.layers} outside 0 <= first < end <= {num_layers}"
+    if w.sample and end < num_layers:
+        return f"{w.request_id}: layer group {w.layers} samples before the last layer ({num_layers})"
+    if w.restore_from is not None and first > 0:
+        return f"{w.request_id}: layer group {w.layers} restores a snapshot (only the first group may)"
     return None
 
 

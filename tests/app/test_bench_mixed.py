@@ -147,3 +147,56 @@ def test_a_stream_that_ends_too_soon_is_a_failure_not_a_figure(tmp_path, server)
     assert "finished (length) after 6 tokens (raise --stream-tokens?)" in point["error"]
     assert rec["summary"]["window"]["count"] == 0 and rec["summary"]["meets_target"] is None
     assert [f["where"] for f in rec["failures"]] == ["repeat 0", "run"]
+
+
+@pytest.fixture(scope="module")
+def layered_server():
+    settings = ServeSettings(port=0, device="cpu", max_running_requests=4, max_prefill_length=1024,
+                             mixed_prefill_length=MIXED, layered_prefill=True)
+    running = RunningServer(Container(), settings).start(wait_ready=120)
+    yield running
+    running.stop()
+
+
+def test_with_layered_prefill_the_prompt_runs_as_layer_groups_beside_the_streams(tmp_path, layered_server):
+    """--layered-prefill on (docs/adr/0024-layered-prefill.md): the 300-token prompt is one chunk run a layer group
+    per step beside the 3 decodes; the streams keep getting a token every step, the record names the mode."""
+    code, rec = bench(tmp_path, layered_server, "--streams", "3", "--prompt-tokens", "300", "--stream-tokens", "700",
+                      "--warmup-tokens", "4", "--baseline-tokens", "8", "--repeats", "1", "--warmup-repeats", "1")
+    assert code == 0, rec["failures"]
+    (point,) = rec["points"]
+    assert point["ok"] and point["gaps_in_window"] >= 3
+    budgets = rec["summary"]["server_step_budgets"]
+    assert budgets["layered_prefill"] is True
+    # budget 32 - 3 decodes = 29 tokens x 4 layers = 116 token-layers: a ~300-token prompt exceeds it, so it went as
+    # one chunk of <= 116 tokens, one layer a step (sized for a 1024-token chunk), each chunk in 4 groups
+    groups = rec["server_after"]["stats"]["scheduler"]["layer_groups"] - budgets["layer_groups"]  # during the run
+    assert groups >= 4 * math.ceil(point["prompt_tokens"] / 116) - 4
+    deadline = time.monotonic() + 30
+    while not _idle(layered_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _idle(layered_server)
+
+
+def test_layered_prefill_gives_the_same_greedy_text_as_short_chunks(server, layered_server):
+    """The same long prompt, sent while another stream decodes, to a server with and one without layered prefill:
+    the same greedy completion (the chunk's layers run in several steps, the result must not change)."""
+    prompt = " ".join(f"item {i} is number {i * 7 % 13};" for i in range(60))
+
+    def complete(base_url: str) -> str:
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            with client.stream("POST", "/v1/completions", json={
+                    "model": client.get("/v1/models").json()["data"][0]["id"], "prompt": "Count to ten.",
+                    "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data:"))  # the stream decodes from here on
+                body = client.post("/v1/completions", json={
+                    "model": client.get("/v1/models").json()["data"][0]["id"], "prompt": prompt,
+                    "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+        return body["choices"][0]["text"]
+
+    before = httpx.get(layered_server.base_url + "/v1/stats").json()["scheduler"]["layer_groups"]
+    layered = complete(layered_server.base_url)
+    after = httpx.get(layered_server.base_url + "/v1/stats").json()["scheduler"]["layer_groups"]
+    assert after > before  # it did run in layer groups
+    assert layered == complete(server.base_url)
