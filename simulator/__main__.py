@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as `ft serve --max-prefill-length`: the largest step, whose activations are held beside "
                         "the pools, and the simulated prefill step's token budget (default: the calibration's, "
                         "8192 for the plan; its workload.max_step_tokens for the steps)")
+    p.add_argument("--mixed-prefill-length", type=parse_count,
+                   help="as `ft serve --mixed-prefill-length`: the token budget of a step that carries decodes "
+                        "(default: ft serve's, min(--max-prefill-length, max(512, --max-running-requests)); one "
+                        "budget for a calibration of the customer's engine)")
     p.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
                    help="as `ft serve --max-running-requests`: GDN state slots and the most requests running at "
                         "once; a larger batch queues (default: the calibration's; ft serve's 4 for the H200)")
@@ -111,12 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "ft serve's default does on a card's fast path (triton for bf16 and block-FP8 weights, "
                         "domain/prefill_choice.py) (default: the calibration's, reference)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
+    p.add_argument("--prompt-tokens", type=parse_count,
+                   help="each benchmark request's prompt in tokens: the context its decode reads (default: the "
+                        "calibration's, the customer's 24-token prompt; e.g. 64k for a long-context decode; see "
+                        "steady_decode_tok_s_per_request)")
     p.add_argument("--distinct-prompts", action="store_true",
                    help="every request its own prompt (independent users) instead of the benchmark's one prompt")
     p.add_argument("--ttft-prompt", type=parse_count, default=0,
                    help="also time the first token of one fresh prompt of this many tokens (slower)")
-    p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ "
-                                                 "(e.g. h200_v1; default: newest for the hardware, else rtx3090)")
+    p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ (e.g. h200_v1, or "
+                                         "rtx3090_v2 for the customer's engine; default: the newest of fluxtide "
+                                         "for the hardware, else fluxtide's H200 default carried over)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     p.add_argument("--workers", type=parse_count, help="processes (default: up to 2)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
@@ -177,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
                         "locality | trace:FILE")
     m.add_argument("--calibration", help="default: h200_records_v5 on the H200 (its streamed prefill and HTTP "
-                                         "overhead), else the newest for the hardware")
+                                         "overhead), else the newest fluxtide calibration of the hardware, else "
+                                         "h200_records_v5 carried over")
     m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     m.add_argument("--out", help="also write the JSON to this file")
@@ -262,14 +272,16 @@ def predict_command(args) -> int:
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
-    if args.max_prefill_length is not None:
-        # NOTE: as `ft serve`, whose scheduler's max_step_tokens is --max-prefill-length (app/containers.py): the
-        # flag sizes the simulated prefill steps too, not only the activations the memory plan holds
-        workload = workload.replace(max_step_tokens=args.max_prefill_length)
+    if args.prompt_tokens is not None:
+        workload = workload.replace(prompt_tokens=args.prompt_tokens)
+    # NOTE: the simulated scheduler's budgets are the server's, from the deployment (Deployment.step_budgets):
+    # --max-prefill-length alone (it also sizes the activations the plan holds), the mixed budget beside decodes
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     cfg = SweepConfig(model_name, spec, hardware, deployment, calibration.cost_params(), args.routing,
                       calibration.locality_params(), workload,
-                      calibration.seed if args.seed is None else args.seed, label)
+                      calibration.seed if args.seed is None else args.seed, label, calibration.predicts,
+                      args.mixed_prefill_length)
+    deployment.step_budgets(workload.max_step_tokens, args.mixed_prefill_length)  # ValueError before any point runs
     results = run_sweep(cfg, args.kv, args.batch, args.workers)
     if args.plot:
         from simulator.plot import plot_sweep
@@ -303,6 +315,8 @@ def mixed_command(args) -> int:
         calibration = Calibration.resolve(name)
         measured_here = calibration.hardware == hardware.name
     else:
+        # NOTE: a card without fluxtide's own calibration borrows h200_records_v5 (sweep.CARRIED_OVER_DEFAULT), the
+        # H200's mixed default, so the customer's engine's rtx3090_v2 is no longer what `mixed` predicts on a 3090
         calibration, measured_here = find_calibration(hardware.name)
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload)

@@ -42,6 +42,7 @@ from simulator.hardware import GIB, get_profile
 from simulator.params import StrictParams
 from simulator.predict import Deployment, Workload, plan_point, predict_point
 from simulator.routing import LocalityParams, LocalityRouting
+from simulator.sweep import CUSTOMER_ENGINE_PREFIX
 
 CALIBRATION_DIR = Path(__file__).parent / "calibration"
 FORMAT_VERSION = 1
@@ -240,7 +241,7 @@ def calibrate(measurements=None, out: Path | None = None, seed: int = 0, hardwar
         "name": out.stem if out is not None else f"{hardware}_v?",
         "hardware": hardware,
         "model": "qwen3.6-35b-a3b-fp8",
-        "engine": "the customer's existing engine (SPEC.md reference table)" if reference
+        "engine": f"{CUSTOMER_ENGINE_PREFIX} (SPEC.md reference table)" if reference
                   else "measurements passed with --measurements",
         "procedure": "python -m simulator.calibration (simulator/calibration.py docstring)",
         "reading": {

@@ -125,6 +125,7 @@ class ExpertParallelSimExecutor(SimExecutor):
                 for token in seq:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
+            self.routed_keys.update((layer, e) for e in tokens_per_expert)
             # NOTE: ascending keys, the order the executors look them up in
             shares = self.partition.split([(layer, e) for e in sorted(tokens_per_expert)])
             per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))  # the layer call's pairs, as SimExecutor
@@ -195,6 +196,8 @@ def predict_expert_parallel(spec: ModelSpec, model_name: str, hardware: Hardware
     """One point on `ranks` GPUs, each with the deployment's budget (dense weights on every rank). With
     ranks=1 this is the one-GPU prediction (the same numbers as predict.predict_point)."""
     workload = workload or Workload()
+    max_step, mixed = deployment.step_budgets(workload.max_step_tokens)  # the server's budgets, as predict_point
+    workload = workload.replace(max_step_tokens=max_step)
     exchange = exchange or ExchangeParams()
     result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False)
     result.extra["ranks"] = ranks
@@ -214,7 +217,8 @@ def predict_expert_parallel(spec: ModelSpec, model_name: str, hardware: Hardware
         result.extra["queued"] = batch - plan.shared.state_slots
     result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.shared.state_slots
     executor = ExpertParallelSimExecutor(CostModel(spec, hardware, cost), routing, plan, exchange)
-    stats = run_workload(executor, plan.shared, workload, batch, spec.max_context, check=check)
+    stats = run_workload(executor, plan.shared, workload, batch, spec.max_context, check=check,
+                         mixed_step_tokens=mixed)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds

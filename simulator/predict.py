@@ -20,7 +20,7 @@ from domain.prefix_store import snapshot_interval
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
 from domain.serve_plan import CACHE_TYPES, ServePlan, ServePools, plan_serve_pools, serve_budget
-from domain.step_budget import reserve_step, serve_step_reserve
+from domain.step_budget import DEFAULT_MIXED_STEP_TOKENS, reserve_step, serve_step_reserve
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import GIB, HardwareProfile
 from simulator.host import SimHost
@@ -37,7 +37,7 @@ class Workload(StrictParams):
     measure_iterations: int = 2
     measure_tokens: int = 128
     same_prompt: bool = True  # one prompt for every request (the customer's method)
-    max_step_tokens: int = 2048
+    max_step_tokens: int = 2048  # the scheduler's budget of a step with no decodes (ft serve --max-prefill-length)
     page_size: int = 16
     ttft_prompt_tokens: int = 0  # > 0: after measuring, time one fresh prompt of this length
 
@@ -100,6 +100,27 @@ class Deployment(StrictParams):
             raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
                              f"got {self.prefill_kernels!r}")
 
+    def step_budgets(self, default_step: int, mixed_prefill_length: int | None = None) -> tuple[int, int | None]:
+        """(max_step_tokens, mixed_step_tokens) of the simulated scheduler, as `ft serve` configures its own
+        (app/containers.py `_scheduler_config`, app/settings.py `mixed_step_tokens`): --max-prefill-length for a
+        step alone; for a step that carries decodes `mixed_prefill_length` (--mixed-prefill-length, a scheduler
+        flag, not a pool flag: the plan does not depend on it), by default min(max, max(512,
+        --max-running-requests)). Without max_prefill_length (the customer's engine, the server before ADR 0011)
+        one budget: `default_step`, the calibration's workload step, and None (mixed = max). ValueError for a mixed
+        budget outside [--max-running-requests, max], as `ft serve` refuses it."""
+        if self.max_prefill_length is None:
+            if mixed_prefill_length is not None:
+                raise ValueError("--mixed-prefill-length needs a deployment with --max-prefill-length (a calibration "
+                                 "of the customer's engine runs one step budget)")
+            return default_step, None
+        mixed = mixed_prefill_length
+        if mixed is None:
+            mixed = min(self.max_prefill_length, max(DEFAULT_MIXED_STEP_TOKENS, self.state_slots))
+        if not self.state_slots <= mixed <= self.max_prefill_length:
+            raise ValueError(f"--mixed-prefill-length ({mixed}) must be >= --max-running-requests ({self.state_slots}) "
+                             f"and <= --max-prefill-length ({self.max_prefill_length})")
+        return self.max_prefill_length, mixed
+
     def budget(self, spec: ModelSpec, hardware: HardwareProfile, layered_prefill: bool = False) -> GpuBudget:
         """layered_prefill: `ft serve --layered-prefill on` also holds the chunk kept between layer groups."""
         if self.pool_bytes is not None:
@@ -141,6 +162,9 @@ class PointResult:
     misses_per_token: float | None = None
     simulated_s: float | None = None
     calibration: str | None = None
+    engine: str | None = None  # the engine the calibration predicts: "fluxtide" or "customer-engine"
+    # SPEC.md's steady decode: each measured request's tokens after the first over its time after the first, median
+    steady_decode_tok_s_per_request: float | None = None
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -174,6 +198,8 @@ class RunStats:
     streamed_not_resident: int = 0
     streamed_staged: int = 0
     cached_prompt_tokens: int = 0
+    steady_tok_s: list[float] = field(default_factory=list)  # per measured request with > 1 token (SPEC.md)
+    working_set: int = 0  # distinct (layer, expert) keys the measured window's steps routed to
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
@@ -206,9 +232,25 @@ def plan_summary(plan: PoolPlan) -> dict:
             "staging_experts": plan.staging_experts, "pool_bytes": plan.pool_bytes, "free_bytes": plan.free_bytes}
 
 
+def scheduler_config(plan: PoolPlan, workload: Workload, max_context: int, prefix_cache: bool = False,
+                     linear_state: bool = True, mixed_step_tokens: int | None = None) -> SchedulerConfig:
+    """The simulated scheduler's configuration, as app/containers.py `_scheduler_config` configures `ft serve`'s:
+    at most the plan's state slots run (the rest of a batch queues; the benchmark's per-request time counts from
+    the arrival, queueing included), the workload's max_step_tokens for a step alone and `mixed_step_tokens` for
+    a step that carries decodes (None: one budget; predict_point passes Deployment.step_budgets), the plan's
+    page size. prefix_cache: the radix prefix cache over the plan's snapshot slots (Deployment.
+    simulate_prefix_cache; ft serve runs it whenever --cache-type radix)."""
+    max_step = max(workload.max_step_tokens, plan.state_slots)
+    mixed = None if mixed_step_tokens is None else min(max_step, max(mixed_step_tokens, plan.state_slots))
+    return SchedulerConfig(max_running=plan.state_slots, max_step_tokens=max_step, mixed_step_tokens=mixed,
+                           page_size=plan.page_size, max_context=max_context, prefix_cache=prefix_cache,
+                           snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
+                           linear_state=linear_state)
+
+
 def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
                  max_context: int, check: bool = False, prefix_cache: bool = False,
-                 linear_state: bool = True) -> RunStats:
+                 linear_state: bool = True, mixed_step_tokens: int | None = None) -> RunStats:
     """Drives the domain scheduler with the simulated executor through the benchmark method.
 
     prefix_cache: the scheduler runs the radix prefix cache over the plan's snapshot slots (as `ft serve
@@ -216,25 +258,20 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
     Each round's requests reach the scheduler CostParams.request_overhead_s after they are sent (served over
     HTTP); their times to first token and lifetimes count from the send."""
     host = executor.host
-    # NOTE: as the server's scheduler (app/containers.py): at most state_slots requests run, the rest of the
-    # batch queues; the benchmark's per-request time counts from the request's arrival, queueing included.
-    config = SchedulerConfig(max_running=plan.state_slots,
-                             max_step_tokens=max(workload.max_step_tokens, plan.state_slots),
-                             page_size=plan.page_size, max_context=max_context, prefix_cache=prefix_cache,
-                             snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
-                             linear_state=linear_state)
+    config = scheduler_config(plan, workload, max_context, prefix_cache, linear_state, mixed_step_tokens)
     scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
                           plan.snapshot_slots if prefix_cache else 0)
     overhead = executor.cost.request_overhead(executor.via_server)
     cached_tokens = 0
     iterations = ([(workload.warmup_tokens, False)] * workload.warmup_iterations
                   + [(workload.measure_tokens, True)] * workload.measure_iterations)
-    window_seconds, output_tokens, per_request, ttfts = 0.0, 0, [], []
+    window_seconds, output_tokens, per_request, ttfts, steady = 0.0, 0, [], [], []
     start_counters, start_snapshot = None, None
     added = finished = 0
     for index, (max_tokens, measured) in enumerate(iterations):
         if measured and start_counters is None:
             start_counters, start_snapshot = executor.counters.copy(), host.snapshot()
+            executor.routed_keys.clear()
         t0 = host.now()
         # NOTE: the burst is sent at t0 and reaches the engine together, the overhead later (GPU and link idle)
         if overhead:
@@ -268,12 +305,15 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
                 output_tokens += len(req.output_token_ids)
                 per_request.append(len(req.output_token_ids) / (done[req.request_id] - t0))
                 ttfts.append(first_token[req.request_id] - t0)
+                if len(req.output_token_ids) > 1 and done[req.request_id] > first_token[req.request_id]:
+                    steady.append((len(req.output_token_ids) - 1) / (done[req.request_id] - first_token[req.request_id]))
     c = executor.counters.minus(start_counters)
     gpu_util, pcie_util = SimHost.utilisation(start_snapshot, host.snapshot())
     stats = RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
                      c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added,
                      streamed_steps=c.streamed_steps, streamed_not_resident=c.streamed_not_resident,
-                     streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens)
+                     streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens, steady_tok_s=steady,
+                     working_set=len(executor.routed_keys))
     if workload.ttft_prompt_tokens:
         probe = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
         if isinstance(probe, str):
@@ -301,9 +341,18 @@ def _ttft_probe(executor: SimExecutor, scheduler: Scheduler, prompt_tokens: int)
 def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, deployment: Deployment,
                   cost: CostParams, routing: RoutingModel, kv_tokens: int, batch: int,
                   workload: Workload | None = None, calibration: str | None = None,
-                  check: bool = False) -> PointResult:
+                  check: bool = False, engine: str | None = None,
+                  mixed_prefill_length: int | None = None) -> PointResult:
+    """One point. The simulated scheduler's step budgets are the server's (Deployment.step_budgets, with
+    `mixed_prefill_length` as --mixed-prefill-length): the workload's max_step_tokens is replaced by the
+    deployment's --max-prefill-length when it has one. engine: what the JSON's `engine` says (the engine the
+    calibration predicts)."""
     workload = workload or Workload()
-    result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False, calibration=calibration)
+    max_step, mixed = deployment.step_budgets(workload.max_step_tokens, mixed_prefill_length)
+    workload = workload.replace(max_step_tokens=max_step)
+    result = PointResult(hardware.name, model_name, kv_tokens, batch, fits=False, calibration=calibration,
+                         engine=engine)
+    result.extra["prompt_tokens"] = workload.prompt_tokens  # each request decodes after this much context
     planned = plan_deployment(spec, hardware, deployment, kv_tokens, page_size=workload.page_size)
     if isinstance(planned, str):
         result.reason = planned
@@ -327,7 +376,7 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                            staging_experts=plan.staging_experts)
     prefix_cache = deployment.simulate_prefix_cache and deployment.cache_type == "radix"
     stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check, prefix_cache=prefix_cache,
-                         linear_state=spec.linear_state_bytes_per_sequence() > 0)
+                         linear_state=spec.linear_state_bytes_per_sequence() > 0, mixed_step_tokens=mixed)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds
@@ -335,7 +384,13 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
     result.pcie_utilisation = stats.pcie_utilisation
     result.gpu_utilisation = stats.gpu_utilisation
     result.ttft_s = statistics.median(stats.ttfts)
+    if stats.steady_tok_s:
+        result.steady_decode_tok_s_per_request = statistics.median(stats.steady_tok_s)
     result.misses_per_token = stats.misses / max(1, stats.output_tokens)
+    # NOTE: an expert pool at least this large never evicts an expert the window has touched (an LRU victim is
+    # older than every key touched since), so each window miss is a key's first touch in the window and more slots
+    # buy little for this workload (docs/simulator.md, "Which engine a prediction is for", finding 3)
+    result.extra["working_set"] = stats.working_set
     if stats.ttft_probe_s is not None:
         result.extra["ttft_prompt_tokens"] = workload.ttft_prompt_tokens
         result.extra["ttft_prompt_s"] = stats.ttft_probe_s
@@ -347,6 +402,9 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         result.extra["ttft_prompt_s"] = None
         result.extra["ttft_prompt_reason"] = stats.ttft_probe_refused
     result.simulated_s = executor.host.now()
+    budgets = scheduler_config(plan, workload, spec.max_context, mixed_step_tokens=mixed)
+    result.extra["scheduler"] = {"max_step_tokens": budgets.max_step_tokens,
+                                 "mixed_step_tokens": budgets.mixed_step_tokens}
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,
                               "output_tokens": stats.output_tokens}

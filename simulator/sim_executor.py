@@ -104,6 +104,9 @@ class SimExecutor:
         self.staging_experts = staging_experts  # the plan's staging rows (streamed prefill; 0: none)
         # the layered chunk part-way (SequenceWork.layers): (request id, start, tokens, layers computed)
         self._kept: tuple[str, int, int, int] | None = None
+        # (layer, expert) keys the steps routed to since the caller last cleared it (looked up or streamed): the
+        # working set of a measured window (run_workload), which an expert pool at least this large holds whole
+        self.routed_keys: set[tuple[int, int]] = set()
 
     # ---- ModelExecutor ---------------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class SimExecutor:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             keys = [(layer, e) for e in tokens_per_expert]
+            self.routed_keys.update(keys)
             # NOTE: the engine picks per-pair GEMVs or grouped GEMMs from the layer call's pair count (lockstep
             # rows included: each streams its pairs), never from the pool size or the lookup groups below.
             per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))
@@ -315,6 +319,7 @@ class SimExecutor:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             routed.append(tokens_per_expert)
+            self.routed_keys.update((layer, e) for e in tokens_per_expert)
         pairs = max(sum(r.values()) for r in routed)
         speculate = speculate_whole_layers(pairs, experts)
         router_done = [env.event() for _ in segment]

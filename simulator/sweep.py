@@ -18,6 +18,15 @@ from simulator.predict import Deployment, PointResult, Workload, predict_point
 from simulator.routing import LocalityParams, RoutingModel, make_routing
 
 CALIBRATION_DIR = Path(__file__).parent / "calibration"
+# NOTE: simulator/calibration.py writes this `engine` text into the files fitted on SPEC.md's reference table
+CUSTOMER_ENGINE_PREFIX = "the customer's existing engine"
+CUSTOMER_ENGINE = "customer-engine"  # what a prediction's JSON `engine` says for those files
+OUR_ENGINE = "fluxtide"
+# The default of a card without fluxtide calibration of its own: fluxtide's most complete H200 profile (per-pair
+# decode reads, the streamed prefill, the prefix cache, the fitted HTTP overhead; the best held-out end-to-end
+# record), its engine overheads carried over to the card's bandwidths (docs/simulator.md, "Which engine a
+# prediction is for": why this one and not the H200's own default, h200_v2)
+CARRIED_OVER_DEFAULT = "h200_records_v5"
 
 BUILTIN_MODELS = {
     "qwen3.6-35b-a3b-fp8": WeightFormat.FP8_BLOCK,
@@ -76,12 +85,26 @@ class Calibration(StrictParams):
     def locality_params(self) -> LocalityParams:
         return LocalityParams.from_dict(self.routing.get("locality", {}), where=f"{self.name}.routing")
 
+    @property
+    def customer_engine(self) -> bool:
+        """Whether this file was fitted on the customer's existing engine (SPEC.md's reference table: the
+        `engine` text simulator/calibration.py writes for it), not on fluxtide's own records."""
+        return self.engine.strip().startswith(CUSTOMER_ENGINE_PREFIX)
+
+    @property
+    def predicts(self) -> str:
+        """The engine a prediction with this calibration is for (the JSON's `engine`)."""
+        return CUSTOMER_ENGINE if self.customer_engine else OUR_ENGINE
+
     def describe(self, hardware: str) -> str:
-        """What a prediction's title says of this calibration: its name, the card and engine it was measured on
-        (the file's own `hardware` and `engine` fields), and whether it is carried over to another card."""
+        """What a prediction's title says of this calibration: the engine it predicts, its name, the card and
+        engine it was measured on (the file's own `hardware` and `engine` fields), and whether it is carried
+        over to another card."""
         engine = self.engine.strip()
         joiner = ", " if engine.startswith("fitted") else " with "  # "fitted from the records ..." / "the customer's ..."
-        text = f"calibration {self.name}: measured on {self.hardware}{joiner}{engine}"
+        who = ("predicts the customer's existing engine, not fluxtide" if self.customer_engine
+               else "predicts fluxtide")
+        text = f"{who}: calibration {self.name}: measured on {self.hardware}{joiner}{engine}"
         if self.hardware != hardware:
             text += f"; its engine overheads carried over to {hardware}"
         return text
@@ -104,19 +127,27 @@ class Calibration(StrictParams):
                                 f"name; known: {known}")
 
 
-def find_calibration(hardware: str) -> tuple[Calibration, bool]:
-    """The newest calibration for this hardware, else the reference (rtx3090) one; the flag
-    says whether it was measured on this hardware."""
+def _versions(hardware: str) -> list[Calibration]:
+    """Every `<hardware>_v<N>.json` in CALIBRATION_DIR, oldest first."""
     def version(p: Path) -> int:
         return int(p.stem.rsplit("_v", 1)[1])
 
-    own = sorted(CALIBRATION_DIR.glob(f"{hardware}_v*.json"), key=version)
+    return [Calibration.load(p) for p in sorted(CALIBRATION_DIR.glob(f"{hardware}_v*.json"), key=version)]
+
+
+def find_calibration(hardware: str) -> tuple[Calibration, bool]:
+    """The default calibration of `predict --hardware HARDWARE`, and whether it was measured on that hardware.
+
+    The newest `<hardware>_v<N>` fitted on fluxtide (`h200_v2` for the H200); else CARRIED_OVER_DEFAULT, fitted
+    on fluxtide's H200 records, its engine overheads carried over to this card's bandwidths. A calibration of
+    the customer's engine (`rtx3090_v1`, `rtx3090_v2`) is never a default, on its own card either: it predicts
+    another engine; name it with --calibration to compare (docs/simulator.md, "Which engine a prediction is
+    for")."""
+    own = [c for c in _versions(hardware) if not c.customer_engine]
     if own:
-        return Calibration.load(own[-1]), True
-    ref = sorted(CALIBRATION_DIR.glob("rtx3090_v*.json"), key=version)
-    if not ref:
-        raise FileNotFoundError(f"no calibration files in {CALIBRATION_DIR}")
-    return Calibration.load(ref[-1]), False
+        return own[-1], True
+    carried = Calibration.resolve(CARRIED_OVER_DEFAULT)
+    return carried, carried.hardware == hardware
 
 
 @dataclass(frozen=True)
@@ -131,6 +162,8 @@ class SweepConfig:
     workload: Workload
     seed: int
     calibration: str
+    engine: str | None = None  # the engine the calibration predicts (Calibration.predicts)
+    mixed_prefill_length: int | None = None  # --mixed-prefill-length (None: ft serve's default)
 
 
 _routing_cache: dict = {}
@@ -147,7 +180,8 @@ def _routing_for(cfg: SweepConfig) -> RoutingModel:
 def _run_point(args: tuple[SweepConfig, int, int]) -> PointResult:
     cfg, kv, batch = args
     return predict_point(cfg.spec, cfg.model_name, cfg.hardware, cfg.deployment, cfg.cost, _routing_for(cfg),
-                         kv, batch, cfg.workload, calibration=cfg.calibration)
+                         kv, batch, cfg.workload, calibration=cfg.calibration, engine=cfg.engine,
+                         mixed_prefill_length=cfg.mixed_prefill_length)
 
 
 def run_sweep(cfg: SweepConfig, kv_sizes: list[int], batches: list[int], workers: int | None = None) -> list[PointResult]:

@@ -22,13 +22,17 @@ def _notes(r: PointResult) -> str:
         notes.append(f"{r.extra['queued']} of {r.batch} requests queue (max running {r.state_slots})")
     notes += [f"[yellow]{n}[/yellow]" for n in (*r.extra.get("plan_notes", ()), r.extra.get("warning"),
                                                   r.extra.get("ttft_prompt_reason")) if n]
+    working_set = r.extra.get("working_set")
+    if working_set and r.expert_slots >= working_set:
+        notes.append(f"the pool holds the window's whole working set ({working_set:,} experts): its misses are "
+                     "first touches")
     return "; ".join(notes)
 
 
 def print_table(results: list[PointResult], title: str = "", console: Console | None = None) -> None:
     table = Table(title=title)
     for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "tok/s",
-                 "tok/s/request", "PCIe util", "GPU util", "TTFT ms", "reason"):
+                 "tok/s/request", "steady tok/s/req", "PCIe util", "GPU util", "TTFT ms", "reason"):
         table.add_column(name, justify="left" if name == "reason" else "right")
     probe = next((r.extra["ttft_prompt_tokens"] for r in results if "ttft_prompt_tokens" in r.extra), None)
     if probe:
@@ -39,12 +43,13 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
             f"{r.kv_tokens:,}", str(r.batch), "yes" if r.fits else "[red]no[/red]",
             f"{r.expert_slots:,}" if r.fits else "-", _fmt(r.residency if r.fits else None, ".0%"),
             _fmt(r.hit_rate, ".1%"), _fmt(r.decode_tok_s, ".1f"), _fmt(r.decode_tok_s_per_request, ".1f"),
+            _fmt(r.steady_decode_tok_s_per_request, ".1f"),
             _fmt(r.pcie_utilisation, ".0%"), _fmt(r.gpu_utilisation, ".0%"), _fmt(r.ttft_s, ".0f", 1e3),
             r.reason or _notes(r),
             *probe_cells,
         )
     # NOTE: piped output (files, CI logs) gets a wide fixed width instead of rich's 80 columns.
-    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    console = console or (Console() if sys.stdout.isatty() else Console(width=200))
     console.print(table)
 
 

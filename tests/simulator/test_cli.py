@@ -109,42 +109,60 @@ def test_a_ttft_probe_too_long_for_one_points_pool_refuses_the_probe_not_the_swe
     assert "TTFT probe of" in out and "possible" in out and "16,384" in out
 
 
-@pytest.mark.parametrize("hardware, calibration, title", [
-    # the reference calibration borrowed by a card without its own
-    ("rtx4090", None, "calibration rtx3090_v2: measured on rtx3090 with the customer's existing engine (SPEC.md "
-                      "reference table); its engine overheads carried over to rtx4090"),
+RECORDS = "fitted from the records listed in provenance (whatever engine produced them)"
+CUSTOMER = "measured on rtx3090 with the customer's existing engine (SPEC.md reference table)"
+
+
+@pytest.mark.parametrize("hardware, calibration, title, label, engine", [
+    # a card without a fluxtide calibration of its own borrows fluxtide's H200 profile (it used to borrow the
+    # customer's engine's rtx3090_v2, and so predicted the other engine)
+    ("rtx4090", None, f"predicts fluxtide: calibration h200_records_v5: measured on h200, {RECORDS}; its engine "
+                      "overheads carried over to rtx4090", "h200_records_v5 (engine overheads carried over)", "fluxtide"),
+    ("rtx3090", None, f"predicts fluxtide: calibration h200_records_v5: measured on h200, {RECORDS}; its engine "
+                      "overheads carried over to rtx3090", "h200_records_v5 (engine overheads carried over)", "fluxtide"),
     # named on the command line for another card: used to say nothing
-    ("rtx4090", "h200_v2", "calibration h200_v2: measured on h200, fitted from the records listed in provenance "
-                           "(whatever engine produced them); its engine overheads carried over to rtx4090"),
-    ("rtx3090", None, "calibration rtx3090_v2: measured on rtx3090 with the customer's existing engine (SPEC.md "
-                      "reference table); routing"),
+    ("rtx4090", "h200_v2", f"predicts fluxtide: calibration h200_v2: measured on h200, {RECORDS}; its engine overheads "
+                           "carried over to rtx4090", "h200_v2 (engine overheads carried over)", "fluxtide"),
+    # the customer's engine's fit, by name, for comparison: the title says it is not fluxtide
+    ("rtx3090", "rtx3090_v2", f"predicts the customer's existing engine, not fluxtide: calibration rtx3090_v2: "
+                              f"{CUSTOMER}; routing", "rtx3090_v2", "customer-engine"),
+    ("rtx4090", "rtx3090_v2", f"predicts the customer's existing engine, not fluxtide: calibration rtx3090_v2: "
+                              f"{CUSTOMER}; its engine overheads carried over to rtx4090",
+     "rtx3090_v2 (engine overheads carried over)", "customer-engine"),
+    ("h200", None, f"predicts fluxtide: calibration h200_v2: measured on h200, {RECORDS}; routing", "h200_v2",
+     "fluxtide"),
 ])
-def test_the_table_title_names_the_calibration_and_where_it_was_measured(monkeypatch, tmp_path, capsys, hardware,
-                                                                          calibration, title):
+def test_the_table_title_and_json_name_the_engine_and_the_calibration(monkeypatch, tmp_path, capsys, hardware,
+                                                                       calibration, title, label, engine):
     import simulator.table
 
     titles = []
     monkeypatch.setattr(simulator.table, "print_table", lambda results, title="": titles.append(title))
     argv = ["predict", "--hardware", hardware, "--model", _tiny_checkpoint(tmp_path), "--kv", "2048",
-            "--routing", "uniform", "--workers", "1"]
-    assert main(argv + (["--calibration", calibration] if calibration else [])) == 0
+            "--routing", "uniform", "--workers", "1"] + (["--calibration", calibration] if calibration else [])
+    assert main(argv) == 0
     assert title in titles[0]
-    assert ("carried over" in titles[0]) == (hardware != "rtx3090")
-    if calibration:
-        assert main([*argv, "--calibration", calibration, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)[0]["calibration"] == f"{calibration} (engine overheads carried over)"
+    assert ("carried over" in titles[0]) == label.endswith("(engine overheads carried over)")
+    assert main([*argv, "--json"]) == 0
+    point = json.loads(capsys.readouterr().out)[0]
+    assert (point["calibration"], point["engine"]) == (label, engine)
 
 
 def test_max_prefill_length_sets_the_simulated_step_budget_too(tmp_path, capsys):
     # it used to change the memory plan only: the 8k probe still prefilled in the calibration's 2,048-token steps
     argv = ["predict", "--hardware", "rtx3090", "--model", _tiny_checkpoint(tmp_path), "--kv", "16k",
             "--routing", "uniform", "--ttft-prompt", "8k", "--workers", "1", "--json"]
-    steps = {}
-    for length in ("2048", "8192"):
-        assert main([*argv, "--max-prefill-length", length]) == 0
+    for calibration, default in (("rtx3090_v2", "2048"), ("h200_v2", "8192")):
+        steps = {}
+        for length in ("2048", "8192"):
+            assert main([*argv, "--calibration", calibration, "--max-prefill-length", length]) == 0
+            point = json.loads(capsys.readouterr().out)[0]
+            steps[length] = point["simulated_s"], point["ttft_prompt_s"]
+            assert point["scheduler"]["max_step_tokens"] == int(length)
+        assert main([*argv, "--calibration", calibration]) == 0
         point = json.loads(capsys.readouterr().out)[0]
-        steps[length] = point["simulated_s"], point["ttft_prompt_s"]
-    assert main(argv) == 0
-    default = json.loads(capsys.readouterr().out)[0]
-    assert (default["simulated_s"], default["ttft_prompt_s"]) == steps["2048"]  # rtx3090_v2's 2,048-token steps
-    assert steps["8192"][1] < steps["2048"][1]  # one 8k step instead of four 2k ones
+        # the customer's engine: its fit's 2,048-token steps; fluxtide: ft serve's default --max-prefill-length (8,192;
+        # h200_v2's workload says 2,048, which predictions ran with before the server's budgets were applied)
+        assert (point["simulated_s"], point["ttft_prompt_s"]) == steps[default], calibration
+        assert point["scheduler"]["max_step_tokens"] == int(default)
+        assert steps["8192"][1] < steps["2048"][1]  # one 8k step instead of four 2k ones
