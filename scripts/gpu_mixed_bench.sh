@@ -58,6 +58,10 @@ run_scenario() {  # run_scenario NAME PORT: one server per budget pair, ft bench
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  # layered prefill's executor path on CUDA first (the decode graph, then the group eager; ~1 min): bitwise the chunk
+  # alone, or the benchmark below measures a wrong path
+  python3 -m pytest -q -p no:cacheprovider tests/adapters/test_layered_prefill.py -k "cuda or fast_path" \
+    2>&1 | tail -5 | tee "$OUT/pytest_layered_prefill.log"
   synth_ckpt
   SECONDS=0
   port=8111

@@ -68,9 +68,9 @@ def _torch(ckpt, **kw):
     return TorchExecutor(ckpt, _plan(ckpt), DEVICE, torch.float32, **kw)
 
 
-def _fast(ckpt, prefill_kernels: bool, staging: int = 8, **kw):
+def _fast(ckpt, prefill_kernels: bool, staging: int = 8, use_graphs: bool = False, **kw):
     return CudaGraphExecutor(ckpt, _plan(ckpt, staging), DEVICE, torch.float32, max_decode_rows=4,
-                             use_graphs=False, prefill_kernels=prefill_kernels, **kw)
+                             use_graphs=use_graphs, prefill_kernels=prefill_kernels, **kw)
 
 
 @dataclass
@@ -242,6 +242,17 @@ def test_the_fast_path_gives_the_bits_of_the_chunk_alone(ckpt, prefill_kernels, 
     ours, ref = fast.prefill_stats(), alone.prefill_stats()
     assert ours["experts_staged"] - ours["experts_not_resident"] == ref["experts_staged"] - ref["experts_not_resident"]
     assert abs(ours["experts_not_resident"] - ref["experts_not_resident"]) <= 2 and ref["experts_staged"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_decode_graph_then_the_group_give_the_bits_of_the_chunk_alone(ckpt):
+    """What the CPU cannot show: the decode rows replayed from their captured graph, then the group eager on the same
+    stream with its staging copies on the side stream, against the chunk in a step of its own."""
+    fast, alone = _fast(ckpt, True, use_graphs=True), _fast(ckpt, True, use_graphs=True)
+    assert fast.graphs
+    layered = scenario(fast, GROUPS["1-2-1"], chunked=("a", "p"))
+    assert_same(layered, scenario(alone, GROUPS["1-2-1"], "alone", chunked=("a", "p")))
+    assert fast.prefill_stats()["steps"] > 0
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------
