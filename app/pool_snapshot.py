@@ -107,6 +107,9 @@ class StepRecord:
     expert_hits: int
     expert_misses: int
     host_seconds: float | None
+    # the step ran a layer group of a layered prefill chunk (ADR 0024); its later groups count no prefill tokens
+    # (StepBatch.num_prefill_tokens counts a chunk once) but the step is a prefill step all the same
+    layer_group: bool = False
 
 
 class PoolPublisher:
@@ -140,10 +143,12 @@ class PoolPublisher:
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
         prefill_tokens = batch.num_prefill_tokens  # a property that walks the works: once
-        if prefill_tokens:
+        # NOTE: a layered chunk's later groups stage their layers' experts too (the fast path's streamed step)
+        layer_group = getattr(batch, "layered", None) is not None
+        if prefill_tokens or layer_group:
             self._prefill = prefill_streaming(self._executor)
         return StepRecord(prefill_tokens, batch.num_decode_tokens, seconds, self._hits_misses[0] - before[0],
-                          self._hits_misses[1] - before[1], host_seconds)
+                          self._hits_misses[1] - before[1], host_seconds, layer_group)
 
     def record(self, step: StepRecord) -> None:
         self._stats.record_step(
@@ -153,6 +158,7 @@ class PoolPublisher:
             expert_hits=step.expert_hits,
             expert_misses=step.expert_misses,
             host_seconds=step.host_seconds,
+            prefill_work=bool(step.prefill_tokens) or step.layer_group,
         )
 
     def check_valid(self) -> None:

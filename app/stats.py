@@ -24,6 +24,7 @@ class _Step:
     expert_hits: int
     expert_misses: int
     host_seconds: float | None = None  # engine-thread time between this model call and the previous one
+    prefill_work: bool = False  # the step computed prefill (tokens, or a layered chunk's later layer group)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -100,9 +101,13 @@ class ServingStats:
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
         self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int,
-        host_seconds: float | None = None,
+        host_seconds: float | None = None, prefill_work: bool | None = None,
     ) -> None:
-        step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses, host_seconds)
+        """prefill_work: the step computed prefill; None = it counted prefill tokens (a layered chunk's later
+        groups count none, docs/adr/0024-layered-prefill.md, yet are no decode-only step)."""
+        prefill_work = bool(prefill_tokens) if prefill_work is None else prefill_work
+        step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses, host_seconds,
+                     prefill_work)
         with self._lock:
             self._steps.append(step)
             self._trim(step.at)
@@ -216,7 +221,7 @@ class ServingStats:
         misses = sum(s.expert_misses for s in steps)
         busy = sum(s.seconds for s in steps)
         host = [s.host_seconds for s in steps if s.host_seconds is not None]
-        decode_only = [s.seconds for s in steps if s.decode_tokens and not s.prefill_tokens]
+        decode_only = [s.seconds for s in steps if s.decode_tokens and not s.prefill_work]
         return {
             "window_s": self.window_s,
             "steps": len(steps),

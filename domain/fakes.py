@@ -281,7 +281,7 @@ class ListMetricsSink:
 
     def record_step(
         self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int,
-        host_seconds: float | None = None,
+        host_seconds: float | None = None, prefill_work: bool | None = None,
     ) -> None:
         self.steps.append(StepRecord(prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses))
 

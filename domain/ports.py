@@ -292,7 +292,10 @@ class MetricsSink(Protocol):
         expert_hits: int,
         expert_misses: int,
         host_seconds: float | None = None,
+        prefill_work: bool | None = None,
     ) -> None:
         """host_seconds: the engine thread's time since the previous step's model call returned (finishing
-        that step, turning its tokens into stream events, scheduling this one); None after an idle pause."""
+        that step, turning its tokens into stream events, scheduling this one); None after an idle pause.
+        prefill_work: the step computed prefill, tokens or a layered chunk's later layer group (which counts no
+        prefill tokens: StepBatch.num_prefill_tokens); None = prefill_tokens > 0."""
         ...

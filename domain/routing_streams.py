@@ -23,7 +23,9 @@ def stream_key(work: SequenceWork) -> str:
 
     NOTE: crc32, not hash(): str hashes are salted per process and keys must not be. A first work that
     does not start at position 0 (a prefix served from a cache) is keyed by what it computes, with its
-    start position, so it stays deterministic.
+    start position, so it stays deterministic. The head is what the first work holds: a first chunk shorter
+    than KEY_TOKENS (a mixed step's budget under 64 tokens, --mixed-prefill-length < 64 + running) names
+    another stream than the same prompt in one chunk would; every default budget holds the whole head.
     """
     head = ",".join(map(str, work.token_ids[:KEY_TOKENS]))
     s = work.sampling

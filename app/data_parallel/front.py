@@ -123,6 +123,8 @@ async def stats(request: Request) -> dict:
         "plan": common(plans),  # one worker's plan (all alike); the sums are under totals
         "routing": bodies[0].get("routing"),
         "executor": bodies[0].get("executor"),  # every worker runs the same flags
+        # the step budgets and layered prefill (ADR 0011, 0024) every worker runs; max_running and layer_groups add
+        "scheduler": merge([b.get("scheduler") or {} for b in bodies]),
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),
         "workers": [{"worker": w.index, "device": w.label, "in_flight": w.in_flight, "dispatched": w.dispatched,
