@@ -73,7 +73,9 @@ def _step_budgets(engine: Engine) -> dict:
     """The scheduler's step budgets (docs/adr/0011-mixed-step-budget.md): what `ft bench mixed` records; and the
     arrival window an idle engine's first step waits for a burst (ADR 0021), which moves time to first token."""
     config = engine.scheduler.config
-    return {"max_running": config.max_running, "max_step_tokens": config.max_step_tokens,
+    # NOTE: the running requests the pools admit now: a live resize to fewer state slots lowers it below the setting
+    running = min(config.max_running, engine.scheduler.num_state_slots)
+    return {"max_running": running, "max_step_tokens": config.max_step_tokens,
             "mixed_step_tokens": config.mixed_step_tokens,
             # ADR 0024: on/off, and the layer-group works run so far (a chunk beside decodes takes several)
             "layered_prefill": config.layered_prefill, "layer_groups": engine.scheduler.num_layer_groups,

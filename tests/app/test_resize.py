@@ -324,3 +324,11 @@ def test_kv_auto_stops_at_every_running_sequence_at_full_context(srv):
     r = rebuild(srv, mamba_slots=after["state_slots"] * 2, kv_tokens="auto")
     assert r.status_code == 200, r.text
     assert r.json()["after"]["kv_tokens"] == 2 * after["kv_tokens"]
+
+
+def test_stats_show_the_running_requests_the_resized_state_pool_admits(srv):
+    # /v1/stats scheduler.max_running is what the pools admit now, not the setting (a live `--mamba 2` left it at 4)
+    before = httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"]
+    r = rebuild(srv, mamba_slots=2)
+    assert r.status_code == 200, r.text
+    assert httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"] == min(before, 2) == 2
