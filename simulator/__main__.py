@@ -297,7 +297,7 @@ def predict_command(args) -> int:
     return 0
 
 
-MIXED_DEFAULT_CALIBRATION = {"h200": "h200_records_v5"}  # the profile with the streamed prefill and HTTP overhead
+MIXED_DEFAULT_CALIBRATION = {"h200": "h200_records_v6"}  # v5 + the eager prefill terms (streamed prefill, HTTP overhead)
 
 
 def mixed_command(args) -> int:
@@ -315,8 +315,9 @@ def mixed_command(args) -> int:
         calibration = Calibration.resolve(name)
         measured_here = calibration.hardware == hardware.name
     else:
-        # NOTE: a card without fluxtide's own calibration borrows h200_records_v5 (sweep.CARRIED_OVER_DEFAULT), the
-        # H200's mixed default, so the customer's engine's rtx3090_v2 is no longer what `mixed` predicts on a 3090
+        # NOTE: a card without fluxtide's own calibration borrows h200_records_v5 (sweep.CARRIED_OVER_DEFAULT; the
+        # H200's mixed default is v6, whose eager terms are not carried over: docs/simulator.md "Prefill compute"),
+        # so the customer's engine's rtx3090_v2 is no longer what `mixed` predicts on a 3090
         calibration, measured_here = find_calibration(hardware.name)
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload)

@@ -17,7 +17,10 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
   captured bucket >= B; the padded rows pay the dense compute and lm_head; they skip the experts
   (no misses) unless padding_fetches says the engine routes them;
 - host overhead outside the graph (`host_overhead`): per step and per real row, during which the
-  GPU and the link are both idle.
+  GPU and the link are both idle;
+- the eager terms (`eager_terms`, `eager_model`): an uncaptured pass of more than lookup_max_keys pairs a layer
+  call (long prefill chunks, mixed steps, layer groups) pays eager_layer_s per layer and computes at
+  eager_compute_efficiency (docs/simulator.md, "Prefill compute").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -94,13 +97,22 @@ class CostParams(StrictParams):
     # template and tokenizer, the arrival window's quiet gap (ADR 0021), and the first token's way back. The
     # requests of one burst pay it side by side (they are admitted together after it); GPU and link idle.
     request_overhead_s: float = 0.0
+    # An uncaptured step whose layer calls route more than lookup_max_keys pairs (a prefill or mixed step of more
+    # than 32 tokens at top-8: the grouped or streamed path; shorter steps replay the prefill graphs) pays, per layer
+    # it computes, eager_layer_s (launches, host work, the grouped path's lookup and alignment: the eager forward's
+    # fixed cost, ADR 0011's c spread pro rata over the layers), and its compute-bound kernels run at
+    # eager_compute_efficiency of dense bf16 throughput (the prefill kernels: GEMMs, attention, and what the roofline
+    # does not see, such as the GDN recurrence). 0 and 0.0: the step is costed as every other (files without the
+    # fields). Fitted on bench_prefill's resident prompts (simulator/fit_prefill.py); decode graphs never pay them.
+    eager_layer_s: float = 0.0
+    eager_compute_efficiency: float = 0.0  # 0: compute_efficiency
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
             object.__setattr__(self, "graph_buckets", tuple(self.graph_buckets))
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
                          "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", "request_overhead_s",
-                         allow_zero=True)
+                         "eager_layer_s", "eager_compute_efficiency", allow_zero=True)
         buckets = self.graph_buckets
         if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                                                  for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -108,7 +120,7 @@ class CostParams(StrictParams):
         if not isinstance(self.padding_fetches, bool):
             raise ValueError("CostParams.padding_fetches must be a bool")
         require_positive(self, "memory_efficiency", "compute_efficiency", "h2d_efficiency", "kv_dtype_bytes")
-        for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency"):
+        for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency", "eager_compute_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"CostParams.{name} must be <= 1, got {getattr(self, name)}")
         if not isinstance(self.overlap_copy_compute, bool):
@@ -153,6 +165,29 @@ class CostModel:
 
     def _roofline(self, nbytes: float, flops: float) -> float:
         return max(nbytes / self._mem, flops / self._flops)
+
+    @property
+    def has_eager_terms(self) -> bool:
+        return bool(self.params.eager_layer_s or self.params.eager_compute_efficiency)
+
+    def eager_terms(self, pairs: int) -> bool:
+        """Whether an uncaptured step whose largest layer call routes `pairs` (token, top-k) pairs pays the eager
+        terms (eager_layer_s, eager_compute_efficiency): more pairs than one device lookup takes (lookup_max_keys),
+        the grouped or streamed prefill path. Shorter steps run the MoE half from the prefill graphs."""
+        if pairs < 0:
+            raise ValueError(f"negative pairs {pairs}")
+        return self.has_eager_terms and pairs > self.params.lookup_max_keys
+
+    def eager_model(self) -> CostModel:
+        """This model with the eager terms in place: layer_overhead_s + eager_layer_s per layer, and compute at
+        eager_compute_efficiency (when set). Everything else (memory, copies, step overheads) is this model's."""
+        from dataclasses import replace
+
+        p = self.params
+        return CostModel(self.spec, self.hardware, replace(
+            p, layer_overhead_s=p.layer_overhead_s + p.eager_layer_s,
+            compute_efficiency=p.eager_compute_efficiency or p.compute_efficiency, eager_layer_s=0.0,
+            eager_compute_efficiency=0.0))
 
     def step_overhead(self, num_sequences: int) -> float:
         return self.params.step_overhead_s + self.params.sequence_overhead_s * num_sequences

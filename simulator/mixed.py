@@ -206,16 +206,25 @@ def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float) -
 def not_modelled(cost: CostParams) -> list[str]:
     """What this prediction leaves out, in the words a reader of its figures needs (docs/simulator.md)."""
     notes = []
-    if cost.layer_overhead_s == 0:
+    if cost.layer_overhead_s == 0 and cost.eager_layer_s == 0:
         notes.append("the eager step's own fixed cost: ADR 0011 measured c = 81.1 ms per uncaptured prefill step "
                      "on the H200 (resident, t = c + 52.6 us x tokens); this calibration has no term for it "
                      "(layer_overhead_s 0; step_overhead_s was fitted on captured decode steps), so every mixed "
                      "step and every layer group here lacks it, and how it splits over a group's layers is unknown")
+    if cost.eager_compute_efficiency == 0:
+        notes.append("prefill compute is not calibrated: the resident 32k prefill simulates at 0.51 s (pool "
+                     "preloaded; 0.83 s from a cold LRU) against 1.57 s measured (docs/simulator.md, 'Prefill compute'), so compute-bound steps (resident) come "
+                     "out short")
+    else:
+        notes.append("the eager terms (eager_layer_s, eager_compute_efficiency) were fitted on 8,192-token chunks "
+                     "only: the fixed cost is charged pro rata per layer (a layer group pays its layers' share) and "
+                     "the split between fixed and per-token cost is not identified; held out, 1k-4k HTTP prefills "
+                     "come out +23 to +53 % (docs/simulator.md, 'Prefill compute'), so short unlayered mixed steps "
+                     "(512 tokens) are likely over-costed")
     notes += [
-        "prefill compute is not calibrated: the resident 32k prefill simulates at 0.83 s against 1.57 s measured "
-        "(docs/simulator.md, 'Before the first token'), so compute-bound steps (resident) come out short",
         "an unlayered mixed step's decode rows run eagerly on the engine (not as their graph); they are costed "
-        "at the roofline like any eager row, with no eager launch cost (not measured)",
+        "at the roofline like any eager row" + (" (with the eager terms)" if cost.eager_compute_efficiency else
+                                                ", with no eager launch cost (not measured)"),
         "per-forward host work of a layer group (its step plan, the streamed step opening for every group) and "
         "the streamed prefill's per-round launch cost (ADR 0010 estimates 50-100 us a round)",
         "HTTP: request_overhead_s (fitted on 18-token prompts) delays each send; tokenizing the long prompt and "

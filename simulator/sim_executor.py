@@ -43,6 +43,12 @@ up, copy or stream exactly the layers the whole chunk would, once each. lm_head 
 the group that ends the chunk (it alone may sample). Per step, never per group or layer: the host overhead (over
 all the step's rows) and the fixed step overhead (over the graph bucket's rows plus the eager rows), each once.
 The chunk's prefill tokens are counted once (StepBatch.num_prefill_tokens: in its first group).
+
+Eager terms (CostParams.eager_layer_s, eager_compute_efficiency; docs/simulator.md "Prefill compute"): an uncaptured
+pass whose largest layer call routes more than lookup_max_keys pairs (a prefill or mixed step, or a layer group, of
+more than 32 tokens at top-8: the grouped or streamed path) runs on CostModel.eager_model(): eager_layer_s more per
+layer it computes and its compute-bound kernels at eager_compute_efficiency. Decode graphs and short uncaptured steps
+(the prefill graphs) keep the base terms; copies are the same in both.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class SimExecutor:
                 f"match the model (L={spec.num_layers} E={spec.num_experts} K={spec.top_k})"
             )
         self.host, self.cost, self.routing = host, cost, routing
+        # the cost of an uncaptured pass of more than lookup_max_keys pairs (CostParams.eager_layer_s and
+        # eager_compute_efficiency; the model itself when the profile has neither)
+        self._eager_cost = cost.eager_model() if cost.has_eager_terms else cost
         self.residency = ExpertResidency(expert_slots)
         self.counters = ExecutorCounters()
         self._stream_keys = StreamKeys()
@@ -204,11 +213,12 @@ class SimExecutor:
         pairs = batch.num_tokens * cost.spec.top_k  # keys of every layer call: all of the step's rows
         segment = [(layer, loads, weighted) for layer in range(cost.spec.num_layers)]
         samples = sum(1 for w in works if w.sample)
-        if not cost.graph_step(len(works), decode_only) and cost.streams_prefill(
-                pairs, residency.num_slots, self.staging_experts):
-            yield from self._streamed_pass(segment, cost.step_overhead(len(works)), samples)
+        graph = cost.graph_step(len(works), decode_only)
+        run = self._eager_cost if not graph and cost.eager_terms(pairs) else cost  # the pass's kernels
+        if not graph and cost.streams_prefill(pairs, residency.num_slots, self.staging_experts):
+            yield from self._streamed_pass(segment, cost.step_overhead(len(works)), samples, run)
             return
-        yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding)
+        yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run)
 
     def _count(self, batch: StepBatch) -> None:
         c = self.counters
@@ -271,15 +281,18 @@ class SimExecutor:
         samples = sum(1 for w in eager if w.sample)  # only the group that ends its chunk may sample
         # NOTE: a step streams or not as a whole, on its largest layer call (the group's: every layer of it routes
         # the chunk's rows); the decode graph never streams
+        run = self._eager_cost if cost.eager_terms(pairs) else cost
         if cost.streams_prefill(pairs, self.residency.num_slots, self.staging_experts):
-            yield from self._streamed_pass(segment, pending, samples)
+            yield from self._streamed_pass(segment, pending, samples, run)
         else:
-            yield from self._lookup_pass(segment, pending, samples)
+            yield from self._lookup_pass(segment, pending, samples, run)
 
-    def _lookup_pass(self, segment, pending: float, head_rows: int):
+    def _lookup_pass(self, segment, pending: float, head_rows: int, cost: CostModel | None = None):
         """Layers through the residency: segment = [(layer, loads, weighted routes)] in layer order; `pending` GPU
-        time queued before the first layer; the head over `head_rows` rows after the last."""
-        host, cost, residency = self.host, self.cost, self.residency
+        time queued before the first layer; the head over `head_rows` rows after the last. `cost`: the model of
+        the pass's kernels (the eager one for a long uncaptured pass; default self.cost)."""
+        host, residency = self.host, self.residency
+        cost = cost or self.cost
         for layer, loads, weighted in segment:
             pending += cost.layer_pre_expert(layer, loads)
             tokens_per_expert: dict[int, int] = {}  # expert -> tokens routed to it, first-seen order
@@ -295,14 +308,16 @@ class SimExecutor:
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
-                                                        per_pair)
+                                                        per_pair, cost)
         pending += cost.head(head_rows)
         yield from host.gpu.use(pending)
 
-    def _streamed_pass(self, segment, pending: float, samples: int):
+    def _streamed_pass(self, segment, pending: float, samples: int, cost: CostModel | None = None):
         """The compute stream of one streamed step (module docstring) over segment = [(layer, loads, weighted
-        routes)] beside its copy lane (`_copy_lane`); `pending` GPU time queued before the first layer."""
-        host, cost, residency, c = self.host, self.cost, self.residency, self.counters
+        routes)] beside its copy lane (`_copy_lane`); `pending` GPU time queued before the first layer; `cost` as
+        in _lookup_pass (copies are the same in either model)."""
+        host, residency, c = self.host, self.residency, self.counters
+        cost = cost or self.cost
         spec, env = cost.spec, host.env
         experts = spec.num_experts
         # NOTE: the engine snapshots the residency as the step opens; nothing in the step changes it. Rounds are
@@ -368,10 +383,12 @@ class SimExecutor:
             yield from host.pcie.use(cost.transfer(rows))
             copied[k].succeed()
 
-    def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float, per_pair: bool = False):
+    def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float, per_pair: bool = False,
+                      cost: CostModel | None = None):
         """Looks the group up, copies its misses (once per distinct expert) and queues its GEMMs (weights
         read per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
-        host, cost, residency, c = self.host, self.cost, self.residency, self.counters
+        host, residency, c = self.host, self.residency, self.counters
+        cost = cost or self.cost
         lookup = residency.lookup(keys)
         misses = len(lookup.fills)
         c.expert_hits += len(lookup.hits)

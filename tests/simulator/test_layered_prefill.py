@@ -269,7 +269,7 @@ def test_the_mixed_command_refuses_a_kv_pool_that_cannot_hold_the_prompt_beside_
     results = json.loads(capsys.readouterr().out)
     assert [r["layered_prefill"] for r in results] == [False, True]
     assert all(not r["fits"] and "cannot hold" in r["reason"] for r in results)
-    assert results[0]["calibration"] == "h200_records_v5"
+    assert results[0]["calibration"] == "h200_records_v6"
     assert main(["mixed", "--layered-prefill", "maybe"]) == 2
     with pytest.raises(ValueError, match="stream_tokens"):
         MixedScenario(stream_tokens=64, warmup_tokens=16, baseline_tokens=64).check_valid()
