@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from domain.gap_stats import percentile
+
 
 @dataclass(frozen=True)
 class _Step:
@@ -25,16 +27,6 @@ class _Step:
     expert_misses: int
     host_seconds: float | None = None  # engine-thread time between this model call and the previous one
     prefill_work: bool = False  # the step computed prefill (tokens, or a layered chunk's later layer group)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class ServingStats:

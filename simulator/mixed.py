@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from domain.gap_stats import gap_figures, gaps_between
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
 from domain.prefix_store import snapshot_interval
@@ -69,33 +70,10 @@ class MixedScenario(StrictParams):
                              "the long prompt arrives")
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100), interpolated linearly between ranks; None for no values (the benchmark's)."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def gap_figures(gaps_s: list[float]) -> dict:
-    """count, p50, p99 and max of gaps given in seconds, in milliseconds (None without gaps)."""
-    ms = [g * 1e3 for g in gaps_s]
-    return {"count": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
-            "max_ms": max(ms) if ms else None}
 
 
-def gaps_between(times: list[float], start: float, end: float, *, overlapping: bool) -> list[float]:
-    """Gaps of consecutive arrivals: overlapping=True those that overlap [start, end] (later token after
-    start, earlier one before end); False those wholly inside it."""
-    pairs = zip(times, times[1:], strict=False)
-    if overlapping:
-        return [b - a for a, b in pairs if b > start and a < end]
-    return [b - a for a, b in pairs if a >= start and b <= end]
 
 
 def mixed_step_tokens(max_prefill_length: int, max_running: int, mixed_prefill_length: int | None = None) -> int:

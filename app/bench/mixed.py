@@ -37,6 +37,7 @@ from app.bench.context import Ctx
 from app.bench.figures import median
 from app.bench.prefill import calibrate, make_prompt
 from app.bench.target import BenchError
+from domain.gap_stats import gap_figures, gaps_between, percentile  # noqa: F401  (re-exported: tests, records)
 
 TARGET_GAP_P99_MS = 150.0  # issue 9
 GIB = 1 << 30
@@ -52,24 +53,8 @@ class _Broken(Exception):
     """A repeat cannot be measured (a stream ended or failed, a wait timed out); the message says why."""
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) of values, interpolated linearly between ranks; None for no values."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def gap_figures(gaps_s: list[float]) -> dict:
-    """count, p50, p99 and max of gaps given in seconds, in milliseconds (None without gaps)."""
-    ms = [g * 1e3 for g in gaps_s]
-    return {"count": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
-            "max_ms": max(ms) if ms else None}
 
 
 def arrivals(res: RequestResult) -> list[float]:
@@ -77,13 +62,6 @@ def arrivals(res: RequestResult) -> list[float]:
     return [res.sent_at + t for t in res.token_times]
 
 
-def gaps_between(times: list[float], start: float, end: float, *, overlapping: bool) -> list[float]:
-    """Gaps of consecutive arrivals: overlapping=True those that overlap [start, end] (later token after
-    start, earlier one before end); False those wholly inside it."""
-    pairs = zip(times, times[1:], strict=False)
-    if overlapping:
-        return [b - a for a, b in pairs if b > start and a < end]
-    return [b - a for a, b in pairs if a >= start and b <= end]
 
 
 async def _until(condition, streams: list[RequestResult], tasks: list[asyncio.Task], deadline: float,

@@ -37,7 +37,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.getcwd())
 
-from app.stats import percentile  # noqa: E402  (the repository root first)
+from domain.gap_stats import percentile  # noqa: E402  (the repository root first)
 
 PROMPT = "Count from 1 to 10"  # 18 byte tokens with the fake tokenizer: the ladder's 18-token prompt
 

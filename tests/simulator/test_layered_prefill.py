@@ -9,17 +9,19 @@ import pytest
 
 from app.bench import mixed as bench_mixed
 from domain.expert_parallel import ExpertPartition, plan_expert_parallel
+from domain.gap_stats import gap_figures, gaps_between, percentile
 from domain.kv_pages import PageAllocator
 from domain.ports import SequenceWork, StepBatch
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
 from domain.serve_plan import plan_serve_pools
+from simulator import mixed as sim_mixed
 from simulator.__main__ import main
 from simulator.cost_model import CostModel, CostParams
 from simulator.expert_parallel import ExchangeParams, ExpertParallelSimExecutor
 from simulator.hardware import HardwareProfile, get_profile
 from simulator.host import SimHost
-from simulator.mixed import MixedConfig, MixedScenario, gap_figures, gaps_between, percentile, predict_mixed
+from simulator.mixed import MixedConfig, MixedScenario, predict_mixed
 from simulator.predict import Deployment
 from simulator.routing import UniformRouting
 from simulator.sim_executor import SimExecutor
@@ -219,15 +221,17 @@ def test_the_real_scheduler_drives_layered_chunks_through_the_simulated_executor
 
 # ---- the mixed prediction ------------------------------------------------------------------------------------
 
-def test_the_gap_and_ttft_definitions_are_the_benchmarks():
+def test_the_gap_definitions_are_the_benchmarks():
+    # one definition (domain/gap_stats.py), which the benchmark and the prediction both use
+    assert (gaps_between, gap_figures) == (bench_mixed.gaps_between, bench_mixed.gap_figures) == (
+        sim_mixed.gaps_between, sim_mixed.gap_figures)
     times = [0.0, 0.01, 0.05, 0.07, 0.2, 0.21, 0.4]
-    for start, end in ((0.02, 0.2), (0.0, 0.4), (0.3, 0.5)):
-        for overlapping in (True, False):
-            assert gaps_between(times, start, end, overlapping=overlapping) == \
-                bench_mixed.gaps_between(times, start, end, overlapping=overlapping)
+    assert gaps_between(times, 0.02, 0.2, overlapping=True) == pytest.approx([0.04, 0.02, 0.13])
+    assert gaps_between(times, 0.02, 0.2, overlapping=False) == pytest.approx([0.02, 0.13])
     gaps = [0.013, 0.2, 0.004, 0.05, 0.05, 0.31]
-    assert gap_figures(gaps) == bench_mixed.gap_figures(gaps)
-    assert percentile([], 50) is None and percentile(gaps, 99) == bench_mixed.percentile(gaps, 99)
+    assert gap_figures(gaps) == {"count": 6, "p50_ms": pytest.approx(50.0), "p99_ms": pytest.approx(304.5),
+                                 "max_ms": pytest.approx(310.0)}
+    assert percentile([], 50) is None
 
 
 SLOW_LINK = HardwareProfile("slow-link", 1 << 40, 1e8, 1e12, 1e14)  # the copies dominate, as at 24 GiB
