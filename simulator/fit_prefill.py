@@ -36,7 +36,7 @@ from domain.request import SamplingParams
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import HardwareProfile, get_profile
 from simulator.host import SimHost
-from simulator.params import check_written
+from simulator.params import write_or_check
 from simulator.records import _get, _number
 from simulator.routing import make_routing
 from simulator.sim_executor import SimExecutor
@@ -249,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print_table(profile)
-    text = json.dumps(profile, indent=2) + "\n"
-    if args.check:
-        return check_written(text, args.out)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check(profile, args.out, args.check)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from domain.model_spec import ModelSpec, qwen36_35b_a3b
 from simulator.hardware import HardwareProfile, get_profile
-from simulator.params import check_written
+from simulator.params import write_or_check
 from simulator.predict import Deployment, Workload, predict_point
 from simulator.records import _get, _number
 from simulator.routing import make_routing
@@ -245,12 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print_table(profile)
-    text = json.dumps(profile, indent=2) + "\n"
-    if args.check:
-        return check_written(text, args.out)  # NOTE: floats to 1e-9: last digits follow the BLAS build
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check(profile, args.out, args.check)
 
 
 if __name__ == "__main__":

@@ -80,3 +80,14 @@ def check_written(text: str, path: Path) -> int:
     where = json_difference(json.loads(text), json.loads(path.read_text())) if path.is_file() else "no such file"
     print(f"{path}: up to date" if where is None else f"{path} differs from a fresh fit: {where}")
     return 0 if where is None else 1
+
+
+def write_or_check(profile: dict, path: Path, check: bool) -> int:
+    """A fit script's last step: with check, check_written (floats to 1e-9: last digits follow the BLAS build);
+    else write the profile's JSON to `path`. Returns the exit code."""
+    text = json.dumps(profile, indent=2) + "\n"
+    if check:
+        return check_written(text, path)
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
