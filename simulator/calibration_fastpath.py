@@ -47,7 +47,7 @@ from domain.model_spec import qwen36_35b_a3b
 from simulator.calibration import CALIBRATION_DIR, minimax_fit
 from simulator.cost_model import CostModel, CostParams, SequenceLoad
 from simulator.hardware import GB, HardwareProfile, get_profile
-from simulator.params import check_written
+from simulator.params import write_or_check
 from simulator.predict import Deployment, Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -262,18 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     fresh = build()
     fresh["name"] = args.out.stem
-    text = json.dumps(fresh, indent=2) + "\n"
     check = fresh["validation"]["procedure_check"]
     rows = [("run2", p) for p in fresh["validation"]["fitted"] + fresh["validation"]["held_out"]]
     rows += [("run1", p) for p in check["fitted"] + check["held_out"]]
     for run, p in rows:
         print(f"{run} {p['scenario']:>13} bs{p['batch']:<3} measured {p['measured_step_ms']:8.3f} ms "
               f"predicted {p['predicted_step_ms']:8.3f} ms ({p['step_error']:+.1%})")
-    if args.check:
-        return check_written(text, args.out)  # NOTE: floats to 1e-9: last digits follow the BLAS build
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    return write_or_check(fresh, args.out, args.check)
 
 
 if __name__ == "__main__":

@@ -320,9 +320,6 @@ class CudaGraphExecutor(ExecutorPools):
         """decode_step's replacement ids: the static table's first n rows (a graph captures that storage)."""
         self.model.replay_ids = self.replay_table.view(n) if self.replay_table is not None else None
 
-    def _is_graph_step(self, batch: StepBatch) -> bool:
-        return self._is_graph_works(batch.works)
-
     def _is_graph_works(self, works) -> bool:
         """Whether `works` run as one decode step (`_decode`: a captured graph on CUDA): one sampled token each,
         no more than the largest bucket, no layer group."""

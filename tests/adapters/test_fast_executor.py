@@ -82,7 +82,7 @@ def test_the_launch_hook_is_called_once_per_step_and_before_the_tokens_are_read_
     execute, tolist = fast.execute, torch.Tensor.tolist
 
     def traced_execute(batch):
-        trace.append("decode" if fast._is_graph_step(batch) else "prefill")
+        trace.append("decode" if fast._is_graph_works(batch.works) else "prefill")
         return execute(batch)
 
     def traced_tolist(self):
@@ -110,7 +110,7 @@ def test_a_decode_step_reads_its_tokens_and_the_expert_counters_back_in_one_copy
     seen: list[tuple[str, int, tuple[int, int]]] = []  # (step kind, reads in the step, counters it reported)
 
     def traced_execute(batch):
-        kind, before = "decode" if fast._is_graph_step(batch) else "prefill", len(reads)
+        kind, before = "decode" if fast._is_graph_works(batch.works) else "prefill", len(reads)
         out = execute(batch)
         in_step = len(reads) - before
         counters = fast.expert_counters()
