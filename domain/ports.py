@@ -106,6 +106,26 @@ class StepBatch:
         return sum(1 for w in self.works if _is_decode(w))
 
 
+def layer_group_problem(works: Sequence[SequenceWork], num_layers: int) -> str | None:
+    """Why the layered works among `works` (one step's) break SequenceWork's stateless layer-group contract, or
+    None: at most one, 0 <= first < end <= num_layers, no sample before the last layer, no restore after the first
+    group. Whether a later group continues the chunk an executor keeps is the executor's to check."""
+    layered = [w for w in works if w.layers is not None]
+    if not layered:
+        return None
+    if len(layered) > 1:
+        return f"{', '.join(w.request_id for w in layered)}: {len(layered)} layered works in one step (at most one)"
+    w = layered[0]
+    first, end = w.layers
+    if not 0 <= first < end <= num_layers:
+        return f"{w.request_id}: layer group {w.layers} outside 0 <= first < end <= {num_layers}"
+    if w.sample and end < num_layers:
+        return f"{w.request_id}: layer group {w.layers} samples before the last layer ({num_layers})"
+    if w.restore_from is not None and first > 0:
+        return f"{w.request_id}: layer group {w.layers} restores a snapshot (only the first group may)"
+    return None
+
+
 def _is_decode(work: SequenceWork) -> bool:
     # A decode feeds back the last sampled token: one token, after at least one output.
     # NOTE: a preempted request's one-token final re-prefill chunk also counts (same cost).

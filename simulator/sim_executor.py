@@ -56,7 +56,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from domain.ports import SampledToken, SequenceWork, StepBatch
+from domain.ports import SampledToken, SequenceWork, StepBatch, layer_group_problem
 from domain.residency import ExpertResidency
 from domain.routing_streams import StreamKeys
 from domain.streamed_prefill import plan_rounds, speculate_whole_layers, staging_buffers
@@ -140,25 +140,18 @@ class SimExecutor:
 
     def _check_layers(self, batch: StepBatch) -> None:
         """SequenceWork.layers' contract (ValueError, before the step runs); keeps track of the chunk part-way."""
-        grouped = [w for w in batch.works if w.layers is not None]
-        if not grouped:
+        w = batch.layered
+        if w is None:
             return
         num_layers = self.cost.spec.num_layers
-        if len(grouped) > 1:
-            raise ValueError(f"{len(grouped)} works carry layers in one step; at most one may")
-        w = grouped[0]
+        reason = layer_group_problem(batch.works, num_layers)
+        if reason is not None:
+            raise ValueError(reason)
         first, end = w.layers
-        if not 0 <= first < end <= num_layers:
-            raise ValueError(f"{w.request_id}: layers {w.layers} outside 0 <= first < end <= {num_layers}")
-        if end < num_layers and w.sample:
-            raise ValueError(f"{w.request_id}: group {w.layers} samples before the chunk's last layer")
         chunk = (w.request_id, w.start_position, len(w.token_ids))
-        if first > 0:
-            if self._kept != (*chunk, first):
-                raise ValueError(f"{w.request_id}: group {w.layers} at {w.start_position}+{len(w.token_ids)} "
-                                 f"continues no kept chunk (kept: {self._kept})")
-            if w.restore_from is not None:
-                raise ValueError(f"{w.request_id}: only a chunk's first group restores a snapshot")
+        if first > 0 and self._kept != (*chunk, first):
+            raise ValueError(f"{w.request_id}: group {w.layers} at {w.start_position}+{len(w.token_ids)} "
+                             f"continues no kept chunk (kept: {self._kept})")
         self._kept = None if end == num_layers else (*chunk, end)
 
     # ---- one step -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from domain.ports import SequenceWork, StepBatch
+from domain.ports import SequenceWork, StepBatch, layer_group_problem
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,7 @@ def _check_layers(layered: list[SequenceWork], num_layers: int | None) -> str | 
     """The reason the layered works of one step break SequenceWork's layer-group contract, or None."""
     if num_layers is None:
         return f"{layered[0].request_id}: layer group {layered[0].layers} on an executor that runs no layered works"
-    if len(layered) > 1:
-        return f"{', '.join(w.request_id for w in layered)}: {len(layered)} layered works in one step (at most one)"
-    w = layered[0]
-    first, end = w.layers
-    if not 0 <= first < end <= num_layers:
-        return f"{w.request_id}: layer group {w.layers} outside 0 <= first < end <= {num_layers}"
-    if w.sample and end < num_layers:
-        return f"{w.request_id}: layer group {w.layers} samples before the last layer ({num_layers})"
-    if w.restore_from is not None and first > 0:
-        return f"{w.request_id}: layer group {w.layers} restores a snapshot (only the first group may)"
-    return None
+    return layer_group_problem(layered, num_layers)
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:
