@@ -244,14 +244,18 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Bytes 0..255 as UTF-8, specials skipped; ids past the vocabulary (a model's padded rows) skipped
+        too (domain.ports.Tokenizer). ValueError for a negative id."""
         for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+            if i < 0:
+                raise ValueError(f"token id {i} is negative")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if token_id < 0:
+            raise ValueError(f"token id {token_id} is negative")
+        if token_id >= self.vocab_size:
+            return b""  # a model's padded row: no text
         return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
 
     def apply_chat_template(

@@ -276,6 +276,11 @@ class Tokenizer(Protocol):
     server refuse a prompt that cannot fit the context by its size, before tokenizing it.
     Optional ``token_bytes(token_id) -> bytes``: the token's own bytes (a byte-fallback token
     is one byte of a character, which decode can only show as U+FFFD).
+
+    NOTE: a model's vocabulary may be larger than its tokenizer's (Qwen3.5/3.6 have 248,320 output
+    rows for fewer tokenizer ids: padding for the GEMM tiles), and a model can sample or rank such a
+    row. decode skips an id the tokenizer has no token for (its text is "") and token_bytes gives b""
+    for it; neither raises for an id in [0, the model's vocab_size).
     """
 
     eos_token_ids: tuple[int, ...]

@@ -82,10 +82,11 @@ class HfTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes: byte-level BPE strings map back through GPT-2's byte alphabet,
-        SentencePiece byte fallbacks (<0xE2>) are that byte, added tokens are their text."""
+        SentencePiece byte fallbacks (<0xE2>) are that byte, added tokens are their text; b"" for an id
+        past the tokenizer's vocabulary (the model's padded rows, which decode also skips)."""
         token = self._tok.id_to_token(token_id)
-        if token is None:
-            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        if token is None:  # NOTE: a padded row of the model's vocabulary: no text (domain.ports.Tokenizer)
+            return b""
         if token_id in self._added_ids:
             return token.encode()
         if self._byte_level:

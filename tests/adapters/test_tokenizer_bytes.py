@@ -31,6 +31,15 @@ def test_token_bytes_agree_with_decode_and_byte_tokens_are_single_bytes(tok):
     assert b"".join(tok.token_bytes(t) for t in tok.encode("héllo ✓")) == "héllo ✓".encode()
 
 
+def test_ids_past_the_tokenizer_are_padded_model_rows_without_text(tok):
+    """Qwen3.6 has 248,320 output rows for fewer tokenizer ids; on the H200 a padded id in a logprobs stream
+    raised here and cut the stream (2026-12-05). Such an id has no text and no bytes (domain.ports.Tokenizer)."""
+    for padded in (tok.vocab_size, tok.vocab_size + 191):
+        assert tok.token_bytes(padded) == b""
+        assert tok.decode([padded]) == ""
+    assert tok.decode([*tok.encode("ab"), tok.vocab_size]) == "ab"
+
+
 def test_max_chars_per_token_bounds_every_encoding(tok):
     for text in ("a" * 5000, " " * 3000, "123 + 456 = 579\n" * 200, "ünïcödé " * 300):
         assert len(tok.encode(text)) >= len(text) / tok.max_chars_per_token

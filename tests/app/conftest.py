@@ -49,8 +49,8 @@ class SlowExecutor:
     rollback keep the freed pool "because the plan still names it" (the bug of issue 12 #1).
     ``fail_sampling_seed``: sampling a request with that seed fails for that request alone."""
 
-    def __init__(self, plan, delay: float = 0.0) -> None:
-        self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=TINY_SPEC.vocab_size,
+    def __init__(self, plan, delay: float = 0.0, vocab_size: int = TINY_SPEC.vocab_size) -> None:
+        self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=vocab_size,
                                   num_snapshot_slots=plan.snapshot_slots)
         self.delay = delay
         self.fail_resize_to: int | None = None

@@ -97,8 +97,9 @@ def test_tokenizer_round_trips_and_renders_chat():
     assert tok.decode(tok.encode("ab") + [256]) == "ab"  # special tokens are skipped
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt.endswith("<|im_start|>assistant\n") and "hi" in prompt
+    assert tok.decode([10_000]) == "" and tok.token_bytes(10_000) == b""  # a model's padded row: no text
     with pytest.raises(ValueError):
-        tok.decode([10_000])
+        tok.decode([-1])
 
 
 def test_metrics_sink_keeps_every_step():
