@@ -28,7 +28,7 @@ class ServeSettings:
     mixed_prefill_length: int | None = None
     # a step that carries decodes runs a long prompt as one chunk a layer group at a time (docs/adr/
     # 0024-layered-prefill.md): the streams' gap stays a mixed step's, the chunk's experts stream once
-    layered_prefill: bool = False
+    layered_prefill: bool = True
     # an idle engine's first step waits up to this long for the rest of a burst of requests (0: never);
     # domain/arrival_window.py, docs/adr/0021-arrival-window.md
     arrival_window_ms: float = DEFAULT_ARRIVAL_WINDOW_MS

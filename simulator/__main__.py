@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
                    help="as `ft serve --max-running-requests`: GDN state slots and the most requests running at "
                         "once; a larger batch queues (default: the calibration's; ft serve's 4 for the H200)")
+    p.add_argument("--layered-prefill", dest="serve_layered_prefill", choices=("on", "off"),
+                   help="as `ft serve --layered-prefill`: a long prompt beside decodes runs a layer group per step, "
+                        "and the plan holds its chunk's residual stream (ADR 0024). Default: the calibration's (off "
+                        "in every calibration so far: they were measured before ft serve turned it on)")
     p.add_argument("--cache-type", choices=("radix", "none"),
                    help="as `ft serve --cache-type`: radix plans 4 state snapshot slots per running request "
                         "(default: the calibration's; ft serve's radix for the H200)")
@@ -256,6 +260,8 @@ def deployment_from_args(deployment: Deployment, args, spec: ModelSpec | None = 
         changes["state_slots"] = args.max_running_requests
     if args.staging_experts is not None:
         changes["staging_experts"] = None if args.staging_experts == "auto" else args.staging_experts
+    if getattr(args, "serve_layered_prefill", None) is not None:  # predict's flag (mixed runs both modes itself)
+        changes["layered_prefill"] = args.serve_layered_prefill == "on"
     return deployment.replace(**changes) if changes else deployment
 
 

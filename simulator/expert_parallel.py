@@ -218,7 +218,8 @@ def predict_expert_parallel(spec: ModelSpec, model_name: str, hardware: Hardware
     result.expert_slots, result.residency, result.state_slots = plan.expert_slots, plan.residency, plan.shared.state_slots
     executor = ExpertParallelSimExecutor(CostModel(spec, hardware, cost), routing, plan, exchange)
     stats = run_workload(executor, plan.shared, workload, batch, spec.max_context, check=check,
-                         mixed_step_tokens=mixed)
+                         mixed_step_tokens=mixed, layered_prefill=deployment.layered_prefill,
+                         num_layers=spec.num_layers)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds

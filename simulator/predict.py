@@ -82,6 +82,10 @@ class Deployment(StrictParams):
     # prompt resumes from its deepest cached snapshot and prefills only the rest. False: every prompt is
     # prefilled from position 0 (the simulator before 2026-12-04 session 21; files without the field).
     simulate_prefix_cache: bool = False
+    # --layered-prefill: the scheduler runs a long chunk beside decodes a layer group per step, and the plan holds
+    # the chunk's residual stream beside the pools (ADR 0024). ft serve's default is on since 2026-12-05 (session
+    # 23); False for files without the field (every calibration so far was measured with it off)
+    layered_prefill: bool = False
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
@@ -94,8 +98,9 @@ class Deployment(StrictParams):
         require_positive(self, "fixed_bytes", allow_zero=True)
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
-        if not isinstance(self.simulate_prefix_cache, bool):
-            raise ValueError("Deployment.simulate_prefix_cache must be a bool")
+        for name in ("simulate_prefix_cache", "layered_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Deployment.{name} must be a bool")
         if self.prefill_kernels not in PREFILL_KERNELS:
             raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
                              f"got {self.prefill_kernels!r}")
@@ -121,8 +126,10 @@ class Deployment(StrictParams):
                              f"and <= --max-prefill-length ({self.max_prefill_length})")
         return self.max_prefill_length, mixed
 
-    def budget(self, spec: ModelSpec, hardware: HardwareProfile, layered_prefill: bool = False) -> GpuBudget:
-        """layered_prefill: `ft serve --layered-prefill on` also holds the chunk kept between layer groups."""
+    def budget(self, spec: ModelSpec, hardware: HardwareProfile, layered_prefill: bool | None = None) -> GpuBudget:
+        """layered_prefill (None: the deployment's): `ft serve --layered-prefill on` also holds the chunk kept
+        between layer groups."""
+        layered_prefill = self.layered_prefill if layered_prefill is None else layered_prefill
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
         budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
@@ -203,9 +210,10 @@ class RunStats:
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
-                    page_size: int = 16, layered_prefill: bool = False) -> ServePlan | str:
+                    page_size: int = 16, layered_prefill: bool | None = None) -> ServePlan | str:
     """The server's plan for this point (domain.serve_plan: the defaults it drops and why included), or
-    why it cannot run. layered_prefill: as `ft serve --layered-prefill on` (its kept chunk beside the pools)."""
+    why it cannot run. layered_prefill: as `ft serve --layered-prefill on` (its kept chunk beside the pools);
+    None: the deployment's."""
     bank = spec.total_experts * spec.expert_bytes()
     if bank > hardware.host_ram_bytes:
         return (f"expert bank needs {bank / GIB:.1f} GiB of host RAM, "
@@ -233,32 +241,37 @@ def plan_summary(plan: PoolPlan) -> dict:
 
 
 def scheduler_config(plan: PoolPlan, workload: Workload, max_context: int, prefix_cache: bool = False,
-                     linear_state: bool = True, mixed_step_tokens: int | None = None) -> SchedulerConfig:
+                     linear_state: bool = True, mixed_step_tokens: int | None = None,
+                     layered_prefill: bool = False, num_layers: int = 1) -> SchedulerConfig:
     """The simulated scheduler's configuration, as app/containers.py `_scheduler_config` configures `ft serve`'s:
     at most the plan's state slots run (the rest of a batch queues; the benchmark's per-request time counts from
     the arrival, queueing included), the workload's max_step_tokens for a step alone and `mixed_step_tokens` for
     a step that carries decodes (None: one budget; predict_point passes Deployment.step_budgets), the plan's
     page size. prefix_cache: the radix prefix cache over the plan's snapshot slots (Deployment.
-    simulate_prefix_cache; ft serve runs it whenever --cache-type radix)."""
+    simulate_prefix_cache; ft serve runs it whenever --cache-type radix). layered_prefill, num_layers: as
+    `--layered-prefill on` over the model's layers (Deployment.layered_prefill)."""
     max_step = max(workload.max_step_tokens, plan.state_slots)
     mixed = None if mixed_step_tokens is None else min(max_step, max(mixed_step_tokens, plan.state_slots))
     return SchedulerConfig(max_running=plan.state_slots, max_step_tokens=max_step, mixed_step_tokens=mixed,
                            page_size=plan.page_size, max_context=max_context, prefix_cache=prefix_cache,
                            snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
-                           linear_state=linear_state)
+                           linear_state=linear_state, layered_prefill=layered_prefill, num_layers=num_layers)
 
 
 def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
                  max_context: int, check: bool = False, prefix_cache: bool = False,
-                 linear_state: bool = True, mixed_step_tokens: int | None = None) -> RunStats:
+                 linear_state: bool = True, mixed_step_tokens: int | None = None, layered_prefill: bool = False,
+                 num_layers: int = 1) -> RunStats:
     """Drives the domain scheduler with the simulated executor through the benchmark method.
 
     prefix_cache: the scheduler runs the radix prefix cache over the plan's snapshot slots (as `ft serve
     --cache-type radix`; linear_state: the model has linear-attention state, so a match needs a snapshot).
     Each round's requests reach the scheduler CostParams.request_overhead_s after they are sent (served over
-    HTTP); their times to first token and lifetimes count from the send."""
+    HTTP); their times to first token and lifetimes count from the send. layered_prefill, num_layers: as
+    scheduler_config."""
     host = executor.host
-    config = scheduler_config(plan, workload, max_context, prefix_cache, linear_state, mixed_step_tokens)
+    config = scheduler_config(plan, workload, max_context, prefix_cache, linear_state, mixed_step_tokens,
+                              layered_prefill, num_layers)
     scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
                           plan.snapshot_slots if prefix_cache else 0)
     overhead = executor.cost.request_overhead(executor.via_server)
@@ -376,7 +389,8 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                            staging_experts=plan.staging_experts)
     prefix_cache = deployment.simulate_prefix_cache and deployment.cache_type == "radix"
     stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check, prefix_cache=prefix_cache,
-                         linear_state=spec.linear_state_bytes_per_sequence() > 0, mixed_step_tokens=mixed)
+                         linear_state=spec.linear_state_bytes_per_sequence() > 0, mixed_step_tokens=mixed,
+                         layered_prefill=deployment.layered_prefill, num_layers=spec.num_layers)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds
@@ -402,9 +416,11 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         result.extra["ttft_prompt_s"] = None
         result.extra["ttft_prompt_reason"] = stats.ttft_probe_refused
     result.simulated_s = executor.host.now()
-    budgets = scheduler_config(plan, workload, spec.max_context, mixed_step_tokens=mixed)
+    budgets = scheduler_config(plan, workload, spec.max_context, mixed_step_tokens=mixed,
+                               layered_prefill=deployment.layered_prefill, num_layers=spec.num_layers)
     result.extra["scheduler"] = {"max_step_tokens": budgets.max_step_tokens,
-                                 "mixed_step_tokens": budgets.mixed_step_tokens}
+                                 "mixed_step_tokens": budgets.mixed_step_tokens,
+                                 "layered_prefill": budgets.layered_prefill}
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,
                               "output_tokens": stats.output_tokens}

@@ -50,7 +50,9 @@ class SlowExecutor:
     ``fail_sampling_seed``: sampling a request with that seed fails for that request alone."""
 
     def __init__(self, plan, delay: float = 0.0, vocab_size: int = TINY_SPEC.vocab_size) -> None:
+        # NOTE: the spec's layers, which the scheduler divides into layer groups (--layered-prefill, on by default)
         self.inner = FakeExecutor(plan.page_size, plan.kv_pages, plan.state_slots, vocab_size=vocab_size,
+                                  num_layers=TINY_SPEC.num_layers,
                                   num_snapshot_slots=plan.snapshot_slots)
         self.delay = delay
         self.fail_resize_to: int | None = None

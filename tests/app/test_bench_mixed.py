@@ -82,7 +82,7 @@ def test_the_target_is_claimed_only_for_a_run_of_its_scenario():
 @pytest.fixture(scope="module")
 def server():
     settings = ServeSettings(port=0, device="cpu", max_running_requests=4, max_prefill_length=1024,
-                             mixed_prefill_length=MIXED)
+                             mixed_prefill_length=MIXED, layered_prefill=False)
     running = RunningServer(Container(), settings).start(wait_ready=120)
     yield running
     running.stop()

@@ -46,7 +46,9 @@ def test_the_scheduler_gets_both_budgets():
 
 
 def test_the_budget_holds_the_largest_steps_activations_outside_the_pools():
-    settings = ServeSettings(gpu_budget_gib=1.0, kv_tokens=1024, moe_slots=8, max_prefill_length=4096)
+    # layered prefill off: its kept chunk, also held there, is the next test's
+    settings = ServeSettings(gpu_budget_gib=1.0, kv_tokens=1024, moe_slots=8, max_prefill_length=4096,
+                             layered_prefill=False)
     budget = _budget(settings, TINY_SPEC, "cpu")
     step = min(4096, 4 * TINY_SPEC.max_context)
     assert budget.fixed_bytes == step_activation_bytes(TINY_SPEC, step, 4, dtype_bytes=4) > 0  # fp32 on the CPU
@@ -73,11 +75,12 @@ def test_a_step_size_the_budget_cannot_hold_is_refused_by_name():
 
 
 def test_layered_prefill_reaches_the_scheduler_and_its_kept_chunk_is_reserved():
-    """--layered-prefill (docs/adr/0024-layered-prefill.md): off by default; on, the scheduler gets it with the
-    model's layer count, and the residual stream a chunk keeps between its groups is held beside the pools."""
-    assert ServeSettings().layered_prefill is False
-    off = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024)
-    on = replace(off, layered_prefill=True)
+    """--layered-prefill (docs/adr/0024-layered-prefill.md): on by default since the H200 measured it (session 23);
+    on, the scheduler gets it with the model's layer count, and the residual stream a chunk keeps between its
+    groups is held beside the pools."""
+    assert ServeSettings().layered_prefill is True
+    on = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024)
+    off = replace(on, layered_prefill=False)
     plan = _pool_plan(on, TINY_SPEC, _budget(on, TINY_SPEC, "cpu"))
     config = _scheduler_config(on, TINY_SPEC, plan, ())
     assert (config.layered_prefill, config.num_layers) == (True, TINY_SPEC.num_layers)

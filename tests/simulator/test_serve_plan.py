@@ -178,10 +178,10 @@ def test_unset_flags_keep_the_calibrations_deployment_and_set_ones_mean_what_ft_
     args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", "m", "--kv", "8k",
                                       "--gpu-budget-gib", "24", "--memory-ratio", "0.8", "--max-running-requests",
                                       "6", "--cache-type", "none", "--snapshot-slots", "0", "--staging-experts",
-                                      "auto", "--prefill-kernels", "triton"])
+                                      "auto", "--prefill-kernels", "triton", "--layered-prefill", "on"])
     got = deployment_from_args(base.replace(staging_experts=8, pool_bytes=1 << 30), args)
     assert got == base.replace(gpu_budget_bytes=24 * 2**30, memory_ratio=0.8, state_slots=6, cache_type="none",
-                               snapshot_slots=0, staging_experts=None, prefill_kernels="triton")
+                               snapshot_slots=0, staging_experts=None, prefill_kernels="triton", layered_prefill=True)
     args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", "m", "--kv", "8k",
                                       "--state-slots", "3", "--staging-experts", "0"])
     assert deployment_from_args(base, args) == base.replace(state_slots=3, staging_experts=0)
@@ -242,7 +242,8 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
                             state_slots=settings.max_running_requests, expert_slots=settings.moe_slots,
                             cache_type=settings.cache_type, snapshot_slots=settings.snapshot_slots,
                             staging_experts=settings.staging_experts,
-                            prefill_kernels=planned_prefill(settings, spec, "cuda").kernels)
+                            prefill_kernels=planned_prefill(settings, spec, "cuda").kernels,
+                            layered_prefill=settings.layered_prefill)
     assert serve_pools(settings, spec, "cuda") == deployment.pools(settings.kv_tokens)
     try:
         served = _pool_plan(settings, spec, budget, "cuda")

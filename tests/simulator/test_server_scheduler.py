@@ -25,15 +25,20 @@ from tests.simulator.conftest import tiny_spec
     ["--max-prefill-length", "256"],  # below the 512 default: the mixed budget is bounded by it
     ["--max-prefill-length", "4096", "--mixed-prefill-length", "1024"],
     ["--max-running-requests", "8", "--mixed-prefill-length", "8"],
+    ["--layered-prefill", "off"],
 ])
 def test_the_simulated_scheduler_has_the_servers_budgets_for_the_same_flags(flags):
     """Differential: `ft serve FLAGS`'s scheduler (app/containers.py) against predict's for the same flags, on a
     fluxtide calibration whose workload step (2,048) differs from ft serve's default (8,192)."""
     spec = tiny_spec()
     names = {"--max-running-requests": "max_running_requests", "--max-prefill-length": "max_prefill_length",
-             "--mixed-prefill-length": "mixed_prefill_length"}
-    settings = ServeSettings(**{names[f]: int(v) for f, v in zip(flags[::2], flags[1::2], strict=True)})
-    args = build_parser().parse_args(["predict", "--hardware", "rtx3090", "--model", "m", "--kv", "4096", *flags])
+             "--mixed-prefill-length": "mixed_prefill_length", "--layered-prefill": "layered_prefill"}
+    settings = ServeSettings(**{names[f]: v == "on" if f == "--layered-prefill" else int(v)
+                                for f, v in zip(flags[::2], flags[1::2], strict=True)})
+    # the calibrations were measured with layered prefill off (their deployment's default); ft serve's is on
+    layered = [] if "--layered-prefill" in flags else ["--layered-prefill", "on"]
+    args = build_parser().parse_args(["predict", "--hardware", "rtx3090", "--model", "m", "--kv", "4096", *flags,
+                                      *layered])
     calibration = Calibration.resolve("h200_v2")
     assert Workload.from_dict(calibration.workload).max_step_tokens == 2048
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
@@ -42,8 +47,11 @@ def test_the_simulated_scheduler_has_the_servers_budgets_for_the_same_flags(flag
     workload = Workload.from_dict(calibration.workload)
     max_step, mixed = deployment.step_budgets(workload.max_step_tokens, args.mixed_prefill_length)
     simulated = scheduler_config(plan, workload.replace(max_step_tokens=max_step), spec.max_context,
-                                 mixed_step_tokens=mixed)
-    for name in ("max_running", "max_step_tokens", "mixed_step_tokens", "page_size", "max_context"):
+                                 mixed_step_tokens=mixed, layered_prefill=deployment.layered_prefill,
+                                 num_layers=spec.num_layers)
+    assert deployment.layered_prefill is settings.layered_prefill  # on by default in both (ADR 0024)
+    for name in ("max_running", "max_step_tokens", "mixed_step_tokens", "page_size", "max_context", "layered_prefill",
+                 "num_layers"):
         assert getattr(simulated, name) == getattr(served, name), name
 
 
@@ -72,8 +80,10 @@ def _long_prompt_point(mixed_prefill_length=None):
 
 def test_a_prompt_admitted_beside_decodes_runs_in_the_mixed_budget():
     default, single = _long_prompt_point(), _long_prompt_point(mixed_prefill_length=1024)
-    assert default.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 512}
-    assert single.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 1024}
+    assert default.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 512,
+                                          "layered_prefill": False}
+    assert single.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 1024,
+                                         "layered_prefill": False}
     assert default.extra["window"]["steps"] == single.extra["window"]["steps"] + 1
     assert default.extra["window"]["output_tokens"] == single.extra["window"]["output_tokens"] == 16
 
@@ -82,9 +92,11 @@ def test_predict_reports_the_budgets_it_ran(tmp_path, capsys):
     argv = ["predict", "--hardware", "rtx3090", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k", "--workers", "1",
             "--json", "--routing", "uniform"]
     assert main(argv) == 0
-    assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 8192, "mixed_step_tokens": 512}
+    assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 8192, "mixed_step_tokens": 512,
+                                                                  "layered_prefill": False}
     assert main([*argv, "--calibration", "rtx3090_v2"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 2048, "mixed_step_tokens": 2048}
+    assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 2048, "mixed_step_tokens": 2048,
+                                                                  "layered_prefill": False}
     assert main([*argv, "--mixed-prefill-length", "2"]) == 2  # below --max-running-requests (4): refused
     assert "--mixed-prefill-length (2)" in capsys.readouterr().err
 
