@@ -27,7 +27,9 @@ from app.api.generation import (
     collect,
     event_error,
     events_until_finished,
+    guard_stream,
     max_tokens_of,
+    openai_sse_error,
     raise_if_failed,
     reject_unsupported,
     require_engine,
@@ -197,7 +199,9 @@ async def chat_completions(request: Request) -> Response | Stream:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            _sse(engine, request_id, events, created, model, include_usage, prompt.parser),
+            guard_stream(engine, request_id,
+                         _sse(engine, request_id, events, created, model, include_usage, prompt.parser),
+                         openai_sse_error),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -253,8 +257,8 @@ async def _sse(engine: Engine, request_id: str, events, created: int, model: str
     yield chunk({"role": "assistant", "content": ""})
     async for event in events_until_finished(engine, request_id, events):
         if (error := event_error(event)) is not None:
-            yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
-            break
+            yield openai_sse_error(error)
+            return
         delta = _delta(parser.feed(event.text) + (parser.finish() if event.finish_reason is not None else []))
         if delta or event.logprobs:
             yield chunk(delta or {"content": ""}, logprobs=_logprobs(engine, event))

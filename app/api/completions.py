@@ -15,7 +15,9 @@ from app.api.generation import (
     collect,
     event_error,
     events_until_finished,
+    guard_stream,
     max_tokens_of,
+    openai_sse_error,
     raise_if_failed,
     reject_unsupported,
     require_engine,
@@ -112,7 +114,8 @@ async def completions(request: Request) -> Response | Stream:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Stream(
-            _sse(engine, request_id, events, created, model, include_usage, offsets),
+            guard_stream(engine, request_id, _sse(engine, request_id, events, created, model, include_usage, offsets),
+                         openai_sse_error),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -155,8 +158,8 @@ async def _sse(engine, request_id, events, created, model, include_usage, offset
 
     async for event in events_until_finished(engine, request_id, events):
         if (error := event_error(event)) is not None:
-            yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
-            break
+            yield openai_sse_error(error)
+            return
         if event.text or event.logprobs or event.finish_reason:
             choice = {
                 "index": 0,

@@ -1,14 +1,17 @@
-"""Shared by the chat and completions routes: readiness, parameter validation, sampling
-defaults, submission to the engine, and the event stream that aborts when the client leaves."""
+"""Shared by the generation routes: readiness, parameter validation, sampling defaults, submission
+to the engine, the event stream that aborts when the client leaves, and the guard that ends a
+stream with an error event when formatting it fails."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
+import msgspec
 from litestar import Request
 
-from app.api.errors import OpenAIError, bad_value, service_unavailable, unsupported
+from app.api.errors import OpenAIError, bad_value, log, service_unavailable, unsupported
 from app.api.schemas import _Sampling
 from app.engine import Engine, RequestRejected
 from app.reasoning import ThinkingPlan
@@ -180,6 +183,32 @@ async def events_until_finished(engine: Engine, request_id: str, events: asyncio
     finally:
         if not finished:
             engine.abort(request_id)
+
+
+async def guard_stream(engine: Engine, request_id: str, stream: AsyncGenerator[bytes, None],
+                       final: Callable[[OpenAIError], bytes]) -> AsyncIterator[bytes]:
+    """Yield ``stream``'s frames; if it raises, log the failure once and end with ``final(error)``: the API's
+    own error event (and terminator), for a 500 naming only the exception's class.
+
+    NOTE: an exception out of a Stream's iterator makes Litestar drop the connection mid-body: on a GPU run a
+    failing logprobs lookup left the client with "incomplete chunked read", no error event, and an
+    ExceptionGroup in the log. The request is aborted here at once (the events generator nested in ``stream``
+    would abort it only once its finalizer runs). A client gone (CancelledError, GeneratorExit) is no Exception:
+    it passes through, and ``stream`` is closed either way so its own cleanup runs."""
+    try:
+        async with contextlib.aclosing(stream):
+            async for frame in stream:
+                yield frame
+    except Exception as exc:
+        log.exception("stream %s failed", request_id)
+        engine.abort(request_id)  # a no-op if it already finished
+        yield final(OpenAIError(500, f"internal server error while streaming ({type(exc).__name__})",
+                                type="server_error", code="internal_error"))
+
+
+def openai_sse_error(error: OpenAIError) -> bytes:
+    """The end of a Chat Completions or Completions stream that failed: the error object, then [DONE]."""
+    return b"data: " + msgspec.json.encode(error.body()) + b"\n\ndata: [DONE]\n\n"
 
 
 async def collect(request: Request, engine: Engine, request_id: str, events: asyncio.Queue) -> list[StreamEvent]:

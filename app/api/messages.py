@@ -30,6 +30,7 @@ from app.api.generation import (
     collect,
     event_error,
     events_until_finished,
+    guard_stream,
     raise_if_failed,
     require_engine,
     runtime_of,
@@ -271,7 +272,8 @@ async def messages(request: Request) -> Response | Stream:
     events = submit(engine, message_id, prompt.ids, sampling, stop, prompt.thinking)
     model = runtime.model.served_name
     if body.stream:
-        return Stream(_sse(engine, message_id, events, model, prompt.parser, len(prompt.ids)),
+        stream = _sse(engine, message_id, events, model, prompt.parser, len(prompt.ids))
+        return Stream(guard_stream(engine, message_id, stream, _error_event),
                       media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collected = await collect(request, engine, message_id, events)
     last = collected[-1]
@@ -325,6 +327,11 @@ def _event(name: str, data: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode({"type": name, **data}) + b"\n\n"
 
 
+def _error_event(error: OpenAIError) -> bytes:
+    """How a stream that failed ends: Anthropic's error event (and nothing after it)."""
+    return _event("error", {"error": _error_body(error)["error"]})
+
+
 async def _sse(engine: Engine, message_id: str, events, model: str, parser: OutputParser, prompt_tokens: int):
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -361,7 +368,7 @@ async def _sse(engine: Engine, message_id: str, events, model: str, parser: Outp
 
     async for event in events_until_finished(engine, message_id, events):
         if (error := event_error(event)) is not None:  # the status the whole answer would carry, so one type
-            yield _event("error", {"error": _error_body(error)["error"]})
+            yield _error_event(error)
             return
         for frame in frames(parser.feed(event.text) + (parser.finish() if event.finish_reason else [])):
             yield frame

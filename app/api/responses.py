@@ -27,13 +27,14 @@ from app.api.agent import (
     template_kwargs_of,
     thinking_budget,
 )
-from app.api.errors import bad_value, unsupported
+from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
     collect,
     event_error,
     events_until_finished,
+    guard_stream,
     raise_if_failed,
     require_engine,
     runtime_of,
@@ -294,7 +295,9 @@ async def responses(request: Request) -> Response | Stream:
         "truncation": "disabled", "usage": None, "metadata": body.metadata or {},
     }
     if body.stream:
-        return Stream(_sse(engine, response_id, events, prompt.parser, shell), media_type="text/event-stream",
+        items = OutputItems()  # shared with the failure frames: their sequence numbers go on from the stream's
+        return Stream(guard_stream(engine, response_id, _sse(engine, response_id, events, prompt.parser, shell, items),
+                                   lambda error: _failed(items, shell, error)), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collected = await collect(request, engine, response_id, events)
     raise_if_failed(collected[-1])
@@ -319,18 +322,21 @@ def _frame(event: dict) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
-async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, shell: dict):
-    items = OutputItems()
+def _failed(items: OutputItems, shell: dict, error: OpenAIError) -> bytes:
+    """How a stream that failed ends: an error event, then response.failed whose error carries the same code
+    (and type) as the error event and the whole answer (a 400 request_too_large stays that, not server_error),
+    so a client reading only the final event knows."""
+    failed = {**shell, "status": "failed", "error": {"code": error.code, "message": error.message, "type": error.type}}
+    return (_frame(items.event("error", code=error.code, message=error.message, param=None))
+            + _frame(items.event("response.failed", response=failed)))
+
+
+async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, shell: dict, items: OutputItems):
     yield _frame(items.event("response.created", response=shell))
     yield _frame(items.event("response.in_progress", response=shell))
     async for event in events_until_finished(engine, response_id, events):
         if (error := event_error(event)) is not None:  # the code the whole answer would carry
-            yield _frame(items.event("error", code=error.code, message=error.message, param=None))
-            # NOTE: the response's error carries the same code (and type) as the error event and the whole answer
-            # (a 400 request_too_large stays that, not server_error), so a client reading only the final event knows
-            failed = {**shell, "status": "failed",
-                      "error": {"code": error.code, "message": error.message, "type": error.type}}
-            yield _frame(items.event("response.failed", response=failed))
+            yield _failed(items, shell, error)
             return
         pieces = parser.feed(event.text) + (parser.finish() if event.finish_reason else [])
         for piece in pieces:
