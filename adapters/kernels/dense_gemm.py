@@ -9,6 +9,18 @@ to F.linear. Each program owns a [BLOCK_M, BLOCK_N] tile of y and runs BLOCK_K =
 (one block-FP8 scale per step), fp32 accumulation, operands in x.dtype (weights converted in registers:
 exactly, see dequant_tile.py). Programs are ordered in groups of GROUP_M row tiles so a weight tile is
 reused from L2 by the row tiles that need it. Small M (decode) belongs to dense_gemv.
+
+W_LHS (constexpr; bf16/fp16 activations only, never the A8 path): the program computes the transposed tile
+acc_t [BLOCK_N, BLOCK_M] = w @ x^T with the converted weight tile as the dot's LEFT operand and stores it
+transposed (the same y). Why: as the right operand, Triton writes the converted tile back to shared memory for
+the sm_90 wgmma and waits for each wgmma at once (and block FP8's per-step `dot * scale` forces that wait too);
+as the left operand the tile stays in registers (the wgmma A operand) and each wgmma is waited for one K step
+later, so the tensor cores overlap the next step's loads and conversion (compile evidence:
+docs/prefill-kernels.md, "Weight as the left operand"). It also gives small BLOCK_M a wgmma (BLOCK_N is its M).
+Numerics: under W_LHS the block-FP8 scale is folded into the tile in fp32 before the cast to x.dtype, i.e. the
+weight is rounded once to x.dtype exactly as the reference dequantizes it (quant.py `_dequant_cols`, what qlinear
+multiplies by); the other formats' tiles and row scales are the same in both arrangements. The autotuner tries
+W_LHS_TILES next to TUNE_TILES; fixed-tile launches (the interpreter) take w_lhs=False unless asked.
 """
 
 from __future__ import annotations
@@ -22,15 +34,20 @@ from adapters.kernels.act_quant_fp8 import GROUP as A8_GROUP
 from adapters.kernels.act_quant_fp8 import Fp8Rows
 from adapters.kernels.dequant_tile import (
     A8_FORMATS,
+    W_LHS_TUNING,
     a8_dot_step,
     block_scale,
+    check_w_lhs,
     dot_modes,
     dot_step,
+    dot_step_t,
     fp8_rows,
     fp8_tile,
     prune_tiles,
     row_scale,
+    row_scale_t,
     w_tile,
+    w_tile_folded,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 from domain.model_spec import WeightFormat
@@ -45,8 +62,10 @@ SUPPORTED = tuple(f for f in FORMAT_CODES if f != WeightFormat.BF16)
 def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, stride_xm, stride_ym,
                        N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
                        F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_LHS: tl.constexpr):
     # M_BUCKET: only an autotune key (a power of two near M), so a new prompt length does not re-tune
+    # W_LHS: the transposed tile acc_t [BN, BM] with the weight as the dot's left operand (module docstring)
+    tl.static_assert(not (W_LHS and A8), "W_LHS is the bf16/fp16-activation path")
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -59,7 +78,10 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_LHS:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         s = 1.0
@@ -74,11 +96,21 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
         else:
             a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-            w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
-            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
-    acc = row_scale(acc, s_ptr, g_ptr, n, N, FMT)
-    tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (n < N)[None, :])
+            if W_LHS:  # block-FP8 scale folded into the tile: no per-step product on the dot's result
+                w = w_tile_folded(w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
+                                  x_ptr.dtype.element_ty)  # [BN, BK]
+                acc_t = dot_step_t(acc_t, a, w, F32_DOT, PRECISION)  # [BN, BM]
+            else:
+                w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
+                acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+    if W_LHS:
+        acc_t = row_scale_t(acc_t, s_ptr, g_ptr, n, N, FMT)  # [BN, BM]
+        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + n[:, None], acc_t.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & (n < N)[:, None])
+    else:
+        acc = row_scale(acc, s_ptr, g_ptr, n, N, FMT)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & (n < N)[None, :])
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), measured per (M bucket, N, K, format, x dtype) on CUDA before use;
@@ -89,17 +121,30 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
 TUNE_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
               (16, 128, 4, 4), (16, 64, 4, 5), (16, 32, 4, 6), (16, 16, 4, 8))  # narrow N: more programs at small M
 FMA_TILES = ((16, 16, 4, 3), (16, 32, 4, 3), (16, 64, 8, 3), (32, 32, 8, 3))
+# W_LHS_TILES: tensor-core tiles computed transposed, the weight tile the wgmma A operand (module docstring):
+# BLOCK_N >= 64 (the wgmma M), any BLOCK_M as its N. Tried next to TUNE_TILES (config kwarg W_LHS; a separate
+# list because scripts unpack TUNE_TILES as 4-tuples); never for fp32 (FMA) or e4m3 (A8) activations.
+W_LHS_TILES = ((128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (32, 128, 4, 4), (16, 128, 4, 4))
+
+
+def tune_configs(w_lhs: bool = W_LHS_TUNING) -> list:
+    """The autotuned configs: TUNE_TILES and FMA_TILES, and the W_LHS_TILES when w_lhs (by default only with
+    FLUXTIDE_PREFILL_W_LHS=1: dequant_tile.W_LHS_TUNING)."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8, "W_LHS": lhs},
+                          num_warps=w, num_stages=st)
+            for tiles, lhs in ((TUNE_TILES + FMA_TILES, False), (W_LHS_TILES if w_lhs else (), True))
+            for bm, bn, w, st in tiles]
 
 
 def _prune(configs, named_args, **kwargs):
     """early_config_prune: dequant_tile.prune_tiles for this call's shape (M bucket, N, K, format, dot mode)."""
     return prune_tiles(configs, set(FMA_TILES), fma=kwargs["PRECISION"] == "ieee", fmt=kwargs["FMT"],
-                       block_m=None, n_cols=kwargs["N"], k_cols=kwargs["K"], m_cap=named_args["M_BUCKET"])
+                       block_m=None, n_cols=kwargs["N"], k_cols=kwargs["K"], m_cap=named_args["M_BUCKET"],
+                       a8=bool(kwargs.get("A8", False)))
 
 
 _TUNED = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8}, num_warps=w,
-                           num_stages=st) for bm, bn, w, st in TUNE_TILES + FMA_TILES],
+    configs=tune_configs(),
     key=["M_BUCKET", "N", "K", "FMT", "A8"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # a restart on this machine reads the tunings from Triton's cache dir
@@ -146,7 +191,7 @@ def out_buffer(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, dev
 
 def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None = None, block_m: int | None = None,
                block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, w_lhs: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32 accumulation.
 
     x may be Fp8Rows (act_quant_fp8) for an FP8 block/tensor/channel weight: the W8A8 path, e4m3 x e4m3
@@ -157,6 +202,9 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
     place. block_m/block_n: a fixed tile (powers of two, 16 <= block_m, 16 <= block_n <= 128); None: on
     CUDA the measured best tile for this shape (triton.autotune), elsewhere 16 x 64. num_warps/num_stages:
     the fixed tile's launch options (num_stages None: Triton's default); ignored when autotuned.
+    w_lhs: compute the tile transposed, the weight as the dot's left operand (module docstring; not with
+    Fp8Rows); True always launches a fixed tile (the defaults above when block_m/block_n are None); the
+    autotuner (w_lhs False, no tile given) measures both arrangements itself.
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, bad tiles.
     """
     check_weight(q, "dense_gemm")
@@ -176,6 +224,7 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
             raise ValueError(f"dense_gemm: {name}={block} must be a power of two >= 16")
     if block_n is not None and block_n > 128:
         raise ValueError(f"dense_gemm: block_n={block_n} must be <= 128 (one block-FP8 scale per tile)")
+    check_w_lhs(w_lhs, a8, block_n, "dense_gemm")
     m, (n, k) = x.shape[0], q.shape
     out = out_buffer(out, m, n, out_dtype if a8 else x.dtype, xq.device, "dense_gemm")
     if m == 0:
@@ -183,11 +232,11 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
     glob = q.global_scale if q.global_scale is not None else q.scale
     args = (xq, xs, q.data, q.scale, glob, out, m, m_bucket(m), xq.stride(0), out.stride(0))
     consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), A8=a8, **dot_modes(xq))
-    if x.is_cuda and block_m is None and block_n is None:
+    if x.is_cuda and block_m is None and block_n is None and not w_lhs:
         _TUNED[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)
     else:
         bm, bn = block_m or 16, block_n or 64
         _dense_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=num_warps,
+            *args, **consts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP_M=8, W_LHS=w_lhs, num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out

@@ -13,9 +13,21 @@ Split of the dequantization so that the tile fed to tl.dot is EXACT in bf16 (no 
     each K step by it (block_scale; needs BLOCK_K == 128 and BLOCK_N dividing 128);
   * scales constant along a row (tensor, channel, NVFP4 global) are applied once after the K loop
     (row_scale).
+
+Weight as the left operand (W_LHS, the kernels' constexpr; bf16/fp16 activations, not the A8 path): the
+kernels may compute the transposed tile acc_t [N, M] = w [N, BK] @ a[M, BK]^T (dot_step_t). On sm_90 Triton
+then keeps the converted weight tile in registers as the wgmma A operand (no write back to shared memory) and
+waits for each wgmma one K step later (async), overlapping the tensor cores with the next tile's loads and
+conversion. A per-step scale on the dot result would force the wait, so under W_LHS the block-FP8 scale is
+folded into the tile instead (w_tile_folded: fp32 e4m3 x scale, rounded once to the activations' dtype): the
+reference's own rounding (adapters/checkpoint/quant.py `_dequant_cols`: `(values * scale).to(dtype)`), element
+for element; the one exception to the exact split above (the other formats' tiles are the same in both
+arrangements). row_scale_t applies the per-row scales to the transposed accumulator (W's rows are its rows).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -94,6 +106,45 @@ def dot_step(acc, a, w, FMT: tl.constexpr, s, F32_DOT: tl.constexpr, PRECISION: 
 
 
 @triton.jit
+def w_tile_folded(data_ptr, scale_ptr, n, k0, s, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """w_tile with the block-FP8 scale s folded in when FMT == 1: (e4m3 in fp32 * s) rounded once to OUT_DTYPE,
+    the reference's dequantization element for element (quant.py `_dequant_cols`); w_tile for the other
+    formats (their scales are in the tile already or constant along a row: row_scale_t). [N, BK]."""
+    if FMT == 1:
+        kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        w_ok = (n < ROWS)[:, None] & (kk < COLS)[None, :]
+        # no `other`: the interpreter cannot cast a fill value to fp8; masked lanes are zeroed after
+        w = tl.load(data_ptr + n[:, None].to(tl.int64) * COLS + kk[None, :], mask=w_ok)  # [N, BK] e4m3
+        return tl.where(w_ok, (w.to(tl.float32) * s).to(OUT_DTYPE), 0.0)
+    else:
+        return w_tile(data_ptr, scale_ptr, n, k0, ROWS, COLS, FMT, GROUP, BLOCK_N, BLOCK_K, OUT_DTYPE)
+
+
+@triton.jit
+def dot_step_t(acc_t, a, w, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc_t [N, M] fp32 += w [N, BK] @ a [M, BK]^T: the transposed tile, the weight as the left operand (on sm_90
+    the wgmma A operand, kept in registers). Scales: folded into w (w_tile_folded) or after the loop
+    (row_scale_t). F32_DOT: both operands cast to fp32 first (the interpreter)."""
+    if F32_DOT:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(w, tl.trans(a), acc_t, input_precision=PRECISION)
+
+
+@triton.jit
+def row_scale_t(acc_t, scale_ptr, gscale_ptr, n, ROWS: tl.constexpr, FMT: tl.constexpr):
+    """row_scale for a transposed accumulator acc_t [N, M] (rows = rows n of W); the same products."""
+    if FMT == 2:
+        acc_t = acc_t * tl.load(scale_ptr)
+    elif FMT == 3 or FMT == 4:
+        acc_t = acc_t * tl.load(scale_ptr + n, mask=n < ROWS, other=0.0)[:, None]
+    elif FMT == 5:
+        acc_t = acc_t * tl.load(gscale_ptr)
+    return acc_t
+
+
+@triton.jit
 def fp8_tile(data_ptr, n, k0, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[N, BK] e4m3 tile of W[n, k0:k0+BK] exactly as stored (FP8 formats 1-3, the W8A8 path); zeros outside the
     matrix. data_ptr: pointer to the e4m3 data, of any element type (read as bytes: the interpreter cannot
@@ -131,6 +182,18 @@ def dot_modes(x: torch.Tensor) -> dict:
     return {"F32_DOT": not x.is_cuda, "PRECISION": "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"}
 
 
+def check_w_lhs(w_lhs: bool, a8: bool, block_n: int | None, where: str) -> None:
+    """Refuses a fixed W_LHS launch the kernels do not run: with e4m3 activations (Fp8Rows: the W8A8 dot keeps
+    the activations as its left operand) or a tile narrower than 16 weight rows. ValueError."""
+    if not isinstance(w_lhs, bool):
+        raise ValueError(f"{where}: w_lhs must be a bool, got {w_lhs!r}")
+    if w_lhs and a8:
+        raise ValueError(f"{where}: w_lhs does not apply to FP8 activations (Fp8Rows): the W8A8 path keeps the "
+                         "activations as the left operand")
+    if w_lhs and block_n is not None and block_n < 16:
+        raise ValueError(f"{where}: w_lhs needs block_n >= 16 (the weight tile is the dot's M side), got {block_n}")
+
+
 def scale_dtype(fmt_code: int) -> tl.dtype:
     """Element type w_tile reads scales as: e4m3 (NVFP4), uint8 e8m0 (MXFP4), fp32 otherwise."""
     return {5: tl.float8e4nv, 6: tl.uint8}.get(fmt_code, tl.float32)
@@ -142,6 +205,14 @@ def scale_dtype(fmt_code: int) -> tl.dtype:
 # unrolled over BLOCK_K = 128, so each accumulator costs many registers; the parity path, not the served one).
 GROUPED_TILES = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (32, 4, 4))
 GROUPED_FMA_TILES = ((16, 4, 3), (32, 4, 3), (16, 8, 3), (32, 8, 3))
+# W_LHS tiles (the weight as the wgmma A operand, module docstring): BLOCK_N is the wgmma M (>= 64), the
+# alignment's BLOCK_M its N (16..128); tensor-core family only (bf16/fp16 activations, not A8: pruned there).
+GROUPED_W_LHS_TILES = ((64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3))
+# NOTE: the W_LHS tiles join the autotuned configs (here and dense_gemm's) only with FLUXTIDE_PREFILL_W_LHS=1 until a
+# GPU has timed them (session 23 compiled them for sm_90, no device time was left to time them): each one costs
+# ~0.1 s of benchmarking per autotune key at a cold start, and where one wins, block-FP8 weights round as the
+# reference rounds them (module docstring), not exactly. The A/B: scripts/bench_prefill.py with and without it.
+W_LHS_TUNING = os.environ.get("FLUXTIDE_PREFILL_W_LHS", "0") == "1"
 GROUPED_BLOCK_K = 128
 # Register budgets per thread (of 255) beyond which ptxas spills, measured for sm_90 with Triton 3.6's ptxas
 # (scripts/compile_probe.py; tests/adapters/test_kernels_moe_grouped.py checks the admitted tiles):
@@ -149,34 +220,49 @@ MAX_ACC_PER_THREAD = 64  # fp32 accumulators of a tensor-core tile
 MAX_FMA_ACC_PER_THREAD = 4  # per accumulator of an FMA tile: 8 spill 3 KB of stack (dense 32x32 or grouped down
 #                             64x16 on 4 warps), 16 spill 4.5 KB (gate_up 64x16 on 4 warps)
 MAX_W4_PER_THREAD = 64  # dequantized 4-bit weight elements per thread: 128 (BLOCK_N 128, 4 warps) spill 0.2-0.6 KB
+MAX_W_LHS_PER_THREAD = 128  # W_LHS: converted weight elements held in registers per thread, all weight tiles together
+#                             (Triton 3.9 ptxas, session 23): gate_up's two 128x128 tiles on 4 warps (256) spill
+#                             136-272 B at BLOCK_M 16; down's one (128) does not
 FOUR_BIT = (5, 6)
 
 
-def grouped_configs() -> list:
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K}, num_warps=w, num_stages=st)
-            for bn, w, st in GROUPED_TILES + GROUPED_FMA_TILES]
+def grouped_configs(w_lhs: bool = W_LHS_TUNING) -> list:
+    """The grouped GEMMs' autotuned configs: GROUPED_TILES and GROUPED_FMA_TILES, and GROUPED_W_LHS_TILES when
+    w_lhs (by default only with FLUXTIDE_PREFILL_W_LHS=1)."""
+    return ([triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K, "W_LHS": False}, num_warps=w, num_stages=st)
+             for bn, w, st in GROUPED_TILES + GROUPED_FMA_TILES]
+            + [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K, "W_LHS": True}, num_warps=w, num_stages=st)
+               for bn, w, st in (GROUPED_W_LHS_TILES if w_lhs else ())])
 
 
 def _tile_key(c) -> tuple:
     return c.kwargs.get("BLOCK_M"), c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
+def _w_lhs(c) -> bool:
+    return bool(c.kwargs.get("W_LHS", False))
+
+
 def prune_tiles(configs: list, fma_tiles: set, *, fma: bool, fmt: int, block_m, n_cols: int, k_cols: int,
-                accumulators: int = 1, m_cap: int | None = None) -> list:
+                accumulators: int = 1, m_cap: int | None = None, a8: bool = False) -> list:
     """The autotune configs worth compiling for one GEMM shape (early_config_prune's work, shared by the three
     prefill GEMMs), in order, at least one:
 
     * fma (fp32 activations): only the FMA tiles (`fma_tiles`, keys (BLOCK_M or None, BLOCK_N, warps, stages)),
-      else only the others;
+      else only the others; W_LHS tiles (config kwarg W_LHS) belong to the tensor-core family, never with a8
+      (e4m3 activations: the W8A8 path keeps the activations as the left operand);
     * no tile wider than the problem: BLOCK_N <= max(16, next_pow2(n_cols)), BLOCK_M <= max(16, m_cap);
     * no tile that spills: accumulators * BLOCK_M * BLOCK_N per thread within MAX_ACC_PER_THREAD (tensor
-      cores), BLOCK_M * BLOCK_N per thread within MAX_FMA_ACC_PER_THREAD (FMA), and for the 4-bit formats
-      the dequantized [BLOCK_N, BLOCK_K] weight tile within MAX_W4_PER_THREAD per thread;
+      cores), BLOCK_M * BLOCK_N per thread within MAX_FMA_ACC_PER_THREAD (FMA), for the 4-bit formats
+      the dequantized [BLOCK_N, BLOCK_K] weight tile within MAX_W4_PER_THREAD per thread, and for W_LHS tiles
+      (whose weight tiles stay in registers as wgmma operands) accumulators * BLOCK_N * BLOCK_K per thread
+      within MAX_W_LHS_PER_THREAD;
     * num_stages at most the K loop's trip count cdiv(k_cols, BLOCK_K) (more stages only prefetch nothing,
       and Triton's pipeliner is least exercised with a prologue longer than the loop).
     block_m: the fixed BLOCK_M (grouped GEMMs) or None (the config's). If nothing fits, the family's tile
     with the fewest accumulators per thread is kept (clamped likewise)."""
-    family = [c for c in configs if (_tile_key(c) in fma_tiles) == fma] or list(configs)
+    family = [c for c in configs if (not _w_lhs(c) and _tile_key(c) in fma_tiles) == fma
+              and not (a8 and _w_lhs(c))] or [c for c in configs if not _w_lhs(c)]
     # FMA tiles: the bound holds per accumulator (gate_up's two 16x32 tiles on 4 warps do not spill, one
     # 64x16 tile of down does); tensor-core tiles: for all accumulators together
     acc_cap = MAX_FMA_ACC_PER_THREAD * accumulators if fma else MAX_ACC_PER_THREAD
@@ -192,7 +278,9 @@ def prune_tiles(configs: list, fma_tiles: set, *, fma: bool, fmt: int, block_m, 
             if c.kwargs["BLOCK_N"] <= n_cap and (m_cap is None or bm(c) <= max(16, m_cap))
             and per_thread(c) <= acc_cap
             and (fmt not in FOUR_BIT or c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / (32 * c.num_warps)
-                 <= MAX_W4_PER_THREAD)]
+                 <= MAX_W4_PER_THREAD)
+            and (not _w_lhs(c) or accumulators * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] / (32 * c.num_warps)
+                 <= MAX_W_LHS_PER_THREAD)]
     if not fits:
         fits = [min(family, key=per_thread)]
     kept, seen = [], set()
@@ -200,8 +288,8 @@ def prune_tiles(configs: list, fma_tiles: set, *, fma: bool, fmt: int, block_m, 
         steps = max(1, -(-k_cols // c.kwargs["BLOCK_K"]))
         if c.num_stages > steps:
             c = triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=steps, num_ctas=c.num_ctas)
-        if _tile_key(c) not in seen:
-            seen.add(_tile_key(c))
+        if _tile_key(c) + (_w_lhs(c),) not in seen:
+            seen.add(_tile_key(c) + (_w_lhs(c),))
             kept.append(c)
     return kept
 
@@ -217,6 +305,7 @@ def grouped_pruner(accumulators: int, n_dim: str, k_dim: str):
             return kwargs[name] if name in kwargs else named_args[name]
 
         return prune_tiles(configs, fma_tiles, fma=arg("PRECISION") == "ieee", fmt=arg("FMT"),
-                           block_m=arg("BLOCK_M"), n_cols=arg(n_dim), k_cols=arg(k_dim), accumulators=accumulators)
+                           block_m=arg("BLOCK_M"), n_cols=arg(n_dim), k_cols=arg(k_dim), accumulators=accumulators,
+                           a8=bool(kwargs.get("A8", named_args.get("A8", False))))
 
     return prune

@@ -12,6 +12,12 @@ Grid: (B, cdiv(H, BLOCK_N)): one program multiplies the BM contiguous rows of h 
 BLOCK_N-row tile of down, BLOCK_K = 128 columns per step, fp32 accumulation, and scatters each live row
 to its pair's partial (padding rows and pairs not in the alignment are not written). Deterministic, no
 atomics; a pair's partial depends only on its token and expert. No host syncs.
+W_LHS (constexpr; not with e4m3 activations): the tile computed transposed, acc [BLOCK_N, BM] = down @ h^T with
+the converted weight tile as the dot's left operand (kept in registers as the sm_90 wgmma A operand, the wgmma
+waited for a step later instead of at once; dense_gemm.py says why); the row scales, the router weight and the
+scatter applied to the transposed tile (the same partials). The block-FP8 scale is folded into the tile before
+the cast to h.dtype: the reference's rounding of the weights (dequant_tile.w_tile_folded). The autotuner tries
+dequant_tile.GROUPED_W_LHS_TILES next to GROUPED_TILES.
 """
 
 from __future__ import annotations
@@ -28,15 +34,19 @@ from adapters.kernels.dequant_tile import (
     GROUPED_BLOCK_K,
     a8_dot_step,
     block_scale,
+    check_w_lhs,
     dot_modes,
     dot_step,
+    dot_step_t,
     fp8_rows,
     fp8_tile,
     grouped_configs,
     grouped_pruner,
     row_scale,
+    row_scale_t,
     scale_dtype,
     w_tile,
+    w_tile_folded,
 )
 from adapters.kernels.moe_align import Alignment, check_alignment
 from adapters.kernels.packed_gemv import layout_consts
@@ -48,7 +58,10 @@ def _moe_grouped_down_kernel(h_ptr, hs_ptr, pairs_ptr, block_slots_ptr, weights_
                              D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
                              W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
                              F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             W_LHS: tl.constexpr):
+    # W_LHS: the transposed tile acc_t [BN, BM], the weight the dot's left operand (module docstring)
+    tl.static_assert(not (W_LHS and A8), "W_LHS is the bf16/fp16-activation path")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(block_slots_ptr + pid_m)
@@ -61,7 +74,10 @@ def _moe_grouped_down_kernel(h_ptr, hs_ptr, pairs_ptr, block_slots_ptr, weights_
         d_data = (row + D_DATA).to(tl.pointer_type(W_DTYPE))
         d_scale = (row + D_SCALE).to(tl.pointer_type(S_DTYPE))
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of down = columns of the output
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if W_LHS:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             s = 1.0
@@ -75,12 +91,22 @@ def _moe_grouped_down_kernel(h_ptr, hs_ptr, pairs_ptr, block_slots_ptr, weights_
                 acc = a8_dot_step(acc, a, fp8_tile(d_data, n, k0, H, I, BLOCK_N, BLOCK_K), a_s * s, F32_DOT)
             else:
                 a = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + kk[None, :], mask=(kk < I)[None, :], other=0.0)
-                w = w_tile(d_data, d_scale, n, k0, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, h_ptr.dtype.element_ty)
-                acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
-        part = row_scale(acc, d_scale, (row + D_GSCALE).to(tl.pointer_type(tl.float32)), n, H, FMT)  # [BM, BN]
+                dt = h_ptr.dtype.element_ty
+                if W_LHS:  # block-FP8 scale folded into the tile: no per-step product on the dot's result
+                    w = w_tile_folded(d_data, d_scale, n, k0, s, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    acc_t = dot_step_t(acc_t, a, w, F32_DOT, PRECISION)  # [BN, BM]
+                else:
+                    w = w_tile(d_data, d_scale, n, k0, H, I, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
         weight = tl.load(weights_ptr + pair, mask=live, other=0.0)  # [BM]
-        tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], weight[:, None] * part,
-                 mask=live[:, None] & (n < H)[None, :])
+        if W_LHS:
+            part_t = row_scale_t(acc_t, d_scale, (row + D_GSCALE).to(tl.pointer_type(tl.float32)), n, H, FMT)  # [BN, BM]
+            tl.store(y_ptr + pair[None, :].to(tl.int64) * H + n[:, None], weight[None, :] * part_t,
+                     mask=live[None, :] & (n < H)[:, None])
+        else:
+            part = row_scale(acc, d_scale, (row + D_GSCALE).to(tl.pointer_type(tl.float32)), n, H, FMT)  # [BM, BN]
+            tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], weight[:, None] * part,
+                     mask=live[:, None] & (n < H)[None, :])
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "BLOCK_M", "A8"],
@@ -90,13 +116,14 @@ _TUNED = triton.autotune(configs=grouped_configs(), key=["H", "I", "R", "FMT", "
 
 def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch.Tensor, slots: torch.Tensor,
                      layout: ExpertLayout, partials: torch.Tensor, block_n: int | None = None, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, w_lhs: bool = False) -> torch.Tensor:
     """Write partials[t, k] = weights[t, k] * (h_row @ down^T) (fp32) for every pair of `align`; returns partials.
 
     h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`, or that output as
     Fp8Rows (act_quant_fp8: the W8A8 path, FP8 block / tensor / channel layouts only); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
     `layout`; partials contiguous fp32 [T, K, H]: pairs absent from `align` (slot -1) are left as they
-    are (the caller zeroes them, or fills them in another call). block_n, num_warps, num_stages: as moe_grouped_gate_up.
+    are (the caller zeroes them, or fills them in another call). block_n, num_warps, num_stages, w_lhs: as
+    moe_grouped_gate_up.
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
     a8 = isinstance(h, Fp8Rows)
@@ -127,6 +154,7 @@ def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch
                          f"partials on {partials.device}")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"moe_grouped_down: block_n={block_n} must be a power of two in 16..128")
+    check_w_lhs(w_lhs, a8, block_n, "moe_grouped_down")
     if rows == 0 or tokens == 0:
         return partials
     c = layout_consts(layout)
@@ -138,11 +166,12 @@ def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch
                   W_DTYPE=c.down.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
                   BLOCK_M=align.block_m, A8=a8, **dot_modes(hq))
     blocks = align.block_slots.numel()
-    if slots.is_cuda and block_n is None:
+    if slots.is_cuda and block_n is None and not w_lhs:
         _TUNED[lambda meta: (blocks, triton.cdiv(hidden, meta["BLOCK_N"]))](*args, **consts)
     else:
         bn = block_n or 64
         _moe_grouped_down_kernel[(blocks, triton.cdiv(hidden, bn))](*args, **consts, BLOCK_N=bn,
-                                                                    BLOCK_K=GROUPED_BLOCK_K, num_warps=num_warps,
+                                                                    BLOCK_K=GROUPED_BLOCK_K, W_LHS=w_lhs,
+                                                                    num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}))
     return partials

@@ -11,6 +11,12 @@ slot) by a BLOCK_N-row tile of gate and of up, BLOCK_K = 128 columns per step, f
 Blocks whose slot is -1 (past the last used block) exit at once. A row's result depends only on its
 token and its expert, not on the other rows of its block (so not on the pool size or the grouping).
 No host syncs.
+W_LHS (constexpr; not with e4m3 activations): both tiles computed transposed, acc [BLOCK_N, BM] = w @ x^T with
+the converted gate/up tiles as the dots' left operands (kept in registers as the sm_90 wgmma A operand, the wgmma
+waited for a step later instead of at once; dense_gemm.py says why), silu(g) * u taken on the transposed tiles
+and stored transposed (the same h). The block-FP8 scale is folded into the tiles before the cast to x.dtype:
+the reference's rounding of the weights (dequant_tile.w_tile_folded). It also gives BM = 16 blocks a wgmma
+(BLOCK_N is its M). The autotuner tries dequant_tile.GROUPED_W_LHS_TILES next to GROUPED_TILES.
 """
 
 from __future__ import annotations
@@ -27,15 +33,19 @@ from adapters.kernels.dequant_tile import (
     GROUPED_BLOCK_K,
     a8_dot_step,
     block_scale,
+    check_w_lhs,
     dot_modes,
     dot_step,
+    dot_step_t,
     fp8_rows,
     fp8_tile,
     grouped_configs,
     grouped_pruner,
     row_scale,
+    row_scale_t,
     scale_dtype,
     w_tile,
+    w_tile_folded,
 )
 from adapters.kernels.moe_align import Alignment, check_alignment
 from adapters.kernels.packed_gemv import layout_consts
@@ -48,7 +58,10 @@ def _moe_grouped_gate_up_kernel(x_ptr, xs_ptr, pairs_ptr, block_slots_ptr, slots
                                 U_DATA: tl.constexpr, U_SCALE: tl.constexpr, U_GSCALE: tl.constexpr,
                                 W_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, FMT: tl.constexpr,
                                 GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                W_LHS: tl.constexpr):
+    # W_LHS: transposed tiles acc_t [BN, BM], the weight the dot's left operand (module docstring)
+    tl.static_assert(not (W_LHS and A8), "W_LHS is the bf16/fp16-activation path")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(block_slots_ptr + pid_m)
@@ -65,8 +78,12 @@ def _moe_grouped_gate_up_kernel(x_ptr, xs_ptr, pairs_ptr, block_slots_ptr, slots
         g_scale = (row + G_SCALE).to(tl.pointer_type(S_DTYPE))
         u_scale = (row + U_SCALE).to(tl.pointer_type(S_DTYPE))
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of gate/up = columns of h
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if W_LHS:
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             s_g = 1.0
@@ -82,15 +99,28 @@ def _moe_grouped_gate_up_kernel(x_ptr, xs_ptr, pairs_ptr, block_slots_ptr, slots
             else:
                 a = tl.load(x_rows[:, None] + kk[None, :], mask=live[:, None] & (kk < H)[None, :], other=0.0)  # [BM, BK]
                 dt = x_ptr.dtype.element_ty
-                w_g = w_tile(g_data, g_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
-                w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
-                acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
-                acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
-        g = row_scale(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-        u = row_scale(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-        h = g * tl.sigmoid(g) * u  # [BM, BN], the decode kernel's expression
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=(n < I)[None, :])
+                if W_LHS:  # block-FP8 scales folded into the tiles: no per-step product on the dots' results
+                    w_g = w_tile_folded(g_data, g_scale, n, k0, s_g, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    w_u = w_tile_folded(u_data, u_scale, n, k0, s_u, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    acc_g = dot_step_t(acc_g, a, w_g, F32_DOT, PRECISION)  # [BN, BM]
+                    acc_u = dot_step_t(acc_u, a, w_u, F32_DOT, PRECISION)  # [BN, BM]
+                else:
+                    w_g = w_tile(g_data, g_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
+                    acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
+                    acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
+        if W_LHS:
+            g = row_scale_t(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+            u = row_scale_t(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+            h = g * tl.sigmoid(g) * u  # [BN, BM], the decode kernel's expression
+            tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n[:, None], h.to(h_ptr.dtype.element_ty),
+                     mask=(n < I)[:, None])
+        else:
+            g = row_scale(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+            u = row_scale(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
+            h = g * tl.sigmoid(g) * u  # [BM, BN], the decode kernel's expression
+            tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=(n < I)[None, :])
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M", "A8"],
@@ -101,7 +131,7 @@ _TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FM
 def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int, slots: torch.Tensor,
                         layout: ExpertLayout, out: torch.Tensor | None = None, block_n: int | None = None,
                         num_warps: int = 4, num_stages: int | None = None,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, w_lhs: bool = False) -> torch.Tensor:
     """h [P, I]: silu(x[t] @ gate^T) * (x[t] @ up^T) for each padded row of `align`, t = pair // top_k,
     gate/up those of the block's slot; fp32 accumulation, h rounded once to its dtype (as the decode path).
 
@@ -111,6 +141,9 @@ def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int,
     slots uint8 [S, R] contiguous, rows packed by `layout`. out: optional contiguous [P, I] of h's dtype.
     block_n: a fixed tile width (power of two, 16..128); None: on CUDA the measured best tile, else 64.
     num_warps/num_stages: the fixed tile's launch options (num_stages None: Triton's default).
+    w_lhs: compute the tiles transposed, the weight as the dots' left operand (module docstring; not with
+    Fp8Rows); True always launches a fixed tile (block_n None: 64); the autotuner (w_lhs False, block_n None,
+    CUDA) measures both arrangements itself.
     Rows of blocks past the last used one are left unwritten. Raises ValueError on any mismatch.
     """
     a8 = isinstance(x, Fp8Rows)
@@ -132,6 +165,7 @@ def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int,
         raise ValueError(f"moe_grouped_gate_up: top_k must be >= 1, got {top_k}")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"moe_grouped_gate_up: block_n={block_n} must be a power of two in 16..128")
+    check_w_lhs(w_lhs, a8, block_n, "moe_grouped_gate_up")
     rows = check_alignment(align, slots, "moe_grouped_gate_up")
     inter = layout.intermediate
     h_dtype = out_dtype if a8 else x.dtype
@@ -151,11 +185,12 @@ def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int,
                   W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code), FMT=c.fmt_code, GROUP=max(c.group, 1),
                   BLOCK_M=align.block_m, A8=a8, **dot_modes(xq))
     blocks = align.block_slots.numel()
-    if slots.is_cuda and block_n is None:
+    if slots.is_cuda and block_n is None and not w_lhs:
         _TUNED[lambda meta: (blocks, triton.cdiv(inter, meta["BLOCK_N"]))](*args, **consts)
     else:
         bn = block_n or 64
         _moe_grouped_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](*args, **consts, BLOCK_N=bn,
-                                                                      BLOCK_K=GROUPED_BLOCK_K, num_warps=num_warps,
+                                                                      BLOCK_K=GROUPED_BLOCK_K, W_LHS=w_lhs,
+                                                                      num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out

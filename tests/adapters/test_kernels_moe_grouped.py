@@ -4,10 +4,13 @@ sum) in every weight format, and against the decode kernels (fused_moe).
 
 Without CUDA the kernels run in Triton's interpreter with fp32 dot operands; with CUDA they run compiled.
 Bounds: fp32 activations 1e-5 relative (as the decode kernels' tests), bf16 8e-3 (one rounding of h and
-of the output).
+of the output). The GEMM checks run in both arrangements (the `w_lhs` fixture: the weight as the dots' left
+operand, transposed tiles), grouped_moe's launches included.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -88,6 +91,23 @@ def test_block_m_follows_the_mean_group_size():
 
 # ---- the GEMMs against the reference ---------------------------------------------------------------
 
+@pytest.fixture(params=[False, True], ids=["w_rhs", "w_lhs"])
+def w_lhs(request, monkeypatch):
+    """Both arrangements of the grouped GEMMs: under True, grouped_moe's launches take w_lhs=True as well."""
+    if request.param:
+        import adapters.kernels.grouped_moe as gm
+        monkeypatch.setattr(gm, "moe_grouped_gate_up", functools.partial(moe_grouped_gate_up, w_lhs=True))
+        monkeypatch.setattr(gm, "moe_grouped_down", functools.partial(moe_grouped_down, w_lhs=True))
+    return request.param
+
+
+def _bf16_bound(fmt, w_lhs: bool) -> float:
+    """The bf16-activation bound, 8e-3. W_LHS with block FP8 rounds the weights to bf16 too (the scale folded into
+    the tile: the reference qlinear's rounding, about 4e-3 more at these shapes), which Triton's interpreter
+    truncates instead of rounding (biased: about 9e-3 more): 1.6e-2 there. Compiled, 8e-3 holds."""
+    return 1.6e-2 if w_lhs and fmt == F_.FP8_BLOCK and DEVICE != "cuda" else 8e-3
+
+
 def _batch(layout, where, tokens, top_k, seed, dtype=torch.float32):
     x, slot_ids, weights = make_batch(tokens, top_k, where, seed, skip=None, dtype=dtype, hidden=layout.hidden)
     slot_ids[1, 0] = -1  # skipped pairs: zeros in h's place, nothing in the output
@@ -96,19 +116,19 @@ def _batch(layout, where, tokens, top_k, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize(("fmt", "float_dtype"), CASES, ids=lambda v: str(v).replace("torch.", ""))
-def test_grouped_kernels_match_reference_in_fp32(fmt, float_dtype):
+def test_grouped_kernels_match_reference_in_fp32(fmt, float_dtype, w_lhs):
     layout, slots, where = make_pool(fmt, 256, 128, experts=4, num_slots=6, seed=1, float_dtype=float_dtype)
     x, slot_ids, weights = _batch(layout, where, tokens=21, top_k=2, seed=2)  # ~10 rows per expert
     h_ref, out_ref = reference(x, slot_ids, weights, slots, layout)
     align = align_by_slot(slot_ids, slots.shape[0], 16)
     h = torch.full((align.pairs.numel(), layout.intermediate), float("nan"), device=DEVICE)
-    moe_grouped_gate_up(x, align, 2, slots, layout, out=h, block_n=64)
+    moe_grouped_gate_up(x, align, 2, slots, layout, out=h, block_n=64, w_lhs=w_lhs)
     used = (align.block_slots >= 0).repeat_interleave(16)
     live = align.pairs >= 0
     assert rel_err(h[live], h_ref.reshape(-1, layout.intermediate)[align.pairs[live].long()]) < FP32_BOUND
     assert torch.equal(h[used & ~live], torch.zeros_like(h[used & ~live])), "padding rows are zeros"
     partials = torch.full((21, 2, layout.hidden), float("nan"), device=DEVICE)
-    moe_grouped_down(h, align, weights, slots, layout, partials, block_n=32)
+    moe_grouped_down(h, align, weights, slots, layout, partials, block_n=32, w_lhs=w_lhs)
     assert torch.isnan(partials[1, 0]).all() and torch.isnan(partials[3]).all(), "skipped pairs are not written"
     out = grouped_moe(x, slot_ids, weights, slots, layout)  # launcher defaults
     assert torch.isfinite(out).all()
@@ -117,7 +137,7 @@ def test_grouped_kernels_match_reference_in_fp32(fmt, float_dtype):
 
 
 @pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.NVFP4, F_.MXFP4, F_.INT8_CHANNEL, F_.BF16], ids=lambda f: f.value)
-def test_grouped_ragged_shapes(fmt):
+def test_grouped_ragged_shapes(fmt, w_lhs):
     # H=320, I=96: partial K steps, partial row tiles, partial 128x128 scale blocks (block FP8); top-3
     # over 3 experts: every expert in every token, several 16-row blocks per slot
     layout, slots, where = make_pool(fmt, 320, 96, experts=3, num_slots=5, seed=5)
@@ -127,14 +147,14 @@ def test_grouped_ragged_shapes(fmt):
 
 
 @pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.MXFP4], ids=lambda f: f.value)
-def test_grouped_bf16_activations_round_h_once(fmt):
+def test_grouped_bf16_activations_round_h_once(fmt, w_lhs):
     layout, slots, where = make_pool(fmt, 256, 128, experts=4, num_slots=5, seed=7)
     x, slot_ids, weights = _batch(layout, where, tokens=10, top_k=2, seed=8, dtype=torch.bfloat16)
     out = grouped_moe(x, slot_ids, weights, slots, layout)
     assert out.dtype == torch.bfloat16
     _, out_ref = reference(x, slot_ids, weights, slots, layout, round_h=torch.bfloat16)
-    assert rel_err(out, out_ref) < 8e-3
-    assert rel_err(out, fused_moe(x, slot_ids, weights, slots, layout)) < 8e-3
+    assert rel_err(out, out_ref) < _bf16_bound(fmt, w_lhs)
+    assert rel_err(out, fused_moe(x, slot_ids, weights, slots, layout)) < _bf16_bound(fmt, w_lhs)
 
 
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -143,8 +163,8 @@ def test_every_tuned_grouped_tile_is_exact_on_ragged_shapes(fmt, act):
     """Any tile the autotuner may pick for the activation dtype (GROUPED_FMA_TILES for fp32, GROUPED_TILES for
     bf16) must be right: H=320 and I=96 give partial K steps and partial column tiles (and partial 128x128
     scale blocks for block FP8). The interpreter ignores warps and stages; on a GPU each tile is launched as
-    tuned, so a tile the compiler gets wrong is named."""
-    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES
+    tuned, so a tile the compiler gets wrong is named. bf16 also takes the W_LHS tiles (GROUPED_W_LHS_TILES)."""
+    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES, GROUPED_W_LHS_TILES
     layout, slots, where = make_pool(fmt, 320, 96, experts=3, num_slots=5, seed=15)
     x, slot_ids, weights = _batch(layout, where, tokens=13, top_k=3, seed=16, dtype=act)
     fp32 = act == torch.float32
@@ -152,37 +172,53 @@ def test_every_tuned_grouped_tile_is_exact_on_ragged_shapes(fmt, act):
     bound = FP32_BOUND if fp32 else 8e-3
     align = align_by_slot(slot_ids, slots.shape[0], 16)
     live = align.pairs >= 0
-    tiles = GROUPED_FMA_TILES if fp32 else GROUPED_TILES
+    tiles = ([(*t, False) for t in GROUPED_FMA_TILES] if fp32
+             else [(*t, False) for t in GROUPED_TILES] + [(*t, True) for t in GROUPED_W_LHS_TILES])
     if DEVICE != "cuda":
-        tiles = sorted({(bn, 4, None) for bn, _, _ in tiles})
+        tiles = sorted({(bn, 4, None, lhs) for bn, _, _, lhs in tiles})
     bad = {}
-    for bn, warps, stages in tiles:
-        h = moe_grouped_gate_up(x, align, 3, slots, layout, block_n=bn, num_warps=warps, num_stages=stages)
+    for bn, warps, stages, lhs in tiles:
+        launch = dict(block_n=bn, num_warps=warps, num_stages=stages, w_lhs=lhs)
+        h = moe_grouped_gate_up(x, align, 3, slots, layout, **launch)
         err_h = rel_err(h[live], h_ref.reshape(-1, layout.intermediate)[align.pairs[live].long()])
         partials = torch.zeros((13, 3, layout.hidden), device=DEVICE)
-        moe_grouped_down(h, align, weights, slots, layout, partials, block_n=bn, num_warps=warps, num_stages=stages)
+        moe_grouped_down(h, align, weights, slots, layout, partials, **launch)
         err_out = rel_err(partials.sum(1), out_ref)
-        if not (err_h < bound and err_out < bound):
-            bad[(bn, warps, stages)] = (err_h, err_out)
+        tile_bound = bound if fp32 else _bf16_bound(fmt, lhs)
+        if not (err_h < tile_bound and err_out < tile_bound):
+            bad[(bn, warps, stages, lhs)] = (err_h, err_out)
     assert not bad, f"tiles off the reference: {bad}"
 
 
-def _pruned(tuner, prec, fmt, block_m):
-    kept = tuner.early_config_prune(tuner.configs, {}, PRECISION=prec, FMT=fmt, BLOCK_M=block_m, H=2048, I=512)
-    return [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+def _pruned(tuner, prec, fmt, block_m, a8=False, w_lhs=False):
+    """The admitted (BLOCK_N, warps, stages) of one arrangement (w_lhs: the W_LHS tiles)."""
+    from adapters.kernels.dequant_tile import grouped_configs
+    kept = tuner.early_config_prune(grouped_configs(w_lhs=True), {}, PRECISION=prec, FMT=fmt, BLOCK_M=block_m, H=2048,
+                                    I=512, A8=a8)
+    return [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept if c.kwargs["W_LHS"] == w_lhs]
 
 
 def test_grouped_autotune_tries_only_tiles_that_fit_the_registers():
     from adapters.kernels import moe_grouped_down as gd
     from adapters.kernels import moe_grouped_gate_up as gu
-    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES
-    # fp32 activations: only FMA tiles, at most 8 accumulators per thread (two for gate_up)
+    from adapters.kernels.dequant_tile import GROUPED_FMA_TILES, GROUPED_TILES, GROUPED_W_LHS_TILES
+    # fp32 activations: only FMA tiles, at most 8 accumulators per thread (two for gate_up); no W_LHS tile
     assert _pruned(gu._TUNED, "ieee", 5, 16) == list(GROUPED_FMA_TILES)
+    assert _pruned(gu._TUNED, "ieee", 5, 16, w_lhs=True) == []
     assert _pruned(gu._TUNED, "ieee", 5, 128) == [(16, 8, 3)]  # none fits: the fewest accumulators per thread
     # bf16, 8-bit: the accumulator rule only; 4-bit: no 128-column tile on 4 warps
     assert set(_pruned(gd._TUNED, "tf32", 1, 64)) == set(GROUPED_TILES)
-    assert (128, 4, 3) not in _pruned(gd._TUNED, "tf32", 6, 64)
+    assert set(_pruned(gd._TUNED, "tf32", 1, 64, w_lhs=True)) == set(GROUPED_W_LHS_TILES)
+    assert all(bn >= 64 for bn, _, _ in GROUPED_W_LHS_TILES)  # the weight tile is the wgmma's M side
+    assert (128, 4, 3) not in _pruned(gd._TUNED, "tf32", 6, 64) + _pruned(gd._TUNED, "tf32", 6, 64, w_lhs=True)
     assert _pruned(gu._TUNED, "tf32", 6, 128) == [(64, 8, 3), (32, 4, 4)]
+    # W_LHS: gate_up's two 128-row weight tiles on 4 warps would hold 256 elements per thread (they spill)
+    assert (128, 4, 3) in _pruned(gd._TUNED, "tf32", 1, 16, w_lhs=True)
+    assert (128, 4, 3) not in _pruned(gu._TUNED, "tf32", 1, 16, w_lhs=True)
+    assert _pruned(gu._TUNED, "tf32", 6, 128, w_lhs=True) == [(64, 8, 3)]
+    # e4m3 activations (W8A8): the activations stay the left operand, no W_LHS tile
+    assert _pruned(gd._TUNED, "tf32", 1, 64, a8=True) == _pruned(gd._TUNED, "tf32", 1, 64)
+    assert _pruned(gd._TUNED, "tf32", 1, 64, a8=True, w_lhs=True) == []
     # a K loop of two steps (H = 256) takes at most two stages, and tiles no wider than I
     small = gu._TUNED.early_config_prune(gu._TUNED.configs, {}, PRECISION="tf32", FMT=1, BLOCK_M=16, H=256, I=48)
     assert small and all(c.num_stages <= 2 and c.kwargs["BLOCK_N"] <= 64 for c in small)
@@ -191,7 +227,7 @@ def test_grouped_autotune_tries_only_tiles_that_fit_the_registers():
 # ---- bitwise invariances (the expert pool's contract) ----------------------------------------------
 
 @pytest.mark.parametrize("fmt", [F_.FP8_BLOCK, F_.NVFP4], ids=lambda f: f.value)
-def test_grouped_output_is_bitwise_independent_of_slots_and_grouping(fmt):
+def test_grouped_output_is_bitwise_independent_of_slots_and_grouping(fmt, w_lhs):
     layout, slots, where = make_pool(fmt, 128, 128, experts=4, num_slots=4, seed=9)
     x, slot_ids, weights = _batch(layout, where, tokens=12, top_k=2, seed=10)
     bound = 5  # experts + 1, as the expert pool passes it
@@ -253,6 +289,13 @@ def test_grouped_launchers_reject_bad_inputs(small):
     for args, message in down_cases:
         with pytest.raises(ValueError, match=message):
             moe_grouped_down(*args)
+    from adapters.kernels.act_quant_fp8 import act_quant_fp8_reference
+    with pytest.raises(ValueError, match="w_lhs does not apply to FP8 activations"):
+        moe_grouped_gate_up(act_quant_fp8_reference(x), align, 2, slots, layout, w_lhs=True)
+    with pytest.raises(ValueError, match="w_lhs does not apply to FP8 activations"):
+        moe_grouped_down(act_quant_fp8_reference(h), align, weights, slots, layout, partials, w_lhs=True)
+    with pytest.raises(ValueError, match="w_lhs must be a bool"):
+        moe_grouped_down(h, align, weights, slots, layout, partials, w_lhs="yes")
     with pytest.raises(ValueError, match="weights must be fp32"):
         grouped_moe(x, slot_ids, weights[:, :1], slots, layout)
     with pytest.raises(ValueError, match=r"x must be \[T=4"):
@@ -288,7 +331,7 @@ for fmt in WeightFormat:
         act = "fp8e4nv" if a8 else "bf16"
         common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(c.fmt_code),
                       FMT=c.fmt_code, GROUP=max(c.group, 1), F32_DOT=False, PRECISION="tf32", A8=a8,
-                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+                      BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, W_LHS=False)
         gu = build(moe_grouped_gate_up._moe_grouped_gate_up_kernel,
                    {"x_ptr": "*" + act, "xs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32",
                     "slots_ptr": "*u8", "h_ptr": "*bf16"},
@@ -307,7 +350,8 @@ for fmt in WeightFormat:
                         "y_ptr": "*bf16"},
                        ["M", "M_BUCKET", "stride_xm", "stride_ym"],
                        dict(N=4096, K=2048, FMT=FORMAT_CODES[fmt], GROUP=SCALE_GROUP.get(fmt, 1), F32_DOT=False,
-                            PRECISION="tf32", A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8), 8)
+                            PRECISION="tf32", A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
+                            W_LHS=False), 8)
         print(fmt.value + ("/a8" if a8 else ""), gu, dn, dg)
 """
 
@@ -340,7 +384,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import dense_gemm, moe_grouped_down, moe_grouped_gate_up
-from adapters.kernels.dequant_tile import scale_dtype
+from adapters.kernels.dequant_tile import grouped_configs, scale_dtype
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP, layout_consts
 from domain.model_spec import WeightFormat
 
@@ -353,9 +397,11 @@ def stack(src, cfg):
         out = subprocess.run([TOOL, "-res-usage", f.name], capture_output=True, text=True).stdout
     return int(re.search(r"STACK:(\d+)", out).group(1))
 
-def src_of(kernel, ptrs, ints, consts):
+def src_of(kernel, ptrs, ints, consts, divisible_ints=()):
+    # the pointers and the ints the JIT specializes as multiples of 16 (dense: the row strides)
     sig = {**ptrs, **{k: "i32" for k in ints}, **{k: "constexpr" for k in consts}}
-    return ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))})
+    div = list(range(len(ptrs))) + [len(ptrs) + ints.index(k) for k in divisible_ints]
+    return ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in div})
 
 W = {WeightFormat.FP8_BLOCK: "fp8e4nv"}
 for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
@@ -364,11 +410,13 @@ for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
     for act, prec, a8 in modes:  # a8: e4m3 activations (ADR 0018), outputs bf16
         out = "bf16" if a8 else act
         consts = dict(N=4096, K=2048, FMT=code, GROUP=group, F32_DOT=False, PRECISION=prec, A8=a8)
-        for cfg in dense_gemm._prune(dense_gemm._TUNED.configs, {"M_BUCKET": 4096}, **consts):
+        for cfg in dense_gemm._prune(dense_gemm.tune_configs(w_lhs=True), {"M_BUCKET": 4096}, **consts):
             src = src_of(dense_gemm._dense_gemm_kernel,
                          {"x_ptr": "*" + act, "xs_ptr": "*fp32", "w_ptr": "*" + W.get(fmt, "u8"), "s_ptr": "*" + {WeightFormat.NVFP4: "fp8e4nv", WeightFormat.MXFP4: "u8"}.get(fmt, "fp32"),
-                          "g_ptr": "*fp32", "y_ptr": "*" + out}, ["M", "M_BUCKET", "stride_xm", "stride_ym"], {**consts, **cfg.kwargs})
-            print("dense", fmt.value, act, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, stack(src, cfg), flush=True)
+                          "g_ptr": "*fp32", "y_ptr": "*" + out}, ["M", "M_BUCKET", "stride_xm", "stride_ym"], {**consts, **cfg.kwargs},
+                         ("stride_xm", "stride_ym"))
+            print("dense", fmt.value, act, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages,
+                  "w_lhs" if cfg.kwargs["W_LHS"] else "w_rhs", stack(src, cfg), flush=True)
         c = layout_consts(ExpertLayout(fmt, 2048, 512))
         for block_m in (16, 64):
             common = dict(H=2048, I=512, R=c.row_bytes, W_DTYPE=c.gate.w_dtype, S_DTYPE=scale_dtype(code), FMT=code,
@@ -380,22 +428,68 @@ for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4):
                 ("down", moe_grouped_down, dict(D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale),
                  {"h_ptr": "*" + act, "hs_ptr": "*fp32", "pairs_ptr": "*i32", "block_slots_ptr": "*i32", "weights_ptr": "*fp32", "slots_ptr": "*u8", "y_ptr": "*fp32"})):
                 kernel = mod._TUNED.fn
-                for cfg in mod._TUNED.early_config_prune(mod._TUNED.configs, {}, **common, **extra):
+                for cfg in mod._TUNED.early_config_prune(grouped_configs(w_lhs=True), {}, **common, **extra):
                     src = src_of(kernel, ptrs, ["S"], {**common, **extra, **cfg.kwargs})
-                    print(name, fmt.value, act, block_m, cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages, stack(src, cfg), flush=True)
+                    print(name, fmt.value, act, block_m, cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages,
+                          "w_lhs" if cfg.kwargs["W_LHS"] else "w_rhs", stack(src, cfg), flush=True)
 """
 
 
 @pytest.mark.slow
 def test_admitted_tiles_do_not_spill_at_sm90():
     """Every tile the pruners admit (dense GEMM at M_BUCKET 4096, grouped GEMMs at BLOCK_M 16 and 64; fp32 and
-    bf16 activations, and e4m3 ones for block FP8; block FP8, NVFP4, MXFP4 at the Qwen3.6 shapes) builds for an H200 with at most 1 KB of
-    stack per thread. The tensor-core tiles with fp32 activations ("ieee" dots, FMA loops) spilled 3-24 KB,
+    bf16 activations, and e4m3 ones for block FP8; block FP8, NVFP4, MXFP4 at the Qwen3.6 shapes; the W_LHS tiles
+    with bf16) builds for an H200 with at most 1 KB of stack per thread. The tensor-core tiles with fp32 activations ("ieee" dots, FMA loops) spilled 3-24 KB,
     which is what the FMA tile lists and the register bounds of dequant_tile.prune_tiles keep out."""
     lines = [line.split() for line in build_for_sm90(_SPILL_CHECK, timeout=900).splitlines() if line.strip()]
     assert len(lines) > 40
     spills = [" ".join(line) for line in lines if int(line[-1]) > 1024]
     assert not spills, f"tiles with more than 1 KB of stack: {spills}"
+
+
+_W_LHS_CHECK = r"""
+import os, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+import adapters
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(adapters.__file__)), "scripts"))
+import compile_probe as cp
+from adapters.kernels import dense_gemm, moe_grouped_down, moe_grouped_gate_up
+from adapters.kernels.dequant_tile import grouped_configs
+from adapters.kernels.packed_gemv import FORMAT_CODES
+from domain.model_spec import WeightFormat
+
+def report(name, src, cfg):
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ir = k.asm["ttgir"]
+    pend = max((int(p) for p in re.findall(r"pendings = (\d+)", ir)), default=-1)
+    print(name, cfg.kwargs["BLOCK_N"], cfg.num_warps, len(re.findall("wgmma.mma_async", k.asm["ptx"])), pend,
+          int("#ttg.dot_op<{opIdx = 0, parent = #mma" in ir), flush=True)
+
+for fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4):
+    code = FORMAT_CODES[fmt]
+    for cfg in dense_gemm._prune(dense_gemm.tune_configs(w_lhs=True), {"M_BUCKET": 4096}, PRECISION="tf32", FMT=code, N=4096,
+                                 K=2048, A8=False):
+        if cfg.kwargs["W_LHS"]:
+            report("dense_" + fmt.value, cp.dense_source(fmt, "bf16", (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]), True), cfg)
+    for name, mod, source in (("gate_up", moe_grouped_gate_up, cp.grouped_source), ("down", moe_grouped_down, cp.down_source)):
+        for cfg in mod._TUNED.early_config_prune(grouped_configs(w_lhs=True), {}, PRECISION="tf32", FMT=code, BLOCK_M=64, H=2048,
+                                                 I=512, A8=False):
+            if cfg.kwargs["W_LHS"]:
+                report(name + "_" + fmt.value, source(fmt, "bf16", 64, cfg.kwargs["BLOCK_N"], True), cfg)
+"""
+
+
+@pytest.mark.slow
+def test_w_lhs_tiles_keep_the_weight_in_registers_and_wait_async_at_sm90():
+    """The point of W_LHS (dequant_tile.py): built for an H200, every admitted W_LHS tile of the three GEMMs (block
+    FP8 and NVFP4, bf16 activations, dense at M_BUCKET 4096, grouped at BLOCK_M 64) runs wgmma with the converted
+    weight as a register operand (the TTGIR's dot_op opIdx 0 of an #mma parent, no write back to shared memory)
+    and waits for its wgmma a step later (`pendings` > 0), where the other arrangement waits at once."""
+    lines = [line.split() for line in build_for_sm90(_W_LHS_CHECK, timeout=600).splitlines() if line.strip()]
+    assert {line[0] for line in lines} == {f"{k}_{f}" for k in ("dense", "gate_up", "down") for f in ("fp8_block", "nvfp4")}
+    bad = [" ".join(line) for line in lines if not (int(line[3]) > 0 and int(line[4]) > 0 and line[5] == "1")]
+    assert not bad, f"W_LHS tiles without wgmma, async waits or a register weight operand: {bad}"
 
 
 # ---- real geometry on the GPU (Qwen3.6-35B-A3B experts: H=2048, I=512, top-8), autotuned tiles --------
