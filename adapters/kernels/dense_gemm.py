@@ -224,7 +224,7 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
             raise ValueError(f"dense_gemm: {name}={block} must be a power of two >= 16")
     if block_n is not None and block_n > 128:
         raise ValueError(f"dense_gemm: block_n={block_n} must be <= 128 (one block-FP8 scale per tile)")
-    check_w_lhs(w_lhs, a8, block_n, "dense_gemm")
+    check_w_lhs(w_lhs, a8, "dense_gemm")
     m, (n, k) = x.shape[0], q.shape
     out = out_buffer(out, m, n, out_dtype if a8 else x.dtype, xq.device, "dense_gemm")
     if m == 0:

@@ -182,16 +182,15 @@ def dot_modes(x: torch.Tensor) -> dict:
     return {"F32_DOT": not x.is_cuda, "PRECISION": "ieee" if x.dtype == torch.float32 or not x.is_cuda else "tf32"}
 
 
-def check_w_lhs(w_lhs: bool, a8: bool, block_n: int | None, where: str) -> None:
+def check_w_lhs(w_lhs: bool, a8: bool, where: str) -> None:
     """Refuses a fixed W_LHS launch the kernels do not run: with e4m3 activations (Fp8Rows: the W8A8 dot keeps
-    the activations as its left operand) or a tile narrower than 16 weight rows. ValueError."""
+    the activations as its left operand). ValueError. (Tiles narrower than 16 rows the launchers refuse for both
+    arrangements.)"""
     if not isinstance(w_lhs, bool):
         raise ValueError(f"{where}: w_lhs must be a bool, got {w_lhs!r}")
     if w_lhs and a8:
         raise ValueError(f"{where}: w_lhs does not apply to FP8 activations (Fp8Rows): the W8A8 path keeps the "
                          "activations as the left operand")
-    if w_lhs and block_n is not None and block_n < 16:
-        raise ValueError(f"{where}: w_lhs needs block_n >= 16 (the weight tile is the dot's M side), got {block_n}")
 
 
 def scale_dtype(fmt_code: int) -> tl.dtype:

@@ -154,7 +154,7 @@ def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch
                          f"partials on {partials.device}")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"moe_grouped_down: block_n={block_n} must be a power of two in 16..128")
-    check_w_lhs(w_lhs, a8, block_n, "moe_grouped_down")
+    check_w_lhs(w_lhs, a8, "moe_grouped_down")
     if rows == 0 or tokens == 0:
         return partials
     c = layout_consts(layout)

@@ -109,18 +109,19 @@ def _moe_grouped_gate_up_kernel(x_ptr, xs_ptr, pairs_ptr, block_slots_ptr, slots
                     w_u = w_tile(u_data, u_scale, n, k0, I, H, FMT, GROUP, BLOCK_N, BLOCK_K, dt)  # [BN, BK]
                     acc_g = dot_step(acc_g, a, w_g, FMT, s_g, F32_DOT, PRECISION)
                     acc_u = dot_step(acc_u, a, w_u, FMT, s_u, F32_DOT, PRECISION)
+        g_gscale = (row + G_GSCALE).to(tl.pointer_type(tl.float32))
+        u_gscale = (row + U_GSCALE).to(tl.pointer_type(tl.float32))
         if W_LHS:
-            g = row_scale_t(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-            u = row_scale_t(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-            h = g * tl.sigmoid(g) * u  # [BN, BM], the decode kernel's expression
-            tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n[:, None], h.to(h_ptr.dtype.element_ty),
-                     mask=(n < I)[:, None])
+            g = row_scale_t(acc_g, g_scale, g_gscale, n, I, FMT)
+            u = row_scale_t(acc_u, u_scale, u_gscale, n, I, FMT)
         else:
-            g = row_scale(acc_g, g_scale, (row + G_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-            u = row_scale(acc_u, u_scale, (row + U_GSCALE).to(tl.pointer_type(tl.float32)), n, I, FMT)
-            h = g * tl.sigmoid(g) * u  # [BM, BN], the decode kernel's expression
-            tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-                     mask=(n < I)[None, :])
+            g = row_scale(acc_g, g_scale, g_gscale, n, I, FMT)
+            u = row_scale(acc_u, u_scale, u_gscale, n, I, FMT)
+        h = (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty)  # W_LHS [BN, BM], else [BM, BN]; the decode's expression
+        if W_LHS:
+            tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n[:, None], h, mask=(n < I)[:, None])
+        else:
+            tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h, mask=(n < I)[None, :])
 
 
 _TUNED = triton.autotune(configs=grouped_configs(), key=["K", "H", "I", "R", "FMT", "BLOCK_M", "A8"],
@@ -165,7 +166,7 @@ def moe_grouped_gate_up(x: torch.Tensor | Fp8Rows, align: Alignment, top_k: int,
         raise ValueError(f"moe_grouped_gate_up: top_k must be >= 1, got {top_k}")
     if block_n is not None and (block_n < 16 or block_n > 128 or block_n & (block_n - 1)):
         raise ValueError(f"moe_grouped_gate_up: block_n={block_n} must be a power of two in 16..128")
-    check_w_lhs(w_lhs, a8, block_n, "moe_grouped_gate_up")
+    check_w_lhs(w_lhs, a8, "moe_grouped_gate_up")
     rows = check_alignment(align, slots, "moe_grouped_gate_up")
     inter = layout.intermediate
     h_dtype = out_dtype if a8 else x.dtype

@@ -125,9 +125,8 @@ def test_supports_and_refusals():
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             dense_gemm(*args, **kwargs)
-    from adapters.kernels.dequant_tile import check_w_lhs
-    with pytest.raises(ValueError, match="block_n >= 16"):  # the launchers refuse such tiles before
-        check_w_lhs(True, False, 8, "dense_gemm")
+    with pytest.raises(ValueError, match="block_n=8 must be a power of two >= 16"):  # W_LHS: the wgmma's M side
+        dense_gemm(x, q, block_n=8, w_lhs=True)
 
 
 def test_m_bucket_keeps_tuning_keys_few():
