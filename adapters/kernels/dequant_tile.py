@@ -211,7 +211,14 @@ GROUPED_W_LHS_TILES = ((64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3))
 # GPU has timed them (session 23 compiled them for sm_90, no device time was left to time them): each one costs
 # ~0.1 s of benchmarking per autotune key at a cold start, and where one wins, block-FP8 weights round as the
 # reference rounds them (module docstring), not exactly. The A/B: scripts/bench_prefill.py with and without it.
-W_LHS_TUNING = os.environ.get("FLUXTIDE_PREFILL_W_LHS", "0") == "1"
+def _w_lhs_tuning(value: str) -> bool:
+    """FLUXTIDE_PREFILL_W_LHS: "0" (or unset) or "1"; anything else is refused, not read as off. ValueError."""
+    if value not in ("0", "1"):
+        raise ValueError(f"FLUXTIDE_PREFILL_W_LHS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+W_LHS_TUNING = _w_lhs_tuning(os.environ.get("FLUXTIDE_PREFILL_W_LHS", "0"))
 GROUPED_BLOCK_K = 128
 # Register budgets per thread (of 255) beyond which ptxas spills, measured for sm_90 with Triton 3.6's ptxas
 # (scripts/compile_probe.py; tests/adapters/test_kernels_moe_grouped.py checks the admitted tiles):

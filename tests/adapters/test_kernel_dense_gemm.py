@@ -192,6 +192,11 @@ def test_w_lhs_tiles_are_tuned_only_when_asked():
     assert not any(c.kwargs["W_LHS"] for c in dg.tune_configs(w_lhs=False) + grouped_configs(w_lhs=False))
     assert sum(c.kwargs["W_LHS"] for c in dg.tune_configs(w_lhs=True)) == len(dg.W_LHS_TILES)
     assert any(c.kwargs["W_LHS"] for c in dg._TUNED.configs) == W_LHS_TUNING
+    from adapters.kernels.dequant_tile import _w_lhs_tuning
+    assert (_w_lhs_tuning("0"), _w_lhs_tuning("1")) == (False, True)
+    for bad in ("true", "yes", ""):
+        with pytest.raises(ValueError, match="FLUXTIDE_PREFILL_W_LHS must be 0 or 1"):
+            _w_lhs_tuning(bad)
 
 
 def test_autotune_tries_only_tiles_that_fit_the_shape_and_the_registers():
