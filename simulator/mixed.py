@@ -238,8 +238,8 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
                  "layered_prefill": layered, "calibration": cfg.calibration, "routing": cfg.routing,
                  "gpu_budget_gib": dep.gpu_budget_bytes / 2**30 if dep.gpu_budget_bytes else None,
                  "scenario": scenario.to_dict(), "fits": False, "reason": None}
-    planned = plan_deployment(spec, cfg.hardware, dep, cfg.kv_tokens, page_size=cfg.page_size,
-                              layered_prefill=layered)
+    planned = plan_deployment(spec, cfg.hardware, dep.replace(layered_prefill=layered), cfg.kv_tokens,
+                              page_size=cfg.page_size)
     if isinstance(planned, str):
         out["reason"] = planned
         return out

@@ -126,17 +126,16 @@ class Deployment(StrictParams):
                              f"and <= --max-prefill-length ({self.max_prefill_length})")
         return self.max_prefill_length, mixed
 
-    def budget(self, spec: ModelSpec, hardware: HardwareProfile, layered_prefill: bool | None = None) -> GpuBudget:
-        """layered_prefill (None: the deployment's): `ft serve --layered-prefill on` also holds the chunk kept
-        between layer groups."""
-        layered_prefill = self.layered_prefill if layered_prefill is None else layered_prefill
+    def budget(self, spec: ModelSpec, hardware: HardwareProfile) -> GpuBudget:
+        """The server's budget: the card's memory (or the cap) less the dense weights, with the largest step's
+        activations held beside the pools, and with layered_prefill the chunk kept between layer groups too."""
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
         budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
         if self.max_prefill_length is None:
             return budget
         return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots,
-                                                       layered_prefill=layered_prefill))
+                                                       layered_prefill=self.layered_prefill))
 
     def pools(self, kv_tokens: int, page_size: int = 16, expert_parallel: bool = False) -> ServePools:
         """The server's pool flags for one point. The simulated executor is the CUDA-graph fast path, so
@@ -210,15 +209,14 @@ class RunStats:
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
-                    page_size: int = 16, layered_prefill: bool | None = None) -> ServePlan | str:
+                    page_size: int = 16) -> ServePlan | str:
     """The server's plan for this point (domain.serve_plan: the defaults it drops and why included), or
-    why it cannot run. layered_prefill: as `ft serve --layered-prefill on` (its kept chunk beside the pools);
-    None: the deployment's."""
+    why it cannot run (Deployment.layered_prefill: the kept chunk beside the pools, as `ft serve`'s)."""
     bank = spec.total_experts * spec.expert_bytes()
     if bank > hardware.host_ram_bytes:
         return (f"expert bank needs {bank / GIB:.1f} GiB of host RAM, "
                 f"{hardware.name} has {hardware.host_ram_bytes / GIB:.1f} GiB")
-    planned = plan_serve_pools(spec, deployment.budget(spec, hardware, layered_prefill),
+    planned = plan_serve_pools(spec, deployment.budget(spec, hardware),
                                deployment.pools(kv_tokens, page_size))
     if isinstance(planned, PlanRefusal):
         return planned.message
