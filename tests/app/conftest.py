@@ -4,6 +4,7 @@ uvicorn, with the model swapped for domain.fakes (FakeExecutor + FakeTokenizer) 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -138,19 +139,21 @@ def open_gate(server: RunningServer) -> None:
         gate.release()
 
 
-def make_container(blocker: threading.Event | None = None, delay: float = 0.0) -> Container:
+def make_container(blocker: threading.Event | None = None, delay: float = 0.0,
+                   vocab_size: int = TINY_SPEC.vocab_size) -> Container:
+    """vocab_size: the model's output rows (more than the fake tokenizer's ids: a padded vocabulary)."""
     container = Container()
 
     def spec():
         if blocker is not None:
             blocker.wait(30)
-        return TINY_SPEC
+        return TINY_SPEC if vocab_size == TINY_SPEC.vocab_size else dataclasses.replace(TINY_SPEC, vocab_size=vocab_size)
 
     container.model_spec.override(providers.Singleton(spec))
     container.generation_config.override(providers.Object(dict(GENERATION_CONFIG)))
     container.tokenizer.override(providers.Singleton(FakeTokenizer))
     container.device.override(providers.Object("cpu"))
-    container.executor.override(providers.Singleton(SlowExecutor, container.pool_plan, delay))
+    container.executor.override(providers.Singleton(SlowExecutor, container.pool_plan, delay, vocab_size))
     return container
 
 

@@ -6,41 +6,20 @@ Real server on 127.0.0.1 (fake model with 512 rows, fake tokenizer with 259 ids)
 
 from __future__ import annotations
 
-import dataclasses
-
 import openai
 import pytest
-from dependency_injector import providers
 
-from app.containers import Container
 from domain.fakes import FakeTokenizer, sequence_hash
-from tests.app.conftest import (
-    GENERATION_CONFIG,
-    MODEL,
-    TINY_SPEC,
-    SlowExecutor,
-    start_server,
-    wait_until_idle,
-)
+from tests.app.conftest import MODEL, make_container, start_server, wait_until_idle
 
 ROWS = 512  # the model's vocabulary; FakeTokenizer has 259 ids
 PROMPT = [1, 2, 3]
 TOKENS = 48
 
 
-def _padded_container() -> Container:
-    container = Container()
-    container.model_spec.override(providers.Object(dataclasses.replace(TINY_SPEC, vocab_size=ROWS)))
-    container.generation_config.override(providers.Object(dict(GENERATION_CONFIG)))
-    container.tokenizer.override(providers.Singleton(FakeTokenizer))
-    container.device.override(providers.Object("cpu"))
-    container.executor.override(providers.Singleton(SlowExecutor, container.pool_plan, 0.0, ROWS))
-    return container
-
-
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(_padded_container())
+    srv = start_server(make_container(vocab_size=ROWS))
     yield srv
     srv.stop()
 
