@@ -312,6 +312,7 @@ def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 2
     from adapters.kernels.moe_down import moe_down
     from adapters.kernels.moe_gate_up import moe_gate_up
     from adapters.kernels.moe_sum import moe_sum
+    from adapters.kernels.tuned_tiles import tuned_tiles
     from domain.model_spec import WeightFormat
 
     timer = timer or _timed
@@ -363,6 +364,8 @@ def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 2
         row["grouped_layer_us"] = timer(grouped)
         ref, got = per_pair().float(), grouped().float()
         row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        # the grouped GEMMs' tuned tiles so far (W_LHS ones only with FLUXTIDE_PREFILL_W_LHS=1); empty in the interpreter
+        row["grouped_tiles"] = {k: v for k, v in tuned_tiles().items() if k != "dense_gemm"}
         points.append(row)
         print(row, flush=True)
     return points

@@ -294,6 +294,8 @@ def a8_logits(ex, spec, length: int, chunk: int) -> dict:
 
 def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -> None:
     from adapters.cuda_exec.executor import CudaGraphExecutor
+    from adapters.kernels.dequant_tile import W_LHS_TUNING
+    from adapters.kernels.tuned_tiles import tuned_tiles, w_lhs_wins
     from domain.budget import GpuBudget
     from domain.streamed_prefill import pcie_bound_s
 
@@ -345,6 +347,10 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
             point["traceback"] = traceback.format_exc()[-3000:]
         _save(args, record)
         print(name, length, {k: v for k, v in point.items() if k != "traceback"}, flush=True)
+    # which tile won each autotune key: the W_LHS A/B's answer (FLUXTIDE_PREFILL_W_LHS=1 adds those tiles)
+    scen["w_lhs_tuning"] = W_LHS_TUNING
+    scen["tuned_tiles"] = tuned_tiles()
+    scen["w_lhs_wins"] = dict(zip(("w_lhs", "keys"), w_lhs_wins(scen["tuned_tiles"]), strict=True))
     if args.fp8_activations:
         try:
             preload(ex, plan.expert_slots)

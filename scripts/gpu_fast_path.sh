@@ -34,6 +34,10 @@
 #   splitk-tiles  bench_kernels.py --only splitk-tiles (every fixed split-K tile, split, warps, stages at 4/16/32 rows
 #            against the autotuned launch and the GEMV; ~4 min), then --only crossover (the tuned tiles named)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
+#   w-lhs    the prefill GEMMs with the weight as the wgmma's left operand (session 23): bench_prefill.py resident
+#            4k/32k with FLUXTIDE_PREFILL_W_LHS=0 then 1 into $OUT/prefill_wlhs{0,1} (~8 min on a cold machine)
+#   w-lhs-decode  the same tiles for the decode step's grouped GEMMs: bench_kernels.py --only grouped and
+#            bench_decode.py bs1/4/16 with grouped decode from 64 pairs, both with FLUXTIDE_PREFILL_W_LHS=1
 #   http-ab  ADR 0022's HTTP A/B on one machine: the resident ladder per variant of $AB (default, splitk0,
 #            pairs256), each server through scripts/diag/serve_with_knobs.py (~4-5 min a variant on a cold machine)
 #   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
@@ -223,6 +227,23 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
           --scenarios resident --prompts 4096,32768 --profile-tokens 0 $([[ $mode == a8 ]] && echo --fp8-activations) 2>&1 \
           | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
+    w-lhs)
+      # session 23's W_LHS prefill GEMMs (docs/prefill-kernels.md, "Weight as the left operand"): the resident 4k/32k
+      # prefill with the right-operand tiles only, then with both arrangements autotuned (synthesizes $CKPT: ~40 s)
+      for w in 0 1; do
+        FLUXTIDE_PREFILL_W_LHS=$w timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_wlhs$w" \
+          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 4096,32768 --profile-tokens 0 2>&1 \
+          | grep -E "^resident|Error|failed" | cut -c1-300
+      done ;;
+    w-lhs-decode)
+      # the grouped decode GEMMs with the W_LHS tiles (weights as the wgmma M side, 16 tokens as its N: the
+      # small-batch swap): the layer per pair vs grouped at 1/4/8/16 tokens, then the step at bs16 from 64 pairs
+      export FLUXTIDE_PREFILL_W_LHS=1
+      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/grouped_wlhs" --only grouped 2>&1 | tail -3
+      timeout 220 python3 scripts/bench_decode.py --out "$OUT/decode_grouped_wlhs" --synth-dir "$CKPT" --reuse \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
+        --grouped-decode-min-pairs 64 2>&1 | grep -E "^resident|parity|Error" | cut -c1-300
+      unset FLUXTIDE_PREFILL_W_LHS ;;
     http) timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     http-ab)
       # ADR 0022's same-machine A/B: the resident ladder once per variant of $AB (default "default splitk0"; also

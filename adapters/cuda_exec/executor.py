@@ -25,7 +25,9 @@ from adapters.cuda_exec.prefill_graphs import MoeSegments
 from adapters.cuda_exec.prefill_linear import a8_weight
 from adapters.cuda_exec.prefill_warmup import WarmupReport, plan_warmup, warm_prefill_kernels
 from adapters.cuda_exec.routing_replay import DeviceRoutingTable
+from adapters.kernels.dequant_tile import W_LHS_TUNING
 from adapters.kernels.grouped_moe import takes_a8
+from adapters.kernels.tuned_tiles import tuned_tiles, w_lhs_wins
 from adapters.torch_exec import qwen3_5_moe, qwen3_moe
 from adapters.torch_exec.executor_pools import ExecutorPools
 from adapters.torch_exec.gated_deltanet import LinearStatePool
@@ -284,6 +286,9 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("prefill kernels tuned in %.1f s (%d dense GEMM, %d GEMV, %d grouped MoE keys, %d scratch steps"
                  "%s)", self.warmup.seconds, len(plan.gemm), len(plan.gemv), len(plan.grouped), len(plan.forwards),
                  f"; out of memory: {', '.join(self.warmup.skipped)}" if self.warmup.skipped else "")
+        if W_LHS_TUNING:  # NOTE: opt-in until timed on a GPU; the log says where the weight-as-left tiles won
+            log.info("FLUXTIDE_PREFILL_W_LHS=1: W_LHS tiles chosen for %d of %d tuned prefill GEMM keys",
+                     *w_lhs_wins(tuned_tiles()))
         if self._on_phase is not None:
             self._on_phase(f"prefill kernels tuned in {self.warmup.seconds:.1f} s")
 
