@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 
 try:
     import simpy  # noqa: F401  # NOTE: the sim extra; say so instead of a traceback from deep in the imports
@@ -74,6 +75,58 @@ def parse_gib(text: str) -> float:
     if not 0 < value < float("inf"):  # NOTE: False for nan; inf overflowed int() in the byte count
         raise argparse.ArgumentTypeError(f"must be a positive number of GiB: {text!r}")
     return value
+
+
+def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
+    """The `mixed` subcommand's arguments (also parsed alone, to tell the flags given beside --record)."""
+    m.add_argument("--record", metavar="FILE",
+                   help="an `ft bench mixed` JSON record: predict the scenario and the server it ran (streams, the "
+                        "long prompt as the server counted it, stream/warm-up/baseline tokens, repeats, GPU budget, "
+                        "KV, max running, snapshot and staging rows, prefill kernels, step budgets, layered prefill, "
+                        "model, GPU) and compare its measured gaps and TTFT with the prediction; a flag given beside "
+                        "it overrides the record's value (docs/simulator.md, 'Held out: the measured record')")
+    m.add_argument("--hardware", default="h200", help="a built-in profile or a name from --hardware-file")
+    m.add_argument("--hardware-file", help="JSON/TOML file with extra hardware profiles")
+    m.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
+                   help=f"one of {sorted(BUILTIN_MODELS)} or a checkpoint directory")
+    m.add_argument("--kv", type=parse_count, default=16384,
+                   help="KV pool in tokens, as `ft serve --kv-tokens` (default 16k, the benchmark's 24gib scenario: "
+                        "8k cannot hold an 8k prompt beside the streams)")
+    m.add_argument("--gpu-budget-gib", type=parse_gib, help="as `ft serve --gpu-budget-gib` (24: issue 9's card; "
+                                                            "130 with --kv 64k: the benchmark's resident scenario)")
+    m.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio`")
+    m.add_argument("--max-prefill-length", type=parse_count, help="as `ft serve --max-prefill-length` (8192)")
+    m.add_argument("--mixed-prefill-length", type=parse_count,
+                   help="as `ft serve --mixed-prefill-length` (default: min(512, --max-prefill-length))")
+    m.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
+                   help="as `ft serve --max-running-requests` (default: the calibration's, 4)")
+    m.add_argument("--cache-type", choices=("radix", "none"), help="as `ft serve --cache-type`")
+    m.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
+    m.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto", help="as `ft serve --staging-experts`")
+    m.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"), default="auto",
+                   help="as `ft serve --prefill-kernels` (default auto: triton for block-FP8 on a card, so the "
+                        "prefill streams what is not resident through the staging rows)")
+    m.add_argument("--layered-prefill", default="off,on", help="off, on, or off,on (default: both)")
+    m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
+    m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
+    m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
+    m.add_argument("--stream-prompt-tokens", type=parse_count, help="the streams' prompt (default: the "
+                                                                   "calibration's prompt, the customer's 18 tokens)")
+    m.add_argument("--warmup-tokens", type=parse_count, default=16)
+    m.add_argument("--baseline-tokens", type=parse_count, default=64)
+    m.add_argument("--repeats", type=parse_count, default=3, help="measured repeats (ft bench mixed: 3)")
+    m.add_argument("--warmup-repeats", type=parse_count_or_zero, default=1)
+    m.add_argument("--same-prompt", action="store_true",
+                   help="every stream the one prompt (lockstep routing); the benchmark gives each its own")
+    m.add_argument("--routing", default="uniform",
+                   help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
+                        "locality | trace:FILE")
+    m.add_argument("--calibration", help="default: h200_records_v6 on the H200 (its streamed prefill, HTTP "
+                                         "overhead and eager prefill terms), else the newest fluxtide calibration "
+                                         "of the hardware, else h200_records_v5 carried over")
+    m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
+    m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    m.add_argument("--out", help="also write the JSON to this file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,48 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mixed", help="predict `ft bench mixed` (issue 9): the gaps between the tokens of running "
                                      "streams while one long prompt prefills, and its TTFT, with --layered-prefill "
                                      "off and on (docs/simulator.md, 'Layered prefill')")
-    m.add_argument("--hardware", default="h200", help="a built-in profile or a name from --hardware-file")
-    m.add_argument("--hardware-file", help="JSON/TOML file with extra hardware profiles")
-    m.add_argument("--model", default="qwen3.6-35b-a3b-fp8",
-                   help=f"one of {sorted(BUILTIN_MODELS)} or a checkpoint directory")
-    m.add_argument("--kv", type=parse_count, default=16384,
-                   help="KV pool in tokens, as `ft serve --kv-tokens` (default 16k, the benchmark's 24gib scenario: "
-                        "8k cannot hold an 8k prompt beside the streams)")
-    m.add_argument("--gpu-budget-gib", type=parse_gib, help="as `ft serve --gpu-budget-gib` (24: issue 9's card; "
-                                                            "130 with --kv 64k: the benchmark's resident scenario)")
-    m.add_argument("--memory-ratio", type=float, help="as `ft serve --memory-ratio`")
-    m.add_argument("--max-prefill-length", type=parse_count, help="as `ft serve --max-prefill-length` (8192)")
-    m.add_argument("--mixed-prefill-length", type=parse_count,
-                   help="as `ft serve --mixed-prefill-length` (default: min(512, --max-prefill-length))")
-    m.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
-                   help="as `ft serve --max-running-requests` (default: the calibration's, 4)")
-    m.add_argument("--cache-type", choices=("radix", "none"), help="as `ft serve --cache-type`")
-    m.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
-    m.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto", help="as `ft serve --staging-experts`")
-    m.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"), default="auto",
-                   help="as `ft serve --prefill-kernels` (default auto: triton for block-FP8 on a card, so the "
-                        "prefill streams what is not resident through the staging rows)")
-    m.add_argument("--layered-prefill", default="off,on", help="off, on, or off,on (default: both)")
-    m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
-    m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
-    m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
-    m.add_argument("--stream-prompt-tokens", type=parse_count, help="the streams' prompt (default: the "
-                                                                   "calibration's prompt, the customer's 18 tokens)")
-    m.add_argument("--warmup-tokens", type=parse_count, default=16)
-    m.add_argument("--baseline-tokens", type=parse_count, default=64)
-    m.add_argument("--repeats", type=parse_count, default=3, help="measured repeats (ft bench mixed: 3)")
-    m.add_argument("--warmup-repeats", type=parse_count_or_zero, default=1)
-    m.add_argument("--same-prompt", action="store_true",
-                   help="every stream the one prompt (lockstep routing); the benchmark gives each its own")
-    m.add_argument("--routing", default="uniform",
-                   help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
-                        "locality | trace:FILE")
-    m.add_argument("--calibration", help="default: h200_records_v5 on the H200 (its streamed prefill and HTTP "
-                                         "overhead), else the newest fluxtide calibration of the hardware, else "
-                                         "h200_records_v5 carried over")
-    m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
-    m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
-    m.add_argument("--out", help="also write the JSON to this file")
+    add_mixed_arguments(m)
     from simulator.fit_records import add_arguments
 
     c = sub.add_parser("calibrate", help="fit a hardware profile to ft bench / bench_decode records and report "
@@ -306,10 +318,26 @@ def predict_command(args) -> int:
 MIXED_DEFAULT_CALIBRATION = {"h200": "h200_records_v6"}  # v5 + the eager prefill terms (streamed prefill, HTTP overhead)
 
 
+def given_options(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> set[str]:
+    """The arguments (dests) argv sets itself, defaults aside. argparse fills a default only into a namespace that
+    lacks the attribute, so every one is preset to a marker first; a flag given with its default value counts."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    unset = object()
+    namespace = argparse.Namespace(**dict.fromkeys(vars(parser.parse_args(argv)), unset))
+    return {dest for dest, value in vars(parser.parse_args(argv, namespace)).items() if value is not unset}
+
+
 def mixed_command(args) -> int:
     from simulator.mixed import MixedConfig, MixedScenario, predict_mixed
     from simulator.routing import make_routing
 
+    record = overridden = None
+    if args.record:
+        from simulator.mixed_record import read_record
+
+        record = read_record(args.record)
+        overridden = record.apply(args, given_options(add_mixed_arguments, args.argv[args.argv.index("mixed") + 1:]))
     modes = [m.strip() for m in args.layered_prefill.split(",") if m.strip()]
     if not modes or any(m not in ("off", "on") for m in modes):
         raise ValueError(f"--layered-prefill takes off, on or off,on, got {args.layered_prefill!r}")
@@ -342,8 +370,11 @@ def mixed_command(args) -> int:
         # NOTE: a fresh routing model per mode: both see the same streams
         routing = make_routing(args.routing, spec.num_layers, spec.num_experts, spec.top_k, seed,
                                calibration.locality_params())
-        results.append({"command": "python -m simulator " + shlex.join(args.argv),
-                        **predict_mixed(cfg, routing, scenario, layered=mode == "on")})
+        result = {"command": "python -m simulator " + shlex.join(args.argv),
+                  **predict_mixed(cfg, routing, scenario, layered=mode == "on")}
+        if record is not None:
+            result["compare"] = record.compare(result, overridden)
+        results.append(result)
     text = json.dumps(results, indent=2)
     if args.out:
         from pathlib import Path

@@ -75,6 +75,9 @@ def print_mixed(results: list[dict], title: str = "", console: Console | None = 
         )
     console = console or (Console() if sys.stdout.isatty() else Console(width=160))
     console.print(table)
+    for r in results:
+        if "compare" in r:
+            print_compare(r["compare"], "on" if r["layered_prefill"] else "off", console)
     scheduler = next((r["scheduler"] for r in results if "scheduler" in r), None)
     if scheduler:
         console.print(f"budgets: {scheduler['max_step_tokens']} tokens alone, {scheduler['mixed_step_tokens']} "
@@ -84,3 +87,30 @@ def print_mixed(results: list[dict], title: str = "", console: Console | None = 
         console.print("Not modelled (the figures lack these):")
         for note in notes:
             console.print(f"  - {note}")
+
+
+def print_compare(compare: dict, layered: str, console: Console) -> None:
+    """`mixed --record`: one prediction beside the record it replays (mixed_record.MixedRecord.compare): each
+    figure measured, predicted and its error, then the plan, the routing, the gaps and the overridden settings."""
+    table = Table(title=f"measured vs predicted, layered {layered}", caption=f"record: {compare['record']}")
+    for name in ("figure", "measured", "predicted", "error %"):
+        table.add_column(name, justify="left" if name == "figure" else "right")
+    for name, f in compare["figures"].items():
+        spec = ".3f" if name.startswith("ttft") else ".1f"
+        table.add_row(name, _fmt(f["measured"], spec), _fmt(f["predicted"], spec), _fmt(f["error_pct"], "+.1f"))
+    console.print(table)
+    differ = [f"{k} {v['record']} -> {v['predicted']}" for k, v in compare["plan"].items()
+              if v["record"] != v["predicted"]]
+    console.print("plan: " + ("the record's" if not differ else "differs from the record's: " + ", ".join(differ)))
+    routing = compare["routing"]
+    console.print(f"routing: the record's {routing['record']}, simulated {routing['simulated']}")
+    for g in compare["gaps"]:
+        line = f"repeat {g['repeat']}: {g['measured_gaps']} window gaps measured, {g['predicted_gaps']} predicted"
+        if "index" in g:
+            where = f"index {g['index']}" + ("" if g["stream"] is None else f" of stream {g['stream']}")
+            line += (f"; largest difference at {where}: {g['measured_ms']:.1f} ms measured, "
+                     f"{g['predicted_ms']:.1f} predicted ({g['difference_ms']:+.1f})")
+        console.print(line)
+    if compare["overridden"]:
+        console.print("flags over the record: " + ", ".join(
+            f"{k} {v['record']} -> {v['used']}" for k, v in compare["overridden"].items()))
