@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from simulator.sweep import (
     BUILTIN_MODELS,
     Calibration,
     SweepConfig,
-    find_calibration,
+    calibration_for,
     resolve_model,
     run_sweep,
 )
@@ -121,9 +122,9 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--routing", default="uniform",
                    help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
                         "locality | trace:FILE")
-    m.add_argument("--calibration", help="default: h200_records_v6 on the H200 (its streamed prefill, HTTP "
-                                         "overhead and eager prefill terms), else the newest fluxtide calibration "
-                                         "of the hardware, else h200_records_v5 carried over")
+    m.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/; default as "
+                                         "predict's: h200_records_v6 on the H200, else the newest fluxtide "
+                                         "calibration of the hardware, else h200_records_v5 carried over")
     m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     m.add_argument("--out", help="also write the JSON to this file")
@@ -181,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-prompt", type=parse_count, default=0,
                    help="also time the first token of one fresh prompt of this many tokens (slower)")
     p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ (e.g. h200_v1, or "
-                                         "rtx3090_v2 for the customer's engine; default: the newest of fluxtide "
-                                         "for the hardware, else fluxtide's H200 default carried over)")
+                                         "rtx3090_v2 for the customer's engine; default: h200_records_v6 on the "
+                                         "H200, else the newest fluxtide calibration of the hardware, else "
+                                         "h200_records_v5 carried over)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     p.add_argument("--workers", type=parse_count, help="processes (default: up to 2)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per point")
@@ -281,12 +283,7 @@ def predict_command(args) -> int:
     extra = load_profiles(args.hardware_file) if args.hardware_file else None
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
-    if args.calibration:
-        calibration = Calibration.resolve(args.calibration)
-        # NOTE: a calibration named on the command line may come from another card (e.g. h200_v2 on a 4090)
-        measured_here = calibration.hardware == hardware.name
-    else:
-        calibration, measured_here = find_calibration(hardware.name)
+    calibration, measured_here = calibration_for(args.calibration, hardware.name)
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
@@ -315,7 +312,6 @@ def predict_command(args) -> int:
     return 0
 
 
-MIXED_DEFAULT_CALIBRATION = {"h200": "h200_records_v6"}  # v5 + the eager prefill terms (streamed prefill, HTTP overhead)
 
 
 def given_options(add_arguments: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> set[str]:
@@ -344,15 +340,7 @@ def mixed_command(args) -> int:
     extra = load_profiles(args.hardware_file) if args.hardware_file else None
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
-    name = args.calibration or MIXED_DEFAULT_CALIBRATION.get(hardware.name)
-    if name:
-        calibration = Calibration.resolve(name)
-        measured_here = calibration.hardware == hardware.name
-    else:
-        # NOTE: a card without fluxtide's own calibration borrows h200_records_v5 (sweep.CARRIED_OVER_DEFAULT; the
-        # H200's mixed default is v6, whose eager terms are not carried over: docs/simulator.md "Prefill compute"),
-        # so the customer's engine's rtx3090_v2 is no longer what `mixed` predicts on a 3090
-        calibration, measured_here = find_calibration(hardware.name)
+    calibration, measured_here = calibration_for(args.calibration, hardware.name)  # predict's default rule too
     deployment = deployment_from_args(calibration.deployment_params(), args, spec)
     workload = Workload.from_dict(calibration.workload)
     scenario = MixedScenario(streams=args.streams, prompt_tokens=args.prompt_tokens, stream_tokens=args.stream_tokens,
@@ -410,5 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def run_main() -> int:
+    """`python -m simulator`: main(), but a reader that closes stdout early (`... --json | head`) ends it quietly
+    with 141 (128 + SIGPIPE, as a shell reports it and as `ft sim` does) instead of a BrokenPipeError traceback."""
+    try:
+        try:
+            return main()
+        finally:
+            sys.stdout.flush()  # NOTE: buffered output meets the closed pipe here, not at the interpreter's exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main())

@@ -22,10 +22,13 @@ CALIBRATION_DIR = Path(__file__).parent / "calibration"
 CUSTOMER_ENGINE_PREFIX = "the customer's existing engine"
 CUSTOMER_ENGINE = "customer-engine"  # what a prediction's JSON `engine` says for those files
 OUR_ENGINE = "fluxtide"
-# The default of a card without fluxtide calibration of its own: fluxtide's most complete H200 profile (per-pair
-# decode reads, the streamed prefill, the prefix cache, the fitted HTTP overhead; the best held-out end-to-end
-# record), its engine overheads carried over to the card's bandwidths (docs/simulator.md, "Which engine a
-# prediction is for": why this one and not the H200's own default, h200_v2)
+# One rule for every default (docs/simulator.md, "One default rule"): fluxtide's best held-out H200 profile on the
+# H200, and on any other card its card-independent part, its engine overheads carried over to the card's bandwidths.
+# h200_records_v6 held out 9 of 13 of session 20's predict aggregates within +-10 % (max +31.7 %, a split burst),
+# h200_v2 5 of 13 (max +90.7 %, ladder c16). v5 is v6 without the eager prefill terms, which are the H200's compute
+# ("Prefill compute"); their decode predictions are identical. A card's own `calibrate` output (<card>_v<N>, fitted
+# on fluxtide) takes precedence over the carried-over one; an entry here over both.
+DEFAULT_CALIBRATIONS = {"h200": "h200_records_v6"}
 CARRIED_OVER_DEFAULT = "h200_records_v5"
 
 BUILTIN_MODELS = {
@@ -136,18 +139,28 @@ def _versions(hardware: str) -> list[Calibration]:
 
 
 def find_calibration(hardware: str) -> tuple[Calibration, bool]:
-    """The default calibration of `predict --hardware HARDWARE`, and whether it was measured on that hardware.
-
-    The newest `<hardware>_v<N>` fitted on fluxtide (`h200_v2` for the H200); else CARRIED_OVER_DEFAULT, fitted
-    on fluxtide's H200 records, its engine overheads carried over to this card's bandwidths. A calibration of
-    the customer's engine (`rtx3090_v1`, `rtx3090_v2`) is never a default, on its own card either: it predicts
-    another engine; name it with --calibration to compare (docs/simulator.md, "Which engine a prediction is
-    for")."""
+    """The default calibration of `predict` and `mixed` on --hardware HARDWARE, and whether it was measured on that
+    hardware: DEFAULT_CALIBRATIONS[hardware]; else the newest `<hardware>_v<N>` fitted on fluxtide (a user's own
+    `calibrate` of the card); else CARRIED_OVER_DEFAULT, its engine overheads carried over. A calibration of the
+    customer's engine (`rtx3090_v1`, `rtx3090_v2`) is never a default, on its own card either: it predicts
+    another engine; name it with --calibration to compare (docs/simulator.md, "Which engine a prediction is for")."""
+    if hardware in DEFAULT_CALIBRATIONS:
+        chosen = Calibration.resolve(DEFAULT_CALIBRATIONS[hardware])
+        return chosen, chosen.hardware == hardware
     own = [c for c in _versions(hardware) if not c.customer_engine]
     if own:
         return own[-1], True
     carried = Calibration.resolve(CARRIED_OVER_DEFAULT)
     return carried, carried.hardware == hardware
+
+
+def calibration_for(name: str | None, hardware: str) -> tuple[Calibration, bool]:
+    """`--calibration NAME` (a file or a name; it may come from another card, e.g. h200_v2 on a 4090) or, without
+    one, find_calibration's default; and whether it was measured on `hardware`."""
+    if name is None:
+        return find_calibration(hardware)
+    chosen = Calibration.resolve(name)
+    return chosen, chosen.hardware == hardware
 
 
 @dataclass(frozen=True)

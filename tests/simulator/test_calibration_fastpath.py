@@ -106,9 +106,9 @@ def test_predict_uses_it_by_default_and_by_name(capsys):
     from simulator.__main__ import main
 
     cal, measured_here = find_calibration("h200")
-    # the newest H200 profile is the default (h200_v2: the fast engine's own records); v1 by name
-    assert measured_here and cal.name == "h200_v2" and cal.provenance["records"]
-    assert Calibration.resolve("h200_v2") == cal and Calibration.resolve("h200_v1").name == "h200_v1"
+    # the H200's default is fluxtide's best held-out profile (sweep.DEFAULT_CALIBRATIONS); h200_v2 and v1 by name
+    assert measured_here and cal.name == "h200_records_v6" and cal.provenance["records"]
+    assert Calibration.resolve("h200_v2").name == "h200_v2" and Calibration.resolve("h200_v1").name == "h200_v1"
     with pytest.raises(FileNotFoundError, match="known: .*h200_v1"):
         Calibration.resolve("h200_v0")
     rc = main(["predict", "--hardware", "h200", "--model", SPEC_NAME, "--kv", "8k", "--batch", "1",

@@ -129,7 +129,10 @@ CUSTOMER = "measured on rtx3090 with the customer's existing engine (SPEC.md ref
     ("rtx4090", "rtx3090_v2", f"predicts the customer's existing engine, not fluxtide: calibration rtx3090_v2: "
                               f"{CUSTOMER}; its engine overheads carried over to rtx4090",
      "rtx3090_v2 (engine overheads carried over)", "customer-engine"),
-    ("h200", None, f"predicts fluxtide: calibration h200_v2: measured on h200, {RECORDS}; routing", "h200_v2",
+    # one default rule (docs/simulator.md, "One default rule"): fluxtide's best held-out H200 profile; h200_v2 by name
+    ("h200", None, f"predicts fluxtide: calibration h200_records_v6: measured on h200, {RECORDS}; routing",
+     "h200_records_v6", "fluxtide"),
+    ("h200", "h200_v2", f"predicts fluxtide: calibration h200_v2: measured on h200, {RECORDS}; routing", "h200_v2",
      "fluxtide"),
 ])
 def test_the_table_title_and_json_name_the_engine_and_the_calibration(monkeypatch, tmp_path, capsys, hardware,
@@ -166,3 +169,31 @@ def test_max_prefill_length_sets_the_simulated_step_budget_too(tmp_path, capsys)
         assert (point["simulated_s"], point["ttft_prompt_s"]) == steps[default], calibration
         assert point["scheduler"]["max_step_tokens"] == int(default)
         assert steps["8192"][1] < steps["2048"][1]  # one 8k step instead of four 2k ones
+
+
+@pytest.mark.parametrize("hardware, label", [("h200", "h200_records_v6"),
+                                             ("rtx3090", "h200_records_v5 (engine overheads carried over)")])
+def test_predict_and_mixed_take_their_default_calibration_by_one_rule(tmp_path, capsys, hardware, label):
+    # mixed used to keep its own table (h200_records_v6 on the H200) while predict took h200_v2 there
+    assert main(["predict", "--hardware", hardware, "--model", _tiny_checkpoint(tmp_path), "--kv", "2048",
+                 "--routing", "uniform", "--workers", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["calibration"] == label
+    # an 8k pool cannot hold the 8k prompt beside the streams: refused at once, the calibration still named
+    assert main(["mixed", "--hardware", hardware, "--kv", "8k", "--layered-prefill", "on", "--json"]) == 0
+    mixed = json.loads(capsys.readouterr().out)[0]
+    assert mixed["calibration"] == label and not mixed["fits"]
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_python_m_simulator_quietly(tmp_path):
+    # `python -m simulator predict ... --json | head -2` ended in a BrokenPipeError traceback (ft sim did not): the
+    # reader closes its end before a byte is written, so every write and the final flush meet a broken pipe
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "simulator", "predict", "--hardware", "rtx3090", "--model", _tiny_checkpoint(tmp_path),
+           "--kv", "2048", "--batch", "1", "--routing", "uniform", "--workers", "1", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err  # 128 + SIGPIPE, as `ft sim` and a shell report it
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err

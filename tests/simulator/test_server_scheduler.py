@@ -103,13 +103,13 @@ def test_predict_reports_the_budgets_it_ran(tmp_path, capsys):
 
 def test_a_card_without_fluxtide_records_defaults_to_fluxtide_not_the_customers_engine():
     """Finding 1 of issue 10's planner: `--hardware rtx3090` used to predict the customer's engine (rtx3090_v2, the
-    newest rtx3090_v*). Every consumer card now gets fluxtide's H200 profile carried over; the H200 keeps its own."""
+    newest rtx3090_v*). Every consumer card now gets fluxtide's H200 profile carried over; the H200 its own."""
     for hardware in ("rtx3090", "rtx4090", "rtx5090", "rtx4060-laptop"):
         cal, measured_here = find_calibration(hardware)
         assert (cal.name, measured_here, cal.predicts, cal.customer_engine) == (
             "h200_records_v5", False, "fluxtide", False), hardware
     cal, measured_here = find_calibration("h200")
-    assert (cal.name, measured_here, cal.predicts) == ("h200_v2", True, "fluxtide")
+    assert (cal.name, measured_here, cal.predicts) == ("h200_records_v6", True, "fluxtide")
     for name in ("rtx3090_v1", "rtx3090_v2"):
         assert Calibration.resolve(name).predicts == "customer-engine"
     for name in ("h200_v1", "h200_v2", "h200_records_v1", "h200_records_v2", "h200_records_v3", "h200_records_v4",
