@@ -108,6 +108,9 @@ class Engine:
         self._stale_pools = False  # a step ran since the pools snapshot was last published
         if self._launch_hook:
             executor.on_launched = self._launched
+        # ModelExecutor's optional release: what the executor keeps of a request between steps (a layered prefill
+        # chunk part-way, ADR 0024) goes as soon as the engine ends that request early, not when its slot is reused
+        self._executor_release: Callable[[str], None] | None = getattr(executor, "release", None)
         self._publish_pools()
 
     @property
@@ -304,6 +307,7 @@ class Engine:
     def _abort(self, request_id: str) -> None:
         if not self._resizer.drop_held(request_id):
             self._streams.abort(request_id)
+            self._released((request_id,))
 
     def _step(self, batch) -> None:
         if not self._launch_hook:
@@ -338,6 +342,7 @@ class Engine:
         for request_id, error in faulty.items():  # NOTE: confined to that request: abort it alone
             self._streams.fail_request(request_id, self._record_failure(f"request {request_id}: {error}"))
         if faulty:
+            self._released(faulty)
             sampled = {rid: token for rid, token in sampled.items() if rid not in faulty}
         for event in self.scheduler.complete(batch, sampled):
             # NOTE: a stream whose text can change what is scheduled next (a stop string ends it, a thinking
@@ -468,9 +473,25 @@ class Engine:
 
     def _fail_batch(self, batch, exc: Exception) -> None:
         self._streams.fail_batch(batch, self._record_failure(f"model step failed: {exc!r}"))
+        self._released([w.request_id for w in batch.works])
 
     def _fail_everything(self, exc: Exception) -> None:
+        failed = list(self._streams.live)
         self._streams.fail_all(self._record_failure(f"engine step failed: {exc!r}"))
+        self._released(failed)
+
+    def _released(self, request_ids) -> None:
+        """The executor drops what it keeps of requests the engine ended early (ModelExecutor.release, optional).
+        NOTE: called on failure paths: a release that raises is logged, and the self-check that follows a failure
+        (verify) decides whether the executor can still serve."""
+        release = self._executor_release
+        if release is None:
+            return
+        for request_id in request_ids:
+            try:
+                release(request_id)
+            except Exception:
+                log.exception("the executor failed to release request %s", request_id)
 
     def _record_failure(self, message: str) -> str:
         log.error("%s\n%s", message, traceback.format_exc())

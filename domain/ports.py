@@ -168,6 +168,17 @@ class ModelExecutor(Protocol):
     check_valid() (optional): asserts every pool exists at the size of the plan last applied;
     the engine calls it after any failed step or resize to decide whether it can still serve.
 
+    release(request_id) (optional): the engine ended the request before its tokens were done (its
+    client went away, its step or its sampling failed, the engine failed every request): drop now
+    whatever the executor keeps for it between steps (a layered prefill chunk part-way: its
+    residual stream [T, H] and inputs), instead of when a new chunk starts or another work takes
+    its request id or state slot. Called on the engine thread between steps, never inside
+    execute(), after the scheduler freed the request's pages and slot; idempotent, and a no-op
+    for a request the executor keeps nothing of. It does not follow preemption (the engine does
+    not see it): a preempted request's chunk goes when its request or state slot runs again.
+    It must not raise for an unknown request; an executor that keeps nothing between steps need
+    not offer it.
+
     on_launched (optional attribute; an executor that offers it declares it, None by default): the
     engine sets it to a zero-argument callable that does not raise. execute() then calls it once,
     on the calling thread, where the host would start waiting for the device: after a captured

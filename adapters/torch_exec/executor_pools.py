@@ -1,7 +1,8 @@
 """What both executors (the reference TorchExecutor and the fast CudaGraphExecutor) do alike with their
 pools: swap them to a new plan freeing before allocating, check them against the plan, report their
 bytes and expert counters, reset / restore / snapshot linear-attention state slots for the prefix cache,
-keep a layered prefill chunk between its layer groups, and sample one sequence with its failure confined to it.
+keep a layered prefill chunk between its layer groups (dropped when the engine releases its request), and
+sample one sequence with its failure confined to it.
 
 The snapshot pool (prefix cache) is a LinearStatePool of plan.snapshot_slots slots built here for both
 executors (None when the model has no linear-attention layers or the plan no snapshot slots).
@@ -11,7 +12,8 @@ its pool holds for a plan (`_kv_pool_pages`: the fast path adds a scratch page f
 
 Layered prefill (SequenceWork.layers, docs/adr/0024-layered-prefill.md): a step's layered work runs as a forward
 of its own over its layer group (`_run_group`), the other works as always; between groups the executor keeps the
-chunk (`KeptChunk`: its residual stream, its flattened inputs, its routing-replay ids). Each executor runs the
+chunk (`KeptChunk`: its residual stream, its flattened inputs, its routing-replay ids) until its next group, or
+until the engine releases its request (`release`: aborted or failed part-way). Each executor runs the
 group's forward (`_group_forward`: the reference records its routing, the fast path streams the experts).
 
 Shape legend: T tokens of a chunk, H hidden, L layers, K top-k.
@@ -194,6 +196,20 @@ class ExecutorPools:
         return f"{w.request_id}: layer group {w.layers} at position {w.start_position} continues a chunk this " \
                f"executor does not keep (it keeps {held}); the groups of a chunk come in consecutive steps, in " \
                "layer order, with the same tokens, positions, pages, state slot and snapshots (a scheduler bug)"
+
+    @property
+    def kept_request(self) -> str | None:
+        """The request whose layered prefill chunk this executor keeps part-way (between two of its layer groups),
+        or None (read-only)."""
+        kept = self._kept
+        return None if kept is None else kept.work.request_id
+
+    def release(self, request_id: str) -> None:
+        """ModelExecutor.release: the engine ended `request_id` early (aborted, failed); a chunk of it kept part-way
+        is dropped now (its residual stream [T, H], inputs and replay ids), not when a new chunk starts or another
+        work takes its request id or state slot. Any other request's chunk stays; nothing kept: a no-op."""
+        if self.kept_request == request_id:
+            self._kept = None
 
     def _split_layered(self, batch: StepBatch) -> tuple[SequenceWork | None, tuple[SequenceWork, ...]]:
         """(the layered work or None, the other works). A kept chunk whose request or state slot another work

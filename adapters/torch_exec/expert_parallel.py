@@ -138,7 +138,7 @@ class ExpertParallelExecutor(TorchExecutor):
         check_replicas(tensor, self.rank, self.group)
 
 
-STEP, RESIZE, STOP = "step", "resize", "stop"
+STEP, RESIZE, RELEASE, STOP = "step", "resize", "release", "stop"
 
 
 class StepLeader:
@@ -174,6 +174,15 @@ class StepLeader:
         self._send((RESIZE, plans))
         self.executor.resize_pools(plans[0])
 
+    def release(self, request_id: str) -> None:
+        """ModelExecutor.release on every rank. Every rank runs the same steps, so every rank keeps the chunk rank 0
+        keeps: the followers are told only when rank 0 keeps one of `request_id` (an abort otherwise costs no
+        collective)."""
+        if getattr(self.executor, "kept_request", None) != request_id:
+            return
+        self._send((RELEASE, request_id))
+        self.executor.release(request_id)
+
     def stop(self) -> None:
         """Release the followers (their follow() returns)."""
         self._send((STOP, None))
@@ -193,7 +202,7 @@ class StepLeader:
 
 
 def follow(executor, after_step=None) -> int:
-    """A follower rank's loop: run every StepBatch and resize rank 0 broadcasts, until STOP; returns the
+    """A follower rank's loop: run every StepBatch, resize and release rank 0 broadcasts, until STOP; returns the
     number of steps run. executor: this rank's expert-parallel executor (reference or fast path). after_step(executor) runs after each step (tests: check_valid)."""
     if executor.rank == 0:
         raise ValueError("rank 0 leads; follow() is for ranks 1..N-1")
@@ -209,6 +218,8 @@ def follow(executor, after_step=None) -> int:
         elif kind == STEP:
             executor.execute(payload)
             steps += 1
+        elif kind == RELEASE:
+            executor.release(payload)
         else:  # pragma: no cover - only StepLeader sends
             raise RuntimeError(f"unknown message {kind!r} from rank 0")
         if after_step is not None:

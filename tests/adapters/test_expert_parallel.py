@@ -234,3 +234,45 @@ def test_the_step_leader_forwards_the_launch_hook_to_its_executor_and_only_where
     leader.on_launched = hook
     assert local.on_launched is hook and leader.on_launched is hook
     assert not hasattr(StepLeader(Plain()), "on_launched")
+
+
+def test_the_step_leader_releases_a_kept_chunk_on_every_rank_and_only_when_one_is_kept(monkeypatch):
+    """ModelExecutor.release reaches the followers (each keeps the same layered chunk, running the same steps),
+    through one broadcast sent only when rank 0 keeps a chunk of that request: an abort otherwise costs no
+    collective. The follower's loop applies it between steps."""
+    from adapters.torch_exec import expert_parallel as ep
+
+    class Local:
+        def __init__(self, rank: int, kept: str | None) -> None:
+            self.rank, self.group, self.kept_request, self.released, self.steps = rank, None, kept, [], []
+
+        def release(self, request_id: str) -> None:
+            self.released.append(request_id)
+            if self.kept_request == request_id:
+                self.kept_request = None
+
+        def execute(self, batch) -> dict:
+            self.steps.append(batch)
+            return {}
+
+    local = Local(0, kept="r")
+    leader = StepLeader(local)
+    sent: list[tuple] = []
+    monkeypatch.setattr(leader, "_send", sent.append)
+    leader.release("other")  # rank 0 keeps no chunk of it: nothing sent, nothing to drop
+    assert sent == [] and local.released == [] and local.kept_request == "r"
+    leader.release("r")
+    assert sent == [(ep.RELEASE, "r")] and local.released == ["r"] and local.kept_request is None
+    leader.release("r")  # released already: nothing more
+    assert sent == [(ep.RELEASE, "r")]
+
+    follower = Local(1, kept="r")
+    messages = iter([(ep.STEP, "batch"), (ep.RELEASE, "r"), (ep.STOP, None)])
+
+    def broadcast(box, src, group):
+        box[0] = next(messages)
+
+    monkeypatch.setattr(ep.dist, "broadcast_object_list", broadcast)
+    seen = []
+    assert follow(follower, after_step=lambda e: seen.append(e.kept_request)) == 1
+    assert follower.steps == ["batch"] and follower.released == ["r"] and seen == ["r", None]

@@ -315,6 +315,42 @@ def test_a_group_that_continues_a_chunk_not_kept_is_refused(ckpt):
         ex.model.forward(flatten(StepBatch((group((1, 4)),)), DEVICE), ex.kv, ex.state, ex.experts, layers=(1, 4))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+def test_releasing_its_request_drops_a_kept_chunk_and_nothing_else(ckpt, fast):
+    """ModelExecutor.release: a chunk part-way whose request the engine ended (client gone, step failed) used to stay
+    referenced (its [T, H] residual stream) until a new chunk started or a work took its request id or slot; now it
+    goes at once. Another request's release leaves it; both executors share it (ExecutorPools)."""
+    ex = _fast(ckpt, prefill_kernels=False) if fast else _torch(ckpt)
+    run = _execute if fast else lambda e, batch: e.compute_logits(batch)
+    tokens = (5, 17, 3, 88, 41)
+
+    def group(layers, rid="r", slot=0):
+        return SequenceWork(rid, tokens, 0, (0, 1) if slot == 0 else (2, 3), slot, layers[1] == LAYERS, GREEDY, 0,
+                            layers=layers)
+
+    assert ex.kept_request is None
+    ex.release("r")  # nothing kept: a no-op
+    run(ex, StepBatch((group((0, 1)),)))
+    assert ex.kept_request == "r" and ex._kept.x is not None
+    ex.release("other")  # not its request: kept
+    assert ex.kept_request == "r"
+    ex.check_valid()
+    ex.release("r")
+    assert ex.kept_request is None and ex._kept is None
+    ex.release("r")  # idempotent
+    ex.check_valid()
+    reason = ex.can_execute(StepBatch((group((1, 4)),)))
+    assert reason is not None and "it keeps none" in reason  # released: never continued
+    # the next request's chunk runs from its first group and gives what its chunk alone gives
+    for layers in ((0, 2), (2, 4)):
+        got = run(ex, StepBatch((group(layers, rid="s", slot=1),)))
+    whole = replace(group((0, 4), rid="s", slot=1), layers=None)
+    want = run(_fast(ckpt, prefill_kernels=False) if fast else _torch(ckpt), StepBatch((whole,)))
+    assert torch.equal(got["s"], want["s"])
+    assert ex.kept_request is None
+    ex.check_valid()
+
+
 # ---- expert parallelism (reference path, gloo) -----------------------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, root) -> None:
     import torch.distributed as dist

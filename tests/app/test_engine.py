@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,6 +162,85 @@ def test_an_executor_failure_fails_that_batch_and_the_engine_keeps_serving():
     assert second.finish_reason == "length" and second.completion_tokens == 8
     engine.check_valid()
     assert engine._allocator.num_free + engine.scheduler.num_cached_pages == engine._allocator.num_pages
+
+
+class ReleasingExecutor(FakeExecutor):
+    """FakeExecutor with the port's optional release (what it keeps between steps for a request goes): records the
+    requests released; fails its step ``fail_step`` (0-based) or samples request ``bad`` with an error; each step
+    takes ``delay`` seconds at least."""
+
+    def __init__(self, *args, fail_step: int | None = None, bad: str | None = None, delay: float = 0.0,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_step, self.bad, self.delay = fail_step, bad, delay
+        self.released: list[str] = []
+
+    def release(self, request_id: str) -> None:
+        assert request_id not in self.live, f"{request_id} released while the scheduler still runs it"
+        self.released.append(request_id)
+
+    def execute(self, batch):
+        if self.num_steps == self.fail_step:
+            self.fail_step = None
+            raise RuntimeError("device lost (injected)")
+        time.sleep(self.delay)
+        out = super().execute(batch)
+        return {rid: replace(t, error="non-finite logits (injected)") if rid == self.bad else t
+                for rid, t in out.items()}
+
+
+def releasing_engine(**kw) -> tuple[Engine, ReleasingExecutor]:
+    p = make_engine().plan
+    executor = ReleasingExecutor(p.page_size, p.kv_pages, p.state_slots, TINY_SPEC.vocab_size, **kw)
+    engine = make_engine(executor=executor)
+    executor.live = engine.scheduler._live  # what the scheduler runs, read on the engine thread (release's caller)
+    return engine, executor
+
+
+async def _until_finished(engine: Engine, rid: str, prompt=(1, 2, 3, 4), max_tokens: int = 8, abort_after=None):
+    events = engine.submit(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    count = 0
+    while True:
+        event = await asyncio.wait_for(events.get(), 10)
+        count += 1
+        if count == abort_after:
+            engine.abort(rid)
+        if event.finish_reason:
+            return event
+
+
+@pytest.mark.parametrize("case", ["abort", "failed step", "failed sampling", "engine failure", "finished"])
+def test_the_executor_releases_every_request_the_engine_ends_early(case):
+    """ModelExecutor.release: a request aborted, failed with its step or its own sampling, or failed with the
+    engine is released to the executor (which drops what it keeps of it: a layered chunk part-way) after the
+    scheduler freed it; a request that finishes its tokens is not (the executor keeps nothing of it)."""
+    engine, executor = releasing_engine(fail_step=2 if case == "failed step" else None,
+                                        bad="r" if case == "failed sampling" else None,
+                                        delay=0.02 if case == "abort" else 0.0)  # 40 steps: time to abort
+    if case == "engine failure":
+        schedule, calls = engine.scheduler.schedule, []
+
+        def failing_schedule():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("scheduler broke (injected)")
+            return schedule()
+
+        engine.scheduler.schedule = failing_schedule
+    engine.start()
+    try:
+        last = asyncio.run(_until_finished(engine, "r", max_tokens=40 if case == "abort" else 8,
+                                           abort_after=2 if case == "abort" else None))
+        after = asyncio.run(_until_finished(engine, "next"))
+    finally:
+        engine.stop()
+    expected = {"abort": "abort", "finished": "length"}.get(case, "error")
+    assert last.finish_reason == expected, last
+    assert executor.released == ([] if case == "finished" else ["r"])
+    assert after.finish_reason == "length" and after.completion_tokens == 8  # the next request is served
+    if case == "engine failure":
+        engine.scheduler.schedule = schedule
+    engine.check_valid()
 
 
 class LaunchHookExecutor(FakeExecutor):

@@ -183,6 +183,9 @@ def test_long_prompts_beside_decodes_run_layered_and_answer_as_alone(server, ste
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_client_gone_mid_chunk_abandons_it_and_frees_everything(server, steps, streamed):
+    """A client gone while its long prompt is between layer groups: the request is aborted, the executor drops the
+    chunk it kept part-way at once (ModelExecutor.release), not when the next long prompt starts, the pools are
+    back to idle and the next long prompt answers as it does alone."""
     prompt, fresh = long_prompt(60, seed=4 + 10 * streamed), long_prompt(45, seed=5 + 10 * streamed)
     steps.delay = 0.3  # each step that leaves a chunk part-way: the client leaves during the first one's
 
@@ -203,10 +206,21 @@ def test_a_client_gone_mid_chunk_abandons_it_and_frees_everything(server, steps,
             with pytest.raises(asyncio.CancelledError):
                 await task
             rid = steps.groups[0][0]
+            engine = server.runtime.engine
             deadline = time.monotonic() + 10
-            while server.runtime.engine.scheduler.get(rid) is not None:
+            while engine.scheduler.get(rid) is not None:
                 assert time.monotonic() < deadline, "the request outlived its client"
                 await asyncio.sleep(0.02)
+            # ModelExecutor.release: the executor let go of the abandoned chunk (its [T, H] residual stream) when
+            # the engine aborted its request, while the streams decode on; it used to hold it until the next
+            # long prompt's first group
+            deadline = time.monotonic() + 2
+            while engine.executor.kept_request is not None:
+                assert engine.executor.kept_request == rid, engine.executor.kept_request
+                assert time.monotonic() < deadline, f"the executor still keeps {rid}'s chunk"
+                await asyncio.sleep(0.01)
+            assert engine.executor._kept is None
+            assert engine.scheduler.num_running == 3  # the streams decode on: not an idle engine's doing
         steps.delay = 0.0
         # a new long prompt is layered afresh (the executor's kept chunk was abandoned) and answers as alone
         return rid, await api.completions.create(model=MODEL, prompt=fresh, **GREEDY)
@@ -216,6 +230,8 @@ def test_a_client_gone_mid_chunk_abandons_it_and_frees_everything(server, steps,
     assert abandoned and abandoned[0] == (0, 1) and all(end < LAYERS for _, end in abandoned), abandoned
     assert (0, 1) in steps.of(after.id) and (LAYERS - 1, LAYERS) in steps.of(after.id)
     assert after.choices[0].text == alone(server, fresh).choices[0].text
+    check_idle(server)
+    assert server.runtime.engine.executor.kept_request is None
 
 
 def test_a_live_resize_while_a_chunk_is_part_way_drains_it_and_fails_nothing(server, steps):
