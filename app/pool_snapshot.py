@@ -121,9 +121,11 @@ class PoolPublisher:
         self.latest: dict = {}  # replaced, never mutated: handler threads read it without a lock
         self._hits_misses = expert_counters(executor)
         self._prefill = prefill_streaming(executor)
+        self._scheduler: Scheduler | None = None  # the engine's (the first publish names it)
 
     def publish(self, **parts) -> None:
         """`parts` are pool_snapshot's arguments."""
+        self._scheduler = parts["scheduler"]
         pools = pool_snapshot(**parts, expert_pins=expert_pins(self._executor))
         pools["prefill_streaming"] = self._prefill  # read after prefill steps only (one device read)
         self.latest = pools
@@ -142,6 +144,10 @@ class PoolPublisher:
         them). Recording them (`record`) may wait: the engine does it while the next step runs."""
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
+        if self._scheduler is not None:
+            # NOTE: the running count only grows inside schedule(), and every batch it admits to is measured here
+            # before complete() lets any go: the high-water mark of /v1/stats (running_peak) cannot miss one
+            self._stats.note_load(self._scheduler.num_running, self._scheduler.num_waiting)
         prefill_tokens = batch.num_prefill_tokens  # a property that walks the works: once
         # NOTE: a layered chunk's later groups stage their layers' experts too (the fast path's streamed step)
         layer_group = getattr(batch, "layered", None) is not None

@@ -13,7 +13,7 @@ from litestar.exceptions import HTTPException
 from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
-from app.api.admin import cache_rebuild, cache_status, health, metrics, routing, stats
+from app.api.admin import cache_rebuild, cache_status, health, metrics, reset_peaks, routing, stats
 from app.api.auth import require_api_key
 from app.api.chat import chat_completions
 from app.api.completions import completions
@@ -59,6 +59,7 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
             list_models,
             retrieve_model,
             stats,
+            reset_peaks,
             metrics,
             cache_status,
             cache_rebuild,

@@ -89,6 +89,10 @@ class ServingStats:
         self.record_routing({"mode": "natural"})
         self._pools: dict = {}  # the latest pools snapshot (record_pools); the pool gauges read it
         self._bind_pool_gauges()
+        # high-water marks of running and waiting requests since start or the last reset_peaks (the engine thread
+        # raises them, POST /v1/stats/reset_peaks reads and restarts them)
+        self._running_peak = self._waiting_peak = 0
+        self._peaks_since = clock()
 
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
@@ -165,11 +169,45 @@ class ServingStats:
     def record_finished(self, finish_reason: str) -> None:
         self.requests.labels(finish_reason=finish_reason).inc()
 
+    def finished_requests(self) -> int:
+        """Requests finished since start, whatever their finish reason (the ``ft_requests_total`` samples)."""
+        return int(sum(sample.value for metric in self.requests.collect() for sample in metric.samples
+                       if sample.name.endswith("_total")))
+
     def record_pools(self, pools: dict) -> None:
         """The latest pools snapshot (a dict never mutated after this call); the pool gauges read it when
         /metrics is scraped: the engine publishes after every step, and ten gauge writes a step were a
         measurable part of its host time (docs/fast-decode.md, host overhead)."""
         self._pools = pools
+        self.note_load(pools.get("running", 0), pools.get("waiting", 0))
+
+    # -- high-water marks -------------------------------------------------------------------
+    def note_load(self, running: int, waiting: int) -> None:
+        """Engine thread: requests running and waiting at one moment (after each step, and each pools snapshot).
+        Raises the high-water marks; two comparisons while below them, the lock only to raise one."""
+        if running > self._running_peak or waiting > self._waiting_peak:
+            with self._lock:
+                self._running_peak = max(self._running_peak, running)
+                self._waiting_peak = max(self._waiting_peak, waiting)
+
+    def peaks(self) -> dict:
+        """/v1/stats pools' `running_peak` and `waiting_peak`: the most requests running (holding pool resources)
+        and waiting at once since start or the last reset_peaks."""
+        with self._lock:
+            return {"running_peak": self._running_peak, "waiting_peak": self._waiting_peak}
+
+    def reset_peaks(self) -> dict:
+        """Any thread (POST /v1/stats/reset_peaks): the high-water marks so far and the seconds they span; they
+        start again from the requests running and waiting now (the latest pools snapshot), so a request running
+        across the reset counts on both sides."""
+        with self._lock:
+            now = self._clock()
+            ended = {"running_peak": self._running_peak, "waiting_peak": self._waiting_peak,
+                     "since_s": round(now - self._peaks_since, 6)}
+            self._running_peak = self._pools.get("running", 0)
+            self._waiting_peak = self._pools.get("waiting", 0)
+            self._peaks_since = now
+        return ended
 
     def _bind_pool_gauges(self) -> None:
         def reader(key: str, in_cache: bool = False) -> Callable[[], float]:
@@ -255,3 +293,5 @@ class ServingStats:
             assert all(s.seconds >= 0 and s.decode_tokens >= 0 and s.prefill_tokens >= 0 for s in self._steps)
             requests, hits, prompt, cached = self._prefix
             assert 0 <= hits <= requests and 0 <= cached <= prompt, "prefix-cache counters out of order"
+            assert self._running_peak >= self._pools.get("running", 0) >= 0, "running_peak below the running count"
+            assert self._waiting_peak >= self._pools.get("waiting", 0) >= 0, "waiting_peak below the waiting count"

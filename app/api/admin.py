@@ -1,4 +1,5 @@
-"""Operations routes: /health (open), /v1/stats, /metrics, /v1/cache/status, /v1/cache/rebuild, /v1/routing."""
+"""Operations routes: /health (open), /v1/stats, /v1/stats/reset_peaks, /metrics, /v1/cache/status,
+/v1/cache/rebuild, /v1/routing."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def stats(request: Request) -> dict:
     return {
         "model": runtime_of(request).model.served_name,
         "engine": engine.phase,
-        "pools": engine.pools(),
+        # NOTE: the high-water marks beside the snapshot: polls miss a request that runs between two of them
+        "pools": {**engine.pools(), **engine.stats.peaks()},
         "window": engine.stats.window(),
         "prefix_cache": {**engine.stats.prefix_cache(), **(engine.pools().get("prefix_cache") or {})},
         "plan": _plan(engine.plan),
@@ -67,6 +69,14 @@ def stats(request: Request) -> dict:
         "arrivals": engine.stats.bursts(),
         "gc": GC_PAUSES.snapshot(),
     }
+
+
+@post("/v1/stats/reset_peaks", status_code=200, sync_to_thread=False)
+def reset_peaks(request: Request) -> dict:
+    """The most requests running and waiting at once since start or the previous reset (`running_peak`,
+    `waiting_peak`, over `since_s` seconds), and restart them from the requests running and waiting now: what
+    `ft bench ladder` reads around each rung (a poll of /v1/stats can miss a short request; this cannot)."""
+    return _engine(request).stats.reset_peaks()
 
 
 def _step_budgets(engine: Engine) -> dict:

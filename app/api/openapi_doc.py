@@ -105,6 +105,12 @@ class Health(msgspec.Struct):
     routing: dict[str, Any] | None  # {"mode": "natural"} or the --routing-replay description; null while loading
 
 
+class StatsPeaks(msgspec.Struct):
+    running_peak: int  # the most requests running at once since start or the previous reset
+    waiting_peak: int  # the most requests waiting at once
+    since_s: float  # the seconds those peaks span
+
+
 class CacheRebuildResult(msgspec.Struct):
     status: Literal["ok"]
     message: str
@@ -130,6 +136,7 @@ _OPERATIONS: dict[tuple[str, str], tuple[type | None, type | None, bool, tuple[i
     ("/v1/models/{model_id}", "get"): (None, Model, False, (401, 404, 503)),
     ("/health", "get"): (None, Health, False, (503,)),
     ("/v1/stats", "get"): (None, None, False, (401, 503)),
+    ("/v1/stats/reset_peaks", "post"): (None, StatsPeaks, False, (401, 503)),
     ("/v1/cache/status", "get"): (None, None, False, (401, 503)),
     ("/metrics", "get"): (None, None, False, (401, 503)),
 }

@@ -1,9 +1,10 @@
 """`ft bench ladder`: the concurrency ladder (c1, c2, c4, c8, c16 by default).
 
 Each rung: warm-up rounds, then measured rounds of ``c`` simultaneous requests with fixed-length
-outputs. Figures: aggregate output tok/s, median steady decode per request, median TTFT, and (on
-fluxtide) how many requests the server admitted at once and how many waited, from /v1/stats
-sampled while the rung runs.
+outputs. Figures: aggregate output tok/s, median steady decode per request, median TTFT, and how many
+requests the server admitted at once and how many waited: on fluxtide its high-water marks over the
+measured rounds (POST /v1/stats/reset_peaks before and after them), elsewhere the peaks of the load a
+poll saw (llama.cpp's /metrics), null with the reason where no poll saw the rung's requests.
 """
 
 from __future__ import annotations
@@ -47,10 +48,37 @@ class PoolSampler:
             await self._task
 
 
+async def _peaks(ctx: Ctx, workers: int | None) -> dict | None:
+    """fluxtide's high-water marks since the last call, restarted (None where the server has no such route). Behind
+    a data-parallel front (`workers`) only the front's own answer, every worker's summed, counts: a front without
+    the route forwards the call to one worker, whose peaks are not the server's."""
+    peaks = await target.reset_peaks(ctx.client)
+    if peaks is not None and workers and peaks.get("data_parallel") != workers:
+        return None
+    return peaks
+
+
+def load_figures(peaks: dict | None, sampler: PoolSampler, completed: int, fluxtide: bool) -> dict:
+    """admitted / queued of a rung: the server's high-water marks where it keeps them (they cannot miss a request),
+    else the peaks its stats polls saw; null with the reason when no poll saw the rung's requests running (a poll
+    between two requests sees none: `admitted 0` for a rung whose requests ran was a confident wrong figure)."""
+    if peaks is not None:
+        return {"admitted": peaks["running_peak"], "queued": peaks["waiting_peak"],
+                "admitted_source": "high-water mark", "admitted_note": None}
+    if sampler.max_running is None or (completed and not sampler.max_running):
+        note = f"not observed: {sampler.samples} stats samples"
+        if not sampler.samples and not fluxtide:
+            note += " (the server publishes neither fluxtide's /v1/stats nor llama.cpp's /metrics gauges)"
+        return {"admitted": None, "queued": None, "admitted_source": None, "admitted_note": note}
+    return {"admitted": sampler.max_running, "queued": sampler.max_waiting, "admitted_source": "stats polls",
+            "admitted_note": None}
+
+
 async def run(ctx: Ctx, *, levels: list[int], tokens: int, rounds: int, warmup: int, warmup_tokens: int,
               sample_s: float) -> None:
     record = ctx.record
     fluxtide = record.data["target"]["fluxtide"]
+    workers = ((record.data.get("server") or {}).get("stats") or {}).get("data_parallel")
     props = (record.data.get("server") or {}).get("props") or {}
     # fluxtide: its GDN state slots; llama.cpp: its server slots (/props)
     capacity = (record.data["pool_plan"] or {}).get("state_slots") or props.get("total_slots")
@@ -59,20 +87,19 @@ async def run(ctx: Ctx, *, levels: list[int], tokens: int, rounds: int, warmup: 
         where = f"c={c}"
         ctx.progress.update(task, description=where)
         point = {"concurrency": c, "warmup": await ctx.warm_up(c, warmup, warmup_tokens, where)}
+        # NOTE: the marks restart after the warm-up, so they span the measured rounds only
+        started = await _peaks(ctx, workers) if fluxtide else None
         async with PoolSampler(ctx, sample_s, fluxtide) as sampler:
             measured = [await ctx.chat_round(c, tokens) for _ in range(rounds)]
+        peaks = await _peaks(ctx, workers) if started is not None else None
         results = [r for rnd in measured for r in rnd.results]
         short_outputs(results, tokens)
         point.update(rounds_figures(measured, c))
-        point.update({
-            # NOTE: measured, not inferred: the peaks of running (admitted) and waiting (queued)
-            # requests that /v1/stats (llama.cpp: /metrics) showed during the measured rounds; null
-            # on a server that publishes neither
-            "admitted": sampler.max_running,
-            "queued": sampler.max_waiting,
-            "stats_samples": sampler.samples,
-            "running_capacity": capacity,
-        })
+        completed = sum(1 for r in results if r.ok)
+        # NOTE: measured, not inferred: the most requests running (admitted) and waiting (queued) at once during
+        # the measured rounds, as the server counted them
+        point.update(load_figures(peaks, sampler, completed, fluxtide))
+        point.update({"stats_samples": sampler.samples, "running_capacity": capacity})
         failures = failures_of(results, where)
         for f in failures:
             record.fail(**f)

@@ -106,6 +106,19 @@ async def llama_cpp_load(client: httpx.AsyncClient) -> dict | None:
     return await _metric_samples(client, LLAMA_CPP_LOAD)
 
 
+async def reset_peaks(client: httpx.AsyncClient) -> dict | None:
+    """fluxtide's high-water marks (POST /v1/stats/reset_peaks: `running_peak`, `waiting_peak` since the previous
+    call, which it restarts), or None where the server has no such route (another server, an older fluxtide)."""
+    try:
+        r = await client.post("/v1/stats/reset_peaks")
+        body = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(body, dict) or not all(isinstance(body.get(k), int) for k in ("running_peak", "waiting_peak")):
+        return None
+    return body
+
+
 async def pools(client: httpx.AsyncClient) -> dict | None:
     stats = await _get_json(client, "/v1/stats")
     return stats.get("pools") if stats else None

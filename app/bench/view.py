@@ -52,6 +52,9 @@ def table(record: dict) -> Table:
     for point in record["points"]:
         # NOTE: a point that never ran (refused rebuild) shows "failed" in place of its figures
         cells = [_cell(point.get(key)) for _, key in COLUMNS[kind]]
+        if point.get("admitted_note"):  # NOTE: the load was not observed: "n/a", never a figure
+            cells = ["n/a" if key in ("admitted", "queued") else cell for (_, key), cell in zip(COLUMNS[kind], cells,
+                                                                                               strict=True)]
         if point.get("ok") is False and point.get("failed_requests") is None:
             cells[-1] = "failed"
         t.add_row(*cells)

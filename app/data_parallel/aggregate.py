@@ -5,8 +5,9 @@ so every rule is tested without a process.
 Merge rule for numbers (``merge``): counts, bytes and rates in tokens per second add up over the
 workers; a key that is the same on every worker by construction (``page_size``, ``window_s``) keeps
 that value; fractions (``*_rate``, ``*_fraction``, ``residency``) are the mean over the workers that
-report one; latency percentiles (``p50``, ``p90``, ``p99``) are the worst worker's (an upper bound,
-not the percentile of the union: each worker's exact value is in its own entry).
+report one; latency percentiles (``p50``, ``p90``, ``p99``) and maxima (``*_max``) are the worst worker's (for
+percentiles an upper bound, not the percentile of the union: each worker's exact value is in its own entry).
+/v1/stats ``arrivals`` and ``gc`` have rules of their own (``merge_arrivals``, ``merge_gc``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _merge_numbers(key: str, values: list[float]):
         return values[0]
     if key in MEAN_KEYS or key in SAME_KEYS or key.endswith(("_rate", "_fraction")):
         return sum(values) / len(values)
-    if key in MAX_KEYS:
+    if key in MAX_KEYS or key.endswith("_max"):
         return max(values)
     return sum(values)
 
@@ -68,6 +69,27 @@ def plan_totals(plans: Sequence[dict]) -> dict:
     """What the workers hold together: KV tokens, expert slots, state slots (running capacity), bytes."""
     keys = ("kv_tokens", "kv_pages", "expert_slots", "state_slots", "pool_bytes", "used_bytes", "free_bytes")
     return {key: sum(plan[key] for plan in plans) for key in keys if all(key in plan for plan in plans)}
+
+
+def merge_arrivals(workers: Sequence[tuple[int, dict | None]]) -> dict:
+    """/v1/stats ``arrivals`` of the front from its workers' (worker index, their ``arrivals``): ``idle_wakes``
+    summed (the times an idle worker woke to queued commands), and each worker's own ``last_burst_sizes`` under
+    its index. NOTE: not one list: the front spreads a round of N concurrent requests over its workers, so a worker
+    sees a burst of about N / workers, and the workers' bursts carry no time that would order them into one."""
+    present = [(index, body) for index, body in workers if body]
+    return {"idle_wakes": sum(body.get("idle_wakes", 0) for _, body in present),
+            "last_burst_sizes_by_worker": {str(index): list(body.get("last_burst_sizes") or [])
+                                           for index, body in present}}
+
+
+def merge_gc(bodies: Sequence[dict | None]) -> dict:
+    """/v1/stats ``gc`` of the front from its workers' (each process collects on its own): full collections,
+    their total pause and the frozen objects summed over the workers; ``full_pause_s_max`` the longest pause of
+    any worker (the longest stall a stream of any worker waited out)."""
+    merged = merge([body for body in bodies if body])
+    if isinstance(merged.get("full_pause_s_total"), float):
+        merged["full_pause_s_total"] = round(merged["full_pause_s_total"], 6)
+    return merged
 
 
 def front_status(statuses: Sequence[str]) -> str:

@@ -24,7 +24,15 @@ from app.api.auth import require_api_key
 from app.api.errors import EXCEPTION_HANDLERS, OpenAIError, service_unavailable
 from app.api.routing import get_or_head
 from app.api.schemas import read_body
-from app.data_parallel.aggregate import common, front_status, merge, merge_metrics, plan_totals
+from app.data_parallel.aggregate import (
+    common,
+    front_status,
+    merge,
+    merge_arrivals,
+    merge_gc,
+    merge_metrics,
+    plan_totals,
+)
 from app.data_parallel.workers import WorkerPool, WorkerProcess
 from app.server import cors_config
 
@@ -125,11 +133,31 @@ async def stats(request: Request) -> dict:
         "executor": bodies[0].get("executor"),  # every worker runs the same flags
         # the step budgets and layered prefill (ADR 0011, 0024) every worker runs; max_running and layer_groups add
         "scheduler": merge([b.get("scheduler") or {} for b in bodies]),
+        # idle wakes add, each worker's burst sizes under its index; collections and pauses add, the longest wins
+        "arrivals": merge_arrivals([(w.index, body.get("arrivals")) for w, body in ok]),
+        "gc": merge_gc([b.get("gc") for b in bodies]),
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),
         "workers": [{"worker": w.index, "device": w.label, "in_flight": w.in_flight, "dispatched": w.dispatched,
                      **body} for w, body in ok] + failed,
     }
+
+
+@post("/v1/stats/reset_peaks", status_code=200)
+async def reset_peaks(request: Request) -> dict:
+    """Every worker's high-water marks read and restarted; the front's are their sums (each worker's own peak, so an
+    upper bound of the front's). A worker that does not answer fails the call (503): partial marks would under-count,
+    and `ft bench ladder` then falls back to its stats polls."""
+    front = front_of(request)
+    ok, failed = _answers(await front.fan_out("POST", "/v1/stats/reset_peaks"), "/v1/stats/reset_peaks")
+    if failed:
+        raise OpenAIError(503, f"not every worker answered /v1/stats/reset_peaks: {failed}", type="server_error",
+                          code="worker_down")
+    bodies = [body for _, body in ok]
+    return {"running_peak": sum(b["running_peak"] for b in bodies),
+            "waiting_peak": sum(b["waiting_peak"] for b in bodies),
+            "since_s": max(b["since_s"] for b in bodies), "data_parallel": len(front.pool.workers),
+            "workers": [{"worker": w.index, **body} for w, body in ok]}
 
 
 @get_or_head("/v1/cache/status")
@@ -397,7 +425,8 @@ async def _relay(worker: WorkerProcess, upstream: httpx.Response, path: str, poo
 
 def create_front_app(front: Front, allowed_origins: tuple[str, ...] = ()) -> Litestar:
     protected = Router(path="/", guards=[require_api_key],
-                       route_handlers=[stats, metrics, cache_status, cache_rebuild, routing, proxy])
+                       route_handlers=[stats, reset_peaks, metrics, cache_status, cache_rebuild, routing,
+                                       proxy])
     return Litestar(
         # NOTE: Litestar configures the root logger by default (its own handler, format and INFO level), which
         # replaced `ft serve`'s format and, in tests, printed "Logging error" from threads logging after pytest

@@ -103,10 +103,50 @@ def test_ladder_measures_admitted_and_queued(tmp_path, demo):
         check_rounds(p, c, tokens=24, rounds=1)
         assert p["running_capacity"] == RUNNING and p["stats_samples"] > 0
         assert (p["admitted"], p["queued"]) == (min(c, RUNNING), max(0, c - RUNNING)), p
+        assert p["admitted_source"] == "high-water mark" and p["admitted_note"] is None, p
     # six requests on four slots: the two that waited decode after the first four, two waves of 24 tokens against
     # c1's one. NOTE: not the median TTFT (it compared c6's against c1's and failed once: the median of six is
     # an admitted request's, which the arrival window can start as early as c1's)
     assert rec["points"][2]["wall_s"] > rec["points"][0]["wall_s"], [p["wall_s"] for p in rec["points"]]
+
+
+def test_ladder_counts_a_request_the_stats_polls_missed(tmp_path, demo, monkeypatch, capsys):
+    """`--levels 1,2,4 --tokens 16`: the c=1 row said `admitted 0` (record: "admitted": 0, "stats_samples": 1) for
+    a request that ran 74 ms between two polls. Here every poll misses (it sees nothing running)."""
+    from app.bench import target
+
+    async def missed(client):
+        return {"running": 0, "waiting": 0}
+
+    monkeypatch.setattr(target, "pools", missed)
+    code, rec = bench(tmp_path, demo, "ladder", "--levels", "1,2", "--tokens", "16", "--warmup-tokens", "8")
+    assert code == 0 and rec["failures"] == []
+    for p in rec["points"]:
+        assert p["stats_samples"] >= 1 and p["admitted_source"] == "high-water mark", p
+        assert (p["admitted"], p["queued"]) == (p["concurrency"], 0), p
+
+
+def test_ladder_without_the_marks_says_not_observed_never_zero(tmp_path, demo, monkeypatch, capsys):
+    """A server without POST /v1/stats/reset_peaks (an older fluxtide) whose polls never saw the rung's request:
+    admitted is null with the reason and the table shows n/a, not a confident 0."""
+    from app.bench import target
+
+    async def missed(client):
+        return {"running": 0, "waiting": 0}
+
+    async def no_route(client):
+        return None
+
+    monkeypatch.setattr(target, "pools", missed)
+    monkeypatch.setattr(target, "reset_peaks", no_route)
+    out = tmp_path / "record.json"
+    code = main(["bench", "ladder", "--levels", "1", "--tokens", "8", "--base-url", demo.base_url, "--out", str(out)])
+    p = json.loads(out.read_text())["points"][0]
+    assert code == 0 and (p["admitted"], p["queued"], p["admitted_source"]) == (None, None, None), p
+    assert p["admitted_note"] == f"not observed: {p['stats_samples']} stats samples", p
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip(" │").startswith("1 "))
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]  # c, agg tok/s, steady p50, TTFT p50 s, admitted, queued
+    assert cells[4:6] == ["n/a", "n/a"], row
 
 
 def test_probe_times_every_token_with_logprobs(tmp_path, demo):

@@ -20,7 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.cli import _add_serve
 from app.containers import Container
-from app.data_parallel.aggregate import front_status, merge, merge_metrics, plan_totals
+from app.data_parallel.aggregate import (
+    front_status,
+    merge,
+    merge_arrivals,
+    merge_gc,
+    merge_metrics,
+    plan_totals,
+)
 from app.data_parallel.serve import worker_argv
 from app.data_parallel.workers import WorkerPool, WorkerProcess, assign_devices
 from app.serving import RunningServer
@@ -47,6 +54,20 @@ def test_merge_adds_counts_keeps_shared_values_and_bounds_percentiles():
             "used_bytes": 6, "free_bytes": 4, "page_size": 16}
     assert plan_totals([plan, plan]) == {"kv_tokens": 8192, "kv_pages": 512, "expert_slots": 64, "state_slots": 8,
                                          "pool_bytes": 20, "used_bytes": 12, "free_bytes": 8}
+
+
+def test_arrivals_and_gc_merge_keep_their_units():
+    """/v1/stats `arrivals` and `gc` of the front (it had neither): idle wakes, collections, their pause total and
+    frozen objects add up over the workers; the longest pause is the worst worker's (not a sum); each worker's
+    burst sizes stay its own, under its index (a round spread over the workers is no one burst)."""
+    arrivals = merge_arrivals([(0, {"idle_wakes": 3, "last_burst_sizes": [1, 4, 2]}),
+                               (1, {"idle_wakes": 2, "last_burst_sizes": [2, 2]}), (2, None)])
+    assert arrivals == {"idle_wakes": 5, "last_burst_sizes_by_worker": {"0": [1, 4, 2], "1": [2, 2]}}
+    gc = merge_gc([{"full_collections": 2, "full_pause_s_total": 0.1, "full_pause_s_max": 0.07, "frozen_objects": 10},
+                   {"full_collections": 1, "full_pause_s_total": 0.2, "full_pause_s_max": 0.2, "frozen_objects": 12},
+                   None])
+    assert gc == {"full_collections": 3, "full_pause_s_total": 0.3, "full_pause_s_max": 0.2, "frozen_objects": 22}
+    assert merge_gc([]) == {} and merge_arrivals([]) == {"idle_wakes": 0, "last_burst_sizes_by_worker": {}}
 
 
 def test_a_resize_message_reports_every_workers_prefix_cache():
@@ -160,6 +181,7 @@ def front():
     finally:
         pids = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]] if server.url else []
         assert server.stop() == 0, server.output()
+        assert "stopped: dispatched" in server.output(), server.output()  # the front's last line, as ft serve's
         deadline = time.monotonic() + 15
         while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -236,6 +258,14 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert all(v > 0 for v in after.values()), after
     stats = admin(front, "/v1/stats").json()
     per = stats["workers"]
+    # the high-water marks: the front answers the reset itself, every worker's peak summed (one worker's alone was
+    # what a front without the route gave `ft bench ladder`); both workers ran a request since start
+    peaks = admin(front, "/v1/stats/reset_peaks", method="POST").json()
+    assert peaks["data_parallel"] == 2 and [w["worker"] for w in peaks["workers"]] == [0, 1]
+    assert peaks["running_peak"] == sum(w["running_peak"] for w in peaks["workers"]) >= 2
+    assert all(w["running_peak"] >= 1 for w in peaks["workers"])
+    again = admin(front, "/v1/stats/reset_peaks", method="POST").json()
+    assert again["running_peak"] == 0 and again["waiting_peak"] == 0  # restarted from the idle pools
     assert stats["pools"]["kv_pages_total"] == sum(w["pools"]["kv_pages_total"] for w in per) == 2 * 256
     assert stats["totals"]["state_slots"] == sum(w["plan"]["state_slots"] for w in per)
     assert stats["plan"]["kv_tokens"] == 4096  # one worker's plan: what one request can use
@@ -246,6 +276,17 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert stats["pools"]["kv_pages_used"] == stats["pools"]["prefix_cache"]["cached_pages"]
     assert stats["prefix_cache"]["requests"] == sum(w["prefix_cache"]["requests"] for w in per) > 0
     assert stats["pools"]["prefix_cache"]["snapshot_interval"] == per[0]["pools"]["prefix_cache"]["snapshot_interval"]
+    # arrivals and gc, as a single server has them (the front had neither): idle wakes add, each worker's bursts
+    # under its index; full collections, their pauses and frozen objects add, the longest pause is one worker's
+    arrivals, gc = stats["arrivals"], stats["gc"]
+    assert arrivals["idle_wakes"] == sum(w["arrivals"]["idle_wakes"] for w in per) >= 2  # both woke to a request
+    assert arrivals["last_burst_sizes_by_worker"] == {str(w["worker"]): w["arrivals"]["last_burst_sizes"] for w in per}
+    assert all(w["arrivals"]["last_burst_sizes"] for w in per)
+    for key in ("full_collections", "frozen_objects"):
+        assert gc[key] == sum(w["gc"][key] for w in per), key
+    assert gc["frozen_objects"] > 0  # both workers froze their start-up heap
+    assert gc["full_pause_s_total"] == pytest.approx(sum(w["gc"]["full_pause_s_total"] for w in per), abs=1e-6)
+    assert gc["full_pause_s_max"] == max(w["gc"]["full_pause_s_max"] for w in per)
 
 
 def _admitted(front) -> dict[str, float]:
