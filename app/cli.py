@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from app.units import parse_count
 from domain.arrival_window import DEFAULT_MAX_MS as DEFAULT_ARRIVAL_WINDOW_MS
@@ -143,7 +144,7 @@ def _serve(args, parser) -> int:
         environment_api_key,
         model_dir_problem,
     )
-    from app.serving import RunningServer, say
+    from app.serving import RunningServer, say, stopped_line
     from app.settings import ServeSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -217,7 +218,9 @@ def _serve(args, parser) -> int:
     while not stop.wait(0.5):
         if not server.http.thread.is_alive():
             break
+    stopping = time.monotonic()
     server.stop()
+    say(stopped_line(server.runtime, time.monotonic() - stopping))
     return 0 if server.runtime.status != "error" else 1
 
 

@@ -42,24 +42,38 @@ def _seconds(low: float, high: float, low_open: bool = False):
     return parse
 
 
+def _add_connection_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """`ft ctl`'s options, common to every subcommand. defaults=False (a subcommand's copy): an option not given
+    there is not set at all (argparse.SUPPRESS), so the value given before the subcommand, or its default, stays."""
+
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--base-url", default=default(os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")),
+                   help="the server's URL (FT_BASE_URL); an OpenAI-style one ending in /v1 is accepted")
+    p.add_argument("--api-key", default=default(None), help="defaults to FT_API_KEY")
+    p.add_argument("--json", action="store_true", default=default(False), help="print raw JSON instead of tables")
+    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=default(30.0))
+
+
 def add_ctl_parser(sub) -> None:
     p = sub.add_parser("ctl", help="talk to a running server")
-    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"),
-                   help="the server's URL (FT_BASE_URL); an OpenAI-style one ending in /v1 is accepted")
-    p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
-    p.add_argument("--json", action="store_true", help="print raw JSON instead of tables")
-    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=30.0)
+    _add_connection_options(p, defaults=True)
+    # NOTE: the same options after the subcommand too (`ft ctl generate hi --base-url URL`, as `ft bench ladder
+    # --base-url URL` takes them); given in both places, the one after the subcommand wins
+    common = argparse.ArgumentParser(add_help=False)
+    _add_connection_options(common, defaults=False)
     cmds = p.add_subparsers(dest="ctl_command", required=True)
-    cmds.add_parser("health", help="loading progress / ok / error")
-    cmds.add_parser("stats", help="pools, throughput, TTFT, expert hit rate")
-    cache = cmds.add_parser("cache", help="show pools; with --kv/--moe/--mamba, resize them live")
+    cmds.add_parser("health", parents=[common], help="loading progress / ok / error")
+    cmds.add_parser("stats", parents=[common], help="pools, throughput, TTFT, expert hit rate")
+    cache = cmds.add_parser("cache", parents=[common], help="show pools; with --kv/--moe/--mamba, resize them live")
     cache.add_argument("--kv", type=_count_or_auto, default=None, help="KV tokens (8k, 1.5m ..., or auto)")
     cache.add_argument("--moe", type=_count_or_auto, default=None,
                        help="expert slots, or auto: whatever the budget leaves after the KV pool")
     cache.add_argument("--mamba", type=_count, default=None, help="GDN state slots")
     cache.add_argument("--wait", type=_seconds(0, 3600), default=60.0,
                        help="seconds to wait for in-flight requests (at most 3600, as the server allows)")
-    gen = cmds.add_parser("generate", help="one chat completion, streamed")
+    gen = cmds.add_parser("generate", parents=[common], help="one chat completion, streamed")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)

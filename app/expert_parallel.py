@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 
 def _free_address() -> str:
@@ -34,7 +35,7 @@ def follower_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, ran
 def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, settings) -> int:
     from app.containers import Container, run_expert_parallel_follower
     from app.data_parallel.workers import _die_with_parent, host_devices
-    from app.serving import RunningServer
+    from app.serving import RunningServer, say, stopped_line
 
     if settings.ep_rank > 0:
         return run_expert_parallel_follower(settings)
@@ -71,6 +72,7 @@ def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentPar
                   file=sys.stderr, flush=True)
             failed = True
             break
+    stopping = time.monotonic()
     server.stop()
     engine = server.runtime.engine
     if engine is not None and not failed:
@@ -81,4 +83,5 @@ def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentPar
         except subprocess.TimeoutExpired:
             f.terminate()
             f.wait(timeout=10)
+    say(stopped_line(server.runtime, time.monotonic() - stopping))
     return 1 if failed or server.runtime.status == "error" else 0

@@ -80,6 +80,20 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
             say(f"load failed: {runtime.error}")
 
 
+def stopped_line(runtime: Runtime, shutdown_s: float) -> str:
+    """The line `ft serve` ends with, as it started with "listening on ..." and "ready: serving ...": that it
+    stopped, what it served and how long it was up, and how long the shutdown took (listeners, engine, connections).
+    NOTE: without it a clean SIGINT left no trace in the log that the server had stopped, or when."""
+    up = time.monotonic() - runtime.started_at
+    engine = runtime.engine
+    if engine is not None:
+        n = engine.stats.finished_requests()
+        what = f"served {n} request{'' if n == 1 else 's'} in {up:.1f} s"
+    else:  # stopped while loading, or after the load failed
+        what = f"no model served ({'load failed' if runtime.status == 'error' else 'still loading'}) in {up:.1f} s"
+    return f"stopped: {what}; shut down in {shutdown_s:.2f} s"
+
+
 class RunningServer:
     """A server (HTTP thread + loader thread + engine) that tests and `ft serve` both use."""
 

@@ -26,8 +26,21 @@ def working_set_slots(spec: ModelSpec, expert_keys: int | None = None) -> int:
     return min(spec.top_k * spec.num_layers, keys)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB"
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int) -> str:
+    """A byte count in the binary unit that fits, about 3 significant digits: 512 B, 36.6 MiB, 1.44 GiB, 151 MiB.
+    NOTE: a fixed unit printed small pools and shortfalls as "0.00 GiB"."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _BYTE_UNITS:
+        value /= 1024
+        if abs(value) < 1024 or unit == _BYTE_UNITS[-1]:
+            break
+    digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+    return f"{value:.{digits}f} {unit}"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -211,14 +224,14 @@ def plan_pools(spec: ModelSpec, budget: GpuBudget, request: PoolRequest, *,
         return PlanRefusal("budget", needed - pool, f"no memory left for pools: pool budget is {pool} bytes "
                                                     f"after weights and fixed caches; need {needed}")
     if needed > pool:
-        breakdown = " + ".join(f"{what} ({_gib(size)})" for _, size, what in claims)
+        breakdown = " + ".join(f"{what} ({format_bytes(size)})" for _, size, what in claims)
         claimed = 0
         for name, size, _ in claims:
             claimed += size
             if claimed > pool:
                 return PlanRefusal(name, needed - pool,
                                    f"{name} pool does not fit: {breakdown} need {needed} bytes, "
-                                   f"budget is {pool}, short by {needed - pool} ({_gib(needed - pool)})")
+                                   f"budget is {pool}, short by {needed - pool} ({format_bytes(needed - pool)})")
 
     free = pool - needed
     expert_slots = min_slots

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, format_bytes
 from domain.model_spec import BF16_BYTES, ModelSpec
 
 FP32_BYTES = 4
@@ -161,7 +161,7 @@ def blame_step(refused: PlanRefusal, without_reserve: PoolPlan | PlanRefusal, st
         return refused
     return PlanRefusal(
         "activation", refused.shortfall_bytes,
-        f"a prefill step of {step_tokens} tokens ({option}) needs {activation_bytes / 2**30:.2f} GiB of activations "
+        f"a prefill step of {step_tokens} tokens ({option}) needs {format_bytes(activation_bytes)} of activations "
         f"beside the pools, and with it: {refused.message}; lower {option} or raise the memory budget")
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install the test dependencies into the active Python and run the whole suite.
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+# torch first and pinned. NOTE: where pip's default index resolves torch==2.13.0 to the CUDA build (Linux x86-64:
+# several GB of nvidia-* packages), install the CPU build first from PyTorch's CPU wheel index (README, Quick
+# start): the pin accepts the installed 2.13.0+cpu and pip keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip

@@ -8,6 +8,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 
 # NOTE: the front's own choices; every other `ft serve` flag given goes to each worker as it is.
 FRONT_ONLY = frozenset({"host", "port", "api_key", "device", "data_parallel", "allowed_origins", "help"})
@@ -36,6 +37,7 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     from app.data_parallel.front import Front, create_front_app
     from app.data_parallel.workers import WorkerPool, WorkerProcess, host_devices
     from app.server import ServerThread
+    from app.serving import say
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per health poll otherwise
     try:
@@ -62,10 +64,16 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    started = time.monotonic()
     pool.start()
     while not stop.wait(0.5):
         if not http.thread.is_alive():
             break
+    stopping = time.monotonic()
+    dispatched = sum(w.dispatched for w in workers)
     pool.stop()
     http.stop()
+    # NOTE: as a single server ends (app.serving.stopped_line): a clean stop leaves a line in the log
+    say(f"stopped: dispatched {dispatched} request{'' if dispatched == 1 else 's'} to {len(workers)} workers in "
+        f"{stopping - started:.1f} s; shut down in {time.monotonic() - stopping:.2f} s")
     return 0

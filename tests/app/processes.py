@@ -28,7 +28,8 @@ class FtServe:
         self.lines: collections.deque[str] = collections.deque(maxlen=400)
         self.url: str | None = None
         self._listening = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -58,14 +59,16 @@ class FtServe:
             time.sleep(0.2)
         raise AssertionError(f"ft serve not ready after {timeout}s:\n{self.output()}")
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        # NOTE: the process is gone, but its last lines may still be in the pipe: output() after stop() is whole
+        self._reader.join(5)
         return self.proc.returncode
 
 

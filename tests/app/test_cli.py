@@ -81,6 +81,31 @@ def test_generate_streams_text(ctl_server, capsys):
     assert "completion tokens" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", [("health",), ("stats",), ("cache",), ("generate", "hello", "--max-tokens", "3")])
+def test_ctl_options_are_taken_after_the_subcommand_too(ctl_server, command, capsys):
+    """`ft ctl generate hi --base-url URL` was `ft: error: unrecognized arguments: --base-url ...`: every subcommand
+    takes ft ctl's options after it as well, `--json` included."""
+    name, *rest = command
+    assert main(["ctl", name, "--base-url", ctl_server.base_url, "--api-key", "k3y", "--timeout", "20", *rest]) == 0
+    assert "unrecognized" not in capsys.readouterr().err
+    if name != "generate":  # the stream prints text, not JSON
+        assert main(["ctl", name, *rest, "--json", "--base-url", ctl_server.base_url, "--api-key", "k3y"]) == 0
+        assert isinstance(json.loads(capsys.readouterr().out), dict)
+
+
+def test_ctl_options_before_the_subcommand_still_count_and_after_it_win(ctl_server, capsys):
+    # before the subcommand only: kept (the subcommand's copy leaves an option it was not given unset)
+    assert main(["ctl", "--base-url", ctl_server.base_url, "--api-key", "k3y", "--json", "health"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
+    # both places: the one after the subcommand wins
+    assert main(["ctl", "--base-url", "http://127.0.0.1:9", "--api-key", "wrong", "stats",
+                 "--base-url", ctl_server.base_url, "--api-key", "k3y", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"]["kv_pages_total"] > 0
+    with pytest.raises(SystemExit) as info:
+        main(["ctl", "health", "--base-url", ctl_server.base_url, "--timeout", "-1"])
+    assert info.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
 def test_missing_key_is_reported(ctl_server, capsys):
     assert ctl(ctl_server, "stats", key=None) == 1
     assert "401" in capsys.readouterr().out

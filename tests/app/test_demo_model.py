@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import random
+import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -126,6 +128,11 @@ def test_python_m_app_serve_with_no_model_answers_within_seconds():
         answer = ask(client, "What is 19 + 23?")
         print(f"`python -m app serve` ready in {ready_s:.1f}s")
         assert answer.strip() == "42"
+        # Ctrl-C: a clean exit that says so in one line (it was silent: nothing in the log said it had stopped)
+        assert server.stop(30, signal.SIGINT) == 0, server.output()
+        assert re.search(r"^stopped: served 1 request in [\d.]+ s; shut down in [\d.]+ s$", server.output(),
+                         re.MULTILINE), server.output()
+        assert "Traceback" not in server.output(), server.output()
     finally:
         server.stop(30)
 

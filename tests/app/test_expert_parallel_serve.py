@@ -52,6 +52,7 @@ def ep():
             time.sleep(0.1)
         assert not any(pid_alive(p) for p in children), "a rank outlived ft serve"
         assert "rank 1: stopped after" in server.output(), server.output()
+        assert "stopped: served " in server.output(), server.output()  # rank 0's last line, as a single server's
 
 
 @pytest.fixture(scope="module")

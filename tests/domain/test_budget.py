@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools, working_set_slots
+from domain.budget import (
+    GpuBudget,
+    PlanRefusal,
+    PoolPlan,
+    PoolRequest,
+    format_bytes,
+    plan_pools,
+    working_set_slots,
+)
 from domain.model_spec import LayerKind, ModelSpec, WeightFormat, qwen36_35b_a3b
 
 GiB = 1024**3
@@ -194,6 +202,26 @@ def test_a_refused_kv_size_that_is_not_whole_pages_says_it_was_rounded():
     assert "99999984 KV tokens (99999999 rounded down to whole 16-token pages)" in refusal.message, refusal.message
     whole = plan_pools(QWEN_FP8, pool_budget(10 * GiB), PoolRequest(kv_tokens=99_999_984, page_size=16))
     assert "99999984 KV tokens" in whole.message and "rounded" not in whole.message, whole.message
+
+
+@pytest.mark.parametrize(("n", "text"), [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (38_361_498, "36.6 MiB"), (158_600_884, "151 MiB"),
+    (512 * 2**20, "512 MiB"), (int(1.44 * GiB), "1.44 GiB"), (int(15.26 * GiB), "15.3 GiB"), (5 * 2**40, "5.00 TiB"),
+])
+def test_format_bytes_picks_a_unit_that_fits(n, text):
+    assert format_bytes(n) == text
+
+
+def test_a_refusal_of_small_pools_names_their_sizes_not_zero_gib():
+    """`ft ctl cache --kv 1m` on the demo model said "4 state slots (0.00 GiB) + 32 expert slots (0.00 GiB) + ...
+    short by 158600884 (0.15 GiB)": every pool under 5 MiB read as nothing."""
+    per_token = TINY.kv_bytes_per_token()
+    refusal = plan_pools(TINY, pool_budget(1000 * per_token), PoolRequest(kv_tokens=4096, page_size=16))
+    assert isinstance(refusal, PlanRefusal) and refusal.pool == "kv", refusal
+    assert "0.00 GiB" not in refusal.message, refusal.message
+    assert f"4096 KV tokens ({format_bytes(4096 * per_token)})" in refusal.message, refusal.message
+    assert f"short by {refusal.shortfall_bytes} ({format_bytes(refusal.shortfall_bytes)})" in refusal.message
+    assert "KiB)" in refusal.message, refusal.message
 
 
 def test_gpu_budget_arithmetic_and_validation():
