@@ -36,8 +36,10 @@
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   w-lhs    the prefill GEMMs with the weight as the wgmma's left operand (session 23): bench_prefill.py resident
 #            4k/32k with FLUXTIDE_PREFILL_W_LHS=0 then 1 into $OUT/prefill_wlhs{0,1} (~8 min on a cold machine)
-#   w-lhs-decode  the same tiles for the decode step's grouped GEMMs: bench_kernels.py --only grouped and
-#            bench_decode.py bs1/4/16 with grouped decode from 64 pairs, both with FLUXTIDE_PREFILL_W_LHS=1
+#   w-lhs-decode  the same arrangement in the decode kernels: bench_kernels.py --only crossover (the split-K GEMM's
+#            W_LHS tiles) with FLUXTIDE_PREFILL_W_LHS=0 then 1, and --only grouped with it set (~6 min)
+#   w-lhs-step  bench_decode.py resident bs1/4/16, the control, then with FLUXTIDE_PREFILL_W_LHS=1 and grouped
+#            decode from 64 pairs into $OUT/decode_grouped_wlhs (~8 min)
 #   http-ab  ADR 0022's HTTP A/B on one machine: the resident ladder per variant of $AB (default, splitk0,
 #            pairs256), each server through scripts/diag/serve_with_knobs.py (~4-5 min a variant on a cold machine)
 #   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
@@ -236,10 +238,22 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
           | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
     w-lhs-decode)
-      # the grouped decode GEMMs with the W_LHS tiles (weights as the wgmma M side, 16 tokens as its N: the
-      # small-batch swap): the layer per pair vs grouped at 1/4/8/16 tokens, then the step at bs16 from 64 pairs
+      # the W_LHS tiles in the decode step (weights as the wgmma M side, 16 tokens as its N: the small-batch swap):
+      # the projections' split-K GEMM per row count without and with them (the rows' tuned_choice names the
+      # winner), then the MoE layer per pair vs grouped at 1/4/8/16 tokens (the step itself: w-lhs-step)
+      for w in 0 1; do
+        FLUXTIDE_PREFILL_W_LHS=$w timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover_wlhs$w" \
+          --only crossover 2>&1 | tail -2 | cut -c1-300
+      done
+      FLUXTIDE_PREFILL_W_LHS=1 timeout 150 python3 scripts/bench_kernels.py --out "$OUT/grouped_wlhs" --only grouped \
+        2>&1 | tail -3 ;;
+    w-lhs-step)
+      # the decode step with every W_LHS tile in its autotuned space, grouped decode from 64 pairs (bs16), and the
+      # control without either in the same call (synthesizes $CKPT if absent: ~40 s)
+      timeout 200 python3 scripts/bench_decode.py --out "$OUT/decode_control" --synth-dir "$CKPT" --reuse \
+        --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton 2>&1 \
+        | grep -E "^resident|parity|Error" | cut -c1-300
       export FLUXTIDE_PREFILL_W_LHS=1
-      timeout 150 python3 scripts/bench_kernels.py --out "$OUT/grouped_wlhs" --only grouped 2>&1 | tail -3
       timeout 220 python3 scripts/bench_decode.py --out "$OUT/decode_grouped_wlhs" --synth-dir "$CKPT" --reuse \
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
         --grouped-decode-min-pairs 64 2>&1 | grep -E "^resident|parity|Error" | cut -c1-300

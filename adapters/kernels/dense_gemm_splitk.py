@@ -16,6 +16,14 @@ dense_gemm is bound by its serial K loop, not by HBM: ~0.8-1.1 us per 128-column
 Split-K GEMMs with a last-arriving fix-up are the standard remedy for skinny GEMMs (CUTLASS's "serial
 split-K" semaphore, stream-K's fix-up).
 
+W_LHS (constexpr; its tiles join the autotuned configs only with FLUXTIDE_PREFILL_W_LHS=1, as dense_gemm's): the
+program computes the transposed tile acc_t [BLOCK_N, 16] = w @ x^T, the converted weight the dot's LEFT operand,
+so on sm_90 the weight rows are the wgmma's M side (64 or 128) and the 16 rows its N: a wgmma with the weight in
+registers instead of an mma.sync whose weight tile goes back through shared memory (what the right-operand tile
+compiles to at 16 rows: `scripts/compile_probe.py`-style checks in docs/fast-decode.md). Block-FP8 scales are
+folded into the tile (dequant_tile.w_tile_folded: the reference's rounding); the partials and the fix-up run on
+the transposed tile, so the output and the summation order are the same per element.
+
 NOTE: the counters are one buffer per device, shared by every launch: launches on one device must not run
 concurrently (true here: the executor runs its steps, captured or eager, on one stream at a time; the
 prefill's side stream only copies experts). It is allocated at the first launch on a device, which must
@@ -33,11 +41,17 @@ from adapters.kernels.dense_gemm import SUPPORTED, check_placement, check_weight
 from adapters.kernels.dequant_tile import (
     FOUR_BIT,
     MAX_W4_PER_THREAD,
+    MAX_W_LHS_PER_THREAD,
+    W_LHS_TUNING,
     block_scale,
+    check_w_lhs,
     dot_modes,
     dot_step,
+    dot_step_t,
     row_scale,
+    row_scale_t,
     w_tile,
+    w_tile_folded,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 
@@ -54,7 +68,8 @@ MIN_STEPS_PER_SPLIT = 2  # a split of one K step is all prologue and fix-up
 def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr, M, M_BUCKET, stride_xm,
                               stride_ym, SPLIT_K, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr,
                               GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              W_LHS: tl.constexpr = False):
     # M_BUCKET: only an autotune key (the next power of two of M), like dense_gemm's
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -65,12 +80,22 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = m < M
-    out_ok = m_ok[:, None] & (n < N)[None, :]  # [BM, BN]
     steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     per = (steps + SPLIT_K - 1) // SPLIT_K
     k_lo = split * per * BLOCK_K
     k_hi = tl.minimum((split + 1) * per * BLOCK_K, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the tile in the arrangement of its dot: [BM, BN], or transposed [BN, BM] under W_LHS; offs and ok index
+    # one split's [M, N] partial (and y) element for element in either
+    if W_LHS:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        offs = m[None, :].to(tl.int64) * N + n[:, None]  # [BN, BM]
+        out_ok = m_ok[None, :] & (n < N)[:, None]
+        y_offs = m[None, :].to(tl.int64) * stride_ym + n[:, None]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        offs = m[:, None].to(tl.int64) * N + n[None, :]  # [BM, BN]
+        out_ok = m_ok[:, None] & (n < N)[None, :]
+        y_offs = m[:, None].to(tl.int64) * stride_ym + n[None, :]
     for k0 in range(k_lo, k_hi, BLOCK_K):  # empty for a split past the last step (its partial is zeros)
         kk = k0 + tl.arange(0, BLOCK_K)
         s = 1.0
@@ -78,9 +103,13 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
             s = block_scale(s_ptr, pid_n * BLOCK_N, k0, K, GROUP)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-        w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
-        acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
-    offs = m[:, None].to(tl.int64) * N + n[None, :]  # [BM, BN] into one split's [M, N] partial
+        if W_LHS:  # block-FP8 scale folded into the tile (dense_gemm's W_LHS step)
+            w = w_tile_folded(w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
+                              x_ptr.dtype.element_ty)  # [BN, BK]
+            acc = dot_step_t(acc, a, w, F32_DOT, PRECISION)  # [BN, BM]
+        else:
+            w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
+            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
     plane = M.to(tl.int64) * N
     tl.store(ws_ptr + split * plane + offs, acc, mask=out_ok)
     # NOTE: every thread's partial stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival by
@@ -88,42 +117,59 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     if arrived == SPLIT_K - 1:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros_like(acc)
         for j in range(0, SPLIT_K):
             total += tl.load(ws_ptr + j * plane + offs, mask=out_ok, other=0.0, cache_modifier=".cg")
-        total = row_scale(total, s_ptr, g_ptr, n, N, FMT)
-        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty),
-                 mask=out_ok)
+        if W_LHS:
+            total = row_scale_t(total, s_ptr, g_ptr, n, N, FMT)
+        else:
+            total = row_scale(total, s_ptr, g_ptr, n, N, FMT)
+        tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (or graph replay)
 
 
 # (BLOCK_N, num_warps, num_stages) x SPLIT_K, measured per (M bucket, N, K, format, x dtype) on CUDA before use
 TUNE_TILES = ((16, 4, 4), (32, 4, 4), (64, 4, 3), (16, 4, 2))
+# W_LHS: the weight rows are the wgmma's M side, so 64 or 128 of them (one warpgroup: 4 warps); more stages keep
+# more weight bytes in flight per program, which is what a skinny GEMM streams on (session 24, untimed)
+W_LHS_TILES = ((64, 4, 4), (128, 4, 3), (128, 4, 4))
 SPLITS = (1, 2, 4, 8, 16)
 MAX_FMA_BLOCK_N = 32  # fp32 activations ("ieee" dots are FMA loops): 16 x 32 fp32 accumulators on 4 warps at most
 
 
+def tune_configs(w_lhs: bool = W_LHS_TUNING) -> list:
+    """The autotuned configs: TUNE_TILES x SPLITS, and W_LHS_TILES x SPLITS when w_lhs (by default only with
+    FLUXTIDE_PREFILL_W_LHS=1, as dense_gemm's and the grouped GEMMs' W_LHS tiles)."""
+    return [triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "W_LHS": lhs}, num_warps=w, num_stages=st)
+            for tiles, lhs in ((TUNE_TILES, False), (W_LHS_TILES if w_lhs else (), True))
+            for bn, w, st in tiles for sk in SPLITS]
+
+
 def _prune(configs, named_args, **kwargs):
     """early_config_prune: splits that leave every split MIN_STEPS_PER_SPLIT K steps and tiles no wider than
-    the matrix (or than the FMA bound for fp32 activations), num_stages at most a split's steps; at least one."""
+    the matrix (or than the FMA bound for fp32 activations, which never take a W_LHS tile), the 4-bit formats'
+    dequantized tile and a W_LHS tile's register-held weight within their per-thread bounds (dequant_tile),
+    num_stages at most a split's steps; at least one."""
     steps = -(-kwargs["K"] // BLOCK_K)
     n_cap = max(16, triton.next_power_of_2(kwargs["N"]))
-    if kwargs["PRECISION"] == "ieee":
+    fma = kwargs["PRECISION"] == "ieee"
+    if fma:
         n_cap = min(n_cap, MAX_FMA_BLOCK_N)
     four_bit = kwargs["FMT"] in FOUR_BIT
     kept, seen = [], set()
     for c in configs:
-        split, bn = c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"]
-        if split > 1 and steps < split * MIN_STEPS_PER_SPLIT or bn > n_cap:
+        split, bn, lhs = c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"], c.kwargs.get("W_LHS", False)
+        if split > 1 and steps < split * MIN_STEPS_PER_SPLIT or bn > n_cap or (lhs and fma):
             continue
-        if four_bit and bn * BLOCK_K / (32 * c.num_warps) > MAX_W4_PER_THREAD:
+        per_thread = bn * BLOCK_K / (32 * c.num_warps)  # weight elements of one K step per thread
+        if four_bit and per_thread > MAX_W4_PER_THREAD or lhs and per_thread > MAX_W_LHS_PER_THREAD:
             continue
         stages = min(c.num_stages, -(-steps // split))
-        key = (bn, split, c.num_warps, stages)
+        key = (bn, split, c.num_warps, stages, lhs)
         if key not in seen:
             seen.add(key)
             kept.append(triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
-    return kept or [triton.Config({"BLOCK_N": 16, "SPLIT_K": 1}, num_warps=4, num_stages=1)]
+    return kept or [triton.Config({"BLOCK_N": 16, "SPLIT_K": 1, "W_LHS": False}, num_warps=4, num_stages=1)]
 
 
 def _bench(fn, quantiles):
@@ -133,8 +179,7 @@ def _bench(fn, quantiles):
 
 
 _TUNED = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=w, num_stages=st)
-             for bn, w, st in TUNE_TILES for sk in SPLITS],
+    configs=tune_configs(),
     key=["M_BUCKET", "N", "K", "FMT"],
     prune_configs_by={"early_config_prune": _prune},
     do_bench=_bench,
@@ -163,19 +208,22 @@ def supports(q: QTensor, rows: int) -> bool:
 
 
 def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, block_n: int | None = None,
-                      split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                      split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                      w_lhs: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, 1 <= M <= MAX_ROWS) @ dequant(q)[N, K]^T -> [M, N] in x.dtype, fp32
     accumulation; the same tile arithmetic as dense_gemm (exact dequantization, block scales per 128-column
     step, row scales after the sum), the K loop split in split_k parts summed in order.
 
     out: optional [M, N] x.dtype with unit column stride, written in place. block_n / split_k: a fixed tile
     (block_n a power of two 16..128, split_k 1..MAX_SPLIT); None for both: on CUDA the measured best
-    (triton.autotune over TUNE_TILES x SPLITS), elsewhere 16 columns x 2 splits (1 for K of
-    fewer than 4 steps).
+    (triton.autotune over TUNE_TILES x SPLITS, and W_LHS_TILES with FLUXTIDE_PREFILL_W_LHS=1), elsewhere 16
+    columns x 2 splits (1 for K of fewer than 4 steps). w_lhs: a fixed-tile launch in the W_LHS arrangement
+    (module docstring; the weight rows are its wgmma M side, so block_n 64 or 128 on a GPU).
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, too many rows, bad
     tiles; RuntimeError for a first launch on a device inside a CUDA graph capture (see the module note).
     """
     check_weight(q, "dense_gemm_splitk")
+    check_w_lhs(w_lhs, False, "dense_gemm_splitk")
     if x.dim() != 2 or x.shape[1] != q.shape[1] or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dense_gemm_splitk: x must be bf16/fp16/fp32 [M, {q.shape[1]}], got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -206,6 +254,6 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
         _TUNED[lambda meta: (tiles_m * triton.cdiv(n, meta["BLOCK_N"]) * meta["SPLIT_K"],)](*args, **consts)
     else:
         _dense_gemm_splitk_kernel[(tiles_m * triton.cdiv(n, bn) * sk,)](
-            *args[:11], sk, **consts, BLOCK_N=bn, num_warps=num_warps,
+            *args[:11], sk, **consts, BLOCK_N=bn, W_LHS=w_lhs, num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}))
     return out
