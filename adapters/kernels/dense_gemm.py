@@ -39,15 +39,12 @@ from adapters.kernels.dequant_tile import (
     block_scale,
     check_w_lhs,
     dot_modes,
-    dot_step,
-    dot_step_t,
     fp8_rows,
     fp8_tile,
     prune_tiles,
     row_scale,
     row_scale_t,
-    w_tile,
-    w_tile_folded,
+    weight_step,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 from domain.model_spec import WeightFormat
@@ -96,13 +93,13 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
         else:
             a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-            if W_LHS:  # block-FP8 scale folded into the tile: no per-step product on the dot's result
-                w = w_tile_folded(w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
-                                  x_ptr.dtype.element_ty)  # [BN, BK]
-                acc_t = dot_step_t(acc_t, a, w, F32_DOT, PRECISION)  # [BN, BM]
+            # W_LHS: block-FP8 scale folded into the tile, no per-step product on the dot's result
+            if W_LHS:
+                acc_t = weight_step(acc_t, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
+                                    x_ptr.dtype.element_ty, F32_DOT, PRECISION, True)  # [BN, BM]
             else:
-                w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
-                acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+                acc = weight_step(acc, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
+                                  x_ptr.dtype.element_ty, F32_DOT, PRECISION, False)  # [BM, BN]
     if W_LHS:
         acc_t = row_scale_t(acc_t, s_ptr, g_ptr, n, N, FMT)  # [BN, BM]
         tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + n[:, None], acc_t.to(y_ptr.dtype.element_ty),

@@ -46,12 +46,9 @@ from adapters.kernels.dequant_tile import (
     block_scale,
     check_w_lhs,
     dot_modes,
-    dot_step,
-    dot_step_t,
     row_scale,
     row_scale_t,
-    w_tile,
-    w_tile_folded,
+    weight_step,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 
@@ -103,13 +100,8 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
             s = block_scale(s_ptr, pid_n * BLOCK_N, k0, K, GROUP)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                     mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-        if W_LHS:  # block-FP8 scale folded into the tile (dense_gemm's W_LHS step)
-            w = w_tile_folded(w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
-                              x_ptr.dtype.element_ty)  # [BN, BK]
-            acc = dot_step_t(acc, a, w, F32_DOT, PRECISION)  # [BN, BM]
-        else:
-            w = w_tile(w_ptr, s_ptr, n, k0, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty)  # [BN, BK]
-            acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+        acc = weight_step(acc, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K, x_ptr.dtype.element_ty,
+                          F32_DOT, PRECISION, W_LHS)
     plane = M.to(tl.int64) * N
     tl.store(ws_ptr + split * plane + offs, acc, mask=out_ok)
     # NOTE: every thread's partial stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival by

@@ -133,6 +133,22 @@ def dot_step_t(acc_t, a, w, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def weight_step(acc, a, data_ptr, scale_ptr, n, k0, s, ROWS: tl.constexpr, COLS: tl.constexpr, FMT: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                F32_DOT: tl.constexpr, PRECISION: tl.constexpr, W_LHS: tl.constexpr):
+    """One K step of a dense GEMM tile from float rows a [M, BK] (dense_gemm's and dense_gemm_splitk's): the weight
+    tile w [N, BK] of rows n at k0, then acc [M, N] += a @ w^T (dot_step, s the block-FP8 scale) or, under W_LHS,
+    the transposed acc [N, M] += w @ a^T with s folded into w (w_tile_folded, dot_step_t)."""
+    if W_LHS:
+        w = w_tile_folded(data_ptr, scale_ptr, n, k0, s, ROWS, COLS, FMT, GROUP, BLOCK_N, BLOCK_K, OUT_DTYPE)
+        acc = dot_step_t(acc, a, w, F32_DOT, PRECISION)
+    else:
+        w = w_tile(data_ptr, scale_ptr, n, k0, ROWS, COLS, FMT, GROUP, BLOCK_N, BLOCK_K, OUT_DTYPE)
+        acc = dot_step(acc, a, w, FMT, s, F32_DOT, PRECISION)
+    return acc
+
+
+@triton.jit
 def row_scale_t(acc_t, scale_ptr, gscale_ptr, n, ROWS: tl.constexpr, FMT: tl.constexpr):
     """row_scale for a transposed accumulator acc_t [N, M] (rows = rows n of W); the same products."""
     if FMT == 2:
