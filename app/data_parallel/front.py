@@ -34,6 +34,7 @@ from app.data_parallel.aggregate import (
     plan_totals,
 )
 from app.data_parallel.workers import WorkerPool, WorkerProcess
+from app.gc_pauses import GC_PAUSES
 from app.server import cors_config
 
 # NOTE: hop-by-hop headers and the ones the front sets itself never cross it.
@@ -135,7 +136,7 @@ async def stats(request: Request) -> dict:
         "scheduler": merge([b.get("scheduler") or {} for b in bodies]),
         # idle wakes add, each worker's burst sizes under its index; collections and pauses add, the longest wins
         "arrivals": merge_arrivals([(w.index, body.get("arrivals")) for w, body in ok]),
-        "gc": merge_gc([b.get("gc") for b in bodies]),
+        "gc": {**merge_gc([b.get("gc") for b in bodies]), "front": GC_PAUSES.snapshot()},
         "totals": plan_totals(plans),
         "data_parallel": len(front.pool.workers),
         "workers": [{"worker": w.index, "device": w.label, "in_flight": w.in_flight, "dispatched": w.dispatched,

@@ -36,6 +36,7 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     """Start the front (bound first, so /health answers while the workers load), then the workers."""
     from app.data_parallel.front import Front, create_front_app
     from app.data_parallel.workers import WorkerPool, WorkerProcess, host_devices
+    from app.gc_pauses import GC_PAUSES, freeze_startup_heap
     from app.server import ServerThread
     from app.serving import say
 
@@ -64,6 +65,10 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # NOTE: the front relays every worker's stream on its one event loop: a full collection of its start-up heap
+    # would stall them all, as in a single server (app/gc_pauses.py); its own pauses show as /v1/stats gc.front
+    GC_PAUSES.install()
+    freeze_startup_heap()
     started = time.monotonic()
     pool.start()
     while not stop.wait(0.5):

@@ -287,6 +287,8 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert gc["frozen_objects"] > 0  # both workers froze their start-up heap
     assert gc["full_pause_s_total"] == pytest.approx(sum(w["gc"]["full_pause_s_total"] for w in per), abs=1e-6)
     assert gc["full_pause_s_max"] == max(w["gc"]["full_pause_s_max"] for w in per)
+    # the front's own process: it relays every stream, so it freezes its start-up heap too and counts its pauses
+    assert gc["front"]["frozen_objects"] > 0 and gc["front"]["full_collections"] >= 0
 
 
 def _admitted(front) -> dict[str, float]:
