@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--moe-slots", type=int, default=2048)
     p.add_argument("--gpu-budget-gib", type=float, default=24.0, help="the `budget` scenario's card")
     p.add_argument("--fixed-gib", type=float, default=1.0, help="the `budget` scenario's non-pool memory")
-    p.add_argument("--staging", default="auto", help="staging rows of the `slots` scenario, or auto")
+    p.add_argument("--staging", default="auto", help="staging rows of the `slots` and `budget` scenarios, or auto")
     p.add_argument("--staging-copy", default="engine", choices=("engine", "kernel"),
                    help="how staging rounds known on the host are copied: copy engine (no SM) or UVA gather kernel")
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step (--max-prefill-length)")

@@ -40,6 +40,8 @@
 #            W_LHS tiles) with FLUXTIDE_PREFILL_W_LHS=0 then 1, and --only grouped with it set (~6 min)
 #   w-lhs-step  bench_decode.py resident bs1/4/16, the control, then with FLUXTIDE_PREFILL_W_LHS=1 and grouped
 #            decode from 64 pairs into $OUT/decode_grouped_wlhs (~8 min)
+#   staging  ADR 0010's staging rows: bench_prefill.py budget (24 GiB) 8k/32k with --staging 66 then 132 into
+#            $OUT/prefill_staging{66,132} (~9 min on a cold machine)
 #   http-ab  ADR 0022's HTTP A/B on one machine: the resident ladder per variant of $AB (default, splitk0,
 #            pairs256), each server through scripts/diag/serve_with_knobs.py (~4-5 min a variant on a cold machine)
 #   http     scripts/gpu_http_bench.sh under ft serve's default --prefill-kernels auto (Triton on a GPU)
@@ -258,6 +260,15 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton \
         --grouped-decode-min-pairs 64 2>&1 | grep -E "^resident|parity|Error" | cut -c1-300
       unset FLUXTIDE_PREFILL_W_LHS ;;
+    staging)
+      # ADR 0010's staging size, never measured past the default 66 rows: the 24 GiB budget's streamed 8k / 32k
+      # prefill with 66 then 132 rows (the simulator predicts 0.49 -> 0.37 s at 8k and 2.19 -> 1.71 s at 32k,
+      # docs/bench/2026-12-05-sim-staging-h200-24gib.json; synthesizes $CKPT if absent: ~40 s)
+      for g in 66 132; do
+        timeout 280 python3 scripts/bench_prefill.py --out "$OUT/prefill_staging$g" --synth-dir "$CKPT" --reuse \
+          --scenarios budget --prompts 8192,32768 --staging "$g" --profile-tokens 0 2>&1 \
+          | grep -E "^budget|Error|failed" | cut -c1-300
+      done ;;
     http) timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     http-ab)
       # ADR 0022's same-machine A/B: the resident ladder once per variant of $AB (default "default splitk0"; also
