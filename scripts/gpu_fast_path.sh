@@ -235,8 +235,10 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # session 23's W_LHS prefill GEMMs (docs/prefill-kernels.md, "Weight as the left operand"): the resident 4k/32k
       # prefill with the right-operand tiles only, then with both arrangements autotuned (synthesizes $CKPT: ~40 s)
       for w in 0 1; do
+        # the W_LHS run also profiles one 8k chunk: where the resident prefill's time goes with the new tiles
         FLUXTIDE_PREFILL_W_LHS=$w timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_wlhs$w" \
-          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 4096,32768 --profile-tokens 0 2>&1 \
+          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 4096,32768 \
+          --profile-tokens "$([[ $w == 1 ]] && echo 8192 || echo 0)" 2>&1 \
           | grep -E "^resident|Error|failed" | cut -c1-300
       done ;;
     w-lhs-decode)
