@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from app.stats import ServingStats
@@ -110,6 +111,13 @@ class StepRecord:
     # the step ran a layer group of a layered prefill chunk (ADR 0024); its later groups count no prefill tokens
     # (StepBatch.num_prefill_tokens counts a chunk once) but the step is a prefill step all the same
     layer_group: bool = False
+    # the step trace (/v1/stats/steps): the wall-clock time the model call returned (read in measure_step: recording
+    # waits for the next launch), the prefill works beside the decodes, the layer group (first, end) and its chunk's
+    # tokens
+    ended: float | None = None
+    prefill_works: int = 0
+    layers: tuple[int, int] | None = None
+    layer_tokens: int = 0
 
 
 class PoolPublisher:
@@ -142,6 +150,9 @@ class PoolPublisher:
     def measure_step(self, batch, seconds: float, host_seconds: float | None = None) -> StepRecord:
         """Right after a step: its numbers, the executor's counters read now (before the next step moves
         them). Recording them (`record`) may wait: the engine does it while the next step runs."""
+        # NOTE: first (the counters may be a device read): the wall clock when the model call returned, for the step
+        # trace, whose clients line it up with their own
+        ended = time.time()
         before = self._hits_misses
         self._hits_misses = expert_counters(self._executor)
         if self._scheduler is not None:
@@ -149,12 +160,15 @@ class PoolPublisher:
             # before complete() lets any go: the high-water mark of /v1/stats (running_peak) cannot miss one
             self._stats.note_load(self._scheduler.num_running, self._scheduler.num_waiting)
         prefill_tokens = batch.num_prefill_tokens  # a property that walks the works: once
+        decode_tokens = batch.num_decode_tokens  # (walks them too)
         # NOTE: a layered chunk's later groups stage their layers' experts too (the fast path's streamed step)
-        layer_group = getattr(batch, "layered", None) is not None
-        if prefill_tokens or layer_group:
+        layered = getattr(batch, "layered", None)
+        if prefill_tokens or layered is not None:
             self._prefill = prefill_streaming(self._executor)
-        return StepRecord(prefill_tokens, batch.num_decode_tokens, seconds, self._hits_misses[0] - before[0],
-                          self._hits_misses[1] - before[1], host_seconds, layer_group)
+        return StepRecord(prefill_tokens, decode_tokens, seconds, self._hits_misses[0] - before[0],
+                          self._hits_misses[1] - before[1], host_seconds, layered is not None, ended,
+                          len(batch.works) - decode_tokens, None if layered is None else layered.layers,
+                          0 if layered is None else len(layered.token_ids))
 
     def record(self, step: StepRecord) -> None:
         self._stats.record_step(
@@ -165,6 +179,10 @@ class PoolPublisher:
             expert_misses=step.expert_misses,
             host_seconds=step.host_seconds,
             prefill_work=bool(step.prefill_tokens) or step.layer_group,
+            ended=step.ended,
+            prefill_works=step.prefill_works,
+            layers=step.layers,
+            layer_tokens=step.layer_tokens,
         )
 
     def check_valid(self) -> None:

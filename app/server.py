@@ -13,7 +13,16 @@ from litestar.exceptions import HTTPException
 from litestar.logging.config import LoggingConfig
 from litestar.openapi import OpenAPIConfig
 
-from app.api.admin import cache_rebuild, cache_status, health, metrics, reset_peaks, routing, stats
+from app.api.admin import (
+    cache_rebuild,
+    cache_status,
+    health,
+    metrics,
+    reset_peaks,
+    routing,
+    stats,
+    stats_steps,
+)
 from app.api.auth import require_api_key
 from app.api.chat import chat_completions
 from app.api.completions import completions
@@ -60,6 +69,7 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
             retrieve_model,
             stats,
             reset_peaks,
+            stats_steps,
             metrics,
             cache_status,
             cache_rebuild,

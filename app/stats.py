@@ -1,4 +1,5 @@
-"""Serving statistics: a sliding window for /v1/stats and Prometheus metrics for /metrics.
+"""Serving statistics: a sliding window for /v1/stats, the step trace of /v1/stats/steps (the same window's steps)
+and Prometheus metrics for /metrics.
 
 The engine thread writes, HTTP handlers read; a lock keeps each snapshot consistent.
 Each server gets its own Prometheus registry so several servers (tests) can share a process.
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from domain.gap_stats import percentile
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Step:
     at: float
     prefill_tokens: int
@@ -27,6 +28,25 @@ class _Step:
     expert_misses: int
     host_seconds: float | None = None  # engine-thread time between this model call and the previous one
     prefill_work: bool = False  # the step computed prefill (tokens, or a layered chunk's later layer group)
+    # the step trace (/v1/stats/steps): when the model call returned on the wall clock (time.time(), so a client on
+    # the same host can line it up with its own), the prefill works beside the decodes, the layer group a layered
+    # chunk's work ran (first, end) and that chunk's tokens (a later group counts no prefill_tokens)
+    ended: float = 0.0
+    prefill_works: int = 0
+    layers: tuple[int, int] | None = None
+    layer_tokens: int = 0
+
+    def trace_row(self) -> dict:
+        """One step of /v1/stats/steps. prefill_tokens: the tokens its prefill works computed, a layered chunk's in
+        each of its groups (the window's prefill_tokens count a chunk once, in its first group)."""
+        later_group = self.layers is not None and self.layers[0] > 0
+        # NOTE: `end` unrounded: a client passes it back as `since` to get the steps after this one
+        return {"end": self.ended, "seconds": round(self.seconds, 6),
+                "host_seconds": None if self.host_seconds is None else round(self.host_seconds, 6),
+                "decode_rows": self.decode_tokens,
+                "prefill_tokens": self.prefill_tokens + (self.layer_tokens if later_group else 0),
+                "prefill_works": self.prefill_works, "layers": None if self.layers is None else list(self.layers),
+                "expert_hits": self.expert_hits, "expert_misses": self.expert_misses}
 
 
 class ServingStats:
@@ -97,13 +117,18 @@ class ServingStats:
     # -- MetricsSink port -------------------------------------------------------------------
     def record_step(
         self, *, prefill_tokens: int, decode_tokens: int, seconds: float, expert_hits: int, expert_misses: int,
-        host_seconds: float | None = None, prefill_work: bool | None = None,
+        host_seconds: float | None = None, prefill_work: bool | None = None, ended: float | None = None,
+        prefill_works: int | None = None, layers: tuple[int, int] | None = None, layer_tokens: int = 0,
     ) -> None:
         """prefill_work: the step computed prefill; None = it counted prefill tokens (a layered chunk's later
-        groups count none, docs/adr/0024-layered-prefill.md, yet are no decode-only step)."""
+        groups count none, docs/adr/0024-layered-prefill.md, yet are no decode-only step).
+        The step trace's own (beyond the MetricsSink port): ended, the wall-clock time (time.time()) the model call
+        returned (None: now); prefill_works, the prefill works beside the decodes (None: one if it computed
+        prefill); layers, the layer group of a layered chunk's work, and layer_tokens, that chunk's tokens."""
         prefill_work = bool(prefill_tokens) if prefill_work is None else prefill_work
         step = _Step(self._clock(), prefill_tokens, decode_tokens, seconds, expert_hits, expert_misses, host_seconds,
-                     prefill_work)
+                     prefill_work, time.time() if ended is None else ended,
+                     int(prefill_work) if prefill_works is None else prefill_works, layers, layer_tokens)
         with self._lock:
             self._steps.append(step)
             self._trim(step.at)
@@ -275,6 +300,16 @@ class ServingStats:
             "step_s": {"decode_p50": percentile(decode_only, 50), "decode_p90": percentile(decode_only, 90)},
             "host_s": {"count": len(host), "p50": percentile(host, 50), "p90": percentile(host, 90)},
         }
+
+    def steps(self, since: float | None = None) -> dict:
+        """GET /v1/stats/steps: every step of the window (the last ``window_s`` seconds), oldest first, or those that
+        ended after `since` (epoch seconds, the wall clock: ``clock`` "unix")."""
+        with self._lock:
+            self._trim(self._clock())
+            steps = list(self._steps)
+        # NOTE: the rows are built outside the lock (the engine thread's record_step never waits for them)
+        rows = [s.trace_row() for s in steps if since is None or s.ended > since]
+        return {"clock": "unix", "window_s": self.window_s, "steps": rows}
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,13 +1,16 @@
-"""Operations routes: /health (open), /v1/stats, /v1/stats/reset_peaks, /metrics, /v1/cache/status,
-/v1/cache/rebuild, /v1/routing."""
+"""Operations routes: /health (open), /v1/stats, /v1/stats/reset_peaks, /v1/stats/steps, /metrics,
+/v1/cache/status, /v1/cache/rebuild, /v1/routing."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
+from typing import Annotated
 
 from litestar import Request, Response, post
+from litestar.params import Parameter
 
 from app.api.errors import OpenAIError, bad_value
 from app.api.generation import require_engine, runtime_of
@@ -77,6 +80,25 @@ def reset_peaks(request: Request) -> dict:
     `waiting_peak`, over `since_s` seconds), and restart them from the requests running and waiting now: what
     `ft bench ladder` reads around each rung (a poll of /v1/stats can miss a short request; this cannot)."""
     return _engine(request).stats.reset_peaks()
+
+
+def check_since(since: float | None) -> float | None:
+    """/v1/stats/steps' `since` (epoch seconds): a 400 naming it unless finite (nan would select nothing, silently)."""
+    if since is not None and not math.isfinite(since):
+        raise bad_value("since", f"since must be a finite number of seconds since the epoch, got {since}")
+    return since
+
+
+SINCE = Parameter(description="only the steps that ended after this time (epoch seconds, the server's wall clock)")
+
+
+@get_or_head("/v1/stats/steps", sync_to_thread=False)
+def stats_steps(request: Request, since: Annotated[float | None, SINCE] = None) -> dict:
+    """The step trace: each step of the /v1/stats window (its last `window_s` seconds), oldest first, or those that
+    ended after `since` (epoch seconds): when its model call returned on the server's wall clock (`clock` "unix"),
+    the call's and the host's seconds before it, decode rows, prefill tokens and works, the layer group of a layered
+    chunk (null otherwise) and expert hits and misses. `ft bench mixed` reads it to say which step made a gap."""
+    return _engine(request).stats.steps(check_since(since))
 
 
 def _step_budgets(engine: Engine) -> dict:

@@ -111,6 +111,24 @@ class StatsPeaks(msgspec.Struct):
     since_s: float  # the seconds those peaks span
 
 
+class TraceStep(msgspec.Struct):
+    end: float  # when its model call returned, epoch seconds (the server's wall clock)
+    seconds: float  # the model call
+    host_seconds: float | None  # the engine thread's time since the previous call returned; null after idling
+    decode_rows: int
+    prefill_tokens: int  # computed by its prefill works (a layered chunk's tokens in each of its groups)
+    prefill_works: int
+    layers: tuple[int, int] | None  # the layer group [first, end) of a layered chunk's work; null: none
+    expert_hits: int
+    expert_misses: int
+
+
+class StepTrace(msgspec.Struct):
+    clock: Literal["unix"]
+    window_s: float  # the trace keeps the steps of the last window_s seconds (the /v1/stats window)
+    steps: list[TraceStep]  # oldest first
+
+
 class CacheRebuildResult(msgspec.Struct):
     status: Literal["ok"]
     message: str
@@ -137,6 +155,7 @@ _OPERATIONS: dict[tuple[str, str], tuple[type | None, type | None, bool, tuple[i
     ("/health", "get"): (None, Health, False, (503,)),
     ("/v1/stats", "get"): (None, None, False, (401, 503)),
     ("/v1/stats/reset_peaks", "post"): (None, StatsPeaks, False, (401, 503)),
+    ("/v1/stats/steps", "get"): (None, StepTrace, False, (400, 401, 503)),
     ("/v1/cache/status", "get"): (None, None, False, (401, 503)),
     ("/metrics", "get"): (None, None, False, (401, 503)),
 }

@@ -18,6 +18,11 @@ of that stream waited while the prompt prefilled, the gaps straddling either end
 gaps wholly inside the baseline window. Percentiles interpolate linearly between ranks; with few gaps p99 is
 close to the maximum, so the record keeps the counts.
 
+Against fluxtide each measured repeat also keeps the server's steps around its window (GET /v1/stats/steps, fetched
+right after the repeat; app/bench/step_trace.py lines them up with the gaps): `window_steps`, and `step_attribution`,
+the longest step in the window and, for each gap of at least the repeat's gap p90, the steps that ended within it.
+Other servers: those keys are null.
+
 The summary claims issue 9's target (`meets_target`) only for a run of the target's scenario (TARGET: 3
 streams, a long prompt the server counted at 8,192 tokens or more, on an H200 serving a block-FP8
 checkpoint within a 24 GiB budget and at least 8k tokens of KV); any other run, or one whose record cannot
@@ -32,6 +37,7 @@ import asyncio
 import math
 import time
 
+from app.bench import step_trace
 from app.bench.client import RequestResult, completion_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
@@ -93,6 +99,7 @@ async def _repeat(ctx: Ctx, *, streams: int, long_units: int, stream_tokens: int
         await _until(lambda: all(len(r.token_times) >= c + baseline_tokens for r, c in zip(results, counts,
                                                                                              strict=True)),
                      results, tasks, deadline, f"{baseline_tokens} baseline tokens on every stream")
+        wall, perf = step_trace.read_clocks()  # the offset that lines the gaps up with the server's step trace
         long = await stream_request(ctx.client, *completion_body(ctx.model, make_prompt(long_units), 1), ctx.timeout)
         if not long.ok:
             raise _Broken(f"the long prompt failed: {long.error}")
@@ -106,8 +113,10 @@ async def _repeat(ctx: Ctx, *, streams: int, long_units: int, stream_tokens: int
         await asyncio.gather(*tasks, return_exceptions=True)
     window = [g for r in results for g in gaps_between(arrivals(r), send, first, overlapping=True)]
     baseline = [g for r in results for g in gaps_between(arrivals(r), baseline_start, send, overlapping=False)]
+    spans = [(a, b, k) for k, r in enumerate(results) for a, b in step_trace.gap_spans(arrivals(r), send, first)]
     return {"window_gaps_s": window, "baseline_gaps_s": baseline, "long": long,
-            "stream_tokens_seen": [len(r.token_times) for r in results], "window_s": first - send}
+            "stream_tokens_seen": [len(r.token_times) for r in results], "window_s": first - send,
+            "send": send, "first": first, "gap_spans": spans, "wall_minus_perf_s": wall - perf}
 
 
 def target_conditions(record_data: dict, *, streams: int, prompt_tokens: list[int | None]) -> dict:
@@ -179,6 +188,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
         except _Broken as exc:
             record.fail(f"warm-up {i}", str(exc))
         ctx.progress.advance(task)
+    fluxtide = bool((record.data.get("target") or {}).get("fluxtide"))
     all_window: list[float] = []
     all_baseline: list[float] = []
     ttfts: list[float] = []
@@ -211,6 +221,10 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
             "window_gaps_ms": [round(g * 1e3, 3) for g in window],
             "ok": True, "error": None,
         })
+        # NOTE: right after the repeat (the trace keeps the server's last 30 s); null where the server is not fluxtide
+        point.update(await step_trace.for_repeat(ctx.client, wall_minus_perf_s=got["wall_minus_perf_s"],
+                                                 send=got["send"], first=got["first"], gaps=got["gap_spans"])
+                     if fluxtide else dict(step_trace.NO_TRACE))
         if not window:
             point.update({"ok": False, "error": "no stream token arrived in the prefill window"})
             record.fail(where, point["error"])
@@ -229,6 +243,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
         **verdict(pooled["p99_ms"], target_conditions(record.data, streams=streams, prompt_tokens=measured_prompts),
                   target_gap_p99_ms),
         "server_step_budgets": _budgets(record.data),
+        "largest_window_step": step_trace.largest_of(record.points),
     }
     if not ttfts:
         raise BenchError("no repeat could be measured (see failures)")

@@ -87,6 +87,9 @@ def show(record: dict, path, quiet: bool) -> None:
                       f"gaps (issue 9's target <= {_cell(target)} ms: {judged}); "
                       f"TTFT p50 {_cell(summary['ttft_s_median'])} s; step budgets "
                       f"{summary.get('server_step_budgets') or 'unknown'}")
+        if largest := summary.get("largest_window_step"):
+            console.print(f"largest step in window: {largest['ms']:.1f} ms ({largest['label']}; repeat "
+                          f"{largest['repeat']})")
     for failure in record["failures"]:
         console.print(f"[red]failed {failure['where']}: {failure['error']}[/red]")
 

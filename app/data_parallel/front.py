@@ -2,13 +2,16 @@
 one Litestar app on the usual port that proxies every API route to the least-loaded worker
 (streams pass through chunk by chunk) and answers the operations routes for all workers:
 /health, /v1/stats, /v1/cache/status and /metrics aggregated with a per-worker breakdown,
-/v1/cache/rebuild applied to every worker or to none (see ``cache_rebuild``).
+/v1/stats/steps with each worker's step trace, /v1/cache/rebuild applied to every worker or to none
+(see ``cache_rebuild``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Annotated
+from urllib.parse import urlencode
 
 import anyio
 import httpx
@@ -20,6 +23,7 @@ from litestar.response import Stream
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from app.api.admin import SINCE, check_since
 from app.api.auth import require_api_key
 from app.api.errors import EXCEPTION_HANDLERS, OpenAIError, service_unavailable
 from app.api.routing import get_or_head
@@ -159,6 +163,17 @@ async def reset_peaks(request: Request) -> dict:
             "waiting_peak": sum(b["waiting_peak"] for b in bodies),
             "since_s": max(b["since_s"] for b in bodies), "data_parallel": len(front.pool.workers),
             "workers": [{"worker": w.index, **body} for w, body in ok]}
+
+
+@get_or_head("/v1/stats/steps")
+async def stats_steps(request: Request, since: Annotated[float | None, SINCE] = None) -> dict:
+    """Each worker's step trace under `workers` (its own steps, in its own order: steps of different workers ran
+    side by side on different devices, so one merged list would say nothing a step's worker does not)."""
+    front = front_of(request)
+    path = "/v1/stats/steps" + ("" if check_since(since) is None else "?" + urlencode({"since": repr(since)}))
+    ok, failed = _answers(await front.fan_out("GET", path), "/v1/stats/steps")
+    return {"clock": "unix", "window_s": ok[0][1].get("window_s"), "data_parallel": len(front.pool.workers),
+            "workers": [{"worker": w.index, "device": w.label, **body} for w, body in ok] + failed}
 
 
 @get_or_head("/v1/cache/status")
@@ -426,8 +441,8 @@ async def _relay(worker: WorkerProcess, upstream: httpx.Response, path: str, poo
 
 def create_front_app(front: Front, allowed_origins: tuple[str, ...] = ()) -> Litestar:
     protected = Router(path="/", guards=[require_api_key],
-                       route_handlers=[stats, reset_peaks, metrics, cache_status, cache_rebuild, routing,
-                                       proxy])
+                       route_handlers=[stats, reset_peaks, stats_steps, metrics, cache_status, cache_rebuild,
+                                       routing, proxy])
     return Litestar(
         # NOTE: Litestar configures the root logger by default (its own handler, format and INFO level), which
         # replaced `ft serve`'s format and, in tests, printed "Logging error" from threads logging after pytest

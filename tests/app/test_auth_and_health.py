@@ -24,7 +24,8 @@ def test_wrong_or_missing_key_is_401_in_openai_shape(keyed):
     with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert info.value.body["code"] == "invalid_api_key"
-    for path in ("/v1/models", "/v1/stats", "/metrics", "/v1/cache/status"):
+    for path in ("/v1/models", "/v1/stats", "/v1/stats/steps", "/v1/stats/steps?since=0", "/metrics",
+                 "/v1/cache/status"):
         r = httpx.get(keyed.base_url + path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
     r = httpx.get(keyed.base_url + "/v1/models", headers={"Authorization": "Basic s3cret-key"})
@@ -37,6 +38,8 @@ def test_right_key_works_and_health_stays_open(keyed):
     r = good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.choices[0].message.role == "assistant"
     assert httpx.get(keyed.base_url + "/health").status_code == 200
+    steps = httpx.get(keyed.base_url + "/v1/stats/steps", headers={"Authorization": "Bearer s3cret-key"})
+    assert steps.status_code == 200 and steps.json()["steps"], steps.text  # the request above ran steps
 
 
 def test_no_key_configured_means_open(server):

@@ -3,6 +3,7 @@ structure and the bookkeeping are what is checked), and its gap arithmetic on ma
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -10,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from app.bench import step_trace
 from app.bench.mixed import GIB, gap_figures, gaps_between, percentile, target_conditions, verdict
 from app.cli import main
 from app.containers import Container
@@ -130,6 +132,9 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
     assert summary["server_step_budgets"] == {"max_running": 4, "max_step_tokens": 1024, "mixed_step_tokens": MIXED,
                                              "layered_prefill": False, "layer_groups": 0, "arrival_window_ms": 30.0}
     assert rec["budget"]["fixed_bytes"] > 0  # the step's activations, held outside the pools
+    # the server's steps in the window: the prompt's chunks went beside the decodes (mixed steps), none layered
+    steps = check_step_trace(server, point, rec)
+    assert any(s["prefill_works"] and s["decode_rows"] for s in steps) and all(s["layers"] is None for s in steps)
     # the streams were closed, and the server let them go (nothing left running)
     deadline = time.monotonic() + 30
     while not _idle(server) and time.monotonic() < deadline:
@@ -144,6 +149,7 @@ def test_a_stream_that_ends_too_soon_is_a_failure_not_a_figure(tmp_path, server)
     assert code == 1
     (point,) = rec["points"]
     assert point["ok"] is False and "ended while waiting for" in point["error"]
+    assert "window_steps" not in point and rec["summary"]["largest_window_step"] is None  # nothing measured
     assert "finished (length) after 6 tokens (raise --stream-tokens?)" in point["error"]
     assert rec["summary"]["window"]["count"] == 0 and rec["summary"]["meets_target"] is None
     assert [f["where"] for f in rec["failures"]] == ["repeat 0", "run"]
@@ -172,10 +178,90 @@ def test_with_layered_prefill_the_prompt_runs_as_layer_groups_beside_the_streams
     # one chunk of <= 116 tokens, one layer a step (sized for a 1024-token chunk), each chunk in 4 groups
     groups = rec["server_after"]["stats"]["scheduler"]["layer_groups"] - budgets["layer_groups"]  # during the run
     assert groups >= 4 * math.ceil(point["prompt_tokens"] / 116) - 4
+    # the server's steps in the window name the layer groups, each beside the 3 decodes
+    steps = check_step_trace(layered_server, point, rec)
+    layered = [s for s in steps if s["layers"] is not None]
+    assert layered and all(s["decode_rows"] == 3 for s in layered)
+    assert layered[0]["layers"][0] == 0 and layered[-1]["layers"][1] == 4
     deadline = time.monotonic() + 30
     while not _idle(layered_server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _idle(layered_server)
+
+
+def check_step_trace(server, point: dict, rec: dict) -> list[dict]:
+    """The repeat's `window_steps` are the server's own steps (GET /v1/stats/steps), and its `step_attribution`
+    agrees with them and with the gaps: each large gap lists the steps that ended within it and names the longest,
+    the largest gap among them; the largest step is the longest that overlaps the window. Returns window_steps."""
+    steps, attribution, clock = point["window_steps"], point["step_attribution"], point["trace_clock"]
+    assert steps and clock["since_s"] < clock["send_wall_s"]
+    assert clock["wall_minus_perf_s"] == pytest.approx(time.time() - time.perf_counter(), abs=60)
+    assert [s["end_ms"] for s in steps] == sorted(s["end_ms"] for s in steps)
+    # every window step is a step of the server's trace (matched by its end, from the same floats)
+    rows = httpx.get(server.base_url + "/v1/stats/steps", params={"since": clock["since_s"]}).json()["steps"]
+    by_end = {round((r["end"] - clock["send_wall_s"]) * 1e3, 3): r for r in rows}
+    for s in steps:
+        real = by_end[s["end_ms"]]
+        assert (s["ms"], s["decode_rows"], s["prefill_tokens"], s["layers"]) == (
+            round(real["seconds"] * 1e3, 3), real["decode_rows"], real["prefill_tokens"], real["layers"])
+    # the window [send, first token] (ms from the send): its longest step is the largest step
+    window_ms = point["window_s"] * 1e3
+    largest = attribution["largest_step"]
+    assert largest["ms"] == steps[largest["step"]]["ms"]
+    assert (largest["kind"], largest["label"]) == step_trace.describe(by_end[steps[largest["step"]]["end_ms"]])
+    inside = [s["ms"] for s in steps if s["end_ms"] > 0.01 and s["end_ms"] - s["ms"] < window_ms - 0.01]
+    assert largest["ms"] >= max(inside)
+    assert rec["summary"]["largest_window_step"] == {"repeat": point["repeat"], **largest}
+    # each gap of at least the p90: the steps that ended within it, the longest named
+    large = attribution["large_gaps"]
+    assert large and all(g["gap_ms"] >= attribution["gap_p90_ms"] for g in large)
+    for g in large:
+        for i in g["steps"]:
+            assert g["end_ms"] - g["gap_ms"] - 0.002 <= steps[i]["end_ms"] <= g["end_ms"] + 0.002, (g, steps[i])
+        if g["steps"]:
+            assert g["longest"]["step"] in g["steps"]
+            assert g["longest"]["ms"] == max(steps[i]["ms"] for i in g["steps"])
+    biggest = max(large, key=lambda g: g["gap_ms"])
+    assert biggest["gap_ms"] == pytest.approx(max(point["window_gaps_ms"]), abs=0.002)
+    assert biggest["longest"] is not None and biggest["steps"], biggest  # the largest gap's step is in the trace
+    return steps
+
+
+def test_the_step_attribution_reads_the_server_steps_that_ended_in_each_gap():
+    """step_trace.attribute on made-up steps and gaps (wall clock, send at 100 s): window_steps are the steps that
+    overlap the window stretched to its gaps; each gap of at least the p90 lists the steps that ended in it."""
+    def row(end, seconds, decodes=3, tokens=0, works=0, layers=None):
+        return {"end": end, "seconds": seconds, "host_seconds": 0.001, "decode_rows": decodes,
+                "prefill_tokens": tokens, "prefill_works": works, "layers": layers, "expert_hits": 0,
+                "expert_misses": 1}
+
+    rows = [row(99.0, 0.04), row(99.995, 0.04), row(100.04, 0.04), row(100.10, 0.06, tokens=8192, works=1,
+            layers=[0, 2]), row(100.20, 0.095, tokens=4, works=1), row(100.24, 0.04), row(101.0, 0.04)]
+    gaps = [(99.99, 100.05, 0), (100.05, 100.11, 0), (100.11, 100.21, 0), (100.21, 100.25, 0)]
+    got = step_trace.attribute(rows, send_wall=100.0, first_wall=100.21, gaps=gaps)
+    assert [s["end_ms"] for s in got["window_steps"]] == [-5.0, 40.0, 100.0, 200.0, 240.0]  # not 99.0 nor 101.0
+    attribution = got["step_attribution"]
+    assert attribution["largest_step"] == {"step": 3, "ms": 95.0, "kind": "mixed",
+                                           "label": "prefill chunk of 4 tokens beside 3 decodes"}
+    (gap,) = attribution["large_gaps"]  # the p90 of 60, 60, 100, 40 ms is 88 ms: one gap
+    assert gap["gap_ms"] == pytest.approx(100.0) and gap["steps"] == [3] and gap["longest"]["step"] == 3
+    assert step_trace.describe(rows[3]) == ("layer group", "layer group [0, 2) of a 8192-token chunk beside 3 decodes")
+    assert step_trace.describe(rows[0]) == ("decode", "decode step of 3 rows")
+    assert step_trace.describe(row(1.0, 0.1, decodes=0, tokens=1, works=1)) == ("prefill chunk",
+                                                                                  "prefill chunk of 1 token")
+
+
+def test_a_server_without_a_step_trace_leaves_the_keys_null():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/stats/steps"
+        return httpx.Response(404, json={"error": "no such route"})
+
+    async def fetch():
+        async with httpx.AsyncClient(base_url="http://other", transport=httpx.MockTransport(refuse)) as client:
+            return await step_trace.for_repeat(client, wall_minus_perf_s=1.0, send=5.0, first=6.0,
+                                               gaps=[(4.5, 5.5, 0)])
+
+    assert asyncio.run(fetch()) == {"trace_clock": None, "window_steps": None, "step_attribution": None}
 
 
 def test_layered_prefill_gives_the_same_greedy_text_as_short_chunks(server, layered_server):

@@ -291,6 +291,28 @@ def test_stats_and_metrics_aggregate_the_workers(front):
     assert gc["front"]["frozen_objects"] > 0 and gc["front"]["full_collections"] >= 0
 
 
+def test_the_step_trace_is_each_workers_own(front):
+    """/v1/stats/steps through the front: every worker's steps under `workers` (not merged), `since` passed on, the
+    key asked for as on a single server."""
+    started = time.time()
+    dp = client_for(front.url)
+    for q in QUESTIONS[:4]:  # the front alternates on ties: both workers run steps
+        ask(dp, q)
+    body = admin(front, "/v1/stats/steps", params={"since": started}).json()
+    assert body["clock"] == "unix" and body["window_s"] == 30.0 and body["data_parallel"] == 2
+    assert "steps" not in body and [w["worker"] for w in body["workers"]] == [0, 1]
+    for worker in body["workers"]:
+        rows = worker["steps"]
+        assert rows and all(r["end"] > started for r in rows) and worker["clock"] == "unix", worker
+        assert [r["end"] for r in rows] == sorted(r["end"] for r in rows)
+        # `since` reaches the worker: after its last step, nothing
+        last = rows[-1]["end"]
+        again = admin(front, "/v1/stats/steps", params={"since": last}).json()["workers"][worker["worker"]]
+        assert all(r["end"] > last for r in again["steps"])
+    assert admin(front, "/v1/stats/steps", params={"since": "nan"}).status_code == 400
+    assert httpx.get(front.url + "/v1/stats/steps").status_code == 401
+
+
 def _admitted(front) -> dict[str, float]:
     text = admin(front, "/metrics").text
     out = {}

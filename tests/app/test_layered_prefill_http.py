@@ -10,6 +10,7 @@ import json
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -272,8 +273,10 @@ def test_more_long_prompts_than_running_slots_all_finish_and_answer_as_alone(ser
 
 
 class _Batch:
-    def __init__(self, prefill: int, decodes: int, layered: object = None) -> None:
-        self.num_prefill_tokens, self.num_decode_tokens, self.layered = prefill, decodes, layered
+    def __init__(self, prefill: int, decodes: int, layers: tuple[int, int] | None = None) -> None:
+        self.num_prefill_tokens, self.num_decode_tokens = prefill, decodes
+        self.layered = None if layers is None else SimpleNamespace(layers=layers, token_ids=range(116))
+        self.works = (self.layered,) * (layers is not None) + (None,) * decodes
 
 
 class _Executor:
@@ -287,12 +290,18 @@ def test_a_later_layer_group_step_is_no_decode_only_step():
     stats = ServingStats()
     publisher = PoolPublisher(stats, _Executor())
     publisher.record_step(_Batch(0, 3), 0.005)  # decodes only
-    publisher.record_step(_Batch(116, 3, layered="first group"), 0.030)
-    publisher.record_step(_Batch(0, 3, layered="second group"), 0.030)
+    publisher.record_step(_Batch(116, 3, layers=(0, 2)), 0.030)
+    publisher.record_step(_Batch(0, 3, layers=(2, 4)), 0.030)
     publisher.record_step(_Batch(0, 3), 0.005)
     window = stats.window()
     assert window["step_s"]["decode_p90"] == pytest.approx(0.005)
     assert window["prefill_tokens"] == 116 and window["decode_tokens"] == 12
+    # the step trace names the groups; each carries the chunk's tokens (the window counts them once)
+    trace = stats.steps()["steps"]
+    assert [(r["layers"], r["prefill_tokens"], r["prefill_works"], r["decode_rows"]) for r in trace] == [
+        (None, 0, 0, 3), ([0, 2], 116, 1, 3), ([2, 4], 116, 1, 3), (None, 0, 0, 3)]
+    assert [r["end"] for r in trace] == sorted(r["end"] for r in trace)
+    assert stats.steps(since=trace[1]["end"])["steps"] == [r for r in trace if r["end"] > trace[1]["end"]]
 
 
 def test_a_data_parallel_front_shows_the_workers_scheduler(server):
@@ -316,3 +325,54 @@ def test_a_data_parallel_front_shows_the_workers_scheduler(server):
     assert got["layered_prefill"] is True and got["layer_groups"] == 2 * one["layer_groups"]
     assert (got["max_step_tokens"], got["mixed_step_tokens"]) == (1024, 32)
     assert got["arrival_window_ms"] == one["arrival_window_ms"] and got["max_running"] == 2 * one["max_running"]
+
+
+def trace(server, **params) -> httpx.Response:
+    return httpx.get(server.base_url + "/v1/stats/steps", params=params, timeout=30)
+
+
+def test_the_step_trace_shows_a_long_prompts_layer_groups_then_the_decodes(server, steps):
+    """GET /v1/stats/steps while a long prompt arrives beside 3 decoding streams: its layer groups, each [0, L) in
+    order (every group beside the 3 decodes), then decode-only steps; `since` keeps the steps that ended after it."""
+    started = time.time()
+    prompt = long_prompt(12, seed=21)
+
+    async def body(api):
+        answer = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        deadline = time.monotonic() + 30
+        while True:  # the streams decode on: until the trace shows a step after the prompt's last group
+            rows = (await asyncio.to_thread(trace, server, since=started)).json()["steps"]
+            last = max((i for i, r in enumerate(rows) if r["layers"] is not None), default=None)
+            if last is not None and len(rows) > last + 1:
+                return answer, rows, last
+            assert time.monotonic() < deadline, rows
+            await asyncio.sleep(0.01)
+
+    answer, rows, last = asyncio.run(beside_decodes(server, 3, body))
+    assert all(r["end"] > started for r in rows)
+    groups = [(i, r) for i, r in enumerate(rows) if r["layers"] is not None]
+    # only this prompt ran layered since `started`: its groups, as the executor saw them, in trace order
+    assert [tuple(r["layers"]) for _, r in groups] == steps.of(answer.id)
+    chunks, covered = [], None
+    for _, r in groups:  # each chunk's groups cover [0, L) in order, one step after another
+        first, end = r["layers"]
+        if first == 0:
+            chunks.append(r["prefill_tokens"])
+        else:
+            assert first == covered and r["prefill_tokens"] == chunks[-1], groups
+        covered = end
+        assert r["decode_rows"] == 3 and r["prefill_works"] >= 1, r
+    assert covered == LAYERS and 0 < sum(chunks) <= answer.usage.prompt_tokens  # (a cached prefix is not computed)
+    assert [i for i, _ in groups] == list(range(groups[0][0], last + 1)), "no step between a chunk's groups"
+    after = rows[last + 1]
+    assert after["layers"] is None and after["prefill_works"] == 0 and after["decode_rows"] >= 1, after
+    assert all(r["seconds"] >= 0 and (r["host_seconds"] is None or r["host_seconds"] >= 0) for r in rows)
+    # since: the steps that ended after the given one, the same rows (a step's row never changes)
+    cut = groups[0][1]["end"]
+    later = trace(server, since=cut).json()
+    assert later["clock"] == "unix" and later["window_s"] == 30.0
+    assert later["steps"][: len(rows) - groups[0][0] - 1] == rows[groups[0][0] + 1:]
+    assert trace(server, since=time.time() + 3600).json()["steps"] == []
+    for bad in ("nan", "inf", "soon"):
+        r = trace(server, since=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)

@@ -36,11 +36,16 @@ def test_the_document_describes_the_real_bodies(fuzzed_server):
     assert {"messages", "max_completion_tokens", "temperature", "stream_options"} <= set(request["properties"])
     models = doc["paths"]["/v1/models"]
     assert {"get", "head"} <= set(models)
+    steps = doc["paths"]["/v1/stats/steps"]["get"]
+    assert [p["name"] for p in steps["parameters"]] == ["since"]
+    assert steps["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/StepTrace")
+    assert set(steps["responses"]) >= {"400", "401", "503"}
 
 
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/cache/rebuild"),
               ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/v1/stats"),
-              ("GET", "/v1/cache/status"), ("GET", "/metrics"), ("POST", "/v1/stats/reset_peaks")]
+              ("GET", "/v1/cache/status"), ("GET", "/metrics"), ("POST", "/v1/stats/reset_peaks"),
+              ("GET", "/v1/stats/steps")]
 CHECKS = [schemathesis.checks.not_a_server_error, openapi_checks.status_code_conformance,
           openapi_checks.content_type_conformance, openapi_checks.response_schema_conformance]
 

@@ -57,6 +57,7 @@ class _Streaming:
 class _Batch:
     def __init__(self, prefill):
         self.num_prefill_tokens, self.num_decode_tokens = prefill, 1
+        self.works, self.layered = (None,) * (1 + bool(prefill)), None
 
 
 def test_the_pools_snapshot_carries_the_streamed_prefill_stats_read_after_prefill_steps():
