@@ -46,6 +46,7 @@ class _Step:
                 "decode_rows": self.decode_tokens,
                 "prefill_tokens": self.prefill_tokens + (self.layer_tokens if later_group else 0),
                 "prefill_works": self.prefill_works, "layers": None if self.layers is None else list(self.layers),
+                "layer_tokens": self.layer_tokens if self.layers is not None else 0,
                 "expert_hits": self.expert_hits, "expert_misses": self.expert_misses}
 
 
@@ -112,6 +113,7 @@ class ServingStats:
         # high-water marks of running and waiting requests since start or the last reset_peaks (the engine thread
         # raises them, POST /v1/stats/reset_peaks reads and restarts them)
         self._running_peak = self._waiting_peak = 0
+        self._load = (0, 0)  # the last (running, waiting) the engine noted
         self._peaks_since = clock()
 
     # -- MetricsSink port -------------------------------------------------------------------
@@ -210,8 +212,9 @@ class ServingStats:
     def note_load(self, running: int, waiting: int) -> None:
         """Engine thread: requests running and waiting at one moment (after each step, and each pools snapshot).
         Raises the high-water marks; two comparisons while below them, the lock only to raise one."""
+        self._load = (running, waiting)  # NOTE: one tuple store: reset_peaks restarts from the latest load
         if running > self._running_peak or waiting > self._waiting_peak:
-            with self._lock:
+            with self._lock:  # the compare again under the lock: a reset_peaks between the two would lose a raise
                 self._running_peak = max(self._running_peak, running)
                 self._waiting_peak = max(self._waiting_peak, waiting)
 
@@ -223,14 +226,15 @@ class ServingStats:
 
     def reset_peaks(self) -> dict:
         """Any thread (POST /v1/stats/reset_peaks): the high-water marks so far and the seconds they span; they
-        start again from the requests running and waiting now (the latest pools snapshot), so a request running
-        across the reset counts on both sides."""
+        start again from the requests running and waiting now (the latest of the engine's last noted load and the
+        pools snapshot, which lags it by a step), so a request running across the reset counts on both sides."""
         with self._lock:
             now = self._clock()
             ended = {"running_peak": self._running_peak, "waiting_peak": self._waiting_peak,
                      "since_s": round(now - self._peaks_since, 6)}
-            self._running_peak = self._pools.get("running", 0)
-            self._waiting_peak = self._pools.get("waiting", 0)
+            running, waiting = self._load
+            self._running_peak = max(running, self._pools.get("running", 0))
+            self._waiting_peak = max(waiting, self._pools.get("waiting", 0))
             self._peaks_since = now
         return ended
 

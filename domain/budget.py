@@ -37,9 +37,10 @@ def format_bytes(n: int) -> str:
     value = float(n)
     for unit in _BYTE_UNITS:
         value /= 1024
-        if abs(value) < 1024 or unit == _BYTE_UNITS[-1]:
+        digits = 0 if abs(value) >= 99.5 else 1 if abs(value) >= 9.995 else 2
+        # NOTE: judged after rounding: 1,048,575 B is "1.00 MiB", not "1024 KiB"
+        if abs(round(value, digits)) < 1024 or unit == _BYTE_UNITS[-1]:
             break
-    digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
     return f"{value:.{digits}f} {unit}"
 
 

@@ -365,7 +365,7 @@ def grouped_decode_points(tokens: list[int], dev: str = "cuda", experts: int = 2
         ref, got = per_pair().float(), grouped().float()
         row["max_rel_diff"] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         # the grouped GEMMs' tuned tiles so far (W_LHS ones only with FLUXTIDE_PREFILL_W_LHS=1); empty in the interpreter
-        row["grouped_tiles"] = {k: v for k, v in tuned_tiles().items() if k != "dense_gemm"}
+        row["grouped_tiles"] = {k: v for k, v in tuned_tiles().items() if k.startswith("moe_grouped")}
         points.append(row)
         print(row, flush=True)
     return points

@@ -98,13 +98,27 @@ def _stream_prompt_tokens(data: dict) -> int:
     return round(fixed + STREAM_PROMPT_UNITS * per_unit)
 
 
+_VARIANTS = {"laptop", "mobile"}  # a card's variant words: a profile matches a name only with the same ones
+
+
+def _tokens(text: str) -> list[str]:
+    """Lower-case words of a GPU or profile name, "rtx" joined to its number ('NVIDIA GeForce RTX 4090' -> [...,
+    'rtx4090'])."""
+    return re.findall(r"[a-z0-9]+", re.sub(r"\brtx[\s_-]+(?=\d)", "rtx", text.lower()))
+
+
+def _names_profile(name: str, profile: str) -> bool:
+    """Whether a GPU's name is the built-in profile's card: every word of the profile a whole word of the name, and
+    the same variant words ('NVIDIA GH200 480GB' is no h200; 'RTX 4090 Laptop GPU' no rtx4090)."""
+    words, wanted = set(_tokens(name)), set(_tokens(profile))
+    return wanted <= words and words & _VARIANTS == wanted & _VARIANTS
+
+
 def _hardware(data: dict) -> str:
     """The built-in profile every GPU of the record names ('NVIDIA H200' -> h200)."""
     gpus = _field(data, "hardware.gpus")
     names = [g.get("name") if isinstance(g, dict) else None for g in gpus] if isinstance(gpus, list) else []
-    squash = re.compile(r"[^a-z0-9]")
-    found = {p for n in names if isinstance(n, str) for p in BUILTIN_PROFILES
-             if squash.sub("", p.lower()) in squash.sub("", n.lower())}
+    found = {p for n in names if isinstance(n, str) for p in BUILTIN_PROFILES if _names_profile(n, p)}
     if not names or len(found) != 1 or not all(isinstance(n, str) for n in names):
         raise _Missing(f"the record's GPUs {names} name no one built-in profile ({sorted(BUILTIN_PROFILES)})")
     return found.pop()

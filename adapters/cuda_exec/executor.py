@@ -287,7 +287,8 @@ class CudaGraphExecutor(ExecutorPools):
                  "%s)", self.warmup.seconds, len(plan.gemm), len(plan.gemv), len(plan.grouped), len(plan.forwards),
                  f"; out of memory: {', '.join(self.warmup.skipped)}" if self.warmup.skipped else "")
         if W_LHS_TUNING:  # NOTE: opt-in until timed on a GPU; the log says where the weight-as-left tiles won
-            log.info("FLUXTIDE_PREFILL_W_LHS=1: W_LHS tiles chosen for %d of %d tuned prefill GEMM keys",
+            # NOTE: after the decode graphs' capture, whose split-K keys were tuned before it: both are counted
+            log.info("FLUXTIDE_PREFILL_W_LHS=1: W_LHS tiles chosen for %d of %d tuned GEMM keys (prefill and decode)",
                      *w_lhs_wins(tuned_tiles()))
         if self._on_phase is not None:
             self._on_phase(f"prefill kernels tuned in {self.warmup.seconds:.1f} s")

@@ -1,16 +1,17 @@
-"""Which tile the autotuner chose for each key of the tensor-core prefill GEMMs (dense_gemm, moe_grouped_gate_up,
-moe_grouped_down), read from the autotuners' caches: what a benchmark record and the start-up log say about the
-choice between the right-operand tiles and the W_LHS ones (FLUXTIDE_PREFILL_W_LHS=1, docs/prefill-kernels.md,
-"Weight as the left operand"). Read-only; nothing is tuned here. In Triton's interpreter no key is ever tuned, so
+"""Which tile the autotuner chose for each key of the tensor-core GEMMs that have W_LHS tiles (the prefill's
+dense_gemm, moe_grouped_gate_up and moe_grouped_down, and the decode buckets' dense_gemm_splitk), read from the
+autotuners' caches: what a benchmark record and the start-up log say about the choice between the right-operand
+tiles and the W_LHS ones (FLUXTIDE_PREFILL_W_LHS=1, docs/prefill-kernels.md, "Weight as the left operand";
+docs/fast-decode.md, session 24). Read-only; nothing is tuned here. In Triton's interpreter no key is ever tuned, so
 every list is empty there.
 """
 
 from __future__ import annotations
 
-from adapters.kernels import dense_gemm, moe_grouped_down, moe_grouped_gate_up
+from adapters.kernels import dense_gemm, dense_gemm_splitk, moe_grouped_down, moe_grouped_gate_up
 
 TUNERS = {"dense_gemm": dense_gemm._TUNED, "moe_grouped_gate_up": moe_grouped_gate_up._TUNED,
-          "moe_grouped_down": moe_grouped_down._TUNED}
+          "moe_grouped_down": moe_grouped_down._TUNED, "dense_gemm_splitk": dense_gemm_splitk._TUNED}
 
 
 def tuned_tiles(tuners: dict | None = None) -> dict[str, list[dict]]:

@@ -92,7 +92,9 @@ def check_since(since: float | None) -> float | None:
 SINCE = Parameter(description="only the steps that ended after this time (epoch seconds, the server's wall clock)")
 
 
-@get_or_head("/v1/stats/steps", sync_to_thread=False)
+# NOTE: in a worker thread: a full window is thousands of rows (~15 ms to build and encode at 4 ms steps), which on
+# the event loop would stall every stream's token delivery; the bench passes `since` and reads a few
+@get_or_head("/v1/stats/steps", sync_to_thread=True)
 def stats_steps(request: Request, since: Annotated[float | None, SINCE] = None) -> dict:
     """The step trace: each step of the /v1/stats window (its last `window_s` seconds), oldest first, or those that
     ended after `since` (epoch seconds): when its model call returned on the server's wall clock (`clock` "unix"),

@@ -62,6 +62,11 @@ def load_figures(peaks: dict | None, sampler: PoolSampler, completed: int, fluxt
     """admitted / queued of a rung: the server's high-water marks where it keeps them (they cannot miss a request),
     else the peaks its stats polls saw; null with the reason when no poll saw the rung's requests running (a poll
     between two requests sees none: `admitted 0` for a rung whose requests ran was a confident wrong figure)."""
+    if peaks is not None and peaks.get("data_parallel"):
+        # NOTE: each worker's own peak, summed: an upper bound of the front's (the workers peak at different times)
+        return {"admitted": peaks["running_peak"], "queued": peaks["waiting_peak"],
+                "admitted_source": "sum of the workers' high-water marks",
+                "admitted_note": "an upper bound: each worker's peak, at its own moment"}
     if peaks is not None:
         return {"admitted": peaks["running_peak"], "queued": peaks["waiting_peak"],
                 "admitted_source": "high-water mark", "admitted_note": None}

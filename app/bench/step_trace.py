@@ -65,7 +65,9 @@ def describe(row: dict) -> tuple[str, str]:
     tokens, works = row["prefill_tokens"], row["prefill_works"]
     if row.get("layers") is not None:
         first, end = row["layers"]
-        return "layer group", f"layer group [{first}, {end}) of a {tokens}-token chunk{beside}"
+        # the chunk's own tokens (a step may run other prefill works beside the group: prefill_tokens sums them)
+        chunk = row.get("layer_tokens", tokens)
+        return "layer group", f"layer group [{first}, {end}) of a {chunk}-token chunk{beside}"
     if works:
         chunks = f"prefill chunk of {tokens} token{'s' * (tokens != 1)}" if works == 1 else \
             f"{works} prefill chunks of {tokens} tokens"
@@ -79,6 +81,7 @@ def _compact(row: dict, send_wall: float) -> dict:
     out = {"end_ms": round((row["end"] - send_wall) * 1e3, 3), "ms": round(row["seconds"] * 1e3, 3),
            "host_ms": None if host is None else round(host * 1e3, 3), "decode_rows": row["decode_rows"],
            "prefill_tokens": row["prefill_tokens"], "prefill_works": row["prefill_works"], "layers": row.get("layers"),
+           "layer_tokens": row.get("layer_tokens"),
            "expert_misses": row.get("expert_misses")}
     if "worker" in row:
         out["worker"] = row["worker"]
@@ -100,6 +103,15 @@ def attribute(rows: list[dict], *, send_wall: float, first_wall: float,
     step that overlaps the window itself (`largest_step`), and each gap of at least the repeat's gap p90
     (`large_gaps`, in time order) with the steps that ended within it (indices into window_steps) and the longest of
     them named."""
+    if len({row.get("worker") for row in rows}) > 1:
+        # NOTE: a data-parallel front's workers step independently and the record does not know which served a
+        # stream, so a gap cannot be laid on a step: listed, not attributed
+        low, high = min([send_wall, *(a for a, _, _ in gaps)]), max([first_wall, *(b for _, b, _ in gaps)])
+        window = [row for row in rows if row["end"] > low and row["end"] - row["seconds"] < high]
+        return {"window_steps": [_compact(row, send_wall) for row in window],
+                "step_attribution": {"largest_step": None, "gap_p90_ms": None, "large_gaps": [],
+                                     "not_attributed": "steps of several data-parallel workers; which worker "
+                                                       "served each stream is not known"}}
     low = min([send_wall, *(a for a, _, _ in gaps)])
     high = max([first_wall, *(b for _, b, _ in gaps)])
     window = [row for row in rows if row["end"] > low and row["end"] - row["seconds"] < high]

@@ -26,7 +26,7 @@ def test_each_tuned_key_is_listed_with_its_tile_and_whether_it_is_a_w_lhs_tile()
     assert tt.w_lhs_wins(tiles) == (1, 3)
 
 
-def test_the_three_prefill_gemms_are_read_and_nothing_is_tuned_in_the_interpreter():
+def test_every_gemm_with_w_lhs_tiles_is_read_and_nothing_is_tuned_in_the_interpreter():
     tiles = tt.tuned_tiles()
-    assert set(tiles) == {"dense_gemm", "moe_grouped_gate_up", "moe_grouped_down"}
+    assert set(tiles) == {"dense_gemm", "moe_grouped_gate_up", "moe_grouped_down", "dense_gemm_splitk"}
     assert tt.w_lhs_wins(tiles)[0] <= tt.w_lhs_wins(tiles)[1]

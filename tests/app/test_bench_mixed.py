@@ -249,6 +249,14 @@ def test_the_step_attribution_reads_the_server_steps_that_ended_in_each_gap():
     assert step_trace.describe(rows[0]) == ("decode", "decode step of 3 rows")
     assert step_trace.describe(row(1.0, 0.1, decodes=0, tokens=1, works=1)) == ("prefill chunk",
                                                                                   "prefill chunk of 1 token")
+    # a short prompt's chunk beside the group: the label names the chunk's own tokens, not the step's sum
+    beside = {**row(1.0, 0.1, tokens=8192 + 20, works=2, layers=[2, 4]), "layer_tokens": 8192}
+    assert step_trace.describe(beside)[1] == "layer group [2, 4) of a 8192-token chunk beside 3 decodes"
+    # several data-parallel workers' steps: listed, not laid on gaps (which worker served a stream is unknown)
+    mixed_workers = step_trace.attribute([{**r, "worker": i % 2} for i, r in enumerate(rows)], send_wall=100.0,
+                                         first_wall=100.21, gaps=gaps)
+    assert len(mixed_workers["window_steps"]) == 5 and mixed_workers["step_attribution"]["largest_step"] is None
+    assert mixed_workers["step_attribution"]["not_attributed"].startswith("steps of several data-parallel workers")
 
 
 def test_a_server_without_a_step_trace_leaves_the_keys_null():

@@ -207,6 +207,8 @@ def test_a_refused_kv_size_that_is_not_whole_pages_says_it_was_rounded():
 @pytest.mark.parametrize(("n", "text"), [
     (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (38_361_498, "36.6 MiB"), (158_600_884, "151 MiB"),
     (512 * 2**20, "512 MiB"), (int(1.44 * GiB), "1.44 GiB"), (int(15.26 * GiB), "15.3 GiB"), (5 * 2**40, "5.00 TiB"),
+    # rounding decides the unit and the digits: these printed "1024 KiB", "1024 MiB" and "100.0 KiB"
+    (2**20 - 1, "1.00 MiB"), (GiB - 1, "1.00 GiB"), (102_348, "100 KiB"), (10_237, "10.0 KiB"),
 ])
 def test_format_bytes_picks_a_unit_that_fits(n, text):
     assert format_bytes(n) == text

@@ -145,3 +145,17 @@ def test_the_largest_gap_difference_is_found_within_each_stream():
     (row,) = gap_differences(measured, predicted, streams=2)
     assert (row["stream"], row["index"], row["difference_ms"]) == (None, 3, -58.0)
     assert gap_differences(measured, [{**predicted[0], "repeat": 1}], streams=2) == []  # no twin, no row
+
+
+def test_a_gpu_name_maps_to_a_profile_only_by_whole_words_and_the_same_variant():
+    # a substring match took a GH200 for the h200 profile and a 4090 laptop part for the desktop card
+    from simulator.hardware import BUILTIN_PROFILES
+    from simulator.mixed_record import _names_profile
+
+    def profiles(name):
+        return [p for p in BUILTIN_PROFILES if _names_profile(name, p)]
+
+    assert profiles("NVIDIA H200") == ["h200"] and profiles("NVIDIA H200 NVL") == ["h200"]
+    assert profiles("NVIDIA GeForce RTX 4090") == ["rtx4090"]
+    assert profiles("NVIDIA GeForce RTX 4060 Laptop GPU") == ["rtx4060-laptop"]
+    assert profiles("NVIDIA GH200 480GB") == [] and profiles("NVIDIA GeForce RTX 4090 Laptop GPU") == []
