@@ -61,7 +61,7 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
                        F32_DOT: tl.constexpr, PRECISION: tl.constexpr, A8: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_LHS: tl.constexpr):
     # M_BUCKET: only an autotune key (a power of two near M), so a new prompt length does not re-tune
-    # W_LHS: the transposed tile acc_t [BN, BM] with the weight as the dot's left operand (module docstring)
+    # W_LHS: the transposed tile acc [BN, BM] with the weight as the dot's left operand (module docstring)
     tl.static_assert(not (W_LHS and A8), "W_LHS is the bf16/fp16-activation path")
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -75,8 +75,9 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok = m < M
+    # the tile in the arrangement of its dot: [BM, BN], or transposed [BN, BM] under W_LHS
     if W_LHS:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -94,15 +95,11 @@ def _dense_gemm_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, M_BUCKET, s
             a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + kk[None, :],
                         mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
             # W_LHS: block-FP8 scale folded into the tile, no per-step product on the dot's result
-            if W_LHS:
-                acc_t = weight_step(acc_t, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
-                                    x_ptr.dtype.element_ty, F32_DOT, PRECISION, True)  # [BN, BM]
-            else:
-                acc = weight_step(acc, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
-                                  x_ptr.dtype.element_ty, F32_DOT, PRECISION, False)  # [BM, BN]
+            acc = weight_step(acc, a, w_ptr, s_ptr, n, k0, s, N, K, FMT, GROUP, BLOCK_N, BLOCK_K,
+                              x_ptr.dtype.element_ty, F32_DOT, PRECISION, W_LHS)
     if W_LHS:
-        acc_t = row_scale_t(acc_t, s_ptr, g_ptr, n, N, FMT)  # [BN, BM]
-        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + n[:, None], acc_t.to(y_ptr.dtype.element_ty),
+        acc = row_scale_t(acc, s_ptr, g_ptr, n, N, FMT)  # [BN, BM]
+        tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[None, :] & (n < N)[:, None])
     else:
         acc = row_scale(acc, s_ptr, g_ptr, n, N, FMT)
