@@ -254,7 +254,7 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
     w-lhs-step)
       # the decode step with every W_LHS tile in its autotuned space, grouped decode from 64 pairs (bs16), and the
       # control without either in the same call (synthesizes $CKPT if absent: ~40 s)
-      timeout 200 python3 scripts/bench_decode.py --out "$OUT/decode_control" --synth-dir "$CKPT" --reuse \
+      FLUXTIDE_PREFILL_W_LHS=0 timeout 200 python3 scripts/bench_decode.py --out "$OUT/decode_control" --synth-dir "$CKPT" --reuse \
         --batch 1,4,16 --plans resident --warmup 16 --steps 32 --parity-steps 2 --prefill-kernels triton 2>&1 \
         | grep -E "^resident|parity|Error" | cut -c1-300
       export FLUXTIDE_PREFILL_W_LHS=1

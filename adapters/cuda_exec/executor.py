@@ -286,9 +286,9 @@ class CudaGraphExecutor(ExecutorPools):
         log.info("prefill kernels tuned in %.1f s (%d dense GEMM, %d GEMV, %d grouped MoE keys, %d scratch steps"
                  "%s)", self.warmup.seconds, len(plan.gemm), len(plan.gemv), len(plan.grouped), len(plan.forwards),
                  f"; out of memory: {', '.join(self.warmup.skipped)}" if self.warmup.skipped else "")
-        if W_LHS_TUNING:  # NOTE: opt-in until timed on a GPU; the log says where the weight-as-left tiles won
+        if W_LHS_TUNING:  # the log says where the weight-as-left tiles won (FLUXTIDE_PREFILL_W_LHS=0: not tried)
             # NOTE: after the decode graphs' capture, whose split-K keys were tuned before it: both are counted
-            log.info("FLUXTIDE_PREFILL_W_LHS=1: W_LHS tiles chosen for %d of %d tuned GEMM keys (prefill and decode)",
+            log.info("W_LHS tiles chosen for %d of %d tuned GEMM keys (prefill and decode)",
                      *w_lhs_wins(tuned_tiles()))
         if self._on_phase is not None:
             self._on_phase(f"prefill kernels tuned in {self.warmup.seconds:.1f} s")

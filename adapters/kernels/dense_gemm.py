@@ -122,8 +122,8 @@ W_LHS_TILES = ((128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (32, 128, 4, 
 
 
 def tune_configs(w_lhs: bool = W_LHS_TUNING) -> list:
-    """The autotuned configs: TUNE_TILES and FMA_TILES, and the W_LHS_TILES when w_lhs (by default only with
-    FLUXTIDE_PREFILL_W_LHS=1: dequant_tile.W_LHS_TUNING)."""
+    """The autotuned configs: TUNE_TILES and FMA_TILES, and the W_LHS_TILES when w_lhs (by default, unless
+    FLUXTIDE_PREFILL_W_LHS=0: dequant_tile.W_LHS_TUNING)."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K, "GROUP_M": 8, "W_LHS": lhs},
                           num_warps=w, num_stages=st)
             for tiles, lhs in ((TUNE_TILES + FMA_TILES, False), (W_LHS_TILES if w_lhs else (), True))

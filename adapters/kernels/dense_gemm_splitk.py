@@ -16,7 +16,7 @@ dense_gemm is bound by its serial K loop, not by HBM: ~0.8-1.1 us per 128-column
 Split-K GEMMs with a last-arriving fix-up are the standard remedy for skinny GEMMs (CUTLASS's "serial
 split-K" semaphore, stream-K's fix-up).
 
-W_LHS (constexpr; its tiles join the autotuned configs only with FLUXTIDE_PREFILL_W_LHS=1, as dense_gemm's): the
+W_LHS (constexpr; its tiles join the autotuned configs unless FLUXTIDE_PREFILL_W_LHS=0, as dense_gemm's): the
 program computes the transposed tile acc_t [BLOCK_N, 16] = w @ x^T, the converted weight the dot's LEFT operand,
 so on sm_90 the weight rows are the wgmma's M side (64 or 128) and the 16 rows its N: a wgmma with the weight in
 registers instead of an mma.sync whose weight tile goes back through shared memory (what the right-operand tile
@@ -130,8 +130,8 @@ MAX_FMA_BLOCK_N = 32  # fp32 activations ("ieee" dots are FMA loops): 16 x 32 fp
 
 
 def tune_configs(w_lhs: bool = W_LHS_TUNING) -> list:
-    """The autotuned configs: TUNE_TILES x SPLITS, and W_LHS_TILES x SPLITS when w_lhs (by default only with
-    FLUXTIDE_PREFILL_W_LHS=1, as dense_gemm's and the grouped GEMMs' W_LHS tiles)."""
+    """The autotuned configs: TUNE_TILES x SPLITS, and W_LHS_TILES x SPLITS when w_lhs (by default, unless
+    FLUXTIDE_PREFILL_W_LHS=0, as dense_gemm's and the grouped GEMMs' W_LHS tiles)."""
     return [triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "W_LHS": lhs}, num_warps=w, num_stages=st)
             for tiles, lhs in ((TUNE_TILES, False), (W_LHS_TILES if w_lhs else (), True))
             for bn, w, st in tiles for sk in SPLITS]
@@ -208,7 +208,7 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
 
     out: optional [M, N] x.dtype with unit column stride, written in place. block_n / split_k: a fixed tile
     (block_n a power of two 16..128, split_k 1..MAX_SPLIT); None for both: on CUDA the measured best
-    (triton.autotune over TUNE_TILES x SPLITS, and W_LHS_TILES with FLUXTIDE_PREFILL_W_LHS=1), elsewhere 16
+    (triton.autotune over TUNE_TILES x SPLITS, and W_LHS_TILES unless FLUXTIDE_PREFILL_W_LHS=0), elsewhere 16
     columns x 2 splits (1 for K of fewer than 4 steps). w_lhs: a fixed-tile launch in the W_LHS arrangement
     (module docstring; the weight rows are its wgmma M side, so block_n 64 or 128 on a GPU).
     Raises ValueError for float or unknown formats, mismatched shapes, dtypes or devices, too many rows, bad

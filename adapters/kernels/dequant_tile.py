@@ -223,18 +223,20 @@ GROUPED_FMA_TILES = ((16, 4, 3), (32, 4, 3), (16, 8, 3), (32, 8, 3))
 # W_LHS tiles (the weight as the wgmma A operand, module docstring): BLOCK_N is the wgmma M (>= 64), the
 # alignment's BLOCK_M its N (16..128); tensor-core family only (bf16/fp16 activations, not A8: pruned there).
 GROUPED_W_LHS_TILES = ((64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 3))
-# NOTE: the W_LHS tiles join the autotuned configs (here and dense_gemm's) only with FLUXTIDE_PREFILL_W_LHS=1 until a
-# GPU has timed them (session 23 compiled them for sm_90, no device time was left to time them): each one costs
-# ~0.1 s of benchmarking per autotune key at a cold start, and where one wins, block-FP8 weights round as the
-# reference rounds them (module docstring), not exactly. The A/B: scripts/bench_prefill.py with and without it.
+# NOTE: the W_LHS tiles join the autotuned configs (here, dense_gemm's and the split-K GEMM's) by default since session
+# 25 timed them (H100, docs/bench/2026-12-05-h100-prefill-resident-wlhs{0,1}.json): the resident prefill +7.3 % at 4k
+# and +5.4 % at 32k, the captured decode step unchanged within 1 % at bs1/4/16 (-decode-wlhs{0,1}.json); they won 25
+# of the 39 tuned GEMM keys of a served start. FLUXTIDE_PREFILL_W_LHS=0 leaves them out (the A/B's control). Where one
+# wins, block-FP8 weights round as the reference rounds them (module docstring), not as the unfolded tiles do.
 def _w_lhs_tuning(value: str) -> bool:
-    """FLUXTIDE_PREFILL_W_LHS: "0" (or unset) or "1"; anything else is refused, not read as off. ValueError."""
+    """FLUXTIDE_PREFILL_W_LHS: "1" (or unset: the default) or "0"; anything else is refused, not read as either.
+    ValueError."""
     if value not in ("0", "1"):
         raise ValueError(f"FLUXTIDE_PREFILL_W_LHS must be 0 or 1, got {value!r}")
     return value == "1"
 
 
-W_LHS_TUNING = _w_lhs_tuning(os.environ.get("FLUXTIDE_PREFILL_W_LHS", "0"))
+W_LHS_TUNING = _w_lhs_tuning(os.environ.get("FLUXTIDE_PREFILL_W_LHS", "1"))
 GROUPED_BLOCK_K = 128
 # Register budgets per thread (of 255) beyond which ptxas spills, measured for sm_90 with Triton 3.6's ptxas
 # (scripts/compile_probe.py; tests/adapters/test_kernels_moe_grouped.py checks the admitted tiles):
@@ -250,7 +252,7 @@ FOUR_BIT = (5, 6)
 
 def grouped_configs(w_lhs: bool = W_LHS_TUNING) -> list:
     """The grouped GEMMs' autotuned configs: GROUPED_TILES and GROUPED_FMA_TILES, and GROUPED_W_LHS_TILES when
-    w_lhs (by default only with FLUXTIDE_PREFILL_W_LHS=1)."""
+    w_lhs (by default unless FLUXTIDE_PREFILL_W_LHS=0)."""
     return ([triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K, "W_LHS": False}, num_warps=w, num_stages=st)
              for bn, w, st in GROUPED_TILES + GROUPED_FMA_TILES]
             + [triton.Config({"BLOCK_N": bn, "BLOCK_K": GROUPED_BLOCK_K, "W_LHS": True}, num_warps=w, num_stages=st)

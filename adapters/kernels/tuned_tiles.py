@@ -1,7 +1,7 @@
 """Which tile the autotuner chose for each key of the tensor-core GEMMs that have W_LHS tiles (the prefill's
 dense_gemm, moe_grouped_gate_up and moe_grouped_down, and the decode buckets' dense_gemm_splitk), read from the
 autotuners' caches: what a benchmark record and the start-up log say about the choice between the right-operand
-tiles and the W_LHS ones (FLUXTIDE_PREFILL_W_LHS=1, docs/prefill-kernels.md, "Weight as the left operand";
+tiles and the W_LHS ones (on unless FLUXTIDE_PREFILL_W_LHS=0, docs/prefill-kernels.md, "Weight as the left operand";
 docs/fast-decode.md, session 24). Read-only; nothing is tuned here. In Triton's interpreter no key is ever tuned, so
 every list is empty there.
 """

@@ -6,6 +6,8 @@ rounding of the output to bf16; the interpreter truncates instead of rounding, w
 Every check runs in both arrangements (w_lhs: the weight as the dot's left operand, the transposed tile).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -184,14 +186,15 @@ def _pruned(prec, fmt, m_bucket, n, k, a8=False, w_lhs=False):
             if c.kwargs["W_LHS"] == w_lhs]
 
 
-def test_w_lhs_tiles_are_tuned_only_when_asked():
-    """Until a GPU has timed them, the W_LHS tiles join the autotuner only with FLUXTIDE_PREFILL_W_LHS=1
-    (dequant_tile.W_LHS_TUNING): the served configs are the old ones by default."""
+def test_w_lhs_tiles_are_tuned_unless_turned_off():
+    """The W_LHS tiles join the autotuner unless FLUXTIDE_PREFILL_W_LHS=0 (dequant_tile.W_LHS_TUNING; on by default
+    since session 25 timed them); with it off the served configs are the right-operand ones only."""
     from adapters.kernels import dense_gemm as dg
     from adapters.kernels.dequant_tile import W_LHS_TUNING, grouped_configs
     assert not any(c.kwargs["W_LHS"] for c in dg.tune_configs(w_lhs=False) + grouped_configs(w_lhs=False))
     assert sum(c.kwargs["W_LHS"] for c in dg.tune_configs(w_lhs=True)) == len(dg.W_LHS_TILES)
     assert any(c.kwargs["W_LHS"] for c in dg._TUNED.configs) == W_LHS_TUNING
+    assert W_LHS_TUNING == (os.environ.get("FLUXTIDE_PREFILL_W_LHS", "1") == "1")  # unset: on
     from adapters.kernels.dequant_tile import _w_lhs_tuning
     assert (_w_lhs_tuning("0"), _w_lhs_tuning("1")) == (False, True)
     for bad in ("true", "yes", ""):
