@@ -102,7 +102,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--staging-experts", type=_count_or_auto, default=None, metavar="N|auto",
                    help="fast path: expert rows a prefill chunk stages non-resident experts in (double-buffered, "
                         "past the expert cache, which it leaves alone); 0 = prefill through the expert cache; "
-                        "auto (default): sized from the link rate and expert size (66 for Qwen3.6 FP8, 198 MiB), "
+                        "auto (default): sized from the link rate and expert size (130 for Qwen3.6 FP8, 390 MiB), "
                         "0 when every expert is resident")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"))

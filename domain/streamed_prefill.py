@@ -19,11 +19,12 @@ from dataclasses import dataclass
 # The issue's link rate for the PCIe bound (pinned host -> H200, copy engine or the UVA gather kernel:
 # 47-52 GB/s measured, docs/fast-decode.md). Benchmarks pass the rate they measure instead.
 LINK_BYTES_PER_S = 51e9
-# Device time one prefetched round must cover at a layer boundary: the next layer's token mixer and
-# router, during which the copies of that layer cannot yet be masked by its routing. Estimated for a
-# 4k-8k chunk of Qwen3.6 on the H200 (GDN chunk kernels + projections, or flash attention): ~2-4 ms;
-# not yet measured (docs/adr/0010-streamed-prefill.md).
-STAGING_COVER_S = 0.004
+# Device time the two halves in flight must cover at a layer boundary: the next layer's token mixer and
+# router, during which the copies of that layer cannot yet be masked by its routing (a 4k-8k chunk's mixer
+# measured at ~3.6 ms of device time and 6-12 ms of wall time). 8 ms: session 25 measured 132 rows against
+# the 4 ms default's 66 on an H100 at --gpu-budget-gib 24, the streamed 8k prompt 0.455 -> 0.391 s and 32k
+# 2.025 -> 1.631 s (docs/bench/2026-12-05-h100-prefill-24gib-staging{66,132}.json; docs/adr/0010-streamed-prefill.md).
+STAGING_COVER_S = 0.008
 # A chunk with at least this many (token, top-k) pairs per expert of a layer touches practically every
 # expert (uniform routing leaves a fraction exp(-8) = 0.03 % untouched), so every round of a layer is
 # copied before its router has run: no copy ever waits for routing. Shorter chunks copy only the
@@ -83,7 +84,7 @@ def default_staging_experts(expert_bytes: int, experts_per_layer: int,
     """Staging rows when the operator does not choose: enough that the two rounds in flight at a layer
     boundary keep the link busy for `cover_s` (the next layer's mixer and router), i.e.
     ceil(cover_s * link / expert_bytes) rounded up to even, at least 2, at most two whole layers.
-    Qwen3.6 block FP8 (3.0 MiB experts, 256 per layer): 66 rows, 198 MiB.
+    Qwen3.6 block FP8 (3.0 MiB experts, 256 per layer): 130 rows, 390 MiB.
     Raises ValueError on non-positive sizes."""
     if expert_bytes <= 0 or experts_per_layer <= 0 or link_bytes_per_s <= 0 or cover_s < 0:
         raise ValueError(f"bad staging geometry: {expert_bytes} bytes, {experts_per_layer} experts, "

@@ -105,6 +105,8 @@ def _deployment(base: Deployment, record: dict, where: str) -> Deployment:
     return base.replace(gpu_budget_bytes=int(_number(record, "budget.total_bytes", where)), pool_bytes=None,
                         memory_ratio=_number(record, "budget.memory_ratio", where),
                         state_slots=int(_number(record, "pool_plan.state_slots", where)),
+                        # the record's staging rows, not today's default (66 rows before ADR 0010's 8 ms cover)
+                        staging_experts=int(_number(record, "pool_plan.staging_experts", where, positive=False)),
                         cache_type="radix" if prefix else "none", simulate_prefix_cache=True,
                         prefill_kernels="triton" if triton else "reference")
 

@@ -66,7 +66,7 @@ def test_speculation_and_the_pcie_bound():
 def test_default_staging_size_from_the_geometry():
     spec = qwen36_35b_a3b()
     rows = default_staging_experts(spec.expert_bytes(), spec.num_experts)
-    assert rows == 66 and rows * spec.expert_bytes() < 200 * 1024**2  # 198 MiB, not 1.5 GiB
+    assert rows == 130 and rows * spec.expert_bytes() < 400 * 1024**2  # 390 MiB, not 1.5 GiB
     assert default_staging_experts(10, 4) == 8  # tiny experts: two whole layers at most
     assert default_staging_experts(10**12, 4) == 2  # huge ones: at least one per half
     with pytest.raises(ValueError):
@@ -93,9 +93,9 @@ def test_staging_is_claimed_counted_and_refused_by_name():
 def test_automatic_staging_comes_from_the_geometry_unless_every_expert_is_resident():
     auto = PoolRequest(kv_tokens=8192, state_slots=4, staging_experts=None)
     plan = plan_pools(QWEN_FP8, pool_budget(24 * GiB), auto)
-    assert plan.staging_experts == 66 and plan.expert_slots < QWEN_FP8.total_experts
+    assert plan.staging_experts == 130 and plan.expert_slots < QWEN_FP8.total_experts
     without = plan_pools(QWEN_FP8, pool_budget(24 * GiB), dataclasses.replace(auto, staging_experts=0))
-    assert without.expert_slots == plan.expert_slots + 66  # the rows come out of the residency
+    assert without.expert_slots == plan.expert_slots + 130  # the rows come out of the residency
     big = plan_pools(TINY, pool_budget(1 << 40), dataclasses.replace(auto, kv_tokens=64))
     assert big.expert_slots == TINY.total_experts and big.staging_experts == 0  # nothing would stream
     assert plan_pools(TINY, pool_budget(1), auto).pool == "state"  # the bare plan's refusal stands

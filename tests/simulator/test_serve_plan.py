@@ -38,8 +38,10 @@ def _synth_spec(layout: str) -> ModelSpec:
 
 
 def _record_deployment() -> Deployment:
-    # the record predates the activation reserve beside the pools (ADR 0011): that server held none
-    return Deployment(gpu_budget_bytes=cap_bytes(24), state_slots=4, prefill_kernels="triton", max_prefill_length=None)
+    # the record predates the activation reserve beside the pools (ADR 0011): that server held none; and the
+    # 8 ms staging cover (ADR 0010, session 25): its auto staging was the 4 ms cover's 66 rows
+    return Deployment(gpu_budget_bytes=cap_bytes(24), state_slots=4, prefill_kernels="triton", max_prefill_length=None,
+                      staging_experts=66)
 
 
 @pytest.mark.parametrize("kv, where", [(8192, "pool_plan"), (65536, "server_after.stats.plan")])
@@ -70,7 +72,7 @@ def test_the_budget_is_read_as_the_server_reads_it(record):
 def test_predict_from_the_command_line_reports_the_engines_plan(record, capsys):
     argv = ["predict", "--hardware", "h200", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k", "--batch", "1",
             "--gpu-budget-gib", "24", "--prefill-kernels", "triton", "--routing", "uniform", "--workers", "1",
-            "--json"]
+            "--staging-experts", "66", "--json"]
     assert main(argv) == 0
     (point,) = json.loads(capsys.readouterr().out)
     _, spec = resolve_model("qwen3.6-35b-a3b-fp8")
