@@ -7,6 +7,7 @@
 #            fp32 tests tune and compile for minutes: 240 s did not finish test_kernels_moe_grouped.py on 2026-12-01)
 #   tests-launch  the same for the prefill MoE's set lookup and Triton alignment (session 8), their callers and
 #            the FP8-activation GEMMs (session 9, ADR 0018)
+#   tests-w-lhs  the same for the GEMMs with W_LHS tiles (dense, split-K, grouped; on by default since session 25)
 #   kernels  scripts/bench_kernels.py (kernels one by one, GEMV/GEMM crossovers)
 #   decode   scripts/bench_decode.py resident bs1/4/16 with the profile and fp32 parity, twice:
 #            --prefill-kernels reference into $OUT/decode_reference and triton into $OUT/decode_triton. The decode
@@ -68,7 +69,7 @@ CKPT=${CKPT:-/tmp/qwen36-fp8}
 for phase in "$@"; do
   echo "=== $phase"
   case $phase in
-    tests|tests-prefill|tests-grouped|tests-launch|spans)
+    tests|tests-prefill|tests-grouped|tests-launch|tests-w-lhs|spans)
       # NOTE: one pytest per file, appended to one log: a hanging test costs its own 60 s (pytest-timeout
       # fails it with its stack) instead of the phase, and every file's failures and summary reach the log.
       # A file gets at most $file_limit s (SIGINT first, so pytest still prints what ran); files past 480 s of the
@@ -99,6 +100,12 @@ for phase in "$@"; do
                tests/adapters/test_expert_pool_paths.py tests/adapters/test_expert_pool_grouped.py
                tests/adapters/test_expert_shard.py tests/adapters/test_fp8_activations.py
                tests/adapters/test_prefill_warmup.py)
+      elif [[ $phase == tests-w-lhs ]]; then
+        # the W_LHS tiles (on by default since session 25) on the device: every arrangement's tiles against the
+        # reference in bf16 (the folding test the interpreter cannot run) and fp32; the grouped file last (longest)
+        log="$OUT/gpu_pytest_w_lhs.log"; : > "$log"; file_limit=300
+        files=(tests/adapters/test_kernel_dense_gemm.py tests/adapters/test_kernel_dense_gemm_splitk.py
+               tests/adapters/test_kernels_moe_grouped.py)
       elif [[ $phase == spans ]]; then
         # the warm-up's no-compile check first (it failed on 2026-12-02 before the state walk took every span in
         # one launch); test_kernels_prefill.py's real-geometry tests did not finish in 150 s there
