@@ -34,6 +34,10 @@
 #            synthesizes $CKPT meanwhile
 #   splitk-tiles  bench_kernels.py --only splitk-tiles (every fixed split-K tile, split, warps, stages at 4/16/32 rows
 #            against the autotuned launch and the GEMV; ~4 min), then --only crossover (the tuned tiles named)
+#   gdn-walk  bench_kernels.py --only gdn-walk (session 25): the Gated DeltaNet state walk at each launch of
+#            GDN_WALK_CONFIGS (BLOCK_V x warps x chunk-loop stages, today's 16x8x1 first) over one 4k and one 8k
+#            prompt, beside gdn_chunk_wy and gdn_chunk_out, into $OUT/gdn_walk (docs/prefill-kernels.md, "The state
+#            walk's launch configuration"; ~1-2 min)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   w-lhs    the prefill GEMMs with the weight as the wgmma's left operand (session 23): bench_prefill.py resident
 #            4k/32k with FLUXTIDE_PREFILL_W_LHS=0 then 1 into $OUT/prefill_wlhs{0,1} (~8 min on a cold machine)
@@ -152,6 +156,10 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # reach the GEMV's ~3.2 TB/s on the wide projections? Then the crossover again, with the tuned tiles named
       timeout 420 python3 scripts/bench_kernels.py --out "$OUT/splitk_tiles" --only splitk-tiles 2>&1 | tail -14 | cut -c1-300
       timeout 150 python3 scripts/bench_kernels.py --out "$OUT/crossover" --only crossover 2>&1 | tail -2 | cut -c1-300 ;;
+    gdn-walk)
+      # session 25: does pipelining the walk's chunk loop (num_stages), or 32 value columns a program, cut its
+      # ~11 us a chunk step? Each row: walk_us, us_per_chunk_step, speedup_vs_default, max_rel_diff, compiled
+      timeout 280 python3 scripts/bench_kernels.py --out "$OUT/gdn_walk" --only gdn-walk 2>&1 | tail -12 ;;
     splitk-decode)
       # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
       timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \

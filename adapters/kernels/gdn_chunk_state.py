@@ -33,12 +33,18 @@ from adapters.kernels.gdn_chunk_wy import (  # the walk's chunks are the WY form
     load_rows,
 )
 
-# 8 warps and 16 value columns a program: 256 programs (two per H200 SM, whose serial chains interleave),
-# 168 B of ptxas spill a thread for bf16 models (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9,
-# tests/adapters/test_kernels_prefill.py's sm_90 build; 24 B over a span table, with int32 rows). One stage: a serial recurrence leaves the
-# pipeliner nothing to prefetch into.
+# 8 warps and 16 value columns a program: 256 programs at Qwen3.6, 168 B of ptxas spill a thread for bf16 models
+# (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9, tests/adapters/test_kernels_prefill.py's sm_90 build; 24 B
+# over a span table, with int32 rows; 0 B there under Triton 3.6, the device's). At 255 registers a thread an 8-warp
+# program takes a whole SM's register file: one program an SM, so the 256 run in two waves on an H100's or H200's
+# 132 SMs (ptxas' counts, not a profile). One stage: the chunk loop not pipelined. The launcher takes other values
+# (block_v, num_warps, num_stages) for A/B runs: the loads of a chunk (u, w, k, ks, the gates) do not depend on the
+# carried state, so num_stages > 1 lets the pipeliner issue them an iteration or two ahead (docs/prefill-kernels.md,
+# "The state walk's launch configuration").
 LAUNCH = dict(num_warps=8, num_stages=1)
 BLOCK_V = 16
+WARPS = (1, 2, 4, 8, 16)  # the num_warps the launcher accepts
+MAX_STAGES = 4  # the chunk loop's num_stages: 1 (not pipelined) .. MAX_STAGES
 HALF = 64  # key rows per half of the state tile
 MAX_DK = 2 * HALF
 
@@ -95,7 +101,7 @@ def _gdn_chunk_state_kernel(
     stride_we,
     KEY_HEADS: tl.constexpr, VALUE_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_KB: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPANS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPANS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (h, v-block, entry): state tile [Dk, BV] of value head h (halves h1, h2) through all chunks
     of one walk entry. SPANS: the entry is row entry0 + program_id(2) of the walk table (rows begin, end,
@@ -103,7 +109,8 @@ def _gdn_chunk_state_kernel(
     slot 0, hs from chunk 0. SPLIT: Dk > BLOCK_KB (h2 holds key rows BLOCK_KB..Dk-1). ks (gdn_chunk_wy's)
     is each key's l2norm times its decay to the chunk's end, so a [Q, KB] key tile is loaded right before
     its one product and needs no norm over both halves first: one key tile live at a time (fewer
-    registers, less spill on the serial path)."""
+    registers, less spill on the serial path). NUM_STAGES: the chunk loop's software pipelining (1: none; more:
+    the loads that do not depend on h1/h2 are issued that many iterations ahead, at a cost in shared memory)."""
     head = tl.program_id(0)
     vblock = tl.program_id(1)
     if SPANS:
@@ -131,7 +138,7 @@ def _gdn_chunk_state_kernel(
     k_base = mixed_ptr + (KEY_HEADS * DK + key_head * DK) * stride_mc
     u_base = u_ptr + head * stride_uh
     hs_base = hs_ptr + head * stride_hh + c_first * stride_hc  # advanced one chunk per step (64-bit arithmetic)
-    for chunk in range(0, tl.cdiv(t_end - t_begin, CHUNK)):
+    for chunk in tl.range(0, tl.cdiv(t_end - t_begin, CHUNK), num_stages=NUM_STAGES):
         t0 = t_begin + chunk * CHUNK
         t_mask = t0 + offs_i < t_end
         store_state(hs_base, h1, h2, offs_kb, offs_v, stride_hk, stride_hv, DK, DV, BLOCK_KB, SPLIT)
@@ -227,9 +234,21 @@ def tiles(dk: int, dv: int, block_v: int) -> tuple[int, int]:
     return min(HALF, max(16, triton.next_power_of_2(dk))), min(block_v, max(16, triton.next_power_of_2(dv)))
 
 
+def check_launch(num_warps, num_stages) -> tuple[int, int]:
+    """(num_warps, num_stages) of a state walk launch, checked: num_warps one of WARPS, num_stages an int in
+    1 .. MAX_STAGES. Raises ValueError otherwise (bools too: a flag passed by mistake)."""
+    if type(num_warps) is not int or num_warps not in WARPS:
+        raise ValueError(f"num_warps must be one of {WARPS}, got {num_warps!r}")
+    if type(num_stages) is not int or not 1 <= num_stages <= MAX_STAGES:
+        raise ValueError(f"num_stages must be an int in 1..{MAX_STAGES} (1: the chunk loop not pipelined), "
+                         f"got {num_stages!r}")
+    return num_warps, num_stages
+
+
 def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
                     state: torch.Tensor, num_k_heads: int, *, block_v: int = BLOCK_V, precise: bool = True,
-                    states: torch.Tensor | None = None, walk: SpanWalk | None = None) -> torch.Tensor:
+                    states: torch.Tensor | None = None, walk: SpanWalk | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """The chunked delta rule's state walk over one window of a sequence's prefill, or (walk) over pieces
     of several sequences' prefills in one launch.
 
@@ -245,8 +264,14 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
     to its own slot of state, then fp32 [S, Nv, Dk, Dv] (a layer of the state pool); hs holds walk.chunks
     chunks, entry e's from its table column 3 on (see SpanWalk). The entries must use distinct slots and
     disjoint rows; neither is checked on the host (that would sync).
-    T = 0: nothing is touched. Raises ValueError on mismatched shapes, dtypes or devices.
+    num_warps, num_stages: the launch (default LAUNCH's, read at call time): warps a program (one of WARPS) and the
+    software-pipelining stages of the chunk loop (1 .. MAX_STAGES; 1: not pipelined). Any block_v / num_warps /
+    num_stages gives the same values (the same operations per chunk, tiled otherwise across programs).
+    T = 0: nothing is touched. Raises ValueError on mismatched shapes, dtypes or devices, or a launch outside
+    those ranges.
     """
+    num_warps, num_stages = check_launch(LAUNCH["num_warps"] if num_warps is None else num_warps,
+                                         LAUNCH["num_stages"] if num_stages is None else num_stages)
     if walk is not None:
         if state.dim() != 4:
             raise ValueError(f"with a walk, state must be fp32 [S, Nv, Dk, Dv], got {tuple(state.shape)}")
@@ -276,6 +301,7 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
         *mixed.stride(), *w.stride(), *u.stride(), *gc.stride(), *state_arg.stride(), *states.stride(),
         table.stride(0),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
-        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), SPANS=walk is not None, **LAUNCH,
+        SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), SPANS=walk is not None,
+        NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return states

@@ -727,7 +727,7 @@ for precise in (False, True):
     out[f"state_{tag}"] = usage(walk._gdn_chunk_state_kernel, dict(
         mixed_ptr=f32, w_ptr=f32, u_ptr=f32, gc_ptr=f32, ks_ptr=f32, state_ptr=f32, hs_ptr=f32, walk_ptr="*i64"),
         dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=walk.BLOCK_V, DOT_PRECISION=wy.dot_precision(precise),
-             SPANS=True), walk.LAUNCH)
+             SPANS=True, NUM_STAGES=walk.LAUNCH["num_stages"]), walk.LAUNCH)
     out[f"out_{tag}"] = usage(chunk_out._gdn_chunk_out_kernel, dict(
         mixed_ptr=f32, v_ptr=f32, gc_ptr=f32, hs_ptr=f32, out_ptr=f32, starts_ptr="*i64", ends_ptr="*i64"),
         dict(**heads, BLOCK_KB=64, SPLIT=True, BLOCK_V=32, DOT_PRECISION=wy.dot_precision(precise), SPANS=True),
