@@ -108,6 +108,17 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                    help="as `ft serve --prefill-kernels` (default auto: triton for block-FP8 on a card, so the "
                         "prefill streams what is not resident through the staging rows)")
     m.add_argument("--layered-prefill", default="off,on", help="off, on, or off,on (default: both)")
+    m.add_argument("--layer-streamed-chunks", action="store_true",
+                   help="what-if, not the engine's policy (simulator/layering_policy.py; layered prefill on only): "
+                        "beside decodes, layer any prompt chunk whose step would stream experts, however short")
+    m.add_argument("--layer-faulting-chunks", action="store_true",
+                   help="what-if, with --layer-streamed-chunks: also layer the chunks too short to stream (at most 32 "
+                        "rows at top-8), which fault their experts through the expert cache, wherever the plan is not "
+                        "fully resident")
+    m.add_argument("--layer-group-length", type=parse_count,
+                   help="what-if, not the engine's policy (simulator/layering_policy.py; layered prefill on only): "
+                        "the budget, decodes included, that sizes a layer group (default: --mixed-prefill-length, "
+                        "which keeps bounding the chunks that run unlayered)")
     m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
     m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
     m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
@@ -123,7 +134,7 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                    help="uniform (default: the random-weight `ft synth` checkpoint the benchmark serves) | "
                         "locality | trace:FILE")
     m.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/; default as "
-                                         "predict's: h200_records_v6 on the H200, else the newest fluxtide "
+                                         "predict's: h200_records_v6 on the H200 and the H100, else the newest fluxtide "
                                          "calibration of the hardware, else h200_records_v5 carried over")
     m.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     m.add_argument("--json", action="store_true", help="print the JSON instead of the table")
@@ -183,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the first token of one fresh prompt of this many tokens (slower)")
     p.add_argument("--calibration", help="calibration JSON file or name in simulator/calibration/ (e.g. h200_v1, or "
                                          "rtx3090_v2 for the customer's engine; default: h200_records_v6 on the "
-                                         "H200, else the newest fluxtide calibration of the hardware, else "
+                                         "H200 and the H100, else the newest fluxtide calibration of the hardware, else "
                                          "h200_records_v5 carried over)")
     p.add_argument("--seed", type=int, help="routing seed (default: the calibration's)")
     p.add_argument("--workers", type=parse_count, help="processes (default: up to 2)")
@@ -349,9 +360,13 @@ def mixed_command(args) -> int:
                              repeats=args.repeats, warmup_repeats=args.warmup_repeats, same_prompt=args.same_prompt)
     scenario.check_valid()
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
+    from simulator.layering_policy import LayeringPolicy
+
+    policy = LayeringPolicy(layer_streamed=args.layer_streamed_chunks, layer_faulting=args.layer_faulting_chunks,
+                            group_tokens=args.layer_group_length)
     cfg = MixedConfig(spec, model_name, hardware, deployment, calibration.cost_params(), args.kv, label,
                       routing=args.routing, mixed_prefill_length=args.mixed_prefill_length,
-                      page_size=workload.page_size)
+                      page_size=workload.page_size, policy=None if policy.is_today else policy)
     seed = calibration.seed if args.seed is None else args.seed
     results = []
     for mode in modes:

@@ -19,6 +19,8 @@ GB = 1e9
 GIB = 2**30
 MIB = 2**20
 H200_TOTAL_MEMORY = 150_109_880_320  # bytes CUDA reports on the H200 (143,156 MiB; the datasheet says 141 GB)
+H100_TOTAL_MEMORY = 85_017_493_504  # bytes CUDA reports on the H100 SXM (81,079 MiB; the datasheet says 80 GB)
+H100_HOST_RAM = 135_129_063_424  # the lent H100 host's MemTotal (docs/bench/2026-12-05-h100-mixed-*.json)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,18 @@ BUILTIN_PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile("h200", H200_TOTAL_MEMORY, 53.3 * GB, 4.2e12, 989e12, 512 * GIB, 6.8 * GB,
                         source="SPEC.md: 53.3 GB/s measured pinned, 6.8 GB/s pageable, ~4.2 TB/s "
                                "copy measured (4.8 spec); 989 TFLOPS datasheet; memory as CUDA reports it"),
+        # NOTE: the SXM5 card ('NVIDIA H100 80GB HBM3'), the H200's die (GH100, 132 SMs, the same clocks and tensor
+        # throughput) with 80 GB of HBM3 at 3.35 TB/s instead of 141 GB of HBM3e at 4.8. Sources: NVIDIA's H100
+        # datasheet (https://www.nvidia.com/en-us/data-center/h100/: H100 SXM 80 GB, 3.35 TB/s, BF16 1,979 TFLOPS
+        # with sparsity = 989 dense, PCIe Gen5 128 GB/s) and the Hopper whitepaper (NVIDIA H100 Tensor Core GPU
+        # Architecture: SXM5 132 SMs; the PCIe card is another one, 114 SMs and 2.0 TB/s HBM2e, which is why 'pcie'
+        # is a variant word in simulator/mixed_record.py). The link is
+        # measured: 54.5-54.7 GB/s pinned host->device (PCIe 5.0 x16) on the lent host, 2026-12-05
+        # (docs/bench/2026-12-05-h100-*.json `h2d_pinned_gbps`); memory bandwidth is the datasheet's, not a copy
+        # measured as the H200's 4.2 is (nothing on the H100 measured one; the H200's copy reached 87.5 % of spec).
+        HardwareProfile("h100", H100_TOTAL_MEMORY, 54.6 * GB, 3.35e12, 989e12, H100_HOST_RAM,
+                        source="H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s (spec), 989 TFLOPS dense bf16, 132 SMs, "
+                               "PCIe 5.0 x16; 54.6 GB/s pinned H2D measured 2026-12-05; memory as CUDA reports it"),
     )
 }
 

@@ -36,6 +36,7 @@ from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKEN
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import GB, HardwareProfile
 from simulator.host import SimHost
+from simulator.layering_policy import CandidateScheduler, LayeringPolicy
 from simulator.params import StrictParams, require_positive
 from simulator.predict import Deployment, plan_deployment, plan_summary
 from simulator.routing import RoutingModel
@@ -225,6 +226,8 @@ class MixedConfig:
     routing: str = "uniform"
     mixed_prefill_length: int | None = None  # --mixed-prefill-length (None: ft serve's default)
     page_size: int = 16
+    # a what-if layering policy (simulator/layering_policy.py; layered prefill on only); None: the domain's
+    policy: LayeringPolicy | None = None
 
 
 def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenario, layered: bool,
@@ -265,8 +268,21 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
     out["scheduler"] = {"max_step_tokens": config.max_step_tokens, "mixed_step_tokens": config.mixed_step_tokens,
                         "max_running": config.max_running, "layered_prefill": layered,
                         "num_layers": config.num_layers, "prefix_cache": prefix_cache}
-    scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
-                          plan.snapshot_slots if prefix_cache else 0)
+    snapshots = plan.snapshot_slots if prefix_cache else 0
+    if layered and cfg.policy is not None and not cfg.policy.is_today:
+        # NOTE: a step streams (DeviceExpertPool.routed) when the plan leaves experts out, has staging rows, and the
+        # step's rows route more keys than one device lookup takes; with fewer, or no staging, it faults them through
+        # the residency (layer_faulting: any chunk)
+        partial = plan.expert_slots < spec.num_layers * spec.num_experts
+        streams = partial and cfg.cost.streamed_prefill and plan.staging_experts > 0
+        stream_rows = min(plan.expert_slots, cfg.cost.lookup_max_keys) // spec.top_k if streams else None
+        if cfg.policy.layer_faulting and partial:
+            stream_rows = 0
+        scheduler = CandidateScheduler(config, PageAllocator(plan.kv_pages), plan.state_slots, snapshots,
+                                       policy=cfg.policy, stream_rows=stream_rows)
+        out["scheduler"].update(policy=cfg.policy.to_dict(), stream_rows=stream_rows)
+    else:
+        scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots, snapshots)
     cost = CostModel(spec, cfg.hardware, cfg.cost)
     executor = SimExecutor(SimHost(), cost, routing, plan.expert_slots, staging_experts=plan.staging_experts)
     loop = _Loop(executor, scheduler, check)

@@ -98,7 +98,9 @@ def _stream_prompt_tokens(data: dict) -> int:
     return round(fixed + STREAM_PROMPT_UNITS * per_unit)
 
 
-_VARIANTS = {"laptop", "mobile"}  # a card's variant words: a profile matches a name only with the same ones
+# a card's variant words: a profile matches a name only with the same ones. "pcie": 'NVIDIA H100 PCIe' is another
+# card (114 SMs, 2.0 TB/s HBM2e) than the SXM5 one the h100 profile describes ('NVIDIA H100 80GB HBM3')
+_VARIANTS = {"laptop", "mobile", "pcie"}
 
 
 def _tokens(text: str) -> list[str]:

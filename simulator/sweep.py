@@ -28,7 +28,11 @@ OUR_ENGINE = "fluxtide"
 # h200_v2 5 of 13 (max +90.7 %, ladder c16). v5 is v6 without the eager prefill terms, which are the H200's compute
 # ("Prefill compute"); their decode predictions are identical. A card's own `calibrate` output (<card>_v<N>, fitted
 # on fluxtide) takes precedence over the carried-over one; an entry here over both.
-DEFAULT_CALIBRATIONS = {"h200": "h200_records_v6"}
+# The H100 SXM gets v6 itself, carried over (session 25, docs/simulator.md "Held out on an H100"): it is the H200's
+# die (GH100, 132 SMs, the same clocks), so v6's eager prefill terms, which are GH100 compute and host work, hold
+# there; held out on its first records they put the mixed gap p50 within -5.5..+0.6 % and the streamed prefills
+# within -12..+2 %, where v5 was -16..-64 % and -16..-32 %. Its decode terms are v5's, so decode does not move.
+DEFAULT_CALIBRATIONS = {"h200": "h200_records_v6", "h100": "h200_records_v6"}
 CARRIED_OVER_DEFAULT = "h200_records_v5"
 
 BUILTIN_MODELS = {

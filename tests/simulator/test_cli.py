@@ -172,6 +172,8 @@ def test_max_prefill_length_sets_the_simulated_step_budget_too(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("hardware, label", [("h200", "h200_records_v6"),
+                                             # the H200's die: its eager prefill terms carry over (session 25)
+                                             ("h100", "h200_records_v6 (engine overheads carried over)"),
                                              ("rtx3090", "h200_records_v5 (engine overheads carried over)")])
 def test_predict_and_mixed_take_their_default_calibration_by_one_rule(tmp_path, capsys, hardware, label):
     # mixed used to keep its own table (h200_records_v6 on the H200) while predict took h200_v2 there

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from simulator.__main__ import main
+from simulator.hardware import GIB
 from simulator.mixed_record import error_pct, gap_differences, read_record
 
 GAPS = [37.6] + [61.0] * 20 + [95.3]  # one stream's window: the straddling gap, 20 layer groups, the tail step
@@ -159,3 +160,18 @@ def test_a_gpu_name_maps_to_a_profile_only_by_whole_words_and_the_same_variant()
     assert profiles("NVIDIA GeForce RTX 4090") == ["rtx4090"]
     assert profiles("NVIDIA GeForce RTX 4060 Laptop GPU") == ["rtx4060-laptop"]
     assert profiles("NVIDIA GH200 480GB") == [] and profiles("NVIDIA GeForce RTX 4090 Laptop GPU") == []
+    # the SXM5 H100 as CUDA names it; the PCIe card (114 SMs, 2.0 TB/s HBM2e) is a variant the profile is not
+    assert profiles("NVIDIA H100 80GB HBM3") == ["h100"] and profiles("NVIDIA H100") == ["h100"]
+    assert profiles("NVIDIA H100 PCIe") == [] and profiles("NVIDIA H800") == []
+
+
+def test_the_h100_records_replay_on_the_h100_profile_with_the_records_server():
+    # session 25's held-out records (docs/simulator.md, "Held out on an H100"): the card and the pools come from them
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "docs/bench"
+    record = read_record(str(bench / "2026-12-05-h100-mixed-24gib-512-layered.json"))
+    assert record.arguments["hardware"] == "h100" and record.arguments["mixed_prefill_length"] == 512
+    assert record.arguments["prompt_tokens"] == 8196 and record.arguments["stream_tokens"] == 2048
+    resident = read_record(str(bench / "2026-12-05-h100-mixed-resident-1024-layered-wlhs.json"))
+    assert resident.arguments["gpu_budget_gib"] * GIB == 85_017_493_504 and resident.arguments["kv"] == 65536

@@ -10,11 +10,20 @@ from simulator.predict import Deployment, Workload
 
 
 def test_builtin_profiles_carry_the_spec_figures():
-    assert set(BUILTIN_PROFILES) == {"rtx3090", "rtx4090", "rtx5090", "rtx4060-laptop", "h200"}
+    assert set(BUILTIN_PROFILES) == {"rtx3090", "rtx4090", "rtx5090", "rtx4060-laptop", "h200", "h100"}
     assert get_profile("rtx3090").h2d_bytes_per_s == 25.3e9
     assert get_profile("rtx5090").h2d_bytes_per_s == 52.7e9
     assert get_profile("rtx4060-laptop").memory_bytes_per_s == 256e9
     assert get_profile("h200").pageable_h2d_bytes_per_s == 6.8e9
+
+
+def test_the_h100_is_the_h200s_die_with_less_and_slower_memory():
+    # session 25's card: 'NVIDIA H100 80GB HBM3' (SXM5), memory as CUDA reported it, the link as measured on it
+    h100, h200 = get_profile("h100"), get_profile("h200")
+    assert h100.vram_bytes == 85_017_493_504 and h100.h2d_bytes_per_s == 54.6e9
+    assert h100.memory_bytes_per_s == 3.35e12 < h200.memory_bytes_per_s
+    assert h100.bf16_flops == h200.bf16_flops == 989e12  # GH100, 132 SMs, the same clocks
+    assert h100.pageable_h2d_bytes_per_s == 0.0  # not measured
 
 
 @pytest.mark.parametrize("cls", [CostParams, Workload, Deployment])

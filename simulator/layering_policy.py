@@ -1,0 +1,162 @@
+"""What-if layering policies for short prompts beside decodes, in the simulator only (ADR 0024, "Short prompts
+beside decodes"): NOT the engine's policy. `python -m simulator mixed --layer-streamed-chunks
+--layer-group-length N` runs them; with neither, `predict_mixed` runs the domain Scheduler itself.
+
+Today (domain/scheduler.py) a prompt chunk beside decodes is layered only when it is longer than the mixed step
+budget (`mixed_step_tokens` - decodes), and that one budget also sizes each layer group. Two candidates:
+
+- `layer_streamed` ("layer what streams"): beside decodes, also layer a chunk the budget would take whole when the
+  step would stream experts through the staging rows (a plan not fully resident, with staging rows, and more than
+  `stream_rows` rows in the step: DeviceExpertPool.routed's streamed path). Such a step copies every non-resident
+  expert of every layer, however short the chunk (ADR 0011, "What the numbers do not cover").
+- `layer_faulting` (with `layer_streamed`): also layer a chunk too short to stream, whose step looks its experts up
+  through the residency instead (at most `stream_rows` rows: e.g. a 16-token prompt beside 3 decodes faults ~80
+  experts a layer through the LRU in one step), wherever the plan is not fully resident.
+- `group_tokens` ("decoupled group budget"): a layer group gets budget + (group_tokens - mixed_step_tokens) tokens
+  of token x layers instead of the budget, so `mixed_step_tokens` keeps bounding the chunks that run unlayered while
+  the group size is set apart.
+
+`CandidateScheduler` is the domain Scheduler with those two decisions made overridable; `_schedule_prefills` and
+`_admit` are the domain's, line for line, but for the one test that decides whether a chunk is layered
+(`_takes_layers`). NOTE: tests/simulator/test_layering_policy.py checks that with both candidates off it schedules
+exactly as the domain Scheduler does, so a change there that is not made here fails a test instead of drifting.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from domain.ports import SequenceWork
+from domain.request import Request, RequestState
+from domain.scheduler import Scheduler, SchedulerConfig
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LayeringPolicy:
+    """The candidates' knobs; the defaults are today's policy."""
+
+    layer_streamed: bool = False  # layer any chunk beside decodes whose step would stream experts
+    layer_faulting: bool = False  # with layer_streamed: also those that would fault experts through the residency
+    group_tokens: int | None = None  # the budget (decodes included) that sizes a layer group; None: mixed_step_tokens
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_streamed, bool) or not isinstance(self.layer_faulting, bool):
+            raise ValueError("LayeringPolicy.layer_streamed and layer_faulting must be bools")
+        if self.layer_faulting and not self.layer_streamed:
+            raise ValueError("LayeringPolicy.layer_faulting needs layer_streamed")
+        if self.group_tokens is not None and (isinstance(self.group_tokens, bool) or not isinstance(
+                self.group_tokens, int) or self.group_tokens < 1):
+            raise ValueError(f"LayeringPolicy.group_tokens must be an integer >= 1 or None, got {self.group_tokens!r}")
+
+    @property
+    def is_today(self) -> bool:
+        return not self.layer_streamed and self.group_tokens is None
+
+    def to_dict(self) -> dict:
+        return {"layer_streamed": self.layer_streamed, "layer_faulting": self.layer_faulting,
+                "group_tokens": self.group_tokens}
+
+
+class CandidateScheduler(Scheduler):
+    """The domain Scheduler under a LayeringPolicy. stream_rows: `layer_streamed` layers a chunk whose step has more
+    rows than this (min(expert slots, lookup keys) // top-k: the step streams experts through the staging rows; 0
+    with `layer_faulting`: the plan is not fully resident, so any chunk copies experts); None: no step copies experts
+    (every expert resident), so `layer_streamed` changes nothing."""
+
+    def __init__(self, config: SchedulerConfig, allocator, num_state_slots: int, num_snapshot_slots: int = 0, *,
+                 policy: LayeringPolicy = LayeringPolicy(), stream_rows: int | None = None) -> None:
+        if policy.group_tokens is not None and not config.layered_prefill:
+            raise ValueError("a layer group budget needs layered prefill on")
+        if policy.layer_streamed and not config.layered_prefill:
+            raise ValueError("layering streamed chunks needs layered prefill on")
+        super().__init__(config, allocator, num_state_slots, num_snapshot_slots)
+        self.policy, self.stream_rows = policy, stream_rows
+        self._decodes = 0  # decode rows of the step being scheduled
+
+    def _schedule_decodes(self) -> list[SequenceWork]:
+        works = super()._schedule_decodes()
+        self._decodes = len(works)
+        return works
+
+    def _streams(self, chunk: int) -> bool:
+        """Whether a step of this chunk beside this step's decodes streams experts (layer_streamed's test)."""
+        return self.policy.layer_streamed and self.stream_rows is not None and chunk + self._decodes > self.stream_rows
+
+    def _group_budget(self, budget: int) -> int:
+        if self.policy.group_tokens is None:
+            return budget
+        return max(1, budget + self.policy.group_tokens - self.config.mixed_step_tokens)
+
+    def _layered_chunk(self, pending: int, budget: int, with_decodes: bool) -> int:
+        if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget):
+            return 0
+        if not (budget < pending or self._streams(min(pending, budget))):
+            return 0
+        return min(pending, self.config.max_step_tokens, budget * self.config.num_layers)
+
+    def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
+        """Today: the chunk is longer than the budget. layer_streamed: also a layered chunk whose step streams."""
+        return chunk > budget or (layered_chunk > 0 and self._streams(chunk))
+
+    def _group(self, request: Request, budget: int, with_decodes: bool) -> SequenceWork:
+        return super()._group(request, self._group_budget(budget), with_decodes)
+
+    # ---- the domain's, but for _takes_layers ------------------------------------------------------------
+    def _schedule_prefills(self, budget: int, with_decodes: bool) -> tuple[list[SequenceWork], bool]:
+        works, starved = [], False
+        for request in self._running:
+            if budget <= 0:
+                break
+            if request.state is not RequestState.PREFILLING or request is self._layered:
+                continue
+            layered = self._layered_chunk(request.num_pending_tokens, budget, with_decodes)
+            wanted = layered or min(request.num_pending_tokens, budget)
+            coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
+            chunk = min(wanted, coverable - request.num_computed_tokens)
+            starved |= chunk < min(request.num_pending_tokens, budget)
+            if chunk <= 0:
+                continue
+            self._grow_to(request, request.num_computed_tokens + chunk)
+            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
+                else self._work(request, chunk)
+            works.append(work)
+            budget -= self._charge(work)
+        return works, starved
+
+    def _admit(self, budget: int, with_decodes: bool = False) -> list[SequenceWork]:
+        if not self._waiting:
+            return []
+        works = []
+        headroom = sum(1 for r in self._running if r.state is RequestState.DECODING)
+        while self._waiting and budget > 0 and self.can_admit_more():
+            request = self._waiting[0]
+            match = self.prefix.match(request)
+            start = match.num_tokens if match is not None else 0
+            room = self.prefix.available_pages() - self.prefix.pages_locked_by(match) - headroom
+            chunk = layered = 0
+            for i, wanted in enumerate((self._layered_chunk(request.num_tokens - start, budget, with_decodes),
+                                        min(request.num_tokens - start, budget))):
+                need = _ceil_div(start + wanted, self.config.page_size) - (len(match.pages) if match else 0)
+                if wanted and need <= room:
+                    chunk, layered = wanted, wanted if i == 0 else 0  # layered: the layered chunk was taken
+                    break
+            if not chunk:
+                break
+            self._waiting.popleft()
+            self.prefix.attach(request, match)
+            if not request.output_token_ids and not request.num_preemptions:
+                request.num_cached_tokens = start
+            request.state_slot = heapq.heappop(self._free_slots)
+            request.transition(RequestState.PREFILLING)
+            self._running.append(request)
+            self._grow_to(request, start + chunk)
+            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
+                else self._work(request, chunk)
+            works.append(work)
+            budget -= self._charge(work)
+        return works
