@@ -215,8 +215,12 @@ def _serve(args, parser) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # NOTE: a failed load ends the process (exit 1), as vLLM and SGLang do: what fails it (pools that do not fit, a
+    # damaged checkpoint, a device that cannot run it) fails the same way on every try, nothing reloads a model, and a
+    # process left answering 503 looked hung to an operator and alive to a supervisor. The reason is on stderr
+    # ("load failed: ..."), naming what to change.
     while not stop.wait(0.5):
-        if not server.http.thread.is_alive():
+        if not server.http.thread.is_alive() or server.runtime.status == "error":
             break
     stopping = time.monotonic()
     server.stop()

@@ -203,10 +203,34 @@ def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, 
         if budget.fixed_bytes >= reserve:
             bare = plan_serve_pools(spec, replace(budget, fixed_bytes=budget.fixed_bytes - reserve), pools, planner)
             planned = blame_step(planned, getattr(bare, "plan", bare), _step_tokens(settings, spec), reserve)
-        raise ValueError(f"the pools do not fit: {planned.message}")
+        raise ValueError(f"the pools do not fit: {planned.message}; {_refusal_fix(planned.pool, settings, device)}")
     for note in planned.notes:
         log.warning("%s", note)
     return planned.plan
+
+
+# The `ft serve` option that sizes each pool a start-up refusal can name (PlanRefusal.pool).
+_POOL_OPTIONS = {"kv": "--kv-tokens", "moe": "--moe-slots", "state": "--max-running-requests",
+                 "snapshot": "--snapshot-slots", "staging": "--staging-experts", "activation": "--max-prefill-length"}
+
+
+def _refusal_fix(pool: str, settings: ServeSettings, device: str) -> str:
+    """What to change when the start-up plan is refused: the options that size the pools (the one that tipped it
+    first), then the memory budget's own, which differ on a GPU and on the CPU (where --gpu-budget-gib IS the
+    budget). NOTE: a refusal is deterministic, the same flags fail the same way: `ft serve` exits on it."""
+    first = _POOL_OPTIONS.get(pool)
+    sizes = ["--kv-tokens", "--moe-slots"]
+    if first and first not in sizes:
+        sizes.insert(0, first)
+    elif first:
+        sizes.remove(first)
+        sizes.insert(0, first)
+    if device.startswith("cuda"):
+        budget = "raise the budget with --gpu-budget-gib (at most the card's memory) or --memory-ratio"
+    else:
+        now = settings.gpu_budget_gib if settings.gpu_budget_gib else CPU_DEFAULT_BUDGET_GIB
+        budget = f"raise the CPU budget with --gpu-budget-gib (now {now:g} GiB)"
+    return f"lower {' or '.join(sizes)} (or leave them unset: sized from the budget), or {budget}"
 
 
 def _eos_ids(tokenizer: Tokenizer, generation_config: dict) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import httpx
@@ -40,6 +41,30 @@ def _seconds(low: float, high: float, low_open: bool = False):
         return value
 
     return parse
+
+
+EXAMPLE = "http://localhost:1919"
+
+
+def base_url_problem(text: str) -> str | None:
+    """The --base-url `ft ctl` and `ft bench` take (or FT_BASE_URL), checked before any request, so a URL that could
+    never work is an argument error (exit 2) naming it, not a connection failure (exit 1) after the run started.
+    Why ``text`` is no http(s) URL with a host (None when it is one). A bare ``HOST:PORT`` gets the URL it
+    most likely meant: httpx read "localhost:1919" as the scheme "localhost" ("unsupported protocol 'localhost://'")."""
+    raw = str(text).strip()
+    bare = re.fullmatch(r"[A-Za-z0-9.\-]+(:\d+)?(/\S*)?", raw) and not raw.lower().startswith("http")
+    guess = f"http://{raw}" if bare else EXAMPLE
+    try:
+        url = httpx.URL(raw)
+    except (httpx.InvalidURL, TypeError) as exc:
+        return f"not a URL: {raw!r} ({exc}); expected http://HOST:PORT, e.g. {guess}"
+    if "://" not in raw:
+        return f"{raw!r} has no http:// or https:// scheme; did you mean {guess}?"
+    if url.scheme not in ("http", "https"):
+        return f"{raw!r}: the scheme must be http or https, not {url.scheme!r}; e.g. {EXAMPLE}"
+    if not url.host:
+        return f"{raw!r} names no host; expected http://HOST:PORT, e.g. {EXAMPLE}"
+    return None
 
 
 def _add_connection_options(p: argparse.ArgumentParser, defaults: bool) -> None:
@@ -126,6 +151,9 @@ def _flatten(prefix: str, value) -> dict:
 
 def run_ctl(args) -> int:
     console = _Console()
+    if (problem := base_url_problem(args.base_url)) is not None:  # NOTE: before any request: an argument error
+        print(f"ft ctl: error: --base-url (or FT_BASE_URL): {problem}", file=sys.stderr)
+        return 2
     try:
         with _client(args) as client:
             return _dispatch(args, client, console)

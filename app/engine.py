@@ -172,15 +172,18 @@ class Engine:
                                 state_slots=state_slots)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-               stop: Sequence[str] = (), thinking: ThinkingPlan | None = None) -> asyncio.Queue:
+               stop: Sequence[str] = (), thinking: ThinkingPlan | None = None,
+               relabel_stop: bool = False) -> asyncio.Queue:
         """Queue a request; its StreamEvents arrive on the returned queue (last one has finish_reason).
-        ``thinking``: count the output's reasoning tokens and enforce its budget (app.reasoning)."""
+        ``thinking``: count the output's reasoning tokens and enforce its budget (app.reasoning).
+        ``relabel_stop``: the caller parses tool calls, so a "stop" may be "tool_calls" to its client; such a last
+        event carries a tally the caller settles with the reason it gave (StreamEvent.settle, ft_requests_total)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
                           arrival_time=self._clock())
         reason = self.scheduler.check_request(request)
         if reason is not None:
             raise RequestRejected(reason)
-        live = LiveStream.start(request, self.tokenizer, stop, thinking)
+        live = LiveStream.start(request, self.tokenizer, stop, thinking, relabel_stop)
         self._command(("submit", live))
         return live.events
 
@@ -366,9 +369,8 @@ class Engine:
         self._publisher.reset_expert_counters()
         if kept:
             return f"prefix cache kept ({self.scheduler.num_cached_pages} cached pages)"
-        note = f"prefix cache cleared ({dropped} cached pages dropped: the KV or snapshot pool was rebuilt)"
-        log.info("%s", note)
-        return note
+        # NOTE: logged within the resize's own line (app.resize_coordinator), not on a line of its own
+        return f"prefix cache cleared ({dropped} cached pages dropped: the KV or snapshot pool was rebuilt)"
 
     def _report_error(self, message: str) -> None:
         self.last_error = message

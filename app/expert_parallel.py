@@ -64,7 +64,7 @@ def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentPar
         signal.signal(sig, lambda *_: stop.set())
     failed = False
     while not stop.wait(0.5):
-        if not server.http.thread.is_alive():
+        if not server.http.thread.is_alive() or server.runtime.status == "error":  # NOTE: a failed load exits, as ft serve
             break
         dead = [f for f in followers if f.poll() is not None]
         if dead:  # NOTE: rank 0 cannot step without every rank: stop serving rather than hang in a collective
@@ -78,6 +78,8 @@ def serve_expert_parallel(args: argparse.Namespace, parser: argparse.ArgumentPar
     if engine is not None and not failed:
         engine.executor.stop()  # the followers' follow() returns
     for f in followers:
+        if server.runtime.status == "error" and f.poll() is None:
+            f.terminate()  # NOTE: rank 0 never loaded: nothing will tell a rank waiting for it to stop
         try:
             f.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
+from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, format_bytes, plan_pools
 from domain.model_spec import ModelSpec
 from domain.ports import ModelExecutor
 from domain.resize import ResizePlan, plan_resize, unusable_size
@@ -87,6 +87,20 @@ def plan_live_resize(
     kv_tokens, expert_slots = filled
     return plan_resize(spec, budget, current, kv_tokens=kv_tokens, expert_slots=expert_slots,
                        state_slots=state_slots)
+
+
+_SIZES = (("KV tokens", "kv_tokens"), ("expert slots", "expert_slots"), ("state slots", "state_slots"),
+          ("snapshot slots", "snapshot_slots"), ("staging experts", "staging_experts"))
+
+
+def pool_sizes(plan: PoolPlan) -> str:
+    return ", ".join(f"{name} {getattr(plan, field)}" for name, field in _SIZES) + f", {format_bytes(plan.used_bytes)}"
+
+
+def pool_changes(before: PoolPlan, after: PoolPlan) -> str:
+    """Every pool's size before -> after, and the bytes the pools hold ("KV tokens 16384 -> 2048, ...")."""
+    sizes = [f"{name} {getattr(before, field)} -> {getattr(after, field)}" for name, field in _SIZES]
+    return ", ".join(sizes) + f", {format_bytes(before.used_bytes)} -> {format_bytes(after.used_bytes)}"
 
 
 class ResizeCoordinator:
@@ -170,6 +184,8 @@ class ResizeCoordinator:
             if now < pending.deadline:
                 return
             busy = self._scheduler.num_running + self._scheduler.num_waiting
+            log.warning("resize not applied: %d in-flight request(s) did not finish within the %.1f s wait; "
+                        "old pools kept (%s)", busy, now - pending.started, pool_sizes(pending.plan.current))
             self._end(
                 ResizeOutcome(
                     ok=False,
@@ -209,7 +225,13 @@ class ResizeCoordinator:
             self._fail(pending, f"pools rebuilt but the engine cannot serve on them: {problem}")
             return
         message = "pools rebuilt" + (f"; {note}" if note else "")
-        self._end(ResizeOutcome(True, message, pending.plan, waited_s=self._clock() - pending.started))
+        done = self._clock()
+        # NOTE: the one line a live resize leaves in the log (the rebuild route's answer has the rest)
+        log.info("pools resized: %s; waited %.3f s for in-flight requests, swapped in %.3f s; %s%s",
+                 pool_changes(pending.plan.current, target), now - pending.started, done - now,
+                 "expert slots kept warm" if pending.plan.experts_kept else "expert slots start cold",
+                 f"; {note}" if note else "")
+        self._end(ResizeOutcome(True, message, pending.plan, waited_s=done - pending.started))
 
     def _fail(self, pending: _PendingResize, message: str) -> None:
         """The engine cannot serve after this resize: phase "error", held submissions get the error."""

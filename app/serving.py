@@ -28,7 +28,8 @@ def say(line: str) -> None:
 
 
 def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> None:
-    """Load model, plan pools, start the engine thread; errors end up on /health, not in a crash."""
+    """Load model, plan pools, start the engine thread; errors end up on /health and stderr, not in a crash (the
+    HTTP server stays up; `ft serve` exits 1 once it sees the failure)."""
     started = time.monotonic()
 
     def progress(phase: str, bytes_done: int | None = None, bytes_total: int | None = None) -> None:
@@ -68,16 +69,17 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         runtime.set_ready(engine, container.model_info())
         if echo:  # NOTE: set_ready already moved the phase to "ready", so progress() would not echo it
             say(f"[{time.monotonic() - started:6.2f}s] ready: serving {runtime.model.served_name}")
-    except Exception as exc:  # NOTE: surfaced on /health and stderr; the HTTP server stays up
+    except Exception as exc:  # NOTE: surfaced on /health and stderr; `ft serve` then exits 1 (app.cli._serve)
         if isinstance(exc, (ValueError, OSError)):
             # the checkpoint's or the flags' fault (a damaged file, a plan that does not fit), named by the message;
             # the traceback through the loader helps nobody but a developer (--log-level debug)
             log.error("model load failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         else:
             log.exception("model load failed")
-        runtime.set_error(f"{type(exc).__name__}: {exc}")
-        if echo:
-            say(f"load failed: {runtime.error}")
+        error = f"{type(exc).__name__}: {exc}"
+        if echo:  # NOTE: before set_error, which lets `ft serve` stop: the reason is out before "stopped: ..."
+            say(f"load failed: {error}")
+        runtime.set_error(error)
 
 
 def stopped_line(runtime: Runtime, shutdown_s: float) -> str:

@@ -30,6 +30,30 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+class FinishTally:
+    """One finished request's count on ``ft_requests_total``, left to the handler that knows its real finish reason.
+    A "stop" whose text may hold tool calls is "tool_calls" to its client, which only the handler's parser can tell
+    (it reads the text after the engine thread has let the request go): the handler settles it with that reason. One
+    never settled (the client left before reading its last event, the formatting failed, the server is stopping) is
+    counted under the engine's own reason when the last event is dropped, so every finished request is counted
+    exactly once and a counter never goes back (a relabel after the fact would have taken one off "stop")."""
+
+    __slots__ = ("_stats", "_default", "_settled")
+
+    def __init__(self, stats: ServingStats, default: str) -> None:
+        self._stats = stats
+        self._default = default
+        self._settled = False
+
+    def settle(self, reason: str) -> None:
+        if not self._settled:
+            self._settled = True
+            self._stats.record_finished(reason)
+
+    def __del__(self) -> None:
+        self.settle(self._default)
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """What a handler receives: text released since the last event, and the finish when done."""
@@ -45,6 +69,13 @@ class StreamEvent:
     stop_string: str | None = None  # on the last event: the stop string that ended the text, if one did
     reasoning_tokens: int = 0  # generated tokens inside the reasoning so far (final on the last event)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once the request started)
+    tally: FinishTally | None = None  # on a last event whose count the handler settles (see settle)
+
+    def settle(self, reason: str | None) -> None:
+        """The handler's finish reason for this last event (a "stop" may be "tool_calls"): what ft_requests_total
+        counts it under. A no-op on any other event, whose finish the engine thread has counted itself."""
+        if self.tally is not None and reason is not None:
+            self.tally.settle(reason)
 
 
 @dataclass
@@ -66,6 +97,8 @@ class LiveStream:
     textless: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not out yet
     pending_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # (text end, logprob)
     reasoning: ReasoningTokens | None = None  # set when the output's reasoning is split (and maybe bounded)
+    # NOTE: its handler parses tool calls: a "stop" is counted by the handler, which knows whether it was one
+    relabel_stop: bool = False
 
     def add_token_text(self, logprob: TokenLogprob | None, text: str) -> None:
         """Record a token's logprob and the detokenized text its push produced (may be "": a
@@ -103,7 +136,7 @@ class LiveStream:
 
     @classmethod
     def start(cls, request: Request, tokenizer: Tokenizer, stop: Sequence[str],
-              thinking: ThinkingPlan | None = None) -> LiveStream:
+              thinking: ThinkingPlan | None = None, relabel_stop: bool = False) -> LiveStream:
         """Call inside the handler's event loop: the stream's events are delivered to that loop."""
         return cls(
             request=request,
@@ -113,10 +146,12 @@ class LiveStream:
             matcher=StopStringMatcher(stop),
             arrival=request.arrival_time,
             reasoning=ReasoningTokens(thinking) if thinking is not None else None,
+            relabel_stop=relabel_stop,
         )
 
 
-def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> StreamEvent:
+def progress_event(live: LiveStream, text: str, finish_reason: str | None,
+                   tally: FinishTally | None = None) -> StreamEvent:
     """The next event of a stream with the logprobs of the tokens whose text it completes (all
     that are left on the last event)."""
     logprobs = live.take_logprobs(text, everything=finish_reason is not None)
@@ -130,6 +165,7 @@ def progress_event(live: LiveStream, text: str, finish_reason: str | None) -> St
         stop_string=live.matcher.matched if finish_reason == "stop" else None,
         reasoning_tokens=live.reasoning.count if live.reasoning is not None else 0,
         cached_tokens=live.request.num_cached_tokens,
+        tally=tally,
     )
 
 
@@ -199,8 +235,7 @@ class RequestStreams:
             self.live.pop(event.request_id, None)
             if live.reasoning is not None:
                 live.reasoning.finish()
-            self._stats.record_finished("stop")
-            self.emit(live, progress_event(live, text, "stop"))
+            self.emit(live, progress_event(live, text, "stop", self._count_finish(live, "stop")))
             return
         if event.finished:
             self.live.pop(event.request_id, None)
@@ -213,13 +248,21 @@ class RequestStreams:
                 text += live.matcher.flush()
             # NOTE: after the flush: the held-back bytes (U+FFFD) can complete a stop string
             reason = "stop" if live.matcher.stopped else (event.finish_reason or "stop")
-            self._stats.record_finished(reason)
-            self.emit(live, progress_event(live, text, reason))
+            self.emit(live, progress_event(live, text, reason, self._count_finish(live, reason)))
             return
         self._force_if_over_budget(live)
         # NOTE: text held back by the stop-string matcher keeps its tokens' logprobs back with it.
         if text or live.has_ready_logprobs():
             self.emit(live, progress_event(live, text, None))
+
+    def _count_finish(self, live: LiveStream, reason: str) -> FinishTally | None:
+        """Count a request that finished normally on ft_requests_total, or hand its count to the handler (a tally on
+        its last event) when the handler may call it something else: a "stop" of a stream whose tool calls it
+        parses. Only "stop" can change ("tool_calls"); a length cut stays "length" whatever the text holds."""
+        if reason == "stop" and live.relabel_stop:
+            return FinishTally(self._stats, reason)
+        self._stats.record_finished(reason)
+        return None
 
     def _force_if_over_budget(self, live: LiveStream) -> None:
         """The thinking budget is spent and the reasoning still open: the next tokens are its close."""

@@ -82,20 +82,31 @@ def reset_peaks(request: Request) -> dict:
     return _engine(request).stats.reset_peaks()
 
 
-def check_since(since: float | None) -> float | None:
-    """/v1/stats/steps' `since` (epoch seconds): a 400 naming it unless finite (nan would select nothing, silently)."""
-    if since is not None and not math.isfinite(since):
-        raise bad_value("since", f"since must be a finite number of seconds since the epoch, got {since}")
-    return since
+def check_since(since: str | float | None) -> float | None:
+    """/v1/stats/steps' `since` (epoch seconds) as a number: a 400 `invalid_value` naming it unless it is a finite
+    number (nan would select nothing, silently). NOTE: the route takes it as text and parses it here: typed as a
+    float, a non-number ("abc") was refused by the framework's validation before this ran, with a generic
+    "Validation failed" and no code or param, unlike "inf"."""
+    if since is None:
+        return None
+    try:
+        value = float(since)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise bad_value("since", f"since must be a finite number of seconds since the epoch, got {since!r}")
+    return value
 
 
-SINCE = Parameter(description="only the steps that ended after this time (epoch seconds, the server's wall clock)")
+# NOTE: documented as a number (what it is); the handlers take the text and check_since parses it
+SINCE = Parameter(description="only the steps that ended after this time (epoch seconds, the server's wall clock)",
+                  schema_extra={"oneOf": [{"type": "number"}, {"type": "null"}]})
 
 
 # NOTE: in a worker thread: a full window is thousands of rows (~15 ms to build and encode at 4 ms steps), which on
 # the event loop would stall every stream's token delivery; the bench passes `since` and reads a few
 @get_or_head("/v1/stats/steps", sync_to_thread=True)
-def stats_steps(request: Request, since: Annotated[float | None, SINCE] = None) -> dict:
+def stats_steps(request: Request, since: Annotated[str | None, SINCE] = None) -> dict:
     """The step trace: each step of the /v1/stats window (its last `window_s` seconds), oldest first, or those that
     ended after `since` (epoch seconds): when its model call returned on the server's wall clock (`clock` "unix"),
     the call's and the host's seconds before it, decode rows, prefill tokens and works, the layer group of a layered

@@ -18,6 +18,7 @@ from app.api.errors import OpenAIError, bad_value, unsupported
 from app.engine import Engine
 from app.reasoning import FORCED_CLOSE, REASONING_PARSERS, ThinkingPlan, ThinkParser, prompt_opens_reasoning
 from app.runtime import Runtime
+from app.streams import StreamEvent
 from app.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
 from domain.ports import ChatTemplateError, Tokenizer
 
@@ -278,8 +279,20 @@ class OutputParser:
         calls = self._tools.calls if self._tools else []
         return calls[:1] if self._single_call else calls
 
+    @property
+    def parses_tools(self) -> bool:
+        """Whether a "stop" may become "tool_calls" (the engine then leaves its count to the handler)."""
+        return self._tools is not None
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return "tool_calls" if self.tool_calls and engine_reason == "stop" else engine_reason
+
+    def settle(self, last: StreamEvent) -> str | None:
+        """The finish reason of the request whose last event this is, after the parser has read all of its text;
+        ft_requests_total counts the request under it (StreamEvent.settle)."""
+        reason = self.finish_reason(last.finish_reason)
+        last.settle(reason)
+        return reason
 
     def _step(self, reasoning: str, content: str, final: bool) -> list[Piece]:
         out, self._pending = self._pending, []

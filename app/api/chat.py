@@ -193,7 +193,7 @@ async def chat_completions(request: Request) -> Response | Stream:
         max_tokens_param=max_tokens_param,
     )
     request_id = engine.new_request_id("chatcmpl")
-    events = submit(engine, request_id, prompt_ids, sampling, stop, prompt.thinking)
+    events = submit(engine, request_id, prompt_ids, sampling, stop, prompt.thinking, prompt.parser.parses_tools)
     created = int(time.time())
     model = runtime.model.served_name
     if body.stream:
@@ -231,7 +231,7 @@ async def chat_completions(request: Request) -> Response | Stream:
                     "logprobs": {"content": [c for d in content_logprobs for c in d["content"]]}
                     if body.logprobs
                     else None,
-                    "finish_reason": parser.finish_reason(last.finish_reason),
+                    "finish_reason": parser.settle(last),
                 }
             ],
             "usage": usage(last),
@@ -263,7 +263,7 @@ async def _sse(engine: Engine, request_id: str, events, created: int, model: str
         if delta or event.logprobs:
             yield chunk(delta or {"content": ""}, logprobs=_logprobs(engine, event))
         if event.finish_reason is not None:
-            yield chunk({}, finish_reason=parser.finish_reason(event.finish_reason))
+            yield chunk({}, finish_reason=parser.settle(event))
             if include_usage:
                 yield b"data: " + msgspec.json.encode(
                     {

@@ -164,10 +164,12 @@ def build_sampling(
 
 def submit(
     engine: Engine, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stop: tuple[str, ...],
-    thinking: ThinkingPlan | None = None,
+    thinking: ThinkingPlan | None = None, relabel_stop: bool = False,
 ) -> asyncio.Queue:
+    """``relabel_stop``: the handler parses tool calls and settles the last event's count with the finish reason
+    it gives (StreamEvent.settle)."""
     try:
-        return engine.submit(request_id, prompt_ids, sampling, stop, thinking)
+        return engine.submit(request_id, prompt_ids, sampling, stop, thinking, relabel_stop)
     except RequestRejected as exc:
         raise OpenAIError(400, f"request can not be served: {exc}", code="request_too_large") from None
 

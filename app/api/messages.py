@@ -269,7 +269,7 @@ async def messages(request: Request) -> Response | Stream:
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_tokens,
                               prompt_param="messages")
     message_id = engine.new_request_id("msg")
-    events = submit(engine, message_id, prompt.ids, sampling, stop, prompt.thinking)
+    events = submit(engine, message_id, prompt.ids, sampling, stop, prompt.thinking, prompt.parser.parses_tools)
     model = runtime.model.served_name
     if body.stream:
         stream = _sse(engine, message_id, events, model, prompt.parser, len(prompt.ids))
@@ -309,7 +309,9 @@ def _add(blocks: list[dict], piece) -> None:
 
 
 def _stop_reason(parser: OutputParser, last) -> str | None:
-    reason = parser.finish_reason(last.finish_reason)
+    """Anthropic's stop_reason for the last event; called once per answer, after the parser read all its text, so
+    it also settles the request's count on ft_requests_total (OutputParser.settle)."""
+    reason = parser.settle(last)
     if reason == "tool_calls":
         return "tool_use"
     if reason == "length":

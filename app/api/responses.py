@@ -283,7 +283,7 @@ async def responses(request: Request) -> Response | Stream:
     sampling = build_sampling(runtime, body, prompt_len=len(prompt.ids), max_tokens=body.max_output_tokens,
                               prompt_param="input", max_tokens_param="max_output_tokens")
     response_id = engine.new_request_id("resp")
-    events = submit(engine, response_id, prompt.ids, sampling, (), prompt.thinking)
+    events = submit(engine, response_id, prompt.ids, sampling, (), prompt.thinking, prompt.parser.parses_tools)
     shell = {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": body.instructions,
@@ -305,6 +305,7 @@ async def responses(request: Request) -> Response | Stream:
     for piece in [p for e in collected for p in prompt.parser.feed(e.text)] + prompt.parser.finish():
         items.add(piece)
     items.close()
+    prompt.parser.settle(collected[-1])  # ft_requests_total: a function call is "tool_calls", as in Chat Completions
     return Response(content=_finished(shell, items.output, collected[-1]))
 
 
@@ -343,6 +344,7 @@ async def _sse(engine: Engine, response_id: str, events, parser: OutputParser, s
             for frame in items.add(piece):
                 yield _frame(frame)
         if event.finish_reason is not None:
+            parser.settle(event)
             for frame in items.close():
                 yield _frame(frame)
             final = _finished(shell, items.output, event)

@@ -13,14 +13,13 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
-
 from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke, sweep, target, view
 from app.bench.context import Ctx
 from app.bench.plot import missing as plot_missing
 from app.bench.plot import plot
 from app.bench.record import Record, default_out
 from app.bench.target import BenchError
+from app.ctl import base_url_problem
 from app.units import parse_count
 
 
@@ -59,14 +58,10 @@ def _non_negative(text: str) -> int:
 
 
 def _url(text: str) -> str:
-    """An http(s) URL with a host: a malformed one was an httpx.InvalidURL traceback, one without a scheme a
-    'cannot reach' failure after the run had started."""
-    try:
-        url = httpx.URL(text)
-    except (httpx.InvalidURL, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise argparse.ArgumentTypeError(f"expected http://HOST:PORT or https://..., got {text!r}")
+    """An http(s) URL with a host (app.ctl.base_url_problem): a malformed one was an httpx.InvalidURL traceback, one without a
+    scheme a 'cannot reach' failure after the run had started."""
+    if (problem := base_url_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
@@ -231,6 +226,9 @@ def run_bench(args) -> int:
         print(f"ft bench: error: {why}", file=sys.stderr)
         return 2
     urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
+    if not args.base_url and (problem := base_url_problem(urls[0])) is not None:  # NOTE: --base-url is checked by argparse
+        print(f"ft bench: error: FT_BASE_URL: {problem}", file=sys.stderr)
+        return 2
     out = args.out or default_out(kind)
     if kind == "cold-start":
         args.base_url = urls[0]

@@ -144,7 +144,8 @@ async def _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, me
     async with httpx.AsyncClient(base_url=reader.url, timeout=30) as client:
         while marks["health_ok"] is None:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"ft serve exited or timed out before /health was ok (exit code {proc.poll()})")
+                tail = " | ".join(text for _, text in reader.lines[-5:])  # NOTE: a failed load's reason (it exits 1)
+                raise BenchError(f"ft serve exited or timed out before /health was ok (exit code {proc.poll()}): {tail}")
             with_status = await _status(client, "/v1/models"), await _status(client, "/health")
             now = time.monotonic() - t0
             if marks["models_ok"] is None and with_status[0] == 200:

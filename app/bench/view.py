@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -67,15 +68,42 @@ def wide_console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def hardware_line(hw: dict | None, skipped: bool = False) -> str:
+    """The client host's GPUs and pinned host->device bandwidth, as the summary's first clause ("; " ended), or ""
+    when the run never profiled the host (it failed first). NOTE: a CPU box printed "no GPU; pinned H2D - GB/s"."""
+    if not hw:
+        return ""
+    gpus = ", ".join(g.get("name", "?") for g in hw.get("gpus") or [])
+    rate = hw.get("pinned_h2d_gb_s")
+    if not gpus:
+        why = f" ({hw['gpu_probe_error']})" if hw.get("gpu_probe_error") else ""
+        return f"no CUDA device{why}: pinned host->device bandwidth not measured; "
+    if rate is None:
+        return f"{gpus}; pinned host->device bandwidth not measured{' (--no-bandwidth)' if skipped else ''}; "
+    return f"{gpus}; pinned host->device {_cell(rate)} GB/s; "
+
+
+def show_failures(record: dict, path) -> None:
+    """Each failure of the run, on stderr, with or without --quiet (which silences progress and tables, never a
+    failure: `ft bench smoke --quiet` against no server exited 1 without a word)."""
+    failures = record["failures"]
+    if not failures:
+        return
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    for failure in failures:
+        err.print(f"[red]ft bench {escape(record['kind'])}: failed {escape(str(failure['where']))}: "
+                  f"{escape(str(failure['error']))}[/red]", soft_wrap=True)
+    err.print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
+
+
 def show(record: dict, path, quiet: bool) -> None:
+    show_failures(record, path)
     if quiet:
         return
     console = wide_console()
     console.print(table(record))
-    hw = record.get("hardware") or {}
-    gpu = ", ".join(g.get("name", "?") for g in hw.get("gpus") or []) or "no GPU"
-    console.print(f"[dim]{gpu}; pinned H2D {_cell(hw.get('pinned_h2d_gb_s'))} GB/s; "
-                  f"{len(record['failures'])} failure(s); record: {path}[/dim]")
+    hardware = hardware_line(record.get("hardware"), (record.get("settings") or {}).get("no_bandwidth", False))
+    console.print(f"[dim]{escape(hardware)}{len(record['failures'])} failure(s); record: {path}[/dim]")
     summary = record.get("summary") or {}
     if record["kind"] == "mixed" and summary.get("window"):
         window, target = summary["window"], summary["target"]["gap_p99_ms"]
@@ -90,8 +118,6 @@ def show(record: dict, path, quiet: bool) -> None:
         if largest := summary.get("largest_window_step"):
             console.print(f"largest step in window: {largest['ms']:.1f} ms ({largest['label']}; repeat "
                           f"{largest['repeat']})")
-    for failure in record["failures"]:
-        console.print(f"[red]failed {failure['where']}: {failure['error']}[/red]")
 
 
 # the figure each kind compares side by side, and what identifies a point across records

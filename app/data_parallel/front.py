@@ -166,11 +166,12 @@ async def reset_peaks(request: Request) -> dict:
 
 
 @get_or_head("/v1/stats/steps")
-async def stats_steps(request: Request, since: Annotated[float | None, SINCE] = None) -> dict:
+async def stats_steps(request: Request, since: Annotated[str | None, SINCE] = None) -> dict:
     """Each worker's step trace under `workers` (its own steps, in its own order: steps of different workers ran
     side by side on different devices, so one merged list would say nothing a step's worker does not)."""
     front = front_of(request)
-    path = "/v1/stats/steps" + ("" if check_since(since) is None else "?" + urlencode({"since": repr(since)}))
+    after = check_since(since)  # NOTE: refused here, in the same shape as a worker would, before any fan-out
+    path = "/v1/stats/steps" + ("" if after is None else "?" + urlencode({"since": repr(after)}))
     ok, failed = _answers(await front.fan_out("GET", path), "/v1/stats/steps")
     return {"clock": "unix", "window_s": ok[0][1].get("window_s"), "data_parallel": len(front.pool.workers),
             "workers": [{"worker": w.index, "device": w.label, **body} for w, body in ok] + failed}

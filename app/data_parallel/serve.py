@@ -71,8 +71,15 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     freeze_startup_heap()
     started = time.monotonic()
     pool.start()
+    failed = False
     while not stop.wait(0.5):
         if not http.thread.is_alive():
+            break
+        if pool.failed_to_start():  # NOTE: as a single `ft serve` whose load failed: exit 1, the reasons above
+            why = next((line for w in workers for line in reversed(w.tail) if line.startswith("load failed: ")),
+                       f"see the [worker N] lines above ({workers[0].error})")
+            say(f"ft serve: every worker exited before serving; {why}")
+            failed = True
             break
     stopping = time.monotonic()
     dispatched = sum(w.dispatched for w in workers)
@@ -81,4 +88,4 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     # NOTE: as a single server ends (app.serving.stopped_line): a clean stop leaves a line in the log
     say(f"stopped: dispatched {dispatched} request{'' if dispatched == 1 else 's'} to {len(workers)} workers in "
         f"{stopping - started:.1f} s; shut down in {time.monotonic() - stopping:.2f} s")
-    return 0
+    return 1 if failed else 0

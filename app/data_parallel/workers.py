@@ -107,6 +107,7 @@ class WorkerProcess:
         self.in_flight = 0
         self.dispatched = 0
         self.misses = 0
+        self.served = False  # it answered /health ok at least once
 
     @property
     def pid(self) -> int | None:
@@ -259,6 +260,13 @@ class WorkerPool:
             worker.health = body
             worker.status = {"ok": "ok", "loading": "loading"}.get(body.get("status"), "error")
             worker.error = None if worker.status == "ok" else body.get("error")
+            worker.served = worker.served or worker.status == "ok"
+
+    def failed_to_start(self) -> bool:
+        """Every worker exited without ever serving: each one's load failed (they run the same flags, and a failed
+        load ends an `ft serve`), so this front can never serve either."""
+        with self.lock:
+            return all(w.status == "exited" and not w.served for w in self.workers)
 
     def wait_ready(self, timeout: float) -> bool:
         """True once every worker serves; False on timeout or when one failed."""

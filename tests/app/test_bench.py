@@ -274,6 +274,55 @@ def test_unreachable_server_still_writes_a_record(tmp_path):
     assert code == 1 and rec["ok"] is False and "cannot reach" in rec["failures"][0]["error"]
 
 
+@pytest.mark.parametrize("kind", ["smoke", "ladder", "probe", "prefill", "mixed", "sweep"])
+def test_quiet_still_says_why_a_run_failed_on_stderr(tmp_path, capsys, kind):
+    """`ft bench smoke --quiet` with nothing listening exited 1 without a word: --quiet silences progress and
+    tables, never a failure."""
+    out = tmp_path / "r.json"
+    code = main(["bench", kind, "--base-url", "http://127.0.0.1:9", "--out", str(out), "--quiet", "--no-bandwidth"])
+    printed = capsys.readouterr()
+    assert code == 1 and printed.out == "", printed
+    assert f"ft bench {kind}: failed run: cannot reach http://127.0.0.1:9" in printed.err, printed.err
+    assert str(out) in printed.err  # where the record of the failure is
+
+
+def test_cold_start_quiet_says_why_it_failed_on_stderr(tmp_path, capsys):
+    code = main(["bench", "cold-start", "--out", str(tmp_path / "r.json"), "--quiet", "--no-bandwidth",
+                 "--start-timeout", "60", "--", "--model", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert code != 0 and "ft bench cold-start: failed" in err, err
+
+
+@pytest.mark.parametrize(("hw", "skipped", "line"), [
+    (None, False, ""),  # the run failed before the host was profiled
+    ({"gpus": [], "pinned_h2d_gb_s": None}, False, "no CUDA device: pinned host->device bandwidth not measured; "),
+    ({"gpus": [{"name": "NVIDIA H200"}], "pinned_h2d_gb_s": 51.234}, False, "NVIDIA H200; pinned host->device 51.23 GB/s; "),
+    ({"gpus": [{"name": "NVIDIA H200"}], "pinned_h2d_gb_s": None}, True,
+     "NVIDIA H200; pinned host->device bandwidth not measured (--no-bandwidth); "),
+])
+def test_the_summary_says_what_it_knows_of_the_hardware(hw, skipped, line):
+    """A CPU box printed "no GPU; pinned H2D - GB/s"."""
+    from app.bench.view import hardware_line
+
+    assert hardware_line(hw, skipped) == line
+
+
+def test_the_summary_on_a_cpu_box_says_the_bandwidth_was_not_measured(tmp_path, demo, capsys, monkeypatch):
+    import app.bench.record as record
+
+    monkeypatch.setattr(record, "hardware_profile", lambda measure: {"gpus": [], "pinned_h2d_gb_s": None})
+    out = tmp_path / "r.json"
+    assert main(["bench", "smoke", "--base-url", demo.base_url, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no CUDA device: pinned host->device bandwidth not measured" in printed and "H2D -" not in printed
+
+
+def test_a_base_url_from_the_environment_is_checked_too(monkeypatch, capsys):
+    monkeypatch.setenv("FT_BASE_URL", "localhost:1919")
+    assert main(["bench", "smoke", "--quiet"]) == 2
+    assert "did you mean http://localhost:1919?" in capsys.readouterr().err
+
+
 def test_bad_lists_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "sweep", "--batch", "1,0"])
@@ -291,6 +340,8 @@ def test_bad_numbers_and_urls_are_argument_errors(capsys, args, flag):
         main(["bench", *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and flag in err and "Traceback" not in err, err
+    if args[-1] == "127.0.0.1:1919":
+        assert "did you mean http://127.0.0.1:1919?" in err, err
 
 
 def test_sweep_at_the_current_size_needs_no_rebuild(tmp_path, demo):

@@ -140,6 +140,28 @@ def test_ctl_reports_a_base_url_it_cannot_use(capsys):
     assert "--base-url" in out.out + out.err and "Traceback" not in out.out + out.err
 
 
+@pytest.mark.parametrize(("url", "hint"), [
+    ("localhost:1919", "did you mean http://localhost:1919?"),  # was exit 1: "unsupported protocol 'localhost://'"
+    ("127.0.0.1:9", "did you mean http://127.0.0.1:9?"),
+    ("ftp://localhost:1919", "must be http or https"),
+    ("http://:1919", "names no host"),
+])
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_ctl_refuses_a_base_url_without_scheme_or_host_as_an_argument_error(url, hint, where, capsys, monkeypatch):
+    """The docs promise exit 2 for a malformed --base-url; `localhost:1919` went out as a request (exit 1, httpx's
+    "Request URL has an unsupported protocol 'localhost://'"). Checked before any request, from the flag or
+    FT_BASE_URL, with the URL it most likely meant."""
+    if where == "env":
+        monkeypatch.setenv("FT_BASE_URL", url)
+        argv = ["ctl", "health"]
+    else:
+        argv = ["ctl", "--base-url", url, "health"]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert "--base-url" in out.err and hint in out.err and out.out == "", out
+    assert "unsupported protocol" not in out.err
+
+
 @pytest.fixture
 def not_fluxtide():
     """Something else on the port that answers HTML (another web server, a proxy's error page)."""
@@ -399,3 +421,56 @@ def test_serve_refuses_a_model_path_that_is_no_checkpoint_before_listening(tmp_p
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"--model {path}: {message}" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr and "listening on" not in bad.stderr
+
+
+def _exits(server, timeout: float = 120.0) -> int:
+    try:
+        return server.proc.wait(timeout)
+    finally:
+        server.stop()  # NOTE: kills it if it did not exit (the old behaviour): the test fails on the code
+
+
+def test_serve_exits_1_when_the_pools_can_never_fit_and_names_the_options_that_fix_it():
+    """`ft serve --kv-tokens 100m` on the CPU demo model logged "the pools do not fit" and then kept running with
+    /health 503 until killed: it looked hung. A deterministic start-up error now ends the process (exit 1, as vLLM
+    and SGLang do), its reason on stderr naming the options that fix it."""
+    from tests.app.processes import FtServe
+
+    server = FtServe(["--device", "cpu", "--port", "0", "--kv-tokens", "100m"])
+    assert _exits(server) == 1, server.output()
+    out = server.output()
+    line = next(line for line in out.splitlines() if line.startswith("load failed: "))
+    assert "the pools do not fit" in line and "short by" in line, line
+    assert "lower --kv-tokens or --moe-slots" in line and "--gpu-budget-gib (now 0.5 GiB)" in line, line
+    assert "stopped: no model served (load failed)" in out.splitlines()[-1], out
+
+
+def test_serve_exits_1_on_a_checkpoint_it_cannot_load(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from tests.app.processes import FtServe
+
+    demo = Path(__file__).resolve().parents[2] / "app" / "demo_model" / "checkpoint"
+    dst = tmp_path / "c"
+    shutil.copytree(demo, dst)
+    config = json.loads((dst / "config.json").read_text())
+    del config["hidden_size"]
+    (dst / "config.json").write_text(json.dumps(config))
+    server = FtServe(["--device", "cpu", "--port", "0", "--model", str(dst)])
+    assert _exits(server) == 1, server.output()
+    assert "config field 'hidden_size' is missing" in server.output()
+
+
+@pytest.mark.parametrize(("pool", "device", "first", "budget"), [
+    ("kv", "cpu", "lower --kv-tokens or --moe-slots", "raise the CPU budget with --gpu-budget-gib (now 0.5 GiB)"),
+    ("moe", "cuda:0", "lower --moe-slots or --kv-tokens", "--gpu-budget-gib (at most the card's memory) or --memory-ratio"),
+    ("state", "cpu", "lower --max-running-requests or --kv-tokens or --moe-slots", "--gpu-budget-gib"),
+    ("budget", "cuda", "lower --kv-tokens or --moe-slots", "--memory-ratio"),
+])
+def test_a_refused_start_up_plan_names_what_to_change(pool, device, first, budget):
+    from app.containers import _refusal_fix
+    from app.settings import ServeSettings
+
+    fix = _refusal_fix(pool, ServeSettings(), device)
+    assert fix.startswith(first) and budget in fix, fix

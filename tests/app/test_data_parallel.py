@@ -309,7 +309,10 @@ def test_the_step_trace_is_each_workers_own(front):
         last = rows[-1]["end"]
         again = admin(front, "/v1/stats/steps", params={"since": last}).json()["workers"][worker["worker"]]
         assert all(r["end"] > last for r in again["steps"])
-    assert admin(front, "/v1/stats/steps", params={"since": "nan"}).status_code == 400
+    for bad in ("nan", "abc"):  # the front's answer has a single server's shape (abc had code and param null)
+        r = admin(front, "/v1/stats/steps", params={"since": bad})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text
+        assert r.json()["error"]["param"] == "since" and "finite number" in r.json()["error"]["message"], r.text
     assert httpx.get(front.url + "/v1/stats/steps").status_code == 401
 
 
@@ -424,3 +427,17 @@ def test_bad_data_parallel_arguments_exit_2_before_any_worker_starts(capsys):
     assert "use --device cuda" in capsys.readouterr().err
     assert main(["serve", "--data-parallel", "0", "--device", "cpu", "--port", "0"]) == 2
     assert ">= 1" in capsys.readouterr().err
+
+
+def test_a_front_whose_every_worker_failed_to_load_exits_1():
+    """Each worker is an `ft serve`, which exits on a failed load; the front kept answering 503 with no worker left
+    and no way to get one. It exits 1 too, with a worker's reason on its last lines."""
+    server = FtServe(["--data-parallel", "2", "--device", "cpu", "--port", "0", "--kv-tokens", "100m"])
+    try:
+        code = server.proc.wait(120)
+    finally:
+        server.stop()
+    out = server.output()
+    assert code == 1, out
+    assert "ft serve: every worker exited before serving; load failed: ValueError: the pools do not fit" in out, out
+    assert "--kv-tokens" in out and out.splitlines()[-1].startswith("stopped: dispatched 0 requests"), out

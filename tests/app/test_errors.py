@@ -169,3 +169,19 @@ def test_an_assistant_tool_call_without_content_is_still_accepted(server):
                             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                         {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     assert post(server, "/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("since", ["abc", "1e9x", "nan", "inf", "-inf", ""])
+def test_a_since_that_is_no_finite_number_is_invalid_value_naming_it(server, since):
+    """/v1/stats/steps?since=abc was refused by the framework's own validation (code and param null, "Validation
+    failed"), while since=inf got invalid_value naming `since`: every spelling of "not a finite number" now gets the
+    latter."""
+    r = httpx.get(server.base_url + "/v1/stats/steps", params={"since": since})
+    err = assert_openai_error(r, 400, param="since", code="invalid_value")
+    assert err["type"] == "invalid_request_error"
+    assert "since must be a finite number of seconds" in err["message"] and repr(since) in err["message"], err
+
+
+def test_a_numeric_since_still_selects_steps(server):
+    assert httpx.get(server.base_url + "/v1/stats/steps", params={"since": "0"}).json()["clock"] == "unix"
+    assert httpx.get(server.base_url + "/v1/stats/steps", params={"since": " 1e18 "}).json()["steps"] == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import threading
 
 import httpx
@@ -332,3 +334,59 @@ def test_stats_show_the_running_requests_the_resized_state_pool_admits(srv):
     r = rebuild(srv, mamba_slots=2)
     assert r.status_code == 200, r.text
     assert httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"] == min(before, 2) == 2
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def engine_log():
+    """The engine logger's records. NOTE: on the logger itself: Litestar reconfigures the root logger's handlers."""
+    handler, logger = _Records(), logging.getLogger("fluxtide.engine")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_an_applied_resize_leaves_one_info_line_with_the_pools_before_and_after(srv, engine_log):
+    """A live resize logged nothing but "prefix cache cleared": the log could not say when the pools changed, to
+    what, or how long the rebuild waited for the running requests."""
+    r = rebuild(srv, kv_tokens=1024, moe_slots=4, wait_s=30)
+    assert r.status_code == 200, r.text
+    lines = [rec for rec in engine_log if "pools" in rec.getMessage() or "prefix cache" in rec.getMessage()]
+    assert len(lines) == 1, [rec.getMessage() for rec in engine_log]
+    line = lines[0]
+    message = line.getMessage()
+    assert line.levelname == "INFO" and message.startswith("pools resized: KV tokens 512 -> 1024, "), message
+    assert "expert slots 8 -> 4" in message and re.search(r"waited \d+\.\d{3} s for in-flight requests", message)
+    assert "expert slots start cold" in message and "prefix cache cleared" in message, message
+
+
+def test_a_resize_that_gives_up_on_the_wait_says_so_in_the_log(srv, engine_log):
+    srv.container.executor().step_gate = threading.Semaphore(0)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        task = asyncio.ensure_future(stream(client, "long one", 300))
+        await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
+        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=1024, wait_s=0.1))
+        await asyncio.to_thread(step_until, srv, lambda pools: resize.done(), limit=250)
+        open_gate(srv)
+        response = await resize
+        await task
+        await client.close()
+        return response
+
+    assert asyncio.run(main()).status_code == 409
+    warned = [rec for rec in engine_log if rec.levelname == "WARNING" and "resize not applied" in rec.getMessage()]
+    assert len(warned) == 1 and "old pools kept (KV tokens 512" in warned[0].getMessage(), warned
+    assert not any("pools resized" in rec.getMessage() for rec in engine_log)

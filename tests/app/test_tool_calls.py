@@ -4,6 +4,7 @@ server (a scripted fake model that calls `multiply`, then answers with the tool'
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -270,3 +271,64 @@ def test_a_call_to_a_function_not_offered_is_content_not_a_call(client, scripted
     response = client.responses.create(model=MODEL, input="What is 6 × 7?", tool_choice=choice, tools=[
         {"type": "function", "name": "noop", "parameters": {"type": "object", "properties": {}}}])
     assert all(o.type != "function_call" for o in response.output) and response.output_text.endswith(CALL)
+
+
+def finished_by_reason(server) -> dict[str, float]:
+    """ft_requests_total's samples by finish_reason."""
+    text = httpx.get(server.base_url + "/metrics").text
+    found = re.findall(r'^ft_requests_total\{finish_reason="([^"]+)"\} (\S+)$', text, re.M)
+    return {reason: float(value) for reason, value in found}
+
+
+def test_metrics_count_a_tool_call_under_tool_calls_not_stop(client, scripted):
+    """/metrics counted a request that ended in tool calls under ft_requests_total{finish_reason="stop"}: the
+    engine thread counts a finish before the handler's parser reads the text. Every dialect's tool call now counts
+    under "tool_calls" (Messages says tool_use, Responses a function call: the same finish), an answer without one
+    under "stop", each request once."""
+    server = scripted[0]
+    before = finished_by_reason(server)
+    client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS)
+    stream_to_message(client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, stream=True))
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    multiply = [{"name": "multiply", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    assert claude.messages.create(model=MODEL, max_tokens=300, messages=QUESTION, tools=multiply).stop_reason == "tool_use"
+    with claude.messages.stream(model=MODEL, max_tokens=300, messages=QUESTION, tools=multiply) as s:
+        assert s.get_final_message().stop_reason == "tool_use"
+    responses_tools = [{"type": "function", **TOOLS[0]["function"]}]
+    response = client.responses.create(model=MODEL, input="What is 6 × 7?", tools=responses_tools)
+    assert any(o.type == "function_call" for o in response.output)
+    with client.responses.stream(model=MODEL, input="What is 6 × 7?", tools=responses_tools) as s:
+        assert any(o.type == "function_call" for o in s.get_final_response().output)
+    # tools offered, no call made; and no tools at all: "stop" both
+    answered = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[TOOLS[1]], tool_choice="none")
+    assert answered.choices[0].finish_reason == "stop"
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION).choices[0].finish_reason == "stop"
+    after = finished_by_reason(server)
+    assert after.get("tool_calls", 0) - before.get("tool_calls", 0) == 6, (before, after)
+    assert after.get("stop", 0) - before.get("stop", 0) == 2, (before, after)
+
+
+def test_a_finish_left_to_the_handler_is_counted_once_settled_or_not():
+    """The fallback of the count above: a last event its handler never settles (the client left first, the
+    formatting failed) counts under the engine's reason when dropped; a settled one is not counted again."""
+    import gc
+
+    from app.stats import ServingStats
+    from app.streams import FinishTally, StreamEvent
+
+    stats = ServingStats()
+
+    def counts() -> dict:
+        return {s.labels["finish_reason"]: s.value for m in stats.requests.collect() for s in m.samples
+                if s.name.endswith("_total")}
+
+    settled = StreamEvent("", (), (), "stop", 1, 1, tally=FinishTally(stats, "stop"))
+    settled.settle("tool_calls")
+    settled.settle("stop")  # once only
+    del settled
+    dropped = StreamEvent("", (), (), "stop", 1, 1, tally=FinishTally(stats, "stop"))
+    del dropped
+    gc.collect()
+    assert counts() == {"tool_calls": 1.0, "stop": 1.0} and stats.finished_requests() == 2
+    StreamEvent("", (), (), "length", 1, 1).settle("length")  # the engine counted it: nothing here
+    assert stats.finished_requests() == 2
