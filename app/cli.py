@@ -42,6 +42,11 @@ def _add_serve(sub) -> None:
                         "mixed budget's token x layers), so its experts stream over PCIe once per chunk instead of "
                         "once per short chunk (docs/adr/0024-layered-prefill.md); off: short chunks (H200, 24 GiB, 3 streams beside an 8k "
                         "prompt: gaps p99 97 ms with it on)")
+    p.add_argument("--layer-group-length", type=_count, default=None,
+                   help="with --layered-prefill on: the budget, decodes included, that sizes a layer group beside "
+                        "decodes (default 1024, at least --mixed-prefill-length, at most --max-prefill-length: 4 of "
+                        "Qwen3.6's 40 layers a step for an 8k chunk); --mixed-prefill-length still decides which "
+                        "prompts are layered (docs/adr/0024-layered-prefill.md)")
     p.add_argument("--arrival-window-ms", type=float, default=DEFAULT_ARRIVAL_WINDOW_MS,
                    help="an idle server's first step waits up to this long for the rest of a burst of requests, so "
                         "they share one prefill step (0: never; docs/adr/0021-arrival-window.md)")
@@ -160,6 +165,7 @@ def _serve(args, parser) -> int:
             max_running_requests=args.max_running_requests,
             max_prefill_length=args.max_prefill_length,
             mixed_prefill_length=args.mixed_prefill_length,
+            layer_group_length=args.layer_group_length,
             layered_prefill=args.layered_prefill == "on",
             arrival_window_ms=args.arrival_window_ms,
             memory_ratio=args.memory_ratio,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from domain.arrival_window import DEFAULT_MAX_MS as DEFAULT_ARRIVAL_WINDOW_MS
 from domain.prefill_choice import PREFILL_KERNELS
-from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
+from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS, layer_group_tokens
 
 PREFILL_GRAPHS = ("auto", "on", "off")  # --prefill-graphs
 
@@ -29,6 +29,9 @@ class ServeSettings:
     # a step that carries decodes runs a long prompt as one chunk a layer group at a time (docs/adr/
     # 0024-layered-prefill.md): the streams' gap stays a mixed step's, the chunk's experts stream once
     layered_prefill: bool = True
+    # the budget that sizes a layer group beside decodes (ADR 0024, session 25); None = 1024 raised to the mixed
+    # budget and bounded by max_prefill_length (domain.step_budget.layer_group_tokens)
+    layer_group_length: int | None = None
     # an idle engine's first step waits up to this long for the rest of a burst of requests (0: never);
     # domain/arrival_window.py, docs/adr/0021-arrival-window.md
     arrival_window_ms: float = DEFAULT_ARRIVAL_WINDOW_MS
@@ -80,6 +83,12 @@ class ServeSettings:
             return self.mixed_prefill_length
         return min(self.max_prefill_length, max(DEFAULT_MIXED_STEP_TOKENS, self.max_running_requests))
 
+    @property
+    def layer_group_tokens(self) -> int:
+        """The budget, decodes included, that sizes a layer group: --layer-group-length, else the default (1024)
+        raised to the mixed budget and bounded by --max-prefill-length."""
+        return layer_group_tokens(self.max_prefill_length, self.mixed_step_tokens, self.layer_group_length)
+
     def _fast_path_clashes(self, *extra: tuple[str, bool]) -> list[str]:
         """The flags set here that keep the CUDA-graph fast path from serving (the reference executor would), and
         those of `extra` (flag, set) pairs that are set: what a fast-path-only option is refused with."""
@@ -99,6 +108,12 @@ class ServeSettings:
                 self.max_running_requests <= self.mixed_prefill_length <= self.max_prefill_length):
             raise ValueError(f"--mixed-prefill-length ({self.mixed_prefill_length}) must be >= --max-running-requests "
                              f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
+        if self.layer_group_length is not None and not (
+                self.max_running_requests <= self.layer_group_length <= self.max_prefill_length):
+            raise ValueError(f"--layer-group-length ({self.layer_group_length}) must be >= --max-running-requests "
+                             f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
+        if self.layer_group_length is not None and not self.layered_prefill:
+            raise ValueError("--layer-group-length sizes layer groups: it needs --layered-prefill on")
         if not (math.isfinite(self.arrival_window_ms) and 0 <= self.arrival_window_ms <= 1000):
             raise ValueError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms}")
         if not 0 < self.memory_ratio <= 1:

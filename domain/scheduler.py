@@ -56,6 +56,9 @@ class SchedulerConfig:
     linear_state: bool = True  # the model has linear-attention state: a cache hit needs a snapshot
     layered_prefill: bool = False  # steps with decodes run a long chunk a layer group at a time (ADR 0024)
     num_layers: int = 1  # the model's layers: what a layer group divides
+    # the budget, decodes included, that sizes a layer group beside decodes (ADR 0024, session 25); None =
+    # mixed_step_tokens. mixed_step_tokens still decides which prompts are layered (those longer than it)
+    layer_group_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "page_size", "max_context", "num_layers"):
@@ -76,6 +79,14 @@ class SchedulerConfig:
             # running streams wait longer than a prefill alone does, which no setting wants.
             raise ValueError(
                 f"mixed_step_tokens ({self.mixed_step_tokens}) must be in [max_running ({self.max_running}), "
+                f"max_step_tokens ({self.max_step_tokens})]"
+            )
+        if self.layer_group_tokens is None:
+            object.__setattr__(self, "layer_group_tokens", self.mixed_step_tokens)
+        if not self.max_running <= self.layer_group_tokens <= self.max_step_tokens:
+            # NOTE: as mixed_step_tokens: every running request decodes beside a group
+            raise ValueError(
+                f"layer_group_tokens ({self.layer_group_tokens}) must be in [max_running ({self.max_running}), "
                 f"max_step_tokens ({self.max_step_tokens})]"
             )
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
@@ -324,7 +335,13 @@ class Scheduler:
         most what lets one layer of it fit the budget."""
         if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget < pending):
             return 0
-        return min(pending, self.config.max_step_tokens, budget * self.config.num_layers)
+        return min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers)
+
+    def _group_budget(self, budget: int) -> int:
+        """The token x layers budget of a layer group beside decodes, from `budget`, the step's mixed budget left:
+        what layer_group_tokens adds over mixed_step_tokens (a larger group, fewer steps for the chunk) while
+        mixed_step_tokens keeps deciding which prompts are layered."""
+        return budget + self.config.layer_group_tokens - self.config.mixed_step_tokens
 
     def _schedule_layered(self, budget: int, with_decodes: bool) -> list[SequenceWork]:
         """The next layer group of the chunk part-way, if any (its request may have been preempted by the
@@ -332,14 +349,14 @@ class Scheduler:
         request = self._layered
         # NOTE: not even one layer fits beside this many decodes (a budget far smaller than the chunk's
         # tokens / layers): the chunk waits, as any prefill does on an empty budget
-        if request is None or budget * self.config.num_layers < len(request.layer_chunk.token_ids):
+        if request is None or self._group_budget(budget) * self.config.num_layers < len(request.layer_chunk.token_ids):
             return []
-        return [self._group(request, budget, with_decodes)]
+        return [self._group(request, self._group_budget(budget), with_decodes)]
 
     def _first_group(self, request: Request, chunk: int, budget: int) -> SequenceWork:
         request.layer_chunk, request.layers_done = self._work(request, chunk), 0
         self._layered = request
-        return self._group(request, budget, True)
+        return self._group(request, self._group_budget(budget), True)
 
     def _group(self, request: Request, budget: int, with_decodes: bool) -> SequenceWork:
         """The request's next layer group: beside decodes, as many layers as the budget's token x layers

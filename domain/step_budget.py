@@ -82,6 +82,20 @@ H200_DECODE_BS4_S = 0.00516
 MIXED_STEP_LIMIT_S = 0.120  # a mixed step's length we aim under: the 150 ms p99 target less HTTP/host slack
 DEFAULT_MAX_STEP_TOKENS = 8192
 DEFAULT_MIXED_STEP_TOKENS = 512
+# The budget, decodes included, that sizes a layer group of a layered chunk beside decodes (ADR 0024, session 25):
+# 1024 gives Qwen3.6's 8k chunk groups of 4 layers. Measured on an H100 at 24 GiB with an 8,196-token prompt beside 3
+# streams: gap p99 130.0 ms against 131.0 at 512, the prompt's TTFT 1.06 s against 1.47
+# (docs/bench/2026-12-05-h100-mixed-24gib-{512,1024}-layered.json); the mixed budget (512) still decides which
+# prompts are layered, so prompts of 513-1,024 tokens do not become one unlayered step.
+DEFAULT_LAYER_GROUP_TOKENS = 1024
+
+
+def layer_group_tokens(max_prefill_length: int, mixed_step_tokens: int, layer_group_length: int | None = None) -> int:
+    """`ft serve`'s layer-group budget: --layer-group-length, else DEFAULT_LAYER_GROUP_TOKENS raised to the mixed
+    budget (a group never smaller than a mixed chunk) and bounded by --max-prefill-length."""
+    if layer_group_length is not None:
+        return layer_group_length
+    return min(max_prefill_length, max(DEFAULT_LAYER_GROUP_TOKENS, mixed_step_tokens))
 
 
 def activation_bytes_per_token(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -> int:

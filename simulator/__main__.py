@@ -116,9 +116,8 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                         "rows at top-8), which fault their experts through the expert cache, wherever the plan is not "
                         "fully resident")
     m.add_argument("--layer-group-length", type=parse_count,
-                   help="what-if, not the engine's policy (simulator/layering_policy.py; layered prefill on only): "
-                        "the budget, decodes included, that sizes a layer group (default: --mixed-prefill-length, "
-                        "which keeps bounding the chunks that run unlayered)")
+                   help="as `ft serve --layer-group-length`: the budget, decodes included, that sizes a layer group "
+                        "(default 1024, at least --mixed-prefill-length, which keeps deciding what is layered)")
     m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
     m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
     m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
@@ -363,9 +362,10 @@ def mixed_command(args) -> int:
     from simulator.layering_policy import LayeringPolicy
 
     policy = LayeringPolicy(layer_streamed=args.layer_streamed_chunks, layer_faulting=args.layer_faulting_chunks,
-                            group_tokens=args.layer_group_length)
+                            group_tokens=None)
     cfg = MixedConfig(spec, model_name, hardware, deployment, calibration.cost_params(), args.kv, label,
                       routing=args.routing, mixed_prefill_length=args.mixed_prefill_length,
+                      layer_group_length=args.layer_group_length,
                       page_size=workload.page_size, policy=None if policy.is_today else policy)
     seed = calibration.seed if args.seed is None else args.seed
     results = []

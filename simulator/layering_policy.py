@@ -14,7 +14,8 @@ budget (`mixed_step_tokens` - decodes), and that one budget also sizes each laye
   experts a layer through the LRU in one step), wherever the plan is not fully resident.
 - `group_tokens` ("decoupled group budget"): a layer group gets budget + (group_tokens - mixed_step_tokens) tokens
   of token x layers instead of the budget, so `mixed_step_tokens` keeps bounding the chunks that run unlayered while
-  the group size is set apart.
+  the group size is set apart. Since session 25 the domain does this itself (SchedulerConfig.layer_group_tokens,
+  `ft serve --layer-group-length`, default 1024): group_tokens here only sets that field of the config.
 
 `CandidateScheduler` is the domain Scheduler with those two decisions made overridable; `_schedule_prefills` and
 `_admit` are the domain's, line for line, but for the one test that decides whether a chunk is layered
@@ -25,10 +26,10 @@ exactly as the domain Scheduler does, so a change there that is not made here fa
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from domain.ports import SequenceWork
-from domain.request import Request, RequestState
+from domain.request import RequestState
 from domain.scheduler import Scheduler, SchedulerConfig
 
 
@@ -74,6 +75,8 @@ class CandidateScheduler(Scheduler):
             raise ValueError("a layer group budget needs layered prefill on")
         if policy.layer_streamed and not config.layered_prefill:
             raise ValueError("layering streamed chunks needs layered prefill on")
+        if policy.group_tokens is not None:  # the domain's own knob (SchedulerConfig.layer_group_tokens)
+            config = replace(config, layer_group_tokens=policy.group_tokens)
         super().__init__(config, allocator, num_state_slots, num_snapshot_slots)
         self.policy, self.stream_rows = policy, stream_rows
         self._decodes = 0  # decode rows of the step being scheduled
@@ -87,24 +90,16 @@ class CandidateScheduler(Scheduler):
         """Whether a step of this chunk beside this step's decodes streams experts (layer_streamed's test)."""
         return self.policy.layer_streamed and self.stream_rows is not None and chunk + self._decodes > self.stream_rows
 
-    def _group_budget(self, budget: int) -> int:
-        if self.policy.group_tokens is None:
-            return budget
-        return max(1, budget + self.policy.group_tokens - self.config.mixed_step_tokens)
-
     def _layered_chunk(self, pending: int, budget: int, with_decodes: bool) -> int:
         if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget):
             return 0
         if not (budget < pending or self._streams(min(pending, budget))):
             return 0
-        return min(pending, self.config.max_step_tokens, budget * self.config.num_layers)
+        return min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers)
 
     def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
         """Today: the chunk is longer than the budget. layer_streamed: also a layered chunk whose step streams."""
         return chunk > budget or (layered_chunk > 0 and self._streams(chunk))
-
-    def _group(self, request: Request, budget: int, with_decodes: bool) -> SequenceWork:
-        return super()._group(request, self._group_budget(budget), with_decodes)
 
     # ---- the domain's, but for _takes_layers ------------------------------------------------------------
     def _schedule_prefills(self, budget: int, with_decodes: bool) -> tuple[list[SequenceWork], bool]:

@@ -32,7 +32,7 @@ from domain.model_spec import ModelSpec
 from domain.prefix_store import snapshot_interval
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
-from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS
+from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS, layer_group_tokens
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import GB, HardwareProfile
 from simulator.host import SimHost
@@ -225,6 +225,7 @@ class MixedConfig:
     calibration: str
     routing: str = "uniform"
     mixed_prefill_length: int | None = None  # --mixed-prefill-length (None: ft serve's default)
+    layer_group_length: int | None = None  # --layer-group-length (None: ft serve's default; a policy's group_tokens wins)
     page_size: int = 16
     # a what-if layering policy (simulator/layering_policy.py; layered prefill on only); None: the domain's
     policy: LayeringPolicy | None = None
@@ -260,16 +261,20 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
     running = min(dep.state_slots, max(plan.state_slots, 1))
     prefix_cache = dep.simulate_prefix_cache and dep.cache_type == "radix"
     linear = spec.linear_state_bytes_per_sequence() > 0
-    config = SchedulerConfig(max_running=running, max_step_tokens=max_step,
-                             mixed_step_tokens=mixed_step_tokens(max_step, running, cfg.mixed_prefill_length),
+    mixed = mixed_step_tokens(max_step, running, cfg.mixed_prefill_length)
+    group = cfg.policy.group_tokens if cfg.policy is not None and cfg.policy.group_tokens is not None \
+        else cfg.layer_group_length
+    config = SchedulerConfig(max_running=running, max_step_tokens=max_step, mixed_step_tokens=mixed,
+                             layer_group_tokens=layer_group_tokens(max_step, mixed, group),
                              page_size=plan.page_size, max_context=spec.max_context, prefix_cache=prefix_cache,
                              snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
                              linear_state=linear, layered_prefill=layered, num_layers=spec.num_layers)
     out["scheduler"] = {"max_step_tokens": config.max_step_tokens, "mixed_step_tokens": config.mixed_step_tokens,
+                        "layer_group_tokens": config.layer_group_tokens,
                         "max_running": config.max_running, "layered_prefill": layered,
                         "num_layers": config.num_layers, "prefix_cache": prefix_cache}
     snapshots = plan.snapshot_slots if prefix_cache else 0
-    if layered and cfg.policy is not None and not cfg.policy.is_today:
+    if layered and cfg.policy is not None and cfg.policy.layer_streamed:
         # NOTE: a step streams (DeviceExpertPool.routed) when the plan leaves experts out, has staging rows, and the
         # step's rows route more keys than one device lookup takes; with fewer, or no staging, it faults them through
         # the residency (layer_faulting: any chunk)

@@ -11,6 +11,8 @@ argument (argparse dest <- record field):
   `settings.calibration` (each stream's prompt is 2 filler units: tokens_fixed + 2 x tokens_per_filler_unit);
 - the server: gpu_budget_gib, memory_ratio <- `budget`; kv, snapshot_slots, staging_experts <- `pool_plan`;
   max_prefill_length, mixed_prefill_length, max_running_requests, layered_prefill <- `summary.server_step_budgets`;
+  layer_group_length <- its `layer_group_tokens` (since session 25), else its `mixed_step_tokens` (the groups'
+  budget before then);
   cache_type, prefill_kernels <- the server's /v1/stats (`server.stats.prefix_cache`, `.executor`);
 - model <- the built-in model whose geometry and expert bytes are `model.geometry` / `model.expert_bytes`;
   hardware <- the built-in profile named in every `hardware.gpus[].name` (the client's GPUs: the benchmark's host).
@@ -68,6 +70,15 @@ def _count(data: dict, dotted: str, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         raise _Missing(f"{dotted} is {value!r}, not a count")
     return value
+
+
+def _group_budget(data: dict, budgets: str) -> int:
+    """The server's layer-group budget: its own field since session 25, else the mixed budget (a server before then
+    sized its layer groups by it)."""
+    try:
+        return _count(data, f"{budgets}.layer_group_tokens")
+    except _Missing:
+        return _count(data, f"{budgets}.mixed_step_tokens")
 
 
 def _number(data: dict, dotted: str) -> float:
@@ -162,6 +173,7 @@ def _arguments(data: dict, points: list[dict]) -> tuple[dict[str, Any], dict[str
         "prefill_kernels": lambda: "triton" if _field(data, f"{stats}.executor.prefill_kernels") else "reference",
         "max_prefill_length": lambda: _count(data, f"{budgets}.max_step_tokens"),
         "mixed_prefill_length": lambda: _count(data, f"{budgets}.mixed_step_tokens"),
+        "layer_group_length": lambda: _group_budget(data, budgets),
         "max_running_requests": lambda: _count(data, f"{budgets}.max_running"),
         "layered_prefill": lambda: "on" if _field(data, f"{budgets}.layered_prefill") else "off",
     }

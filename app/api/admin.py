@@ -121,7 +121,7 @@ def _step_budgets(engine: Engine) -> dict:
     # NOTE: the running requests the pools admit now: a live resize to fewer state slots lowers it below the setting
     running = min(config.max_running, engine.scheduler.num_state_slots)
     return {"max_running": running, "max_step_tokens": config.max_step_tokens,
-            "mixed_step_tokens": config.mixed_step_tokens,
+            "mixed_step_tokens": config.mixed_step_tokens, "layer_group_tokens": config.layer_group_tokens,
             # ADR 0024: on/off, and the layer-group works run so far (a chunk beside decodes takes several)
             "layered_prefill": config.layered_prefill, "layer_groups": engine.scheduler.num_layer_groups,
             "arrival_window_ms": round(engine.arrival_window.max_s * 1000, 3)}

@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 SAME_KEYS = frozenset({"page_size", "window_s", "snapshot_interval",
-                       "max_step_tokens", "mixed_step_tokens", "arrival_window_ms"})  # /v1/stats scheduler
+                       "max_step_tokens", "mixed_step_tokens", "layer_group_tokens", "arrival_window_ms"})  # /v1/stats scheduler
 MEAN_KEYS = frozenset({"residency"})
 MAX_KEYS = frozenset({"p50", "p90", "p99"})
 

@@ -130,7 +130,8 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
     assert summary["within_gap_threshold"] == (summary["window"]["p99_ms"] <= 150.0)
     assert summary["window"]["count"] == point["gaps_in_window"]
     assert summary["server_step_budgets"] == {"max_running": 4, "max_step_tokens": 1024, "mixed_step_tokens": MIXED,
-                                             "layered_prefill": False, "layer_groups": 0, "arrival_window_ms": 30.0}
+                                             "layer_group_tokens": 1024, "layered_prefill": False, "layer_groups": 0,
+                                             "arrival_window_ms": 30.0}
     assert rec["budget"]["fixed_bytes"] > 0  # the step's activations, held outside the pools
     # the server's steps in the window: the prompt's chunks went beside the decodes (mixed steps), none layered
     steps = check_step_trace(server, point, rec)
@@ -157,8 +158,9 @@ def test_a_stream_that_ends_too_soon_is_a_failure_not_a_figure(tmp_path, server)
 
 @pytest.fixture(scope="module")
 def layered_server():
+    # groups sized by the mixed budget (--layer-group-length MIXED), as the assertions below count them
     settings = ServeSettings(port=0, device="cpu", max_running_requests=4, max_prefill_length=1024,
-                             mixed_prefill_length=MIXED, layered_prefill=True)
+                             mixed_prefill_length=MIXED, layer_group_length=MIXED, layered_prefill=True)
     running = RunningServer(Container(), settings).start(wait_ready=120)
     yield running
     running.stop()

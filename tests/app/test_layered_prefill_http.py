@@ -27,8 +27,9 @@ MODEL = "fluxtide-demo-arithmetic"
 LAYERS = 4  # the demo model's
 # mixed budget 32: beside 3 decodes a prompt over 29 tokens goes layered, as one chunk of up to 29 x 4 tokens, one
 # layer a step (k = 29 x 4 // 1024 = 1)
+# layer groups sized by the mixed budget (--layer-group-length 32): several groups a chunk on the demo model's layers
 SETTINGS = ServeSettings(port=0, device="cpu", max_running_requests=4, max_prefill_length=1024,
-                         mixed_prefill_length=32, layered_prefill=True, debug=True)
+                         mixed_prefill_length=32, layer_group_length=32, layered_prefill=True, debug=True)
 GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
 
 

@@ -31,6 +31,28 @@ def test_the_two_budgets_default_and_are_checked():
         ServeSettings(max_prefill_length=2)
 
 
+def test_the_layer_group_budget_defaults_to_1024_and_is_checked():
+    # ADR 0024, session 25: 1024, raised to the mixed budget, bounded by the step
+    assert ServeSettings().layer_group_tokens == 1024
+    assert ServeSettings(mixed_prefill_length=2048).layer_group_tokens == 2048
+    assert ServeSettings(max_prefill_length=600).layer_group_tokens == 600
+    assert ServeSettings(layer_group_length=256).layer_group_tokens == 256  # below the mixed budget: allowed
+    with pytest.raises(ValueError, match=r"--layer-group-length \(9000\) must be >= --max-running-requests \(4\) "
+                                         r"and <= --max-prefill-length \(8192\)"):
+        ServeSettings(layer_group_length=9000)
+    with pytest.raises(ValueError, match="--layer-group-length"):
+        ServeSettings(max_running_requests=8, layer_group_length=4)
+    with pytest.raises(ValueError, match="needs --layered-prefill on"):
+        ServeSettings(layer_group_length=1024, layered_prefill=False)
+    settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024, mixed_prefill_length=96,
+                             layer_group_length=512)
+    plan = _pool_plan(settings, TINY_SPEC, _budget(settings, TINY_SPEC, "cpu"))
+    assert _scheduler_config(settings, TINY_SPEC, plan, ()).layer_group_tokens == 512
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--layer-group-length", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--layer-group-length" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_serve_refuses_a_bad_mixed_budget_on_the_command_line():
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--max-prefill-length", "1k",
                           "--mixed-prefill-length", "2k"], capture_output=True, text=True, timeout=60)

@@ -64,8 +64,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_slots=st.integers(1, 4),
         max_context=st.integers(8, 36),
         layers=st.sampled_from([0, 1, 3]),
+        group_extra=st.integers(0, 10),
     )
-    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context, layers):
+    def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context, layers,
+              group_extra):
         self.config = SchedulerConfig(
             max_running=max_running,
             max_step_tokens=max_running + extra_budget,
@@ -75,6 +77,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             eos_token_ids=EOS,
             layered_prefill=layers > 0,  # 0: off; else a model of this many layers (ADR 0024)
             num_layers=max(layers, 1),
+            # the layer groups' own budget, below, at or above the mixed one (ADR 0024, session 25)
+            layer_group_tokens=max_running + min(group_extra, extra_budget),
         )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.config, self.allocator, num_slots)
@@ -155,11 +159,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         decoding = [self.live[w.request_id].state is RequestState.DECODING for w in works]
         assert decoding == sorted(decoding), "decodes must come after prefill chunks"
         # NOTE: the budget of a step depends on whether it carries decodes (ADR 0011)
+        layered = [w for w in works if w.layers is not None]
         limit = self.config.mixed_step_tokens if any(decoding) else self.config.max_step_tokens
+        if any(decoding) and layered:  # a step with a layer group holds the larger of the two budgets
+            limit = max(limit, self.config.layer_group_tokens)
         # a layer group counts its share of its chunk's token x layers (ADR 0024)
         charged = sum(step_charge(w, self.config.num_layers) for w in works)
         assert charged <= limit, (charged, limit, any(decoding))
-        layered = [w for w in works if w.layers is not None]
         assert len(layered) <= 1, "two layered works in one step"
         if layered:
             assert self.config.layered_prefill and len(layered[0].token_ids) <= self.config.max_step_tokens

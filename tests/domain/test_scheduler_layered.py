@@ -151,3 +151,41 @@ def test_with_the_prefix_cache_only_the_first_group_restores_and_every_group_car
 def test_config_checks_the_layer_count():
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         SchedulerConfig(layered_prefill=True, num_layers=0)
+
+
+def test_a_layer_group_budget_sizes_the_groups_while_the_mixed_budget_decides_what_is_layered():
+    # ADR 0024, session 25: groups sized by layer_group_tokens (10 here, decodes included), prompts layered only
+    # when longer than the mixed budget left (6 - 2 decodes = 4)
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6,
+                               layer_group_tokens=10)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    prompt = list(range(1, 40))
+    scheduler.add(Request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    groups = []
+    while "long" not in outputs:
+        batch = step(scheduler, executor, outputs)
+        assert sorted(w.request_id for w in batch.works if w.layers is None) == ["s0", "s1"]
+        assert sum(step_charge(w, LAYERS) for w in batch.works) <= 10  # the group budget holds, not the mixed one
+        (work,) = [w for w in batch.works if w.layers is not None]
+        groups.append((work.start_position, len(work.token_ids), work.layers))
+    # (4 + 10 - 6) = 8 tokens x 8 layers: a 32-token chunk, 8 * 8 // 32 = 2 layers a step; the 7-token rest is
+    # layered too (7 > 4), its groups sized for a 32-token chunk as well
+    assert groups == [(0, 32, (i, i + 2)) for i in range(0, LAYERS, 2)] + [(32, 7, (i, i + 2))
+                                                                           for i in range(0, LAYERS, 2)]
+    assert outputs["long"] == solo_output(prompt, SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    # a prompt no longer than the mixed budget left is one ordinary chunk, whatever the group budget
+    scheduler.add(Request("short", [5, 6, 7, 8], SamplingParams(max_tokens=1, ignore_eos=True)))
+    batch = step(scheduler, executor, outputs)
+    (work,) = [w for w in batch.works if w.request_id == "short"]
+    assert work.layers is None and len(work.token_ids) == 4
+
+
+def test_config_checks_the_layer_group_budget():
+    assert SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=4).layer_group_tokens == 4  # default
+    assert SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=4,
+                           layer_group_tokens=8).layer_group_tokens == 8
+    for bad in (1, 9):
+        with pytest.raises(ValueError, match=rf"layer_group_tokens \({bad}\) must be in \[max_running \(2\), "
+                                             r"max_step_tokens \(8\)\]"):
+            SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=4, layer_group_tokens=bad)

@@ -244,7 +244,8 @@ def _mixed(layered: bool, prompt_tokens=464, kv=1024):
     pool = kv * spec.kv_bytes_per_token() + 4 * spec.linear_state_bytes_per_sequence() + 132 * spec.expert_bytes()
     dep = Deployment(pool_bytes=pool, state_slots=4, cache_type="none", expert_slots=128, staging_experts=4,
                      max_prefill_length=512)
-    cfg = MixedConfig(spec, "tiny", SLOW_LINK, dep, cost, kv, "test", mixed_prefill_length=32)
+    # groups sized by the mixed budget, as before session 25's default of 1024 (ft serve --layer-group-length)
+    cfg = MixedConfig(spec, "tiny", SLOW_LINK, dep, cost, kv, "test", mixed_prefill_length=32, layer_group_length=32)
     scenario = MixedScenario(streams=3, stream_prompt_tokens=8, stream_tokens=64, warmup_tokens=4, baseline_tokens=8,
                              prompt_tokens=prompt_tokens, repeats=1)
     return predict_mixed(cfg, UniformRouting(16, 16, 2, seed=1), scenario, layered, check=True)

@@ -150,9 +150,12 @@ def _mixed(policy, prompt_tokens=24):
 
 def test_layering_a_short_streamed_prompt_trades_its_ttft_for_the_streams_gaps():
     # 24 tokens + 3 decodes = 27 rows route 54 keys > 16 a layer: the step streams every non-resident expert
-    today, candidate = _mixed(None), _mixed(LayeringPolicy(layer_streamed=True))
+    # groups sized by the mixed budget (32): one layer a step (ft serve's default group budget, 1024 since session
+    # 25, bounded by the 512-token max step here, would take the 16 layers in two)
+    today, candidate = _mixed(None), _mixed(LayeringPolicy(layer_streamed=True, group_tokens=32))
     assert "policy" not in today["scheduler"]
-    assert candidate["scheduler"]["policy"] == {"layer_streamed": True, "layer_faulting": False, "group_tokens": None}
+    assert today["scheduler"]["layer_group_tokens"] == 512  # min(--max-prefill-length, 1024)
+    assert candidate["scheduler"]["policy"] == {"layer_streamed": True, "layer_faulting": False, "group_tokens": 32}
     assert candidate["scheduler"]["stream_rows"] == 8  # min(128 slots, 16 keys) // top-2
     assert today["points"][0]["window_layered_steps"] == 0 and candidate["points"][0]["window_layered_steps"] == 16
     assert candidate["window"]["p99_ms"] < 0.7 * today["window"]["p99_ms"]
@@ -164,7 +167,8 @@ def test_the_mixed_command_takes_the_candidates(capsys):
     assert main(["mixed", "--gpu-budget-gib", "24", "--prompt-tokens", "200", "--layered-prefill", "on",
                  "--layer-streamed-chunks", "--layer-group-length", "1024", "--repeats", "1", "--json"]) == 0
     (result,) = json.loads(capsys.readouterr().out)
-    assert result["scheduler"]["policy"] == {"layer_streamed": True, "layer_faulting": False, "group_tokens": 1024}
+    assert result["scheduler"]["policy"] == {"layer_streamed": True, "layer_faulting": False, "group_tokens": None}
+    assert result["scheduler"]["layer_group_tokens"] == 1024  # ft serve's own option since session 25
     assert result["scheduler"]["stream_rows"] == 32  # min(slots, 256 keys) // top-8
     assert result["points"][0]["window_layered_steps"] == 10  # (1024 - 3) x 40 // 8192 = 4 layers a group
     # a 16-token prompt beside 3 decodes (19 rows) does not stream: layered only with --layer-faulting-chunks
