@@ -335,13 +335,14 @@ class Scheduler:
         most what lets one layer of it fit the budget."""
         if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget < pending):
             return 0
-        return min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers)
+        # NOTE: 0 (an ordinary chunk) where a layer-group budget below the mixed one leaves no group room
+        return max(0, min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers))
 
-    def _group_budget(self, budget: int) -> int:
+    def _group_budget(self, budget: int, with_decodes: bool = True) -> int:
         """The token x layers budget of a layer group beside decodes, from `budget`, the step's mixed budget left:
-        what layer_group_tokens adds over mixed_step_tokens (a larger group, fewer steps for the chunk) while
-        mixed_step_tokens keeps deciding which prompts are layered."""
-        return budget + self.config.layer_group_tokens - self.config.mixed_step_tokens
+        what layer_group_tokens adds over (or takes from) mixed_step_tokens, while mixed_step_tokens keeps deciding
+        which prompts are layered. Without decodes the budget itself (a step alone takes every layer left)."""
+        return budget + self.config.layer_group_tokens - self.config.mixed_step_tokens if with_decodes else budget
 
     def _schedule_layered(self, budget: int, with_decodes: bool) -> list[SequenceWork]:
         """The next layer group of the chunk part-way, if any (its request may have been preempted by the
@@ -349,9 +350,10 @@ class Scheduler:
         request = self._layered
         # NOTE: not even one layer fits beside this many decodes (a budget far smaller than the chunk's
         # tokens / layers): the chunk waits, as any prefill does on an empty budget
-        if request is None or self._group_budget(budget) * self.config.num_layers < len(request.layer_chunk.token_ids):
+        group_budget = self._group_budget(budget, with_decodes)
+        if request is None or group_budget * self.config.num_layers < len(request.layer_chunk.token_ids):
             return []
-        return [self._group(request, self._group_budget(budget), with_decodes)]
+        return [self._group(request, group_budget, with_decodes)]
 
     def _first_group(self, request: Request, chunk: int, budget: int) -> SequenceWork:
         request.layer_chunk, request.layers_done = self._work(request, chunk), 0
@@ -388,15 +390,16 @@ class Scheduler:
                 break
             if request.state is not RequestState.PREFILLING or request is self._layered:
                 continue
-            wanted = self._layered_chunk(request.num_pending_tokens, budget, with_decodes) \
-                or min(request.num_pending_tokens, budget)
+            layered = self._layered_chunk(request.num_pending_tokens, budget, with_decodes)
+            wanted = layered or min(request.num_pending_tokens, budget)
             coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
             chunk = min(wanted, coverable - request.num_computed_tokens)
             starved |= chunk < min(request.num_pending_tokens, budget)
             if chunk <= 0:
                 continue
             self._grow_to(request, request.num_computed_tokens + chunk)
-            work = self._first_group(request, chunk, budget) if chunk > budget else self._work(request, chunk)
+            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
+                else self._work(request, chunk)
             works.append(work)
             budget -= self._charge(work)
         return works, starved
@@ -413,13 +416,13 @@ class Scheduler:
             match = self.prefix.match(request)
             start = match.num_tokens if match is not None else 0
             room = self.prefix.available_pages() - self.prefix.pages_locked_by(match) - headroom
-            chunk = 0
+            chunk = layered = 0
             # NOTE: a layered chunk when it applies and its pages fit, else the budget's ordinary chunk
-            for wanted in (self._layered_chunk(request.num_tokens - start, budget, with_decodes),
-                           min(request.num_tokens - start, budget)):
+            for i, wanted in enumerate((self._layered_chunk(request.num_tokens - start, budget, with_decodes),
+                                        min(request.num_tokens - start, budget))):
                 need = _ceil_div(start + wanted, self.config.page_size) - (len(match.pages) if match else 0)
                 if wanted and need <= room:
-                    chunk = wanted
+                    chunk, layered = wanted, wanted if i == 0 else 0  # layered: the layered chunk was taken
                     break
             if not chunk:
                 break  # FIFO: the head is never skipped
@@ -431,10 +434,17 @@ class Scheduler:
             request.transition(RequestState.PREFILLING)
             self._running.append(request)
             self._grow_to(request, start + chunk)
-            work = self._first_group(request, chunk, budget) if chunk > budget else self._work(request, chunk)
+            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
+                else self._work(request, chunk)
             works.append(work)
             budget -= self._charge(work)
         return works
+
+    def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
+        """Whether a chunk about to run starts layer groups: it is longer than the budget (then it is the layered
+        chunk, layered_chunk > 0). A hook: the simulator's what-if policies (simulator/layering_policy.py) also layer
+        a layered chunk the budget could take whole."""
+        return chunk > budget
 
     def can_admit_more(self) -> bool:
         return len(self._running) < self.config.max_running and bool(self._free_slots)

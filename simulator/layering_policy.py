@@ -17,24 +17,18 @@ budget (`mixed_step_tokens` - decodes), and that one budget also sizes each laye
   the group size is set apart. Since session 25 the domain does this itself (SchedulerConfig.layer_group_tokens,
   `ft serve --layer-group-length`, default 1024): group_tokens here only sets that field of the config.
 
-`CandidateScheduler` is the domain Scheduler with those two decisions made overridable; `_schedule_prefills` and
-`_admit` are the domain's, line for line, but for the one test that decides whether a chunk is layered
-(`_takes_layers`). NOTE: tests/simulator/test_layering_policy.py checks that with both candidates off it schedules
-exactly as the domain Scheduler does, so a change there that is not made here fails a test instead of drifting.
+`CandidateScheduler` is the domain Scheduler with its two layering decisions overridden: which chunk may be
+layered (`_layered_chunk`) and whether a chunk about to run starts layer groups (`_takes_layers`, the domain's hook).
+NOTE: tests/simulator/test_layering_policy.py checks that with the candidates off it schedules exactly as the domain
+Scheduler does.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 
 from domain.ports import SequenceWork
-from domain.request import RequestState
 from domain.scheduler import Scheduler, SchedulerConfig
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -95,63 +89,8 @@ class CandidateScheduler(Scheduler):
             return 0
         if not (budget < pending or self._streams(min(pending, budget))):
             return 0
-        return min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers)
+        return max(0, min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers))
 
     def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
         """Today: the chunk is longer than the budget. layer_streamed: also a layered chunk whose step streams."""
         return chunk > budget or (layered_chunk > 0 and self._streams(chunk))
-
-    # ---- the domain's, but for _takes_layers ------------------------------------------------------------
-    def _schedule_prefills(self, budget: int, with_decodes: bool) -> tuple[list[SequenceWork], bool]:
-        works, starved = [], False
-        for request in self._running:
-            if budget <= 0:
-                break
-            if request.state is not RequestState.PREFILLING or request is self._layered:
-                continue
-            layered = self._layered_chunk(request.num_pending_tokens, budget, with_decodes)
-            wanted = layered or min(request.num_pending_tokens, budget)
-            coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
-            chunk = min(wanted, coverable - request.num_computed_tokens)
-            starved |= chunk < min(request.num_pending_tokens, budget)
-            if chunk <= 0:
-                continue
-            self._grow_to(request, request.num_computed_tokens + chunk)
-            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
-                else self._work(request, chunk)
-            works.append(work)
-            budget -= self._charge(work)
-        return works, starved
-
-    def _admit(self, budget: int, with_decodes: bool = False) -> list[SequenceWork]:
-        if not self._waiting:
-            return []
-        works = []
-        headroom = sum(1 for r in self._running if r.state is RequestState.DECODING)
-        while self._waiting and budget > 0 and self.can_admit_more():
-            request = self._waiting[0]
-            match = self.prefix.match(request)
-            start = match.num_tokens if match is not None else 0
-            room = self.prefix.available_pages() - self.prefix.pages_locked_by(match) - headroom
-            chunk = layered = 0
-            for i, wanted in enumerate((self._layered_chunk(request.num_tokens - start, budget, with_decodes),
-                                        min(request.num_tokens - start, budget))):
-                need = _ceil_div(start + wanted, self.config.page_size) - (len(match.pages) if match else 0)
-                if wanted and need <= room:
-                    chunk, layered = wanted, wanted if i == 0 else 0  # layered: the layered chunk was taken
-                    break
-            if not chunk:
-                break
-            self._waiting.popleft()
-            self.prefix.attach(request, match)
-            if not request.output_token_ids and not request.num_preemptions:
-                request.num_cached_tokens = start
-            request.state_slot = heapq.heappop(self._free_slots)
-            request.transition(RequestState.PREFILLING)
-            self._running.append(request)
-            self._grow_to(request, start + chunk)
-            work = self._first_group(request, chunk, budget) if self._takes_layers(chunk, budget, layered) \
-                else self._work(request, chunk)
-            works.append(work)
-            budget -= self._charge(work)
-        return works

@@ -189,3 +189,22 @@ def test_config_checks_the_layer_group_budget():
         with pytest.raises(ValueError, match=rf"layer_group_tokens \({bad}\) must be in \[max_running \(2\), "
                                              r"max_step_tokens \(8\)\]"):
             SchedulerConfig(max_running=2, max_step_tokens=8, mixed_step_tokens=4, layer_group_tokens=bad)
+
+
+def test_a_group_budget_below_the_mixed_one_never_makes_an_empty_or_oversized_chunk():
+    # found by the state machine: with layer_group_tokens < mixed_step_tokens the group room (the mixed budget
+    # left + 3 - 10) went negative, and the layered chunk's size with it (an empty work for the third request)
+    cfg = SchedulerConfig(max_running=3, max_step_tokens=10, mixed_step_tokens=10, page_size=3, max_context=15,
+                          eos_token_ids=EOS, layered_prefill=True, num_layers=1, layer_group_tokens=3)
+    scheduler = Scheduler(cfg, PageAllocator(7), 3)
+    executor = FakeExecutor(3, 7, 3, VOCAB, num_layers=1)
+    for i, (prompt, max_tokens) in enumerate([(3, 2), (14, 1), (3, 1)]):
+        scheduler.add(Request(f"r{i}", [(7 * j) % VOCAB for j in range(prompt)], SamplingParams(max_tokens=max_tokens)))
+    outputs: dict[str, list[int]] = {}
+    for _ in range(30):
+        if scheduler.is_idle():
+            break
+        batch = step(scheduler, executor, outputs)  # FakeExecutor refuses an empty work
+        assert all(len(w.token_ids) >= 1 for w in batch.works)
+        assert sum(step_charge(w, 1) for w in batch.works) <= 10
+    assert scheduler.is_idle() and set(outputs) == {"r0", "r1", "r2"}
