@@ -84,7 +84,12 @@ def test_span_walk_with_another_launch_gives_the_default_values(cfg):
         assert hs.shape == (nv, n_chunks, dk, dv)
         assert torch.equal(s[1], pool[1])
         runs[launch] = (hs, v, s)
+    # v' over the spans' rows only: the gaps' rows of u are gdn_chunk_wy's uninitialised memory (no chunk covers
+    # them), which the walk never reads or writes; compared, their garbage (NaN at times) failed the test at random
+    rows = torch.cat([torch.arange(r.start, r.stop) for r, _ in spans]).to(DEVICE)
     for name, got, want in zip(("hs", "v_new", "state"), runs[cfg], runs[DEFAULT], strict=True):
+        if name == "v_new":
+            got, want = got[:, rows], want[:, rows]
         assert _same(got, want, block_v == DEFAULT[0]), (cfg, name, rel_err(got, want))
 
 
