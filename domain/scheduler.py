@@ -74,21 +74,15 @@ class SchedulerConfig:
             )
         if self.mixed_step_tokens is None:
             object.__setattr__(self, "mixed_step_tokens", self.max_step_tokens)
-        if not self.max_running <= self.mixed_step_tokens <= self.max_step_tokens:
-            # NOTE: the lower bound as above; a mixed step larger than a step alone would make the
-            # running streams wait longer than a prefill alone does, which no setting wants.
-            raise ValueError(
-                f"mixed_step_tokens ({self.mixed_step_tokens}) must be in [max_running ({self.max_running}), "
-                f"max_step_tokens ({self.max_step_tokens})]"
-            )
         if self.layer_group_tokens is None:
             object.__setattr__(self, "layer_group_tokens", self.mixed_step_tokens)
-        if not self.max_running <= self.layer_group_tokens <= self.max_step_tokens:
-            # NOTE: as mixed_step_tokens: every running request decodes beside a group
-            raise ValueError(
-                f"layer_group_tokens ({self.layer_group_tokens}) must be in [max_running ({self.max_running}), "
-                f"max_step_tokens ({self.max_step_tokens})]"
-            )
+        # NOTE: the lower bound as above (every running request decodes beside a mixed chunk or a layer group); a
+        # mixed step larger than a step alone would make the running streams wait longer than a prefill alone does,
+        # which no setting wants. The mixed budget first: a bad one is named even where the group took its value.
+        for name in ("mixed_step_tokens", "layer_group_tokens"):
+            if not self.max_running <= getattr(self, name) <= self.max_step_tokens:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be in [max_running ({self.max_running}), "
+                                 f"max_step_tokens ({self.max_step_tokens})]")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import shutil
 import struct
@@ -24,6 +23,7 @@ from app.cli import main as ft_main
 from app.containers import Container
 from tests.adapters.test_loader_errors import copy_with
 from tests.app.conftest import start_server
+from tests.log_records import logger_records
 
 TINY = dataclasses.replace(GEOMETRIES["tiny"], vocab_size=256, num_hidden_layers=4, num_experts=4)
 P = "model.language_model."
@@ -249,15 +249,6 @@ def test_load_error_puts_health_into_error_and_keeps_answering(sources, tmp_path
         srv.stop()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_a_load_error_in_the_checkpoint_is_logged_without_a_traceback(tmp_path):
     """A damaged checkpoint is the operator's mistake: /health and the log say what is wrong in one line.
     The log carried a 20-line traceback through the loader's internals for every such error."""
@@ -266,17 +257,16 @@ def test_a_load_error_in_the_checkpoint_is_logged_without_a_traceback(tmp_path):
     config = json.loads((dst / "config.json").read_text())
     del config["hidden_size"]
     (dst / "config.json").write_text(json.dumps(config))
-    # NOTE: on the logger itself: Litestar reconfigures the root logger's handlers when the app is built
-    handler, logger = _Records(), logging.getLogger("fluxtide.serve")
-    logger.addHandler(handler)
-    srv = start_server(Container(), wait=False, model_dir=str(dst), gpu_budget_gib=0.5, kv_tokens=None, moe_slots=None)
-    try:
-        assert not srv.runtime.wait_ready(60)
-        assert "config field 'hidden_size' is missing" in httpx.get(srv.base_url + "/health", timeout=5).json()["error"]
-    finally:
-        srv.stop()
-        logger.removeHandler(handler)
-    failed = [r for r in handler.records if "model load failed" in r.getMessage()]
+    with logger_records("fluxtide.serve") as records:
+        srv = start_server(Container(), wait=False, model_dir=str(dst), gpu_budget_gib=0.5, kv_tokens=None,
+                           moe_slots=None)
+        try:
+            assert not srv.runtime.wait_ready(60)
+            assert "config field 'hidden_size' is missing" in httpx.get(srv.base_url + "/health",
+                                                                      timeout=5).json()["error"]
+        finally:
+            srv.stop()
+    failed = [r for r in records if "model load failed" in r.getMessage()]
     assert len(failed) == 1 and failed[0].levelname == "ERROR"
     assert "config.json: config field 'hidden_size' is missing" in failed[0].getMessage()
     assert not failed[0].exc_info, "a traceback for a checkpoint error"

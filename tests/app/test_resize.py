@@ -24,6 +24,7 @@ from tests.app.conftest import (
     until_running_or_done,
     wait_until_idle,
 )
+from tests.log_records import logger_records
 
 
 @pytest.fixture
@@ -131,9 +132,10 @@ def test_failed_resize_rolls_back(srv):
     assert r.choices[0].message.content == expected(content, 8)[0]
 
 
-def test_drain_timeout_keeps_old_pools_and_the_request(srv):
-    """The engine runs step by step (step_gate): the stream (300 steps) is still running when the drain's
-    0.1 s wait ends, however slow the machine (free running, it could finish first or before the poll saw it)."""
+def resize_that_gives_up(srv) -> tuple[httpx.Response, str]:
+    """A resize to 1024 KV tokens whose 0.1 s drain ends while a 300-token stream still runs: the engine runs step by
+    step (step_gate), so the stream is still running when the wait ends, however slow the machine (free running, it
+    could finish first or before the poll saw it). Returns the resize's response and the stream's text."""
     srv.container.executor().step_gate = threading.Semaphore(0)
 
     async def main():
@@ -149,7 +151,11 @@ def test_drain_timeout_keeps_old_pools_and_the_request(srv):
         await client.close()
         return response, result
 
-    response, result = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_drain_timeout_keeps_old_pools_and_the_request(srv):
+    response, result = resize_that_gives_up(srv)
     assert response.status_code == 409 and response.json()["error"]["code"] == "resize_not_applied"
     assert "did not finish" in response.json()["error"]["message"]
     assert result == expected("long one", 300)
@@ -336,25 +342,11 @@ def test_stats_show_the_running_requests_the_resized_state_pool_admits(srv):
     assert httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"] == min(before, 2) == 2
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def engine_log():
-    """The engine logger's records. NOTE: on the logger itself: Litestar reconfigures the root logger's handlers."""
-    handler, logger = _Records(), logging.getLogger("fluxtide.engine")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler.records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    """The engine logger's records (tests/log_records.py)."""
+    with logger_records("fluxtide.engine", logging.DEBUG) as records:
+        yield records
 
 
 def test_an_applied_resize_leaves_one_info_line_with_the_pools_before_and_after(srv, engine_log):
@@ -372,21 +364,8 @@ def test_an_applied_resize_leaves_one_info_line_with_the_pools_before_and_after(
 
 
 def test_a_resize_that_gives_up_on_the_wait_says_so_in_the_log(srv, engine_log):
-    srv.container.executor().step_gate = threading.Semaphore(0)
-
-    async def main():
-        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
-        task = asyncio.ensure_future(stream(client, "long one", 300))
-        await asyncio.to_thread(step_until, srv, lambda pools: pools["running"] > 0)
-        resize = asyncio.ensure_future(asyncio.to_thread(rebuild, srv, kv_tokens=1024, wait_s=0.1))
-        await asyncio.to_thread(step_until, srv, lambda pools: resize.done(), limit=250)
-        open_gate(srv)
-        response = await resize
-        await task
-        await client.close()
-        return response
-
-    assert asyncio.run(main()).status_code == 409
+    response, _ = resize_that_gives_up(srv)
+    assert response.status_code == 409
     warned = [rec for rec in engine_log if rec.levelname == "WARNING" and "resize not applied" in rec.getMessage()]
     assert len(warned) == 1 and "old pools kept (KV tokens 512" in warned[0].getMessage(), warned
     assert not any("pools resized" in rec.getMessage() for rec in engine_log)

@@ -38,19 +38,26 @@ def start_streams(scheduler, executor, outputs, n=2, max_tokens=60):
     step(scheduler, executor, outputs)  # their prompts, then they decode
 
 
-def test_a_long_prompt_beside_decodes_runs_as_one_chunk_a_layer_group_per_step():
-    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
-    outputs: dict[str, list[int]] = {}
-    start_streams(scheduler, executor, outputs)
-    prompt = list(range(1, 40))
+def long_prompt_groups(scheduler, executor, outputs, prompt, limit):
+    """A 1-token answer to `prompt` arriving beside streams s0 and s1: its (start, tokens, layers, sample) per step,
+    each step holding both decodes, one layer group and at most `limit` tokens of charge."""
     scheduler.add(Request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
     groups = []
     while "long" not in outputs:
         batch = step(scheduler, executor, outputs)
         assert sorted(w.request_id for w in batch.works if w.layers is None) == ["s0", "s1"]  # decodes every step
-        assert sum(step_charge(w, LAYERS) for w in batch.works) <= 6  # the mixed budget holds
+        assert sum(step_charge(w, LAYERS) for w in batch.works) <= limit
         (work,) = [w for w in batch.works if w.layers is not None]
         groups.append((work.start_position, len(work.token_ids), work.layers, work.sample))
+    return groups
+
+
+def test_a_long_prompt_beside_decodes_runs_as_one_chunk_a_layer_group_per_step():
+    scheduler, executor = make(page_size=4, max_running=3, max_step_tokens=32, mixed_step_tokens=6)
+    outputs: dict[str, list[int]] = {}
+    start_streams(scheduler, executor, outputs)
+    prompt = list(range(1, 40))
+    groups = long_prompt_groups(scheduler, executor, outputs, prompt, 6)  # the mixed budget holds
     # budget 6 - 2 decodes = 4 tokens x 8 layers = 32 token-layers: the chunk may be 32 tokens (one layer each
     # step); the last 7 tokens go one layer a step too: groups are sized for a max_step_tokens chunk, since a
     # layer's copies and launches do not shrink with its tokens
@@ -161,14 +168,7 @@ def test_a_layer_group_budget_sizes_the_groups_while_the_mixed_budget_decides_wh
     outputs: dict[str, list[int]] = {}
     start_streams(scheduler, executor, outputs)
     prompt = list(range(1, 40))
-    scheduler.add(Request("long", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
-    groups = []
-    while "long" not in outputs:
-        batch = step(scheduler, executor, outputs)
-        assert sorted(w.request_id for w in batch.works if w.layers is None) == ["s0", "s1"]
-        assert sum(step_charge(w, LAYERS) for w in batch.works) <= 10  # the group budget holds, not the mixed one
-        (work,) = [w for w in batch.works if w.layers is not None]
-        groups.append((work.start_position, len(work.token_ids), work.layers))
+    groups = [g[:3] for g in long_prompt_groups(scheduler, executor, outputs, prompt, 10)]  # the group budget holds
     # (4 + 10 - 6) = 8 tokens x 8 layers: a 32-token chunk, 8 * 8 // 32 = 2 layers a step; the 7-token rest is
     # layered too (7 > 4), its groups sized for a 32-token chunk as well
     assert groups == [(0, 32, (i, i + 2)) for i in range(0, LAYERS, 2)] + [(32, 7, (i, i + 2))
