@@ -30,17 +30,19 @@ from app.bench.figures import failures_of, median, request_figures
 from app.bench.target import BenchError
 
 FILLER = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
-# NOTE: the nonce leads the prompt, so two prompts share no cached page; it carries a run id drawn once per process,
-# so a second `ft bench` run against the same server does not resend the first one's prompts (a counter alone
-# restarted at 1 and the second run measured the prefix cache: 123k "prefill" tok/s on the CPU demo). Fixed width:
-# the same token count for every run.
+# NOTE: the nonce leads the prompt, so two prompts share no cached page: its counter comes first (after the run id,
+# the 16th token, the repeats of one `ft bench mixed` run shared their first page; a branch-point snapshot there let
+# some repeats resume 16 tokens and skip the prompt's 4-token tail step, H100 2026-12-05), then a run id drawn once
+# per process, so a second `ft bench` run against the same server does not resend the first one's prompts (a counter
+# alone restarted at 1 and the second run measured the prefix cache: 123k "prefill" tok/s on the CPU demo). Fixed
+# width: the same token count for every run.
 _RUN_ID = secrets.randbelow(10**8)
 _nonce = itertools.count(1)
 
 
 def make_prompt(units: int) -> str:
     """A prompt of a fresh nonce and ``units`` filler sentences, unlike any other this process or another sent."""
-    return f"Request {_RUN_ID:08d}-{next(_nonce):06d}. " + FILLER * units
+    return f"{next(_nonce):06d}-{_RUN_ID:08d}. Request. " + FILLER * units
 
 
 async def _prompt_tokens(ctx: Ctx, units: int) -> int:

@@ -147,4 +147,7 @@ def test_a_second_run_never_resends_the_first_runs_prompts():
     assert len(set(first + second)) == 4
     page = 16  # a cached page is 16 tokens: the nonce must differ inside the first one
     assert all(a[:page] != b[:page] for a in first for b in second)
+    # and inside one run (one character is at most one token, so a difference in the first 16 characters is one in
+    # the first page): the run id first let a mixed run's repeats share a page and resume from it
+    assert first[0][:page] != first[1][:page] and second[0][:page] != second[1][:page]
     assert {len(p) for p in first + second} == {len(first[0])}  # same length every run: same token count
