@@ -146,6 +146,7 @@ def _serve(args, parser) -> int:
         Container,
         check_device,
         check_routing_replay,
+        check_step_profiler,
         environment_api_key,
         model_dir_problem,
     )
@@ -197,6 +198,7 @@ def _serve(args, parser) -> int:
         if problem := model_dir_problem(settings):
             raise ValueError(problem)
         check_routing_replay(settings)
+        check_step_profiler()  # FLUXTIDE_PROFILE_*: refused here, not after a model's load
         if args.data_parallel == 1 and args.expert_parallel == 1:  # NOTE: those assign devices (and say so) their way
             check_device(settings)
     except ValueError as exc:

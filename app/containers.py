@@ -306,6 +306,7 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         torch.set_num_threads(settings.cpu_threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if settings.expert_parallel > 1:
+        _no_step_profiler("--expert-parallel serves")
         return _expert_parallel_executor(settings, checkpoint, plan, device, dtype, progress)
     fast = _use_fast_path(settings, checkpoint, device)
     choice = _prefill_choice(settings, checkpoint, device, fast)
@@ -316,7 +317,9 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         return _reporting(choice, CudaGraphExecutor(
             checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests, on_phase=progress,
             prefill_kernels=choice.triton, routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
-            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations, prefill_graphs=graphs))
+            warm_prefill=True, fp8_activations=settings.prefill_fp8_activations, prefill_graphs=graphs,
+            step_profiler=_step_profiler()))  # NOTE: made first: before the executor captures its graphs
+    _no_step_profiler("the reference executor serves")
     if settings.prefill_fp8_activations:
         raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
                          "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "
@@ -328,6 +331,58 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
     return _reporting(choice, TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder,
                                             routing_replay=routing_replay))
+
+
+def _profile_env(environ) -> tuple[str, str, int, bool] | None:
+    """The step profiler's environment (docs/serving.md, "Step profiles"): (FLUXTIDE_PROFILE_DIR, which enables it,
+    FLUXTIDE_PROFILE_STEPS (default prefill>0), FLUXTIDE_PROFILE_MAX (default 8), FLUXTIDE_PROFILE_STACKS 0|1), or
+    None when off; ValueError naming the variable that is malformed (the filter's grammar is the adapter's)."""
+    out_dir = environ.get("FLUXTIDE_PROFILE_DIR")
+    if not out_dir:
+        return None
+    raw_max = environ.get("FLUXTIDE_PROFILE_MAX") or "8"
+    if not (raw_max.isdigit() and int(raw_max) >= 1):
+        raise ValueError(f"FLUXTIDE_PROFILE_MAX must be a whole number of steps >= 1, got {raw_max!r}")
+    stacks = environ.get("FLUXTIDE_PROFILE_STACKS") or "0"
+    if stacks not in ("0", "1"):
+        raise ValueError(f"FLUXTIDE_PROFILE_STACKS must be 0 or 1, got {stacks!r}")
+    return out_dir, environ.get("FLUXTIDE_PROFILE_STEPS") or "prefill>0", int(raw_max), stacks == "1"
+
+
+def check_step_profiler(environ=None) -> None:
+    """The FLUXTIDE_PROFILE_* variables checked before anything loads (`ft serve`), the directory made: ValueError
+    naming what is wrong. Nothing imported or made when FLUXTIDE_PROFILE_DIR is unset."""
+    _step_profiler(environ, build=False)
+
+
+def _step_profiler(environ=None, build: bool = True):
+    """The fast path's StepProfiler from the environment (adapters/cuda_exec/step_profiler.py), logged; None when
+    FLUXTIDE_PROFILE_DIR is unset (or build is False: only checked)."""
+    env = _profile_env(os.environ if environ is None else environ)
+    if env is None:
+        return None
+    from adapters.cuda_exec.step_profiler import StepProfiler, parse_step_filter
+
+    out_dir, steps, max_steps, stacks = env
+    try:
+        step_filter = parse_step_filter(steps)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except ValueError as exc:
+        raise ValueError(f"FLUXTIDE_PROFILE_STEPS: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"FLUXTIDE_PROFILE_DIR {out_dir}: cannot make it ({exc.strerror or exc})") from None
+    if not build:
+        return None
+    log.info("step profiler: on: up to %d steps matching %r (FLUXTIDE_PROFILE_STEPS), Python stacks %s, into %s",
+             max_steps, str(step_filter), "on" if stacks else "off", out_dir)
+    return StepProfiler(out_dir, step_filter, max_steps, with_stack=stacks)
+
+
+def _no_step_profiler(why: str, environ=None) -> None:
+    """Says that FLUXTIDE_PROFILE_DIR profiles nothing here (where the fast path does not serve one process)."""
+    if _profile_env(os.environ if environ is None else environ) is not None:
+        log.warning("step profiler: off: FLUXTIDE_PROFILE_DIR profiles steps of the CUDA fast path in one process "
+                    "only, and %s", why)
 
 
 def _prefill_choice(settings: ServeSettings, checkpoint, device: str, fast: bool) -> PrefillChoice:

@@ -9,6 +9,10 @@
 #   24gib:    --gpu-budget-gib $BUDGET_GIB, 16k KV: the issue's card, the prefill streams what is not resident
 #   MIXED_BUDGETS="8192:512 8192:512:layered" (max:mixed[:layered] per server; the old single budget is 2048:2048),
 #   MIXED_ARGS (extra ft bench mixed arguments)
+#   PROFILE_STEPS="mixed&prefill<=32" (a step filter, adapters/cuda_exec/step_profiler.py): each server profiles the
+#   steps it matches (FLUXTIDE_PROFILE_DIR=$OUT/step-profiles/<record name>, PROFILE_MAX of them, default 8; a
+#   gzipped chrome trace and a JSON summary each), packed into $OUT/step-profiles.tar at the end with one line per
+#   step printed. Profiled steps run slower: such a run's gaps and TTFT are no benchmark (docs/serving.md).
 # Records: $OUT/mixed_<scenario>_<max>-<mixed>[-layered].json, the server logs beside them (serve_mixed_*.log).
 # Sources gpu_http_bench.sh for the checkpoint, the server start and the budgets (carry .whl/ as there).
 set -uo pipefail
@@ -34,6 +38,24 @@ print(f"{sys.argv[1]}: budgets {s.get('server_step_budgets')} (layer groups afte
 EOF
 }
 
+profile_lines() {  # profile_lines DIR: one line per step profile summary under DIR (step_profiler.py's JSON)
+  python3 - "$1" <<'EOF'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*/step-*.json")):
+    try:
+        s = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"{path}: unreadable ({exc})"); continue
+    d, h, y = s.get("device_time") or {}, s.get("host") or {}, s.get("host_syncs") or {}
+    gaps = s.get("idle_gaps") or {}
+    g = (gaps.get("largest") or [{}])[0]
+    print(f"{path.parent.name}/{path.name}: wall {s.get('wall_ms')} ms, device busy {d.get('busy_union_ms')} ms, "
+          f"kernels {d.get('kernel_sum_ms')} ms in {d.get('kernels')}, host outside ops {h.get('outside_ops_ms')} ms, "
+          f"syncs {y.get('count')} ({y.get('total_ms')} ms), idle {gaps.get('total_ms')} ms (largest {g.get('dur_ms')} "
+          f"ms before {g.get('next_work')}){' ERROR ' + s['summary_error'] if 'summary_error' in s else ''}")
+EOF
+}
+
 run_scenario() {  # run_scenario NAME PORT: one server per budget pair, ft bench mixed against each
   local scen=$1 port=$2 shape pair max mixed layered name rest
   case $scen in
@@ -44,6 +66,10 @@ run_scenario() {  # run_scenario NAME PORT: one server per budget pair, ft bench
   for pair in $MIXED_BUDGETS; do
     max=${pair%%:*} rest=${pair#*:} mixed=${rest%%:*} layered=off name=mixed_${scen}_${pair//:/-}
     [[ $rest == *:layered ]] && layered=on
+    if [[ -n ${PROFILE_STEPS:-} ]]; then  # the server started below profiles the steps the filter picks
+      export FLUXTIDE_PROFILE_DIR="$OUT/step-profiles/$name" FLUXTIDE_PROFILE_STEPS="$PROFILE_STEPS"
+      export FLUXTIDE_PROFILE_MAX="${PROFILE_MAX:-8}"
+    fi
     # shellcheck disable=SC2086  # shape is a list of options
     if serve "$port" "$OUT/serve_$name.log" $shape --max-running-requests 4 --max-prefill-length "$max" \
         --mixed-prefill-length "$mixed" --layered-prefill "$layered"; then
@@ -71,4 +97,9 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
     port=$((port + 10))
   done
   grep -h -E "Error|error|Traceback" "$OUT"/serve_mixed_*.log | head -10 || true
+  if [[ -n ${PROFILE_STEPS:-} && -d $OUT/step-profiles ]]; then
+    profile_lines "$OUT/step-profiles"
+    # NOTE: one file back (a call returns only a few from $OUT); the traces inside are gzipped already
+    tar cf "$OUT/step-profiles.tar" -C "$OUT" step-profiles && rm -rf "$OUT/step-profiles"
+  fi
 fi

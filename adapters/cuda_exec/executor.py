@@ -25,6 +25,7 @@ from adapters.cuda_exec.prefill_graphs import MoeSegments
 from adapters.cuda_exec.prefill_linear import a8_weight
 from adapters.cuda_exec.prefill_warmup import WarmupReport, plan_warmup, warm_prefill_kernels
 from adapters.cuda_exec.routing_replay import DeviceRoutingTable
+from adapters.cuda_exec.step_profiler import StepProfiler
 from adapters.kernels.dequant_tile import W_LHS_TUNING
 from adapters.kernels.grouped_moe import takes_a8
 from adapters.kernels.tuned_tiles import tuned_tiles, w_lhs_wins
@@ -72,13 +73,15 @@ class CudaGraphExecutor(ExecutorPools):
     capture_error_mode = "global"  # torch.cuda.graph's: any thread's unsafe CUDA call fails the capture
     # ModelExecutor's launch hook (set by the engine): called once per execute() where the host starts waiting
     on_launched: Callable[[], None] | None = None
+    step_profiler: StepProfiler | None = None  # FLUXTIDE_PROFILE_DIR: profiles the steps it picks (step_profiler.py)
 
     def __init__(self, checkpoint: LoadedCheckpoint, plan: PoolPlan, device: torch.device | str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0, max_decode_rows: int = 4,
                  max_context: int | None = None, use_graphs: bool | None = None,
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
                  routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
-                 warm_prefill: bool = False, fp8_activations: bool = False, prefill_graphs: bool = False):
+                 warm_prefill: bool = False, fp8_activations: bool = False, prefill_graphs: bool = False,
+                 step_profiler: StepProfiler | None = None):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
@@ -96,7 +99,9 @@ class CudaGraphExecutor(ExecutorPools):
         prefill_graphs: prefill and mixed steps of up to prefill_graphs.BUCKETS[-1] tokens replay each layer's MoE
         half from a CUDA graph per token bucket, the token mixers eager between them (prefill_graphs.py,
         --prefill-graphs); needs prefill_kernels, else ValueError. Off CUDA (use_graphs False) the same padded
-        buffers run eagerly (tests)."""
+        buffers run eagerly (tests).
+        step_profiler: execute() runs the steps it picks under torch.profiler, each leaving a trace and a summary
+        (step_profiler.py, FLUXTIDE_PROFILE_DIR); None (the default) costs nothing."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -143,6 +148,7 @@ class CudaGraphExecutor(ExecutorPools):
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         self.max_step_tokens = max_step_tokens
         self.warmup: WarmupReport | None = None
+        self.step_profiler = step_profiler
         self._on_phase = on_phase
         self.resize_pools(plan)
         if warm_prefill:
@@ -385,6 +391,12 @@ class CudaGraphExecutor(ExecutorPools):
             return super()._group_forward(chunk, layers)
 
     def execute(self, batch: StepBatch) -> dict[str, SampledToken]:
+        profiler = self.step_profiler
+        if profiler is not None and profiler.wants(batch):  # NOTE: the whole step, a layer group's included
+            return profiler.profile(batch, self._execute, self)
+        return self._execute(batch)
+
+    def _execute(self, batch: StepBatch) -> dict[str, SampledToken]:
         works = {w.request_id: w for w in batch.works}
         out: dict[str, SampledToken] = {}
         group = batch.layered
