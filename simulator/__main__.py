@@ -120,6 +120,13 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                         "(default 1024, at least --mixed-prefill-length, which keeps deciding what is layered)")
     m.add_argument("--streams", type=parse_count, default=3, help="running streams (ft bench mixed --streams)")
     m.add_argument("--prompt-tokens", type=parse_count, default=8192, help="the long prompt (--prompt-tokens)")
+    m.add_argument("--repeat-prompt-tokens", type=parse_list, metavar="N,N,...",
+                   help="the long prompt's tokens each measured repeat computes, one count per repeat (the rest "
+                        "resumed from the prefix cache; simulated as a fresh prompt of that size); default: "
+                        "--prompt-tokens in every repeat; with --record: each repeat's own chunks, from its step trace")
+    m.add_argument("--steps", action="store_true",
+                   help="with --record: print every window step beside its simulated twin (kind, measured and "
+                        "predicted ms); the JSON's compare.steps always has them")
     m.add_argument("--stream-tokens", type=parse_count, default=128, help="each stream's output tokens")
     m.add_argument("--stream-prompt-tokens", type=parse_count, help="the streams' prompt (default: the "
                                                                    "calibration's prompt, the customer's 18 tokens)")
@@ -356,7 +363,8 @@ def mixed_command(args) -> int:
     scenario = MixedScenario(streams=args.streams, prompt_tokens=args.prompt_tokens, stream_tokens=args.stream_tokens,
                              stream_prompt_tokens=args.stream_prompt_tokens or workload.prompt_tokens,
                              warmup_tokens=args.warmup_tokens, baseline_tokens=args.baseline_tokens,
-                             repeats=args.repeats, warmup_repeats=args.warmup_repeats, same_prompt=args.same_prompt)
+                             repeats=args.repeats, warmup_repeats=args.warmup_repeats, same_prompt=args.same_prompt,
+                             repeat_prompt_tokens=tuple(args.repeat_prompt_tokens or ()))
     scenario.check_valid()
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     from simulator.layering_policy import LayeringPolicy
@@ -376,7 +384,7 @@ def mixed_command(args) -> int:
         result = {"command": "python -m simulator " + shlex.join(args.argv),
                   **predict_mixed(cfg, routing, scenario, layered=mode == "on")}
         if record is not None:
-            result["compare"] = record.compare(result, overridden)
+            result["compare"] = record.compare(result, overridden, spec.top_k, cfg.cost.lookup_max_keys)
         results.append(result)
     text = json.dumps(results, indent=2)
     if args.out:
@@ -389,7 +397,7 @@ def mixed_command(args) -> int:
         from simulator.table import print_mixed
 
         print_mixed(results, title=f"ft bench mixed, predicted: {model_name} on {hardware.name}, "
-                                   f"{calibration.describe(hardware.name)}; routing {args.routing}")
+                                   f"{calibration.describe(hardware.name)}; routing {args.routing}", steps=args.steps)
     return 0
 
 

@@ -19,8 +19,12 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
 - host overhead outside the graph (`host_overhead`): per step and per real row, during which the
   GPU and the link are both idle;
 - the eager terms (`eager_terms`, `eager_model`): an uncaptured pass of more than lookup_max_keys pairs a layer
-  call (long prefill chunks, mixed steps, layer groups) pays eager_layer_s per layer and computes at
-  eager_compute_efficiency (docs/simulator.md, "Prefill compute").
+  call (long prefill chunks, mixed steps, layer groups) pays eager_layer_s per layer, eager_token_s per token and
+  layer, and computes at eager_compute_efficiency (docs/simulator.md, "Prefill compute", "Short steps");
+- the short step's eager token mixers (`short_step`): an uncaptured step of at most lookup_max_keys pairs a layer
+  call (a prompt's tail beside decodes, a short prompt: the prefill graphs' steps) launches each layer's token mixer
+  from Python, eager_mixer_layer_s of host time a layer, before that layer's GPU work can start (docs/simulator.md,
+  "Short steps: h200_records_v7").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -106,13 +110,24 @@ class CostParams(StrictParams):
     # fields). Fitted on bench_prefill's resident prompts (simulator/fit_prefill.py); decode graphs never pay them.
     eager_layer_s: float = 0.0
     eager_compute_efficiency: float = 0.0  # 0: compute_efficiency
+    # Per token and layer such a pass computes, on top of its roofline (what scales with the chunk's tokens and the
+    # roofline does not count: the GDN recurrence, routing, elementwise kernels). 0: none (files before
+    # h200_records_v7, whose eager_layer_s carried it; simulator/fit_short_steps.py splits the two).
+    eager_token_s: float = 0.0
+    # A short uncaptured step (at most lookup_max_keys pairs a layer call, not a captured decode graph: a prompt's
+    # tail beside decodes, a short prompt) runs each layer's token mixer eagerly from Python and only the layer's MoE
+    # half from a CUDA graph (adapters/cuda_exec/prefill_graphs.py): the host spends this long a layer launching
+    # them, and a layer's GPU work starts no earlier than its launches end (host and GPU pipelined: the step is the
+    # later of the two, layer by layer). 0: the step is costed as a graph replay (files before h200_records_v7).
+    eager_mixer_layer_s: float = 0.0
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
             object.__setattr__(self, "graph_buckets", tuple(self.graph_buckets))
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
                          "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", "request_overhead_s",
-                         "eager_layer_s", "eager_compute_efficiency", allow_zero=True)
+                         "eager_layer_s", "eager_compute_efficiency", "eager_token_s", "eager_mixer_layer_s",
+                         allow_zero=True)
         buckets = self.graph_buckets
         if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                                                  for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -159,6 +174,8 @@ class CostModel:
         # Parameters one token multiplies through in a layer outside the routed experts.
         self.layer_dense_params = self.layer_dense_bytes / _bytes_per_param(spec)
         self.expert_flops_per_token = 2 * 3 * h * spec.expert_intermediate
+        # per token a layer's token mixer computes, outside the roofline: eager_token_s in the eager model only
+        self.layer_token_s = 0.0
         self._mem = hardware.memory_bytes_per_s * params.memory_efficiency
         self._flops = hardware.bf16_flops * params.compute_efficiency
         self._h2d = hardware.h2d_bytes_per_s * params.h2d_efficiency
@@ -168,7 +185,8 @@ class CostModel:
 
     @property
     def has_eager_terms(self) -> bool:
-        return bool(self.params.eager_layer_s or self.params.eager_compute_efficiency)
+        p = self.params
+        return bool(p.eager_layer_s or p.eager_compute_efficiency or p.eager_token_s)
 
     def eager_terms(self, pairs: int) -> bool:
         """Whether an uncaptured step whose largest layer call routes `pairs` (token, top-k) pairs pays the eager
@@ -178,16 +196,26 @@ class CostModel:
             raise ValueError(f"negative pairs {pairs}")
         return self.has_eager_terms and pairs > self.params.lookup_max_keys
 
+    def short_step(self, pairs: int) -> bool:
+        """Whether an uncaptured step whose largest layer call routes `pairs` pairs launches its token mixers eagerly
+        layer by layer (eager_mixer_layer_s set and at most lookup_max_keys pairs: the prefill graphs' steps)."""
+        if pairs < 0:
+            raise ValueError(f"negative pairs {pairs}")
+        return self.params.eager_mixer_layer_s > 0 and pairs <= self.params.lookup_max_keys
+
     def eager_model(self) -> CostModel:
-        """This model with the eager terms in place: layer_overhead_s + eager_layer_s per layer, and compute at
-        eager_compute_efficiency (when set). Everything else (memory, copies, step overheads) is this model's."""
+        """This model with the eager terms in place: layer_overhead_s + eager_layer_s per layer, eager_token_s per
+        token and layer, and compute at eager_compute_efficiency (when set). Everything else (memory, copies, step
+        overheads) is this model's."""
         from dataclasses import replace
 
         p = self.params
-        return CostModel(self.spec, self.hardware, replace(
+        model = CostModel(self.spec, self.hardware, replace(
             p, layer_overhead_s=p.layer_overhead_s + p.eager_layer_s,
             compute_efficiency=p.eager_compute_efficiency or p.compute_efficiency, eager_layer_s=0.0,
-            eager_compute_efficiency=0.0))
+            eager_compute_efficiency=0.0, eager_token_s=0.0))
+        model.layer_token_s = p.eager_token_s
+        return model
 
     def step_overhead(self, num_sequences: int) -> float:
         return self.params.step_overhead_s + self.params.sequence_overhead_s * num_sequences
@@ -242,7 +270,7 @@ class CostModel:
         """Attention or GDN, shared expert and router of one layer, for every sequence."""
         spec = self.spec
         tokens = sum(s.num_tokens for s in loads)
-        launch = self.params.layer_overhead_s
+        launch = self.params.layer_overhead_s + self.layer_token_s * tokens
         nbytes = self.layer_dense_bytes
         flops = 2.0 * self.layer_dense_params * tokens
         if spec.layer_kinds[layer] is LayerKind.FULL_ATTENTION:

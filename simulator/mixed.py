@@ -58,6 +58,10 @@ class MixedScenario(StrictParams):
     repeats: int = 3  # --repeats
     warmup_repeats: int = 1  # unrecorded repeats first (ft bench mixed: 1)
     same_prompt: bool = False  # every stream one prompt (they decode in lockstep); the benchmark's differ
+    # per recorded repeat, the long prompt's tokens that repeat computes (a replayed record's own chunk sizes: before
+    # session 26 a repeat could resume 16 tokens from the prefix cache, "Repeat 2 has no tail step"), simulated as a
+    # fresh prompt of that many tokens; () = prompt_tokens in every repeat
+    repeat_prompt_tokens: tuple[int, ...] = ()
 
     def check_valid(self) -> None:
         require_positive(self, "streams", "stream_prompt_tokens", "stream_tokens", "warmup_tokens",
@@ -65,10 +69,24 @@ class MixedScenario(StrictParams):
         require_positive(self, "warmup_repeats", allow_zero=True)
         if not isinstance(self.same_prompt, bool):
             raise ValueError("MixedScenario.same_prompt must be a bool")
+        per_repeat = self.repeat_prompt_tokens
+        if isinstance(per_repeat, list):  # from JSON
+            object.__setattr__(self, "repeat_prompt_tokens", per_repeat := tuple(per_repeat))
+        if not isinstance(per_repeat, tuple) or any(
+                isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.prompt_tokens for n in per_repeat):
+            raise ValueError(f"MixedScenario.repeat_prompt_tokens must be counts in [1, prompt_tokens "
+                             f"{self.prompt_tokens}], got {per_repeat!r}")
+        if per_repeat and len(per_repeat) != self.repeats:
+            raise ValueError(f"MixedScenario.repeat_prompt_tokens has {len(per_repeat)} counts for {self.repeats} "
+                             "repeats")
         if self.warmup_tokens + self.baseline_tokens >= self.stream_tokens:
             raise ValueError(f"stream_tokens ({self.stream_tokens}) must exceed warmup_tokens + baseline_tokens "
                              f"({self.warmup_tokens + self.baseline_tokens}): the streams must still decode when "
                              "the long prompt arrives")
+
+    def long_prompt_tokens(self, repeat: int) -> int:
+        """The tokens the long prompt computes in recorded repeat `repeat` (0-based)."""
+        return self.repeat_prompt_tokens[repeat] if self.repeat_prompt_tokens else self.prompt_tokens
 
 
 
@@ -99,6 +117,7 @@ class _Loop:
         self._order = 0
         self.tokens: dict[str, list[float]] = {}
         self.ended: dict[str, str | None] = {}
+        self.steps: list[dict] = []  # every step: what the server's step trace records of it (step_row)
 
     def submit(self, request: Request, at: float) -> None:
         self.tokens[request.request_id] = []
@@ -115,8 +134,10 @@ class _Loop:
                 return False
             self.host.advance_to(self._arrivals[0][0])
             return True
+        start, counters = self.host.now(), self.executor.counters.copy()
         sampled = self.executor.execute(batch)
         now = self.host.now()
+        self.steps.append(step_row(batch, start, now, self.executor.counters.minus(counters)))
         for event in self.scheduler.complete(batch, sampled):
             if event.token_id is not None:
                 self.tokens[event.request_id].append(now)
@@ -138,11 +159,40 @@ class _Loop:
                 raise _Broken(f"the engine went idle waiting for {what}")
 
 
+def step_row(batch, start: float, end: float, counted) -> dict:
+    """One simulated step as the server's step trace records it (app/bench/step_trace.py's window_steps fields;
+    times in seconds of simulated time): decode rows, the prefill works beside them and their tokens (a layer group's
+    chunk counted in its first group only), the layer group and its chunk's tokens, the LRU's misses, and the
+    experts the step staged (streamed prefill; the record has no such field)."""
+    layered = batch.layered
+    decode_rows = batch.num_decode_tokens
+    return {"start": start, "end": end, "decode_rows": decode_rows, "prefill_tokens": batch.num_prefill_tokens,
+            "prefill_works": len(batch.works) - decode_rows,
+            "layers": None if layered is None else list(layered.layers),
+            "layer_tokens": 0 if layered is None else len(layered.token_ids), "expert_misses": counted.expert_misses,
+            "experts_staged": counted.streamed_staged}
+
+
+def step_kind(step: dict, top_k: int, max_keys: int) -> str:
+    """A step trace row's kind: "layer group"; "decode" (no prefill work); "tail" (a prefill work in a step of at
+    most `max_keys` (token, top-k) pairs a layer call: the prefill graphs' steps, e.g. a prompt's last tokens beside
+    the decodes); "mixed" (a longer prefill beside decodes) or "prefill chunk" (alone). app/bench/step_trace.py's
+    kinds, with its short mixed or prefill steps apart as "tail"."""
+    if step.get("layers") is not None:
+        return "layer group"
+    if not step.get("prefill_works"):
+        return "decode"
+    tokens = step["prefill_tokens"] + step["decode_rows"]
+    if tokens * top_k <= max_keys:
+        return "tail"
+    return "mixed" if step["decode_rows"] else "prefill chunk"
+
+
 def _prompt(seed: int, tokens: int) -> list[int]:
     return [(seed * 7919 + i * 31 + 11) % 50000 for i in range(tokens)]
 
 
-def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float) -> dict:
+def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float, prompt_tokens: int) -> dict:
     host, ex, s = loop.host, loop.executor, scenario
     t0 = host.now()
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -160,16 +210,20 @@ def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float) -
     loop.until(lambda: all(len(loop.tokens[i]) >= c + s.baseline_tokens for i, c in zip(ids, counts, strict=True)),
                ids, f"{s.baseline_tokens} baseline tokens on every stream")
     send = host.now()
-    long = Request(f"rep{index}-long", _prompt(1_000_003 + index, s.prompt_tokens),
+    long = Request(f"rep{index}-long", _prompt(1_000_003 + index, prompt_tokens),
                    SamplingParams(max_tokens=1, **greedy), arrival_time=send)
     reason = loop.scheduler.check_request(long)
     if reason is not None:
         raise _Broken(f"the long prompt can never run on these pools: {reason}")
     loop.submit(long, send + overhead)
-    before = ex.counters.copy()
+    before, traced = ex.counters.copy(), len(loop.steps)
     loop.until(lambda: bool(loop.tokens[long.request_id]), ids, "the long prompt's first token")
     first = loop.tokens[long.request_id][0]
     during = ex.counters.minus(before)
+    # the steps whose model call overlaps [send, first token], as the record's window steps read (ms from the send)
+    window_steps = [{"end_ms": (row["end"] - send) * 1e3, "ms": (row["end"] - row["start"]) * 1e3,
+                     **{k: v for k, v in row.items() if k not in ("start", "end")}}
+                    for row in loop.steps[traced:] if row["end"] > send and row["start"] < first]
     loop.until(lambda: all(loop.tokens[i] and loop.tokens[i][-1] > first for i in ids), ids,
                "a token after the prefill window on every stream")
     for rid in ids:
@@ -177,7 +231,8 @@ def _repeat(loop: _Loop, scenario: MixedScenario, index: int, overhead: float) -
     window = [g for i in ids for g in gaps_between(loop.tokens[i], send, first, overlapping=True)]
     baseline = [g for i in ids for g in gaps_between(loop.tokens[i], baseline_start, send, overlapping=False)]
     return {"window_gaps_s": window, "baseline_gaps_s": baseline, "ttft_s": first - send, "window_s": first - send,
-            "steps": during.steps, "layered_steps": during.layered_steps, "streamed_steps": during.streamed_steps,
+            "steps": during.steps, "step_trace": window_steps, "prompt_tokens": prompt_tokens,
+            "layered_steps": during.layered_steps, "streamed_steps": during.streamed_steps,
             "streamed_staged": during.streamed_staged, "expert_misses": during.expert_misses,
             "stream_tokens_seen": [len(loop.tokens[i]) for i in ids]}
 
@@ -194,12 +249,27 @@ def not_modelled(cost: CostParams) -> list[str]:
         notes.append("prefill compute is not calibrated: the resident 32k prefill simulates at 0.51 s (pool "
                      "preloaded; 0.83 s from a cold LRU) against 1.57 s measured (docs/simulator.md, 'Prefill compute'), so compute-bound steps (resident) come "
                      "out short")
-    else:
+    elif cost.eager_token_s == 0:
         notes.append("the eager terms (eager_layer_s, eager_compute_efficiency) were fitted on 8,192-token chunks "
                      "only: the fixed cost is charged pro rata per layer (a layer group pays its layers' share) and "
                      "the split between fixed and per-token cost is not identified; held out, 1k-4k HTTP prefills "
                      "come out +23 to +53 % (docs/simulator.md, 'Prefill compute'), so short unlayered mixed steps "
                      "(512 tokens) are likely over-costed")
+    else:
+        notes.append("the eager prefill's fixed and per-token costs were split on the H100's 4k and 32k resident "
+                     "prompts (docs/simulator.md, 'Short steps'); a layer group pays its layers' share of the fixed "
+                     "cost (pro rata, unmeasured), and chunks under 4,096 tokens (a 512-token mixed step) are an "
+                     "extrapolation (the H200's 1k HTTP prefill held out at -30 %)")
+    if cost.eager_mixer_layer_s == 0:
+        notes.append("a short uncaptured step (at most 32 tokens, e.g. the prompt's tail beside the decodes) is costed "
+                     "as a graph replay; the engine launches its token mixers eagerly layer by layer: the H100 took "
+                     "61-69 ms for such a tail step, resident, where this costs ~6 ms (docs/simulator.md, 'Short "
+                     "steps')")
+    else:
+        notes.append("the short step's eager token mixers (eager_mixer_layer_s) were fitted on a resident tail step "
+                     "(4 prompt tokens beside 3 decodes) of the H100's host; with experts to copy the model overlaps "
+                     "them with the copies, and the H100's 24 GiB tail steps came out 10-17 % short; a pure short "
+                     "prefill is likely over-costed (session 20's 2-token prefills: TTFT +37 to +65 %)")
     notes += [
         "an unlayered mixed step's decode rows run eagerly on the engine (not as their graph); they are costed "
         "at the roofline like any eager row" + (" (with the eager terms)" if cost.eager_compute_efficiency else
@@ -295,8 +365,9 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
     points, window, baseline, ttfts, failures = [], [], [], [], []
     for index in range(scenario.warmup_repeats + scenario.repeats):
         recorded = index >= scenario.warmup_repeats
+        length = scenario.long_prompt_tokens(index - scenario.warmup_repeats) if recorded else scenario.prompt_tokens
         try:
-            got = _repeat(loop, scenario, index, overhead)
+            got = _repeat(loop, scenario, index, overhead, length)
         except _Broken as exc:
             failures.append({"repeat": index, "warmup": not recorded, "error": str(exc)})
             if recorded:
@@ -307,7 +378,8 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
             continue
         figures = gap_figures(got["window_gaps_s"])
         points.append({
-            "repeat": index - scenario.warmup_repeats, "ok": True, "error": None, "ttft_s": got["ttft_s"],
+            "repeat": index - scenario.warmup_repeats, "ok": True, "error": None, "prompt_tokens": got["prompt_tokens"],
+            "ttft_s": got["ttft_s"],
             "gaps_in_window": figures["count"], "gap_p50_ms": figures["p50_ms"], "gap_p99_ms": figures["p99_ms"],
             "gap_max_ms": figures["max_ms"], "baseline": gap_figures(got["baseline_gaps_s"]),
             "window_steps": got["steps"], "window_layered_steps": got["layered_steps"],
@@ -315,6 +387,8 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
             "window_bytes_staged": got["streamed_staged"] * cost.expert_bytes,
             "window_expert_misses": got["expert_misses"], "stream_tokens_seen": got["stream_tokens_seen"],
             "window_gaps_ms": [round(g * 1e3, 3) for g in got["window_gaps_s"]],
+            "window_step_trace": [{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                                  for row in got["step_trace"]],
         })
         window += got["window_gaps_s"]
         baseline += got["baseline_gaps_s"]

@@ -15,7 +15,15 @@ argument (argparse dest <- record field):
   budget before then);
   cache_type, prefill_kernels <- the server's /v1/stats (`server.stats.prefix_cache`, `.executor`);
 - model <- the built-in model whose geometry and expert bytes are `model.geometry` / `model.expert_bytes`;
-  hardware <- the built-in profile named in every `hardware.gpus[].name` (the client's GPUs: the benchmark's host).
+  hardware <- the built-in profile named in every `hardware.gpus[].name` (the client's GPUs: the benchmark's host);
+- repeat_prompt_tokens <- each measured repeat's own chunks, from its step trace (`points[].window_steps`: a layer
+  group's chunk once, at its first group, plus every other prefill step's tokens): before session 26 a repeat could
+  resume 16 tokens from the prefix cache and compute an 8,180-token chunk with no tail step. A record without step
+  traces leaves it unset (every repeat computes the whole prompt).
+
+Beside the figures, `compare` sets every window step of the record (the steps whose model call overlaps [send, first
+token]) beside its simulated twin (`step_comparison`): its kind (mixed.step_kind: decode, layer group, tail, ...),
+measured and predicted ms, and per kind the summary errors.
 
 An argument given on the command line beside --record wins; an argument the record cannot give (a field missing,
 points that disagree, a model or GPU with no built-in match) is an error naming the flag that would supply it.
@@ -25,11 +33,13 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from simulator.hardware import BUILTIN_PROFILES, GIB
+from simulator.mixed import step_kind
 from simulator.sweep import BUILTIN_MODELS, resolve_model
 
 SCHEMA, KIND = "fluxtide.bench/1", "mixed"
@@ -98,6 +108,29 @@ def _prompt_tokens(points: list[dict]) -> int:
         raise _Missing(f"the measured points' prompt_tokens differ ({', '.join(map(str, sizes))}), and one "
                        "simulation runs one prompt size")
     return sizes[0]
+
+
+def computed_tokens(steps: list[dict]) -> int:
+    """The prompt tokens a repeat's window steps computed: a layer group's chunk once (its first group; the server's
+    trace repeats the chunk's tokens in every group), every other step's prefill tokens."""
+    return sum(s.get("layer_tokens") or 0 for s in steps if s.get("layers") and s["layers"][0] == 0) + sum(
+        s.get("prefill_tokens") or 0 for s in steps if not s.get("layers"))
+
+
+def _repeat_prompt_tokens(data: dict, points: list[dict]) -> list[int] | None:
+    """Per recorded repeat (settings.repeats; a failed one computes the whole prompt), the tokens its long prompt
+    computed, from its step trace; None when a measured repeat has none (a record before the trace)."""
+    repeats, prompt = _count(data, "settings.repeats"), _prompt_tokens(points)
+    computed = {}
+    for p in points:
+        steps = p.get("window_steps")
+        if not isinstance(steps, list) or not steps:
+            return None
+        n = computed_tokens(steps)
+        if not 1 <= n <= prompt:
+            raise _Missing(f"repeat {p.get('repeat')}'s window steps compute {n} prompt tokens, not 1..{prompt}")
+        computed[p.get("repeat")] = n
+    return [computed.get(r, prompt) for r in range(repeats)]
 
 
 def _stream_prompt_tokens(data: dict) -> int:
@@ -176,6 +209,7 @@ def _arguments(data: dict, points: list[dict]) -> tuple[dict[str, Any], dict[str
         "layer_group_length": lambda: _group_budget(data, budgets),
         "max_running_requests": lambda: _count(data, f"{budgets}.max_running"),
         "layered_prefill": lambda: "on" if _field(data, f"{budgets}.layered_prefill") else "off",
+        "repeat_prompt_tokens": lambda: _repeat_prompt_tokens(data, points),
     }
     values, missing = {}, {}
     for dest, read in readers.items():
@@ -231,12 +265,18 @@ class MixedRecord:
                 overridden[dest] = {"record": self.arguments.get(dest), "used": getattr(args, dest)}
             else:
                 setattr(args, dest, self.arguments[dest])
+        if given & {"prompt_tokens", "repeats"} and "repeat_prompt_tokens" not in given \
+                and self.arguments.get("repeat_prompt_tokens") is not None:
+            # NOTE: the record's chunk sizes are its prompt's and its repeats'; another prompt or count computes whole
+            overridden["repeat_prompt_tokens"] = {"record": self.arguments.get("repeat_prompt_tokens"), "used": None}
+            args.repeat_prompt_tokens = None
         return dict(sorted(overridden.items()))
 
-    def compare(self, result: dict, overridden: dict) -> dict:
+    def compare(self, result: dict, overridden: dict, top_k: int = 8, max_keys: int = 256) -> dict:
         """The prediction `result` (predict_mixed's dict) beside the record: each figure measured, predicted and
-        its error in percent, the plan's pools, and per measured repeat the largest difference between its
-        window gaps and the simulated repeat's (gap_differences)."""
+        its error in percent, the plan's pools, per measured repeat the largest difference between its window gaps
+        and the simulated repeat's (gap_differences), and every window step beside its simulated twin
+        (step_comparison; `top_k`, `max_keys`: the model's, which tell a tail step)."""
         figures = {}
         for name, path in FIGURES.items():
             measured, predicted = _figure(self.summary, path), _figure(result, path)
@@ -247,6 +287,7 @@ class MixedRecord:
                 "plan": {k: {"record": self.pool_plan.get(k), "predicted": plan.get(k)} for k in PLAN_FIELDS},
                 "gaps": gap_differences(self.points, result.get("points") or [],
                                         (result.get("scenario") or {}).get("streams", 0)),
+                "steps": step_comparison(self.points, result.get("points") or [], top_k, max_keys),
                 "routing": {"record": self.routing, "simulated": result.get("routing")},
                 "overridden": overridden}
 
@@ -279,6 +320,82 @@ def gap_differences(measured: list[dict], predicted: list[dict], streams: int) -
             row.update(stream=stream, index=i, measured_ms=m, predicted_ms=p, difference_ms=round(p - m, 3))
         rows.append(row)
     return rows
+
+
+def _in_window(steps: list[dict], ttft_ms: float) -> list[tuple[int, dict]]:
+    """(index, step) of the steps whose model call overlaps [send, first token] (end_ms from the send)."""
+    return [(i, s) for i, s in enumerate(steps) if s["end_ms"] > 0 and s["end_ms"] - s["ms"] < ttft_ms]
+
+
+def _step_key(step: dict, kind: str) -> tuple:
+    """What aligns a recorded step with a simulated one: its kind and, for a layer group, its layers (the n-th step
+    of a key in the record is the n-th of that key in the simulation)."""
+    return (kind, tuple(step["layers"]) if step.get("layers") else None)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def step_comparison(measured: list[dict], predicted: list[dict], top_k: int, max_keys: int) -> dict:
+    """Every window step of each measured repeat with a step trace (`window_steps`) and a simulated twin (same
+    `repeat`, its `window_step_trace`): the steps whose model call overlaps [send, first token] on each side, aligned
+    by kind and layer group in order (_step_key), each with measured ms (the model call; host_ms, the host's time
+    before it, beside) and predicted ms (the simulated step, its host overhead included) and the error in percent;
+    steps of one side without a twin are listed with None on the other. `by_kind`: per kind the aligned steps' count,
+    median measured and predicted ms, median and mean absolute error in percent, the totals, and the unaligned
+    steps. Empty rows (and a note) for a record without step traces."""
+    simulated = {p.get("repeat"): p for p in predicted if p.get("ok")}
+    rows: list[dict] = []
+    traced = 0
+    for point in measured:
+        steps, twin = point.get("window_steps"), simulated.get(point.get("repeat"))
+        if not isinstance(steps, list) or not steps or twin is None or not isinstance(point.get("ttft_s"), int | float):
+            continue
+        traced += 1
+        mine = _in_window(steps, point["ttft_s"] * 1e3)
+        theirs = [s for _, s in _in_window(twin.get("window_step_trace") or [], twin["ttft_s"] * 1e3)]
+        queues: dict[tuple, list[dict]] = {}
+        for s in theirs:
+            queues.setdefault(_step_key(s, step_kind(s, top_k, max_keys)), []).append(s)
+        for index, s in mine:
+            kind = step_kind(s, top_k, max_keys)
+            queue = queues.get(_step_key(s, kind)) or []
+            twin_step = queue.pop(0) if queue else None
+            rows.append(_step_row(point["repeat"], index, kind, s, twin_step))
+        for queue in queues.values():
+            rows += [_step_row(point["repeat"], None, step_kind(s, top_k, max_keys), None, s) for s in queue]
+    by_kind = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        both = [r for r in mine if r["measured_ms"] is not None and r["predicted_ms"] is not None]
+        errors = [r["error_pct"] for r in both]
+        by_kind[kind] = {
+            "steps": len(both), "measured_median_ms": _median([r["measured_ms"] for r in both]),
+            "predicted_median_ms": _median([r["predicted_ms"] for r in both]), "median_error_pct": _median(errors),
+            "mean_abs_error_pct": statistics.fmean(abs(e) for e in errors) if errors else None,
+            "measured_total_ms": sum(r["measured_ms"] for r in both),
+            "predicted_total_ms": sum(r["predicted_ms"] for r in both),
+            "measured_only": sum(1 for r in mine if r["predicted_ms"] is None),
+            "predicted_only": sum(1 for r in mine if r["measured_ms"] is None)}
+    out = {"rows": rows, "by_kind": by_kind, "repeats_traced": traced}
+    if not traced:
+        out["note"] = "the record has no step trace (points[].window_steps: ft bench mixed since session 25)"
+    return out
+
+
+def _step_row(repeat, index, kind: str, step: dict | None, twin: dict | None) -> dict:
+    """One aligned pair (either may be None): the record's fields, measured and predicted ms and the error."""
+    base = step if step is not None else twin
+    measured = step["ms"] if step is not None else None
+    predicted = twin["ms"] if twin is not None else None
+    return {"repeat": repeat, "index": index, "kind": kind, "layers": base.get("layers"),
+            "decode_rows": base.get("decode_rows"), "prefill_tokens": base.get("prefill_tokens"),
+            "measured_ms": measured, "host_ms": step.get("host_ms") if step is not None else None,
+            "predicted_ms": predicted, "error_pct": error_pct(predicted, measured),
+            "measured_misses": step.get("expert_misses") if step is not None else None,
+            "predicted_misses": twin.get("expert_misses") if twin is not None else None,
+            "predicted_staged": twin.get("experts_staged") if twin is not None else None}
 
 
 def read_record(path: str) -> MixedRecord:

@@ -44,11 +44,21 @@ the group that ends the chunk (it alone may sample). Per step, never per group o
 all the step's rows) and the fixed step overhead (over the graph bucket's rows plus the eager rows), each once.
 The chunk's prefill tokens are counted once (StepBatch.num_prefill_tokens: in its first group).
 
-Eager terms (CostParams.eager_layer_s, eager_compute_efficiency; docs/simulator.md "Prefill compute"): an uncaptured
-pass whose largest layer call routes more than lookup_max_keys pairs (a prefill or mixed step, or a layer group, of
-more than 32 tokens at top-8: the grouped or streamed path) runs on CostModel.eager_model(): eager_layer_s more per
-layer it computes and its compute-bound kernels at eager_compute_efficiency. Decode graphs and short uncaptured steps
-(the prefill graphs) keep the base terms; copies are the same in both.
+Eager terms (CostParams.eager_layer_s, eager_token_s, eager_compute_efficiency; docs/simulator.md "Prefill compute"):
+an uncaptured pass whose largest layer call routes more than lookup_max_keys pairs (a prefill or mixed step, or a layer
+group, of more than 32 tokens at top-8: the grouped or streamed path) runs on CostModel.eager_model(): eager_layer_s
+more per layer it computes, eager_token_s per token and layer, and its compute-bound kernels at
+eager_compute_efficiency. Decode graphs and short uncaptured steps (the prefill graphs) keep the base terms; copies are
+the same in both.
+
+Short steps (CostParams.eager_mixer_layer_s; docs/simulator.md "Short steps: h200_records_v7"): an uncaptured step of
+at most lookup_max_keys pairs a layer call that is not a captured decode graph (a prompt's tail beside decodes, a short
+prompt) runs its token mixers eagerly from Python and each layer's MoE half from a CUDA graph (adapters/cuda_exec/
+prefill_graphs.py). The host needs eager_mixer_layer_s a layer to launch them; the GPU runs what was launched, so the
+k-th layer's work starts no earlier than k x eager_mixer_layer_s after the step's host overhead, and the step is, layer
+by layer, the later of the host's launches and the GPU's work (its copies of misses included, as before): host-bound
+when resident, copy-bound when the misses take longer than the launches. Layered steps never take this path (a layer
+group never takes the MoE segments).
 """
 
 from __future__ import annotations
@@ -211,7 +221,10 @@ class SimExecutor:
         if not graph and cost.streams_prefill(pairs, residency.num_slots, self.staging_experts):
             yield from self._streamed_pass(segment, cost.step_overhead(len(works)), samples, run)
             return
-        yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run)
+        # a short uncaptured step launches its token mixers from Python, layer by layer (module docstring)
+        launch = cost.params.eager_mixer_layer_s if not graph and cost.short_step(pairs) else 0.0
+        yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run,
+                                     launch)
 
     def _count(self, batch: StepBatch) -> None:
         c = self.counters
@@ -280,13 +293,22 @@ class SimExecutor:
         else:
             yield from self._lookup_pass(segment, pending, samples, run)
 
-    def _lookup_pass(self, segment, pending: float, head_rows: int, cost: CostModel | None = None):
+    def _lookup_pass(self, segment, pending: float, head_rows: int, cost: CostModel | None = None,
+                     launch_s: float = 0.0):
         """Layers through the residency: segment = [(layer, loads, weighted routes)] in layer order; `pending` GPU
         time queued before the first layer; the head over `head_rows` rows after the last. `cost`: the model of
-        the pass's kernels (the eager one for a long uncaptured pass; default self.cost)."""
+        the pass's kernels (the eager one for a long uncaptured pass; default self.cost). `launch_s`: host time a
+        layer's launches take (a short step's eager token mixers): the k-th layer's GPU work starts no earlier than
+        k x launch_s after the pass opens, the GPU idling until then."""
         host, residency = self.host, self.residency
         cost = cost or self.cost
-        for layer, loads, weighted in segment:
+        opened = host.env.now
+        for k, (layer, loads, weighted) in enumerate(segment, 1):
+            idle = opened + k * launch_s - (host.env.now + pending) if launch_s else 0.0
+            if idle > 0:  # NOTE: the GPU runs what is queued, then idles (not busy) until this layer is launched
+                yield from host.gpu.use(pending)
+                yield host.env.timeout(idle)
+                pending = 0.0
             pending += cost.layer_pre_expert(layer, loads)
             tokens_per_expert: dict[int, int] = {}  # expert -> tokens routed to it, first-seen order
             for weight, seq in weighted:

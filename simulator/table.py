@@ -14,6 +14,10 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def _count(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def _notes(r: PointResult) -> str:
     """What a fitting point's row must say: requests that queue (batch above --max-running-requests),
     pools the server would drop, the LRU warning, a TTFT probe the pools cannot run."""
@@ -53,7 +57,7 @@ def print_table(results: list[PointResult], title: str = "", console: Console | 
     console.print(table)
 
 
-def print_mixed(results: list[dict], title: str = "", console: Console | None = None) -> None:
+def print_mixed(results: list[dict], title: str = "", console: Console | None = None, steps: bool = False) -> None:
     """`python -m simulator mixed`: one row per prediction (layered prefill off / on), then what it leaves out."""
     from simulator.mixed import summary_row
 
@@ -78,6 +82,7 @@ def print_mixed(results: list[dict], title: str = "", console: Console | None = 
     for r in results:
         if "compare" in r:
             print_compare(r["compare"], "on" if r["layered_prefill"] else "off", console)
+            print_steps(r["compare"].get("steps") or {}, console, rows=steps)
     scheduler = next((r["scheduler"] for r in results if "scheduler" in r), None)
     if scheduler:
         console.print(f"budgets: {scheduler['max_step_tokens']} tokens alone, {scheduler['mixed_step_tokens']} "
@@ -87,6 +92,35 @@ def print_mixed(results: list[dict], title: str = "", console: Console | None = 
         console.print("Not modelled (the figures lack these):")
         for note in notes:
             console.print(f"  - {note}")
+
+
+def print_steps(steps: dict, console: Console, rows: bool = False) -> None:
+    """`mixed --record`: the window steps by kind, measured vs predicted (mixed_record.step_comparison); with
+    `rows`, every step too."""
+    if steps.get("note"):
+        console.print(f"steps: {steps['note']}")
+    if rows and steps.get("rows"):
+        table = Table(title="window steps, measured vs predicted")
+        for name in ("repeat", "index", "kind", "layers", "decode rows", "prefill tokens", "measured ms", "host ms",
+                     "predicted ms", "error %", "misses measured", "misses predicted"):
+            table.add_column(name, justify="right")
+        for r in steps["rows"]:
+            layers = "" if r["layers"] is None else f"[{r['layers'][0]}, {r['layers'][1]})"
+            table.add_row(str(r["repeat"]), _count(r["index"]), r["kind"], layers, _count(r["decode_rows"]),
+                          _count(r["prefill_tokens"]), _fmt(r["measured_ms"], ".1f"), _fmt(r["host_ms"], ".2f"),
+                          _fmt(r["predicted_ms"], ".1f"), _fmt(r["error_pct"], "+.1f"),
+                          _count(r["measured_misses"]), _count(r["predicted_misses"]))
+        console.print(table)
+    if steps.get("by_kind"):
+        table = Table(title="window steps by kind (aligned in order within each kind and layer group)")
+        for name in ("kind", "steps", "measured median ms", "predicted median ms", "median error %",
+                     "mean |error| %", "measured only", "predicted only"):
+            table.add_column(name, justify="left" if name == "kind" else "right")
+        for kind, k in steps["by_kind"].items():
+            table.add_row(kind, str(k["steps"]), _fmt(k["measured_median_ms"], ".1f"),
+                          _fmt(k["predicted_median_ms"], ".1f"), _fmt(k["median_error_pct"], "+.1f"),
+                          _fmt(k["mean_abs_error_pct"], ".1f"), str(k["measured_only"]), str(k["predicted_only"]))
+        console.print(table)
 
 
 def print_compare(compare: dict, layered: str, console: Console) -> None:

@@ -52,7 +52,7 @@ def test_the_record_sets_the_scenario_the_server_and_the_comparison(tmp_path, ca
     assert result["layered_prefill"] is True and result["gpu_budget_gib"] == 24.0 and result["kv_tokens"] == 12288
     assert result["scenario"] == {"streams": 2, "stream_prompt_tokens": 19 + 2 * 17, "stream_tokens": 96,
                                   "warmup_tokens": 2, "baseline_tokens": 4, "prompt_tokens": 8196, "repeats": 1,
-                                  "warmup_repeats": 0, "same_prompt": False}
+                                  "warmup_repeats": 0, "same_prompt": False, "repeat_prompt_tokens": []}
     budgets = RECORD["summary"]["server_step_budgets"]
     assert {k: result["scheduler"][k] for k in ("max_running", "max_step_tokens", "mixed_step_tokens",
                                                 "layered_prefill", "prefix_cache")} == {
