@@ -1,7 +1,7 @@
 """StepProfiler: torch.profiler around the server's own steps, those a step filter picks (FLUXTIDE_PROFILE_DIR,
 docs/serving.md "Step profiles").
 
-Why: a step's recorded host time says when the host returned, not where the device's time went. On the H200 the
+Why: a step's recorded host time says when the host returned, not where the device's time went. On an H100 (2026-12-05) the
 8,196-token prompt's tail step of `ft bench mixed` (4 prompt tokens beside 3 decode rows, 40 layers) took 61-69 ms
 with every expert resident against 4.6 ms for a 3-row decode step, with 0.4-1.7 ms of host time recorded. A
 separate harness would not run that step (its pools, graphs, residency and neighbours), so the executor profiles

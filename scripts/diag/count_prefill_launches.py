@@ -12,7 +12,13 @@ walks its state in several windows) and the MoE's path (the tiny model's few exp
 Why: the per-span cost of a step of many short prompts was launches and their Python (~40 ms per extra span
 on the H200, 2026-12-02); this counts what a change removes, before a GPU run times it.
 
-Usage: python scripts/diag/count_prefill_launches.py [--spans 16] [--tokens 20] [--decodes 0]
+Also reported: `host_waits`, the operators that make a CUDA host wait for the device (`.item()`, a boolean mask's
+`nonzero`, ...) with the adapters' line that called them; and, with --time-host, `host_ms`: the step's wall time on
+this CPU with every Triton launch stubbed out (the kernels' arguments are still built, the interpreter does not
+run), i.e. the Python and torch-operator time a GPU host would spend besides the Triton launchers' own overhead
+(median of 5; the MoE half runs eagerly here, where the server replays it from a graph for steps of <= 32 tokens).
+
+Usage: python scripts/diag/count_prefill_launches.py [--spans 16] [--tokens 20] [--decodes 0] [--time-host]
 Run it from the root of the checkout to measure (PYTHONPATH=. for another checkout of the repository).
 Prints one JSON object.
 """
@@ -34,6 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.getcwd())
 
+# operators after which a CUDA host waits for the device (the value or the shape comes back to the host)
+HOST_WAITS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal", "allclose", "unique",
+              "_unique2", "repeat_interleave"}
 NOT_LAUNCHES = {"empty", "empty_strided", "empty_like", "detach", "lift_fresh", "set_", "resize_"}
 
 
@@ -46,9 +55,14 @@ class Launches(TorchDispatchMode):
         self.triton: Counter = Counter()
         self.scope = "moe and the rest"
         self.in_kernel = False
+        self.waits: Counter = Counter()  # (scope, operator, the adapters' calling line)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if not self.in_kernel and name in HOST_WAITS:
+            import traceback
+            caller = [f for f in traceback.extract_stack() if "/adapters/" in f.filename][-1:]
+            self.waits[(self.scope, name, " ".join(f"{Path(f.filename).name}:{f.lineno}" for f in caller))] += 1
         if not self.in_kernel and not func.is_view and name not in NOT_LAUNCHES:
             self.ops[(self.scope, name)] += 1
         return func(*args, **(kwargs or {}))
@@ -59,6 +73,7 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=20)
     parser.add_argument("--decodes", type=int, default=0)
+    parser.add_argument("--time-host", action="store_true", help="also time the step with Triton launches stubbed out")
     args = parser.parse_args()
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -152,7 +167,43 @@ def main() -> None:
                       "total": sum(torch_ops.values()) + sum(kernels.values()),
                       "triton_by_kernel": dict(sorted(kernels.items())),
                       "torch_by_op": dict(sorted(torch_ops.items(), key=lambda kv: -kv[1]))}
+    out["host_waits"] = [{"scope": sc, "operator": n, "caller": c, "count": k} for (sc, n, c), k in mode.waits.items()]
+    if args.time_host:
+        out["host_ms"] = time_host(ex, step, works, InterpretedFunction)
     print(json.dumps(out, indent=1))
+
+
+def time_host(ex, step, works, interpreted) -> dict:
+    """{"step", "token mixers"}: median ms of 5 runs of `step(works)` with every Triton launch a no-op (the same
+    works again: the outputs are garbage, only the host's time counts)."""
+    import statistics
+    import time
+
+    run, mixers = interpreted.run, {"ms": 0.0}
+    interpreted.run = lambda self, *a, **k: None
+
+    def timed(method):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                mixers["ms"] += (time.perf_counter() - t0) * 1e3
+        return wrapped
+
+    ex.model._attention = timed(ex.model._attention)
+    ex.model._linear_attention = timed(ex.model._linear_attention)
+    steps, mixed = [], []
+    try:
+        for _ in range(5):
+            mixers["ms"] = 0.0
+            t0 = time.perf_counter()
+            step(works)
+            steps.append((time.perf_counter() - t0) * 1e3)
+            mixed.append(mixers["ms"])
+    finally:
+        interpreted.run = run
+    return {"step": round(statistics.median(steps), 2), "token mixers": round(statistics.median(mixed), 2)}
 
 
 if __name__ == "__main__":
