@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from adapters.cuda_exec.executor import CudaGraphExecutor
-from adapters.cuda_exec.step_profiler import StepProfiler, StepShape, parse_step_filter, summarise
+from adapters.cuda_exec.step_profiler import StepProfiler, StepShape, parse_step_filter
+from adapters.cuda_exec.step_summary import summarise
 from domain.budget import GpuBudget, PoolRequest, plan_pools
 from domain.ports import SequenceWork, StepBatch
 from tests.adapters.torch_exec_models import (
