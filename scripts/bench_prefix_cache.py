@@ -12,6 +12,7 @@ The server's /v1/stats prefix-cache section is recorded before and after.
 Writes one JSON record (--out, and stdout's last line) and exits 0 when the median ratio meets
 --max-ratio (default 0.15), 1 when it does not, 2 on an error (a failed request, no cache hit).
 The prefix length is calibrated first: a probe measures the server's tokens per word of the filler text.
+New records: `ft bench turns` (the same scenario with the ft bench record; docs/benchmarks.md); this script stays for the old ones.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke, sweep, target, view
+from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke, sweep, target, turns, view
 from app.bench.context import Ctx
 from app.bench.plot import missing as plot_missing
 from app.bench.plot import plot
@@ -31,6 +31,17 @@ def _counts(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive counts, got {text!r}")
     return values
+
+
+def _count(text: str) -> int:
+    """One positive count (16384, 16k)."""
+    try:
+        value = parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive count (e.g. 512 or 16k), got {text!r}")
+    return value
 
 
 def _kv_list(text: str) -> list:
@@ -136,6 +147,16 @@ def add_bench_parser(sub) -> None:
                    help="a p99 gap to judge the run against (within_gap_threshold); meets_target is always "
                         "issue 9's 150 ms, and only for a run of its scenario (3 streams, an 8,192-token "
                         "prompt or longer, H200, block FP8, <= 24 GiB budget, >= 8k KV)")
+    s = cmds.add_parser("turns", parents=[_common(False)],
+                        help="turn 2's TTFT after a long shared prefix, resumed from the prefix cache, against turn 1's")
+    s.add_argument("--prefix-tokens", type=_count, default=16384,
+                   help="the shared prefix's size in tokens (a system message, sized on the server's tokenizer)")
+    s.add_argument("--follow-up-tokens", type=_count, default=64, help="about the size of turn 2's new question")
+    s.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens each turn generates (turn 1's answer)")
+    s.add_argument("--repeats", type=_positive(int), default=3, help="measured conversations, each with a fresh prefix")
+    s.add_argument("--warmup", type=_non_negative, default=1, help="unmeasured conversations first")
+    s.add_argument("--max-ratio", type=_positive(float), default=0.15,
+                   help="the criterion: median turn-2 TTFT / turn-1 TTFT at most this (meets_max_ratio; issue 14)")
     s = cmds.add_parser("smoke", parents=[_common(False)], help="one question with one exact answer")
     s.add_argument("--prompt", default="What is 19 + 23?")
     s.add_argument("--expected", default="42")
@@ -180,6 +201,10 @@ async def _http_run(args, record: Record) -> None:
                                 stream_tokens=args.stream_tokens, warmup_tokens=args.warmup_tokens,
                                 baseline_tokens=args.baseline_tokens, repeats=args.repeats,
                                 warmup_repeats=args.warmup_repeats, target_gap_p99_ms=args.target_gap_ms)
+            elif kind == "turns":
+                await turns.run(ctx, prefix_tokens=args.prefix_tokens, follow_up_tokens=args.follow_up_tokens,
+                                max_tokens=args.max_tokens, repeats=args.repeats, warmup=args.warmup,
+                                max_ratio=args.max_ratio)
             elif kind == "smoke":
                 await smoke.run(ctx, prompt=args.prompt, expected=args.expected, match=args.match,
                                 max_tokens=args.max_tokens)

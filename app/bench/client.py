@@ -3,7 +3,9 @@
 Times are `time.perf_counter()` seconds, relative to the moment the request was sent. Tokens are
 counted from the server's `usage` (asked for with `stream_options.include_usage`); with
 ``logprobs=True`` each chunk also says how many tokens it carries, so every token has its own
-arrival time (a token whose text is empty, e.g. a special token, sends no chunk otherwise).
+arrival time (a token whose text is empty, e.g. a special token, sends no chunk otherwise). A chat
+chunk carries a token whichever channel the server's parsers put it on (content, reasoning_content,
+tool_calls); ``text`` keeps the content only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class RequestResult:
     ttft_s: float | None = None  # first token, seconds after sending
     end_s: float | None = None  # last token / finish chunk, seconds after sending
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix cache); None: not reported
     completion_tokens: int | None = None
     finish_reason: str | None = None
     text: str = ""
@@ -60,10 +63,12 @@ class RequestResult:
         return d
 
 
-def chat_body(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True,
+def chat_body(model: str, prompt: str | list[dict], max_tokens: int, *, ignore_eos: bool = True,
               logprobs: bool = False) -> tuple[str, dict]:
-    """(path, JSON body) of a greedy streamed chat completion."""
-    body = _greedy_stream(model, max_tokens, ignore_eos, messages=[{"role": "user", "content": prompt}])
+    """(path, JSON body) of a greedy streamed chat completion. prompt: one user message's text, or the
+    whole conversation (a list of messages)."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = _greedy_stream(model, max_tokens, ignore_eos, messages=messages)
     if logprobs:
         body["logprobs"], body["top_logprobs"] = True, 0
     return "/v1/chat/completions", body
@@ -89,11 +94,16 @@ def _greedy_stream(model: str, max_tokens: int, ignore_eos: bool, **fields) -> d
 
 
 def _chunk_tokens(choice: dict) -> tuple[str, int | None]:
-    """(text, tokens this chunk carries when logprobs say so, else None)."""
+    """(text, tokens this chunk carries when logprobs say so, else None; 1 for a chat chunk whose token went
+    to reasoning_content or tool_calls, which leaves the answer's text empty)."""
     if "delta" in choice:  # chat
-        text = choice["delta"].get("content") or ""
+        delta = choice["delta"]
+        text = delta.get("content") or ""
         content = (choice.get("logprobs") or {}).get("content")
-        return text, (len(content) if content is not None else None)
+        if content is not None:
+            return text, len(content)
+        # NOTE: a thinking model's first tokens are reasoning: without this its TTFT was the first answer token's
+        return text, (1 if not text and (delta.get("reasoning_content") or delta.get("tool_calls")) else None)
     text = choice.get("text") or ""
     tokens = (choice.get("logprobs") or {}).get("tokens")
     return text, (len(tokens) if tokens is not None else None)
@@ -129,6 +139,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeo
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"].get("prompt_tokens")
                     res.completion_tokens = chunk["usage"].get("completion_tokens")
+                    res.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in chunk.get("choices") or []:
                     text, count = _chunk_tokens(choice)
                     # NOTE: a role-only opening chunk carries no token; one that carries a token

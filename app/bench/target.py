@@ -124,6 +124,13 @@ async def pools(client: httpx.AsyncClient) -> dict | None:
     return stats.get("pools") if stats else None
 
 
+async def prefix_cache(client: httpx.AsyncClient) -> dict | None:
+    """fluxtide's /v1/stats `prefix_cache` section (lookups, hits and cached tokens since start, the cache's
+    pages), or None where the server has no such section (another server)."""
+    stats = await _get_json(client, "/v1/stats")
+    return stats.get("prefix_cache") if stats else None
+
+
 async def rebuild(client: httpx.AsyncClient, kv_tokens: int | str | None, moe_slots: int | str | None,
                   wait_s: float = 120.0) -> RebuildOutcome:
     """Live pool resize through fluxtide's admin API; a refusal (409) comes back as ok=False."""

@@ -26,6 +26,9 @@ COLUMNS = {
     "mixed": [("repeat", "repeat"), ("prompt tokens", "prompt_tokens"), ("TTFT s", "ttft_s"),
               ("gaps", "gaps_in_window"), ("gap p50 ms", "gap_p50_ms"), ("gap p99 ms", "gap_p99_ms"),
               ("gap max ms", "gap_max_ms"), ("baseline p99 ms", "baseline_gap_p99_ms"), ("ok", "ok")],
+    "turns": [("repeat", "repeat"), ("turn 1 tokens", "turn1.prompt_tokens"), ("turn 1 TTFT s", "turn1.ttft_s"),
+              ("turn 2 tokens", "turn2.prompt_tokens"), ("cached", "turn2.cached_tokens"),
+              ("turn 2 TTFT s", "turn2.ttft_s"), ("ratio", "ratio"), ("ok", "ok")],
     "cold-start": [("milestone", "milestone"), ("seconds", "seconds"), ("source", "source")],
     "smoke": [("prompt", "prompt"), ("expected", "expected"), ("answer", "answer"), ("passed", "passed")],
 }
@@ -45,6 +48,13 @@ def _cell(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _value(point: dict, key: str):
+    """point[key]; a dotted key ("turn1.ttft_s") reads a nested figure (None where a level is missing)."""
+    for part in key.split("."):
+        point = point.get(part) if isinstance(point, dict) else None
+    return point
+
+
 def table(record: dict) -> Table:
     kind = record["kind"]
     t = Table(title=f"ft bench {kind}: {(record.get('target') or {}).get('model') or ''}")
@@ -52,7 +62,7 @@ def table(record: dict) -> Table:
         t.add_column(title, justify="right" if title not in ("answer", "prompt", "milestone") else "left")
     for point in record["points"]:
         # NOTE: a point that never ran (refused rebuild) shows "failed" in place of its figures
-        cells = [_cell(point.get(key)) for _, key in COLUMNS[kind]]
+        cells = [_cell(_value(point, key)) for _, key in COLUMNS[kind]]
         if point.get("admitted_note"):  # NOTE: the load was not observed: "n/a", never a figure
             cells = ["n/a" if key in ("admitted", "queued") else cell for (_, key), cell in zip(COLUMNS[kind], cells,
                                                                                                strict=True)]
@@ -96,6 +106,16 @@ def show_failures(record: dict, path) -> None:
     err.print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
 
 
+def turns_line(summary: dict) -> str:
+    """`ft bench turns`' verdict: the median ratio against --max-ratio and the two medians it comes from."""
+    met = summary["meets_max_ratio"]
+    judged = "not judged, no repeat measured" if met is None else ("met" if met else "missed")
+    hit = "yes" if summary["every_turn2_hit_the_cache"] else "no"
+    return (f"turn 2 TTFT / turn 1 TTFT: median {_cell(summary['ratio_median'])} (<= {_cell(summary['max_ratio'])}: "
+            f"{judged}); TTFT p50 turn 1 {_cell(summary['turn1_ttft_s_median'])} s, turn 2 "
+            f"{_cell(summary['turn2_ttft_s_median'])} s; every turn 2 hit the prefix cache: {hit}")
+
+
 def show(record: dict, path, quiet: bool) -> None:
     show_failures(record, path)
     if quiet:
@@ -105,6 +125,8 @@ def show(record: dict, path, quiet: bool) -> None:
     hardware = hardware_line(record.get("hardware"), (record.get("settings") or {}).get("no_bandwidth", False))
     console.print(f"[dim]{escape(hardware)}{len(record['failures'])} failure(s); record: {path}[/dim]")
     summary = record.get("summary") or {}
+    if record["kind"] == "turns" and summary:
+        console.print(escape(turns_line(summary)))
     if record["kind"] == "mixed" and summary.get("window"):
         window, target = summary["window"], summary["target"]["gap_p99_ms"]
         met = summary["meets_target"]
@@ -128,6 +150,7 @@ HEADLINE = {
     "prefill": ("prefill_tok_s_median", ("prompt_tokens_target",)),
     "smoke": ("passed", ("prompt",)),
     "mixed": ("gap_p99_ms", ("repeat",)),
+    "turns": ("ratio", ("repeat",)),
 }
 
 
