@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from gpu_check import GiB, dense_bytes, device_kernels, hardware_profile, kernel_family  # noqa: E402
 
+from adapters.cuda_exec.step_summary import union  # noqa: E402
+
 TARGET_RATIO = 1.2  # issue 9: a prefill that must stream experts takes <= 1.2 x its PCIe bound
 COMPONENTS = [  # kernel name pattern -> component of a prefill
     ("pcie", r"gather_rows|Memcpy HtoD"),
@@ -93,16 +95,6 @@ def prefill_once(ex, spec, length: int, chunk: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
 def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
 
@@ -135,7 +127,7 @@ def timeline_overlap(activities) -> dict:
         streams[kind].add(stream)
     if not copy and not compute:
         return {}
-    copy_u, compute_u = _union(copy), _union(compute)
+    copy_u, compute_u = union(copy), union(compute)
     both = _intersection(copy_u, compute_u)
     first = min(s for s, _ in copy + compute)
     last = max(e for _, e in copy + compute)
@@ -175,7 +167,7 @@ def host_summary(trace: dict, sites: int = 10) -> dict:
                  "h2d_pageable": sum(e.get("cat") == "gpu_memcpy" and "Pageable" in e.get("name", "")
                                      and "HtoD" in e.get("name", "") for e in events)}
     if device:
-        busy = _length(_union(device))
+        busy = _length(union(device))
         span = max(b for _, b in device) - min(a for a, _ in device)
         out.update(gpu_busy_ms=round(busy / 1e3, 3), gpu_idle_ms=round((span - busy) / 1e3, 3))
     frames = [e for e in events if e.get("cat") == "python_function"

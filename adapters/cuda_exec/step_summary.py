@@ -48,7 +48,7 @@ def summarise(events: list[dict], device_traced: bool = True) -> dict:
     kernels = [e for e in device if e.get("cat") == "kernel"]
     runtime = [e for e in host if e.get("cat") in RUNTIME_CATS]
     by_corr = {e.get("args", {}).get("correlation"): e for e in runtime}
-    busy = _union([(e["_t0"], e["_t1"]) for e in device])
+    busy = union([(e["_t0"], e["_t1"]) for e in device])
     out: dict = {"device_time": {
         "kernels": len(kernels), "kernel_sum_ms": ms(sum(e["_t1"] - e["_t0"] for e in kernels)),
         "busy_union_ms": ms(sum(b - a for a, b in busy)),
@@ -131,7 +131,8 @@ def _table(evs: list[dict], value, key: str = "total_ms", total=None) -> list[di
             for k, (n, v, w) in ranked]
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals (start, end) merged where they overlap or touch, sorted: the time at least one covers."""
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:

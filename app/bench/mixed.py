@@ -34,14 +34,13 @@ kept (`within_gap_threshold`).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 from app.bench import step_trace
 from app.bench.client import RequestResult, completion_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
-from app.bench.prefill import calibrate, make_prompt
+from app.bench.prefill import calibrate, make_prompt, units_at_least
 from app.bench.target import BenchError
 from domain.gap_stats import gap_figures, gaps_between, percentile  # noqa: F401  (re-exported: tests, records)
 
@@ -173,8 +172,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
               target_gap_p99_ms: float = TARGET_GAP_P99_MS) -> None:
     record = ctx.record
     a, b = await calibrate(ctx)
-    # NOTE: rounded up: the target is a prompt of at least --prompt-tokens, and one filler unit short is not it
-    units = max(1, math.ceil((prompt_tokens - a) / b))
+    units = units_at_least(prompt_tokens, a, b)  # a prompt of at least --prompt-tokens
     record.data["settings"]["calibration"] = {"tokens_fixed": a, "tokens_per_filler_unit": b,
                                              "long_prompt_units": units}
     task = ctx.progress.add_task("mixed", total=warmup_repeats + repeats)

@@ -22,6 +22,7 @@ whose lengths vary, so repeats of one length would make it look faster than it i
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 
 from app.bench.client import completion_body, stream_request
@@ -59,6 +60,12 @@ async def calibrate(ctx: Ctx, low: int = 2, high: int = 8) -> tuple[float, float
     if b <= 0:
         raise BenchError(f"prefill calibration: {high - low} more filler units added {t_high - t_low} tokens")
     return t_low - b * low, b
+
+
+def units_at_least(tokens: int, a: float, b: float) -> int:
+    """Filler units of a make_prompt text of at least ``tokens`` tokens (calibrate's tokens = a + b x units), never
+    below 1. NOTE: rounded up: one filler unit short of the target is not it."""
+    return max(1, math.ceil((tokens - a) / b))
 
 
 def units_of(size: int, a: float, b: float, count: int) -> list[int]:

@@ -20,22 +20,15 @@ Supersedes scripts/bench_prefix_cache.py for new records (the same scenario; its
 
 from __future__ import annotations
 
-import math
-
 from app.bench import target
 from app.bench.client import RequestResult, chat_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
-from app.bench.prefill import FILLER, calibrate, make_prompt
+from app.bench.prefill import FILLER, calibrate, make_prompt, units_at_least
 from app.bench.target import BenchError
 
 QUESTION = "Summarise the text above in one word."
 FOLLOW_UP = "And now in two words? "
-
-
-def units_for(tokens: int, a: float, b: float) -> int:
-    """Filler units of a make_prompt text of at least ``tokens`` tokens (calibration: tokens = a + b x units)."""
-    return max(1, math.ceil((tokens - a) / b))
 
 
 async def _turn(ctx: Ctx, messages: list[dict], max_tokens: int) -> RequestResult:
@@ -121,7 +114,7 @@ async def run(ctx: Ctx, *, prefix_tokens: int, follow_up_tokens: int, max_tokens
     record = ctx.record
     a, b = await calibrate(ctx)
     # NOTE: rounded up, as `ft bench mixed` sizes its prompt: the prefix is at least --prefix-tokens
-    units = {"prefix_units": units_for(prefix_tokens, a, b),
+    units = {"prefix_units": units_at_least(prefix_tokens, a, b),
              "follow_up_units": max(1, round(follow_up_tokens / b))}
     record.data["settings"]["calibration"] = {"tokens_fixed": a, "tokens_per_filler_unit": b, "filler": FILLER,
                                              **units}
