@@ -628,14 +628,15 @@ def pair_order_points(tokens: list[int], dev: str = "cuda", experts: int = 256, 
 
 
 # The state walk's A/B (--only gdn-walk; docs/prefill-kernels.md, "The state walk's launch configuration"):
-# (BLOCK_V, num_warps, num_stages of the chunk loop), today's launch first. The others are those of BLOCK_V
-# {16, 32} x warps {4, 8} x stages {1, 2, 3} whose sm_90 build (bf16 model, over a span table: what the prefill
-# launches) spills at most GDN_WALK_SPILL_BOUND bytes a thread under both Triton 3.6 (the device's) and 3.9
-# (measured 2026-12-05, session 25; 3.6 / 3.9: 0 / 24, 160 / 96, 80 / 152, 160 / 168). The bound is the 168 B
-# gdn_chunk_state's comment records for today's launch over one sequence (Triton 3.9), not today's 0 B over a
-# span table at 3.6: that would leave no candidate. Every 4-warp build spills 264 B or more, every BLOCK_V 32
+# (BLOCK_V, num_warps, num_stages of the chunk loop), today's launch first (32x8x1 since session 27: 1.79x the
+# walk of 16x8x1 on an H100). The others are those of BLOCK_V {16, 32} x warps {4, 8} x stages {1, 2, 3} whose
+# sm_90 build (bf16 model, over a span table: what the prefill launches) spills at most GDN_WALK_SPILL_BOUND bytes
+# a thread under both Triton 3.6 (the device's) and 3.9 (measured 2026-12-05, session 25; 3.6 / 3.9 in this
+# order: 160 / 168, 0 / 24, 160 / 96, 80 / 152). The bound is the 168 B the kernel's comment recorded for the
+# 16-column launch over one sequence (Triton 3.9), not its 0 B over a span table at 3.6: that would have left no
+# candidate. Every 4-warp build spills 264 B or more, every BLOCK_V 32
 # build with stages 256 B or more. tests/adapters/test_gdn_walk_launch.py's slow test keeps them within it.
-GDN_WALK_CONFIGS = ((16, 8, 1), (16, 8, 2), (16, 8, 3), (32, 8, 1))
+GDN_WALK_CONFIGS = ((32, 8, 1), (16, 8, 1), (16, 8, 2), (16, 8, 3))
 GDN_WALK_SPILL_BOUND = 168  # bytes a thread of ptxas spill stack (cuobjdump's STACK)
 GDN_WALK_TOKENS = (4096, 8192)
 QWEN36_GDN = (16, 32, 128, 128)  # Nk, Nv, Dk, Dv: Qwen3.6-35B-A3B's Gated DeltaNet heads

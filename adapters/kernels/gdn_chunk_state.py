@@ -33,16 +33,17 @@ from adapters.kernels.gdn_chunk_wy import (  # the walk's chunks are the WY form
     load_rows,
 )
 
-# 8 warps and 16 value columns a program: 256 programs at Qwen3.6, 168 B of ptxas spill a thread for bf16 models
-# (504 B at 32 columns, ~1 KiB with 4 warps; Triton 3.9, tests/adapters/test_kernels_prefill.py's sm_90 build; 24 B
-# over a span table, with int32 rows; 0 B there under Triton 3.6, the device's). At 255 registers a thread an 8-warp
-# program takes a whole SM's register file: one program an SM, so the 256 run in two waves on an H100's or H200's
-# 132 SMs (ptxas' counts, not a profile). One stage: the chunk loop not pipelined. The launcher takes other values
-# (block_v, num_warps, num_stages) for A/B runs: the loads of a chunk (u, w, k, ks, the gates) do not depend on the
-# carried state, so num_stages > 1 lets the pipeliner issue them an iteration or two ahead (docs/prefill-kernels.md,
-# "The state walk's launch configuration").
+# 8 warps and 32 value columns a program: 128 programs at Qwen3.6, one wave on an H100's or H200's 132 SMs, each
+# reading a chunk's w and k once per 32 columns instead of per 16. Timed on an H100 (session 27, 2026-12-05,
+# docs/bench/2026-12-05-s27-h100-gdn-walk.json): the walk of a 4k / 8k prompt 1.79x / 1.78x faster than 16 columns
+# (411 vs 735 us, 827 vs 1,472 us), bitwise the same values there; the driver loaded it at 194 registers, no spill
+# (ptxas' offline sm_90 build: 160 B under Triton 3.6, 168 B under 3.9, within bench_kernels.GDN_WALK_SPILL_BOUND).
+# 16 columns (256 programs, two waves) was the default until then. One stage: the chunk loop not pipelined (2 or 3
+# stages at 16 columns gained 1.40x / 1.42x, less than 32 columns; pipelined 32-column builds spill 256 B or more).
+# The launcher takes other values (block_v, num_warps, num_stages) for A/B runs (docs/prefill-kernels.md, "The state
+# walk's launch configuration").
 LAUNCH = dict(num_warps=8, num_stages=1)
-BLOCK_V = 16
+BLOCK_V = 32
 WARPS = (1, 2, 4, 8, 16)  # the num_warps the launcher accepts
 MAX_STAGES = 4  # the chunk loop's num_stages: 1 (not pipelined) .. MAX_STAGES
 HALF = 64  # key rows per half of the state tile

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 # Dk = 80: the state tile in two halves (the second part-masked); Dv = 40: 3 programs of 16 columns or 2 of 32
 GEO = GdnGeometry(1, 2, 80, 40, 4)
 DEFAULT = (walk_mod.BLOCK_V, walk_mod.LAUNCH["num_warps"], walk_mod.LAUNCH["num_stages"])
-OTHERS = [(32, 8, 2), (16, 4, 1), (16, 8, 3), (32, 4, 4), (32, 8, 1)]
+OTHERS = [(32, 8, 2), (16, 4, 1), (16, 8, 3), (32, 4, 4), (16, 8, 1)]
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, same_tiles: bool) -> bool:
@@ -143,8 +143,8 @@ print(json.dumps(out))
 def test_every_walk_config_builds_for_sm90_within_the_spill_bound():
     """Each GDN_WALK_CONFIGS launch (today's first) builds for sm_90 at Qwen3.6 geometry (bf16 model, span table)
     in a fresh process, fits an SM's 227 KiB of shared memory and spills at most GDN_WALK_SPILL_BOUND bytes a
-    thread, today's launch included (measured 2026-12-05: 0 / 160 / 80 / 160 B under Triton 3.6, FT_SM90_TRITON;
-    24 / 96 / 152 / 168 B under 3.9)."""
+    thread, today's launch included (measured 2026-12-05 in GDN_WALK_CONFIGS' order: 160 / 0 / 160 / 80 B under
+    Triton 3.6, FT_SM90_TRITON; 168 / 24 / 96 / 152 B under 3.9)."""
     import bench_kernels
 
     from tests.adapters.sm90 import build_for_sm90
