@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.torch_exec.host_staging import staging
 from domain.ports import SequenceWork, StepBatch, layer_group_problem
 
 
@@ -108,19 +109,21 @@ def _check_layers(layered: list[SequenceWork], num_layers: int | None) -> str | 
 
 
 def upload(t: torch.Tensor, device) -> torch.Tensor:
-    """The host tensor t on `device`: to a CUDA device from pinned memory without blocking the host (a copy
-    from pageable memory waits for every kernel queued before it: a stream sync), else a plain copy."""
+    """The host tensor t on `device`: to a CUDA device through a reused pinned staging buffer without blocking
+    the host (a copy from pageable memory waits for every kernel queued before it: a stream sync), else a plain
+    copy. NOTE: not t.pin_memory(): its pinned-block lookup and pointer query cost 2.5-15 ms of host time per
+    upload in a mixed step's trace on the H100 (host_staging.py)."""
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return staging(device).upload([t])[0]
 
 
 def flatten(batch: StepBatch, device) -> StepInputs:
     """The step's token ids, positions and each work's page ids on `device`, in one host->device copy (views of
     one int64 buffer, `upload`). NOTE: a tensor per work made N prompts cost N blocking copies at every step's
-    start (one stream sync each: 21 in a 16-prompt step on the H200, 2026-12-02); pinned memory's caching
-    allocator keeps the buffer until the asynchronous copy is done."""
+    start (one stream sync each: 21 in a 16-prompt step on the H200, 2026-12-02); the staging pool
+    (host_staging.py) reuses the pinned buffer only once the asynchronous copy is done."""
     tokens: list[int] = []
     positions: list[int] = []
     for w in batch.works:
