@@ -220,11 +220,22 @@ class DeviceExpertPool:
         self._experts(pairs, x, slot_ids, weights, partials)
         return self._reduce(partials, x)
 
-    def _reduce(self, partials: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """partials fp32 [T, K(+1), H] -> [T, H] in x.dtype: all-reduced over the shard's group first."""
+    def _unzeroed_partials(self, x: torch.Tensor, columns: int) -> torch.Tensor:
+        """fp32 [T, columns, H] partials for one call that writes every pair it hands `_reduce` as written:
+        uninitialized on one GPU (no memset); with a shard, the shard's zeroed buffer (the all-reduce adds
+        every rank's, so the pairs a rank skips must hold 0)."""
+        if self.shard is not None:
+            return self.shard.partials(x, columns)
+        return torch.empty((x.shape[0], columns, x.shape[1]), dtype=torch.float32, device=x.device)
+
+    def _reduce(self, partials: torch.Tensor, x: torch.Tensor, written: torch.Tensor | None = None) -> torch.Tensor:
+        """partials fp32 [T, K(+1), H] -> [T, H] in x.dtype: all-reduced over the shard's group first.
+        written: int32 [T, K(+1)], negative for the pairs no expert call wrote (moe_sum skips them as +0.0);
+        ignored with a shard, whose partials are zeroed and summed whole."""
         if self.shard is not None:
             self.shard.all_reduce(partials)
-        return moe_sum(partials, torch.empty_like(x))
+            written = None
+        return moe_sum(partials, torch.empty_like(x), written)
 
     def tune(self, x: torch.Tensor, top_k: int, rows: Sequence[int] = (1,)) -> None:
         """Run the fused kernels once on real slots, so the per-pair GEMVs' tiles are measured on real work before
@@ -285,12 +296,12 @@ class DeviceExpertPool:
         slot_map.scatter_(0, torch.remainder(keys, experts + 2).reshape(-1).to(torch.int64), slot_ids.reshape(-1))
         align = self.align_by_expert(keys)
         align = align._replace(block_slots=slot_map[align.block_slots])  # [B]: -1 for unused blocks
-        if self.shard is None:
-            partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
-        else:
-            partials = self.shard.partials(x, weights.shape[1])
+        # NOTE: on one GPU the lookup gives every valid pair a slot (T*K <= S), so each key >= 0 maps to one and
+        # its pairs' block is computed: the GEMMs write exactly the pairs whose key is >= 0, the rest (padded
+        # rows, the shared column included) moe_sum skips: no zero-fill, the same bits
+        partials = self._unzeroed_partials(x, weights.shape[1])
         grouped_gemms(x, align, weights, self.all_slots, self.layout, partials)  # bf16 activations: a decode call
-        return self._reduce(partials, x)
+        return self._reduce(partials, x, keys)
 
     def dedups(self, pairs: int) -> bool:
         """Whether a call of `pairs` routed (token, top-k) pairs takes the expert-deduplicated GEMVs."""
@@ -443,12 +454,13 @@ class DeviceExpertPool:
             return self._moe_out(ids.numel(), x, slot_map[keys], weights)
         align = self.align_by_expert(keys)
         slots = slot_map[align.block_slots]  # [B] int32: each block's slot, -1 for unused blocks
-        if self.shard is None:
-            partials = torch.zeros((x.shape[0], weights.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
-        else:
-            partials = self.shard.partials(x, weights.shape[1])
+        # NOTE: no zero-fill on one GPU (at an 8k chunk a 604 MB memset a layer, 2.2% of the resident prefill):
+        # lookup_set gives every routed expert a slot (E <= S; only another rank's key gets -1) and entry E the
+        # shared slot, so every key >= 0 (padded rows' shared column included) is in a computed block and the
+        # GEMMs write exactly those pairs; moe_sum skips the key -1 pairs as the +0.0 a zeroed buffer held
+        partials = self._unzeroed_partials(x, weights.shape[1])
         self.grouped_round(x, align._replace(block_slots=slots), weights, partials, a8=False if decode_sized else None)
-        return self._reduce(partials, x)
+        return self._reduce(partials, x, keys)
 
     def can_route(self, rows: int, top_k: int) -> bool:
         """Whether `routed_logits` takes `rows` rows: the one-launch router + lookup fits (decode buckets)."""

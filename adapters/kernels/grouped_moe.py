@@ -51,7 +51,8 @@ def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     pairs whose slot is not -1 and return it unsummed. max_groups: a bound on the distinct slot ids that
     the caller guarantees (e.g. experts per layer + 1; default min(T*K, S)); it sizes the grid and, with
     T*K, picks BLOCK_M (block_m overrides), so calls that split one layer's experts into groups must pass
-    the same bound to get bitwise-equal partials. Memory: partials 4*T*K*H bytes, h about 2*T*K*I.
+    the same bound to get bitwise-equal partials; a bound below the distinct ids drops pairs (unwritten:
+    without `partials` their garbage would enter the sum). Memory: partials 4*T*K*H bytes, h about 2*T*K*I.
     a8: e4m3 activations into FP8 tensor cores for FP8 layouts (grouped_gemms).
     Raises ValueError on mismatched inputs (see the launchers).
     """
@@ -63,8 +64,11 @@ def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
     tokens, top_k = slot_ids.shape
     groups = min(tokens * top_k, slots.shape[0]) if max_groups is None else max_groups
     bm = choose_block_m(tokens * top_k, groups) if block_m is None else block_m
+    # NOTE: our own partials are not zero-filled: every pair whose slot is >= 0 lands in a block of its slot
+    # (ids < S, at most `groups` distinct: the caller's guarantee), so the GEMMs write exactly those pairs, and
+    # moe_sum skips the others as the +0.0 a zeroed buffer held (the same bits, no 4*T*K*H-byte memset)
     if partials is None:
-        y = torch.zeros((tokens, top_k, layout.hidden), dtype=torch.float32, device=x.device)
+        y = torch.empty((tokens, top_k, layout.hidden), dtype=torch.float32, device=x.device)
     else:
         y = partials
     if tokens:
@@ -74,4 +78,4 @@ def grouped_moe(x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, 
         return partials
     if out is None:
         out = torch.empty_like(x)
-    return moe_sum(y, out)
+    return moe_sum(y, out, slot_ids.contiguous())

@@ -122,8 +122,8 @@ def moe_grouped_down(h: torch.Tensor | Fp8Rows, align: Alignment, weights: torch
     h [P, I] bf16/fp16/fp32 contiguous: moe_grouped_gate_up's output for the same `align`, or that output as
     Fp8Rows (act_quant_fp8: the W8A8 path, FP8 block / tensor / channel layouts only); weights fp32 [T, K] router weights; slots uint8 [S, R] contiguous, rows packed by
     `layout`; partials contiguous fp32 [T, K, H]: pairs absent from `align` (slot -1) are left as they
-    are (the caller zeroes them, or fills them in another call). block_n, num_warps, num_stages, w_lhs: as
-    moe_grouped_gate_up.
+    are (the caller zeroes them, fills them in another call, or has moe_sum skip them). block_n, num_warps,
+    num_stages, w_lhs: as moe_grouped_gate_up.
     Raises ValueError on any shape, dtype, device or block-size mismatch.
     """
     a8 = isinstance(h, Fp8Rows)
