@@ -15,6 +15,10 @@ WY form step-wide but the state walk and the attention's gather + SDPA still per
 ~3.1 ms per 8 layers (scripts/diag/bench_prefill_spans.py, H200, 2026-12-02): hence the walk over every span
 (prefill.delta_rule_walks) and paged_prefill_attention.
 
+Opt-in (FLUXTIDE_GDN_SHORT_SPANS, GDN_SHORT_SPAN_TOKENS below; off by default): a GDN group whose spans are all
+short runs, after its conv, the recurrence token by token in one gdn_recurrent_spans launch instead of the WY form
+and the state walk (3+ launches): ADR 0025's tail step (a few prompt tokens beside decodes) is host-bound.
+
 Each entry point keeps its reference's contract for the step (FullAttention.forward;
 MoeDecoder._linear_attention with the snapshot cuts); numerics as prefill.py's per-span entry points, the
 projections over more rows (a GEMM's rows are independent; its tile choice may differ by row count).
@@ -27,6 +31,7 @@ head dim.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -41,6 +46,7 @@ from adapters.kernels.gated_rms_norm import gated_rms_norm
 from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 from adapters.kernels.gdn_conv_prefill import gdn_conv_prefill_spans
 from adapters.kernels.gdn_decode import gdn_decode_step
+from adapters.kernels.gdn_recurrent_spans import gdn_recurrent_spans
 from adapters.kernels.paged_decode_attention import paged_decode_attention
 from adapters.kernels.paged_prefill_attention import paged_prefill_attention
 from adapters.kernels.qk_norm_rope import qk_norm_rope
@@ -59,6 +65,27 @@ Projections = Callable[[torch.Tensor], list]  # x [T, H] -> the named projection
 # directly), which builds nothing per shape. Efficient and math stay as fallbacks (the CPU, odd head dims).
 CUDNN_ATTENTION = False
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# NOTE: GDN groups whose spans are all at most this many tokens run the recurrence token by token, in one
+# gdn_recurrent_spans launch after the conv, instead of gdn_chunk_wy + the state walk (gdn_chunk_state +
+# gdn_chunk_out): ADR 0025 profiled a 4-token tail step beside 3 decodes on the H100 as host-bound (83 of 84 ms
+# the GPU waiting on Python's launches). 0 (the default) keeps every group on the chunked path: the kernel has
+# passed the interpreter only, no GPU yet. At most one 64-token chunk (SHORT_SPAN_MAX), a bound, not a measured
+# crossover: the kernel walks a span's tokens one after another, the chunked form its chunks in parallel.
+# Numerics: plain fp32 products (no tl.dot), so at least as accurate as the chunked path, which a bf16/fp16 model
+# runs in one TF32 pass (precise=False); both are the exact delta rule, equal within fp32 rounding, not bitwise.
+SHORT_SPAN_MAX = 64
+
+
+def _short_span_tokens(value: str) -> int:
+    """FLUXTIDE_GDN_SHORT_SPANS: a decimal integer 0..SHORT_SPAN_MAX ("0", or unset: off). Anything else (a sign,
+    spaces, "off", "") is refused, not read as off. ValueError."""
+    if not (value.isascii() and value.isdigit()) or int(value) > SHORT_SPAN_MAX:
+        raise ValueError(f"FLUXTIDE_GDN_SHORT_SPANS must be an integer 0..{SHORT_SPAN_MAX} (0: off), got {value!r}")
+    return int(value)
+
+
+GDN_SHORT_SPAN_TOKENS = _short_span_tokens(os.environ.get("FLUXTIDE_GDN_SHORT_SPANS", "0"))
 
 
 def span_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -134,9 +161,10 @@ def gdn_spans(mixer: GatedDeltaNet, x: torch.Tensor, groups: tuple[GdnGroup, ...
     (gdn_chunk_wy over its chunk table), then the state walks of all its spans (prefill.delta_rule_walks:
     one gdn_chunk_state and one gdn_chunk_out launch per GDN_WINDOW tokens of chunks); every span
     continues its slot's conv and recurrent state (pool layer `layer`) and leaves there the state after it,
-    as gdn_prefill on the span alone; a group with a snapshot slot (a piece of a cut span) has that state
-    copied into `snapshots` at once, before the span's next piece. The one-token rows take one recurrent
-    step together. Then the gated RMSNorm and out_proj once. Returns [T, H] in x's dtype.
+    as gdn_prefill on the span alone (with GDN_SHORT_SPAN_TOKENS > 0, a group of spans no longer than that takes
+    one gdn_recurrent_spans launch instead of the WY form and the walks); a group with a snapshot slot (a piece
+    of a cut span) has that state copied into `snapshots` at once, before the span's next piece. The one-token
+    rows take one recurrent step together. Then the gated RMSNorm and out_proj once. Returns [T, H] in x's dtype.
     Scratch per group: the conv output and WY form of all T rows (gdn_prefill's, for a T-token span).
     Raises ValueError, before any state is touched, on an empty x, a bad layer or slot, Dk > 128, or a
     snapshot without a snapshot pool."""
@@ -159,18 +187,24 @@ def gdn_spans(mixer: GatedDeltaNet, x: torch.Tensor, groups: tuple[GdnGroup, ...
     for group in groups:  # NOTE: only this carries sequences' state; the rest of the layer is batched
         mixed = gdn_conv_prefill_spans(qkv, pool.conv[layer], conv_weight, group.starts, group.lengths, group.slots,
                                        group.max_len)  # [T, C] fp32, the group's rows written
-        wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, nk, geo.k_head_dim, geo.v_head_dim, precise=precise,
-                          chunks=(group.chunk_starts, group.chunk_ends))  # over [T] rows, the group's written
-        if prefill.GDN_RECURRENCE == "split":  # every span's walk in one launch (a few for long spans)
-            delta_rule_walks(mixed, *wy, pool.recurrent[layer], group.walk_table, group.walks,
-                             (group.chunk_starts, group.chunk_ends), nk, precise=precise, out=core)
-        else:  # the fused walk (A/B runs only): span by span
-            for r, slot in group.spans:
-                delta_rule(mixed[r], *(t[:, r] for t in wy), pool.recurrent[layer, slot], nk, precise=precise,
-                           out=core[r])
+        if GDN_SHORT_SPAN_TOKENS and group.max_len <= GDN_SHORT_SPAN_TOKENS:  # one launch, token by token
+            # NOTE: max_len the fixed threshold, not the group's (no span is longer): one binary for every step
+            gdn_recurrent_spans(mixed, a, b, pool.recurrent[layer], group.starts, group.lengths, group.slots,
+                                mixer.neg_a, mixer.dt_bias, geo, max_len=GDN_SHORT_SPAN_TOKENS, out=core)
+        else:
+            wy = gdn_chunk_wy(mixed, a, b, mixer.neg_a, mixer.dt_bias, nk, geo.k_head_dim, geo.v_head_dim,
+                              precise=precise, chunks=(group.chunk_starts, group.chunk_ends))  # the group's rows
+            if prefill.GDN_RECURRENCE == "split":  # every span's walk in one launch (a few for long spans)
+                delta_rule_walks(mixed, *wy, pool.recurrent[layer], group.walk_table, group.walks,
+                                 (group.chunk_starts, group.chunk_ends), nk, precise=precise, out=core)
+            else:  # the fused walk (A/B runs only): span by span
+                for r, slot in group.spans:
+                    delta_rule(mixed[r], *(t[:, r] for t in wy), pool.recurrent[layer, slot], nk, precise=precise,
+                               out=core[r])
+            del wy
         if group.snapshot is not None:
             pool.copy_slot(group.spans[0][1], snapshots, group.snapshot, layer)
-        del mixed, wy  # NOTE: before the next group allocates its own: one T-row scratch at a time
+        del mixed  # NOTE: before the next group allocates its own: one T-row scratch at a time
     if decode is not None:
         rows, slots = decode
         core[rows] = gdn_decode_step(qkv[rows], a[rows], b[rows], pool.conv[layer], pool.recurrent[layer], slots,
