@@ -49,10 +49,13 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*/step-*.json")):
     d, h, y = s.get("device_time") or {}, s.get("host") or {}, s.get("host_syncs") or {}
     gaps = s.get("idle_gaps") or {}
     g = (gaps.get("largest") or [{}])[0]
+    slow = h.get("slow_ops") or {}
+    top = ", ".join(f"{o['name']} {o['dur_ms']}" for o in (slow.get("ops") or [])[:3])
     print(f"{path.parent.name}/{path.name}: wall {s.get('wall_ms')} ms, device busy {d.get('busy_union_ms')} ms, "
           f"kernels {d.get('kernel_sum_ms')} ms in {d.get('kernels')}, host outside ops {h.get('outside_ops_ms')} ms, "
           f"syncs {y.get('count')} ({y.get('total_ms')} ms), idle {gaps.get('total_ms')} ms (largest {g.get('dur_ms')} "
-          f"ms before {g.get('next_work')}){' ERROR ' + s['summary_error'] if 'summary_error' in s else ''}")
+          f"ms before {g.get('next_work')}), host ops >= 1 ms: {slow.get('count')} ({slow.get('total_ms')} ms; {top})"
+          f"{' ERROR ' + s['summary_error'] if 'summary_error' in s else ''}")
 EOF
 }
 

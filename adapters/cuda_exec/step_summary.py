@@ -11,6 +11,8 @@ from __future__ import annotations
 STEP_LABEL = "fluxtide.step"  # the record_function around the step: the summary's time window
 TOP = 25
 GAPS = 10
+SLOW_OP_US = 1000.0  # a host operator this long is a stall worth naming: in session 27's tail step (H100) a cat and a
+# pin_memory of <= 51 KB took 3.8-14.8 ms each, found only by reading the trace
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
               "cuCtxSynchronize", "cuEventSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
@@ -25,9 +27,11 @@ def ms(us: float) -> float:
     return round(us / 1e3, 4)
 
 
-def summarise(events: list[dict], device_traced: bool = True) -> dict:
+def summarise(events: list[dict], device_traced: bool = True, slow_op_us: float = SLOW_OP_US) -> dict:
     """The summary's figures from a chrome trace's events (times in µs; offsets from the step's start); without
-    device_traced (a CPU step) no idle gaps (the device's timeline is not in the trace)."""
+    device_traced (a CPU step) no idle gaps (the device's timeline is not in the trace). host.slow_ops: the step
+    thread's outermost operators of at least slow_op_us each (their children inside), longest first, each with
+    the Python frame around it when the trace has stacks."""
     xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
     for e in xs:
         e["_t0"] = float(e["ts"])
@@ -74,7 +78,8 @@ def summarise(events: list[dict], device_traced: bool = True) -> dict:
         "other_threads_ops_ms": ms(sum(e["_t1"] - e["_t0"] for e in others
                                         if e.get("cat") == "cpu_op" and id(e) not in others_parents)),
         "top_cpu_ops": _table(ops, lambda e: selfs[id(e)], "self_ms", total=lambda e: e["_t1"] - e["_t0"])[:TOP],
-        "runtime_calls": _table(runtime, lambda e: e["_t1"] - e["_t0"])[:TOP]}
+        "runtime_calls": _table(runtime, lambda e: e["_t1"] - e["_t0"])[:TOP],
+        "slow_ops": _slow_ops(ops, ops_parents, parents, selfs, step, t0, slow_op_us)}
     launches = _table([e for e in runtime if e.get("name") in LAUNCH_CALLS], lambda e: e["_t1"] - e["_t0"])
     out["launches"] = {r["name"]: {"count": r["count"], "total_ms": r["total_ms"]} for r in launches}
     corr_device = {e.get("args", {}).get("correlation"): e for e in device if e.get("cat") == "gpu_memcpy"}
@@ -92,6 +97,17 @@ def summarise(events: list[dict], device_traced: bool = True) -> dict:
     out["host_syncs"] = {"count": len(syncs), "total_ms": ms(sync_us), "calls": syncs[:50]}
     out["idle_gaps"] = _gaps(device, busy, t0, t1, by_corr, parents) if device_traced else None
     return out
+
+
+def _slow_ops(ops: list[dict], ops_parents: dict, parents: dict, selfs: dict, step: dict | None, t0: float,
+              slow_op_us: float) -> dict:
+    """The outermost operators (no operator around them but the step's annotation) of at least slow_op_us."""
+    slow = sorted((e for e in ops if e["_t1"] - e["_t0"] >= slow_op_us
+                   and ops_parents.get(id(e)) in (None, step)), key=lambda e: e["_t0"] - e["_t1"])
+    return {"threshold_ms": ms(slow_op_us), "count": len(slow), "total_ms": ms(sum(e["_t1"] - e["_t0"] for e in slow)),
+            "ops": [{"name": e.get("name"), "offset_ms": ms(e["_t0"] - t0), "dur_ms": ms(e["_t1"] - e["_t0"]),
+                     "self_ms": ms(selfs[id(e)]), "py": _ancestor(e, parents, ("python_function",))}
+                    for e in slow[:GAPS]]}
 
 
 def _nest(host: list[dict]) -> dict[int, dict]:

@@ -138,6 +138,12 @@ def test_the_summary_of_a_known_trace():
         (0.0, 0.04, None, "gemm"), (0.77, 0.03, "k1", "k2"), (0.14, 0.01, "gemm", "Memcpy DtoH (Device -> Pinned)")]
     assert gaps["largest"][0]["next_launch_offset_ms"] == 0.605 and gaps["largest"][0]["next_launch_op"] == "aten::add"
     assert summarise(events, device_traced=False)["idle_gaps"] is None
+    assert host["slow_ops"] == {"threshold_ms": 1.0, "count": 0, "total_ms": 0.0, "ops": []}
+    slow = summarise(events, slow_op_us=40)["host"]["slow_ops"]  # the outermost ops of 40 µs or more, longest first
+    assert (slow["count"], slow["total_ms"]) == (2, 0.35)
+    assert slow["ops"] == [
+        {"name": "aten::_local_scalar_dense", "offset_ms": 0.1, "dur_ms": 0.3, "self_ms": 0.045, "py": None},
+        {"name": "aten::mm", "offset_ms": 0.01, "dur_ms": 0.05, "self_ms": 0.04, "py": None}]
 
 
 # ---- the executor on the CPU -------------------------------------------------------------------------------------
