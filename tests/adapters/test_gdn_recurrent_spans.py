@@ -17,6 +17,7 @@ from adapters.kernels.gdn_decode import gdn_decode_step
 from adapters.kernels.gdn_recurrent_spans import gdn_recurrent_spans
 from adapters.torch_exec.gated_deltanet import GdnGeometry, LinearStatePool
 from adapters.torch_exec.linear import linear
+from tests.adapters.cuda_graphs import capture
 from tests.adapters.sm90 import build_for_sm90
 from tests.adapters.test_kernels_attention_gdn import DEVICE, make_gdn, make_pool, rel_err
 
@@ -314,14 +315,7 @@ def test_gpu_spans_qwen36_geometry_and_graph_replay():
     def step():
         gdn_recurrent_spans(mixed, a, b, rec, *tables, neg_a, dt_bias, geo, max_len=32, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     new_lengths = [4, 20, 1, 1, 16]
     new_starts, _, _ = _layout(new_lengths, gap=0)
     for table, values in zip(tables, (new_starts, new_lengths, [1, -1, 4, 0, 2]), strict=True):

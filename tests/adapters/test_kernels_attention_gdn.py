@@ -22,6 +22,7 @@ from adapters.torch_exec.gated_deltanet import (
 )
 from adapters.torch_exec.linear import linear
 from adapters.torch_exec.paged_attention import PagedKVCache, causal_attention
+from tests.adapters.cuda_graphs import capture
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -415,14 +416,7 @@ def test_gpu_kernels_replay_inside_a_cuda_graph():
         gdn_decode_step(qkv, a, b, pool.conv[0], pool.recurrent[0], slots, w["conv1d.weight"][:, 0, :],
                         gdn.neg_a, gdn.dt_bias, geo, out=core)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     seq_lens.copy_(torch.tensor([41, 17, 0], dtype=torch.int32))
     slots.copy_(torch.tensor([2, -1, 1], dtype=torch.int32))
     qkv.normal_()
