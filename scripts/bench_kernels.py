@@ -2,7 +2,8 @@
 launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-A3B block-FP8 shapes.
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
-        [--variants scripts.scratch] [--only fusions|dedup|grouped|order|crossover|splitk-tiles|gdn-walk]
+        [--variants scripts.scratch]
+        [--only fusions|dedup|grouped|order|crossover|splitk-tiles|gdn-walk|gdn-out]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -16,7 +17,8 @@ kernels per row count, dense_gemv / dense_gemm_splitk / dense_gemm and the one p
 GEMV_MAX_ROWS / SPLITK_MAX_ROWS belong), then fused_moe vs grouped_moe; --only crossover runs the dense half.
 `gdn_walk` (--only gdn-walk, not in the full run) times the Gated DeltaNet state walk (gdn_chunk_state) at each
 launch configuration of --walk-configs (GDN_WALK_CONFIGS: BLOCK_V x warps x chunk-loop stages) over prompts of
---walk-tokens, as the prefill launches it, beside gdn_chunk_wy and gdn_chunk_out for context.
+--walk-tokens, as the prefill launches it, beside gdn_chunk_wy and gdn_chunk_out for context. `gdn_out`
+(--only gdn-out) times gdn_chunk_out the same way at each launch of --out-configs (gdn_launch_ab.GDN_OUT_CONFIGS).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gdn_launch_ab import (  # noqa: E402
+    GDN_OUT_CONFIGS,
+    QWEN36_GDN,
+    compiled_stats,
+    gdn_out_points,
+    kernel_ids,
+    max_rel,
+    prompt_walk,
+    walk,
+)
 from gpu_check import hardware_profile  # noqa: E402
 
 HIDDEN, INTER, TOP_K = 2048, 512, 9  # 8 routed + the resident shared expert
@@ -639,7 +651,6 @@ def pair_order_points(tokens: list[int], dev: str = "cuda", experts: int = 256, 
 GDN_WALK_CONFIGS = ((32, 8, 1), (16, 8, 1), (16, 8, 2), (16, 8, 3))
 GDN_WALK_SPILL_BOUND = 168  # bytes a thread of ptxas spill stack (cuobjdump's STACK)
 GDN_WALK_TOKENS = (4096, 8192)
-QWEN36_GDN = (16, 32, 128, 128)  # Nk, Nv, Dk, Dv: Qwen3.6-35B-A3B's Gated DeltaNet heads
 
 
 def _walk_config(text: str) -> tuple[int, int, int]:
@@ -650,124 +661,67 @@ def _walk_config(text: str) -> tuple[int, int, int]:
     return tuple(int(v) for v in parts)
 
 
-def _compiled_stats(jit_fn, before: set[int]) -> dict | None:
-    """Registers, spill bytes and shared memory of the binaries jit_fn compiled since `before` (ids of its cached
-    kernels: _kernel_ids), as the driver loaded them; None where this Triton keeps them elsewhere (or the
-    interpreter ran)."""
-    try:
-        new = [k for k in _cached_kernels(jit_fn) if id(k) not in before]
-        if not new:
-            return None
-        k = new[-1]
-        # NOTE: the driver reports local memory per thread in 4-byte words (Triton's n_spills)
-        return {"n_regs": int(k.n_regs), "spill_bytes": 4 * int(k.n_spills), "shared_bytes": int(k.metadata.shared)}
-    except Exception:  # noqa: BLE001 - the stats are a bonus; the timing is the result
-        return None
-
-
-def _cached_kernels(jit_fn) -> list:
-    caches = getattr(jit_fn, "device_caches", None) or {}
-    return [k for entry in caches.values() for k in entry[0].values()]
-
-
-def _kernel_ids(jit_fn) -> set[int]:
-    try:
-        return {id(k) for k in _cached_kernels(jit_fn)}
-    except Exception:  # noqa: BLE001
-        return set()
-
-
-def _max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 def gdn_walk_points(tokens=GDN_WALK_TOKENS, configs=GDN_WALK_CONFIGS, dev: str = "cuda", timer=None,
                     geometry=QWEN36_GDN, window: int | None = None, precise: bool = False) -> list[dict]:
     """The Gated DeltaNet state walk at each launch configuration (block_v, num_warps, num_stages), one row per
     (prompt length, config). Each prompt is one sequence walked as the fast path's prefill does it
-    (prefill.delta_rule_walks): gdn_chunk_wy over its chunk table, then per window of `window` tokens
-    (prefill.GDN_WINDOW) one gdn_chunk_state over a span table and one gdn_chunk_out; bf16-model products
+    (gdn_launch_ab.prompt_walk: gdn_chunk_wy over its chunk table, then per window of `window` tokens
+    (prefill.GDN_WINDOW) one gdn_chunk_state over a span table and one gdn_chunk_out); bf16-model products
     (one TF32 pass) unless precise. `walk_us`: all of a prompt's walk launches, the reset of u and the state
     they overwrite (`reset_us`, timed alone) taken off; `wy_us` / `out_us`: the other two kernels, the same for
     every config (context). `max_rel_diff`: v', the last window's entry states and the final state against the
     default config's, relative to their largest value (0 or fp32 rounding: the same operations per element).
     `compiled`: the walk binary's registers, spill and shared memory as loaded (None if unknown).
     dev/timer/geometry/window let a CPU test run the same code at tiny shapes in Triton's interpreter."""
-    from adapters.cuda_exec.prefill import GDN_WINDOW
-    from adapters.cuda_exec.step_plan import plan_walks
     from adapters.kernels import gdn_chunk_state as walk_mod
     from adapters.kernels.gdn_chunk_out import gdn_chunk_out
     from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 
     timer = timer or _timed
-    window = window or GDN_WINDOW
-    nk, nv, dk, dv = geometry
     default = (walk_mod.BLOCK_V, walk_mod.LAUNCH["num_warps"], walk_mod.LAUNCH["num_stages"])
     configs = [default, *(tuple(c) for c in configs if tuple(c) != default)]
     gen = torch.Generator(device=dev).manual_seed(6)
-    points, stats = [], {}  # stats: config -> its binary's _compiled_stats, taken when it first compiles
+    points, stats = [], {}  # stats: config -> its binary's compiled_stats, taken when it first compiles
     for t in tokens:
-        mixed = torch.randn(t, 2 * nk * dk + nv * dv, device=dev, generator=gen)  # [T, C] the conv output
-        a, b = (torch.randn(t, nv, device=dev, generator=gen) for _ in range(2))
-        neg_a = -(torch.rand(nv, device=dev, generator=gen) * 2 - 1).exp()
-        dt_bias = torch.randn(nv, device=dev, generator=gen)
-        state0 = torch.randn(1, nv, dk, dv, device=dev, generator=gen) * 0.3  # [S, Nv, Dk, Dv], slot 0
-        entries, launches = plan_walks([(slice(0, t), 0)], window)
-        starts = torch.arange(0, t, 64, device=dev, dtype=torch.int64)  # [NC] the chunk table
-        chunk_table = (starts, torch.full_like(starts, t))
-        # [4, E], unit column stride even for one entry (a transposed [1, 4] keeps stride 4 there)
-        walk_table = torch.tensor(list(zip(*entries, strict=True)), dtype=torch.int64, device=dev)
-        w, u0, gc, ks = gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, nk, dk, dv, precise=precise, chunks=chunk_table)
-        u, state = u0.clone(), state0.clone()
-        hs = torch.empty(nv, max(c for *_, c in launches), dk, dv, device=dev)
-        core = torch.empty(t, nv, dv, device=dev)
+        p = prompt_walk(t, geometry, window, precise, dev, gen)
 
-        def reset(u=u, state=state, u0=u0, state0=state0):
-            u.copy_(u0)
-            state.copy_(state0)
-
-        def run_walk(cfg, mixed=mixed, w=w, u=u, gc=gc, ks=ks, state=state, hs=hs, walk_table=walk_table,
-                     launches=launches, nk=nk):
-            block_v, warps, stages = cfg
-            before = _kernel_ids(walk_mod._gdn_chunk_state_kernel) if cfg not in stats else None
-            for first, count, chunk0, chunks in launches:
-                walk_mod.gdn_chunk_state(mixed, w, u, gc, ks, state, nk, precise=precise, states=hs,
-                                         walk=walk_mod.SpanWalk(walk_table, first, count, chunk0, chunks),
-                                         block_v=block_v, num_warps=warps, num_stages=stages)
+        def run_walk(cfg, p=p):
+            before = kernel_ids(walk_mod._gdn_chunk_state_kernel) if cfg not in stats else None
+            walk(p, *cfg)
             if before is not None:
-                stats[cfg] = _compiled_stats(walk_mod._gdn_chunk_state_kernel, before)
+                stats[cfg] = compiled_stats(walk_mod._gdn_chunk_state_kernel, before)
 
-        def run_out(mixed=mixed, u=u, gc=gc, hs=hs, launches=launches, core=core, chunk_table=chunk_table, nk=nk):
-            for _, _, chunk0, chunks in launches:
-                gdn_chunk_out(mixed, u, gc, hs[:, :chunks], nk, precise=precise, out=core,
-                              chunks=(*chunk_table, chunk0))
+        def run_out(p=p):
+            for _, _, chunk0, chunks in p.launches:
+                gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=precise, out=p.core,
+                              chunks=(*p.chunk_table, chunk0))
 
-        context = {"wy_us": timer(lambda mixed=mixed, a=a, b=b, neg_a=neg_a, dt_bias=dt_bias, ct=chunk_table:
-                                  gdn_chunk_wy(mixed, a, b, neg_a, dt_bias, nk, dk, dv, precise=precise, chunks=ct))}
-        reset()
+        context = {"wy_us": timer(lambda p=p: gdn_chunk_wy(*p.wy_args, precise=precise, chunks=p.chunk_table))}
+        p.reset()
         run_walk(default)
-        ref = (u.clone(), hs.clone(), state.clone())  # the default's v', last window's entry states, final state
+        ref = (p.u.clone(), p.hs.clone(), p.state.clone())  # the default's v', last window's entry states, final state
         context["out_us"] = timer(run_out)
-        context["reset_us"] = timer(reset)
+        context["reset_us"] = timer(p.reset)
         base_us = None
         for cfg in configs:
             block_v, warps, stages = cfg
             row = {"tokens": t, "block_v": block_v, "num_warps": warps, "num_stages": stages,
-                   "default": tuple(cfg) == default, "programs": nv * -(-dv // walk_mod.tiles(dk, dv, block_v)[1]),
-                   "launches": len(launches), "chunks": -(-t // 64)}
+                   "default": tuple(cfg) == default,
+                   "programs": p.nv * -(-p.dv // walk_mod.tiles(p.dk, p.dv, block_v)[1]),
+                   "launches": len(p.launches), "chunks": -(-t // 64)}
             try:
-                reset()
+                p.reset()
                 run_walk(cfg)
-                row["max_rel_diff"] = {name: _max_rel(got, want)
-                                       for name, got, want in zip(("v_new", "hs", "state"), (u, hs, state), ref,
-                                                                  strict=True)}
+                row["max_rel_diff"] = {name: max_rel(got, want)
+                                       for name, got, want in zip(("v_new", "hs", "state"), (p.u, p.hs, p.state),
+                                                                  ref, strict=True)}
             except Exception as exc:  # a config that does not build or launch is a result, not the end of the run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 points.append({**row, **context})
                 print(points[-1], flush=True)
                 continue
             row["compiled"] = stats.get(cfg)
-            total = timer(lambda cfg=cfg: (reset(), run_walk(cfg)))
+            total = timer(lambda cfg=cfg, p=p: (p.reset(), run_walk(cfg)))
             if isinstance(total, float) and isinstance(context["reset_us"], float):
                 row["walk_us"] = round(total - context["reset_us"], 2)
                 row["us_per_chunk_step"] = round(row["walk_us"] / row["chunks"], 3)
@@ -794,9 +748,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="gdn-walk: the state walk's launches as BLOCK_VxWARPSxSTAGES, comma-separated (today's "
                         "16x8x1 always runs first)")
     p.add_argument("--walk-tokens", type=lambda s: [int(v) for v in s.split(",")], default=list(GDN_WALK_TOKENS),
-                   help="gdn-walk: prompt lengths (one sequence each)")
+                   help="gdn-walk, gdn-out: prompt lengths (one sequence each)")
+    p.add_argument("--out-configs", type=lambda s: [_walk_config(v) for v in s.split(",")],
+                   default=list(GDN_OUT_CONFIGS),
+                   help="gdn-out: gdn_chunk_out's launches as BLOCK_VxWARPSxSTAGES, comma-separated (today's always "
+                        "runs first)")
     p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order", "crossover", "splitk-tiles",
-                                      "gdn-walk"),
+                                      "gdn-walk", "gdn-out"),
                    default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
@@ -806,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                         "splitk-tiles: only the split-K GEMM at every fixed tile, split, warp and stage count "
                         "(SPLITK_STUDY_TILES, 4-32 rows; ~4 min), against its autotuned launch and the GEMV; "
                         "gdn-walk: only the Gated DeltaNet state walk per launch configuration (--walk-configs, "
-                        "--walk-tokens), with gdn_chunk_wy and gdn_chunk_out beside it (~1 min)")
+                        "--walk-tokens), with gdn_chunk_wy and gdn_chunk_out beside it (~1 min); gdn-out: only "
+                        "the GDN output kernel per launch configuration (--out-configs, --walk-tokens; ~1 min)")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -836,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
         record["splitk_tiles"] = splitk_tile_points()
     elif args.only == "gdn-walk":
         record["gdn_walk"] = gdn_walk_points(args.walk_tokens, args.walk_configs)
+    elif args.only == "gdn-out":
+        record["gdn_out"] = gdn_out_points(_timed, args.walk_tokens, args.out_configs)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_kernels.json").write_text(json.dumps(record, indent=1, default=str))
     return 0

@@ -38,6 +38,8 @@
 #            GDN_WALK_CONFIGS (BLOCK_V x warps x chunk-loop stages, today's 16x8x1 first) over one 4k and one 8k
 #            prompt, beside gdn_chunk_wy and gdn_chunk_out, into $OUT/gdn_walk (docs/prefill-kernels.md, "The state
 #            walk's launch configuration"; ~1-2 min)
+#   gdn-out  bench_kernels.py --only gdn-out (session 28): the Gated DeltaNet output kernel (gdn_chunk_out) at each
+#            launch of gdn_launch_ab.GDN_OUT_CONFIGS over one 4k and one 8k prompt, into $OUT/gdn_out (~1 min)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   w-lhs    the prefill GEMMs with the weight as the wgmma's left operand (session 23): bench_prefill.py resident
 #            4k/32k with FLUXTIDE_PREFILL_W_LHS=0 then 1 into $OUT/prefill_wlhs{0,1} (~8 min on a cold machine)
@@ -160,6 +162,10 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # session 25: does pipelining the walk's chunk loop (num_stages), or 32 value columns a program, cut its
       # ~11 us a chunk step? Each row: walk_us, us_per_chunk_step, speedup_vs_default, max_rel_diff, compiled
       timeout 280 python3 scripts/bench_kernels.py --out "$OUT/gdn_walk" --only gdn-walk 2>&1 | tail -12 ;;
+    gdn-out)
+      # session 28: gdn_chunk_out (28.4 ms of the H100's 8k resident prefill) at 64 / 128 value columns a program,
+      # computing q k^T once or twice a chunk instead of 4 times. Rows: out_us, speedup_vs_default, max_rel_diff
+      timeout 280 python3 scripts/bench_kernels.py --out "$OUT/gdn_out" --only gdn-out 2>&1 | tail -14 ;;
     splitk-decode)
       # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
       timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \

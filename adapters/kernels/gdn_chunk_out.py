@@ -17,6 +17,7 @@ import triton.language as tl
 
 from adapters.kernels.gdn_chunk_state import (
     CHUNK,
+    check_launch,
     check_recurrence_inputs,
     chunk_gates,
     core_buffer,
@@ -25,8 +26,11 @@ from adapters.kernels.gdn_chunk_state import (
 )
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
-# 8 warps, 32 value columns: no ptxas spill for bf16 models (40 B with 4 warps; Triton 3.9 sm_90 build)
+# 8 warps, 32 value columns: no ptxas spill for bf16 models (40 B with 4 warps; Triton 3.9 sm_90 build). Read at
+# call time, as BLOCK_V: scripts/bench_kernels.py --only gdn-out times the others (docs/prefill-kernels.md, "The
+# output's launch configuration"); at 32 columns each of a chunk's 4 programs recomputes q k^T and re-reads q, k.
 LAUNCH = dict(num_warps=8, num_stages=1)
+BLOCK_V = 32
 
 
 @triton.jit
@@ -117,21 +121,29 @@ def _gdn_chunk_out_kernel(
 
 
 def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, states: torch.Tensor,
-                  num_k_heads: int, *, block_v: int = 32, precise: bool = True,
+                  num_k_heads: int, *, block_v: int | None = None, precise: bool = True,
                   out: torch.Tensor | None = None,
-                  chunks: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                  chunks: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """The chunked delta rule's output for one window, every chunk in parallel.
 
     mixed fp32 [T, C] the conv output (q, k read from it and l2-normed here); v_new fp32 [Nv, T, Dv] and
     states fp32 [Nv, NT, Dk, Dv] as gdn_chunk_state leaves them (its u and its return value); gc fp32
-    [Nv, T] from gdn_chunk_wy; views with any strides are fine. block_v, precise: as gdn_chunk_state's.
+    [Nv, T] from gdn_chunk_wy; views with any strides are fine. block_v (default BLOCK_V), precise: as
+    gdn_chunk_state's. num_warps, num_stages: the launch (default LAUNCH's, read at call time; the ranges of
+    gdn_chunk_state.check_launch). Any block_v / num_warps / num_stages gives the same values within fp32 rounding
+    (the same operations per element, tiled otherwise across programs).
     out: optional fp32 [T, Nv, Dv] (a view is fine). Returns core fp32 [T, Nv, Dv] (before the gated
     RMSNorm).
     chunks: (starts, ends, chunk0) for a walk over several spans' pieces (gdn_chunk_state's walk): hs chunk i
     is rows starts[chunk0 + i] .. min(+64, ends[chunk0 + i]) - 1 (gdn_chunk_wy's chunk table, int64 [NC]);
     only those rows of out are written. Not checked on the host (that would sync): chunks inside [0, T).
-    Raises ValueError on mismatched shapes, dtypes or devices.
+    Raises ValueError on mismatched shapes, dtypes or devices, or a launch outside those ranges (before anything
+    is written).
     """
+    num_warps, num_stages = check_launch(LAUNCH["num_warps"] if num_warps is None else num_warps,
+                                         LAUNCH["num_stages"] if num_stages is None else num_stages)
+    block_v = BLOCK_V if block_v is None else block_v
     if states.dim() != 4:
         raise ValueError(f"states must be fp32 [Nv, NT, Dk, Dv], got {tuple(states.shape)}")
     count = states.shape[1]
@@ -160,6 +172,6 @@ def gdn_chunk_out(mixed: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor, st
         *mixed.stride(), *v_new.stride(), *gc.stride(), *states.stride(), *out.stride(),
         KEY_HEADS=num_k_heads, VALUE_HEADS=nv, DK=dk, DV=dv, CHUNK=CHUNK, BLOCK_KB=block_kb,
         SPLIT=dk > block_kb, BLOCK_V=block_v, DOT_PRECISION=dot_precision(precise), SPANS=chunks is not None,
-        **LAUNCH,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
