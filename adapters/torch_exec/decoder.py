@@ -104,9 +104,15 @@ class MoeDecoder:
             raise ValueError(f"layers {layers}: the residual stream x is needed exactly when first > 0")
         if x is None:
             x = self.embed[inp.token_ids]  # [T, H]
-        rows = self._decode_rows(inp)
+        return self._layers(x, first, end, inp, kv, state, self._decode_rows(inp), snapshots, experts)
+
+    def _layers(self, x: torch.Tensor, first: int, end: int, inp: StepInputs, kv: PagedKVCache,
+                state: LinearStatePool | None, rows: tuple, snapshots: LinearStatePool | None,
+                experts) -> torch.Tensor:
+        """Layers [first, end) on the residual stream x [T, H]: each adds its token mixer of the normed stream,
+        then its MoE of the normed stream. Returns the stream after layer end - 1."""
+        w = self.w
         for i in range(first, end):
-            w = self.w
             h = self._norm(x, w[f"layers.{i}.input_layernorm.weight"])  # [T, H]
             x = x + self._mix(i, self.mixers[i], h, inp, kv, state, rows, snapshots)
             h = self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"])

@@ -58,3 +58,38 @@ def test_gated_norm_refuses_bad_shapes():
         gated_rms_norm(x, z, torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="weight must be"):
         gated_rms_norm(x, z, torch.ones(8, dtype=torch.float16), 1e-6, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_gate_view_is_read_in_place_with_the_bits_of_its_copy(dtype, monkeypatch):
+    """The prefill's and decode step's gate: the z columns of the stacked qkvz output, [T, Nv, D] with rows C + Nv*D
+    wide. Read through its strides, it gives exactly what its contiguous copy gives, and no copy is made (the
+    launcher would call .contiguous() on it otherwise); a gate of another layout is still copied."""
+    gen = torch.Generator().manual_seed(9)
+    t, nv, d, c = 5, 4, 96, 40
+    core = (torch.randn(t, nv, d, generator=gen) * 3).to(DEVICE)
+    stacked = torch.randn(t, c + nv * d, generator=gen).to(dtype).to(DEVICE)  # [T, C + Nv*D]
+    z = stacked[:, c:].reshape(t, nv, d)  # a view: row stride C + Nv*D
+    assert not z.is_contiguous() and z.data_ptr() == stacked[:, c:].data_ptr()
+    w = (1.0 + 0.2 * torch.randn(d, generator=gen)).to(dtype).to(DEVICE)
+    want = gated_rms_norm(core, z.contiguous(), w, 1e-6, dtype)
+    import adapters.kernels.gated_rms_norm as mod
+
+    gates, kernel = [], mod._gated_rms_norm_kernel
+
+    class Spy:  # the launcher's kernel[grid](...) call, recording the gate tensor it is handed
+        def __getitem__(self, grid):
+            def launch(x, g, *args, **kw):
+                gates.append(g)
+                return kernel[grid](x, g, *args, **kw)
+            return launch
+
+    monkeypatch.setattr(mod, "_gated_rms_norm_kernel", Spy())
+    got = gated_rms_norm(core, z, w, 1e-6, dtype)
+    assert gates[-1] is z  # the strided gate itself, not a copy
+    assert torch.equal(got, want)
+    transposed = z.transpose(0, 1).contiguous().transpose(0, 1)  # [T, Nv, D] with a head-major layout
+    assert torch.equal(gated_rms_norm(core, transposed, w, 1e-6, dtype), want)
+    flat = z.reshape(t * nv, d)  # 2-D: copied first, the same values
+    assert torch.equal(gated_rms_norm(core.reshape(t * nv, d), flat, w, 1e-6, dtype), want.reshape(t * nv, d))
+    assert gates[-1].is_contiguous()
