@@ -256,6 +256,9 @@ def _scheduler_config(settings: ServeSettings, spec: ModelSpec, plan: PoolPlan, 
         linear_state=spec.linear_state_bytes_per_sequence() > 0,
         layered_prefill=settings.layered_prefill,
         num_layers=spec.num_layers,
+        # ADR 0024 "A0": on a plan that leaves experts out; a live resize says so again (Engine._install_pools)
+        layer_short_prompts=settings.layers_short_prompts,
+        partial_residency=plan.partial_residency,
     )
 
 
@@ -330,7 +333,7 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
 
         recorder = RoutingTraceRecorder(settings.record_routing, checkpoint.spec.num_layers)
     return _reporting(choice, TorchExecutor(checkpoint, plan, device, dtype, routing_recorder=recorder,
-                                            routing_replay=routing_replay))
+                                            routing_replay=routing_replay, on_phase=progress))
 
 
 def _profile_env(environ) -> tuple[str, str, int, bool] | None:

@@ -364,6 +364,9 @@ class Engine:
             self.plan.kv_pages, self.plan.page_size, self.plan.snapshot_slots)
         allocator = self._allocator if kept else PageAllocator(target.kv_pages)
         dropped = self.scheduler.replace_pools(allocator, target.state_slots, target.snapshot_slots)
+        # NOTE: the expert slots may have crossed the model's experts: short prompts beside decodes are layered where
+        # the plan leaves experts out (--layer-short-prompts auto, ADR 0024)
+        self.scheduler.set_partial_residency(target.partial_residency)
         self._allocator = allocator
         self.plan = target
         self._publisher.reset_expert_counters()

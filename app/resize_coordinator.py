@@ -97,6 +97,18 @@ def pool_sizes(plan: PoolPlan) -> str:
     return ", ".join(f"{name} {getattr(plan, field)}" for name, field in _SIZES) + f", {format_bytes(plan.used_bytes)}"
 
 
+def experts_note(plan: Any) -> str:
+    """What a resize (ResizePlan, or an expert-parallel one: every rank's) did to the expert slots. A rebuilt pool
+    that holds every expert its GPU may hold is filled from the host bank before the resize returns (the executors'
+    ExecutorPools._preload_experts); a partial one starts cold and fills by use."""
+    if plan.experts_kept:
+        return "expert slots kept warm"
+    targets = plan.target if isinstance(plan.target, tuple) else (plan.target,)
+    if all(t.residency >= 1 for t in targets):
+        return "expert pool rebuilt: every expert made resident"
+    return "expert pool rebuilt: expert slots start cold"
+
+
 def pool_changes(before: PoolPlan, after: PoolPlan) -> str:
     """Every pool's size before -> after, and the bytes the pools hold ("KV tokens 16384 -> 2048, ...")."""
     sizes = [f"{name} {getattr(before, field)} -> {getattr(after, field)}" for name, field in _SIZES]
@@ -229,7 +241,7 @@ class ResizeCoordinator:
         # NOTE: the one line a live resize leaves in the log (the rebuild route's answer has the rest)
         log.info("pools resized: %s; waited %.3f s for in-flight requests, swapped in %.3f s; %s%s",
                  pool_changes(pending.plan.current, target), now - pending.started, done - now,
-                 "expert slots kept warm" if pending.plan.experts_kept else "expert slots start cold",
+                 experts_note(pending.plan),
                  f"; {note}" if note else "")
         self._end(ResizeOutcome(True, message, pending.plan, waited_s=done - pending.started))
 

@@ -12,6 +12,7 @@ from domain.prefill_choice import PREFILL_KERNELS
 from domain.step_budget import DEFAULT_MAX_STEP_TOKENS, DEFAULT_MIXED_STEP_TOKENS, layer_group_tokens
 
 PREFILL_GRAPHS = ("auto", "on", "off")  # --prefill-graphs
+LAYER_SHORT_PROMPTS = ("auto", "off")  # --layer-short-prompts
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ServeSettings:
     # the budget that sizes a layer group beside decodes (ADR 0024, session 25); None = 1024 raised to the mixed
     # budget and bounded by max_prefill_length (domain.step_budget.layer_group_tokens)
     layer_group_length: int | None = None
+    # ADR 0024 "A0" (session 28): "auto" = with layered prefill on a plan that does not hold every expert (at start
+    # and after each live resize), every prompt chunk beside decodes runs as layer groups, however short, and other
+    # prompts wait while one is part-way; "off" = only prompts longer than the mixed budget are layered
+    layer_short_prompts: str = "auto"
     # an idle engine's first step waits up to this long for the rest of a burst of requests (0: never);
     # domain/arrival_window.py, docs/adr/0021-arrival-window.md
     arrival_window_ms: float = DEFAULT_ARRIVAL_WINDOW_MS
@@ -89,6 +94,12 @@ class ServeSettings:
         raised to the mixed budget and bounded by --max-prefill-length."""
         return layer_group_tokens(self.max_prefill_length, self.mixed_step_tokens, self.layer_group_length)
 
+    @property
+    def layers_short_prompts(self) -> bool:
+        """--layer-short-prompts auto with --layered-prefill on: the scheduler layers every chunk beside decodes
+        wherever the plan leaves experts out (SchedulerConfig.layer_short_prompts)."""
+        return self.layered_prefill and self.layer_short_prompts == "auto"
+
     def _fast_path_clashes(self, *extra: tuple[str, bool]) -> list[str]:
         """The flags set here that keep the CUDA-graph fast path from serving (the reference executor would), and
         those of `extra` (flag, set) pairs that are set: what a fast-path-only option is refused with."""
@@ -114,6 +125,8 @@ class ServeSettings:
                              f"({self.max_running_requests}) and <= --max-prefill-length ({self.max_prefill_length})")
         if self.layer_group_length is not None and not self.layered_prefill:
             raise ValueError("--layer-group-length sizes layer groups: it needs --layered-prefill on")
+        if self.layer_short_prompts not in LAYER_SHORT_PROMPTS:
+            raise ValueError(f"--layer-short-prompts must be auto or off, got {self.layer_short_prompts!r}")
         if not (math.isfinite(self.arrival_window_ms) and 0 <= self.arrival_window_ms <= 1000):
             raise ValueError(f"--arrival-window-ms must be between 0 and 1000, got {self.arrival_window_ms}")
         if not 0 < self.memory_ratio <= 1:

@@ -123,6 +123,12 @@ class PoolPlan:
     def __post_init__(self) -> None:
         self.check_valid()
 
+    @property
+    def partial_residency(self) -> bool:
+        """The expert pool leaves some of its (layer, expert) keys out (residency < 1): a prefill step copies
+        experts over the link (SchedulerConfig.partial_residency)."""
+        return self.residency < 1.0
+
     def check_valid(self) -> None:
         sizes = (self.page_size, self.kv_pages, self.expert_slots, self.state_slots, self.kv_bytes,
                  self.expert_bytes, self.state_bytes, self.free_bytes, self.snapshot_slots, self.snapshot_bytes,

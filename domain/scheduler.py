@@ -10,7 +10,10 @@ step between tokens, so that step must stay short). With layered prefill on (doc
 decodes takes a prompt longer than its budget as one chunk of up to `max_step_tokens` and runs it a layer
 group per step (SequenceWork.layers): as many layers as the budget's token x layers allow, so every step
 stays as short as a mixed one while the chunk's experts stream once, not once per short chunk; at most one
-chunk is part-way at a time, and once no decode runs its remaining layers go in one step. KV pages are allocated
+chunk is part-way at a time, and once no decode runs its remaining layers go in one step. With `layer_short_prompts` on
+a plan that does not hold every expert (ADR 0024 "A0", session 28), every prompt chunk beside decodes is layered,
+however short (an ordinary mixed step there copies every non-resident expert), and no other prompt takes a chunk
+beside decodes while one is part-way. KV pages are allocated
 lazily as sequences grow. When a decode cannot get a page, the newest running request is
 preempted (pages + state slot freed, put back at the head of the queue; it re-prefills
 prompt + output later). docs/adr/0002-pool-exhaustion.md says why.
@@ -59,6 +62,13 @@ class SchedulerConfig:
     # the budget, decodes included, that sizes a layer group beside decodes (ADR 0024, session 25); None =
     # mixed_step_tokens. mixed_step_tokens still decides which prompts are layered (those longer than it)
     layer_group_tokens: int | None = None
+    # ADR 0024 "A0" (session 28; `ft serve --layer-short-prompts auto`), with layered_prefill: where the plan does not
+    # hold every expert, a step that carries decodes layers every prompt chunk, whatever its length, and runs no other
+    # prompt's chunk while one is part-way. Inert on a plan that holds every expert
+    layer_short_prompts: bool = False
+    # the plan does not hold every expert (expert slots < the model's experts): what layer_short_prompts acts on; the
+    # start's value, Scheduler.set_partial_residency changes it live (a resize)
+    partial_residency: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "page_size", "max_context", "num_layers"):
@@ -83,6 +93,8 @@ class SchedulerConfig:
             if not self.max_running <= getattr(self, name) <= self.max_step_tokens:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be in [max_running ({self.max_running}), "
                                  f"max_step_tokens ({self.max_step_tokens})]")
+        if self.layer_short_prompts and not self.layered_prefill:
+            raise ValueError("layer_short_prompts runs prompts as layer groups: it needs layered_prefill")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
 
@@ -102,6 +114,7 @@ class Scheduler:
         self._in_flight_owners: dict[str, Request] = {}
         self._layered: Request | None = None  # the request whose chunk is part-way through its layer groups
         self.num_layer_groups = 0  # layer-group works scheduled (cumulative, for the stats)
+        self._partial_residency = config.partial_residency
         self.prefix: PrefixStore | None = None
         self._set_pools(allocator, num_state_slots, num_snapshot_slots)
 
@@ -147,6 +160,25 @@ class Scheduler:
         if not self.is_idle():
             raise RuntimeError("clear_prefix_cache needs an idle scheduler")
         return self.prefix.clear()
+
+    @property
+    def partial_residency(self) -> bool:
+        """Whether the plan leaves experts out (expert slots < the model's experts): SchedulerConfig's at start, then
+        what set_partial_residency last said."""
+        return self._partial_residency
+
+    def set_partial_residency(self, partial: bool) -> None:
+        """The plan now does (True) or does not (False) leave experts out; the server says so after a live resize.
+        Any time: it moves only the decisions of later steps (a chunk part-way finishes its layer groups)."""
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial residency must be a bool, got {partial!r}")
+        self._partial_residency = partial
+
+    @property
+    def layers_every_chunk(self) -> bool:
+        """ADR 0024 "A0": beside decodes every prompt chunk is layered, and no other prompt takes a chunk while one
+        is part-way (layer_short_prompts, on a plan that leaves experts out)."""
+        return self.config.layer_short_prompts and self._partial_residency
 
     @property
     def num_cached_pages(self) -> int:
@@ -324,13 +356,30 @@ class Scheduler:
     # ---- layered prefill (docs/adr/0024-layered-prefill.md) ------------------------------------------
     def _layered_chunk(self, pending: int, budget: int, with_decodes: bool) -> int:
         """Tokens of a layered chunk for a prompt with `pending` tokens to go, or 0 when it should take an
-        ordinary chunk: layered prefill is on, the step carries decodes, the budget would cut the prompt, and
-        no other chunk is part-way. At most max_step_tokens (the activations reserved for one step), and at
-        most what lets one layer of it fit the budget."""
-        if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget < pending):
+        ordinary chunk: layered prefill is on, the step carries decodes, the budget would cut the prompt (or
+        _layers_short_chunk layers it all the same), and no other chunk is part-way. At most max_step_tokens (the
+        activations reserved for one step), and at most what lets one layer of it fit the budget."""
+        if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget):
             return 0
-        # NOTE: 0 (an ordinary chunk) where a layer-group budget below the mixed one leaves no group room
+        if not (budget < pending or self._layers_short_chunk(min(pending, budget))):
+            return 0
+        # NOTE: 0 (an ordinary chunk; under A0 none: it waits) where a layer-group budget below the mixed one leaves
+        # no group room
         return max(0, min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers))
+
+    def _layers_short_chunk(self, chunk: int) -> bool:
+        """Whether a chunk beside decodes that the budget would take whole is layered all the same: under A0
+        (layers_every_chunk), any. A hook: the simulator's what-if policies (simulator/layering_policy.py) layer
+        only the chunks whose step would stream experts."""
+        return self.layers_every_chunk
+
+    def _only_layered_chunks(self, with_decodes: bool) -> bool:
+        """A0 beside decodes: no ordinary prompt chunk runs, and none at all while a chunk is part-way.
+        NOTE: an ordinary chunk there, however short, copies every non-resident expert in its one step (a 36-token
+        prompt beside 3 decodes: a 262-273 ms step on the H100 at 24 GiB, 2026-12-05), and one beside a part-way
+        chunk would take the leftover of a group's budget (a 200-token chunk's group charges ~20 tokens) and copy
+        the whole model again; the prompt waits for the part-way chunk's last group instead."""
+        return with_decodes and self.layers_every_chunk
 
     def _group_budget(self, budget: int, with_decodes: bool = True) -> int:
         """The token x layers budget of a layer group beside decodes, from `budget`, the step's mixed budget left:
@@ -379,12 +428,15 @@ class Scheduler:
     # ---- prefill chunks ------------------------------------------------------------------------------
     def _schedule_prefills(self, budget: int, with_decodes: bool) -> tuple[list[SequenceWork], bool]:
         works, starved = [], False
+        only_layered = self._only_layered_chunks(with_decodes)
         for request in self._running:
-            if budget <= 0:
+            if budget <= 0 or (only_layered and self._layered is not None):
                 break
             if request.state is not RequestState.PREFILLING or request is self._layered:
                 continue
             layered = self._layered_chunk(request.num_pending_tokens, budget, with_decodes)
+            if only_layered and not layered:
+                continue
             wanted = layered or min(request.num_pending_tokens, budget)
             coverable = (len(request.pages) + self.prefix.available_pages()) * self.config.page_size
             chunk = min(wanted, coverable - request.num_computed_tokens)
@@ -405,17 +457,24 @@ class Scheduler:
         # NOTE: leave one page of headroom per decoding request, so a newcomer does not take
         # the page a decode needs next step and get preempted straight away.
         headroom = sum(1 for r in self._running if r.state is RequestState.DECODING)
+        only_layered = self._only_layered_chunks(with_decodes)
         while self._waiting and budget > 0 and self.can_admit_more():
+            if only_layered and self._layered is not None:
+                break  # A0: the head waits for the part-way chunk's last group (FIFO: so does everyone behind it)
             request = self._waiting[0]
             match = self.prefix.match(request)
             start = match.num_tokens if match is not None else 0
+            matched = len(match.pages) if match else 0
             room = self.prefix.available_pages() - self.prefix.pages_locked_by(match) - headroom
             chunk = layered = 0
-            # NOTE: a layered chunk when it applies and its pages fit, else the budget's ordinary chunk
-            for i, wanted in enumerate((self._layered_chunk(request.num_tokens - start, budget, with_decodes),
-                                        min(request.num_tokens - start, budget))):
-                need = _ceil_div(start + wanted, self.config.page_size) - (len(match.pages) if match else 0)
-                if wanted and need <= room:
+            layered_chunk = self._layered_chunk(request.num_tokens - start, budget, with_decodes)
+            # NOTE: a layered chunk when it applies and its pages fit, else the budget's ordinary chunk; under A0 beside
+            # decodes never an ordinary one: the layered chunk, cut to the pages it may take
+            options = ((min(layered_chunk, (room + matched) * self.config.page_size - start),) if only_layered
+                       else (layered_chunk, min(request.num_tokens - start, budget)))
+            for i, wanted in enumerate(options):
+                need = _ceil_div(start + wanted, self.config.page_size) - matched
+                if wanted > 0 and need <= room:
                     chunk, layered = wanted, wanted if i == 0 else 0  # layered: the layered chunk was taken
                     break
             if not chunk:
@@ -436,9 +495,9 @@ class Scheduler:
 
     def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
         """Whether a chunk about to run starts layer groups: it is longer than the budget (then it is the layered
-        chunk, layered_chunk > 0). A hook: the simulator's what-if policies (simulator/layering_policy.py) also layer
-        a layered chunk the budget could take whole."""
-        return chunk > budget
+        chunk, layered_chunk > 0), or it is the layered chunk (possibly cut to its pages) and _layers_short_chunk
+        layers it though the budget could take it whole."""
+        return chunk > budget or (layered_chunk > 0 and self._layers_short_chunk(chunk))
 
     def can_admit_more(self) -> bool:
         return len(self._running) < self.config.max_running and bool(self._free_slots)

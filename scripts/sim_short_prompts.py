@@ -5,8 +5,10 @@ every command and its figures (the window's gap p50/p99/max for the 3 streams, t
 groups, GB staged):
     .venv/bin/python scripts/sim_short_prompts.py [--out docs/bench/2026-12-05-sim-short-prompts-mixed.json]
 The server flags are `scripts/gpu_mixed_bench.sh`'s (ft bench mixed's 2,048-token streams of a 53-token prompt,
-16 snapshot slots, the Triton prefill); the policies other than "today" are the simulator's what-ifs
-(simulator/layering_policy.py), not the engine's.
+16 snapshot slots, the Triton prefill); the policies other than "today" and "engine" are the simulator's what-ifs
+(simulator/layering_policy.py). "today" is the engine of session 25 (`--layer-short-prompts off`, pinned since the
+engine's default became A0 in session 28); "engine-A0+B" is the engine's own default since then (the domain's
+policy, which also makes a second prompt wait while one is part-way: the same as the what-if A0+B for one prompt).
 """
 
 from __future__ import annotations
@@ -32,16 +34,20 @@ COMMON = ["mixed", "--layered-prefill", "on", "--stream-tokens", "2048", "--stre
 # 130 staging rows: the 8 ms cover's default (ADR 0010, session 25), pinned so the record does not move with it
 PLANS = {"24gib": ["--gpu-budget-gib", "24", "--kv", "16384", "--staging-experts", "130"],
          "resident": ["--gpu-budget-gib", "130", "--kv", "65536"]}
+OFF = ["--layer-short-prompts", "off"]  # the engine's own short-prompt policy off: the session-25 baseline
 POLICIES = {
-    "today-512": ["--mixed-prefill-length", "512"],
-    "today-1024": ["--mixed-prefill-length", "1024"],
+    # groups sized by the mixed budget, as before --layer-group-length (session 25) raised them to 1024
+    "today-512": ["--mixed-prefill-length", "512", "--layer-group-length", "512", *OFF],
+    "today-1024": ["--mixed-prefill-length", "1024", *OFF],
     "A-512": ["--mixed-prefill-length", "512", "--layer-streamed-chunks"],
     "A-1024": ["--mixed-prefill-length", "1024", "--layer-streamed-chunks"],
-    "B-512/768": ["--mixed-prefill-length", "512", "--layer-group-length", "768"],
-    "B-512/1024": ["--mixed-prefill-length", "512", "--layer-group-length", "1024"],
+    "B-512/768": ["--mixed-prefill-length", "512", "--layer-group-length", "768", *OFF],
+    "B-512/1024": ["--mixed-prefill-length", "512", "--layer-group-length", "1024", *OFF],
     "A+B-512/1024": ["--mixed-prefill-length", "512", "--layer-streamed-chunks", "--layer-group-length", "1024"],
     "A0+B-512/1024": ["--mixed-prefill-length", "512", "--layer-streamed-chunks", "--layer-faulting-chunks",
                       "--layer-group-length", "1024"],
+    # the engine's default since session 28 (--layer-short-prompts auto, --layer-group-length 1024)
+    "engine-A0+B": ["--mixed-prefill-length", "512"],
 }
 
 

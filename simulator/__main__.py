@@ -115,6 +115,11 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                    help="what-if, with --layer-streamed-chunks: also layer the chunks too short to stream (at most 32 "
                         "rows at top-8), which fault their experts through the expert cache, wherever the plan is not "
                         "fully resident")
+    m.add_argument("--layer-short-prompts", choices=("auto", "off"), default="auto",
+                   help="as `ft serve --layer-short-prompts` (default auto: with layered prefill on, on a plan that "
+                        "does not hold every expert, every prompt beside decodes runs as layer groups, however short; "
+                        "off: only prompts longer than the mixed budget, the engine before session 28); "
+                        "--layer-streamed-chunks replaces it")
     m.add_argument("--layer-group-length", type=parse_count,
                    help="as `ft serve --layer-group-length`: the budget, decodes included, that sizes a layer group "
                         "(default 1024, at least --mixed-prefill-length, which keeps deciding what is layered)")
@@ -374,7 +379,8 @@ def mixed_command(args) -> int:
     cfg = MixedConfig(spec, model_name, hardware, deployment, calibration.cost_params(), args.kv, label,
                       routing=args.routing, mixed_prefill_length=args.mixed_prefill_length,
                       layer_group_length=args.layer_group_length,
-                      page_size=workload.page_size, policy=None if policy.is_today else policy)
+                      page_size=workload.page_size, policy=None if policy.is_today else policy,
+                      layer_short_prompts=args.layer_short_prompts == "auto")
     seed = calibration.seed if args.seed is None else args.seed
     results = []
     for mode in modes:

@@ -2,25 +2,30 @@
 beside decodes"): NOT the engine's policy. `python -m simulator mixed --layer-streamed-chunks
 --layer-group-length N` runs them; with neither, `predict_mixed` runs the domain Scheduler itself.
 
-Today (domain/scheduler.py) a prompt chunk beside decodes is layered only when it is longer than the mixed step
-budget (`mixed_step_tokens` - decodes), and that one budget also sizes each layer group. Two candidates:
+Before session 28 the domain Scheduler (domain/scheduler.py) layered a prompt chunk beside decodes only when it was
+longer than the mixed step budget (`mixed_step_tokens` - decodes); it still does with `SchedulerConfig.
+layer_short_prompts` off (`ft serve --layer-short-prompts off`), the baseline these candidates change. Two candidates:
 
-- `layer_streamed` ("layer what streams"): beside decodes, also layer a chunk the budget would take whole when the
-  step would stream experts through the staging rows (a plan not fully resident, with staging rows, and more than
+- `layer_streamed` ("layer what streams", "A"): beside decodes, also layer a chunk the budget would take whole when
+  the step would stream experts through the staging rows (a plan not fully resident, with staging rows, and more than
   `stream_rows` rows in the step: DeviceExpertPool.routed's streamed path). Such a step copies every non-resident
   expert of every layer, however short the chunk (ADR 0011, "What the numbers do not cover").
-- `layer_faulting` (with `layer_streamed`): also layer a chunk too short to stream, whose step looks its experts up
-  through the residency instead (at most `stream_rows` rows: e.g. a 16-token prompt beside 3 decodes faults ~80
-  experts a layer through the LRU in one step), wherever the plan is not fully resident.
-- `group_tokens` ("decoupled group budget"): a layer group gets budget + (group_tokens - mixed_step_tokens) tokens
-  of token x layers instead of the budget, so `mixed_step_tokens` keeps bounding the chunks that run unlayered while
-  the group size is set apart. Since session 25 the domain does this itself (SchedulerConfig.layer_group_tokens,
+- `layer_faulting` (with `layer_streamed`, "A0"): also layer a chunk too short to stream, whose step looks its experts
+  up through the residency instead (at most `stream_rows` rows: e.g. a 16-token prompt beside 3 decodes faults ~80
+  experts a layer through the LRU in one step), wherever the plan is not fully resident. Since session 28 the domain
+  does this itself (`layer_short_prompts` on a plan with `partial_residency`, `ft serve`'s default) and also makes
+  other prompts wait while a chunk is part-way, which this candidate does not: with one prompt at a time the two
+  schedule alike (tests/simulator/test_layering_policy.py checks it).
+- `group_tokens` ("decoupled group budget", "B"): a layer group gets budget + (group_tokens - mixed_step_tokens)
+  tokens of token x layers instead of the budget, so `mixed_step_tokens` keeps bounding the chunks that run unlayered
+  while the group size is set apart. Since session 25 the domain does this itself (SchedulerConfig.layer_group_tokens,
   `ft serve --layer-group-length`, default 1024): group_tokens here only sets that field of the config.
 
-`CandidateScheduler` is the domain Scheduler with its two layering decisions overridden: which chunk may be
-layered (`_layered_chunk`) and whether a chunk about to run starts layer groups (`_takes_layers`, the domain's hook).
+`CandidateScheduler` is the domain Scheduler with its hook for "layer this chunk though the budget could take it
+whole" (`_layers_short_chunk`) answered by `layer_streamed`'s test instead of the domain's; with `layer_streamed` the
+domain's own policy (layer_short_prompts) is off, so the candidate is measured against the pre-session-28 baseline.
 NOTE: tests/simulator/test_layering_policy.py checks that with the candidates off it schedules exactly as the domain
-Scheduler does.
+Scheduler does (both with the domain's policy off and on).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from domain.scheduler import Scheduler, SchedulerConfig
 
 @dataclass(frozen=True)
 class LayeringPolicy:
-    """The candidates' knobs; the defaults are today's policy."""
+    """The candidates' knobs; the defaults are none (the domain's own policy, as its SchedulerConfig says)."""
 
     layer_streamed: bool = False  # layer any chunk beside decodes whose step would stream experts
     layer_faulting: bool = False  # with layer_streamed: also those that would fault experts through the residency
@@ -71,6 +76,8 @@ class CandidateScheduler(Scheduler):
             raise ValueError("layering streamed chunks needs layered prefill on")
         if policy.group_tokens is not None:  # the domain's own knob (SchedulerConfig.layer_group_tokens)
             config = replace(config, layer_group_tokens=policy.group_tokens)
+        if policy.layer_streamed:  # NOTE: the candidate replaces the domain's own short-prompt policy (session 28)
+            config = replace(config, layer_short_prompts=False)
         super().__init__(config, allocator, num_state_slots, num_snapshot_slots)
         self.policy, self.stream_rows = policy, stream_rows
         self._decodes = 0  # decode rows of the step being scheduled
@@ -82,15 +89,9 @@ class CandidateScheduler(Scheduler):
 
     def _streams(self, chunk: int) -> bool:
         """Whether a step of this chunk beside this step's decodes streams experts (layer_streamed's test)."""
-        return self.policy.layer_streamed and self.stream_rows is not None and chunk + self._decodes > self.stream_rows
+        return self.stream_rows is not None and chunk + self._decodes > self.stream_rows
 
-    def _layered_chunk(self, pending: int, budget: int, with_decodes: bool) -> int:
-        if not (self.config.layered_prefill and with_decodes and self._layered is None and 0 < budget):
-            return 0
-        if not (budget < pending or self._streams(min(pending, budget))):
-            return 0
-        return max(0, min(pending, self.config.max_step_tokens, self._group_budget(budget) * self.config.num_layers))
-
-    def _takes_layers(self, chunk: int, budget: int, layered_chunk: int) -> bool:
-        """Today: the chunk is longer than the budget. layer_streamed: also a layered chunk whose step streams."""
-        return chunk > budget or (layered_chunk > 0 and self._streams(chunk))
+    def _layers_short_chunk(self, chunk: int) -> bool:
+        """layer_streamed: a chunk the budget could take whole is layered when its step would stream; else the
+        domain's answer."""
+        return self._streams(chunk) if self.policy.layer_streamed else super()._layers_short_chunk(chunk)

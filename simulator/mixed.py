@@ -15,7 +15,8 @@ ranks; TTFT is first token - send. Each request reaches the scheduler CostParams
 sent (HTTP, as in predict's workload); tokens reach the client as their step ends.
 
 The engine loop is the server's: the domain Scheduler, configured as app/containers.py configures it for
-`ft serve` (budgets, prefix cache, `--layered-prefill`), over the pools `plan_deployment` plans as the server
+`ft serve` (budgets, prefix cache, `--layered-prefill`, `--layer-short-prompts` over the plan's residency), over the
+pools `plan_deployment` plans as the server
 does, with a SimExecutor; a request that arrives while a step runs is admitted at the next schedule().
 """
 
@@ -299,6 +300,10 @@ class MixedConfig:
     page_size: int = 16
     # a what-if layering policy (simulator/layering_policy.py; layered prefill on only); None: the domain's
     policy: LayeringPolicy | None = None
+    # --layer-short-prompts auto (True, ft serve's default since session 28) or off: with layered prefill, on a plan
+    # that leaves experts out, every chunk beside decodes is layered (ADR 0024 "A0"); a what-if policy that layers
+    # streamed chunks replaces it
+    layer_short_prompts: bool = True
 
 
 def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenario, layered: bool,
@@ -334,17 +339,23 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
     mixed = mixed_step_tokens(max_step, running, cfg.mixed_prefill_length)
     group = cfg.policy.group_tokens if cfg.policy is not None and cfg.policy.group_tokens is not None \
         else cfg.layer_group_length
+    what_if = layered and cfg.policy is not None and cfg.policy.layer_streamed
     config = SchedulerConfig(max_running=running, max_step_tokens=max_step, mixed_step_tokens=mixed,
                              layer_group_tokens=layer_group_tokens(max_step, mixed, group),
                              page_size=plan.page_size, max_context=spec.max_context, prefix_cache=prefix_cache,
                              snapshot_interval=snapshot_interval(plan.page_size) if prefix_cache else 0,
-                             linear_state=linear, layered_prefill=layered, num_layers=spec.num_layers)
+                             linear_state=linear, layered_prefill=layered, num_layers=spec.num_layers,
+                             layer_short_prompts=layered and cfg.layer_short_prompts and not what_if,
+                             partial_residency=plan.partial_residency)
+    # NOTE: the keys of the server's /v1/stats `scheduler` (ft bench mixed's server_step_budgets) where they match
     out["scheduler"] = {"max_step_tokens": config.max_step_tokens, "mixed_step_tokens": config.mixed_step_tokens,
                         "layer_group_tokens": config.layer_group_tokens,
                         "max_running": config.max_running, "layered_prefill": layered,
+                        "layer_short_prompts": config.layer_short_prompts,
+                        "partial_residency": config.partial_residency,
                         "num_layers": config.num_layers, "prefix_cache": prefix_cache}
     snapshots = plan.snapshot_slots if prefix_cache else 0
-    if layered and cfg.policy is not None and cfg.policy.layer_streamed:
+    if what_if:
         # NOTE: a step streams (DeviceExpertPool.routed) when the plan leaves experts out, has staging rows, and the
         # step's rows route more keys than one device lookup takes; with fewer, or no staging, it faults them through
         # the residency (layer_faulting: any chunk)

@@ -12,7 +12,8 @@ argument (argparse dest <- record field):
 - the server: gpu_budget_gib, memory_ratio <- `budget`; kv, snapshot_slots, staging_experts <- `pool_plan`;
   max_prefill_length, mixed_prefill_length, max_running_requests, layered_prefill <- `summary.server_step_budgets`;
   layer_group_length <- its `layer_group_tokens` (since session 25), else its `mixed_step_tokens` (the groups'
-  budget before then);
+  budget before then); layer_short_prompts <- its `layer_short_prompts` (since session 28: auto when true), else off
+  (a server before then layered only prompts longer than the mixed budget);
   cache_type, prefill_kernels <- the server's /v1/stats (`server.stats.prefix_cache`, `.executor`);
 - model <- the built-in model whose geometry and expert bytes are `model.geometry` / `model.expert_bytes`;
   hardware <- the built-in profile named in every `hardware.gpus[].name` (the client's GPUs: the benchmark's host);
@@ -89,6 +90,15 @@ def _group_budget(data: dict, budgets: str) -> int:
         return _count(data, f"{budgets}.layer_group_tokens")
     except _Missing:
         return _count(data, f"{budgets}.mixed_step_tokens")
+
+
+def _short_prompts(data: dict, budgets: str) -> str:
+    """The server's --layer-short-prompts: its own field since session 28 (auto when true), else off (a server before
+    then layered only the prompts longer than the mixed budget)."""
+    try:
+        return "auto" if _field(data, f"{budgets}.layer_short_prompts") else "off"
+    except _Missing:
+        return "off"
 
 
 def _number(data: dict, dotted: str) -> float:
@@ -209,6 +219,7 @@ def _arguments(data: dict, points: list[dict]) -> tuple[dict[str, Any], dict[str
         "layer_group_length": lambda: _group_budget(data, budgets),
         "max_running_requests": lambda: _count(data, f"{budgets}.max_running"),
         "layered_prefill": lambda: "on" if _field(data, f"{budgets}.layered_prefill") else "off",
+        "layer_short_prompts": lambda: _short_prompts(data, budgets),
         "repeat_prompt_tokens": lambda: _repeat_prompt_tokens(data, points),
     }
     values, missing = {}, {}

@@ -159,8 +159,10 @@ class CudaGraphExecutor(ExecutorPools):
 
     # ---- pools -------------------------------------------------------------------------------------
     def resize_pools(self, plan: PoolPlan) -> None:
-        """As TorchExecutor.resize_pools (frees before it allocates), the graphs dropped first (they hold
-        the step's activations), then the decode inputs sized and the graphs captured again."""
+        """As TorchExecutor.resize_pools (frees before it allocates; a rebuilt expert pool that holds every key
+        is filled from the host bank before anything else runs: ExecutorPools._preload_experts), the graphs
+        dropped first (they hold the step's activations), then the decode inputs sized and the graphs captured
+        again."""
         self.graphs = {}
         self.model.segments = None  # its graphs hold activations and read the old pools: dropped first too
         self.model._chunk_plan = None  # a layered chunk's tables: the chunk goes with the pools (_swap_pools)

@@ -9,6 +9,7 @@ G staging rows.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -34,6 +35,7 @@ from adapters.kernels.moe_route_lookup import pays as route_lookup_pays
 from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.packed_gemv import PAIRS_BUCKETS, pairs_bucket
 from adapters.kernels.residency_lookup import MAX_KEYS
+from adapters.torch_exec.expert_cache import ExpertPreload
 
 # Above this many (token, top-k) pairs a layer's experts run as grouped tensor-core GEMMs (grouped_moe),
 # at or below it as per-pair GEMVs (fused_moe). NOTE: the choice depends on T*K only, never on the pool
@@ -167,6 +169,42 @@ class DeviceExpertPool:
     @property
     def num_slots(self) -> int:
         return int(self.slots.shape[0])
+
+    @property
+    def num_keys(self) -> int:
+        """Keys this pool may ever hold: the bank's L*E, or (a shard) those its rank owns."""
+        if self.shard is None:
+            return self.bank.num_layers * self.bank.num_experts
+        return self.shard.partition.keys_of(self.shard.rank)
+
+    def holds_every_key(self) -> bool:
+        return self.num_slots >= self.num_keys
+
+    def preload(self) -> ExpertPreload | None:
+        """When the slots hold every key (`holds_every_key`): fill them from the host bank before serving,
+        through the machinery of a miss: one residency lookup of every flat key, ascending (another rank's
+        keys are padding), then the gather kernel from the pinned bank. The device tables and stamps end as
+        the domain LRU fed those keys in that order; the hit/miss counters and bytes_copied do not count
+        it (DeviceResidency.preload; ExpertPreload says what it moved). Synchronises: it is timed with its
+        copies landed (start-up or a resize, never a step). None, and nothing done, for a partial pool: it
+        fills by use."""
+        if not self.holds_every_key():
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        keys = torch.arange(self.bank.num_layers * self.bank.num_experts, dtype=torch.int64, device=self.device)
+        found = self.residency.preload(keys)
+        self._snapshot = None  # the residency moved (as after any lookup)
+        self._gather(found.fill_keys, found.fill_slots)
+        copied, resident = torch.stack(((found.fill_keys >= 0).sum(),
+                                        (self.residency.slot_of_key[:-1] >= 0).sum())).tolist()  # the one sync
+        if self.shard is None and resident == self.num_keys:
+            self.residency.mark_every_key_resident()  # the prefill's set lookups then skip their victim choice
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ExpertPreload(copied, resident, self.num_keys, copied * self.layout.row_bytes,
+                             time.perf_counter() - start)
 
     def nbytes(self) -> int:
         return self.all_slots.nbytes + self.residency.nbytes()

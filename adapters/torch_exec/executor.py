@@ -4,6 +4,7 @@ the paged KV cache and the linear-attention state slots, all sized by the domain
 Shape legend: T tokens of the step, H hidden, V vocab, n rows.
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,9 +33,11 @@ class TorchExecutor(ExecutorPools):
     def __init__(self, checkpoint: LoadedCheckpoint, plan: "PoolPlan", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, sampler_seed: int = 0,
                  routing_recorder: RoutingTraceRecorder | None = None,
-                 routing_replay: RoutingReplayer | None = None):
+                 routing_replay: RoutingReplayer | None = None, on_phase: Callable[[str], None] | None = None):
         """routing_recorder records the ids the routers use (the replayed ones under routing_replay);
-        routing_replay replaces the routers' top-k choice (benchmark-only, `--routing-replay`)."""
+        routing_replay replaces the routers' top-k choice (benchmark-only, `--routing-replay`);
+        on_phase(name): told when the start-up fill of an expert cache holding every expert starts and ends
+        (start-up milestones; ExecutorPools._preload_experts)."""
         arch = checkpoint.spec.architecture
         if arch not in BUILDERS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(BUILDERS)})")
@@ -60,7 +63,9 @@ class TorchExecutor(ExecutorPools):
         self.state: LinearStatePool | None = None
         self.experts: ExpertSlotCache | None = None
         self.plan: PoolPlan | None = None
+        self._on_phase = on_phase
         self.resize_pools(plan)
+        self._on_phase = None  # a later resize's fill is not a start-up phase (it is logged)
 
     # ---- pools -------------------------------------------------------------------------------------
     def resize_pools(self, plan: "PoolPlan") -> None:

@@ -16,23 +16,32 @@ chunk (`KeptChunk`: its residual stream, its flattened inputs, its routing-repla
 until the engine releases its request (`release`: aborted or failed part-way). Each executor runs the
 group's forward (`_group_forward`: the reference records its routing, the fast path streams the experts).
 
+Every expert resident from the start: a rebuilt expert pool whose slots hold every key it may hold is filled
+from the host bank (`_preload_experts`) before the resize returns, so before the fast path captures its graphs and
+before the server says it is ready; a partial pool fills by use.
+
 Shape legend: T tokens of a chunk, H hidden, L layers, K top-k.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.torch_exec.expert_cache import ExpertPreload
 from adapters.torch_exec.gated_deltanet import LinearStatePool
 from adapters.torch_exec.step_inputs import StepInputs, flatten
 from domain.ports import SampledToken, SequenceWork, StepBatch
 
 if TYPE_CHECKING:
     from domain.budget import PoolPlan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +71,9 @@ class ExecutorPools:
 
     snapshots: LinearStatePool | None = None
     _kept: KeptChunk | None = None  # the layered prefill chunk part-way, if any
+    # the fill of the last expert pool built whole (every key resident before serving); None: that pool is partial
+    expert_preload: ExpertPreload | None = None
+    _on_phase: Callable[[str], None] | None = None  # start-up milestones (None after start-up)
 
     def _new_snapshots(self, plan: PoolPlan) -> LinearStatePool | None:
         if not self.model.linear_layers or plan.snapshot_slots == 0:
@@ -125,7 +137,23 @@ class ExecutorPools:
             self.experts = self._new_experts(plan)
         if not keep_snapshots:
             self.snapshots = self._new_snapshots(plan)
+        if not keep_experts:
+            self._preload_experts()
         self.plan = plan
+
+    def _preload_experts(self) -> None:
+        """A freshly built expert pool that holds every key it may hold: every expert copied in now, after every
+        pool is allocated (no new pool; the fill's temporaries are a few [L*E] index tensors), reported as a
+        start-up milestone and logged. A partial pool: nothing (it fills by use)."""
+        self.expert_preload = None
+        if not self.experts.holds_every_key():
+            return
+        if self._on_phase is not None:
+            self._on_phase(f"making experts resident: {self.experts.num_keys} experts from the host bank")
+        self.expert_preload = report = self.experts.preload()
+        log.info("%s (before serving; not counted as expert misses)", report.describe())
+        if self._on_phase is not None:
+            self._on_phase(report.describe())
 
     def _check_pools(self) -> None:
         """Every pool exists at the size of the plan last applied (a failed resize that left a pool

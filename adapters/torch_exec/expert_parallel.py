@@ -51,6 +51,9 @@ class PartitionedSlotCache(ExpertSlotCache):
             raise ValueError(f"rank {self.rank}: layer {layer} experts {foreign} belong to other ranks")
         yield from super().resident_groups(layer, experts)
 
+    def own_keys(self) -> list[tuple[int, int]]:
+        return [k for k in super().own_keys() if self.partition.owns(self.rank, k)]
+
     def check_valid(self) -> None:
         super().check_valid()
         foreign = [k for k in self.residency.lru_order() if not self.partition.owns(self.rank, k)]

@@ -18,6 +18,7 @@ from app.api.routing import get_or_head
 from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body, read_body
 from app.engine import Engine
 from app.gc_pauses import GC_PAUSES
+from app.resize_coordinator import experts_note
 from app.units import parse_count
 
 
@@ -124,6 +125,9 @@ def _step_budgets(engine: Engine) -> dict:
             "mixed_step_tokens": config.mixed_step_tokens, "layer_group_tokens": config.layer_group_tokens,
             # ADR 0024: on/off, and the layer-group works run so far (a chunk beside decodes takes several)
             "layered_prefill": config.layered_prefill, "layer_groups": engine.scheduler.num_layer_groups,
+            # ADR 0024 "A0" (--layer-short-prompts auto): every chunk beside decodes is layered when both are true
+            "layer_short_prompts": config.layer_short_prompts,
+            "partial_residency": engine.scheduler.partial_residency,
             "arrival_window_ms": round(engine.arrival_window.max_s * 1000, 3)}
 
 
@@ -225,7 +229,7 @@ async def cache_rebuild(request: Request) -> Response:
             "status": "ok",
             "message": outcome.message,
             "experts_kept": plan.experts_kept,
-            "kept": "expert slots kept warm" if plan.experts_kept else "expert pool rebuilt: expert slots start cold",
+            "kept": experts_note(plan),
             "waited_s": round(outcome.waited_s, 4),
             "peak_bytes": plan.peak_bytes,
             "steps": [dataclasses.asdict(s) for s in plan.steps],

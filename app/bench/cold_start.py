@@ -29,7 +29,8 @@ _STAMP = re.compile(r"\[\s*\d+\.\d+s\] ")
 _LISTEN = re.compile(r"listening on (http://\S+)")
 # (milestone, phase whose end marks it)
 PHASE_MILESTONES = (("expert_banks_loaded", "expert banks"), ("dense_weights_loaded", "dense weights"),
-                    ("graph_capture_done", "graph"), ("prefill_kernels_tuned", "tuning prefill kernels"))
+                    ("experts_resident", "making experts resident"), ("graph_capture_done", "graph"),
+                    ("prefill_kernels_tuned", "tuning prefill kernels"))
 
 
 class _StderrReader(threading.Thread):

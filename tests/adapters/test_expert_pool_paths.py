@@ -4,29 +4,17 @@ the kernel) and groups of experts (a chunk with more experts than slots)."""
 
 import torch
 
-from adapters.checkpoint.expert_layout import ExpertLayout
-from adapters.checkpoint.host_bank import HostExpertBank
-from adapters.checkpoint.quantize import quantize
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.kernels.residency_lookup import MAX_KEYS
-from domain.model_spec import WeightFormat
 from domain.residency import ExpertResidency
+from tests.adapters.torch_exec_models import random_fp8_bank
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, I, L, E, K = 32, 16, 2, 160, 8
 
 
 def _bank():
-    gen = torch.Generator().manual_seed(0)
-    layout = ExpertLayout(WeightFormat.FP8_BLOCK, H, I)
-    rows = torch.empty((L * E, layout.row_bytes), dtype=torch.uint8)
-    for r in range(L * E):
-        mats = [quantize(torch.randn(*shape, generator=gen) * 0.2, WeightFormat.FP8_BLOCK)
-                for shape in ((I, H), (I, H), (H, I))]
-        layout.pack(*mats, out=rows[r])
-    if DEVICE == "cuda":
-        rows = rows.pin_memory()
-    return HostExpertBank(layout, L, E, rows)
+    return random_fp8_bank(H, I, L, E)
 
 
 def test_every_lookup_path_matches_the_domain_and_each_other():

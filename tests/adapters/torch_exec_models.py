@@ -222,3 +222,17 @@ def packed_expert_rows(layout, count: int, gen: torch.Generator) -> torch.Tensor
                 for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
         layout.pack(*mats, out=rows[r])
     return rows
+
+
+def random_fp8_bank(hidden: int, inter: int, layers: int, experts: int, seed: int = 0):
+    """A HostExpertBank of layers x experts random block-FP8 experts (packed_expert_rows, generator seeded with
+    seed), pinned where CUDA runs (the gather kernel reads it zero-copy)."""
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.checkpoint.host_bank import HostExpertBank
+    from domain.model_spec import WeightFormat
+
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, hidden, inter)
+    rows = packed_expert_rows(layout, layers * experts, torch.Generator().manual_seed(seed))
+    if torch.cuda.is_available():
+        rows = rows.pin_memory()
+    return HostExpertBank(layout, layers, experts, rows)

@@ -131,6 +131,7 @@ def test_streams_keep_moving_while_a_prompt_prefills_in_mixed_steps(tmp_path, se
     assert summary["window"]["count"] == point["gaps_in_window"]
     assert summary["server_step_budgets"] == {"max_running": 4, "max_step_tokens": 1024, "mixed_step_tokens": MIXED,
                                              "layer_group_tokens": 1024, "layered_prefill": False, "layer_groups": 0,
+                                             "layer_short_prompts": False, "partial_residency": False,
                                              "arrival_window_ms": 30.0}
     assert rec["budget"]["fixed_bytes"] > 0  # the step's activations, held outside the pools
     # the server's steps in the window: the prompt's chunks went beside the decodes (mixed steps), none layered

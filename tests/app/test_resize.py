@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import threading
+import time
 
 import httpx
 import openai
@@ -369,3 +370,43 @@ def test_a_resize_that_gives_up_on_the_wait_says_so_in_the_log(srv, engine_log):
     warned = [rec for rec in engine_log if rec.levelname == "WARNING" and "resize not applied" in rec.getMessage()]
     assert len(warned) == 1 and "old pools kept (KV tokens 512" in warned[0].getMessage(), warned
     assert not any("pools resized" in rec.getMessage() for rec in engine_log)
+
+
+def layered_beside_a_stream(server) -> bool:
+    """Whether a short prompt sent while a stream decodes ran as layer groups beside it (the step trace's `layers`)."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        beside = asyncio.ensure_future(stream(client, "a stream beside", 400))
+        await until_running_or_done(server, [beside])
+        await asyncio.sleep(0.05)  # its prompt is in: it decodes
+        since = time.time()
+        assert await stream(client, "hi", 2) == expected("hi", 2)
+        assert not beside.done(), "the stream ended before the short prompt ran beside it"
+        assert await beside == expected("a stream beside", 400)
+        await client.close()
+        return since
+
+    since = asyncio.run(main())
+    steps = httpx.get(server.base_url + "/v1/stats/steps", params={"since": since}).json()["steps"]
+    beside_decodes = [s for s in steps if s["prefill_works"] and s["decode_rows"]]
+    assert beside_decodes, steps  # the prompt ran beside the stream's decodes
+    return all(s["layers"] is not None for s in beside_decodes)
+
+
+def test_a_resize_across_the_models_experts_turns_short_prompt_layering_on_and_off(srv):
+    """ADR 0024 "A0" (--layer-short-prompts auto, the default): 8 of the tiny model's 16 experts leave experts out, so
+    a short prompt beside a decoding stream runs as layer groups (an ordinary step would copy every expert that is not
+    resident); a live resize to all 16 turns that off, one back to 8 on again (Engine._install_pools)."""
+    def scheduler() -> dict:
+        return httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]
+
+    assert scheduler()["layer_short_prompts"] is True and scheduler()["partial_residency"] is True
+    assert layered_beside_a_stream(srv)
+    r = rebuild(srv, moe_slots=16)
+    assert r.status_code == 200, r.text
+    assert scheduler()["partial_residency"] is False and scheduler()["layer_short_prompts"] is True
+    assert not layered_beside_a_stream(srv)  # every expert resident: one ordinary mixed step, as before
+    r = rebuild(srv, moe_slots=8)
+    assert r.status_code == 200, r.text
+    assert scheduler()["partial_residency"] is True and layered_beside_a_stream(srv)

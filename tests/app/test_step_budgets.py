@@ -116,3 +116,33 @@ def test_serve_takes_layered_prefill_on_the_command_line():
     bad = subprocess.run([sys.executable, "-m", "app", "serve", "--layered-prefill", "maybe"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--layered-prefill: invalid choice: 'maybe'" in bad.stderr
+
+
+def test_short_prompt_layering_follows_the_flag_and_the_plan():
+    """--layer-short-prompts (ADR 0024 "A0", session 28): auto by default, on with layered prefill; the scheduler is
+    told whether the plan leaves experts out (TINY_SPEC has 16)."""
+    assert ServeSettings().layer_short_prompts == "auto" and ServeSettings().layers_short_prompts is True
+    assert ServeSettings(layered_prefill=False).layers_short_prompts is False  # auto: nothing to layer with
+    assert ServeSettings(layer_short_prompts="off").layers_short_prompts is False
+    with pytest.raises(ValueError, match="--layer-short-prompts must be auto or off, got 'on'"):
+        ServeSettings(layer_short_prompts="on")
+    partial = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024)
+    plan = _pool_plan(partial, TINY_SPEC, _budget(partial, TINY_SPEC, "cpu"))
+    config = _scheduler_config(partial, TINY_SPEC, plan, ())
+    assert plan.partial_residency and config.layer_short_prompts and config.partial_residency
+    off = replace(partial, layer_short_prompts="off")
+    assert _scheduler_config(off, TINY_SPEC, plan, ()).layer_short_prompts is False
+    assert _scheduler_config(replace(partial, layered_prefill=False), TINY_SPEC, plan, ()).layer_short_prompts is False
+    full = replace(partial, moe_slots=TINY_SPEC.total_experts)
+    plan = _pool_plan(full, TINY_SPEC, _budget(full, TINY_SPEC, "cpu"))
+    config = _scheduler_config(full, TINY_SPEC, plan, ())
+    assert not plan.partial_residency and config.layer_short_prompts and not config.partial_residency
+
+
+def test_serve_takes_layer_short_prompts_on_the_command_line():
+    bad = subprocess.run([sys.executable, "-m", "app", "serve", "--layer-short-prompts", "on"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--layer-short-prompts: invalid choice: 'on'" in bad.stderr
+    helped = subprocess.run([sys.executable, "-m", "app", "serve", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0 and "--layer-short-prompts {auto,off}" in helped.stdout

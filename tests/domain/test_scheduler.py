@@ -65,9 +65,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_context=st.integers(8, 36),
         layers=st.sampled_from([0, 1, 3]),
         group_extra=st.integers(0, 10),
+        short_prompts=st.booleans(),
+        partial=st.booleans(),
     )
     def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context, layers,
-              group_extra):
+              group_extra, short_prompts, partial):
         self.config = SchedulerConfig(
             max_running=max_running,
             max_step_tokens=max_running + extra_budget,
@@ -79,6 +81,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_layers=max(layers, 1),
             # the layer groups' own budget, below, at or above the mixed one (ADR 0024, session 25)
             layer_group_tokens=max_running + min(group_extra, extra_budget),
+            # ADR 0024 "A0" (session 28): every chunk beside decodes layered where the plan leaves experts out
+            layer_short_prompts=short_prompts and layers > 0,
+            partial_residency=partial,
         )
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.config, self.allocator, num_slots)
@@ -172,6 +177,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("a prefill chunk ran as a layer group")
         if any(decoding) and self.config.mixed_step_tokens < self.config.max_step_tokens:
             event("a mixed step ran under the smaller budget")
+        if any(decoding) and self.scheduler.layers_every_chunk:
+            # A0: beside decodes no ordinary prompt chunk runs (so a second prompt waits while one is part-way)
+            assert all(w.layers is not None for w, d in zip(works, decoding, strict=True) if not d), "an ordinary chunk beside " \
+                "decodes on a plan that leaves experts out"
+            if layered:
+                event("A0: a chunk beside decodes ran as a layer group")
         in_batch = {w.request_id for w in works}
         for request in decoding_before:  # every decoder decodes each step unless preempted
             assert request.request_id in in_batch or request.state is RequestState.WAITING, request.request_id
@@ -185,7 +196,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, abort_index, readd):
         waiting = [r for r in self.live.values() if r.state is RequestState.WAITING]
         decoding = [r for r in self.live.values() if r.state is RequestState.DECODING]
+        part_way = any(r.layer_chunk is not None for r in self.live.values())
+        others = any(r.state is RequestState.WAITING or (r.state is RequestState.PREFILLING and r.layer_chunk is None)
+                     for r in self.live.values())
         batch = self.scheduler.schedule()
+        if part_way and others and decoding and self.scheduler.layers_every_chunk:
+            event("A0: a prompt could have run beside a part-way chunk")
         if batch is None:
             assert not self.live, "scheduler idle while requests are live"
             return
@@ -238,6 +254,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.allocator = allocator
         self.executor = FakeExecutor(self.config.page_size, num_pages, num_slots, vocab_size=VOCAB,
                                      num_layers=self.config.num_layers)
+
+    @rule(partial=st.booleans())
+    def set_residency(self, partial):
+        """A live resize that changed the expert slots: the plan now does or does not leave experts out (any time:
+        the scheduler takes it for the steps that follow)."""
+        self.scheduler.set_partial_residency(partial)
+        assert self.scheduler.partial_residency is partial
+        assert self.scheduler.layers_every_chunk == (self.config.layer_short_prompts and partial)
 
     @invariant()
     def pools_are_consistent(self):

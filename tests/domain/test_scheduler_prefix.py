@@ -35,15 +35,18 @@ class PrefixSchedulerMachine(SchedulerMachine):
         linear_state=st.sampled_from([True, True, False]),
         layers=st.sampled_from([0, 1, 3]),
         group_extra=st.integers(0, 10),
+        short_prompts=st.booleans(),
+        partial=st.booleans(),
     )
     def setup(self, max_running, extra_budget, mixed_cut, page_size, num_pages, num_slots, max_context,
-              snapshot_slots, interval_pages, linear_state, layers, group_extra):
+              snapshot_slots, interval_pages, linear_state, layers, group_extra, short_prompts, partial):
         self.config = SchedulerConfig(
             max_running=max_running, max_step_tokens=max_running + extra_budget,
             mixed_step_tokens=max_running + max(extra_budget - mixed_cut, 0), page_size=page_size,
             max_context=max_context, eos_token_ids=EOS, prefix_cache=True,
             snapshot_interval=interval_pages * page_size, linear_state=linear_state, layered_prefill=layers > 0,
-            num_layers=max(layers, 1), layer_group_tokens=max_running + min(group_extra, extra_budget))
+            num_layers=max(layers, 1), layer_group_tokens=max_running + min(group_extra, extra_budget),
+            layer_short_prompts=short_prompts and layers > 0, partial_residency=partial)  # ADR 0024 "A0
         self.allocator = PageAllocator(num_pages)
         self.snapshot_slots = snapshot_slots
         self.scheduler = Scheduler(self.config, self.allocator, num_slots, snapshot_slots)

@@ -1,7 +1,9 @@
 """What-if layering policies for short prompts beside decodes (simulator/layering_policy.py; ADR 0024, "Short
 prompts beside decodes"): with both candidates off the CandidateScheduler schedules exactly as the domain's
-Scheduler; "layer what streams" layers a short chunk whose step would stream, "decoupled group budget" sizes the
-groups apart from the unlayered threshold; every output stays the solo run's; and `simulator mixed` takes them."""
+Scheduler (its own short-prompt policy, session 28, off or on); "layer what streams" layers a short chunk whose step
+would stream, and with "faulting" at partial residency schedules one prompt as the domain's policy does; "decoupled
+group budget" sizes the groups apart from the unlayered threshold; every output stays the solo run's; and
+`simulator mixed` takes them, its default following `ft serve`'s."""
 
 from __future__ import annotations
 
@@ -78,15 +80,55 @@ def check_solo(arrivals, outputs) -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("stream_rows", [None, 4])
-def test_with_both_candidates_off_it_schedules_as_the_domain_scheduler(seed, stream_rows):
-    # NOTE: the drift guard: CandidateScheduler copies two domain methods; a change there not made here fails this
-    cfg = config()
+@pytest.mark.parametrize("domain_policy", [(False, False), (True, False), (True, True)])
+def test_with_both_candidates_off_it_schedules_as_the_domain_scheduler(seed, stream_rows, domain_policy):
+    # NOTE: the drift guard: CandidateScheduler answers one domain hook; a change around it not made here fails this.
+    # domain_policy: (layer_short_prompts, partial_residency), the domain's own policy (ADR 0024 "A0", session 28)
+    short, partial = domain_policy
+    cfg = config(layer_short_prompts=short, partial_residency=partial)
     today, ex_today = pair(Scheduler, cfg)
     candidate, ex_candidate = pair(CandidateScheduler, cfg, stream_rows=stream_rows)
     got_today = run(today, ex_today, workload(seed))
     got_candidate = run(candidate, ex_candidate, workload(seed))
     assert got_candidate == got_today
     assert candidate.num_layer_groups == today.num_layer_groups
+
+
+def single_prompt(seed: int) -> dict[int, list[Request]]:
+    """Streams, then one prompt of any size arriving while they decode (the mixed scenario's shape)."""
+    arrivals = workload(seed)
+    first = min(k for k in arrivals if k > 0)
+    return {0: arrivals[0], first: arrivals[first][:1]}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_layering_every_chunk_at_partial_residency_is_the_domains_policy_for_one_prompt(seed):
+    # the what-if "A0" (layer_streamed + layer_faulting: stream_rows 0) against the domain's own since session 28:
+    # alike with one prompt beside the streams; with several the domain also makes the others wait (below)
+    candidate, ex_candidate = pair(CandidateScheduler, config(), policy=LayeringPolicy(
+        layer_streamed=True, layer_faulting=True), stream_rows=0)
+    domain, ex_domain = pair(Scheduler, config(layer_short_prompts=True, partial_residency=True))
+    arrivals = single_prompt(seed)
+    got_candidate, got_domain = run(candidate, ex_candidate, arrivals), run(domain, ex_domain, single_prompt(seed))
+    assert got_candidate == got_domain and candidate.num_layer_groups == domain.num_layer_groups
+    check_solo(arrivals, got_domain[1])
+
+
+def test_with_several_prompts_the_domain_policy_runs_no_ordinary_chunk_beside_decodes():
+    def ordinary_beside_decodes(scheduler_cls, cfg, **kwargs):
+        scheduler, executor = pair(scheduler_cls, cfg, **kwargs)
+        arrivals = {0: [Request(f"s{k}", [1 + k, 2], SamplingParams(max_tokens=40, ignore_eos=True)) for k in range(2)],
+                    3: [Request("long", [1 + i % 9 for i in range(40)], SamplingParams(max_tokens=1, ignore_eos=True))],
+                    4: [Request("short", [3, 4, 5], SamplingParams(max_tokens=1, ignore_eos=True))]}
+        batches, outputs = run(scheduler, executor, arrivals)
+        check_solo(arrivals, outputs)
+        return sum(1 for b in batches for w in b.works if w.layers is None and w.request_id in ("long", "short")
+                   and any(x.request_id.startswith("s") for x in b.works))
+
+    # the candidate gives the short prompt an ordinary chunk beside the long one's groups; the domain makes it wait
+    assert ordinary_beside_decodes(CandidateScheduler, config(), policy=LayeringPolicy(
+        layer_streamed=True, layer_faulting=True), stream_rows=0) > 0
+    assert ordinary_beside_decodes(Scheduler, config(layer_short_prompts=True, partial_residency=True)) == 0
 
 
 def test_layer_what_streams_layers_a_short_prompt_beside_decodes_only_where_the_step_streams():
@@ -134,7 +176,7 @@ def test_a_decoupled_group_budget_sizes_the_groups_and_keeps_the_unlayered_thres
         CandidateScheduler(config(layered_prefill=False), PageAllocator(8), 4, policy=LayeringPolicy(group_tokens=8))
 
 
-def _mixed(policy, prompt_tokens=24):
+def _mixed(policy, prompt_tokens=24, layer_short_prompts=True):
     spec = tiny_spec(layers=16)
     kv = 1024
     cost = CostParams(streamed_prefill=True, lookup_max_keys=16, graph_buckets=(1, 2, 4), step_overhead_s=1e-4,
@@ -142,7 +184,8 @@ def _mixed(policy, prompt_tokens=24):
     pool = kv * spec.kv_bytes_per_token() + 4 * spec.linear_state_bytes_per_sequence() + 132 * spec.expert_bytes()
     dep = Deployment(pool_bytes=pool, state_slots=4, cache_type="none", expert_slots=128, staging_experts=4,
                      max_prefill_length=512)
-    cfg = MixedConfig(spec, "tiny", SLOW_LINK, dep, cost, kv, "test", mixed_prefill_length=32, policy=policy)
+    cfg = MixedConfig(spec, "tiny", SLOW_LINK, dep, cost, kv, "test", mixed_prefill_length=32, policy=policy,
+                      layer_short_prompts=layer_short_prompts)
     scenario = MixedScenario(streams=3, stream_prompt_tokens=8, stream_tokens=64, warmup_tokens=4, baseline_tokens=8,
                              prompt_tokens=prompt_tokens, repeats=1)
     return predict_mixed(cfg, UniformRouting(16, 16, 2, seed=1), scenario, True, check=True)
@@ -152,15 +195,24 @@ def test_layering_a_short_streamed_prompt_trades_its_ttft_for_the_streams_gaps()
     # 24 tokens + 3 decodes = 27 rows route 54 keys > 16 a layer: the step streams every non-resident expert
     # groups sized by the mixed budget (32): one layer a step (ft serve's default group budget, 1024 since session
     # 25, bounded by the 512-token max step here, would take the 16 layers in two)
-    today, candidate = _mixed(None), _mixed(LayeringPolicy(layer_streamed=True, group_tokens=32))
+    # "today": the engine before session 28 (--layer-short-prompts off)
+    today = _mixed(None, layer_short_prompts=False)
+    candidate = _mixed(LayeringPolicy(layer_streamed=True, group_tokens=32))
     assert "policy" not in today["scheduler"]
     assert today["scheduler"]["layer_group_tokens"] == 512  # min(--max-prefill-length, 1024)
+    assert today["scheduler"]["layer_short_prompts"] is False and today["scheduler"]["partial_residency"] is True
     assert candidate["scheduler"]["policy"] == {"layer_streamed": True, "layer_faulting": False, "group_tokens": 32}
+    assert candidate["scheduler"]["layer_short_prompts"] is False  # the what-if replaces the domain's policy
     assert candidate["scheduler"]["stream_rows"] == 8  # min(128 slots, 16 keys) // top-2
     assert today["points"][0]["window_layered_steps"] == 0 and candidate["points"][0]["window_layered_steps"] == 16
     assert candidate["window"]["p99_ms"] < 0.7 * today["window"]["p99_ms"]
     assert candidate["ttft_s_median"] > today["ttft_s_median"]
-    json.dumps([today, candidate])
+    # the engine's default since session 28 (A0, the default group budget: 512 here, bounded by the max step): groups
+    # of (29 + 512 - 32) x 16 // 512 = 15 layers, so 2 of them (a group this large saves the streams nothing here)
+    engine = _mixed(None)
+    assert engine["scheduler"]["layer_short_prompts"] is True and "policy" not in engine["scheduler"]
+    assert engine["points"][0]["window_layered_steps"] == 2
+    json.dumps([today, candidate, engine])
 
 
 def test_the_mixed_command_takes_the_candidates(capsys):
@@ -179,3 +231,10 @@ def test_the_mixed_command_takes_the_candidates(capsys):
         (result,) = json.loads(capsys.readouterr().out)
         assert result["points"][0]["window_layered_steps"] == groups
     assert main(["mixed", "--layer-faulting-chunks", "--layered-prefill", "on"]) == 2  # needs --layer-streamed-chunks
+    # without a what-if the engine's own policy (ft serve --layer-short-prompts, auto by default since session 28)
+    for extra, groups in (([], 10), (["--layer-short-prompts", "off"], 0)):
+        assert main(["mixed", "--gpu-budget-gib", "24", "--prompt-tokens", "16", "--layered-prefill", "on",
+                     "--repeats", "1", "--json", *extra]) == 0
+        (result,) = json.loads(capsys.readouterr().out)
+        assert result["points"][0]["window_layered_steps"] == groups
+        assert result["scheduler"]["layer_short_prompts"] is (groups > 0) and result["scheduler"]["partial_residency"]

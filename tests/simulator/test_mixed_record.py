@@ -175,3 +175,13 @@ def test_the_h100_records_replay_on_the_h100_profile_with_the_records_server():
     assert record.arguments["prompt_tokens"] == 8196 and record.arguments["stream_tokens"] == 2048
     resident = read_record(str(bench / "2026-12-05-h100-mixed-resident-1024-layered-wlhs.json"))
     assert resident.arguments["gpu_budget_gib"] * GIB == 85_017_493_504 and resident.arguments["kv"] == 65536
+
+
+
+def test_the_record_says_whether_the_server_layered_short_prompts(tmp_path):
+    # ADR 0024 "A0" (session 28): the server reports layer_short_prompts in its step budgets; a record without it ran
+    # before then, when only prompts longer than the mixed budget were layered (--layer-short-prompts off)
+    assert read_record(write(tmp_path)).arguments["layer_short_prompts"] == "off"
+    for value, flag in ((True, "auto"), (False, "off")):
+        record = changed("summary.server_step_budgets.layer_short_prompts", value)
+        assert read_record(write(tmp_path, record, f"{flag}.json")).arguments["layer_short_prompts"] == flag
