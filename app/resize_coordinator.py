@@ -104,7 +104,7 @@ def experts_note(plan: Any) -> str:
     if plan.experts_kept:
         return "expert slots kept warm"
     targets = plan.target if isinstance(plan.target, tuple) else (plan.target,)
-    if all(t.residency >= 1 for t in targets):
+    if not any(t.partial_residency for t in targets):
         return "expert pool rebuilt: every expert made resident"
     return "expert pool rebuilt: expert slots start cold"
 

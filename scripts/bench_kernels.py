@@ -38,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_launch_ab import (  # noqa: E402
     GDN_OUT_CONFIGS,
     QWEN36_GDN,
-    compiled_stats,
+    first_build,
     gdn_out_points,
-    kernel_ids,
     max_rel,
+    out_window,
     prompt_walk,
     walk,
+    with_default_first,
 )
 from gpu_check import hardware_profile  # noqa: E402
 
@@ -674,27 +675,21 @@ def gdn_walk_points(tokens=GDN_WALK_TOKENS, configs=GDN_WALK_CONFIGS, dev: str =
     `compiled`: the walk binary's registers, spill and shared memory as loaded (None if unknown).
     dev/timer/geometry/window let a CPU test run the same code at tiny shapes in Triton's interpreter."""
     from adapters.kernels import gdn_chunk_state as walk_mod
-    from adapters.kernels.gdn_chunk_out import gdn_chunk_out
     from adapters.kernels.gdn_chunk_wy import gdn_chunk_wy
 
     timer = timer or _timed
-    default = (walk_mod.BLOCK_V, walk_mod.LAUNCH["num_warps"], walk_mod.LAUNCH["num_stages"])
-    configs = [default, *(tuple(c) for c in configs if tuple(c) != default)]
+    default, configs = with_default_first(walk_mod, configs)
     gen = torch.Generator(device=dev).manual_seed(6)
     points, stats = [], {}  # stats: config -> its binary's compiled_stats, taken when it first compiles
     for t in tokens:
         p = prompt_walk(t, geometry, window, precise, dev, gen)
 
         def run_walk(cfg, p=p):
-            before = kernel_ids(walk_mod._gdn_chunk_state_kernel) if cfg not in stats else None
-            walk(p, *cfg)
-            if before is not None:
-                stats[cfg] = compiled_stats(walk_mod._gdn_chunk_state_kernel, before)
+            first_build(stats, cfg, walk_mod._gdn_chunk_state_kernel, lambda: walk(p, cfg))
 
         def run_out(p=p):
             for _, _, chunk0, chunks in p.launches:
-                gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=precise, out=p.core,
-                              chunks=(*p.chunk_table, chunk0))
+                out_window(p, chunk0, chunks)
 
         context = {"wy_us": timer(lambda p=p: gdn_chunk_wy(*p.wy_args, precise=precise, chunks=p.chunk_table))}
         p.reset()

@@ -96,20 +96,44 @@ def prompt_walk(tokens: int, geometry=QWEN36_GDN, window: int | None = None, pre
     return p
 
 
-def walk(p: SimpleNamespace, block_v: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, out: bool = False) -> None:
-    """Every window of p's prompt through gdn_chunk_state (this launch; None: today's), overwriting p.u, p.state
-    and p.hs; with out, each window's gdn_chunk_out at today's launch into p.core as well (what the prefill runs)."""
-    from adapters.kernels import gdn_chunk_state as walk_mod
+TODAY = (None, None, None)  # a kernel's launch as (block_v, num_warps, num_stages): None reads today's
+
+
+def with_default_first(kernel_module, configs) -> tuple[tuple, list[tuple]]:
+    """(today's launch of a kernel module with BLOCK_V and LAUNCH, configs as tuples with it first and not again)."""
+    default = (kernel_module.BLOCK_V, kernel_module.LAUNCH["num_warps"], kernel_module.LAUNCH["num_stages"])
+    return default, [default, *(tuple(c) for c in configs if tuple(c) != default)]
+
+
+def first_build(stats: dict, cfg: tuple, jit_fn, fn):
+    """fn(); the first time cfg runs, stats[cfg] records the binary jit_fn compiled for it (compiled_stats)."""
+    before = kernel_ids(jit_fn) if cfg not in stats else None
+    result = fn()
+    if before is not None:
+        stats[cfg] = compiled_stats(jit_fn, before)
+    return result
+
+
+def out_window(p: SimpleNamespace, chunk0: int, chunks: int, launch: tuple = TODAY) -> None:
+    """One window's gdn_chunk_out (its chunks from chunk0 of the chunk table, entry states in p.hs) into p.core."""
     from adapters.kernels.gdn_chunk_out import gdn_chunk_out
+
+    gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=p.precise, out=p.core,
+                  chunks=(*p.chunk_table, chunk0), block_v=launch[0], num_warps=launch[1], num_stages=launch[2])
+
+
+def walk(p: SimpleNamespace, walk_launch: tuple = TODAY, out_launch: tuple | None = None) -> None:
+    """Every window of p's prompt through gdn_chunk_state at walk_launch, overwriting p.u, p.state and p.hs; with
+    out_launch, each window's gdn_chunk_out at that launch into p.core right after its walk (what the prefill runs,
+    whose hs buffer holds one window at a time)."""
+    from adapters.kernels import gdn_chunk_state as walk_mod
 
     for first, count, chunk0, chunks in p.launches:
         walk_mod.gdn_chunk_state(p.mixed, p.w, p.u, p.gc, p.ks, p.state, p.nk, precise=p.precise, states=p.hs,
                                  walk=walk_mod.SpanWalk(p.walk_table, first, count, chunk0, chunks),
-                                 block_v=block_v, num_warps=num_warps, num_stages=num_stages)
-        if out:
-            gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=p.precise, out=p.core,
-                          chunks=(*p.chunk_table, chunk0))
+                                 block_v=walk_launch[0], num_warps=walk_launch[1], num_stages=walk_launch[2])
+        if out_launch is not None:
+            out_window(p, chunk0, chunks, out_launch)
 
 
 def gdn_out_points(timer, tokens=GDN_OUT_TOKENS, configs=GDN_OUT_CONFIGS, dev: str = "cuda",
@@ -126,8 +150,7 @@ def gdn_out_points(timer, tokens=GDN_OUT_TOKENS, configs=GDN_OUT_CONFIGS, dev: s
     from adapters.kernels import gdn_chunk_out as out_mod
     from adapters.kernels import gdn_chunk_state as walk_mod
 
-    default = (out_mod.BLOCK_V, out_mod.LAUNCH["num_warps"], out_mod.LAUNCH["num_stages"])
-    configs = [default, *(tuple(c) for c in configs if tuple(c) != default)]
+    default, configs = with_default_first(out_mod, configs)
     gen = torch.Generator(device=dev).manual_seed(6)
     points, stats = [], {}  # stats: config -> its binary's compiled_stats, taken when it first compiles
     for t in tokens:
@@ -135,18 +158,8 @@ def gdn_out_points(timer, tokens=GDN_OUT_TOKENS, configs=GDN_OUT_CONFIGS, dev: s
 
         def outputs(cfg, p=p):
             """Every window's output at cfg, each after its own window's walk (the states it reads)."""
-            block_v, warps, stages = cfg
-            before = kernel_ids(out_mod._gdn_chunk_out_kernel) if cfg not in stats else None
             p.reset()
-            for first, count, chunk0, chunks in p.launches:
-                walk_mod.gdn_chunk_state(p.mixed, p.w, p.u, p.gc, p.ks, p.state, p.nk, precise=p.precise,
-                                         states=p.hs, walk=walk_mod.SpanWalk(p.walk_table, first, count, chunk0,
-                                                                             chunks))
-                out_mod.gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=p.precise, out=p.core,
-                                      chunks=(*p.chunk_table, chunk0), block_v=block_v, num_warps=warps,
-                                      num_stages=stages)
-            if before is not None:
-                stats[cfg] = compiled_stats(out_mod._gdn_chunk_out_kernel, before)
+            first_build(stats, cfg, out_mod._gdn_chunk_out_kernel, lambda: walk(p, out_launch=cfg))
             return p.core.clone()
 
         last = p.launches[-1]  # the timed window: its states are in p.hs after outputs()
@@ -166,12 +179,7 @@ def gdn_out_points(timer, tokens=GDN_OUT_TOKENS, configs=GDN_OUT_CONFIGS, dev: s
                 continue
             row["compiled"] = stats.get(cfg)
 
-            def one_window(cfg=cfg, p=p, chunk0=last[2], chunks=last[3]):
-                out_mod.gdn_chunk_out(p.mixed, p.u, p.gc, p.hs[:, :chunks], p.nk, precise=p.precise, out=p.core,
-                                      chunks=(*p.chunk_table, chunk0), block_v=cfg[0], num_warps=cfg[1],
-                                      num_stages=cfg[2])
-
-            us = timer(one_window)
+            us = timer(lambda cfg=cfg, p=p, chunk0=last[2], chunks=last[3]: out_window(p, chunk0, chunks, cfg))
             if isinstance(us, float):
                 row["out_us"] = round(us * len(p.launches), 2)
                 row["us_per_chunk"] = round(row["out_us"] / row["chunks"], 3)

@@ -128,6 +128,15 @@ class FastDecoder(MoeDecoder):
                 and (experts.has_shared or not self.opts.shared_expert)
                 and experts.can_route(rows, self.opts.top_k))
 
+    def _add_post_norm(self, i: int, x: torch.Tensor, mix: torch.Tensor):
+        """(x + mix, the MoE's input norm of it, its fp32 copy or None) for layer i in one launch: the norm also writes
+        h.float() where the fp32 router reads it (no cast launch a layer). mix: the token mixer's output, x's dtype."""
+        norm_w, eps, unit = (self.w[f"layers.{i}.post_attention_layernorm.weight"], self.opts.eps,
+                             self.opts.unit_offset_norm)
+        if self._router_reads_fp32(i, x):
+            return fused_norm(x, norm_w, eps, unit_offset=unit, residual=mix, fp32_copy=True)
+        return (*fused_norm(x, norm_w, eps, unit_offset=unit, residual=mix), None)
+
     def _router_reads_fp32(self, i: int, h: torch.Tensor) -> bool:
         router = self.w[f"layers.{i}.mlp.gate.weight"]
         return not isinstance(router, QTensor) and router.dtype == torch.float32 and h.dtype != torch.float32
@@ -181,10 +190,7 @@ class FastDecoder(MoeDecoder):
                 else:  # larger buckets: moe_router (grid (T,)) from the same logits, then the lookup kernel
                     delta = self._moe(i, h, experts, buf.valid, logits=logits)
             else:
-                if self._router_reads_fp32(i, h):  # the norm also writes h.float(): no cast launch per layer
-                    x, h, h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h, fp32_copy=True)
-                else:
-                    (x, h), h32 = fused_norm(x, norm_w, eps, unit_offset=unit, residual=h), None
+                x, h, h32 = self._add_post_norm(i, x, h)
                 delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
@@ -253,23 +259,13 @@ class FastDecoder(MoeDecoder):
             return super()._layers(x, first, end, inp, kv, state, rows, snapshots, experts)
         w, eps, unit = self.w, self.opts.eps, self.opts.unit_offset_norm
 
-        def add_norm(x, delta, name, fp32_copy=False):
-            if delta.dtype != x.dtype:  # NOTE: torch's add would promote; keep its semantics (not seen in practice)
-                x = x + delta
-                return (x, self._norm(x, w[name]), *((None,) if fp32_copy else ()))
-            return fused_norm(x, w[name], eps, unit_offset=unit, residual=delta, fp32_copy=fp32_copy)
-
         h = self._norm(x, w[f"layers.{first}.input_layernorm.weight"])  # [T, H]
         for i in range(first, end):
-            mix = self._mix(i, self.mixers[i], h, inp, kv, state, rows, snapshots)
-            post = f"layers.{i}.post_attention_layernorm.weight"
-            if self._router_reads_fp32(i, mix):
-                x, h, h32 = add_norm(x, mix, post, fp32_copy=True)
-            else:
-                (x, h), h32 = add_norm(x, mix, post), None
+            x, h, h32 = self._add_post_norm(i, x, self._mix(i, self.mixers[i], h, inp, kv, state, rows, snapshots))
             delta = self._moe(i, h, experts, h32=h32)
             if i + 1 < end:
-                x, h = add_norm(x, delta, f"layers.{i + 1}.input_layernorm.weight")
+                x, h = fused_norm(x, w[f"layers.{i + 1}.input_layernorm.weight"], eps, unit_offset=unit,
+                                  residual=delta)
             else:  # the group's (or the step's) last layer: the stream goes back as it is, no norm after it
                 x = x + delta
         return x

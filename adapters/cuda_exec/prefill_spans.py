@@ -69,8 +69,9 @@ _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 # NOTE: GDN groups whose spans are all at most this many tokens run the recurrence token by token, in one
 # gdn_recurrent_spans launch after the conv, instead of gdn_chunk_wy + the state walk (gdn_chunk_state +
 # gdn_chunk_out): ADR 0025 profiled a 4-token tail step beside 3 decodes on the H100 as host-bound (83 of 84 ms
-# the GPU waiting on Python's launches). 0 (the default) keeps every group on the chunked path: the kernel has
-# passed the interpreter only, no GPU yet. At most one 64-token chunk (SHORT_SPAN_MAX), a bound, not a measured
+# the GPU waiting on Python's launches). 0 (the default) keeps every group on the chunked path: the kernel passed
+# its GPU tests on an H100 (session 28), but 32 did not shorten that tail step in the server (52.8 / 62.0 ms against
+# 48.2 / 40.9 without it, docs/gpu-validation.md). At most one 64-token chunk (SHORT_SPAN_MAX), a bound, not a measured
 # crossover: the kernel walks a span's tokens one after another, the chunked form its chunks in parallel.
 # Numerics: plain fp32 products (no tl.dot), so at least as accurate as the chunked path, which a bf16/fp16 model
 # runs in one TF32 pass (precise=False); both are the exact delta rule, equal within fp32 rounding, not bitwise.

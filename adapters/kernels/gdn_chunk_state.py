@@ -247,7 +247,7 @@ def check_launch(num_warps, num_stages) -> tuple[int, int]:
 
 
 def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor, ks: torch.Tensor,
-                    state: torch.Tensor, num_k_heads: int, *, block_v: int = BLOCK_V, precise: bool = True,
+                    state: torch.Tensor, num_k_heads: int, *, block_v: int | None = None, precise: bool = True,
                     states: torch.Tensor | None = None, walk: SpanWalk | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """The chunked delta rule's state walk over one window of a sequence's prefill, or (walk) over pieces
@@ -258,9 +258,9 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
     buffers are fine);
     state fp32 [Nv, Dk, Dv] (Dk <= 128) the slot's recurrent state, read as the state before token 0 and
     overwritten with the state after token T-1. u is OVERWRITTEN with v' = u - w h, the values gdn_chunk_out
-    reads. block_v: value columns per program (power of two >= 16). precise: fp32-accurate products
-    (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models). states: optional fp32
-    [Nv, >= NT, Dk, Dv] buffer. Returns hs fp32 [Nv, NT, Dk, Dv]: the state entering each 64-token chunk.
+    reads. block_v: value columns per program (power of two >= 16; default BLOCK_V, read at call time).
+    precise: fp32-accurate products (3xTF32 on a GPU; fp32 models); False: one TF32 pass (bf16 models).
+    states: optional fp32 [Nv, >= NT, Dk, Dv] buffer. Returns hs fp32 [Nv, NT, Dk, Dv]: the state entering each 64-token chunk.
     walk: the entries walk.first .. walk.first + walk.count - 1 of walk.table at once, each from and back
     to its own slot of state, then fp32 [S, Nv, Dk, Dv] (a layer of the state pool); hs holds walk.chunks
     chunks, entry e's from its table column 3 on (see SpanWalk). The entries must use distinct slots and
@@ -273,6 +273,7 @@ def gdn_chunk_state(mixed: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: t
     """
     num_warps, num_stages = check_launch(LAUNCH["num_warps"] if num_warps is None else num_warps,
                                          LAUNCH["num_stages"] if num_stages is None else num_stages)
+    block_v = BLOCK_V if block_v is None else block_v
     if walk is not None:
         if state.dim() != 4:
             raise ValueError(f"with a walk, state must be fp32 [S, Nv, Dk, Dv], got {tuple(state.shape)}")

@@ -23,6 +23,42 @@ from adapters.torch_exec.gated_deltanet import GdnGeometry
 
 
 @triton.jit
+def qkv_row(mixed_row, stride_mc, key_head, head, offs_k, offs_v, k_mask, v_mask, q_scale,
+            KEY_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """One row's q [BLOCK_K] (l2-normed, times q_scale), k [BLOCK_K] (l2-normed) and v [BLOCK_V] in fp32, read from
+    its conv output row (mixed_row: q, k of every key head, then v of every value head). Shared with
+    gdn_recurrent_spans: the same operations, so the same bits per row."""
+    q = tl.load(mixed_row + (key_head * DK + offs_k) * stride_mc, mask=k_mask, other=0.0).to(tl.float32)
+    k = tl.load(mixed_row + (KEY_HEADS * DK + key_head * DK + offs_k) * stride_mc, mask=k_mask,
+                other=0.0).to(tl.float32)
+    v = tl.load(mixed_row + (2 * KEY_HEADS * DK + head * DV + offs_v) * stride_mc, mask=v_mask,
+                other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)  # l2norm, then Dk**-0.5
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    return q, k, v
+
+
+@triton.jit
+def gates(a_val, b_val, dt_bias, neg_a):
+    """(beta, decay) of one row and head: sigmoid(b), exp(-exp(A_log) * softplus(a + dt_bias))."""
+    beta = tl.sigmoid(b_val)
+    x = a_val + dt_bias
+    # softplus with torch's threshold 20 (linear above it); log(1+e^x), not log1p: <= 6e-8 absolute.
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return beta, tl.exp(neg_a * softplus)
+
+
+@triton.jit
+def delta_rule_row(state, q, k, v, beta):
+    """The gated delta rule's update of the decayed state tile [BLOCK_K, BLOCK_V] by one row, and its output:
+    delta = (v - k^T state) * beta; state += k delta^T; core = q^T state. Returns (state, core [BLOCK_V])."""
+    kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
+    delta = (v - kv_mem) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], 0)
+
+
+@triton.jit
 def _gdn_recurrent_decode_kernel(
     mixed_ptr, a_ptr, b_ptr, state_ptr, slots_ptr, neg_a_ptr, dt_bias_ptr, core_ptr, x_ptr,
     stride_mb, stride_mc,
@@ -54,14 +90,8 @@ def _gdn_recurrent_decode_kernel(
     # NOTE: liveness as a vector: the interpreter rejects a block mask combined with a scalar one.
     live_v = (offs_v * 0 + slot) >= 0  # [BLOCK_V]
 
-    mixed_row = mixed_ptr + row * stride_mb
-    q = tl.load(mixed_row + (key_head * DK + offs_k) * stride_mc, mask=k_mask, other=0.0).to(tl.float32)
-    k = tl.load(mixed_row + (KEY_HEADS * DK + key_head * DK + offs_k) * stride_mc, mask=k_mask,
-                other=0.0).to(tl.float32)
-    v = tl.load(mixed_row + (2 * KEY_HEADS * DK + head * DV + offs_v) * stride_mc, mask=v_mask,
-                other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)  # l2norm, then Dk**-0.5
-    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    q, k, v = qkv_row(mixed_ptr + row * stride_mb, stride_mc, key_head, head, offs_k, offs_v, k_mask, v_mask,
+                      q_scale, KEY_HEADS, DK, DV)
 
     if PROJECT_AB:
         acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -80,19 +110,12 @@ def _gdn_recurrent_decode_kernel(
     else:
         a_val = tl.load(a_ptr + row * stride_ab + head * stride_ah).to(tl.float32)
         b_val = tl.load(b_ptr + row * stride_bb + head * stride_bh).to(tl.float32)
-    beta = tl.sigmoid(b_val)
-    x = a_val + tl.load(dt_bias_ptr + head)
-    # softplus with torch's threshold 20 (linear above it); log(1+e^x), not log1p: <= 6e-8 absolute.
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    decay = tl.exp(tl.load(neg_a_ptr + head) * softplus)
+    beta, decay = gates(a_val, b_val, tl.load(dt_bias_ptr + head), tl.load(neg_a_ptr + head))
 
     tile = slot64 * stride_ss + head * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
     tile_mask = k_mask[:, None] & (v_mask & live_v)[None, :]
     state = tl.load(state_ptr + tile, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V] fp32
-    kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
-    delta = (v - kv_mem) * beta
-    state = state + k[:, None] * delta[None, :]
-    core = tl.sum(state * q[:, None], 0)  # [BLOCK_V]
+    state, core = delta_rule_row(state, q, k, v, beta)
     tl.store(state_ptr + tile, state, mask=tile_mask)
     tl.store(core_ptr + row * stride_ob + head * stride_oh + offs_v * stride_ov, tl.where(live_v, core, 0.0),
              mask=v_mask)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.gdn_decode import delta_rule_row, gates, qkv_row
 from adapters.torch_exec.gated_deltanet import GdnGeometry
 
 
@@ -64,28 +65,14 @@ def _gdn_recurrent_spans_kernel(
     state = tl.load(state_ptr + tile, mask=tile_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
     neg_a = tl.load(neg_a_ptr + head)
     dt_bias = tl.load(dt_bias_ptr + head)
-    for i in range(0, n):
+    for i in range(0, n):  # per row, gdn_decode's helpers: the decode kernel's operations in its order
         row = first + i
-        mixed_row = mixed_ptr + row * stride_mt
-        q = tl.load(mixed_row + (key_head * DK + offs_k) * stride_mc, mask=k_mask, other=0.0).to(tl.float32)
-        k = tl.load(mixed_row + (KEY_HEADS * DK + key_head * DK + offs_k) * stride_mc, mask=k_mask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(mixed_row + (2 * KEY_HEADS * DK + head * DV + offs_v) * stride_mc, mask=v_mask,
-                    other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * q_scale)  # l2norm, then Dk**-0.5
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q, k, v = qkv_row(mixed_ptr + row * stride_mt, stride_mc, key_head, head, offs_k, offs_v, k_mask, v_mask,
+                          q_scale, KEY_HEADS, DK, DV)
         a_val = tl.load(a_ptr + row * stride_at + head * stride_ah).to(tl.float32)
         b_val = tl.load(b_ptr + row * stride_bt + head * stride_bh).to(tl.float32)
-        beta = tl.sigmoid(b_val)
-        x = a_val + dt_bias
-        # softplus with torch's threshold 20 (linear above it); log(1+e^x), not log1p: as gdn_decode, <= 6e-8 abs.
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        decay = tl.exp(neg_a * softplus)
-        state = state * decay
-        kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
-        delta = (v - kv_mem) * beta
-        state = state + k[:, None] * delta[None, :]
-        core = tl.sum(state * q[:, None], 0)  # [BLOCK_V]
+        beta, decay = gates(a_val, b_val, dt_bias, neg_a)
+        state, core = delta_rule_row(state * decay, q, k, v, beta)
         tl.store(core_ptr + row * stride_ot + head * stride_oh + offs_v * stride_ov, tl.where(live_v, core, 0.0),
                  mask=v_mask)
     tl.store(state_ptr + tile, state, mask=tile_mask)

@@ -35,7 +35,7 @@ def test_cold_start_records_the_end_of_the_fill_as_experts_resident():
 
 
 def test_the_resize_note_says_whether_a_rebuilt_pool_is_filled():
-    full, part = SimpleNamespace(residency=1.0), SimpleNamespace(residency=0.5)
+    full, part = SimpleNamespace(partial_residency=False), SimpleNamespace(partial_residency=True)  # PoolPlan's
     assert experts_note(SimpleNamespace(experts_kept=True, target=full)) == "expert slots kept warm"
     assert experts_note(SimpleNamespace(experts_kept=False, target=full)) == \
         "expert pool rebuilt: every expert made resident"

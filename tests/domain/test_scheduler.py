@@ -40,17 +40,25 @@ def step_charge(work: SequenceWork, num_layers: int) -> int:
     return -(-len(work.token_ids) * (end - first) // num_layers)
 
 
+def step_once(scheduler: Scheduler, executor: FakeExecutor, outputs: dict[str, list[int]]):
+    """One scheduled step run and completed (its tokens appended to outputs, the invariants checked); the batch, or
+    None when the scheduler is idle."""
+    batch = scheduler.schedule()
+    if batch is None:
+        return None
+    for ev in scheduler.complete(batch, executor.execute(batch)):
+        outputs.setdefault(ev.request_id, []).append(ev.token_id)
+    scheduler.check_valid()
+    return batch
+
+
 def run_to_idle(
     scheduler: Scheduler, executor: FakeExecutor, max_steps: int = 10_000
 ) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
     for _ in range(max_steps):
-        batch = scheduler.schedule()
-        if batch is None:
+        if step_once(scheduler, executor, outputs) is None:
             return outputs
-        for ev in scheduler.complete(batch, executor.execute(batch)):
-            outputs.setdefault(ev.request_id, []).append(ev.token_id)
-        scheduler.check_valid()
     raise AssertionError("scheduler did not go idle")
 
 

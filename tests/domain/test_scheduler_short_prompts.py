@@ -15,6 +15,7 @@ from domain.kv_pages import PageAllocator
 from domain.request import Request, RequestState, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
 from tests.domain.test_scheduler import EOS, VOCAB, solo_output, step_charge
+from tests.domain.test_scheduler import step_once as step
 
 LAYERS = 8
 
@@ -30,16 +31,6 @@ def config(**overrides) -> SchedulerConfig:
 def make(cfg: SchedulerConfig, num_pages: int = 256, num_slots: int = 4):
     executor = FakeExecutor(cfg.page_size, num_pages, num_slots, VOCAB, num_layers=LAYERS)
     return Scheduler(cfg, PageAllocator(num_pages), num_slots), executor
-
-
-def step(scheduler, executor, outputs):
-    batch = scheduler.schedule()
-    if batch is None:
-        return None
-    for ev in scheduler.complete(batch, executor.execute(batch)):
-        outputs.setdefault(ev.request_id, []).append(ev.token_id)
-    scheduler.check_valid()
-    return batch
 
 
 def streams(n=2, max_tokens=60):
