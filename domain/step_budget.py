@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, format_bytes
-from domain.model_spec import BF16_BYTES, ModelSpec
+from domain.model_spec import BF16_BYTES, ModelSpec, WeightFormat
 
 FP32_BYTES = 4
 # The fast prefill's Gated DeltaNet recurrence (adapters/cuda_exec/prefill.py, the split one) walks a span
@@ -145,17 +145,37 @@ def gdn_window_bytes(spec: ModelSpec, step_tokens: int) -> int:
     return FP32_BYTES * spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * chunks
 
 
+def dense_scratch_bytes(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -> int:
+    """The dequantized copy of the largest dense projection a long prefill chunk multiplies on cuBLAS
+    (adapters/cuda_exec/prefill_linear.py, DEQUANT_MIN_ROWS; one copy at a time, reused layer after layer): the
+    widest of the Gated DeltaNet in-projection (qkv and z fused, [C + Nv*Dv, H]) and out-projection, the attention's
+    fused q (with its gate), k, v and its o, the shared expert's fused gate/up, in the model dtype. 0 when the
+    dense weights are bf16 (nothing to dequantize). Qwen3.6-35B-A3B in bf16: 48 MiB."""
+    if spec.dense_format == WeightFormat.BF16:
+        return 0
+    h = spec.hidden_size
+    q_width = spec.num_attention_heads * spec.head_dim
+    q_rows = 2 * q_width if spec.architecture == "qwen3_5_moe" else q_width
+    value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
+    elements = [2 * spec.shared_expert_intermediate * h]
+    if spec.num_full_attention_layers:
+        elements += [(q_rows + 2 * spec.num_kv_heads * spec.head_dim) * h, q_width * h]
+    if spec.num_linear_attention_layers:
+        elements += [(spec.linear_conv_channels + value_dim) * h, value_dim * h]
+    return max(elements) * dtype_bytes
+
+
 def step_activation_bytes(spec: ModelSpec, step_tokens: int, sampled_rows: int,
                           dtype_bytes: int = BF16_BYTES) -> int:
     """Activations of the largest step: step_tokens x activation_bytes_per_token, the Gated DeltaNet
-    recurrence's window of entry states (gdn_window_bytes), plus the logits of the rows that sample
-    ([rows, V] fp32 and its model-dtype matmul output). step_tokens is what the step may hold (the
-    scheduler's max_step_tokens, no more than every running sequence's whole context).
-    Raises ValueError on negative counts."""
+    recurrence's window of entry states (gdn_window_bytes), the dense projections' dequantized copy
+    (dense_scratch_bytes), plus the logits of the rows that sample ([rows, V] fp32 and its model-dtype matmul
+    output). step_tokens is what the step may hold (the scheduler's max_step_tokens, no more than every running
+    sequence's whole context). Raises ValueError on negative counts."""
     if step_tokens < 0 or sampled_rows < 0:
         raise ValueError(f"step_tokens and sampled_rows must be >= 0, got {step_tokens}, {sampled_rows}")
     return (step_tokens * activation_bytes_per_token(spec, dtype_bytes) + gdn_window_bytes(spec, step_tokens)
-            + sampled_rows * spec.vocab_size * (FP32_BYTES + dtype_bytes))
+            + dense_scratch_bytes(spec, dtype_bytes) + sampled_rows * spec.vocab_size * (FP32_BYTES + dtype_bytes))
 
 
 def reserve_step(budget: GpuBudget, activation_bytes: int) -> GpuBudget:

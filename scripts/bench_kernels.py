@@ -3,7 +3,7 @@ launch overhead) and the HBM bandwidth it reaches, at the full-size Qwen3.6-35B-
 
     python3 scripts/bench_kernels.py --out DIR [--tokens 1,4,16] [--route-rows 1,2,4,8,16]
         [--variants scripts.scratch]
-        [--only fusions|dedup|grouped|order|crossover|splitk-tiles|gdn-walk|gdn-out]
+        [--only fusions|dedup|grouped|order|crossover|splitk-tiles|gdn-walk|gdn-out|dense-prefill]
 
 Writes DIR/bench_kernels.json with the hardware profile. --variants names a package holding earlier
 copies of the kernels (packed_gemv_v0, moe_gate_up_v0, moe_down_v0, dense_gemv_v0) to time beside the
@@ -195,6 +195,47 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
             times = {name: row[f"{name}_us"] for name in ("gemv", "splitk", "gemm")}
             if all(isinstance(t, float) for t in times.values()):
                 row["best"] = min(times, key=times.get)
+            points.append(row)
+            print(row, flush=True)
+    return points
+
+
+PREFILL_ROWS = (256, 1024, 2048, 8192, 16384)  # prefill chunk sizes (--only dense-prefill)
+
+
+def dense_prefill_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = PREFILL_ROWS) -> list[dict]:
+    """The prefill's dense projections at chunk sizes: dense_gemm (autotuned, block FP8 dequantized in its K
+    loop) against cuBLAS bf16 on the same weight dequantized once (quant.dequantize: the weights the W_LHS tiles
+    round to), that dequantization's own time (dequant_weight, a Triton kernel) and the two in a row. Says whether
+    a per-layer bf16 copy of the dense weights would pay at prefill sizes: the 8k chunk's dense GEMMs were ~35 % of
+    the H100's bf16 peak (docs/prefill-kernels.md). `tflops`: 2 M N K / time; `max_rel_diff`: the two results'
+    largest difference over the largest |y| (accumulation order only)."""
+    import torch.nn.functional as F
+
+    from adapters.checkpoint.quant import dequantize
+    from adapters.checkpoint.quantize import quantize
+    from adapters.kernels.dense_gemm import _TUNED, dense_gemm
+    from adapters.kernels.dequant_weight import dequant_weight
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    points = []
+    for shape_name, (n, k) in DENSE.items():
+        q = quantize(torch.randn(n, k) * 0.05, WeightFormat.FP8_BLOCK).to(dev)
+        w = dequantize(q, torch.bfloat16)  # [N, K]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"matrix": shape_name, "shape": [n, k], "rows": m}
+            row["gemm_us"] = timer(lambda x=x, q=q: dense_gemm(x, q))
+            row["gemm_tile"] = _tuned_choice(_TUNED)
+            row["cublas_us"] = timer(lambda x=x, w=w: F.linear(x, w))
+            row["dequant_us"] = timer(lambda q=q, w=w: dequant_weight(q, w))  # the Triton kernel, into the copy
+            row["dequant_cublas_us"] = timer(lambda x=x, q=q, w=w: F.linear(x, dequant_weight(q, w)))
+            for name in ("gemm", "cublas", "dequant_cublas"):
+                if isinstance(row[f"{name}_us"], float):
+                    row[f"{name}_tflops"] = round(2 * m * n * k / row[f"{name}_us"] / 1e6, 1)
+            a, b = dense_gemm(x, q).float(), F.linear(x, w).float()
+            row["max_rel_diff"] = float((a - b).abs().max() / b.abs().max())
             points.append(row)
             print(row, flush=True)
     return points
@@ -749,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="gdn-out: gdn_chunk_out's launches as BLOCK_VxWARPSxSTAGES, comma-separated (today's always "
                         "runs first)")
     p.add_argument("--only", choices=("fusions", "dedup", "grouped", "order", "crossover", "splitk-tiles",
-                                      "gdn-walk", "gdn-out"),
+                                      "gdn-walk", "gdn-out", "dense-prefill"),
                    default=None,
                    help="fusions: only the fused-vs-unfused decode kernels (about 30 s); dedup: only the per-pair "
                         "vs expert-deduplicated MoE GEMVs; grouped: only the per-pair vs grouped-by-expert MoE "
@@ -760,7 +801,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(SPLITK_STUDY_TILES, 4-32 rows; ~4 min), against its autotuned launch and the GEMV; "
                         "gdn-walk: only the Gated DeltaNet state walk per launch configuration (--walk-configs, "
                         "--walk-tokens), with gdn_chunk_wy and gdn_chunk_out beside it (~1 min); gdn-out: only "
-                        "the GDN output kernel per launch configuration (--out-configs, --walk-tokens; ~1 min)")
+                        "the GDN output kernel per launch configuration (--out-configs, --walk-tokens; ~1 min); "
+                        "dense-prefill: only the dense projections at prefill chunk sizes, dense_gemm against "
+                        "cuBLAS bf16 on a dequantized copy (~1 min)")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -790,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         record["splitk_tiles"] = splitk_tile_points()
     elif args.only == "gdn-walk":
         record["gdn_walk"] = gdn_walk_points(args.walk_tokens, args.walk_configs)
+    elif args.only == "dense-prefill":
+        record["dense_prefill"] = dense_prefill_points()
     elif args.only == "gdn-out":
         record["gdn_out"] = gdn_out_points(_timed, args.walk_tokens, args.out_configs)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,10 @@
 #            walk's launch configuration"; ~1-2 min)
 #   gdn-out  bench_kernels.py --only gdn-out (session 28): the Gated DeltaNet output kernel (gdn_chunk_out) at each
 #            launch of gdn_launch_ab.GDN_OUT_CONFIGS over one 4k and one 8k prompt, into $OUT/gdn_out (~1 min)
+#   dense-prefill  bench_kernels.py --only dense-prefill (session 29): the dense projections at 256-16k rows, dense_gemm
+#            against cuBLAS over a dequantized copy, into $OUT/dense_prefill (~1-2 min)
+#   dequant  bench_prefill.py resident 8k/32k with FLUXTIDE_PREFILL_DEQUANT_ROWS=0 (dense_gemm) then 1,024 (cuBLAS
+#            over a dequantized copy from 1,024 rows) into $OUT/prefill_dequant{0,1024} (~8 min on a cold machine)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
 #   w-lhs    the prefill GEMMs with the weight as the wgmma's left operand (session 23): bench_prefill.py resident
 #            4k/32k with FLUXTIDE_PREFILL_W_LHS=0 then 1 into $OUT/prefill_wlhs{0,1} (~8 min on a cold machine)
@@ -166,6 +170,21 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # session 28: gdn_chunk_out (28.4 ms of the H100's 8k resident prefill) at 64 / 128 value columns a program,
       # computing q k^T once or twice a chunk instead of 4 times. Rows: out_us, speedup_vs_default, max_rel_diff
       timeout 280 python3 scripts/bench_kernels.py --out "$OUT/gdn_out" --only gdn-out 2>&1 | tail -14 ;;
+    dense-prefill)
+      # session 29: the dense projections at prefill chunk sizes, dense_gemm (autotuned) against cuBLAS bf16 over a
+      # dequantized copy (dequant_weight + F.linear), per shape and row count (~1-2 min)
+      timeout 280 python3 scripts/bench_kernels.py --out "$OUT/dense_prefill" --only dense-prefill 2>&1 \
+        | grep -E "^\{|Error" | cut -c1-400 ;;
+    dequant)
+      # session 29: the resident 8k/32k prefill with the dense projections on dense_gemm (FLUXTIDE_PREFILL_DEQUANT_ROWS=0)
+      # then on cuBLAS over a dequantized copy from 1,024 rows (FLUXTIDE_PREFILL_DEQUANT_ROWS=1024), profiling one 8k chunk of the latter
+      # (synthesizes $CKPT: ~40 s; ~8 min on a cold machine)
+      for rows in 0 1024; do
+        FLUXTIDE_PREFILL_DEQUANT_ROWS=$rows timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_dequant$rows" \
+          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 8192,32768 \
+          --profile-tokens "$([[ $rows != 0 ]] && echo 8192 || echo 0)" 2>&1 \
+          | grep -E "^resident|Error|failed" | cut -c1-300
+      done ;;
     splitk-decode)
       # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
       timeout 560 python3 scripts/bench_decode.py --out "$OUT/decode_splitk" --synth-dir "$CKPT" --reuse \

@@ -7,6 +7,8 @@ Shape legend: M rows (tokens), I in features, O out features.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,7 @@ from adapters.kernels import dense_gemm_splitk as splitk
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.act_quant_fp8 import act_quant_fp8
 from adapters.kernels.dequant_tile import A8_FORMATS
+from adapters.kernels.dequant_weight import dequant_weight
 from adapters.kernels.packed_gemv import FORMAT_CODES
 
 # Which kernel a quantized projection of M rows takes. Without the split-K GEMM: the GEMV (one weight pass per row,
@@ -37,6 +40,12 @@ GEMV_MAX_ROWS_NARROW_K = 3
 # so those are off (packed_gemv.PAIRS_BUCKET_MAX) and this one is on, pending the A/B that separates the two.
 SPLITK_MAX_ROWS = 32  # decode buckets and short prefill steps; a power of two, so an M bucket takes one kernel
 SPLITK_GEMV_MAX_ROWS = 2
+# Chunks of at least this many rows (on CUDA, float activations) dequantize the weight into a scratch copy
+# (dequant_weight: ~1 ms of HBM traffic for all of Qwen3.6's dense weights) and run cuBLAS on it: at prefill sizes
+# dense_gemm reached ~35 % of the H100's bf16 peak (60.8 ms of the 8k chunk; docs/prefill-kernels.md). The copy
+# rounds as the W_LHS tiles and the reference do (quant.py `_dequant_cols`). Off (0) until a GPU A/B says from how
+# many rows it pays (scripts/gpu_fast_path.sh dense-prefill, dequant): FLUXTIDE_PREFILL_DEQUANT_ROWS=1024 turns it on.
+DEQUANT_MIN_ROWS = int(os.environ.get("FLUXTIDE_PREFILL_DEQUANT_ROWS", "0"))
 
 
 def use_gemv(rows: int, in_features: int) -> bool:
@@ -52,6 +61,11 @@ def use_splitk(rows: int, w: QTensor) -> bool:
     return SPLITK_GEMV_MAX_ROWS < rows <= SPLITK_MAX_ROWS and splitk.supports(w, rows)
 
 
+def use_dequant(rows: torch.Tensor, w: QTensor) -> bool:
+    """True when the rows [M, I] of a projection by w go through a dequantized copy and cuBLAS (DEQUANT_MIN_ROWS)."""
+    return rows.is_cuda and 0 < DEQUANT_MIN_ROWS <= rows.shape[0]
+
+
 def a8_weight(w: torch.Tensor | QTensor) -> bool:
     """True when w is a weight the W8A8 GEMM reads (FP8 block, tensor or channel scales; ADR 0018)."""
     return isinstance(w, QTensor) and gemm.supports(w) and FORMAT_CODES[w.fmt] in A8_FORMATS
@@ -61,8 +75,9 @@ def prefill_linear(x: torch.Tensor, w: torch.Tensor | QTensor, a8: bool = False)
     """x [..., I] @ w^T -> [..., O] in x.dtype, fp32 accumulation.
 
     Float weights (tensors or bf16-format QTensors): F.linear / qlinear. Quantized: dense_gemv for the few rows
-    (use_gemv) in a format it reads, the split-K GEMM for decode row counts (use_splitk), else the tensor-core
-    dense_gemm (every quantized format).
+    (use_gemv) in a format it reads, cuBLAS over a dequantized copy for chunks of DEQUANT_MIN_ROWS rows or more
+    on CUDA (use_dequant), the split-K GEMM for decode row counts (use_splitk), else the tensor-core dense_gemm
+    (every quantized format).
     a8: the GEMM's rows quantized to e4m3 per 128 columns first (act_quant_fp8) and multiplied on FP8 tensor
     cores, for FP8 weights (a8_weight; others ignore it): --prefill-fp8-activations, ADR 0018.
     Raises ValueError when x's last dimension is not I.
@@ -80,6 +95,8 @@ def prefill_linear(x: torch.Tensor, w: torch.Tensor | QTensor, a8: bool = False)
         out = gemv.dense_gemv(rows, w)  # [M, O]
     elif a8 and a8_weight(w):
         out = gemm.dense_gemm(act_quant_fp8(rows), w, out_dtype=x.dtype)  # [M, O]
+    elif use_dequant(rows, w):  # the scratch is the caching allocator's: one block reused layer after layer
+        out = F.linear(rows, dequant_weight(w, torch.empty(w.shape, dtype=rows.dtype, device=rows.device)))
     elif use_splitk(rows.shape[0], w):
         out = splitk.dense_gemm_splitk(rows, w)  # [M, O]
     else:

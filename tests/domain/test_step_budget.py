@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, PoolRequest, plan_pools
-from domain.model_spec import qwen36_35b_a3b
+from domain.model_spec import WeightFormat, qwen36_35b_a3b
 from domain.step_budget import (
     DEFAULT_MAX_STEP_TOKENS,
     DEFAULT_MIXED_STEP_TOKENS,
@@ -19,6 +19,7 @@ from domain.step_budget import (
     StepCost,
     activation_bytes_per_token,
     blame_step,
+    dense_scratch_bytes,
     gdn_window_bytes,
     reserve_step,
     step_activation_bytes,
@@ -72,8 +73,11 @@ def test_activations_of_qwen36_per_token_and_per_step():
     # the split recurrence's entry states: 32 value heads x 128 x 128 fp32 per 64 tokens, one 2,048-token window
     assert gdn_window_bytes(spec, 1) == 2 * MIB and gdn_window_bytes(spec, 65) == 4 * MIB
     assert gdn_window_bytes(spec, 2048) == gdn_window_bytes(spec, 32768) == 64 * MIB
-    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_456 + 64 * MIB + 4 * spec.vocab_size * 6
-    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.0710, abs=1e-3)
+    # the dequantized copy of the widest dense projection (GDN qkv + z: 12,288 x 2,048 in bf16)
+    assert dense_scratch_bytes(spec) == 12288 * 2048 * 2 == 48 * MIB
+    assert dense_scratch_bytes(replace(spec, dense_format=WeightFormat.BF16)) == 0  # nothing to dequantize
+    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_456 + 64 * MIB + 48 * MIB + 4 * spec.vocab_size * 6
+    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.1179, abs=1e-3)
     assert gdn_window_bytes(QWEN3_MOE_LIKE, 8192) == 0  # no Gated DeltaNet layers
     with pytest.raises(ValueError, match="step_tokens"):
         gdn_window_bytes(spec, -1)
@@ -111,7 +115,7 @@ def test_a_step_the_budget_cannot_hold_is_refused_and_named():
     assert isinstance(refused, PlanRefusal) and refused.pool == "moe"
     named = blame_step(refused, plan_pools(spec, tight, explicit), 32768, act32)
     assert named.pool == "activation" and named.shortfall_bytes == refused.shortfall_bytes
-    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.08 GiB" in named.message
+    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.13 GiB" in named.message
     assert "lower --max-prefill-length" in named.message
     # the shortfall is exact: that many bytes more and the pools fit beside the reserve
     more = replace(tight, total_bytes=tight.total_bytes + named.shortfall_bytes)
