@@ -15,6 +15,9 @@ What runs (`plan_warmup` lists it, `WarmupPlan.keys` names each (kernel, key) pa
               tune the split-K GEMM, which prefill_linear sends them to). The parts of a stacked weight are
               never multiplied alone on this path and are left out
   dense_gemv  each such weight that some row count sends to the GEMV (one key per weight)
+  dequant_weight  each such weight a step of prefill_linear.DEQUANT_MIN_ROWS rows or more can reach (when that is
+              on): the kernel compiles per weight shape; dense_gemm's buckets then stop below that row count
+              (unless the e4m3 GEMM takes the weight: --prefill-fp8-activations)
   moe_grouped each BLOCK_M that choose_block_m returns for a chunk of more than GEMV_MAX_PAIRS pairs up to
               max_tokens tokens, tuned at the largest chunk that picks it, routing spread like a router's;
               the alignment kernels (moe_align) built at that BLOCK_M over E + 1 groups as well
@@ -57,7 +60,7 @@ import triton
 
 from adapters.checkpoint.quant import QTensor
 from adapters.cuda_exec import expert_pool as pool_mod
-from adapters.cuda_exec import step_plan
+from adapters.cuda_exec import prefill_linear, step_plan
 from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.cuda_exec.prefill_linear import a8_weight, use_gemv, use_splitk
 from adapters.cuda_exec.prefill_spans import gdn_spans
@@ -66,6 +69,7 @@ from adapters.kernels import dense_gemm as gemm
 from adapters.kernels import dense_gemm_splitk as splitk
 from adapters.kernels import dense_gemv as gemv
 from adapters.kernels.act_quant_fp8 import act_quant_fp8
+from adapters.kernels.dequant_weight import dequant_weight
 from adapters.kernels.fused_moe import fused_moe
 from adapters.kernels.moe_align import align_by_slot, choose_block_m
 from adapters.kernels.residency_lookup import MAX_KEYS
@@ -111,6 +115,16 @@ class GemvItem:
     @property
     def key(self) -> tuple:
         """dense_gemv's autotune key (N, K, format)."""
+        return (*self.weight.shape, self.weight.fmt.value)
+
+
+@dataclass(frozen=True)
+class DequantItem:
+    weight: QTensor
+
+    @property
+    def key(self) -> tuple:
+        """dequant_weight's specialization: the weight's shape and format (its N and K are compile-time)."""
         return (*self.weight.shape, self.weight.fmt.value)
 
 
@@ -175,12 +189,13 @@ class WarmupPlan:
     forwards: tuple[ForwardItem, ...]
     gdn_pieces: tuple[GdnPieceItem, ...] = ()
     moe_blocks: tuple[MoeBlockItem, ...] = ()
+    dequants: tuple[DequantItem, ...] = ()
 
     def items(self) -> list[tuple[str, object]]:
         """(kernel, item) in the order they run: the tuned GEMMs first, at their representative sizes, so
         the scratch forwards find their keys tuned."""
         return ([("dense_gemm", i) for i in self.gemm] + [("dense_gemv", i) for i in self.gemv]
-                + [("moe_grouped", i) for i in self.grouped] + [("moe_fused", i) for i in self.fused]
+                + [("dequant_weight", i) for i in self.dequants] + [("moe_grouped", i) for i in self.grouped] + [("moe_fused", i) for i in self.fused]
                 + [("forward", i) for i in self.forwards] + [("gdn_prefill", i) for i in self.gdn_pieces]
                 + [("moe_block", i) for i in self.moe_blocks])
 
@@ -261,9 +276,14 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
     or compile, for `model` (a FastDecoder) on `experts` (a DeviceExpertPool). Pure host arithmetic."""
     if max_tokens < 1 or max_decode_rows < 1:
         raise ValueError(f"max_tokens and max_decode_rows must be >= 1, got {max_tokens}, {max_decode_rows}")
-    gemms, gemvs = [], []
+    gemms, gemvs, dequants = [], [], []
+    cut = prefill_linear.DEQUANT_MIN_ROWS  # read at call time: chunks of this many rows go to cuBLAS (0: none)
     for w, bound in dense_weights(model, max_tokens, max_decode_rows):
         gemv_ok = gemv.supports(w)
+        if 0 < cut <= bound:
+            dequants.append(DequantItem(w))
+            if not (model.fp8_activations and a8_weight(w)):  # the e4m3 GEMM takes every row count
+                bound = cut - 1
         gemms += [GemmItem(w, m) for m in gemm_rows(bound, w.shape[1], gemv_ok)]
         if gemv_ok:
             gemvs.append(GemvItem(w))
@@ -291,7 +311,7 @@ def plan_warmup(model, experts, max_tokens: int, max_decode_rows: int) -> Warmup
     pieces = (GdnPieceItem(1),) if model.linear_layers else ()  # forward's spans of 1 token are decode rows
     blocks = tuple(MoeBlockItem(t, top_k) for t in lookup_tokens(max_tokens, top_k, min(experts.num_slots, MAX_KEYS)))
     return WarmupPlan(tuple(gemms), tuple(gemvs), tuple(grouped), (FusedItem(columns),), tuple(forwards), pieces,
-                      blocks)
+                      blocks, tuple(dequants))
 
 
 class ReadOnlyExperts:
@@ -409,6 +429,9 @@ class _Scratch:
                 splitk.dense_gemm_splitk(x, item.weight)
             else:
                 gemm.dense_gemm(x, item.weight)
+
+    def _dequant_weight(self, item: DequantItem) -> None:
+        dequant_weight(item.weight, torch.empty(item.weight.shape, dtype=self.dtype, device=self.device))
 
     def _dense_gemv(self, item: GemvItem) -> None:
         gemv.dense_gemv(self._randn(1, item.weight.shape[1]), item.weight)

@@ -173,6 +173,24 @@ def test_the_warm_up_launches_every_tuning_key_a_step_can_produce(warmed):
     assert {i.rows for i in plan.gemm if i.key[0] == 64} == {MAX_TOKENS}
 
 
+def test_with_the_dequantized_copy_on_the_plan_compiles_it_and_stops_the_gemm_buckets_below_it(warmed, monkeypatch):
+    ex = warmed[0]
+    assert plan_warmup(ex.model, ex.experts, MAX_TOKENS, DECODE_ROWS).dequants == ()  # off by default
+    monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 33)  # steps of 33-40 rows take cuBLAS over the copy
+    plan = plan_warmup(ex.model, ex.experts, MAX_TOKENS, DECODE_ROWS)
+    # every weight a 40-token step projects (not the LM head: at most DECODE_ROWS rows) compiles the copy once
+    assert {i.key for i in plan.dequants} == {(n, k, "fp8_block") for n, k in SPAN_SHAPES | {STACKED}}
+    # and dense_gemm stops at the bucket of 32 rows: bucket 64 (33-40 rows) never reaches it
+    assert {i.key[0] for i in plan.gemm} == set(SPAN_BUCKETS) - {64}
+    assert max(i.rows for i in plan.gemm) == 32
+    only = dataclasses.replace(plan, gemm=(), gemv=(), grouped=(), fused=(), forwards=(), gdn_pieces=(),
+                               moe_blocks=())
+    ran = []
+    report = warm_prefill_kernels(ex.model, ex.experts, only, page_size=ex.plan.page_size, dtype=DTYPE,
+                                  device=torch.device(DEVICE), on_item=lambda kernel, item: ran.append(kernel))
+    assert ran == ["dequant_weight"] * len(plan.dequants) and report.skipped == []
+
+
 def test_the_warm_up_compiles_every_specialization_class_of_the_mixers(warmed):
     _, _, seen, _, _, _ = warmed
     every = {"one", 1, 2, 4, 8, 16}
