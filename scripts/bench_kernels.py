@@ -200,7 +200,7 @@ def dense_crossover_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] 
     return points
 
 
-PREFILL_ROWS = (256, 1024, 2048, 8192, 16384)  # prefill chunk sizes (--only dense-prefill)
+PREFILL_ROWS = (1024, 8192, 16384)  # prefill chunk sizes (--only dense-prefill; 16384 shares 8192's tuning bucket)
 
 
 def dense_prefill_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = PREFILL_ROWS) -> list[dict]:
@@ -238,6 +238,79 @@ def dense_prefill_points(dev: str = "cuda", timer=None, rows: tuple[int, ...] = 
             row["max_rel_diff"] = float((a - b).abs().max() / b.abs().max())
             points.append(row)
             print(row, flush=True)
+    return points
+
+
+MOE_PREFILL_TOKENS = (2048, 8192)
+
+
+def moe_prefill_points(dev: str = "cuda", timer=None, tokens: tuple[int, ...] = MOE_PREFILL_TOKENS,
+                       experts: int = 256) -> list[dict]:
+    """The prefill's routed experts at chunk sizes: today's grouped GEMMs over block-FP8 slots (gate/up + down into
+    fp32 partials, as grouped_moe runs them) against torch._grouped_mm (CUTLASS, bf16) over bf16 expert weights,
+    pairs sorted by expert and each group padded to 16 rows, and the cost of dequantizing a whole layer's experts
+    into such weights (dequant_weight over the [E*2I, H] and [E*H, I] stacks). Says whether a per-layer bf16 copy of
+    the experts would pay where every expert is resident. Random routing (K of E distinct per token)."""
+    import torch.nn.functional as F
+
+    from adapters.checkpoint.expert_layout import ExpertLayout
+    from adapters.checkpoint.quantize import quantize
+    from adapters.kernels.dequant_weight import dequant_weight
+    from adapters.kernels.grouped_moe import grouped_gemms
+    from adapters.kernels.moe_align import align_by_slot, choose_block_m
+    from domain.model_spec import WeightFormat
+
+    timer = timer or _timed
+    top_k = TOP_K - 1  # routed experts only
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER, torch.bfloat16)
+    pool = random_pool(layout, dev)[:experts].contiguous()
+    w1 = torch.randn(experts, 2 * INTER, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.05  # [E, 2I, H]
+    w2 = torch.randn(experts, HIDDEN, INTER, device=dev, dtype=torch.bfloat16) * 0.05  # [E, H, I]
+    q1 = quantize(torch.randn(experts * 2 * INTER, HIDDEN) * 0.05, WeightFormat.FP8_BLOCK).to(dev)
+    q2 = quantize(torch.randn(experts * HIDDEN, INTER) * 0.05, WeightFormat.FP8_BLOCK).to(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    points = []
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
+        ids = torch.rand(t, experts, device=dev, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)  # [T, K]
+        weights = torch.rand(t, top_k, device=dev, generator=gen)
+        partials = torch.empty(t, top_k, HIDDEN, device=dev, dtype=torch.float32)
+        align = align_by_slot(ids, experts, choose_block_m(t * top_k, experts), experts)
+        row = {"tokens": t, "pairs": t * top_k, "experts": experts,
+               "grouped_us": timer(lambda x=x, align=align, weights=weights, partials=partials:
+                                   grouped_gemms(x, align, weights, pool, layout, partials))}
+        # pairs sorted by expert, each group padded to 16 rows (the grouped GEMM's alignment)
+        flat = ids.reshape(-1).long()
+        counts = torch.bincount(flat, minlength=experts)
+        padded = (counts + 15) // 16 * 16
+        offs = padded.cumsum(0).to(torch.int32)  # [E] group ends
+        order = flat.argsort(stable=True)
+        starts = (offs - padded).long()  # [E]
+        rank = torch.arange(flat.numel(), device=dev) - (counts.cumsum(0) - counts)[flat[order]]
+        dest = starts[flat[order]] + rank  # row of each sorted pair in the padded layout
+        rows_total = int(offs[-1])
+        src = torch.zeros(rows_total, dtype=torch.long, device=dev)
+        src[dest] = order // top_k  # the token of each padded row (padding reads token 0, never summed)
+
+        def grouped_mm(x=x, src=src, offs=offs):
+            h = torch._grouped_mm(x[src], w1.transpose(-2, -1), offs=offs)  # [P, 2I]
+            g, u = h.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs=offs)  # [P, H]
+
+        row["grouped_mm_us"] = timer(grouped_mm)
+        row["padded_rows"] = rows_total
+        flops = 2 * t * top_k * 3 * HIDDEN * INTER
+        for name in ("grouped", "grouped_mm"):
+            if isinstance(row[f"{name}_us"], float):
+                row[f"{name}_tflops"] = round(flops / row[f"{name}_us"] / 1e6, 1)
+        points.append(row)
+        print(row, flush=True)
+    c1 = torch.empty(q1.shape, dtype=torch.bfloat16, device=dev)
+    c2 = torch.empty(q2.shape, dtype=torch.bfloat16, device=dev)
+    layer = {"dequant_layer_us": timer(lambda: (dequant_weight(q1, c1), dequant_weight(q2, c2))),
+             "layer_weight_bytes_bf16": c1.nbytes + c2.nbytes}
+    points.append(layer)
+    print(layer, flush=True)
     return points
 
 
@@ -803,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--walk-tokens), with gdn_chunk_wy and gdn_chunk_out beside it (~1 min); gdn-out: only "
                         "the GDN output kernel per launch configuration (--out-configs, --walk-tokens; ~1 min); "
                         "dense-prefill: only the dense projections at prefill chunk sizes, dense_gemm against "
-                        "cuBLAS bf16 on a dequantized copy (~1 min)")
+                        "cuBLAS bf16 on a dequantized copy, and the routed experts' grouped GEMMs against "
+                        "torch._grouped_mm on bf16 experts (~2 min)")
     args = p.parse_args(argv)
     from adapters.kernels import dense_gemv, moe_down, moe_gate_up
 
@@ -835,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
         record["gdn_walk"] = gdn_walk_points(args.walk_tokens, args.walk_configs)
     elif args.only == "dense-prefill":
         record["dense_prefill"] = dense_prefill_points()
+        record["moe_prefill"] = moe_prefill_points()
     elif args.only == "gdn-out":
         record["gdn_out"] = gdn_out_points(_timed, args.walk_tokens, args.out_configs)
     Path(args.out).mkdir(parents=True, exist_ok=True)

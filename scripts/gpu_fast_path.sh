@@ -40,8 +40,9 @@
 #            walk's launch configuration"; ~1-2 min)
 #   gdn-out  bench_kernels.py --only gdn-out (session 28): the Gated DeltaNet output kernel (gdn_chunk_out) at each
 #            launch of gdn_launch_ab.GDN_OUT_CONFIGS over one 4k and one 8k prompt, into $OUT/gdn_out (~1 min)
-#   dense-prefill  bench_kernels.py --only dense-prefill (session 29): the dense projections at 256-16k rows, dense_gemm
-#            against cuBLAS over a dequantized copy, into $OUT/dense_prefill (~1-2 min)
+#   dense-prefill  bench_kernels.py --only dense-prefill (session 29): the dense projections at 1k-16k rows, dense_gemm
+#            against cuBLAS over a dequantized copy, and the routed experts' grouped GEMMs against torch._grouped_mm
+#            over bf16 experts, into $OUT/dense_prefill (~3-5 min)
 #   dequant  bench_prefill.py resident 8k/32k with FLUXTIDE_PREFILL_DEQUANT_ROWS=0 (dense_gemm) then 1,024 (cuBLAS
 #            over a dequantized copy from 1,024 rows) into $OUT/prefill_dequant{0,1024} (~8 min on a cold machine)
 #   splitk-decode  bench_decode.py resident bs1/4/16, split-K off/on x pair buckets off/on, in one process
@@ -172,8 +173,9 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       timeout 280 python3 scripts/bench_kernels.py --out "$OUT/gdn_out" --only gdn-out 2>&1 | tail -14 ;;
     dense-prefill)
       # session 29: the dense projections at prefill chunk sizes, dense_gemm (autotuned) against cuBLAS bf16 over a
-      # dequantized copy (dequant_weight + F.linear), per shape and row count (~1-2 min)
-      timeout 280 python3 scripts/bench_kernels.py --out "$OUT/dense_prefill" --only dense-prefill 2>&1 \
+      # dequantized copy (dequant_weight + F.linear), per shape and row count; then the routed experts' grouped GEMMs
+      # against torch._grouped_mm over bf16 experts at 2k / 8k tokens, and a layer's dequantization (~3-5 min)
+      timeout 420 python3 scripts/bench_kernels.py --out "$OUT/dense_prefill" --only dense-prefill 2>&1 \
         | grep -E "^\{|Error" | cut -c1-400 ;;
     dequant)
       # session 29: the resident 8k/32k prefill with the dense projections on dense_gemm (FLUXTIDE_PREFILL_DEQUANT_ROWS=0)
