@@ -132,7 +132,17 @@ def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
     """Bytes of the largest step's activations (domain/step_budget.py), in the executor's dtype."""
     dtype_bytes = 2 if device.startswith("cuda") else 4  # bf16 on CUDA, fp32 on the CPU (_torch_executor)
     return serve_step_reserve(spec, settings.max_prefill_length, settings.max_running_requests, dtype_bytes,
-                              layered_prefill=settings.layered_prefill)
+                              layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(device))
+
+
+def _dense_copy(device: str) -> bool:
+    """Whether the fast prefill dequantizes dense weights into a copy for long chunks (prefill_linear.DEQUANT_MIN_ROWS,
+    off by default; on CUDA only). Imported here, not at the top: the module pulls in Triton."""
+    if not device.startswith("cuda"):
+        return False
+    from adapters.cuda_exec import prefill_linear
+
+    return prefill_linear.DEQUANT_MIN_ROWS > 0
 
 
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
@@ -198,6 +208,10 @@ def _plan(settings: ServeSettings, spec: ModelSpec, budget: GpuBudget, planner, 
     made elsewhere, without the reserve, is taken as it is)."""
     pools = serve_pools(settings, spec, device)
     planned = plan_serve_pools(spec, budget, pools, planner)
+    if isinstance(planned, PlanRefusal) and planned.shortfall_bytes == 0 and planned.pool in _POOL_OPTIONS:
+        # NOTE: a size no budget can make work (expert slots outside [top_k, experts], KV below one page): the flag
+        # and the range only, as the live resize's 409 says it; "raise the budget" would be wrong advice here
+        raise ValueError(f"{_POOL_OPTIONS[planned.pool]}: {planned.message}")
     if isinstance(planned, PlanRefusal):
         reserve = _step_reserve(settings, spec, device)
         if budget.fixed_bytes >= reserve:

@@ -209,7 +209,7 @@ def _dispatch(args, client: httpx.Client, console: Console) -> int:
             print(json.dumps(body, indent=2))
         else:
             console.print(f"[green]{escape(str(body['message']))}[/green]; {escape(str(body['kept']))}; "
-                          f"waited {body['waited_s']} s")
+                          f"waited {body['waited_s']} s; running limit {body.get('max_running')} sequences")
             table = Table(title="resize")
             for col in ("pool", "before", "after"):
                 table.add_column(col)

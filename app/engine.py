@@ -167,9 +167,10 @@ class Engine:
         return self.scheduler.check_request(Request("probe", list(prompt_token_ids), sampling))
 
     def can_resize(self, *, kv_tokens=None, expert_slots=None, state_slots=None) -> PlanRefusal | ResizePlan:
-        """Read-only probe for resize: the plan it would apply, or why it would refuse."""
+        """Read-only probe for resize: the plan it would apply, or why it would refuse (state slots past the
+        running limit set at start-up included: they could never be used)."""
         return plan_live_resize(self.spec, self.budget, self.plan, kv_tokens=kv_tokens, expert_slots=expert_slots,
-                                state_slots=state_slots)
+                                state_slots=state_slots, max_running=self.scheduler.config.max_running)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                stop: Sequence[str] = (), thinking: ThinkingPlan | None = None,

@@ -77,10 +77,27 @@ def fill_auto(
     return kv_tokens, filled.expert_slots
 
 
+def state_slots_past_running_limit(state_slots: int | None, max_running: int | None) -> PlanRefusal | None:
+    """More state slots than the running limit fixed at start-up (--max-running-requests): refused. NOTE: the limit
+    is not raised live (the CUDA fast path captures its decode graphs for batch buckets up to it), so a slot past
+    it would hold its GDN state's memory for no sequence; fewer slots than the limit lower it (and free memory)."""
+    if state_slots is None or max_running is None or state_slots <= max_running:
+        return None
+    return PlanRefusal("state", 0, f"state_slots {state_slots} is above --max-running-requests {max_running}, the "
+                                   f"running limit fixed at start-up (one state slot per running sequence): slots "
+                                   f"past it would hold memory no sequence can use; at most {max_running} here, or "
+                                   f"restart with --max-running-requests {state_slots} to run more sequences at once")
+
+
 def plan_live_resize(
-    spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens, expert_slots, state_slots
+    spec: ModelSpec, budget: GpuBudget, current: PoolPlan, *, kv_tokens, expert_slots, state_slots,
+    max_running: int | None = None,
 ) -> PlanRefusal | ResizePlan:
-    """The plan a resize would apply from `current`, or why it would refuse. Pure planning."""
+    """The plan a resize would apply from `current`, or why it would refuse. Pure planning.
+    max_running: the running limit set at start-up; state slots above it are refused (None: not checked)."""
+    past = state_slots_past_running_limit(state_slots, max_running)
+    if past is not None:
+        return past
     filled = fill_auto(spec, budget, current, kv_tokens, expert_slots, state_slots)
     if isinstance(filled, PlanRefusal):
         return filled

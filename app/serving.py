@@ -73,13 +73,23 @@ def build_engine(container: Container, runtime: Runtime, echo: bool = False) -> 
         if isinstance(exc, (ValueError, OSError)):
             # the checkpoint's or the flags' fault (a damaged file, a plan that does not fit), named by the message;
             # the traceback through the loader helps nobody but a developer (--log-level debug)
-            log.error("model load failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error("model load failed: %s", load_error(exc), exc_info=log.isEnabledFor(logging.DEBUG))
         else:
             log.exception("model load failed")
-        error = f"{type(exc).__name__}: {exc}"
+        error = load_error(exc)
         if echo:  # NOTE: before set_error, which lets `ft serve` stop: the reason is out before "stopped: ..."
             say(f"load failed: {error}")
         runtime.set_error(error)
+
+
+def load_error(exc: BaseException) -> str:
+    """Why the load failed, as `ft serve`, its log and /health say it. NOTE: a plain ValueError is how start-up
+    refuses the flags or the checkpoint, in a message written for the user ("--moe-slots: expert_slots 2048 outside
+    [top_k 2, total experts 32]"): its class name would only be noise. Anything else keeps its class name (a
+    FileNotFoundError, a JSONDecodeError or a bug's exception says what it is by it)."""
+    if type(exc) is ValueError and str(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def stopped_line(runtime: Runtime, shutdown_s: float) -> str:

@@ -168,14 +168,14 @@ def dense_scratch_bytes(spec: ModelSpec, dtype_bytes: int = BF16_BYTES) -> int:
 def step_activation_bytes(spec: ModelSpec, step_tokens: int, sampled_rows: int,
                           dtype_bytes: int = BF16_BYTES) -> int:
     """Activations of the largest step: step_tokens x activation_bytes_per_token, the Gated DeltaNet
-    recurrence's window of entry states (gdn_window_bytes), the dense projections' dequantized copy
-    (dense_scratch_bytes), plus the logits of the rows that sample ([rows, V] fp32 and its model-dtype matmul
-    output). step_tokens is what the step may hold (the scheduler's max_step_tokens, no more than every running
-    sequence's whole context). Raises ValueError on negative counts."""
+    recurrence's window of entry states (gdn_window_bytes), plus the logits of the rows that sample
+    ([rows, V] fp32 and its model-dtype matmul output). step_tokens is what the step may hold (the
+    scheduler's max_step_tokens, no more than every running sequence's whole context).
+    Raises ValueError on negative counts."""
     if step_tokens < 0 or sampled_rows < 0:
         raise ValueError(f"step_tokens and sampled_rows must be >= 0, got {step_tokens}, {sampled_rows}")
     return (step_tokens * activation_bytes_per_token(spec, dtype_bytes) + gdn_window_bytes(spec, step_tokens)
-            + dense_scratch_bytes(spec, dtype_bytes) + sampled_rows * spec.vocab_size * (FP32_BYTES + dtype_bytes))
+            + sampled_rows * spec.vocab_size * (FP32_BYTES + dtype_bytes))
 
 
 def reserve_step(budget: GpuBudget, activation_bytes: int) -> GpuBudget:
@@ -215,10 +215,13 @@ def layered_chunk_bytes(spec: ModelSpec, step_tokens: int, dtype_bytes: int = BF
 
 
 def serve_step_reserve(spec: ModelSpec, max_prefill_length: int, max_running_requests: int,
-                       dtype_bytes: int = BF16_BYTES, layered_prefill: bool = False) -> int:
+                       dtype_bytes: int = BF16_BYTES, layered_prefill: bool = False,
+                       dense_copy: bool = False) -> int:
     """Bytes `ft serve` holds outside the pools for its largest step's activations (ADR 0011), plus, with
-    layered prefill, the chunk kept between its groups (ADR 0024); the server and the simulator both size it
-    here."""
+    layered prefill, the chunk kept between its groups (ADR 0024), and, with dense_copy (long chunks' dense
+    projections on cuBLAS over a dequantized copy), that copy (dense_scratch_bytes); the server and the simulator
+    both size it here."""
     tokens = serve_step_tokens(spec, max_prefill_length, max_running_requests)
     kept = layered_chunk_bytes(spec, tokens, dtype_bytes) if layered_prefill else 0
-    return step_activation_bytes(spec, tokens, max_running_requests, dtype_bytes) + kept
+    copy = dense_scratch_bytes(spec, dtype_bytes) if dense_copy else 0
+    return step_activation_bytes(spec, tokens, max_running_requests, dtype_bytes) + kept + copy

@@ -231,6 +231,8 @@ async def cache_rebuild(request: Request) -> Response:
             "experts_kept": plan.experts_kept,
             "kept": experts_note(plan),
             "waited_s": round(outcome.waited_s, 4),
+            # NOTE: the running limit the new pools leave (state slots never exceed the start-up limit: refused above)
+            "max_running": min(engine.scheduler.config.max_running, plan.target.state_slots),
             "peak_bytes": plan.peak_bytes,
             "steps": [dataclasses.asdict(s) for s in plan.steps],
             "before": _plan(plan.current),

@@ -133,6 +133,7 @@ class CacheRebuildResult(msgspec.Struct):
     status: Literal["ok"]
     message: str
     experts_kept: bool
+    max_running: int  # the running requests the new pools admit: min(--max-running-requests, state slots)
     before: dict[str, Any]
     after: dict[str, Any]
 

@@ -6,6 +6,10 @@ default: whatever the budget leaves), then for each batch size: warm-up rounds o
 prompt "Count from 1 to 100." with temperature 0 and ignore_eos. Per point: aggregate tok/s (all
 measured tokens over all measured round time), per-request tok/s (aggregate / batch), median steady
 decode and TTFT, the expert hit rate and PCIe bytes over the measured rounds.
+
+A sweep that resizes leaves the server as it found it: the pool plan in force before the first rebuild (KV
+tokens, expert slots, state slots) is rebuilt at the end, also after a failure or Ctrl-C (the record's
+``restored``; a restore that fails is a failure of the run).
 """
 
 from __future__ import annotations
@@ -15,12 +19,41 @@ from app.bench.context import Ctx
 from app.bench.figures import failures_of, rounds_figures, short_outputs
 from app.bench.target import BenchError
 
+RESTORED = ("kv_tokens", "expert_slots", "state_slots")  # the plan's sizes a sweep restores (the pools it resizes)
+
 
 async def run(ctx: Ctx, *, kv_sizes: list, moe: int | str, batch_sizes: list[int], warmup: int,
               warmup_tokens: int, iterations: int, tokens: int, rebuild_wait: float) -> None:
     record = ctx.record
     if kv_sizes != ["current"] and not record.data["target"]["fluxtide"]:
         raise BenchError("this server has no rebuild API (/v1/cache/rebuild); sweep it with --kv current")
+    start = None
+    if any(kv != "current" for kv in kv_sizes):
+        start = await target.pool_plan(ctx.client)
+        if start is None or not all(isinstance(start.get(k), int) for k in RESTORED):
+            raise BenchError("cannot read the server's pool plan (/v1/cache/status) to restore it after the sweep")
+    try:
+        await _sweep(ctx, kv_sizes=kv_sizes, moe=moe, batch_sizes=batch_sizes, warmup=warmup,
+                     warmup_tokens=warmup_tokens, iterations=iterations, tokens=tokens, rebuild_wait=rebuild_wait)
+    finally:  # NOTE: also on a BenchError or Ctrl-C (asyncio.run cancels this task, so the await below still runs)
+        if start is not None:
+            await _restore(ctx, start, rebuild_wait)
+
+
+async def _restore(ctx: Ctx, start: dict, wait_s: float) -> None:
+    """Rebuild the pools the sweep found; the record's ``restored`` says how it went."""
+    sizes = {k: start[k] for k in RESTORED}
+    outcome = await target.rebuild(ctx.client, sizes["kv_tokens"], sizes["expert_slots"], wait_s,
+                                   mamba_slots=sizes["state_slots"])
+    ctx.record.data["restored"] = {**sizes, "ok": outcome.ok, "status": outcome.status, "error": outcome.error}
+    if not outcome.ok:
+        ctx.record.fail(f"restore kv={sizes['kv_tokens']} moe={sizes['expert_slots']} "
+                        f"mamba={sizes['state_slots']}", outcome.error, status=outcome.status, answer=outcome.body)
+
+
+async def _sweep(ctx: Ctx, *, kv_sizes: list, moe: int | str, batch_sizes: list[int], warmup: int,
+                 warmup_tokens: int, iterations: int, tokens: int, rebuild_wait: float) -> None:
+    record = ctx.record
     expert_bytes = record.data["model"]["expert_bytes"]
     task = ctx.progress.add_task("sweep", total=len(kv_sizes) * len(batch_sizes))
     for kv in kv_sizes:

@@ -119,6 +119,14 @@ async def reset_peaks(client: httpx.AsyncClient) -> dict | None:
     return body
 
 
+async def pool_plan(client: httpx.AsyncClient) -> dict | None:
+    """fluxtide's pool plan in force (GET /v1/cache/status `plan`: kv_tokens, expert_slots, state_slots, ...), or
+    None where the server has no such route."""
+    status = await _get_json(client, "/v1/cache/status")
+    plan = status.get("plan") if isinstance(status, dict) else None
+    return plan if isinstance(plan, dict) else None
+
+
 async def pools(client: httpx.AsyncClient) -> dict | None:
     stats = await _get_json(client, "/v1/stats")
     return stats.get("pools") if stats else None
@@ -132,9 +140,11 @@ async def prefix_cache(client: httpx.AsyncClient) -> dict | None:
 
 
 async def rebuild(client: httpx.AsyncClient, kv_tokens: int | str | None, moe_slots: int | str | None,
-                  wait_s: float = 120.0) -> RebuildOutcome:
+                  wait_s: float = 120.0, mamba_slots: int | None = None) -> RebuildOutcome:
     """Live pool resize through fluxtide's admin API; a refusal (409) comes back as ok=False."""
     payload = {"kv_tokens": kv_tokens, "moe_slots": moe_slots, "wait_s": wait_s}
+    if mamba_slots is not None:
+        payload["mamba_slots"] = mamba_slots
     try:
         r = await client.post("/v1/cache/rebuild", json=payload, timeout=wait_s + 60)
     except httpx.HTTPError as exc:

@@ -116,6 +116,15 @@ def turns_line(summary: dict) -> str:
             f"{_cell(summary['turn2_ttft_s_median'])} s; every turn 2 hit the prefix cache: {hit}")
 
 
+def restored_line(restored: dict) -> str:
+    """`ft bench sweep`'s last word on the server it resized: the pools it found, rebuilt (or why not)."""
+    sizes = (f"KV {restored['kv_tokens']} tokens, {restored['expert_slots']} expert slots, "
+             f"{restored['state_slots']} state slots")
+    if restored["ok"]:
+        return f"server restored to the pools it had before the sweep: {sizes}"
+    return f"server NOT restored to the pools it had before the sweep ({sizes}): {restored['error']}"
+
+
 def show(record: dict, path, quiet: bool) -> None:
     show_failures(record, path)
     if quiet:
@@ -124,6 +133,8 @@ def show(record: dict, path, quiet: bool) -> None:
     console.print(table(record))
     hardware = hardware_line(record.get("hardware"), (record.get("settings") or {}).get("no_bandwidth", False))
     console.print(f"[dim]{escape(hardware)}{len(record['failures'])} failure(s); record: {path}[/dim]")
+    if restored := record.get("restored"):
+        console.print(escape(restored_line(restored)))
     summary = record.get("summary") or {}
     if record["kind"] == "turns" and summary:
         console.print(escape(turns_line(summary)))

@@ -301,6 +301,7 @@ def _applied(applied: list[tuple[WorkerProcess, dict]]) -> dict:
         "experts_kept": all(b["experts_kept"] for b in bodies),
         "kept": first["kept"] if len({b["kept"] for b in bodies}) == 1 else [b["kept"] for b in bodies],
         "waited_s": max(b["waited_s"] for b in bodies),
+        "max_running": min(b["max_running"] for b in bodies),  # per worker, as /v1/stats' scheduler
         "peak_bytes": max(b["peak_bytes"] for b in bodies),
         "steps": first["steps"],
         "before": first["before"],

@@ -65,8 +65,14 @@ def check_rounds(point: dict, concurrency: int, tokens: int, rounds: int) -> Non
     assert 0 < point["e2e_tok_s_median"] <= point["steady_decode_tok_s_median"]
 
 
+def plan_of(server) -> dict:
+    plan = httpx.get(server.base_url + "/v1/cache/status").json()["plan"]
+    return {k: plan[k] for k in ("kv_tokens", "expert_slots", "state_slots")}
+
+
 def test_sweep_rebuilds_and_records_a_refused_resize(tmp_path, demo):
     png = tmp_path / "sweep.png"
+    start = plan_of(demo)
     code, rec = bench(tmp_path, demo, "sweep", "--kv", "1k,64m,2k", "--batch", "1,3", "--warmup", "1",
                       "--warmup-tokens", "4", "--iterations", "2", "--tokens", "12", "--plot", str(png))
     check_common(rec, "sweep")
@@ -87,9 +93,35 @@ def test_sweep_rebuilds_and_records_a_refused_resize(tmp_path, demo):
         assert p["expert_hits"] + p["expert_misses"] > 0
         assert math.isclose(p["hit_rate"], p["expert_hits"] / (p["expert_hits"] + p["expert_misses"]))
         assert p["pcie_bytes"] == p["expert_misses"] * expert_bytes
-    # the refused rebuild kept the old pools; the last one applied is in force
-    assert httpx.get(demo.base_url + "/v1/stats").json()["pools"]["kv_tokens"] == 2048
+    # the last KV size (2k) was in force at the end; the sweep then rebuilt the pools it found and says so
+    assert rec["restored"] == {**start, "ok": True, "status": 200, "error": None}, rec["restored"]
+    assert plan_of(demo) == start and start["kv_tokens"] not in (1024, 2048)
+    assert rec["server_after"]["stats"]["plan"]["kv_tokens"] == start["kv_tokens"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_interrupted_sweep_still_restores_the_pools_it_found(tmp_path, demo, monkeypatch, capsys):
+    """`ft bench sweep` left the demo server at the last KV size of its list (700,000 tokens by default); a sweep
+    stopped part-way (Ctrl-C) left it at whatever size it had reached."""
+    from app.bench.context import Ctx
+
+    start = plan_of(demo)
+    rounds = []
+
+    async def interrupted(self, concurrency, max_tokens, prompt="x"):
+        rounds.append(plan_of(demo)["kv_tokens"])  # the server was resized when the interrupt came
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Ctx, "chat_round", interrupted)
+    out = tmp_path / "r.json"
+    code = main(["bench", "sweep", "--base-url", demo.base_url, "--out", str(out), "--kv", "1k,2k", "--batch", "1",
+                 "--warmup", "0", "--iterations", "1", "--tokens", "4", "--no-bandwidth"])
+    rec = json.loads(out.read_text())
+    assert code == 130 and rounds == [1024], (code, rounds)
+    assert rec["restored"]["ok"] is True and plan_of(demo) == start, rec.get("restored")
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (f"server restored to the pools it had before the sweep: KV {start['kv_tokens']} tokens, "
+            f"{start['expert_slots']} expert slots, {start['state_slots']} state slots") in printed, printed
 
 
 def test_ladder_measures_admitted_and_queued(tmp_path, demo):

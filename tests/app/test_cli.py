@@ -55,6 +55,19 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
 
 
+def test_cache_mamba_says_the_running_limit_and_refuses_slots_past_it(ctl_server, capsys):
+    """`ft ctl cache --mamba 8` on a --max-running-requests 4 server applied 8 state slots while at most 4
+    sequences could run: the extra slots held memory for nothing and the output did not say so."""
+    assert ctl(ctl_server, "cache", "--mamba", "8") == 1
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines at the terminal's width
+    assert "resize refused" in out and "state_slots 8 is above --max-running-requests 4" in out, out
+    assert "restart with --max-running-requests 8" in out, out
+    assert ctl(ctl_server, "cache", "--mamba", "2") == 0
+    assert "running limit 2 sequences" in " ".join(capsys.readouterr().out.split())
+    assert ctl(ctl_server, "cache", "--mamba", "4") == 0
+    assert "running limit 4 sequences" in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_refusal_with_brackets_is_printed_whole(ctl_server, capsys):
     """The server's reason names the allowed range in brackets; rich read "[top_k 2, ...]" as markup and dropped it,
     so the table output ended at "outside " (the --json output had it all)."""
@@ -342,7 +355,7 @@ def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
     runtime = Runtime("m")
     build_engine(container, runtime, echo=True)
     assert runtime.status == "error"
-    assert "load failed: ValueError: no such checkpoint\n" in err.calls, err.calls
+    assert "load failed: no such checkpoint\n" in err.calls, err.calls  # a ValueError: the message, no class name
     assert all(call.endswith("\n") for call in err.calls), err.calls  # no line is split across writes
 
 
@@ -443,6 +456,21 @@ def test_serve_exits_1_when_the_pools_can_never_fit_and_names_the_options_that_f
     assert "the pools do not fit" in line and "short by" in line, line
     assert "lower --kv-tokens or --moe-slots" in line and "--gpu-budget-gib (now 0.5 GiB)" in line, line
     assert "stopped: no model served (load failed)" in out.splitlines()[-1], out
+
+
+def test_serve_names_only_the_flag_and_the_range_of_an_impossible_slot_count():
+    """`ft serve --moe-slots 2k` on the demo model (32 experts) said "load failed: ValueError: the pools do not fit:
+    expert_slots 2048 outside [top_k 2, total experts 32]; lower --moe-slots ... or raise the CPU budget with
+    --gpu-budget-gib": no budget fixes a slot count above the expert total, and the class name leaked."""
+    from tests.app.processes import FtServe
+
+    server = FtServe(["--device", "cpu", "--port", "0", "--moe-slots", "2k"])
+    assert _exits(server) == 1, server.output()
+    out = server.output()
+    line = next(line for line in out.splitlines() if line.startswith("load failed: "))
+    assert line == "load failed: --moe-slots: expert_slots 2048 outside [top_k 2, total experts 32]", line
+    assert "ValueError" not in out and "--gpu-budget-gib" not in out and "do not fit" not in out, out
+    assert "model load failed: --moe-slots: expert_slots 2048 outside" in out, out  # the log line says the same
 
 
 def test_serve_exits_1_on_a_checkpoint_it_cannot_load(tmp_path):

@@ -51,6 +51,17 @@ def test_unknown_model_is_404_with_the_openai_client(client):
         client.models.retrieve("gpt-17")
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+])
+def test_a_request_without_a_model_is_served_by_the_served_model(server, path, body):
+    """docs/serving.md: a missing `model` means the served one (as many OpenAI-compatible servers do); only a wrong
+    one is refused (404 model_not_found, above)."""
+    r = post(server, path, json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
 @pytest.mark.parametrize(
     ("field", "value", "param"),
     [

@@ -323,16 +323,34 @@ def test_moe_auto_fills_what_the_new_kv_pool_leaves(srv):
 
 def test_kv_auto_stops_at_every_running_sequence_at_full_context(srv):
     # as at start-up: KV past state slots x context is never used (a new user's `ft ctl cache --kv auto` took
-    # 746,992 tokens of a 4 x 4,096-token demo, and the next `--mamba 8` found no room)
+    # 746,992 tokens of a 4 x 4,096-token demo, and the next `--mamba` growth found no room)
     context = 4096  # the fake model's own context (test_prompt_longer_than_the_pool_... above)
-    r = rebuild(srv, moe_slots=4, kv_tokens="auto")
+    r = rebuild(srv, moe_slots=4, mamba_slots=2, kv_tokens="auto")
     assert r.status_code == 200, r.text
     after = r.json()["after"]
-    assert after["kv_tokens"] == after["state_slots"] * context, after
+    assert after["state_slots"] == 2 and after["kv_tokens"] == 2 * context, after
     assert after["free_bytes"] > 0  # what the cap left is free, not in a pool
-    r = rebuild(srv, mamba_slots=after["state_slots"] * 2, kv_tokens="auto")
+    r = rebuild(srv, mamba_slots=4, kv_tokens="auto")  # back up to --max-running-requests
     assert r.status_code == 200, r.text
     assert r.json()["after"]["kv_tokens"] == 2 * after["kv_tokens"]
+
+
+@pytest.mark.parametrize("body", [{"mamba_slots": 8}, {"mamba_slots": 5, "kv_tokens": "auto"}])
+def test_state_slots_above_max_running_requests_are_refused_by_name(srv, body):
+    """`ft ctl cache --mamba 8` on a `--max-running-requests 4` server raised state_slots_total to 8 while the
+    running limit stayed 4 (fixed at start-up: the decode graphs are captured up to it): four slots held memory for
+    nothing. Refused with 409 plan_refused naming the flag, the old pools kept."""
+    before = plan(srv)
+    r = rebuild(srv, **body)
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("plan_refused", "mamba_slots"), error
+    assert f"state_slots {body['mamba_slots']} is above --max-running-requests 4" in error["message"], error
+    assert f"restart with --max-running-requests {body['mamba_slots']}" in error["message"], error
+    assert r.json()["refusal"]["pool"] == "state"
+    assert plan(srv) == before
+    ok = rebuild(srv, mamba_slots=4)  # up to the limit is a resize like any other
+    assert ok.status_code == 200 and ok.json()["max_running"] == 4, ok.text
 
 
 def test_stats_show_the_running_requests_the_resized_state_pool_admits(srv):
@@ -340,6 +358,7 @@ def test_stats_show_the_running_requests_the_resized_state_pool_admits(srv):
     before = httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"]
     r = rebuild(srv, mamba_slots=2)
     assert r.status_code == 200, r.text
+    assert r.json()["max_running"] == 2  # the resize's own answer says the limit it leaves
     assert httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]["max_running"] == min(before, 2) == 2
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from app.containers import _budget, _pool_plan, _scheduler_config, _step_reserve
 from app.settings import ServeSettings
-from domain.step_budget import step_activation_bytes
+from domain.model_spec import WeightFormat
+from domain.step_budget import dense_scratch_bytes, serve_step_reserve, step_activation_bytes
 from tests.app.conftest import TINY_SPEC
 
 GIB = 2**30
@@ -65,6 +66,17 @@ def test_the_scheduler_gets_both_budgets():
     plan = _pool_plan(settings, TINY_SPEC, _budget(settings, TINY_SPEC, "cpu"))
     config = _scheduler_config(settings, TINY_SPEC, plan, ())
     assert (config.max_step_tokens, config.mixed_step_tokens) == (1024, 96)
+
+
+def test_the_dequantized_dense_copy_is_reserved_only_where_the_prefill_makes_it(monkeypatch):
+    from adapters.cuda_exec import prefill_linear
+
+    spec = replace(TINY_SPEC, dense_format=WeightFormat.FP8_BLOCK)
+    settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=4096, layered_prefill=False)
+    off = _step_reserve(settings, spec, "cuda:0")
+    monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 1024)  # FLUXTIDE_PREFILL_DEQUANT_ROWS=1024
+    assert _step_reserve(settings, spec, "cuda:0") == off + dense_scratch_bytes(spec) > off
+    assert _step_reserve(settings, spec, "cpu") == serve_step_reserve(spec, 4096, 4, 4)  # never on the CPU
 
 
 def test_the_budget_holds_the_largest_steps_activations_outside_the_pools():

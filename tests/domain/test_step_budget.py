@@ -22,6 +22,7 @@ from domain.step_budget import (
     dense_scratch_bytes,
     gdn_window_bytes,
     reserve_step,
+    serve_step_reserve,
     step_activation_bytes,
 )
 from tests.domain.test_budget import QWEN3_MOE_LIKE, TINY
@@ -76,8 +77,10 @@ def test_activations_of_qwen36_per_token_and_per_step():
     # the dequantized copy of the widest dense projection (GDN qkv + z: 12,288 x 2,048 in bf16)
     assert dense_scratch_bytes(spec) == 12288 * 2048 * 2 == 48 * MIB
     assert dense_scratch_bytes(replace(spec, dense_format=WeightFormat.BF16)) == 0  # nothing to dequantize
-    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_456 + 64 * MIB + 48 * MIB + 4 * spec.vocab_size * 6
-    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.1179, abs=1e-3)
+    assert step_activation_bytes(spec, 8192, 4) == 8192 * 131_456 + 64 * MIB + 4 * spec.vocab_size * 6
+    assert step_activation_bytes(spec, 8192, 4) / GIB == pytest.approx(1.0710, abs=1e-3)
+    # the server reserves the copy only where its prefill makes one (FLUXTIDE_PREFILL_DEQUANT_ROWS > 0 on CUDA)
+    assert serve_step_reserve(spec, 8192, 4, dense_copy=True) == serve_step_reserve(spec, 8192, 4) + 48 * MIB
     assert gdn_window_bytes(QWEN3_MOE_LIKE, 8192) == 0  # no Gated DeltaNet layers
     with pytest.raises(ValueError, match="step_tokens"):
         gdn_window_bytes(spec, -1)
@@ -115,7 +118,7 @@ def test_a_step_the_budget_cannot_hold_is_refused_and_named():
     assert isinstance(refused, PlanRefusal) and refused.pool == "moe"
     named = blame_step(refused, plan_pools(spec, tight, explicit), 32768, act32)
     assert named.pool == "activation" and named.shortfall_bytes == refused.shortfall_bytes
-    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.13 GiB" in named.message
+    assert "a prefill step of 32768 tokens (--max-prefill-length) needs 4.08 GiB" in named.message
     assert "lower --max-prefill-length" in named.message
     # the shortfall is exact: that many bytes more and the pools fit beside the reserve
     more = replace(tight, total_bytes=tight.total_bytes + named.shortfall_bytes)
