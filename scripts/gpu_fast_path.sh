@@ -77,6 +77,13 @@ set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 export OUT
 CKPT=${CKPT:-/tmp/qwen36-fp8}
+# bench_prefill LIMIT NAME ARGS...: scripts/bench_prefill.py on $CKPT (synthesized if absent) into $OUT/NAME, cut at
+# LIMIT seconds, its scenario lines and failures in the log (an env assignment before the call reaches it)
+bench_prefill() {
+  local limit=$1 name=$2; shift 2
+  timeout "$limit" python3 scripts/bench_prefill.py --out "$OUT/$name" --synth-dir "$CKPT" --reuse "$@" 2>&1 \
+    | grep -E "^resident|^budget|Error|failed" | cut -c1-300
+}
 for phase in "$@"; do
   echo "=== $phase"
   case $phase in
@@ -182,10 +189,8 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # then on cuBLAS over a dequantized copy from 1,024 rows (FLUXTIDE_PREFILL_DEQUANT_ROWS=1024), profiling one 8k chunk of the latter
       # (synthesizes $CKPT: ~40 s; ~8 min on a cold machine)
       for rows in 0 1024; do
-        FLUXTIDE_PREFILL_DEQUANT_ROWS=$rows timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_dequant$rows" \
-          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 8192,32768 \
-          --profile-tokens "$([[ $rows != 0 ]] && echo 8192 || echo 0)" 2>&1 \
-          | grep -E "^resident|Error|failed" | cut -c1-300
+        FLUXTIDE_PREFILL_DEQUANT_ROWS=$rows bench_prefill 270 "prefill_dequant$rows" --scenarios resident \
+          --prompts 8192,32768 --profile-tokens "$([[ $rows != 0 ]] && echo 8192 || echo 0)"
       done ;;
     splitk-decode)
       # the A/B in one process: split-K off (1) / on (32) x one pair bucket (1, the tile tuned at bs1) / the decode buckets (256)
@@ -269,19 +274,16 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
     prefill-a8)
       # ADR 0018: the resident 32k prefill with bf16 and with e4m3 activations (synthesizes $CKPT if absent: ~40 s)
       for mode in bf16 a8; do
-        timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_$mode" --synth-dir "$CKPT" --reuse \
-          --scenarios resident --prompts 4096,32768 --profile-tokens 0 $([[ $mode == a8 ]] && echo --fp8-activations) 2>&1 \
-          | grep -E "^resident|Error|failed" | cut -c1-300
+        bench_prefill 270 "prefill_$mode" --scenarios resident --prompts 4096,32768 --profile-tokens 0 \
+          $([[ $mode == a8 ]] && echo --fp8-activations)
       done ;;
     w-lhs)
       # session 23's W_LHS prefill GEMMs (docs/prefill-kernels.md, "Weight as the left operand"): the resident 4k/32k
       # prefill with the right-operand tiles only, then with both arrangements autotuned (synthesizes $CKPT: ~40 s)
       for w in 0 1; do
         # the W_LHS run also profiles one 8k chunk: where the resident prefill's time goes with the new tiles
-        FLUXTIDE_PREFILL_W_LHS=$w timeout 270 python3 scripts/bench_prefill.py --out "$OUT/prefill_wlhs$w" \
-          --synth-dir "$CKPT" --reuse --scenarios resident --prompts 4096,32768 \
-          --profile-tokens "$([[ $w == 1 ]] && echo 8192 || echo 0)" 2>&1 \
-          | grep -E "^resident|Error|failed" | cut -c1-300
+        FLUXTIDE_PREFILL_W_LHS=$w bench_prefill 270 "prefill_wlhs$w" --scenarios resident --prompts 4096,32768 \
+          --profile-tokens "$([[ $w == 1 ]] && echo 8192 || echo 0)"
       done ;;
     w-lhs-decode)
       # the W_LHS tiles in the decode step (weights as the wgmma M side, 16 tokens as its N: the small-batch swap):
@@ -309,9 +311,7 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       # prefill with 66 then 132 rows (the simulator predicts 0.49 -> 0.37 s at 8k and 2.19 -> 1.71 s at 32k,
       # docs/bench/2026-12-05-sim-staging-h200-24gib.json; synthesizes $CKPT if absent: ~40 s)
       for g in 66 132; do
-        timeout 280 python3 scripts/bench_prefill.py --out "$OUT/prefill_staging$g" --synth-dir "$CKPT" --reuse \
-          --scenarios budget --prompts 8192,32768 --staging "$g" --profile-tokens 0 2>&1 \
-          | grep -E "^budget|Error|failed" | cut -c1-300
+        bench_prefill 280 "prefill_staging$g" --scenarios budget --prompts 8192,32768 --staging "$g" --profile-tokens 0
       done ;;
     http) timeout 500 "$(dirname "$0")/gpu_http_bench.sh" 2>&1 | grep -v "^INFO" | tail -8 ;;
     http-ab)

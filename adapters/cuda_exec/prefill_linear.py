@@ -61,8 +61,9 @@ def use_splitk(rows: int, w: QTensor) -> bool:
     return SPLITK_GEMV_MAX_ROWS < rows <= SPLITK_MAX_ROWS and splitk.supports(w, rows)
 
 
-def use_dequant(rows: torch.Tensor, w: QTensor) -> bool:
-    """True when the rows [M, I] of a projection by w go through a dequantized copy and cuBLAS (DEQUANT_MIN_ROWS)."""
+def use_dequant(rows: torch.Tensor) -> bool:
+    """True when the rows [M, I] of a quantized projection go through a dequantized copy and cuBLAS
+    (DEQUANT_MIN_ROWS; any format dense_gemm reads)."""
     return rows.is_cuda and 0 < DEQUANT_MIN_ROWS <= rows.shape[0]
 
 
@@ -95,7 +96,7 @@ def prefill_linear(x: torch.Tensor, w: torch.Tensor | QTensor, a8: bool = False)
         out = gemv.dense_gemv(rows, w)  # [M, O]
     elif a8 and a8_weight(w):
         out = gemm.dense_gemm(act_quant_fp8(rows), w, out_dtype=x.dtype)  # [M, O]
-    elif use_dequant(rows, w):  # the scratch is the caching allocator's: one block reused layer after layer
+    elif use_dequant(rows):  # the scratch is the caching allocator's: one block reused layer after layer
         out = F.linear(rows, dequant_weight(w, torch.empty(w.shape, dtype=rows.dtype, device=rows.device)))
     elif use_splitk(rows.shape[0], w):
         out = splitk.dense_gemm_splitk(rows, w)  # [M, O]

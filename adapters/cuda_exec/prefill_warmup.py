@@ -119,13 +119,8 @@ class GemvItem:
 
 
 @dataclass(frozen=True)
-class DequantItem:
-    weight: QTensor
-
-    @property
-    def key(self) -> tuple:
-        """dequant_weight's specialization: the weight's shape and format (its N and K are compile-time)."""
-        return (*self.weight.shape, self.weight.fmt.value)
+class DequantItem(GemvItem):
+    """dequant_weight's compile: one per weight shape and format (its N and K are compile-time), GemvItem's key."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +190,8 @@ class WarmupPlan:
         """(kernel, item) in the order they run: the tuned GEMMs first, at their representative sizes, so
         the scratch forwards find their keys tuned."""
         return ([("dense_gemm", i) for i in self.gemm] + [("dense_gemv", i) for i in self.gemv]
-                + [("dequant_weight", i) for i in self.dequants] + [("moe_grouped", i) for i in self.grouped] + [("moe_fused", i) for i in self.fused]
+                + [("dequant_weight", i) for i in self.dequants] + [("moe_grouped", i) for i in self.grouped]
+                + [("moe_fused", i) for i in self.fused]
                 + [("forward", i) for i in self.forwards] + [("gdn_prefill", i) for i in self.gdn_pieces]
                 + [("moe_block", i) for i in self.moe_blocks])
 

@@ -162,6 +162,12 @@ def check_weight(q: QTensor, where: str) -> None:
                          f"supported: {sorted(f.value for f in SUPPORTED)})")
 
 
+def global_scale(q: QTensor) -> torch.Tensor:
+    """The kernels' global-scale argument: NVFP4's fp32 scalar, else q.scale (a valid pointer never read: only
+    FMT 5 loads it)."""
+    return q.global_scale if q.global_scale is not None else q.scale
+
+
 def check_placement(xq: torch.Tensor, q: QTensor, where: str) -> None:
     """Activation rows with unit column stride, the weight's data and scales contiguous, all on one device.
     ValueError."""
@@ -223,8 +229,7 @@ def dense_gemm(x: torch.Tensor | Fp8Rows, q: QTensor, out: torch.Tensor | None =
     out = out_buffer(out, m, n, out_dtype if a8 else x.dtype, xq.device, "dense_gemm")
     if m == 0:
         return out
-    glob = q.global_scale if q.global_scale is not None else q.scale
-    args = (xq, xs, q.data, q.scale, glob, out, m, m_bucket(m), xq.stride(0), out.stride(0))
+    args = (xq, xs, q.data, q.scale, global_scale(q), out, m, m_bucket(m), xq.stride(0), out.stride(0))
     consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), A8=a8, **dot_modes(xq))
     if x.is_cuda and block_m is None and block_n is None and not w_lhs:
         _TUNED[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)](*args, **consts)

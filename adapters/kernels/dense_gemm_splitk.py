@@ -37,7 +37,14 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import QTensor
-from adapters.kernels.dense_gemm import SUPPORTED, check_placement, check_weight, m_bucket, out_buffer
+from adapters.kernels.dense_gemm import (
+    SUPPORTED,
+    check_placement,
+    check_weight,
+    global_scale,
+    m_bucket,
+    out_buffer,
+)
 from adapters.kernels.dequant_tile import (
     FOUR_BIT,
     MAX_W4_PER_THREAD,
@@ -237,8 +244,7 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
     most = min(MAX_SPLIT, max(1, triton.cdiv(k, BLOCK_K) // MIN_STEPS_PER_SPLIT))
     bn, sk = block_n or 16, split_k or min(2, most)
     ws = torch.empty((most if tuned else sk, m, n), dtype=torch.float32, device=x.device)
-    glob = q.global_scale if q.global_scale is not None else q.scale
-    args = (x, q.data, q.scale, glob, out, ws, cnt, m, m_bucket(m), x.stride(0), out.stride(0))
+    args = (x, q.data, q.scale, global_scale(q), out, ws, cnt, m, m_bucket(m), x.stride(0), out.stride(0))
     consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), BLOCK_M=BLOCK_M,
                   BLOCK_K=BLOCK_K, **dot_modes(x))
     tiles_m = triton.cdiv(m, BLOCK_M)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from adapters.checkpoint.quant import QTensor
-from adapters.kernels.dense_gemm import check_weight
+from adapters.kernels.dense_gemm import check_weight, global_scale
 from adapters.kernels.dequant_tile import block_scale, row_scale_t, w_tile_folded
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
 
@@ -53,8 +53,7 @@ def dequant_weight(q: QTensor, out: torch.Tensor) -> torch.Tensor:
                          f"{tuple(out.shape)}")
     if not out.device == q.data.device == q.scale.device:
         raise ValueError(f"dequant_weight: out on {out.device}, weight on {q.data.device}, scale on {q.scale.device}")
-    glob = q.global_scale if q.global_scale is not None else q.scale
     _dequant_weight_kernel[(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))](
-        q.data, q.scale, glob, out, N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1),
+        q.data, q.scale, global_scale(q), out, N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1),
         BLOCK_N=BLOCK, BLOCK_K=BLOCK, num_warps=8)
     return out

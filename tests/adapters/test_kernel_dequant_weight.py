@@ -61,12 +61,11 @@ def test_refuses_float_weights_and_wrong_buffers():
 
 
 def test_prefill_linear_takes_the_copy_only_for_long_chunks_on_cuda(monkeypatch):
-    q = _weight(WeightFormat.FP8_BLOCK)
     monkeypatch.setattr(pl, "DEQUANT_MIN_ROWS", 64)
-    assert pl.use_dequant(torch.empty(64, 384, device=DEVICE), q) == (DEVICE == "cuda")  # never on the CPU
-    assert not pl.use_dequant(torch.empty(63, 384, device=DEVICE), q)
+    assert pl.use_dequant(torch.empty(64, 384, device=DEVICE)) == (DEVICE == "cuda")  # never on the CPU
+    assert not pl.use_dequant(torch.empty(63, 384, device=DEVICE))
     monkeypatch.setattr(pl, "DEQUANT_MIN_ROWS", 0)  # FLUXTIDE_PREFILL_DEQUANT_ROWS=0: never
-    assert not pl.use_dequant(torch.empty(4096, 384, device=DEVICE), q)
+    assert not pl.use_dequant(torch.empty(4096, 384, device=DEVICE))
 
 
 @needs_cuda
