@@ -40,12 +40,22 @@ GEMV_MAX_ROWS_NARROW_K = 3
 # so those are off (packed_gemv.PAIRS_BUCKET_MAX) and this one is on, pending the A/B that separates the two.
 SPLITK_MAX_ROWS = 32  # decode buckets and short prefill steps; a power of two, so an M bucket takes one kernel
 SPLITK_GEMV_MAX_ROWS = 2
+
+
+def _dequant_rows(value: str) -> int:
+    """FLUXTIDE_PREFILL_DEQUANT_ROWS: a whole number of rows >= 0 (0: off); anything else is refused, as the other
+    FLUXTIDE_PREFILL_* settings are (dequant_tile._w_lhs_tuning). ValueError."""
+    if not value.isdigit():
+        raise ValueError(f"FLUXTIDE_PREFILL_DEQUANT_ROWS must be a row count >= 0 (0: off), got {value!r}")
+    return int(value)
+
+
 # Chunks of at least this many rows (on CUDA, float activations) dequantize the weight into a scratch copy
 # (dequant_weight: ~1 ms of HBM traffic for all of Qwen3.6's dense weights) and run cuBLAS on it: at prefill sizes
 # dense_gemm reached ~35 % of the H100's bf16 peak (60.8 ms of the 8k chunk; docs/prefill-kernels.md). The copy
 # rounds as the W_LHS tiles and the reference do (quant.py `_dequant_cols`). Off (0) until a GPU A/B says from how
 # many rows it pays (scripts/gpu_fast_path.sh dense-prefill, dequant): FLUXTIDE_PREFILL_DEQUANT_ROWS=1024 turns it on.
-DEQUANT_MIN_ROWS = int(os.environ.get("FLUXTIDE_PREFILL_DEQUANT_ROWS", "0"))
+DEQUANT_MIN_ROWS = _dequant_rows(os.environ.get("FLUXTIDE_PREFILL_DEQUANT_ROWS", "0"))
 
 
 def use_gemv(rows: int, in_features: int) -> bool:

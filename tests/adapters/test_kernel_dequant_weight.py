@@ -68,6 +68,13 @@ def test_prefill_linear_takes_the_copy_only_for_long_chunks_on_cuda(monkeypatch)
     assert not pl.use_dequant(torch.empty(4096, 384, device=DEVICE))
 
 
+def test_the_row_setting_refuses_anything_but_a_row_count():
+    assert pl._dequant_rows("0") == 0 and pl._dequant_rows("1024") == 1024
+    for bad in ("", "-1", "1k", "1.5", "on"):
+        with pytest.raises(ValueError, match="FLUXTIDE_PREFILL_DEQUANT_ROWS must be a row count"):
+            pl._dequant_rows(bad)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
