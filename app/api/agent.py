@@ -9,7 +9,6 @@ function tools, which is what chat templates expect) and its own response shape 
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from app.reasoning import FORCED_CLOSE, REASONING_PARSERS, ThinkingPlan, ThinkPa
 from app.runtime import Runtime
 from app.streams import StreamEvent
 from app.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
+from app.tool_parsers.base import loads_json
 from domain.ports import ChatTemplateError, Tokenizer
 
 
@@ -155,10 +155,11 @@ def arguments_object(arguments, param: str) -> dict:
     if isinstance(arguments, dict):
         return arguments
     if isinstance(arguments, str):
+        # NOTE: held to what the parsers accept from the model: a string nested ~1,000 deep was a RecursionError (500)
         try:
-            value = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise bad_value(param, "tool call arguments must be a JSON object") from None
+            value = loads_json(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise bad_value(param, f"tool call arguments must be a JSON object ({exc})") from None
         if isinstance(value, dict):
             return value
     raise bad_value(param, "tool call arguments must be a JSON object")

@@ -59,8 +59,8 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         content = m.content
         # NOTE: OpenAI's rule: content is required, except for an assistant message that carries tool calls
         if content is None and not (m.role == "assistant" and m.tool_calls):
-            raise bad_value(f"messages[{i}].content", f"a {m.role} message needs content"
-                            + (" (or tool_calls)" if m.role == "assistant" else ""))
+            raise bad_value(f"messages[{i}].content", "an assistant message needs content (or tool_calls)"
+                            if m.role == "assistant" else f"a {m.role} message needs content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -97,6 +97,9 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
     tools = []
     for i, tool in enumerate(body.tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(tool, dict) and tool.get("type") == "function" and function is None and "name" in tool:
+            raise bad_value(f"tools[{i}]", 'a function tool is {"type": "function", "function": {"name": ..., '
+                            '"parameters": ...}}: the Responses API\'s flat shape is not accepted here')
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise unsupported(f"tools[{i}]", "only function tools are supported")
         tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),

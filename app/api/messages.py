@@ -199,8 +199,13 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
     if kind == "function" and not isinstance(choice.get("name"), str):
         raise bad_value("tool_choice.name", "tool_choice 'tool' needs the name of one of the tools")
     kwargs, budget = _thinking(body.thinking)
+    messages = _messages(body.system, body.messages)
+    # NOTE: Anthropic's prefill: a last assistant turn with text is the start of the answer, which the model
+    # continues (the response holds only what follows); rendered as a whole turn it got a fresh answer instead.
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"].strip())
     conversation = Conversation(
-        messages=_messages(body.system, body.messages),
+        messages=messages,
         tools=tools,
         tool_choice=kind,
         forced_function=choice.get("name"),
@@ -208,6 +213,8 @@ def _conversation(body: MessagesRequest | CountTokensRequest) -> Conversation:
         template_kwargs=kwargs,
         thinking_budget=budget,
         budget_param="thinking.budget_tokens",
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
     )
     check_tool_choice(conversation, "tool_choice")
     return conversation

@@ -174,6 +174,9 @@ def _conversation(body: ResponsesRequest) -> Conversation:
     for i, tool in enumerate(body.tools or []):
         if tool.get("type") != "function":
             raise unsupported(f"tools[{i}]", f"tool type {tool.get('type')!r} is not supported: only function tools")
+        if "name" not in tool and isinstance(tool.get("function"), dict):  # Chat Completions' shape, sent here
+            raise bad_value(f"tools[{i}]", 'a Responses function tool is {"type": "function", "name": ..., '
+                            '"parameters": ...}, not nested under "function" as in Chat Completions')
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
     choice, forced = body.tool_choice if body.tool_choice is not None else "auto", None
     if isinstance(choice, dict):

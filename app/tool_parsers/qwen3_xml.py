@@ -15,7 +15,8 @@ committed) and each parameter as soon as its value is complete, as an argument f
 as its type, stays a string), one newline stripped at each end. Before the header is complete,
 anything that is not ``<function=NAME>`` with NAME an offered function turns the attempt back into content; after it,
 stray text between parameters is dropped and a missing ``</parameter>`` / ``</function>`` /
-``</tool_call>`` is tolerated.
+``</tool_call>`` is tolerated. Several ``<function=…>`` in one ``<tool_call>`` block are a call each (as vLLM's
+``qwen3_coder`` parser reads them); one after the first that is not an offered function is content from there on.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Qwen3XmlToolParser(ToolParser):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._stage = "header"  # header -> params -> closing
+        self._stage = "header"  # header -> params -> closing (-> header: another function in the same block)
+        self._continued = False  # the header being read follows a function closed inside the same <tool_call>
 
     @classmethod
     def unusable_name(cls, function: str, arguments: list[str]) -> str | None:
@@ -86,6 +88,7 @@ class Qwen3XmlToolParser(ToolParser):
             close = body.find(">")
             name = body[len(FUNCTION) : close] if close != -1 else body[len(FUNCTION) :]
             if close != -1 and name.strip() and not any(c in name for c in "<\n") and self.allows(name.strip()):
+                self._continued = False
                 self._open_call(name.strip())
                 self._params_sent = 0
                 self._buf = body[close + 1 :]
@@ -97,6 +100,9 @@ class Qwen3XmlToolParser(ToolParser):
             return False
         # NOTE: not a call after all: the markup is content and what followed it is text again.
         self._in_call = False
+        if self._continued:  # <tool_call> opened the calls already made: only this header on is content
+            self._continued = False
+            return True
         self._emit_content(self._held_space + START)
         self._held_space = ""
         return True
@@ -144,7 +150,10 @@ class Qwen3XmlToolParser(ToolParser):
             self._buf = body[len(END) :]
             self._end_call()
             return True
-        if not final and (not body or END.startswith(body)):
+        if body.startswith(FUNCTION):  # another function in the same block: read its header as a new call
+            self._stage, self._continued = "header", True
+            return True
+        if not final and (not body or END.startswith(body) or FUNCTION.startswith(body)):
             return False
         self._end_call()  # a missing </tool_call>: what follows is text again
         return True

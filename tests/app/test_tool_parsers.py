@@ -81,6 +81,15 @@ CASES = {
         (XML_CALL.replace("multiply", "divide"), XML_CALL.replace("multiply", "divide"), []),
         ("Sure.\n" + XML_CALL.replace("multiply", "divide") + "\n" + XML_CALL,
          "Sure.\n" + XML_CALL.replace("multiply", "divide"), [("multiply", {"a": 6, "b": 7})]),
+        # several functions in one <tool_call> block: a call each (vLLM's qwen3_coder reads them so), no markup leaks
+        ("<tool_call>\n<function=multiply>\n<parameter=a>\n6\n</parameter>\n</function>\n"
+         "<function=write>\n<parameter=path>\nx\n</parameter>\n</function>\n</tool_call>", "",
+         [("multiply", {"a": 6}), ("write", {"path": "x"})]),
+        ("<tool_call><function=multiply></function><function=multiply><parameter=b>2</parameter></function>"
+         "</tool_call> ok", " ok", [("multiply", {}), ("multiply", {"b": 2})]),
+        # ... and one after the first that is not offered is content from its header on
+        ("<tool_call>\n<function=multiply>\n</function>\n<function=divide>\n</function>\n</tool_call>",
+         "\n<function=divide>\n</function>\n</tool_call>", [("multiply", {})]),
     ],
     HermesToolParser: [
         (HERMES_CALL, "", [("multiply", {"a": 6, "b": 7})]),
