@@ -26,14 +26,20 @@ def _count_or_auto(text: str) -> int | None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=1919)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-running-requests", type=int, default=4, help="also the number of GDN state slots")
-    p.add_argument("--max-prefill-length", type=_count, default=8192,
-                   help="token budget of a step with no decode running (a long prompt's chunk; time to first token)")
-    p.add_argument("--mixed-prefill-length", type=_count, default=None,
+    p.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=1919,
+                   help="TCP port (default 1919; 0: any free port, named by the 'listening on' line)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and clients send (default: the checkpoint folder's name)")
+    p.add_argument("--max-running-requests", type=int, default=4, metavar="N",
+                   help="sequences decoding at once (default 4), fixed for the server's life; also the number of GDN "
+                        "state slots")
+    p.add_argument("--max-prefill-length", type=_count, default=8192, metavar="TOKENS",
+                   help="token budget of a step with no decode running (a long prompt's chunk; time to first token; "
+                        "default 8192)")
+    p.add_argument("--mixed-prefill-length", type=_count, default=None, metavar="TOKENS",
                    help="token budget of a step that carries decodes, decodes included (the gap the running "
                         "streams see); default 512, at most --max-prefill-length (docs/adr/0011-mixed-step-budget.md)")
     p.add_argument("--layered-prefill", choices=("on", "off"), default="on",
@@ -42,7 +48,7 @@ def _add_serve(sub) -> None:
                         "mixed budget's token x layers), so its experts stream over PCIe once per chunk instead of "
                         "once per short chunk (docs/adr/0024-layered-prefill.md); off: short chunks (H200, 24 GiB, 3 streams beside an 8k "
                         "prompt: gaps p99 97 ms with it on)")
-    p.add_argument("--layer-group-length", type=_count, default=None,
+    p.add_argument("--layer-group-length", type=_count, default=None, metavar="TOKENS",
                    help="with --layered-prefill on: the budget, decodes included, that sizes a layer group beside "
                         "decodes (default 1024, at least --mixed-prefill-length, at most --max-prefill-length: 4 of "
                         "Qwen3.6's 40 layers a step for an 8k chunk); --mixed-prefill-length still decides which "
@@ -55,18 +61,30 @@ def _add_serve(sub) -> None:
                         "GiB, 3 streams, a 36-token prompt: a 262-273 ms gap); the prompt's first token comes later "
                         "(~0.3 -> ~0.6 s predicted). Where every expert is resident it changes nothing. off: only "
                         "prompts longer than --mixed-prefill-length are layered (docs/adr/0024-layered-prefill.md)")
-    p.add_argument("--arrival-window-ms", type=float, default=DEFAULT_ARRIVAL_WINDOW_MS,
-                   help="an idle server's first step waits up to this long for the rest of a burst of requests, so "
-                        "they share one prefill step (0: never; docs/adr/0021-arrival-window.md)")
-    p.add_argument("--memory-ratio", type=float, default=0.9)
-    p.add_argument("--gpu-budget-gib", type=float, default=None, help="cap device memory (emulate a smaller card)")
-    p.add_argument("--kv-tokens", type=_count, default=None, help="KV pool size in tokens (8k, 1.5m ...)")
-    p.add_argument("--moe-slots", type=_count, default=None, help="expert cache slots (default: fill the budget)")
-    p.add_argument("--kv-reserve-tokens", type=_count, default=8192)
-    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set FT_API_KEY)")
+    p.add_argument("--arrival-window-ms", type=float, default=DEFAULT_ARRIVAL_WINDOW_MS, metavar="MS",
+                   help=f"an idle server's first step waits up to this long for the rest of a burst of requests, so "
+                        f"they share one prefill step (default {DEFAULT_ARRIVAL_WINDOW_MS:g}; 0: never; "
+                        f"docs/adr/0021-arrival-window.md)")
+    p.add_argument("--memory-ratio", type=float, default=0.9, metavar="R",
+                   help="share of the device's memory (or of --gpu-budget-gib) the weights and pools may use "
+                        "(default 0.9)")
+    p.add_argument("--gpu-budget-gib", type=float, default=None, metavar="GIB",
+                   help="cap device memory, to emulate a smaller card (default: the card's memory; 0.5 on the CPU)")
+    p.add_argument("--kv-tokens", type=_count, default=None, metavar="TOKENS",
+                   help="KV pool size in tokens (8k, 1.5m ...); default: --kv-reserve-tokens while expert slots are "
+                        "sized from the budget and not every expert fits, else what the budget leaves (at most "
+                        "--max-running-requests x the model's context)")
+    p.add_argument("--moe-slots", type=_count, default=None, metavar="N",
+                   help="expert cache slots (default: what the budget leaves, up to every expert)")
+    p.add_argument("--kv-reserve-tokens", type=_count, default=8192, metavar="TOKENS",
+                   help="the KV pool's size when --kv-tokens is not given and the experts take the rest (default 8192)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda where torch sees one, else cpu) | cpu | cuda | "
+                                                    "cuda:N")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default FT_API_KEY; unset: no key)")
     p.add_argument("--debug", action="store_true", help="check every invariant whenever the engine idles")
-    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
+    p.add_argument("--cpu-threads", type=int, default=1, metavar="N", help="torch threads when running on the CPU "
+                                                                          "(default 1)")
     p.add_argument("--record-routing", default=None, metavar="FILE",
                    help="record the experts every token routes to (JSON lines; python -m simulator --routing trace:FILE)")
     p.add_argument("--routing-replay", default=None, metavar="SPEC",
@@ -76,7 +94,8 @@ def _add_serve(sub) -> None:
                    help="keep expert weights memory-mapped from the checkpoint files when host RAM is short")
     p.add_argument("--executor", default="auto", choices=("auto", "reference", "cuda-graph"),
                    help="cuda-graph: captured decode steps, device-side expert cache, Triton kernels (CUDA only); "
-                        "reference: the plain torch path (CPU, parity oracle); auto: cuda-graph where it can run")
+                        "reference: the plain torch path (CPU, parity oracle); auto (default): cuda-graph where it can "
+                        "run")
     p.add_argument("--prefill-kernels", default="auto", choices=("auto", "reference", "triton"),
                    help="the fast path's prefill: reference (the torch token mixers and projections) or triton "
                         "(GDN chunk kernels, flash attention over the pages, tensor-core projections; GPU-tested and "
@@ -99,18 +118,20 @@ def _add_serve(sub) -> None:
                         "tensor cores; faster long prompts, logits no longer bitwise those of the bf16 path. "
                         "Experimental: on the full synthetic Qwen3.6 the last-token logits moved far from the bf16 "
                         "path's (not yet explained) (docs/adr/0018-fp8-prefill-activations.md)")
-    p.add_argument("--tool-call-parser", default="auto",
-                   help="qwen3_xml | hermes | none (auto: by architecture: Qwen3.5/3.6 qwen3_xml, Qwen3 hermes)")
-    p.add_argument("--reasoning-parser", default="auto", help="qwen3 (<think>...</think>) | none (auto: qwen3)")
+    p.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                   help="qwen3_xml (alias qwen3_coder) | hermes | none (default auto: by architecture: Qwen3.5/3.6 "
+                        "qwen3_xml, Qwen3 hermes)")
+    p.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                   help="qwen3 (alias deepseek_r1: <think>...</think> is reasoning) | none (default auto: qwen3)")
     p.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated origins browser clients may call from (CORS), '*' for any; "
                         "preflight requests never need the API key")
     p.add_argument("--verify-weights", action="store_true",
                    help="scan every weight for NaN/Inf before serving (quantization scales are always checked)")
     p.add_argument("--cache-type", default="radix", choices=("radix", "none"),
-                   help="prefix cache: radix = resume repeated prefixes (multi-turn) from cached KV pages and "
-                        "Gated DeltaNet state snapshots; none = recompute every prompt")
-    p.add_argument("--snapshot-slots", type=_count, default=None,
+                   help="prefix cache: radix (default) = resume repeated prefixes (multi-turn) from cached KV pages "
+                        "and Gated DeltaNet state snapshots; none = recompute every prompt")
+    p.add_argument("--snapshot-slots", type=_count, default=None, metavar="N",
                    help="GDN state snapshots the prefix cache may hold (default: 4 per running request)")
     p.add_argument("--staging-experts", type=_count_or_auto, default=None, metavar="N|auto",
                    help="fast path: expert rows a prefill chunk stages non-resident experts in (double-buffered, "
@@ -118,12 +139,13 @@ def _add_serve(sub) -> None:
                         "auto (default): sized from the link rate and expert size (130 for Qwen3.6 FP8, 390 MiB), "
                         "0 when every expert is resident")
     p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=("debug", "info", "warning", "error", "critical"))
+                   choices=("debug", "info", "warning", "error", "critical"), help="default info (any case)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
-                   help="N engines, one per GPU (or N CPU workers), each its own process, behind this port")
+                   help="N engines, one per GPU (or N CPU workers), each its own process, behind this port "
+                        "(default 1)")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="one model over N GPUs (or N CPU processes): the experts split between them, the dense "
-                        "layers on each; this process serves HTTP (docs/adr/0008-expert-parallel.md)")
+                        "layers on each; this process serves HTTP (default 1; docs/adr/0008-expert-parallel.md)")
     p.add_argument("--ep-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks --expert-parallel starts
     p.add_argument("--ep-address", default=None, help=argparse.SUPPRESS)
     return p
@@ -268,16 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["synth"]:
-        from app.containers import synth_main
-
-        return int(synth_main(argv[1:]) or 0)
-    if argv[:1] == ["sim"]:
-        from app.containers import sim_main
-
-        return int(sim_main(argv[1:]) or 0)
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """`ft`'s parser and its `serve` subparser (which --data-parallel and --expert-parallel read their workers'
+    arguments back from)."""
     parser = argparse.ArgumentParser(prog="ft", description="fluxtide: edge-native MoE serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = _add_serve(sub)
@@ -288,9 +303,23 @@ def _main(argv: list[str] | None) -> int:
     from app.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
-    sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser)")
+    sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser: ft synth --help)")
     sub.add_parser("sim", help="the simulator: predict, calibrate, expert-parallel (arguments go to "
-                               "`python -m simulator`)")
+                               "`python -m simulator`: ft sim --help)")
+    return parser, serve_parser
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["synth"]:
+        from app.containers import synth_main
+
+        return int(synth_main(argv[1:]) or 0)
+    if argv[:1] == ["sim"]:
+        from app.containers import sim_main
+
+        return int(sim_main(argv[1:]) or 0)
+    parser, serve_parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, serve_parser)

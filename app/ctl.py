@@ -74,11 +74,13 @@ def _add_connection_options(p: argparse.ArgumentParser, defaults: bool) -> None:
     def default(value):
         return value if defaults else argparse.SUPPRESS
 
-    p.add_argument("--base-url", default=default(os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")),
-                   help="the server's URL (FT_BASE_URL); an OpenAI-style one ending in /v1 is accepted")
-    p.add_argument("--api-key", default=default(None), help="defaults to FT_API_KEY")
+    p.add_argument("--base-url", default=default(os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")), metavar="URL",
+                   help="the server's URL (default FT_BASE_URL or http://127.0.0.1:1919); an OpenAI-style one ending "
+                        "in /v1 is accepted")
+    p.add_argument("--api-key", default=default(None), metavar="KEY", help="bearer token (default FT_API_KEY)")
     p.add_argument("--json", action="store_true", default=default(False), help="print raw JSON instead of tables")
-    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=default(30.0))
+    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=default(30.0), metavar="S",
+                   help="seconds per request (default 30; a resize may take --wait seconds on top)")
 
 
 def add_ctl_parser(sub) -> None:
@@ -92,16 +94,19 @@ def add_ctl_parser(sub) -> None:
     cmds.add_parser("health", parents=[common], help="loading progress / ok / error")
     cmds.add_parser("stats", parents=[common], help="pools, throughput, TTFT, expert hit rate")
     cache = cmds.add_parser("cache", parents=[common], help="show pools; with --kv/--moe/--mamba, resize them live")
-    cache.add_argument("--kv", type=_count_or_auto, default=None, help="KV tokens (8k, 1.5m ..., or auto)")
-    cache.add_argument("--moe", type=_count_or_auto, default=None,
+    cache.add_argument("--kv", type=_count_or_auto, default=None, metavar="N",
+                       help="KV tokens (8k, 1.5m ...), or auto: whatever the budget leaves after the expert slots; "
+                            "a pool not given keeps its size")
+    cache.add_argument("--moe", type=_count_or_auto, default=None, metavar="M",
                        help="expert slots, or auto: whatever the budget leaves after the KV pool")
-    cache.add_argument("--mamba", type=_count, default=None, help="GDN state slots")
-    cache.add_argument("--wait", type=_seconds(0, 3600), default=60.0,
-                       help="seconds to wait for in-flight requests (at most 3600, as the server allows)")
+    cache.add_argument("--mamba", type=_count, default=None, metavar="S",
+                       help="GDN state slots (at most ft serve's --max-running-requests)")
+    cache.add_argument("--wait", type=_seconds(0, 3600), default=60.0, metavar="SEC",
+                       help="seconds to wait for in-flight requests (default 60; at most 3600, as the server allows)")
     gen = cmds.add_parser("generate", parents=[common], help="one chat completion, streamed")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("prompt", help="the user message")
+    gen.add_argument("--max-tokens", type=int, default=128, help="output tokens at most (default 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
 
 
 class _Console(Console):

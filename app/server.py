@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 
@@ -92,17 +93,37 @@ def create_app(runtime: Runtime, allowed_origins: tuple[str, ...] = ()) -> Lites
     )
 
 
-def _why_not_listening(host: str, port: int) -> str:
-    """uvicorn logs why its bind failed and exits its thread; say it again in one line, by trying the same bind
-    (a bad --host was reported as "port in use?")."""
+def bind_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for every address ``host`` resolves to, bound as asyncio's create_server binds them
+    (SO_REUSEADDR; an IPv6 socket IPv6 only). NOTE: bound here, in the caller's thread, and handed to uvicorn: a port
+    in use is an OSError the caller words, before the model loads; uvicorn binding them itself logged its own
+    "[Errno 98] ..." line from its thread first, and the caller could only guess why by binding again."""
+    infos = dict.fromkeys(socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+    sockets: list[socket.socket] = []
     try:
-        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-                probe.bind(address)
-    except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return f"uvicorn did not start on {host}:{port}"
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)  # NOTE: a port another socket bound with SO_REUSEADDR but never listened on fails here
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def listen_problem(host: str, port: int, exc: OSError) -> str:
+    """Why `ft serve` cannot listen on host:port, and the flag that changes it."""
+    why = (exc.strerror or str(exc)).lower()
+    if exc.errno == errno.EADDRINUSE:
+        return f"cannot listen on {host}:{port}: address already in use; pass another --port (or stop what listens there)"
+    if exc.errno == errno.EACCES:
+        return f"cannot listen on {host}:{port}: {why}; choose a port above 1023 with --port"
+    return f"cannot listen on {host}:{port}: {why}; check --host"
 
 
 # NOTE: longer than any common client keeps an idle connection (httpx, so the openai and anthropic
@@ -119,17 +140,25 @@ class ServerThread:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
                                 timeout_keep_alive=KEEP_ALIVE_S, http=OpenAIErrorH11Protocol)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="fluxtide-http", daemon=True)
+        self.sockets: list[socket.socket] = []
+        self.thread = threading.Thread(target=lambda: self.server.run(sockets=self.sockets), name="fluxtide-http",
+                                       daemon=True)
 
     def start(self, timeout: float = 30.0) -> None:
+        """Bind, then serve in the thread. RuntimeError (one line, naming the flag) when the address cannot be
+        listened on: a port in use, a --host this machine does not have."""
+        config = self.server.config
+        try:
+            self.sockets = bind_listeners(config.host, config.port, config.backlog)
+        except OSError as exc:  # NOTE: socket.gaierror (an unknown host name) is one too
+            raise RuntimeError(listen_problem(config.host, config.port, exc)) from None
         self.thread.start()
         for _ in range(int(timeout / 0.02)):
             if self.server.started or not self.thread.is_alive():
                 break
             threading.Event().wait(0.02)
         if not self.server.started:
-            config = self.server.config
-            raise RuntimeError(_why_not_listening(config.host, config.port))
+            raise RuntimeError(f"uvicorn did not start on {config.host}:{config.port}")
 
     def stop(self) -> None:
         self.server.should_exit = True

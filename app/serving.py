@@ -129,7 +129,9 @@ class RunningServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.settings.host}:{self.port}"
+        host = self.settings.host
+        # NOTE: an IPv6 address in brackets, as a URL needs it ("listening on http://::1:1919" was no URL to paste)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def start(self, wait_ready: float | None = None) -> RunningServer:
         self.http.start()

@@ -1,7 +1,8 @@
 """`ft bench ...`: the parser and the runner that writes one JSON record per run.
 
-Exit codes: 0 every point measured; 3 the run finished but some point failed (the record says
-which and why); 1 the run could not be done at all (unreachable server, ...); 2 bad arguments.
+Exit codes, the same for every subcommand (docs/benchmarks.md): 0 every point measured; 3 the run went to its end
+but something it measured failed, a point or every point (the record says which and why); 1 the run could not be
+done, nothing was measured (unreachable server, no model, calibration failed, ...); 2 bad arguments; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def _positive(kind):
     return parse
 
 
+def _seconds(text: str) -> float:
+    """Seconds a rebuild may wait: the server's own range, [0, 3600] (a value past it was a refused rebuild per point)."""
+    value = float(text)
+    if not 0 <= value <= 3600:  # NOTE: False for nan
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {text}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -76,61 +85,96 @@ def _url(text: str) -> str:
     return text
 
 
-def _common(plot_option: bool) -> argparse.ArgumentParser:
+class _Help(argparse.HelpFormatter):
+    """Each option's default after its help, where the help does not give it already (lists as typed: 1,3,4,6)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+EXIT_CODES = ("exit status: 0 every point measured; 3 the run went to its end but something it measured failed (the "
+              "record's failures say what); 1 the run could not be done (unreachable server, no model, ...); 2 bad "
+              "arguments; 130 interrupted (docs/benchmarks.md)")
+
+
+def _common(plot_option: bool = False, http: bool = True) -> argparse.ArgumentParser:
+    """The options every subcommand takes; http=False (cold-start, which launches its own server): only those of the
+    record, not those of a server to reach."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--base-url", action="append", default=None, type=_url,
-                   help="the OpenAI-compatible server (fluxtide or any other; default FT_BASE_URL or "
-                        "http://127.0.0.1:1919); repeat it to measure several servers one after another in "
-                        "one call: one record each (OUT-1.json, OUT-2.json ...) and a side-by-side table")
-    p.add_argument("--api-key", default=None, help="defaults to FT_API_KEY")
-    p.add_argument("--model", default=None, help="model id to ask for (default: the first /v1/models lists)")
-    p.add_argument("--model-dir", default=None, help="checkpoint folder: its config.json gives the geometry")
-    p.add_argument("--out", default=None, help="JSON record path (default ft-bench-KIND-TIMESTAMP.json)")
-    p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
-    p.add_argument("--logprobs", action="store_true",
-                   help="ask for logprobs so every token gets its own arrival time (costs the server a little)")
+    if http:
+        p.add_argument("--base-url", action="append", default=None, type=_url,
+                       help="the OpenAI-compatible server (fluxtide or any other; default FT_BASE_URL or "
+                            "http://127.0.0.1:1919); repeat it to measure several servers one after another in "
+                            "one call: one record each (OUT-1.json, OUT-2.json ...) and a side-by-side table")
+        p.add_argument("--api-key", default=None, help="bearer token (default FT_API_KEY)")
+        p.add_argument("--model", default=None, help="model id to ask for (default: the first /v1/models lists)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="checkpoint folder: its config.json gives the record's geometry and format")
+    p.add_argument("--out", default=None, metavar="FILE", help="JSON record path (default ft-bench-KIND-TIMESTAMP.json)")
+    if http:
+        p.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds per request")
+        p.add_argument("--logprobs", action="store_true",
+                       help="ask for logprobs so every token gets its own arrival time (costs the server a little)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the pinned host->device copy measurement")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or tables")
-    p.add_argument("--routing", choices=routing.CHOICES, default="both",
-                   help="a server started with --routing-replay: both (its replay, then natural routing beside it "
-                        "into OUT-natural.json, linked), server (its mode only) or natural (replay switched off)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or tables (failures and the record's path still go to stderr)")
+    if http:
+        p.add_argument("--routing", choices=routing.CHOICES, default="both",
+                       help="a server started with --routing-replay: both (its replay, then natural routing beside "
+                            "it into OUT-natural.json, linked), server (its mode only) or natural (replay switched "
+                            "off)")
     if plot_option:
-        p.add_argument("--plot", default=None, metavar="FILE", help="also draw the figures (png, svg, pdf)")
+        p.add_argument("--plot", default=None, metavar="FILE",
+                       help="also draw the figures (png, svg, pdf); needs matplotlib (pip install -e '.[sim]')")
     return p
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark a server over HTTP (writes a JSON record)")
+    p = sub.add_parser("bench", help="benchmark a server over HTTP (writes a JSON record)", epilog=EXIT_CODES)
     cmds = p.add_subparsers(dest="bench_command", required=True)
-    s = cmds.add_parser("sweep", parents=[_common(True)], help="the customer's KV-pool sweep")
+
+    def command(name: str, common: argparse.ArgumentParser, text: str) -> argparse.ArgumentParser:
+        return cmds.add_parser(name, parents=[common], help=text, description=text, epilog=EXIT_CODES,
+                               formatter_class=_Help)
+
+    s = command("sweep", _common(plot_option=True), "the customer's KV-pool sweep")
     s.add_argument("--kv", type=_kv_list, default=[8192, 65536, 131072, 262144, 400000, 524288, 655360, 700000],
                    help="KV sizes to rebuild to, in order (8k,64k,...), or 'current' (no rebuild)")
     s.add_argument("--moe", type=_moe, default="auto", help="expert slots at each point (auto: fill the budget)")
     s.add_argument("--batch", type=_counts, default=[1, 3, 4, 6], help="batch sizes (concurrent requests)")
-    s.add_argument("--warmup", type=int, default=2, help="warm-up rounds per point")
-    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
+    s.add_argument("--warmup", type=_non_negative, default=2, help="warm-up rounds per point")
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64, help="output tokens per warm-up request")
     s.add_argument("--iterations", type=_positive(int), default=2, help="measured rounds per point")
     s.add_argument("--tokens", type=_positive(int), default=128, help="output tokens per measured request")
-    s.add_argument("--rebuild-wait", type=float, default=120.0, help="seconds a rebuild may wait for requests")
-    s = cmds.add_parser("ladder", parents=[_common(True)], help="concurrency ladder")
-    s.add_argument("--levels", type=_counts, default=[1, 2, 4, 8, 16])
-    s.add_argument("--tokens", type=_positive(int), default=128)
+    s.add_argument("--rebuild-wait", type=_seconds, default=120.0,
+                   help="seconds a rebuild may wait for requests still running (0 to 3600)")
+    s = command("ladder", _common(plot_option=True), "concurrency ladder")
+    s.add_argument("--levels", type=_counts, default=[1, 2, 4, 8, 16], help="simultaneous requests of each rung")
+    s.add_argument("--tokens", type=_positive(int), default=128, help="output tokens per measured request")
     s.add_argument("--rounds", type=_positive(int), default=1, help="measured rounds per rung")
-    s.add_argument("--warmup", type=int, default=1)
-    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
-    s.add_argument("--sample-s", type=_positive(float), default=0.05, help="/v1/stats polling interval")
-    s = cmds.add_parser("probe", parents=[_common(False)], help="warmed single streams")
-    s.add_argument("--lengths", type=_counts, default=[127, 255, 1023])
-    s.add_argument("--repeats", type=_positive(int), default=3)
-    s.add_argument("--warmup-tokens", type=_positive(int), default=64)
-    s = cmds.add_parser("prefill", parents=[_common(False)], help="TTFT and prefill tok/s of long prompts")
-    s.add_argument("--sizes", type=_counts, default=[1024, 4096, 8192, 16384, 32768])
+    s.add_argument("--warmup", type=_non_negative, default=1, help="warm-up rounds per rung")
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64, help="output tokens per warm-up request")
+    s.add_argument("--sample-s", type=_positive(float), default=0.05,
+                   help="seconds between polls of the running and waiting requests (/v1/stats, llama.cpp's /metrics)")
+    s = command("probe", _common(), "warmed single streams")
+    s.add_argument("--lengths", type=_counts, default=[127, 255, 1023], help="output tokens of each stream")
+    s.add_argument("--repeats", type=_positive(int), default=3,
+                   help="measured streams per length, one after another (after one warm-up request)")
+    s.add_argument("--warmup-tokens", type=_positive(int), default=64, help="output tokens of the warm-up request")
+    s = command("prefill", _common(), "TTFT and prefill tok/s of long prompts")
+    s.add_argument("--sizes", type=_counts, default=[1024, 4096, 8192, 16384, 32768],
+                   help="prompt sizes in tokens (1k,4k,...; sized on the server's tokenizer)")
     s.add_argument("--repeats", type=_positive(int), default=2, help="measured requests per size")
     s.add_argument("--warmup", type=_non_negative, default=1,
                    help="unmeasured requests per size first (a new size's first request can pay one-time costs; "
                         "kept in the record as warmup_runs and first_ttft_s)")
-    s = cmds.add_parser("mixed", parents=[_common(False)],
-                        help="gaps between the tokens of running streams while a long prompt prefills")
+    s = command("mixed", _common(), "gaps between the tokens of running streams while a long prompt prefills")
     s.add_argument("--streams", type=_positive(int), default=3, help="running streams")
     s.add_argument("--prompt-tokens", type=lambda t: _counts(t)[0], default=8192,
                    help="the long prompt's size in tokens (sized on the server's tokenizer)")
@@ -141,14 +185,14 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--baseline-tokens", type=_positive(int), default=64,
                    help="tokens every stream gets in the baseline window, before the long prompt is sent")
     s.add_argument("--repeats", type=_positive(int), default=3, help="repeats, each with fresh streams")
-    s.add_argument("--warmup-repeats", type=int, default=1,
+    s.add_argument("--warmup-repeats", type=_non_negative, default=1,
                    help="unrecorded repeats first (the first long prefill compiles and tunes kernels)")
     s.add_argument("--target-gap-ms", type=_positive(float), default=mixed.TARGET_GAP_P99_MS,
                    help="a p99 gap to judge the run against (within_gap_threshold); meets_target is always "
                         "issue 9's 150 ms, and only for a run of its scenario (3 streams, an 8,192-token "
                         "prompt or longer, H200, block FP8, <= 24 GiB budget, >= 8k KV)")
-    s = cmds.add_parser("turns", parents=[_common(False)],
-                        help="turn 2's TTFT after a long shared prefix, resumed from the prefix cache, against turn 1's")
+    s = command("turns", _common(), "turn 2's TTFT after a long shared prefix, resumed from the prefix cache, "
+                                    "against turn 1's")
     s.add_argument("--prefix-tokens", type=_count, default=16384,
                    help="the shared prefix's size in tokens (a system message, sized on the server's tokenizer)")
     s.add_argument("--follow-up-tokens", type=_count, default=64, help="about the size of turn 2's new question")
@@ -157,15 +201,18 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--warmup", type=_non_negative, default=1, help="unmeasured conversations first")
     s.add_argument("--max-ratio", type=_positive(float), default=0.15,
                    help="the criterion: median turn-2 TTFT / turn-1 TTFT at most this (meets_max_ratio; issue 14)")
-    s = cmds.add_parser("smoke", parents=[_common(False)], help="one question with one exact answer")
-    s.add_argument("--prompt", default="What is 19 + 23?")
-    s.add_argument("--expected", default="42")
-    s.add_argument("--match", choices=("exact", "contains"), default="exact")
-    s.add_argument("--max-tokens", type=_positive(int), default=16)
-    s = cmds.add_parser("cold-start", parents=[_common(False)],
-                        help="launch `ft serve ARGS` and time its start-up (ft bench cold-start -- --model DIR)")
-    s.add_argument("--poll-s", type=_positive(float), default=0.02)
-    s.add_argument("--start-timeout", type=_positive(float), default=1800.0)
+    s = command("smoke", _common(), "one question with one exact answer (a wrong one fails the run)")
+    s.add_argument("--prompt", default="What is 19 + 23?", help="the question, sent greedily as one chat message")
+    s.add_argument("--expected", default="42", help="the answer it must give")
+    s.add_argument("--match", choices=("exact", "contains"), default="exact",
+                   help="exact: the whole answer, whitespace trimmed; contains: the expected answer as a whole word")
+    s.add_argument("--max-tokens", type=_positive(int), default=16, help="output tokens at most")
+    s = command("cold-start", _common(http=False),
+                "launch `ft serve ARGS` and time its start-up (ft bench cold-start -- --model DIR)")
+    s.add_argument("--poll-s", type=_positive(float), default=0.02,
+                   help="seconds between polls of /v1/models and /health")
+    s.add_argument("--start-timeout", type=_positive(float), default=1800.0,
+                   help="seconds the server may take to answer /health ok")
     s.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for ft serve, after --")
 
 
@@ -250,14 +297,13 @@ def run_bench(args) -> int:
     if getattr(args, "plot", None) and (why := plot_missing()):
         print(f"ft bench: error: {why}", file=sys.stderr)
         return 2
+    out = args.out or default_out(kind)
+    if kind == "cold-start":  # NOTE: it reaches the server it launches, not FT_BASE_URL's
+        return _one(args, out)[0]
     urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
     if not args.base_url and (problem := base_url_problem(urls[0])) is not None:  # NOTE: --base-url is checked by argparse
         print(f"ft bench: error: FT_BASE_URL: {problem}", file=sys.stderr)
         return 2
-    out = args.out or default_out(kind)
-    if kind == "cold-start":
-        args.base_url = urls[0]
-        return _one(args, out)[0]
     codes, records = [], []
     for i, url in enumerate(urls, 1):
         several = len(urls) > 1

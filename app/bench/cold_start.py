@@ -117,6 +117,10 @@ async def run(record: Record, progress, *, serve_args: list[str], timeout: float
     marks: dict[str, float | None] = {"models_ok": None, "health_ok": None, "first_token": None}
     try:
         await _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, measure_bandwidth)
+    except BenchError as exc:
+        # NOTE: the start is what this run measures: one that never gets ready is its failed point (exit 3, as a
+        # failed point of any subcommand), and the record keeps the milestones it reached and the server's last lines
+        record.fail("start", str(exc))
     finally:
         code = _stop(proc)
         reader.join(5)

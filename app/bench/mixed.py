@@ -41,7 +41,6 @@ from app.bench.client import RequestResult, completion_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
 from app.bench.prefill import calibrate, make_prompt, units_at_least
-from app.bench.target import BenchError
 from domain.gap_stats import gap_figures, gaps_between, percentile  # noqa: F401  (re-exported: tests, records)
 
 TARGET_GAP_P99_MS = 150.0  # issue 9
@@ -244,4 +243,6 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
         "largest_window_step": step_trace.largest_of(record.points),
     }
     if not ttfts:
-        raise BenchError("no repeat could be measured (see failures)")
+        # NOTE: a failure of the run, not a run that could not be done: exit 3, as every subcommand whose points
+        # all failed (it was exit 1 here, through BenchError)
+        record.fail("run", "no repeat could be measured (see failures)")

@@ -25,7 +25,6 @@ from app.bench.client import RequestResult, chat_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
 from app.bench.prefill import FILLER, calibrate, make_prompt, units_at_least
-from app.bench.target import BenchError
 
 QUESTION = "Summarise the text above in one word."
 FOLLOW_UP = "And now in two words? "
@@ -140,4 +139,6 @@ async def run(ctx: Ctx, *, prefix_tokens: int, follow_up_tokens: int, max_tokens
     record.data["summary"] = {**summary(record.points, max_ratio), "warmup_runs": warm,
                               "prefix_cache_before": before, "prefix_cache_after": await target.prefix_cache(ctx.client)}
     if not record.data["summary"]["measured_repeats"]:
-        raise BenchError("no repeat could be measured (see failures)")
+        # NOTE: a failure of the run, not a run that could not be done: exit 3, as every subcommand whose points
+        # all failed (it was exit 1 here, through BenchError)
+        record.fail("run", "no repeat could be measured (see failures)")

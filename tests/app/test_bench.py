@@ -319,10 +319,38 @@ def test_quiet_still_says_why_a_run_failed_on_stderr(tmp_path, capsys, kind):
 
 
 def test_cold_start_quiet_says_why_it_failed_on_stderr(tmp_path, capsys):
-    code = main(["bench", "cold-start", "--out", str(tmp_path / "r.json"), "--quiet", "--no-bandwidth",
+    out = tmp_path / "r.json"
+    code = main(["bench", "cold-start", "--out", str(out), "--quiet", "--no-bandwidth",
                  "--start-timeout", "60", "--", "--model", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err
-    assert code != 0 and "ft bench cold-start: failed" in err, err
+    assert "ft bench cold-start: failed start: ft serve did not start listening (exit code 2)" in err, err
+    # the start is the point this run measures: exit 3 (it was 1), and the record keeps what the server said
+    rec = json.loads(out.read_text())
+    assert code == 3 and [f["where"] for f in rec["failures"]] == ["start"]
+    assert rec["cold_start"]["exit_code"] == 2 and "no such file or directory" in rec["cold_start"]["stderr_tail"][-1]
+    assert {p["milestone"]: p["seconds"] for p in rec["points"]}["health_ok"] is None
+
+
+# Every subcommand against the demo model (a 4,096-token context) with every point failing: a run that finished, so
+# exit 3 (mixed and turns exited 1 here, as for an unreachable server, while prefill exited 3)
+EVERY_POINT_FAILS = {
+    "sweep": ["--kv", "current", "--batch", "1", "--warmup", "0", "--iterations", "1", "--tokens", "5000"],
+    "ladder": ["--levels", "1", "--warmup", "0", "--tokens", "5000"],
+    "probe": ["--lengths", "5000", "--repeats", "1", "--warmup-tokens", "2"],
+    "prefill": ["--sizes", "5000", "--repeats", "1", "--warmup", "0"],
+    "mixed": ["--streams", "1", "--prompt-tokens", "5000", "--stream-tokens", "200", "--warmup-tokens", "2",
+              "--baseline-tokens", "2", "--repeats", "1", "--warmup-repeats", "0"],
+    "turns": ["--prefix-tokens", "5000", "--repeats", "1", "--warmup", "0", "--max-tokens", "2"],
+    "smoke": ["--expected", "43"],
+}
+
+
+@pytest.mark.parametrize("kind", list(EVERY_POINT_FAILS))
+def test_a_run_whose_every_point_failed_exits_3(tmp_path, demo, kind):
+    code, rec = bench(tmp_path, demo, kind, *EVERY_POINT_FAILS[kind], "--no-bandwidth")
+    assert code == 3, rec["failures"]
+    assert rec["ok"] is False and rec["points"] and not any(p["ok"] if "ok" in p else p["passed"] for p in rec["points"])
+    assert "server_after" in rec  # the run went to its end
 
 
 @pytest.mark.parametrize(("hw", "skipped", "line"), [

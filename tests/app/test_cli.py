@@ -311,16 +311,37 @@ def test_serve_names_why_it_cannot_listen(capsys):
     assert "port in use" not in err
 
 
-def test_serve_names_a_port_in_use(capsys):
+def test_serve_names_a_port_in_use_in_one_line_before_loading():
+    """uvicorn printed its own "ERROR: [Errno 98] error while attempting to bind ..." before ft serve's line, which
+    named no flag. Now: one line naming the address and --port, exit 1, and the model never starts loading."""
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--port", str(port)]) == 1
+        for extra in ([], ["--data-parallel", "2"]):  # the data-parallel front binds the same way, before its workers
+            bad = subprocess.run([sys.executable, "-m", "app", "serve", "--device", "cpu", "--port", str(port), *extra],
+                                 capture_output=True, text=True, timeout=120)
+            assert bad.returncode == 1, bad.stderr
+            assert bad.stderr.splitlines() == [f"ft serve: cannot listen on 127.0.0.1:{port}: address already in use; "
+                                               "pass another --port (or stop what listens there)"], bad.stderr
+            assert bad.stdout == ""
+
+
+def test_serve_names_a_host_name_it_cannot_resolve(capsys):
+    assert main(["serve", "--host", "no-such-host.invalid", "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+    assert "cannot listen on no-such-host.invalid:0:" in err and "check --host" in err, err
+
+
+def test_the_listening_url_of_an_ipv6_host_has_brackets():
+    from app.containers import Container
+    from app.serving import RunningServer
+    from app.settings import ServeSettings
+
+    url = lambda host: RunningServer(Container(), ServeSettings(host=host, port=1919)).base_url  # noqa: E731
+    assert url("::1") == "http://[::1]:1919" and url("127.0.0.1") == "http://127.0.0.1:1919"
 
 
 def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
@@ -502,3 +523,54 @@ def test_a_refused_start_up_plan_names_what_to_change(pool, device, first, budge
 
     fix = _refusal_fix(pool, ServeSettings(), device)
     assert fix.startswith(first) and budget in fix, fix
+
+
+def _parsers(parser, path=("ft",)):
+    """Every (command path, parser) under `parser`, itself included."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`ft serve --help` listed --host, --port, --memory-ratio, --kv-reserve-tokens ... with no word; `ft bench ladder`
+    --levels, --tokens, --warmup, smoke's --prompt and --expected, `ft ctl`'s --timeout likewise."""
+    import argparse
+
+    from app.cli import build_parser
+
+    silent = [f"{' '.join(path)} {action.option_strings[-1]}"
+              for path, parser in _parsers(build_parser()[0]) for action in parser._actions
+              if action.option_strings and action.help is None]
+    assert silent == [], silent
+    # the defaults a new user needs are shown
+    parsers = dict(_parsers(build_parser()[0]))
+    ladder = " ".join(parsers[("ft", "bench", "ladder")].format_help().split())  # NOTE: unwrapped
+    assert "(default: 1,2,4,8,16)" in ladder and "exit status: 0 every point measured; 3 " in ladder
+    serve = " ".join(parsers[("ft", "serve")].format_help().split())
+    for default in ("default 127.0.0.1", "default 1919", "default 4", "default 0.9", "default 8192"):
+        assert default in serve, default
+    assert argparse.SUPPRESS not in serve and "(default: None)" not in ladder
+
+
+def test_cold_start_takes_no_option_of_a_server_to_reach(capsys):
+    """cold-start measures the server it launches: --base-url, --model, --timeout, --routing and --logprobs were listed
+    in its help and ignored."""
+    for option in (["--base-url", "http://127.0.0.1:9"], ["--routing", "natural"], ["--logprobs"]):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "cold-start", *option, "--", "--device", "cpu"])
+        assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["sweep", "--rebuild-wait", "4000"], ["sweep", "--rebuild-wait", "nan"],
+                                  ["sweep", "--warmup", "-1"], ["ladder", "--warmup", "-1"],
+                                  ["mixed", "--warmup-repeats", "-1"]])
+def test_bench_refuses_counts_and_waits_the_run_could_not_use(args, capsys):
+    """--rebuild-wait past the server's 3600 s was a refused rebuild at every point; a negative warm-up ran none."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *args])
+    assert info.value.code == 2 and args[1] in capsys.readouterr().err
