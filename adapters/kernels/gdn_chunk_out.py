@@ -26,11 +26,13 @@ from adapters.kernels.gdn_chunk_state import (
 )
 from adapters.kernels.gdn_chunk_wy import dot_precision, load_rows
 
-# 8 warps, 32 value columns: no ptxas spill for bf16 models (40 B with 4 warps; Triton 3.9 sm_90 build). Read at
-# call time, as BLOCK_V: scripts/bench_kernels.py --only gdn-out times the others (docs/prefill-kernels.md, "The
-# output's launch configuration"); at 32 columns each of a chunk's 4 programs recomputes q k^T and re-reads q, k.
-LAUNCH = dict(num_warps=8, num_stages=1)
-BLOCK_V = 32
+# 64 value columns, 4 warps: 2.34x the former 32 x 8 warps at 4k and 8k tokens on an H100 (session 30, Triton 3.6:
+# 239 registers, no spill; docs/bench/2026-12-06-s30-h100-bench-kernels-gdn-out.json). At 32 columns each of a
+# chunk's 4 programs recomputed q k^T and re-read q, k; at 64 two do. Read at call time, as BLOCK_V:
+# scripts/bench_kernels.py --only gdn-out times the others (docs/prefill-kernels.md, "The output's launch
+# configuration").
+LAUNCH = dict(num_warps=4, num_stages=1)
+BLOCK_V = 64
 
 
 @triton.jit
