@@ -137,7 +137,7 @@ def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
 
 def _dense_copy(device: str) -> bool:
     """Whether the fast prefill dequantizes dense weights into a copy for long chunks (prefill_linear.DEQUANT_MIN_ROWS,
-    off by default; on CUDA only). Imported here, not at the top: the module pulls in Triton."""
+    1,024 rows by default, 0 turns it off; on CUDA only). Imported here, not at the top: the module pulls in Triton."""
     if not device.startswith("cuda"):
         return False
     from adapters.cuda_exec import prefill_linear

@@ -115,10 +115,10 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
                    help="what-if, with --layer-streamed-chunks: also layer the chunks too short to stream (at most 32 "
                         "rows at top-8), which fault their experts through the expert cache, wherever the plan is not "
                         "fully resident")
-    m.add_argument("--layer-short-prompts", choices=("auto", "off"), default="auto",
-                   help="as `ft serve --layer-short-prompts` (default auto: with layered prefill on, on a plan that "
-                        "does not hold every expert, every prompt beside decodes runs as layer groups, however short; "
-                        "off: only prompts longer than the mixed budget, the engine before session 28); "
+    m.add_argument("--layer-short-prompts", choices=("auto", "off"), default="off",
+                   help="as `ft serve --layer-short-prompts` (auto: with layered prefill on, on a plan that does not "
+                        "hold every expert, every prompt beside decodes runs as layer groups, however short; off, "
+                        "the default as on the server: only prompts longer than the mixed budget); "
                         "--layer-streamed-chunks replaces it")
     m.add_argument("--layer-group-length", type=parse_count,
                    help="as `ft serve --layer-group-length`: the budget, decodes included, that sizes a layer group "
@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as `ft serve --layered-prefill`: a long prompt beside decodes runs a layer group per step, "
                         "and the plan holds its chunk's residual stream (ADR 0024). Default: the calibration's (off "
                         "in every calibration so far: they were measured before ft serve turned it on)")
+    p.add_argument("--dense-copy", dest="serve_dense_copy", choices=("on", "off"),
+                   help="whether the plan holds the dequantized copy a long chunk's dense projections run on cuBLAS "
+                        "over (ft serve on CUDA since 2026-12-06: FLUXTIDE_PREFILL_DEQUANT_ROWS, 48 MiB for Qwen3.6 "
+                        "block FP8). Default: the calibration's (off in every calibration so far)")
     p.add_argument("--cache-type", choices=("radix", "none"),
                    help="as `ft serve --cache-type`: radix plans 4 state snapshot slots per running request "
                         "(default: the calibration's; ft serve's radix for the H200)")
@@ -298,6 +302,8 @@ def deployment_from_args(deployment: Deployment, args, spec: ModelSpec | None = 
         changes["staging_experts"] = None if args.staging_experts == "auto" else args.staging_experts
     if getattr(args, "serve_layered_prefill", None) is not None:  # predict's flag (mixed runs both modes itself)
         changes["layered_prefill"] = args.serve_layered_prefill == "on"
+    if getattr(args, "serve_dense_copy", None) is not None:
+        changes["dense_copy"] = args.serve_dense_copy == "on"
     return deployment.replace(**changes) if changes else deployment
 
 

@@ -86,6 +86,11 @@ class Deployment(StrictParams):
     # the chunk's residual stream beside the pools (ADR 0024). ft serve's default is on since 2026-12-05 (session
     # 23); False for files without the field (every calibration so far was measured with it off)
     layered_prefill: bool = False
+    # a long prefill chunk's dense projections on cuBLAS over a dequantized copy of the weight, which the plan holds
+    # beside the pools (domain/step_budget.dense_scratch_bytes: 48 MiB for Qwen3.6 block FP8). ft serve does this on
+    # CUDA since 2026-12-06 (session 30, FLUXTIDE_PREFILL_DEQUANT_ROWS=1024); False for files without the field
+    # (every calibration and record so far was measured before)
+    dense_copy: bool = False
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
@@ -98,7 +103,7 @@ class Deployment(StrictParams):
         require_positive(self, "fixed_bytes", allow_zero=True)
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
-        for name in ("simulate_prefix_cache", "layered_prefill"):
+        for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Deployment.{name} must be a bool")
         if self.prefill_kernels not in PREFILL_KERNELS:
@@ -128,14 +133,16 @@ class Deployment(StrictParams):
 
     def budget(self, spec: ModelSpec, hardware: HardwareProfile) -> GpuBudget:
         """The server's budget: the card's memory (or the cap) less the dense weights, with the largest step's
-        activations held beside the pools, and with layered_prefill the chunk kept between layer groups too."""
+        activations held beside the pools, with layered_prefill the chunk kept between layer groups too, and with
+        dense_copy the dequantized copy of a dense weight."""
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
         budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
         if self.max_prefill_length is None:
             return budget
         return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots,
-                                                       layered_prefill=self.layered_prefill))
+                                                       layered_prefill=self.layered_prefill,
+                                                       dense_copy=self.dense_copy))
 
     def pools(self, kv_tokens: int, page_size: int = 16, expert_parallel: bool = False) -> ServePools:
         """The server's pool flags for one point. The simulated executor is the CUDA-graph fast path, so

@@ -53,9 +53,11 @@ def _dequant_rows(value: str) -> int:
 # Chunks of at least this many rows (on CUDA, float activations) dequantize the weight into a scratch copy
 # (dequant_weight: ~1 ms of HBM traffic for all of Qwen3.6's dense weights) and run cuBLAS on it: at prefill sizes
 # dense_gemm reached ~35 % of the H100's bf16 peak (60.8 ms of the 8k chunk; docs/prefill-kernels.md). The copy
-# rounds as the W_LHS tiles and the reference do (quant.py `_dequant_cols`). Off (0) until a GPU A/B says from how
-# many rows it pays (scripts/gpu_fast_path.sh dense-prefill, dequant): FLUXTIDE_PREFILL_DEQUANT_ROWS=1024 turns it on.
-DEQUANT_MIN_ROWS = _dequant_rows(os.environ.get("FLUXTIDE_PREFILL_DEQUANT_ROWS", "0"))
+# rounds as the W_LHS tiles and the reference do (quant.py `_dequant_cols`). On from 1,024 rows since session 30
+# (H100, 2026-12-06): cuBLAS took each projection in ~half dense_gemm's time at 1k-16k rows, the copy included
+# (docs/bench/2026-12-06-s30-h100-bench-kernels-dense-prefill.json), and the resident prefill went 28.0k -> 31.6k
+# tok/s at 8k, 23.9k -> 26.4k at 32k. FLUXTIDE_PREFILL_DEQUANT_ROWS=0 turns it off (the plan then holds no copy).
+DEQUANT_MIN_ROWS = _dequant_rows(os.environ.get("FLUXTIDE_PREFILL_DEQUANT_ROWS", "1024"))
 
 
 def use_gemv(rows: int, in_features: int) -> bool:

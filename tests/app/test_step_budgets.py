@@ -73,9 +73,11 @@ def test_the_dequantized_dense_copy_is_reserved_only_where_the_prefill_makes_it(
 
     spec = replace(TINY_SPEC, dense_format=WeightFormat.FP8_BLOCK)
     settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=4096, layered_prefill=False)
+    assert prefill_linear.DEQUANT_MIN_ROWS == 1024  # the default since session 30 (FLUXTIDE_PREFILL_DEQUANT_ROWS unset)
+    on = _step_reserve(settings, spec, "cuda:0")
+    monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 0)  # FLUXTIDE_PREFILL_DEQUANT_ROWS=0: off
     off = _step_reserve(settings, spec, "cuda:0")
-    monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 1024)  # FLUXTIDE_PREFILL_DEQUANT_ROWS=1024
-    assert _step_reserve(settings, spec, "cuda:0") == off + dense_scratch_bytes(spec) > off
+    assert on == off + dense_scratch_bytes(spec) > off
     assert _step_reserve(settings, spec, "cpu") == serve_step_reserve(spec, 4096, 4, 4)  # never on the CPU
 
 
@@ -131,14 +133,14 @@ def test_serve_takes_layered_prefill_on_the_command_line():
 
 
 def test_short_prompt_layering_follows_the_flag_and_the_plan():
-    """--layer-short-prompts (ADR 0024 "A0", session 28): auto by default, on with layered prefill; the scheduler is
-    told whether the plan leaves experts out (TINY_SPEC has 16)."""
-    assert ServeSettings().layer_short_prompts == "auto" and ServeSettings().layers_short_prompts is True
-    assert ServeSettings(layered_prefill=False).layers_short_prompts is False  # auto: nothing to layer with
-    assert ServeSettings(layer_short_prompts="off").layers_short_prompts is False
+    """--layer-short-prompts (ADR 0024 "A0", session 28): off by default since session 30's measurement, auto on with
+    layered prefill; the scheduler is told whether the plan leaves experts out (TINY_SPEC has 16)."""
+    assert ServeSettings().layer_short_prompts == "off" and ServeSettings().layers_short_prompts is False
+    assert ServeSettings(layer_short_prompts="auto").layers_short_prompts is True
+    assert ServeSettings(layered_prefill=False, layer_short_prompts="auto").layers_short_prompts is False  # nothing to layer with
     with pytest.raises(ValueError, match="--layer-short-prompts must be auto or off, got 'on'"):
         ServeSettings(layer_short_prompts="on")
-    partial = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024)
+    partial = ServeSettings(kv_tokens=1024, moe_slots=8, max_prefill_length=1024, layer_short_prompts="auto")
     plan = _pool_plan(partial, TINY_SPEC, _budget(partial, TINY_SPEC, "cpu"))
     config = _scheduler_config(partial, TINY_SPEC, plan, ())
     assert plan.partial_residency and config.layer_short_prompts and config.partial_residency

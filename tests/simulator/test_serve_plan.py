@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.containers import _pool_plan, _step_reserve, planned_prefill, serve_pools
+from app.containers import _dense_copy, _pool_plan, _step_reserve, planned_prefill, serve_pools
 from app.settings import ServeSettings
 from domain.model_spec import ModelSpec, WeightFormat, matrix_bytes, qwen36_35b_a3b
 from domain.serve_plan import ServePools, cap_bytes, serve_budget
@@ -180,17 +180,19 @@ def test_unset_flags_keep_the_calibrations_deployment_and_set_ones_mean_what_ft_
     args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", "m", "--kv", "8k",
                                       "--gpu-budget-gib", "24", "--memory-ratio", "0.8", "--max-running-requests",
                                       "6", "--cache-type", "none", "--snapshot-slots", "0", "--staging-experts",
-                                      "auto", "--prefill-kernels", "triton", "--layered-prefill", "on"])
+                                      "auto", "--prefill-kernels", "triton", "--layered-prefill", "on",
+                                      "--dense-copy", "on"])
     got = deployment_from_args(base.replace(staging_experts=8, pool_bytes=1 << 30), args)
     assert got == base.replace(gpu_budget_bytes=24 * 2**30, memory_ratio=0.8, state_slots=6, cache_type="none",
-                               snapshot_slots=0, staging_experts=None, prefill_kernels="triton", layered_prefill=True)
+                               snapshot_slots=0, staging_experts=None, prefill_kernels="triton", layered_prefill=True,
+                               dense_copy=True)
     args = build_parser().parse_args(["predict", "--hardware", "h200", "--model", "m", "--kv", "8k",
                                       "--state-slots", "3", "--staging-experts", "0"])
     assert deployment_from_args(base, args) == base.replace(state_slots=3, staging_experts=0)
 
 
 @pytest.mark.parametrize(("model", "kernels"), [("qwen3.6-35b-a3b-fp8", "triton"), ("qwen3.6-35b-a3b-bf16", "triton"),
-                                                ("qwen3.6-35b-a3b-nvfp4", "reference")])
+                                                ("qwen3.6-35b-a3b-nvfp4", "triton")])
 def test_prefill_kernels_auto_resolves_as_ft_serve_does_on_a_card(model, kernels):
     """ft serve's default (auto, ADR 0020) on the fast path of a CUDA card: triton for the GPU-validated formats."""
     base = Calibration.resolve("h200_v2").deployment_params()
@@ -229,12 +231,14 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("dense", ["bf16", "fp8_block"])
 @pytest.mark.parametrize("budget_gib", [0.0008, 0.0009, 0.001, 0.0015, 1.0])
 @pytest.mark.parametrize("flags", SETTINGS)
-def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(flags, budget_gib):
+def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(flags, budget_gib, dense):
     # Differential: app/containers.py's plan for `ft serve` on a CUDA card vs the simulator's for the
-    # same flags (tiny geometry, budgets from roomy to where the default pools must be dropped).
-    spec = tiny_spec()
+    # same flags (tiny geometry, budgets from roomy to where the default pools must be dropped). Block-FP8 dense
+    # weights: the server also holds the dequantized copy of one (prefill_linear.DEQUANT_MIN_ROWS, on by default).
+    spec = dataclasses.replace(tiny_spec(), dense_format=WeightFormat(dense))
     hw = get_profile("rtx3090")
     settings = ServeSettings(gpu_budget_gib=budget_gib, **flags)
     budget = reserve_step(serve_budget(spec, hw.vram_bytes, settings.memory_ratio, cap_bytes(settings.gpu_budget_gib)),
@@ -245,7 +249,7 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
                             cache_type=settings.cache_type, snapshot_slots=settings.snapshot_slots,
                             staging_experts=settings.staging_experts,
                             prefill_kernels=planned_prefill(settings, spec, "cuda").kernels,
-                            layered_prefill=settings.layered_prefill)
+                            layered_prefill=settings.layered_prefill, dense_copy=_dense_copy("cuda"))
     assert serve_pools(settings, spec, "cuda") == deployment.pools(settings.kv_tokens)
     try:
         served = _pool_plan(settings, spec, budget, "cuda")
