@@ -12,9 +12,12 @@ PREFILL_KERNELS = ("auto", "reference", "triton")
 
 # NOTE: the formats the Triton prefill has passed its GPU tests and been measured with on the H200 (ADR 0017,
 # docs/prefill-kernels.md). BF16 is every unquantized float checkpoint (bf16, fp16, fp32 on disk: the loader keeps
-# them as float tensors); FP8_BLOCK the canonical 128x128-tile form every block-FP8 variant is read into. Add a
-# format here once its GEMM paths pass on a GPU (the NVFP4/MXFP4 ones hung on the H200 at some parameters).
-GPU_VALIDATED_FORMATS = frozenset({WeightFormat.BF16, WeightFormat.FP8_BLOCK})
+# them as float tensors); FP8_BLOCK the canonical 128x128-tile form every block-FP8 variant is read into; NVFP4 the
+# one form both NVFP4 layouts (ModelOpt, compressed-tensors) are read into: its GEMM tests passed on an H100 (session
+# 28) and a ModelOpt checkpoint served end to end with the Triton prefill (session 30: TTFT 0.59 -> 0.03 s). Add a
+# format here once its GEMM paths pass on a GPU and a server ran it (the MXFP4 ones hung on the H200 at some
+# parameters).
+GPU_VALIDATED_FORMATS = frozenset({WeightFormat.BF16, WeightFormat.FP8_BLOCK, WeightFormat.NVFP4})
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,8 @@ def resolve_prefill_kernels(requested: str, *, device: str, fast_path: bool,
       1. the device is CUDA: on the CPU the Triton kernels run only in the interpreter (tests);
       2. the CUDA-graph fast path serves (`fast_path`): the reference executor has no Triton prefill;
       3. the routed experts' format and every dense projection's format is in GPU_VALIDATED_FORMATS (unquantized
-         float, block FP8): there the H200 served 3.1-4.7x the reference prefill's aggregate throughput at 1-16
-         concurrent requests (ADR 0020), while the NVFP4/MXFP4 GEMM paths (and per-tensor/per-channel FP8, INT8)
+         float, block FP8, NVFP4): there the H200 served 3.1-4.7x the reference prefill's aggregate throughput at
+         1-16 concurrent requests (ADR 0020), while the MXFP4 GEMM paths (and per-tensor/per-channel FP8, INT8)
          have not passed on a GPU. An unknown format (None) counts as not validated.
     `expert_format` and `dense_formats` are read only for "auto" on the fast path on CUDA."""
     if requested not in PREFILL_KERNELS:

@@ -123,8 +123,8 @@ def fast_path(monkeypatch):
 @pytest.mark.parametrize("requested, ckpt, triton, reason", [
     ("auto", checkpoint(F.BF16), True, "auto: CUDA fast path, experts bf16, dense bf16"),
     ("auto", checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), True, "experts fp8_block, dense bf16+fp8_block"),
-    ("auto", checkpoint(F.NVFP4, F.NVFP4), False, "not GPU-validated with experts nvfp4, dense nvfp4"),
-    ("auto", checkpoint(F.MXFP4), False, "not GPU-validated with experts mxfp4"),
+    ("auto", checkpoint(F.NVFP4, F.NVFP4), True, "experts nvfp4, dense bf16+nvfp4"),  # validated in session 30
+    ("auto", checkpoint(F.MXFP4, F.MXFP4), False, "not GPU-validated with experts mxfp4, dense mxfp4"),
     ("auto", checkpoint(F.FP8_BLOCK, F.INT8_CHANNEL), False, "not GPU-validated with dense int8_channel"),
     ("triton", checkpoint(F.NVFP4), True, "--prefill-kernels triton"),  # as asked, as before auto
     ("reference", checkpoint(F.BF16), False, "--prefill-kernels reference"),
@@ -143,7 +143,7 @@ def test_the_fast_path_is_built_with_the_resolved_prefill(fast_path, caplog, req
     ("auto", checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), {}, True, "on (auto"),  # the default on the Triton prefill
     ("on", checkpoint(F.BF16), {}, True, "on (on"),
     ("off", checkpoint(F.BF16), {}, False, "off (off: --prefill-graphs off)"),
-    ("auto", checkpoint(F.NVFP4, F.NVFP4), {}, False, "off (auto: the reference prefill runs)"),
+    ("auto", checkpoint(F.MXFP4, F.MXFP4), {}, False, "off (auto: the reference prefill runs)"),
     ("auto", checkpoint(F.BF16), {"prefill_kernels": "reference"}, False, "off (auto: the reference prefill runs)"),
     ("auto", checkpoint(F.BF16), {"routing_replay": "uniform"}, False, "off (auto: --routing-replay)"),
 ])
@@ -159,9 +159,9 @@ def test_the_fast_path_is_built_with_the_resolved_prefill_graphs(fast_path, capl
 
 def test_prefill_graphs_on_names_why_where_auto_chose_the_reference_prefill(fast_path):
     with pytest.raises(ValueError) as refused:
-        containers._torch_executor(ServeSettings(prefill_graphs="on"), checkpoint(F.NVFP4, F.NVFP4), None, "cuda")
+        containers._torch_executor(ServeSettings(prefill_graphs="on"), checkpoint(F.MXFP4, F.MXFP4), None, "cuda")
     assert "--prefill-graphs is a mode of the Triton prefill, and --prefill-kernels auto chose the reference " \
-           "prefill (auto: the Triton prefill is not GPU-validated with experts nvfp4" in str(refused.value)
+           "prefill (auto: the Triton prefill is not GPU-validated with experts mxfp4" in str(refused.value)
     assert "add --prefill-kernels triton" in str(refused.value) and not fast_path  # refused before building
 
 
@@ -220,11 +220,12 @@ def test_the_pool_plan_stages_prefill_rows_only_where_auto_picks_the_triton_pref
     settings = ServeSettings(kv_tokens=1024, moe_slots=8, max_running_requests=4, cache_type="none")
     roomy = GpuBudget(total_bytes=1 << 30, memory_ratio=1.0)
     assert containers._pool_plan(settings, TINY_SPEC, roomy, "cuda").staging_experts > 0  # bf16 on CUDA: triton
-    for fmt in (F.NVFP4, F.MXFP4, F.FP8_TENSOR):
+    for fmt in (F.MXFP4, F.FP8_TENSOR):
         spec = replace(TINY_SPEC, expert_format=fmt, dense_format=fmt)
         assert containers._pool_plan(settings, spec, roomy, "cuda").staging_experts == 0, fmt
-    fp8 = replace(TINY_SPEC, expert_format=F.FP8_BLOCK, dense_format=F.FP8_BLOCK)
-    assert containers._pool_plan(settings, fp8, roomy, "cuda").staging_experts > 0
+    for fmt in (F.FP8_BLOCK, F.NVFP4):
+        spec = replace(TINY_SPEC, expert_format=fmt, dense_format=fmt)
+        assert containers._pool_plan(settings, spec, roomy, "cuda").staging_experts > 0, fmt
     assert containers._pool_plan(settings, TINY_SPEC, roomy, "cpu").staging_experts == 0
     assert containers._pool_plan(replace(settings, prefill_kernels="reference"), TINY_SPEC, roomy,
                                  "cuda").staging_experts == 0

@@ -11,9 +11,9 @@ def auto(expert, dense=(), device="cuda", fast_path=True):
                                    dense_formats=dense)
 
 
-def test_only_unquantized_and_block_fp8_weights_are_validated():
+def test_only_unquantized_block_fp8_and_nvfp4_weights_are_validated():
     # NOTE: widening this set turns the Triton prefill on for users of that format: only after a GPU run passed
-    assert GPU_VALIDATED_FORMATS == {F.BF16, F.FP8_BLOCK}
+    assert GPU_VALIDATED_FORMATS == {F.BF16, F.FP8_BLOCK, F.NVFP4}
     assert PREFILL_KERNELS == ("auto", "reference", "triton")
 
 
@@ -22,6 +22,7 @@ def test_only_unquantized_and_block_fp8_weights_are_validated():
     (F.FP8_BLOCK, {F.BF16, F.FP8_BLOCK}),  # block FP8 experts and projections, float norms and embeddings
     (F.FP8_BLOCK, {F.BF16}),  # block FP8 experts, projections left unquantized
     (F.BF16, ()),  # dense formats not given: the experts decide
+    (F.NVFP4, {F.BF16, F.NVFP4}),  # an NVFP4 checkpoint (either layout: both are read into one form)
 ])
 def test_cuda_fast_path_with_validated_formats_runs_the_triton_prefill(expert, dense):
     choice = auto(expert, dense)
@@ -41,7 +42,7 @@ def test_without_the_cuda_fast_path_auto_is_the_reference_prefill(device, fast_p
     assert why in choice.reason
 
 
-@pytest.mark.parametrize("expert", [F.NVFP4, F.MXFP4, F.INT8_CHANNEL, F.FP8_TENSOR, F.FP8_CHANNEL])
+@pytest.mark.parametrize("expert", [F.MXFP4, F.INT8_CHANNEL, F.FP8_TENSOR, F.FP8_CHANNEL])
 def test_experts_in_a_format_not_validated_on_a_gpu_keep_the_reference_prefill(expert):
     choice = auto(expert, {F.BF16})
     assert choice.kernels == "reference"
@@ -49,7 +50,7 @@ def test_experts_in_a_format_not_validated_on_a_gpu_keep_the_reference_prefill(e
     assert "--prefill-kernels triton forces it" in choice.reason
 
 
-@pytest.mark.parametrize("dense", [F.NVFP4, F.MXFP4, F.INT8_CHANNEL, F.FP8_TENSOR, F.FP8_CHANNEL])
+@pytest.mark.parametrize("dense", [F.MXFP4, F.INT8_CHANNEL, F.FP8_TENSOR, F.FP8_CHANNEL])
 def test_one_dense_projection_in_a_format_not_validated_keeps_the_reference_prefill(dense):
     # a mixed-precision checkpoint: block-FP8 experts, some projections in another format
     choice = auto(F.FP8_BLOCK, {F.BF16, F.FP8_BLOCK, dense})
