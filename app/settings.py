@@ -36,7 +36,7 @@ class ServeSettings:
     # ADR 0024 "A0" (session 28): "auto" = with layered prefill on a plan that does not hold every expert (at start
     # and after each live resize), every prompt chunk beside decodes runs as layer groups, however short, and other
     # prompts wait while one is part-way; "off" = only prompts longer than the mixed budget are layered
-    layer_short_prompts: str = "auto"
+    layer_short_prompts: str = "off"  # ADR 0024: "auto" measured in session 30, off by default
     # an idle engine's first step waits up to this long for the rest of a burst of requests (0: never);
     # domain/arrival_window.py, docs/adr/0021-arrival-window.md
     arrival_window_ms: float = DEFAULT_ARRIVAL_WINDOW_MS

@@ -46,8 +46,8 @@ POLICIES = {
     "A+B-512/1024": ["--mixed-prefill-length", "512", "--layer-streamed-chunks", "--layer-group-length", "1024"],
     "A0+B-512/1024": ["--mixed-prefill-length", "512", "--layer-streamed-chunks", "--layer-faulting-chunks",
                       "--layer-group-length", "1024"],
-    # the engine's default since session 28 (--layer-short-prompts auto, --layer-group-length 1024)
-    "engine-A0+B": ["--mixed-prefill-length", "512"],
+    # the engine's own A0 (--layer-short-prompts auto: the default in sessions 28-29, off since session 30)
+    "engine-A0+B": ["--mixed-prefill-length", "512", "--layer-short-prompts", "auto"],
 }
 
 

@@ -300,10 +300,10 @@ class MixedConfig:
     page_size: int = 16
     # a what-if layering policy (simulator/layering_policy.py; layered prefill on only); None: the domain's
     policy: LayeringPolicy | None = None
-    # --layer-short-prompts auto (True, ft serve's default since session 28) or off: with layered prefill, on a plan
-    # that leaves experts out, every chunk beside decodes is layered (ADR 0024 "A0"); a what-if policy that layers
-    # streamed chunks replaces it
-    layer_short_prompts: bool = True
+    # --layer-short-prompts auto (True; ft serve's default in sessions 28-29) or off (ft serve's default since
+    # session 30): with layered prefill, on a plan that leaves experts out, every chunk beside decodes is layered
+    # (ADR 0024 "A0"); a what-if policy that layers streamed chunks replaces it
+    layer_short_prompts: bool = False
 
 
 def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenario, layered: bool,

@@ -231,8 +231,9 @@ def test_the_mixed_command_takes_the_candidates(capsys):
         (result,) = json.loads(capsys.readouterr().out)
         assert result["points"][0]["window_layered_steps"] == groups
     assert main(["mixed", "--layer-faulting-chunks", "--layered-prefill", "on"]) == 2  # needs --layer-streamed-chunks
-    # without a what-if the engine's own policy (ft serve --layer-short-prompts, auto by default since session 28)
-    for extra, groups in (([], 10), (["--layer-short-prompts", "off"], 0)):
+    # without a what-if the engine's own policy (ft serve --layer-short-prompts: auto in sessions 28-29, off by
+    # default since session 30's measurement)
+    for extra, groups in (([], 0), (["--layer-short-prompts", "auto"], 10), (["--layer-short-prompts", "off"], 0)):
         assert main(["mixed", "--gpu-budget-gib", "24", "--prompt-tokens", "16", "--layered-prefill", "on",
                      "--repeats", "1", "--json", *extra]) == 0
         (result,) = json.loads(capsys.readouterr().out)
