@@ -62,11 +62,16 @@ def _sync(device: str) -> None:
 
 def preload(ex, slots: int) -> None:
     """Fill the pool with `slots` experts spread evenly over the layers (the first slots/L of each),
-    through the residency and the gather kernel: a warm cache at that residency."""
+    through the residency and the gather kernel: a warm cache at that residency. A pool that holds every
+    expert is filled as `ft serve` fills it at start (DeviceExpertPool.preload), which also lets the prefill's
+    set lookups skip their victim choice, as the server's do."""
     from adapters.kernels.expert_gather import gather_rows
 
     pool, layers, experts = ex.experts, ex.bank.num_layers, ex.bank.num_experts
     pool.residency.resize(pool.num_slots)  # empty, so every prompt starts from the same contents
+    if slots >= layers * experts and pool.holds_every_key():
+        pool.preload()
+        return
     each = min(experts, slots // layers)
     extra = slots - each * layers
     for layer in range(layers):
@@ -333,6 +338,8 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
                 "ttft_over_bound": round(ttft / bound, 3) if bound else None,
                 "meets_target": (ttft <= TARGET_RATIO * bound) if bound else None,
                 "cache_unchanged": bool(torch.equal(keys_before, res.key_of_slot)),
+                # the server's state with every expert in a slot: the set lookups choose no victims
+                "every_key_resident": res.every_key_resident,
             })
         except Exception as exc:  # a failed point is recorded, not dropped
             point["error"] = f"{type(exc).__name__}: {exc}"

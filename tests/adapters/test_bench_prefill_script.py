@@ -29,9 +29,11 @@ def test_bench_prefill_records_ttft_bounds_and_cache_effects_at_tiny_scale(tmp_p
         point = scen["prompts"]["24"]
         assert "error" not in point, point.get("traceback")
         assert point["ttft_s"] > 0 and point["prefill_tok_s"] > 0
-        if name == "resident":
+        if name == "resident":  # filled as ft serve fills a pool that holds every expert
             assert point["bytes_not_resident"] == 0 and point["ttft_over_bound"] is None
+            assert point["every_key_resident"] is True
         else:
+            assert point["every_key_resident"] is False
             assert point["bytes_not_resident"] > 0 and point["bytes_not_resident"] % row == 0
             assert point["pcie_bound_s"] == pytest.approx(point["bytes_not_resident"] / 1e3, rel=1e-3)
     slots, lru = record["scenarios"]["slots"], record["scenarios"]["lru"]
