@@ -73,6 +73,8 @@ class ExecutorPools:
     _kept: KeptChunk | None = None  # the layered prefill chunk part-way, if any
     # the fill of the last expert pool built whole (every key resident before serving); None: that pool is partial
     expert_preload: ExpertPreload | None = None
+    # the gather rate of the last expert pool built on a CUDA device (DeviceExpertPool.gather_rate); None elsewhere
+    expert_gather: dict | None = None
     _on_phase: Callable[[str], None] | None = None  # start-up milestones (None after start-up)
 
     def _new_snapshots(self, plan: PoolPlan) -> LinearStatePool | None:
@@ -138,8 +140,20 @@ class ExecutorPools:
         if not keep_snapshots:
             self.snapshots = self._new_snapshots(plan)
         if not keep_experts:
+            self._measure_expert_gather()
             self._preload_experts()
         self.plan = plan
+
+    def _measure_expert_gather(self) -> None:
+        """A fresh expert pool of the fast path on CUDA: how fast misses land from the host bank, by the gather
+        kernel and by the copy engine (DeviceExpertPool.gather_rate, ~0.2 GB moved), logged and kept for
+        /v1/stats (`executor.expert_gather`). Elsewhere (the CPU, the reference executor's cache): nothing."""
+        measure = getattr(self.experts, "gather_rate", None)
+        if measure is None or torch.device(self.device).type != "cuda":
+            return
+        self.expert_gather = rate = measure()
+        log.info("expert gather from the host bank: %d experts, %.1f GB/s by the gather kernel (the decode step's "
+                 "misses), %.1f GB/s by the copy engine", rate["rows"], rate["kernel_gb_s"], rate["copy_engine_gb_s"])
 
     def _preload_experts(self) -> None:
         """A freshly built expert pool that holds every key it may hold: every expert copied in now, after every
