@@ -132,17 +132,21 @@ def _step_reserve(settings: ServeSettings, spec: ModelSpec, device: str) -> int:
     """Bytes of the largest step's activations (domain/step_budget.py), in the executor's dtype."""
     dtype_bytes = 2 if device.startswith("cuda") else 4  # bf16 on CUDA, fp32 on the CPU (_torch_executor)
     return serve_step_reserve(spec, settings.max_prefill_length, settings.max_running_requests, dtype_bytes,
-                              layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(device))
+                              layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(settings, spec, device))
 
 
-def _dense_copy(device: str) -> bool:
-    """Whether the fast prefill dequantizes dense weights into a copy for long chunks (prefill_linear.DEQUANT_MIN_ROWS,
-    1,024 rows by default, 0 turns it off; on CUDA only). Imported here, not at the top: the module pulls in Triton."""
-    if not device.startswith("cuda"):
+def _dense_copy(settings: ServeSettings, spec: ModelSpec, device: str) -> bool:
+    """Whether the fast prefill will dequantize dense weights into a copy for long chunks, so the plan holds it
+    (prefill_linear.DEQUANT_MIN_ROWS: 1,024 rows by default, 0 turns it off): only where the Triton prefill runs
+    (FastDecoder._linear sends a longer step to prefill_linear only then; the reference prefill keeps the GEMV
+    path) and a step can reach the cut (--max-prefill-length, capped by the running requests' contexts). Imported
+    here, not at the top: the module pulls in Triton."""
+    if not planned_prefill(settings, spec, device).triton:
         return False
     from adapters.cuda_exec import prefill_linear
 
-    return prefill_linear.DEQUANT_MIN_ROWS > 0
+    cut = prefill_linear.DEQUANT_MIN_ROWS
+    return cut > 0 and _step_tokens(settings, spec) >= cut
 
 
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:

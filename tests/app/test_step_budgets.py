@@ -78,6 +78,12 @@ def test_the_dequantized_dense_copy_is_reserved_only_where_the_prefill_makes_it(
     monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 0)  # FLUXTIDE_PREFILL_DEQUANT_ROWS=0: off
     off = _step_reserve(settings, spec, "cuda:0")
     assert on == off + dense_scratch_bytes(spec) > off
+    monkeypatch.setattr(prefill_linear, "DEQUANT_MIN_ROWS", 1024)
+    # held only where a step can make it: the Triton prefill, and steps of at least the cut's rows
+    assert _step_reserve(replace(settings, prefill_kernels="reference"), spec, "cuda:0") == off
+    assert _step_reserve(replace(settings, executor="reference"), spec, "cuda:0") == off
+    short = replace(settings, max_prefill_length=512)
+    assert _step_reserve(short, spec, "cuda:0") == serve_step_reserve(spec, 512, 4)
     assert _step_reserve(settings, spec, "cpu") == serve_step_reserve(spec, 4096, 4, 4)  # never on the CPU
 
 

@@ -249,7 +249,7 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
                             cache_type=settings.cache_type, snapshot_slots=settings.snapshot_slots,
                             staging_experts=settings.staging_experts,
                             prefill_kernels=planned_prefill(settings, spec, "cuda").kernels,
-                            layered_prefill=settings.layered_prefill, dense_copy=_dense_copy("cuda"))
+                            layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(settings, spec, "cuda"))
     assert serve_pools(settings, spec, "cuda") == deployment.pools(settings.kv_tokens)
     try:
         served = _pool_plan(settings, spec, budget, "cuda")
