@@ -97,11 +97,11 @@ def _add_serve(sub) -> None:
                         "run")
     p.add_argument("--prefill-kernels", default="auto", choices=("auto", "reference", "triton"),
                    help="the fast path's prefill: reference (the torch token mixers and projections) or triton "
-                        "(GDN chunk kernels, flash attention over the pages, tensor-core projections; GPU-tested and "
-                        "measured on the H200 with bf16 and block-FP8 checkpoints, the NVFP4/MXFP4 GEMM paths not yet: "
-                        "docs/prefill-kernels.md); auto (default): triton on the CUDA fast path for bf16/fp16/fp32 "
-                        "and block-FP8 weights, else reference (the choice and its reason are logged at start-up "
-                        "and in /v1/stats; docs/adr/0020-prefill-kernels-auto.md)")
+                        "(GDN chunk kernels, flash attention over the pages, tensor-core projections; GPU-tested "
+                        "with bf16 and block-FP8 checkpoints (H200) and NVFP4 (H100, since session 30), the MXFP4 GEMM "
+                        "paths not yet: docs/prefill-kernels.md); auto (default): triton on the CUDA fast path for "
+                        "bf16/fp16/fp32, block-FP8 and NVFP4 weights, else reference (the choice and its reason are "
+                        "logged at start-up and in /v1/stats; docs/adr/0020-prefill-kernels-auto.md)")
     # NOTE: nargs="?" keeps a bare --prefill-graphs (the store_true flag it was before auto) meaning on
     p.add_argument("--prefill-graphs", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="prefill and mixed steps of up to 32 tokens replay each layer's MoE half from a CUDA graph "

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as `ft serve --staging-experts` (auto: the geometry's rows with --prefill-kernels triton)")
     p.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"),
                    help="as `ft serve --prefill-kernels`; triton turns on the auto staging rows; auto resolves as "
-                        "ft serve's default does on a card's fast path (triton for bf16 and block-FP8 weights, "
+                        "ft serve's default does on a card's fast path (triton for bf16, block-FP8 and NVFP4 weights, "
                         "domain/prefill_choice.py) (default: the calibration's, reference)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,

@@ -72,7 +72,7 @@ class Deployment(StrictParams):
     snapshot_slots: int | None = None  # --snapshot-slots
     staging_experts: int | None = None  # --staging-experts (None = auto: the geometry's rows with the Triton prefill)
     # the prefill --prefill-kernels resolves to (triton: auto staging rows are planned); ft serve's default auto is
-    # triton on a card for bf16 and block-FP8 weights (domain/prefill_choice.py), the calibrations' is reference
+    # triton on a card for bf16, block-FP8 and NVFP4 weights (domain/prefill_choice.py), the calibrations' is reference
     prefill_kernels: str = "reference"
     # --max-prefill-length: its step's bf16 activations are held beside the pools (ADR 0011), as the server
     # does; None: no reserve (the server before that ADR, e.g. the 2026-12-01 H200 records)
