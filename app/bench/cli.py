@@ -18,7 +18,7 @@ from app.bench import cold_start, ladder, mixed, prefill, probe, routing, smoke,
 from app.bench.context import Ctx
 from app.bench.plot import missing as plot_missing
 from app.bench.plot import plot
-from app.bench.record import Record, default_out
+from app.bench.record import Record, default_out, redacted
 from app.bench.target import BenchError
 from app.ctl import base_url_problem
 from app.units import parse_count
@@ -218,7 +218,10 @@ def add_bench_parser(sub) -> None:
 
 def _settings(args) -> dict:
     skip = {"command", "bench_command", "api_key"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
+    settings = {k: v for k, v in vars(args).items() if k not in skip}
+    if "serve_args" in settings:  # cold-start: ft serve's own --api-key stays out of the record too
+        settings["serve_args"] = redacted(settings["serve_args"])
+    return settings
 
 
 async def _http_run(args, record: Record) -> None:

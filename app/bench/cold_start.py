@@ -21,7 +21,7 @@ import time
 import httpx
 
 from app.bench.client import chat_body, stream_request
-from app.bench.record import Record
+from app.bench.record import Record, redacted
 from app.bench.target import BenchError
 
 _PHASE = re.compile(r"\[\s*[\d.]+s\] (.+?)(?: \([\d./]+ MiB\))?$")
@@ -77,13 +77,22 @@ def phase_end(order: list[dict], needle: str) -> float | None:
     return None
 
 
+def _flag(serve_args: list[str], name: str) -> str | None:
+    """The value `ft serve` gets for the option `name` (`--name V` or `--name=V`; the last one given), or None."""
+    value = None
+    for i, arg in enumerate(serve_args):
+        if arg == name and i + 1 < len(serve_args):
+            value = serve_args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def _served_dir(serve_args: list[str]) -> str | None:
     """The checkpoint `ft serve` will load: its --model, else the embedded demo model."""
-    for i, arg in enumerate(serve_args):
-        if arg == "--model" and i + 1 < len(serve_args):
-            return serve_args[i + 1]
-        if arg.startswith("--model="):
-            return arg.split("=", 1)[1]
+    model = _flag(serve_args, "--model")
+    if model is not None:
+        return model
     from app.demo_model import DEMO_MODEL_DIR
 
     return str(DEMO_MODEL_DIR)
@@ -107,7 +116,7 @@ async def run(record: Record, progress, *, serve_args: list[str], timeout: float
         args += ["--port", "0"]  # any free port; the URL is read from the server's own line
     command = [sys.executable, "-m", "app", "serve", *args]
     model_dir = model_dir or _served_dir(args)
-    record.data["settings"]["serve_command"] = command
+    record.data["settings"]["serve_command"] = redacted(command)
     task = progress.add_task("cold start", total=None)
     t0 = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -116,7 +125,8 @@ async def run(record: Record, progress, *, serve_args: list[str], timeout: float
     reader.start()
     marks: dict[str, float | None] = {"models_ok": None, "health_ok": None, "first_token": None}
     try:
-        await _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, measure_bandwidth)
+        await _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, measure_bandwidth,
+                     _flag(args, "--api-key"))
     except BenchError as exc:
         # NOTE: the start is what this run measures: one that never gets ready is its failed point (exit 3, as a
         # failed point of any subcommand), and the record keeps the milestones it reached and the server's last lines
@@ -139,14 +149,17 @@ async def run(record: Record, progress, *, serve_args: list[str], timeout: float
                                  "stderr_tail": [text for _, text in reader.lines[-40:]]}
 
 
-async def _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, measure_bandwidth) -> None:
+async def _watch(reader, proc, t0, timeout, poll_s, marks, record, model_dir, measure_bandwidth,
+                 api_key: str | None) -> None:
     deadline = t0 + timeout
     while reader.url is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = " | ".join(text for _, text in reader.lines[-5:])
             raise BenchError(f"ft serve did not start listening (exit code {proc.poll()}): {tail}")
         await asyncio.sleep(poll_s)
-    async with httpx.AsyncClient(base_url=reader.url, timeout=30) as client:
+    # NOTE: a server launched with --api-key answers /v1/* only with it (it polled without it and never got ready)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(base_url=reader.url, timeout=30, headers=headers) as client:
         while marks["health_ok"] is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = " | ".join(text for _, text in reader.lines[-5:])  # NOTE: a failed load's reason (it exits 1)

@@ -19,6 +19,17 @@ from app.bench.hardware import hardware_profile
 SCHEMA = "fluxtide.bench/1"
 
 
+def redacted(command: list[str]) -> list[str]:
+    """A command line as a record keeps it: an --api-key's value replaced (records are shared; keys are not)."""
+    out = list(command)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "<redacted>"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=<redacted>"
+    return out
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -39,7 +50,7 @@ class Record:
             "started_at": _now(),
             "finished_at": None,
             "duration_s": None,
-            "command": self.argv,
+            "command": redacted(self.argv),
             "settings": self.settings,
             "target": None,
             "hardware": None,

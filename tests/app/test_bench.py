@@ -299,6 +299,29 @@ def test_cold_start_launches_ft_serve_and_orders_milestones(tmp_path):
     assert rec["cold_start"]["exit_code"] == 0  # stopped cleanly by SIGTERM
 
 
+def test_cold_start_of_a_server_with_an_api_key_polls_with_it_and_keeps_it_out_of_the_record(tmp_path):
+    """A server launched with --api-key answers /v1/* only with the key: cold-start polled without it and never saw
+    /v1/models (a failed start). It now sends the key it passed, and the record's command hides it."""
+    out = tmp_path / "cold.json"
+    code = main(["bench", "cold-start", "--out", str(out), "--quiet", "--no-bandwidth", "--", "--device", "cpu",
+                 "--api-key", "s3cret-key"])
+    rec = json.loads(out.read_text())
+    assert code == 0, rec["failures"]
+    t = {p["milestone"]: p["seconds"] for p in rec["points"]}
+    assert t["first_models_ok"] is not None and t["first_token"] is not None
+    assert "s3cret-key" not in out.read_text()
+    command = rec["settings"]["serve_command"]
+    assert command[command.index("--api-key") + 1] == "<redacted>"
+
+
+def test_a_records_command_line_never_holds_an_api_key():
+    from app.bench.record import Record
+
+    rec = Record("ladder", {}, argv=["ft", "bench", "ladder", "--api-key", "k1", "--api-key=k2", "--levels", "1"])
+    assert rec.data["command"] == ["ft", "bench", "ladder", "--api-key", "<redacted>", "--api-key=<redacted>",
+                                   "--levels", "1"]
+
+
 def test_unreachable_server_still_writes_a_record(tmp_path):
     out = tmp_path / "r.json"
     code = main(["bench", "ladder", "--base-url", "http://127.0.0.1:9", "--out", str(out), "--quiet"])
