@@ -190,8 +190,7 @@ class DeviceExpertPool:
         fills by use."""
         if not self.holds_every_key():
             return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         start = time.perf_counter()
         keys = torch.arange(self.bank.num_layers * self.bank.num_experts, dtype=torch.int64, device=self.device)
         found = self.residency.preload(keys)
@@ -201,8 +200,7 @@ class DeviceExpertPool:
                                         (self.residency.slot_of_key[:-1] >= 0).sum())).tolist()  # the one sync
         if self.shard is None and resident == self.num_keys:
             self.residency.mark_every_key_resident()  # the prefill's set lookups then skip their victim choice
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         return ExpertPreload(copied, resident, self.num_keys, copied * self.layout.row_bytes,
                              time.perf_counter() - start)
 
