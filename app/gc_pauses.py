@@ -18,10 +18,14 @@ import time
 
 def freeze_startup_heap() -> int:
     """Collect once, then freeze every object still alive (start-up's modules, weights' metadata, graphs): later
-    full collections skip them. Returns the number of frozen objects."""
+    full collections skip them. Returns the number of frozen objects (also what GC_PAUSES.snapshot() shows)."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    # NOTE: counted here, once: gc.get_freeze_count() walks the whole permanent generation holding the GIL (~20 ms
+    # for 220k-330k objects), and when /v1/stats called it on every poll each poll stalled the engine thread that
+    # long (a 20 Hz poll cut bs1 decode from 280 to 176 tok/s on an H100; docs/gpu-validation.md, session 31)
+    GC_PAUSES.frozen_objects = gc.get_freeze_count()
+    return GC_PAUSES.frozen_objects
 
 
 def unfreeze_heap() -> None:
@@ -29,12 +33,15 @@ def unfreeze_heap() -> None:
     tests start many servers in one process). NOTE: process-wide, as the freeze: another server of the process
     then runs unfrozen, slower collections only."""
     gc.unfreeze()
+    GC_PAUSES.frozen_objects = 0
 
 
 class GcPauses:
     """Counts and times full (generation 2) collections through gc.callbacks, from any thread.
 
-    snapshot(): {"full_collections", "full_pause_s_total", "full_pause_s_max", "frozen_objects"} since install()."""
+    snapshot(): {"full_collections", "full_pause_s_total", "full_pause_s_max", "frozen_objects"} since install();
+    frozen_objects is the count at the last freeze_startup_heap() (0 before it and after unfreeze_heap()). Cheap
+    enough for any poll rate: it reads counters only."""
 
     def __init__(self, clock=time.perf_counter) -> None:
         self._clock = clock
@@ -43,6 +50,7 @@ class GcPauses:
         self.full_collections = 0
         self.total_s = 0.0
         self.max_s = 0.0
+        self.frozen_objects = 0
 
     def install(self) -> GcPauses:
         if self._on_gc not in gc.callbacks:
@@ -70,7 +78,7 @@ class GcPauses:
         """What /v1/stats shows under `gc`."""
         with self._lock:
             return {"full_collections": self.full_collections, "full_pause_s_total": round(self.total_s, 6),
-                    "full_pause_s_max": round(self.max_s, 6), "frozen_objects": gc.get_freeze_count()}
+                    "full_pause_s_max": round(self.max_s, 6), "frozen_objects": self.frozen_objects}
 
 
 # NOTE: one per process: gc.callbacks are process-wide, and a test process starts many servers

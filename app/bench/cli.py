@@ -161,7 +161,8 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--warmup", type=_non_negative, default=1, help="warm-up rounds per rung")
     s.add_argument("--warmup-tokens", type=_positive(int), default=64, help="output tokens per warm-up request")
     s.add_argument("--sample-s", type=_positive(float), default=0.05,
-                   help="seconds between polls of the running and waiting requests (/v1/stats, llama.cpp's /metrics)")
+                   help="seconds between polls of the running and waiting requests (llama.cpp's /metrics; a server "
+                        "with high-water marks, fluxtide's, is not polled)")
     s = command("probe", _common(), "warmed single streams")
     s.add_argument("--lengths", type=_counts, default=[127, 255, 1023], help="output tokens of each stream")
     s.add_argument("--repeats", type=_positive(int), default=3,

@@ -3,8 +3,9 @@
 Each rung: warm-up rounds, then measured rounds of ``c`` simultaneous requests with fixed-length
 outputs. Figures: aggregate output tok/s, median steady decode per request, median TTFT, and how many
 requests the server admitted at once and how many waited: on fluxtide its high-water marks over the
-measured rounds (POST /v1/stats/reset_peaks before and after them), elsewhere the peaks of the load a
-poll saw (llama.cpp's /metrics), null with the reason where no poll saw the rung's requests.
+measured rounds (POST /v1/stats/reset_peaks before and after them; no poll disturbs the measured rounds),
+elsewhere the peaks of the load a poll saw (llama.cpp's /metrics), null with the reason where no poll saw the
+rung's requests.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ async def run(ctx: Ctx, *, levels: list[int], tokens: int, rounds: int, warmup: 
         point = {"concurrency": c, "warmup": await ctx.warm_up(c, warmup, warmup_tokens, where)}
         # NOTE: the marks restart after the warm-up, so they span the measured rounds only
         started = await _peaks(ctx, workers) if fluxtide else None
-        async with PoolSampler(ctx, sample_s, fluxtide) as sampler:
+        sampler = PoolSampler(ctx, sample_s, fluxtide)
+        # NOTE: a server that keeps high-water marks is not polled while it is measured: every poll is work in the
+        # server's process beside the streams (a /v1/stats that walked the frozen heap once cost bs1 a third)
+        async with sampler if started is None else contextlib.nullcontext():
             measured = [await ctx.chat_round(c, tokens) for _ in range(rounds)]
         peaks = await _peaks(ctx, workers) if started is not None else None
         results = [r for rnd in measured for r in rnd.results]
