@@ -7,6 +7,7 @@
 # PREFILL_GRAPHS=on|off its --prefill-graphs (auto: on with the Triton prefill; off: the eager control run).
 # Carry the serving wheels in .whl/ (the list is in gpu_env.sh; the first H200 attempt failed on the
 # missing sniffio).
+# Run with `resident` or `budget` it does only that half (the resident half also runs ft bench probe 127 / 255).
 # Sourced (not run), it only defines the pieces below: scripts/gpu_llamacpp_side_by_side.sh measures
 # llama.cpp with the same server shapes and the same ft bench arguments.
 set -uo pipefail
@@ -62,15 +63,19 @@ bench_sweep() {  # bench_sweep BASE_URL OUT.json KV: the budget measurement's ft
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  part=${1:-both}  # resident | budget | both (default)
   synth_ckpt
   SECONDS=0
   # shellcheck disable=SC2046
-  if serve 8101 "$OUT/serve_resident.log" $(resident_serve_args); then
+  if [[ $part != budget ]] && serve 8101 "$OUT/serve_resident.log" $(resident_serve_args); then
     bench_ladder http://127.0.0.1:8101 "$OUT/ladder_resident.json"
+    # the warmed single streams of issue 8's bs1 target, in the same server
+    timeout "$BENCH_TIMEOUT" python3 -m app bench probe --base-url http://127.0.0.1:8101 --model-dir "$CKPT" \
+      --quiet --lengths 127,255 --out "$OUT/probe_resident.json" 2>&1 | tail -3
     kill $SERVER; wait $SERVER 2>/dev/null
   fi
   # shellcheck disable=SC2046
-  if serve 8102 "$OUT/serve_24gib.log" $(budget_serve_args); then
+  if [[ $part != resident ]] && serve 8102 "$OUT/serve_24gib.log" $(budget_serve_args); then
     bench_sweep http://127.0.0.1:8102 "$OUT/sweep_24gib.json" "$SWEEP_KV"
     kill $SERVER; wait $SERVER 2>/dev/null
   fi
