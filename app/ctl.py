@@ -43,6 +43,27 @@ def _seconds(low: float, high: float, low_open: bool = False):
     return parse
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """0 to 2, the range the server takes (app.api.generation.build_sampling): ft ctl refuses nothing it would take."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 2:  # NOTE: False for nan; nan and inf were a traceback (httpx's JSON)
+        raise argparse.ArgumentTypeError(f"must be >= 0 and <= 2, got {text!r}")
+    return value
+
+
 EXAMPLE = "http://localhost:1919"
 
 
@@ -105,8 +126,9 @@ def add_ctl_parser(sub) -> None:
                        help="seconds to wait for in-flight requests (default 60; at most 3600, as the server allows)")
     gen = cmds.add_parser("generate", parents=[common], help="one chat completion, streamed")
     gen.add_argument("prompt", help="the user message")
-    gen.add_argument("--max-tokens", type=int, default=128, help="output tokens at most (default 128)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    gen.add_argument("--max-tokens", type=_positive_int, default=128, help="output tokens at most (default 128)")
+    gen.add_argument("--temperature", type=_temperature, default=0.0,
+                     help="sampling temperature, 0 to 2 (default 0: greedy)")
 
 
 class _Console(Console):

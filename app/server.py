@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import threading
 
@@ -116,14 +117,25 @@ def bind_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
     return sockets
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT`` as a URL writes it (RFC 3986): an IPv6 literal in brackets (``[::1]:1919``), any other host as is.
+    NOTE: "http://::1:1919" was no URL a client could use, and "::1:1919" no address one could read."""
+    try:
+        bracket = ipaddress.ip_address(host).version == 6
+    except ValueError:  # a host name, or a literal already in brackets
+        bracket = False
+    return f"[{host}]:{port}" if bracket else f"{host}:{port}"
+
+
 def listen_problem(host: str, port: int, exc: OSError) -> str:
     """Why `ft serve` cannot listen on host:port, and the flag that changes it."""
     why = (exc.strerror or str(exc)).lower()
+    where = host_port(host, port)
     if exc.errno == errno.EADDRINUSE:
-        return f"cannot listen on {host}:{port}: address already in use; pass another --port (or stop what listens there)"
+        return f"cannot listen on {where}: address already in use; pass another --port (or stop what listens there)"
     if exc.errno == errno.EACCES:
-        return f"cannot listen on {host}:{port}: {why}; choose a port above 1023 with --port"
-    return f"cannot listen on {host}:{port}: {why}; check --host"
+        return f"cannot listen on {where}: {why}; choose a port above 1023 with --port"
+    return f"cannot listen on {where}: {why}; check --host"
 
 
 # NOTE: longer than any common client keeps an idle connection (httpx, so the openai and anthropic
@@ -158,7 +170,7 @@ class ServerThread:
                 break
             threading.Event().wait(0.02)
         if not self.server.started:
-            raise RuntimeError(f"uvicorn did not start on {config.host}:{config.port}")
+            raise RuntimeError(f"uvicorn did not start on {host_port(config.host, config.port)}")
 
     def stop(self) -> None:
         self.server.should_exit = True

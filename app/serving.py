@@ -13,7 +13,7 @@ from dependency_injector import providers
 from app.containers import Container, served_name
 from app.gc_pauses import GC_PAUSES, freeze_startup_heap, unfreeze_heap
 from app.runtime import Runtime
-from app.server import ServerThread, create_app
+from app.server import ServerThread, create_app, host_port
 from app.settings import ServeSettings
 
 log = logging.getLogger("fluxtide.serve")
@@ -129,9 +129,7 @@ class RunningServer:
 
     @property
     def base_url(self) -> str:
-        host = self.settings.host
-        # NOTE: an IPv6 address in brackets, as a URL needs it ("listening on http://::1:1919" was no URL to paste)
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        return f"http://{host_port(self.settings.host, self.port)}"
 
     def start(self, wait_ready: float | None = None) -> RunningServer:
         self.http.start()

@@ -37,7 +37,7 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
     from app.data_parallel.front import Front, create_front_app
     from app.data_parallel.workers import WorkerPool, WorkerProcess, host_devices
     from app.gc_pauses import GC_PAUSES, freeze_startup_heap
-    from app.server import ServerThread
+    from app.server import ServerThread, host_port
     from app.serving import say
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per health poll otherwise
@@ -60,7 +60,7 @@ def serve_data_parallel(args: argparse.Namespace, parser: argparse.ArgumentParse
         return 1
     port = next((s.getsockname()[1] for srv in http.server.servers for s in srv.sockets), settings.port)
     auth = "on" if settings.api_key else "off"
-    print(f"listening on http://{settings.host}:{port} (API key {auth}); starting {len(workers)} workers "
+    print(f"listening on http://{host_port(settings.host, port)} (API key {auth}); starting {len(workers)} workers "
           f"({', '.join(d.label for d in devices)}) ...", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

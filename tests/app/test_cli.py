@@ -146,6 +146,31 @@ def test_ctl_refuses_bad_seconds_as_argument_errors(args, capsys):
     assert ("--wait" in err or "--timeout" in err) and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("args", "why"), [
+    (("--max-tokens", "0"), "must be >= 1"),
+    (("--max-tokens", "-5"), "must be >= 1"),
+    (("--max-tokens", "1.5"), "not a whole number"),
+    (("--temperature", "nan"), "must be >= 0 and <= 2"),  # nan and inf were a ValueError traceback from httpx
+    (("--temperature", "inf"), "must be >= 0 and <= 2"),
+    (("--temperature", "-1"), "must be >= 0 and <= 2"),  # -1 and 2.5 went out as a request, refused with a 400
+    (("--temperature", "2.5"), "must be >= 0 and <= 2"),
+    (("--temperature", "warm"), "not a number"),
+])
+def test_ctl_generate_refuses_bad_sampling_values_as_argument_errors(args, why, capsys):
+    """Checked by argparse (exit 2) before any request: the base URL is a port nobody listens on."""
+    with pytest.raises(SystemExit) as info:
+        main(["ctl", "--base-url", "http://127.0.0.1:9", "generate", "hi", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {args[0]}: " in err and why in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args", [("--temperature", "0"), ("--temperature", "2"), ("--max-tokens", "1")])
+def test_ctl_generate_takes_the_edges_the_server_takes(ctl_server, args, capsys):
+    assert ctl(ctl_server, "generate", "hello", "--max-tokens", "2", *args) == 0
+    assert "completion tokens" in capsys.readouterr().out
+
+
 def test_ctl_reports_a_base_url_it_cannot_use(capsys):
     """`--base-url http://[::1` (a typo) was an httpx.InvalidURL traceback."""
     assert main(["ctl", "--base-url", "http://[::1", "health"]) == 2
@@ -342,6 +367,58 @@ def test_the_listening_url_of_an_ipv6_host_has_brackets():
 
     url = lambda host: RunningServer(Container(), ServeSettings(host=host, port=1919)).base_url  # noqa: E731
     assert url("::1") == "http://[::1]:1919" and url("127.0.0.1") == "http://127.0.0.1:1919"
+    assert url("[::1]") == "http://[::1]:1919"  # was http://[[::1]]:1919
+
+
+@pytest.mark.parametrize(("host", "written"), [
+    ("127.0.0.1", "127.0.0.1:1919"),
+    ("0.0.0.0", "0.0.0.0:1919"),
+    ("::1", "[::1]:1919"),
+    ("::", "[::]:1919"),
+    ("2001:db8::1", "[2001:db8::1]:1919"),
+    ("::ffff:127.0.0.1", "[::ffff:127.0.0.1]:1919"),
+    ("localhost", "localhost:1919"),
+    ("no-such-host.invalid", "no-such-host.invalid:1919"),
+    ("[::1]", "[::1]:1919"),  # already in brackets: not twice
+])
+def test_host_port_brackets_ipv6_literals_only(host, written):
+    """The data-parallel front printed "listening on http://::1:1919", which no client can use (RFC 3986)."""
+    from app.server import host_port
+
+    assert host_port(host, 1919) == written
+
+
+def test_listen_problem_brackets_an_ipv6_host():
+    import errno
+
+    from app.server import listen_problem
+
+    exc = OSError(errno.EADDRINUSE, "Address already in use")
+    assert listen_problem("::1", 1919, exc).startswith("cannot listen on [::1]:1919: address already in use")
+    assert listen_problem("127.0.0.1", 1919, exc).startswith("cannot listen on 127.0.0.1:1919: ")
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_serve_names_an_ipv6_address_in_use_with_brackets(capsys):
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "::1", "--port", str(port)]) == 1
+    assert f"cannot listen on [::1]:{port}: address already in use" in capsys.readouterr().err
 
 
 def test_serve_writes_each_echo_line_whole_newline_included(monkeypatch):
