@@ -91,34 +91,34 @@ class LiveStream:
     first_token_at: float | None = None
     generated: int = 0
     # Logprobs travel with the text of their token: a token's logprob is released with the delta
-    # that releases the end of its text (stop-string matching may hold text back).
+    # that releases the end of its text (stop-string matching may hold text back). NOTE: a token whose
+    # push produced no text (a special token the decode skips, or the start of a character a later token
+    # completes) ends where the text before it ends, so it goes out at once with an empty delta, not with
+    # the next token that has text: with logprobs every token has its own event, sent when it is sampled
+    # (a client times each token by it, as on vLLM), unless text a stop string holds back comes before it.
     produced_chars: int = 0  # text the detokenizer has produced so far
     released_chars: int = 0  # text handed to the client so far
-    textless: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not out yet
     pending_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # (text end, logprob)
     reasoning: ReasoningTokens | None = None  # set when the output's reasoning is split (and maybe bounded)
     # NOTE: its handler parses tool calls: a "stop" is counted by the handler, which knows whether it was one
     relabel_stop: bool = False
 
     def add_token_text(self, logprob: TokenLogprob | None, text: str) -> None:
-        """Record a token's logprob and the detokenized text its push produced (may be "": a
-        partial character; such tokens go out with the text that completes them)."""
-        if logprob is not None:
-            self.textless.append(logprob)
+        """Record a token's logprob and the detokenized text its push produced (may be "": a special
+        token, or part of a character whose text comes with the token that completes it)."""
         self.produced_chars += len(text)
-        if text:
-            self.pending_logprobs += [(self.produced_chars, lp) for lp in self.textless]
-            self.textless.clear()
+        if logprob is not None:
+            self.pending_logprobs.append((self.produced_chars, logprob))
 
     def take_logprobs(self, released_text: str, everything: bool) -> tuple[TokenLogprob, ...]:
         """The logprobs of exactly the tokens whose text is out once `released_text` is sent
         (every one left, on the last event)."""
         self.released_chars += len(released_text)
-        if not self.pending_logprobs and not self.textless:  # no logprobs asked for (the common case)
+        if not self.pending_logprobs:  # no logprobs asked for (the common case), or all sent
             return ()
         if everything:
-            out = [lp for _, lp in self.pending_logprobs] + self.textless
-            self.pending_logprobs, self.textless = [], []
+            out = [lp for _, lp in self.pending_logprobs]
+            self.pending_logprobs = []
             return tuple(out)
         ready = [lp for end, lp in self.pending_logprobs if end <= self.released_chars]
         self.pending_logprobs = [(end, lp) for end, lp in self.pending_logprobs if end > self.released_chars]
@@ -365,6 +365,9 @@ class RequestStreams:
             assert not live.request.is_done, f"{request_id} finished but still live"
             live.detok.check_valid()
             live.matcher.check_valid()
+            ends = [end for end, _ in live.pending_logprobs]
+            assert ends == sorted(ends) and all(end <= live.produced_chars for end in ends), \
+                f"{request_id}: pending logprobs out of order or past the text produced"
             if live.reasoning is not None:
                 assert live.reasoning.count <= live.generated, f"{request_id}: more reasoning tokens than tokens"
 
