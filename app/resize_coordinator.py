@@ -33,7 +33,13 @@ class ResizeOutcome:
     plan: ResizePlan | None = None
     refusal: PlanRefusal | None = None
     rolled_back: bool = False
-    waited_s: float = 0.0
+    # NOTE: the two parts of a resize's time, apart: a slow swap once read as requests that blocked the resize
+    waited_s: float = 0.0  # waiting for the in-flight requests to finish (from the request to the drained engine)
+    swap_s: float = 0.0  # swapping the pools once drained: rebuild, install, self-check (and a rollback's, if any)
+
+    @property
+    def total_s(self) -> float:
+        return self.waited_s + self.swap_s
 
 
 @dataclass
@@ -226,6 +232,7 @@ class ResizeCoordinator:
             return
         self.phase = "rebuilding"
         target, current = pending.plan.target, pending.plan.current
+        waited = now - pending.started
         try:
             self._executor.resize_pools(target)
         except Exception as exc:
@@ -245,7 +252,8 @@ class ResizeCoordinator:
                 return
             self._end(
                 ResizeOutcome(False, f"resize failed, old pools restored: {exc}; prefix cache cleared "
-                                     f"({dropped} cached pages dropped)", pending.plan, rolled_back=True)
+                                     f"({dropped} cached pages dropped)", pending.plan, rolled_back=True,
+                              waited_s=waited, swap_s=self._clock() - now)
             )
             return
         note = self._install(target)
@@ -257,10 +265,10 @@ class ResizeCoordinator:
         done = self._clock()
         # NOTE: the one line a live resize leaves in the log (the rebuild route's answer has the rest)
         log.info("pools resized: %s; waited %.3f s for in-flight requests, swapped in %.3f s; %s%s",
-                 pool_changes(pending.plan.current, target), now - pending.started, done - now,
+                 pool_changes(pending.plan.current, target), waited, done - now,
                  experts_note(pending.plan),
                  f"; {note}" if note else "")
-        self._end(ResizeOutcome(True, message, pending.plan, waited_s=done - pending.started))
+        self._end(ResizeOutcome(True, message, pending.plan, waited_s=waited, swap_s=done - now))
 
     def _fail(self, pending: _PendingResize, message: str) -> None:
         """The engine cannot serve after this resize: phase "error", held submissions get the error."""

@@ -18,7 +18,7 @@ from app.api.routing import get_or_head
 from app.api.schemas import CacheRebuildRequest, RoutingRequest, decode_body, read_body
 from app.engine import Engine
 from app.gc_pauses import GC_PAUSES
-from app.resize_coordinator import experts_note
+from app.resize_coordinator import ResizeOutcome, experts_note
 from app.units import parse_count
 
 
@@ -188,6 +188,12 @@ def _count(param: str, value: int | float | str | None, auto: bool = False) -> i
 _POOL_FIELDS = {"kv": "kv_tokens", "moe": "moe_slots", "state": "mamba_slots"}
 
 
+def _timings(outcome: ResizeOutcome) -> dict:
+    """A resize's seconds, apart: waiting for in-flight requests, swapping the pools, and both (the whole resize)."""
+    return {"waited_s": round(outcome.waited_s, 4), "swap_s": round(outcome.swap_s, 4),
+            "total_s": round(outcome.total_s, 4)}
+
+
 @post("/v1/cache/rebuild", status_code=200)
 async def cache_rebuild(request: Request) -> Response:
     engine = _engine(request)
@@ -221,7 +227,7 @@ async def cache_rebuild(request: Request) -> Response:
             f"resize not applied, serving continues: {outcome.message}",
             type="resize_refused",
             code="resize_rolled_back" if outcome.rolled_back else "resize_not_applied",
-            extra={"rolled_back": outcome.rolled_back, "waited_s": outcome.waited_s, "current": _plan(engine.plan)},
+            extra={"rolled_back": outcome.rolled_back, **_timings(outcome), "current": _plan(engine.plan)},
         )
     plan = outcome.plan
     return Response(
@@ -230,7 +236,7 @@ async def cache_rebuild(request: Request) -> Response:
             "message": outcome.message,
             "experts_kept": plan.experts_kept,
             "kept": experts_note(plan),
-            "waited_s": round(outcome.waited_s, 4),
+            **_timings(outcome),
             # NOTE: the running limit the new pools leave (state slots never exceed the start-up limit: refused above)
             "max_running": min(engine.scheduler.config.max_running, plan.target.state_slots),
             "peak_bytes": plan.peak_bytes,

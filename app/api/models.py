@@ -20,7 +20,10 @@ def _card(request: Request) -> dict:
     if runtime.status != "ok" or engine is None or engine.phase == "error" or not engine.alive:
         require_engine(runtime)  # raises the 503 that says why
     model = runtime.model
-    return {"id": model.served_name, "object": "model", "created": model.created, "owned_by": "fluxtide"}
+    # max_model_len (vLLM's field; `ft bench prefill` reads it): the longest prompt + completion a request may ask for
+    # now, the model's context or a smaller KV pool (a live resize moves it)
+    return {"id": model.served_name, "object": "model", "created": model.created, "owned_by": "fluxtide",
+            "max_model_len": runtime.max_context()}
 
 
 @get_or_head("/v1/models")

@@ -86,6 +86,7 @@ class Model(msgspec.Struct):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int  # prompt + completion tokens a request may hold now (the model's context or the KV pool)
 
 
 class ModelList(msgspec.Struct):
@@ -136,6 +137,9 @@ class CacheRebuildResult(msgspec.Struct):
     max_running: int  # the running requests the new pools admit: min(--max-running-requests, state slots)
     before: dict[str, Any]
     after: dict[str, Any]
+    waited_s: float  # waiting for in-flight requests
+    swap_s: float  # rebuilding and installing the pools (a rollback included)
+    total_s: float
 
 
 # One server-sent event (the WHATWG fields; validators such as schemathesis check each event of a stream

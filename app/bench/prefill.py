@@ -13,10 +13,14 @@ new shapes: 2.1 s against 0.14 s warm at 1k tokens on an H200), which a median o
 into the headline. The cold cost is kept, not dropped: `first_ttft_s` (the first request sent at the size,
 warm-up or not) and `warmup_runs`; the medians are over `runs` only.
 
-Every request of a size has a different prompt length (request i of n gets i more filler units than
-the first, the n lengths centred on the target): a server that builds something per prompt length
-(e.g. torch's cuDNN attention graphs, ~90 ms per new length) pays it on every request of real traffic,
-whose lengths vary, so repeats of one length would make it look faster than it is.
+Every request of a size has a different prompt length: a server that builds something per prompt length (e.g.
+torch's cuDNN attention graphs, ~90 ms per new length) pays it on every request of real traffic, whose lengths
+vary, so repeats of one length would make it look faster than it is. The measured requests' lengths are centred on
+the target (their median is the target's own size); the warm-ups take lengths beside them (units_of).
+
+A size whose longest request cannot fit the server's context (target.context_tokens) is refused before any of its
+requests is sent: a failed point that says why (its warm-up once fitted where a measured request did not, and the
+table showed a TTFT beside "failed 1").
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import itertools
 import math
 import secrets
 
+from app.bench import target
 from app.bench.client import completion_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import failures_of, median, request_figures
@@ -68,24 +73,60 @@ def units_at_least(tokens: int, a: float, b: float) -> int:
     return max(1, math.ceil((tokens - a) / b))
 
 
-def units_of(size: int, a: float, b: float, count: int) -> list[int]:
-    """Filler units of the ``count`` requests sent at ``size``, in sending order: all different (one more
-    unit each), centred on the size's own units (so ``count`` 1 is exactly it), never below 1."""
-    first = max(1, round((size - a) / b) - (count - 1) // 2)
-    return [first + i for i in range(count)]
+def units_of(size: int, a: float, b: float, repeats: int, warmup: int = 0) -> tuple[list[int], list[int]]:
+    """Filler units of the requests sent at ``size``: (warm-up, measured), each in sending order, all different. With
+    c the size's own units, the measured ones are centred on c: c-k .. c+k for an odd count, c-k .. c-1 and
+    c+1 .. c+k for an even one (so their median is c's length; an odd count measures c itself); the warm-ups take c
+    where the measured skip it, then the lengths above the longest measured. NOTE: the warm-ups once took the
+    shortest lengths and the measured the rest, so the measured sat half a unit or more above the target (256 was
+    measured at 293 tokens on the demo's 42-token unit). Never below 1 unit (all moved up together)."""
+    c = round((size - a) / b)
+    half = repeats // 2
+    measured = [c + d for d in range(-half, half + 1) if repeats % 2 or d]
+    spare = ([] if repeats % 2 else [c]) + [c + half + 1 + i for i in range(warmup)]
+    warm = spare[:warmup]
+    shift = max(0, 1 - min(measured + warm))
+    return [u + shift for u in warm], [u + shift for u in measured]
+
+
+def over_context(size: int, units: list[int], a: float, b: float, context: int | None, source: str | None) -> str | None:
+    """Why the requests of ``size`` (``units``: every one of them) cannot fit the server's context, or None. A
+    request holds its prompt and its one output token."""
+    if context is None:
+        return None
+    longest = max(units)
+    need = round(a + b * longest) + 1
+    if need <= context:
+        return None
+    c = round((size - a) / b)
+    fits = math.floor((context - 1 - a) / b) - (longest - c)  # the largest size's own units whose requests all fit
+    largest = (f"; the largest size whose requests all fit is about {round(a + b * fits)} tokens" if fits >= 1
+               else "")
+    return (f"not sent: its longest request needs {need} tokens (a {need - 1}-token prompt and 1 output token), past "
+            f"the server's context of {context} tokens ({source}){largest}")
 
 
 async def run(ctx: Ctx, *, sizes: list[int], repeats: int, warmup: int = 1) -> None:
     record = ctx.record
     a, b = await calibrate(ctx)
     record.data["settings"]["calibration"] = {"tokens_fixed": a, "tokens_per_filler_unit": b, "filler": FILLER}
+    context, source = target.context_tokens(record.data.get("server") or {}, ctx.model)
+    record.data["settings"]["context"] = {"tokens": context, "source": source}
     task = ctx.progress.add_task("prefill", total=len(sizes) * (warmup + repeats))
     for size in sizes:
         where = f"prompt={size}"
+        warm_units, units = units_of(size, a, b, repeats, warmup)
+        if (why := over_context(size, warm_units + units, a, b, context, source)) is not None:
+            record.fail(where, why)
+            record.points.append({"prompt_tokens_target": size, "prompt_tokens": None, "repeats": repeats,
+                                  "requests": 0, "warmup_requests": 0, "not_sent": "over the context", "ok": False,
+                                  "error": why})
+            ctx.progress.advance(task, warmup + repeats)
+            continue
         sent = []
-        for i, units in enumerate(units_of(size, a, b, warmup + repeats)):
+        for i, n in enumerate(warm_units + units):
             ctx.progress.update(task, description=where + (" warm-up" if i < warmup else ""))
-            body = completion_body(ctx.model, make_prompt(units), 1)
+            body = completion_body(ctx.model, make_prompt(n), 1)
             sent.append(await stream_request(ctx.client, *body, ctx.timeout))
             ctx.progress.advance(task)
         warm, results = sent[:warmup], sent[warmup:]

@@ -61,8 +61,10 @@ async def _sweep(ctx: Ctx, *, kv_sizes: list, moe: int | str, batch_sizes: list[
         if kv != "current":
             ctx.progress.update(task, description=f"rebuild kv={kv}")
             outcome = await target.rebuild(ctx.client, kv, moe, rebuild_wait)
-            rebuilt = {"ok": outcome.ok, "status": outcome.status,
-                       "waited_s": outcome.body.get("waited_s"), "kept": outcome.body.get("kept")}
+            # NOTE: waited_s is the wait for in-flight requests only; swap_s the swap, total_s both (the server's)
+            rebuilt = {"ok": outcome.ok, "status": outcome.status, "waited_s": outcome.body.get("waited_s"),
+                       "swap_s": outcome.body.get("swap_s"), "total_s": outcome.body.get("total_s"),
+                       "kept": outcome.body.get("kept")}
             if not outcome.ok:
                 record.fail(f"rebuild kv={kv} moe={moe}", outcome.error, status=outcome.status,
                             answer=outcome.body)

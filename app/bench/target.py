@@ -159,6 +159,19 @@ async def rebuild(client: httpx.AsyncClient, kv_tokens: int | str | None, moe_sl
     return RebuildOutcome(False, r.status_code, body, f"HTTP {r.status_code}: {message or str(body)[:300]}")
 
 
+def context_tokens(server: dict, model: str) -> tuple[int | None, str | None]:
+    """The most tokens (prompt and output) one request may hold on the server, and where that was read; (None, None)
+    where the server does not say. ``server``: the record's server section (/v1/models, /props as the run found them).
+    fluxtide, vLLM and SGLang list it with the model (/v1/models `max_model_len`), llama.cpp per slot in /props."""
+    for card in (server.get("models") or {}).get("data") or []:
+        if isinstance(card, dict) and card.get("id") == model and isinstance(card.get("max_model_len"), int):
+            return card["max_model_len"], "from /v1/models max_model_len"
+    n_ctx = ((server.get("props") or {}).get("default_generation_settings") or {}).get("n_ctx")
+    if isinstance(n_ctx, int):
+        return n_ctx, "from /props default_generation_settings.n_ctx"
+    return None, None
+
+
 def model_facts(server: dict, model_dir: str | None) -> dict:
     """Model geometry and format: from the server where it says, else from ``--model-dir``'s
     config.json (read locally; the server's API does not publish its geometry)."""

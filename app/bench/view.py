@@ -67,7 +67,8 @@ def table(record: dict) -> Table:
             cells = ["n/a" if key in ("admitted", "queued") else cell for (_, key), cell in zip(COLUMNS[kind], cells,
                                                                                                strict=True)]
         if point.get("ok") is False and point.get("failed_requests") is None:
-            cells[-1] = "failed"
+            # NOTE: a point refused before any request (prefill: a size past the context) says so, not "failed"
+            cells[-1] = f"not sent: {point['not_sent']}" if point.get("not_sent") else "failed"
         t.add_row(*cells)
     return t
 
@@ -130,9 +131,12 @@ def show(record: dict, path, quiet: bool) -> None:
     if quiet:
         return
     console = wide_console()
-    console.print(table(record))
-    hardware = hardware_line(record.get("hardware"), (record.get("settings") or {}).get("no_bandwidth", False))
-    console.print(f"[dim]{escape(hardware)}{len(record['failures'])} failure(s); record: {path}[/dim]")
+    # NOTE: a run that measured nothing (an unreachable server) printed an empty table titled "ft bench probe:" under
+    # the failure line that said it all (show_failures, with the record's path)
+    if record["points"] or not record["failures"]:
+        console.print(table(record))
+        hardware = hardware_line(record.get("hardware"), (record.get("settings") or {}).get("no_bandwidth", False))
+        console.print(f"[dim]{escape(hardware)}{len(record['failures'])} failure(s); record: {path}[/dim]")
     if restored := record.get("restored"):
         console.print(escape(restored_line(restored)))
     summary = record.get("summary") or {}

@@ -300,7 +300,10 @@ def _applied(applied: list[tuple[WorkerProcess, dict]]) -> dict:
         "message": _resize_message(applied),
         "experts_kept": all(b["experts_kept"] for b in bodies),
         "kept": first["kept"] if len({b["kept"] for b in bodies}) == 1 else [b["kept"] for b in bodies],
+        # NOTE: each the slowest worker's (the workers resize at once): waiting for in-flight requests, the swap, both
         "waited_s": max(b["waited_s"] for b in bodies),
+        "swap_s": max(b["swap_s"] for b in bodies),
+        "total_s": max(b["total_s"] for b in bodies),
         "max_running": min(b["max_running"] for b in bodies),  # per worker, as /v1/stats' scheduler
         "peak_bytes": max(b["peak_bytes"] for b in bodies),
         "steps": first["steps"],

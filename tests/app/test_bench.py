@@ -232,17 +232,53 @@ def test_prefill_sizes_prompts_and_records_a_too_long_one(tmp_path, demo):
         assert math.isclose(p["prefill_tok_s_median"],
                             sum(r["prompt_tokens"] / r["ttft_s"] for r in runs) / 2)
         assert p["prompt_tokens"] == (runs[0]["prompt_tokens"] + runs[1]["prompt_tokens"]) / 2
-        # one filler unit more each request (the server's counts), centred on the target
-        lengths = [warm["prompt_tokens"]] + [r["prompt_tokens"] for r in runs]
-        assert [b - a for a, b in zip(lengths, lengths[1:], strict=False)] == [cal["tokens_per_filler_unit"]] * 2
-        assert abs(lengths[1] - p["prompt_tokens_target"]) <= cal["tokens_per_filler_unit"] / 2 + 1
+        # the measured a filler unit either side of the target's own size (the server's counts), the warm-up on it:
+        # the measured median is the target's size to within half a unit
+        unit = cal["tokens_per_filler_unit"]
+        assert runs[0]["prompt_tokens"] + unit == warm["prompt_tokens"] == runs[1]["prompt_tokens"] - unit
+        assert p["prompt_tokens"] == warm["prompt_tokens"]
+        assert abs(p["prompt_tokens"] - p["prompt_tokens_target"]) <= unit / 2 + 1
         assert all(r["completion_tokens"] == 1 for r in [warm, *runs])
     assert mid["prompt_tokens"] > small["prompt_tokens"]
-    assert long["ok"] is False and long["failed_requests"] == 2 and long["prefill_tok_s_median"] is None
-    assert long["first_ttft_s"] is None and long["warmup_failed_requests"] == 1
-    assert "maximum context length" in long["error"] and long["runs"][0]["status"] == 400
-    assert long["warmup_runs"][0]["status"] == 400
-    assert [f["where"] for f in rec["failures"]] == ["prompt=5000 warm-up", "prompt=5000", "prompt=5000"]
+    # the demo's context is 4,096 tokens: the 5000 size is refused before any of its requests is sent
+    assert rec["settings"]["context"]["tokens"] == 4096
+    assert long["ok"] is False and long["requests"] == 0 and long["not_sent"] == "over the context"
+    assert "past the server's context of 4096 tokens" in long["error"] and "runs" not in long
+    assert [f["where"] for f in rec["failures"]] == ["prompt=5000"]
+
+
+def test_prefill_refuses_a_size_whose_requests_cannot_all_fit_before_sending_any(tmp_path, demo, monkeypatch, capsys):
+    """`ft bench prefill --sizes 4k,8k --repeats 1` on the demo model (context 4,096): the 4096 row's warm-up (4,094
+    tokens) went through, the measured request (4,136) got a 400, and the row showed a TTFT beside `failed 1`."""
+    from app.bench import prefill
+
+    sent = []  # filler units of every prompt sent (calibration included)
+    send = prefill.stream_request
+
+    async def counted(client, path, body, timeout):
+        sent.append(body["prompt"].count(prefill.FILLER))
+        return await send(client, path, body, timeout)
+
+    monkeypatch.setattr(prefill, "stream_request", counted)
+    out = tmp_path / "r.json"
+    code = main(["bench", "prefill", "--base-url", demo.base_url, "--out", str(out), "--sizes", "4k,8k,1k",
+                 "--repeats", "1", "--no-bandwidth"])
+    rec = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert code == 3
+    cal = rec["settings"]["calibration"]
+    biggest = max(cal["tokens_fixed"] + cal["tokens_per_filler_unit"] * units for units in sent)
+    assert biggest < 2000 and len(sent) == 2 + 2  # calibration and 1k's two requests: no 4k or 8k one was sent
+    four, eight, one = rec["points"]
+    assert one["ok"] and one["failed_requests"] == 0 and one["first_ttft_s"] > 0
+    for p in (four, eight):
+        assert p["ok"] is False and p["requests"] == 0 and p["not_sent"] == "over the context", p
+        assert "past the server's context of 4096 tokens" in p["error"] and p.get("ttft_s_median") is None
+    assert [f["where"] for f in rec["failures"]] == ["prompt=4096", "prompt=8192"]
+    err = " ".join(printed.err.split())
+    assert "failed prompt=4096: not sent: its longest request needs" in err, err
+    rows = [line for line in printed.out.splitlines() if line.lstrip("│ ")[:4] in ("4096", "8192")]
+    assert len(rows) == 2 and all("not sent: over the context" in row for row in rows), printed.out
 
 
 def test_prefill_without_warmup_measures_every_request(tmp_path, demo):
@@ -329,6 +365,19 @@ def test_unreachable_server_still_writes_a_record(tmp_path):
     code = main(["bench", "ladder", "--base-url", "http://127.0.0.1:9", "--out", str(out), "--quiet"])
     rec = json.loads(out.read_text())
     assert code == 1 and rec["ok"] is False and "cannot reach" in rec["failures"][0]["error"]
+
+
+@pytest.mark.parametrize("kind", ["probe", "prefill"])
+def test_a_run_that_measured_nothing_prints_the_failure_and_no_empty_table(tmp_path, capsys, kind):
+    """`ft bench probe` against an unreachable server printed an empty table titled "ft bench probe:" (no model)
+    before the failure line."""
+    out = tmp_path / "r.json"
+    code = main(["bench", kind, "--base-url", "http://127.0.0.1:9", "--out", str(out), "--no-bandwidth"])
+    printed = capsys.readouterr()
+    assert code == 1 and printed.out == "", printed.out  # no table, no second summary line
+    assert f"ft bench {kind}: failed run: cannot reach http://127.0.0.1:9" in printed.err and str(out) in printed.err
+    rec = json.loads(out.read_text())
+    assert rec["ok"] is False and rec["points"] == [] and "cannot reach" in rec["failures"][0]["error"]
 
 
 @pytest.mark.parametrize("kind", ["smoke", "ladder", "probe", "prefill", "mixed", "sweep"])

@@ -54,9 +54,12 @@ class FakeServer:
         return res
 
 
-def measure(monkeypatch, server: FakeServer, **kwargs) -> Record:
+def measure(monkeypatch, server: FakeServer, context: int | None = None, **kwargs) -> Record:
+    """``context``: the server lists its model with that max_model_len (as vLLM does)."""
     monkeypatch.setattr(prefill, "stream_request", server)
     record = Record("prefill", {})
+    if context is not None:
+        record.data["server"] = {"models": {"data": [{"id": "m", "max_model_len": context}]}}
     ctx = Ctx(None, "m", record, view.progress(True), 60.0)
     asyncio.run(prefill.run(ctx, **kwargs))
     return record
@@ -82,9 +85,12 @@ def test_warmup_is_sent_kept_and_left_out_of_the_medians(monkeypatch):
         assert p["ttft_s_median"] == statistics.median(r["ttft_s"] for r in runs)
         assert p["prefill_tok_s_median"] == statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in runs)
         assert p["prompt_tokens"] == statistics.median(r["prompt_tokens"] for r in runs)
-        # one filler unit more each request, centred on the target
-        assert lengths == list(range(lengths[0], lengths[0] + 5 * PER_UNIT, PER_UNIT))
-        assert abs(statistics.median(lengths) - p["prompt_tokens_target"]) <= PER_UNIT / 2
+        # one filler unit apart, the measured centred on the target: its own units' length in the middle, the
+        # warm-ups above them
+        centre = FIXED + PER_UNIT * round((p["prompt_tokens_target"] - FIXED) / PER_UNIT)
+        assert [r["prompt_tokens"] for r in runs] == [centre - PER_UNIT, centre, centre + PER_UNIT]
+        assert [r["prompt_tokens"] for r in warm] == [centre + 2 * PER_UNIT, centre + 3 * PER_UNIT]
+        assert p["prompt_tokens"] == centre and abs(centre - p["prompt_tokens_target"]) <= PER_UNIT / 2
     # the table shows the cold cost beside the warm median
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(view.table(record.data))
@@ -103,7 +109,9 @@ def test_warmup_0_measures_the_first_request(monkeypatch):
     runs = p["runs"]
     assert p["first_ttft_s"] == runs[0]["ttft_s"] > COLD_S  # as before: the cold request is in the median
     assert p["ttft_s_median"] == pytest.approx((runs[0]["ttft_s"] + runs[1]["ttft_s"]) / 2)
-    assert runs[1]["prompt_tokens"] == runs[0]["prompt_tokens"] + PER_UNIT  # apart from the lengths
+    # apart from the lengths: one unit either side of the target's own, so their median is it
+    assert runs[1]["prompt_tokens"] == runs[0]["prompt_tokens"] + 2 * PER_UNIT
+    assert p["prompt_tokens"] == FIXED + PER_UNIT * round((1500 - FIXED) / PER_UNIT)
     # one request: exactly the target's own units, as before
     one = measure(monkeypatch, FakeServer(), sizes=[1500], repeats=1, warmup=0).points[0]
     assert one["prompt_tokens"] == FIXED + PER_UNIT * round((1500 - FIXED) / PER_UNIT)
@@ -121,9 +129,70 @@ def test_a_failed_warmup_is_recorded_but_does_not_fail_the_point(monkeypatch):
 
 
 def test_units_are_all_different_and_never_below_one():
-    assert prefill.units_of(1500, FIXED, PER_UNIT, 1) == [88]
-    assert prefill.units_of(1500, FIXED, PER_UNIT, 4) == [87, 88, 89, 90]
-    assert prefill.units_of(10, FIXED, PER_UNIT, 5) == [1, 2, 3, 4, 5]
+    assert prefill.units_of(1500, FIXED, PER_UNIT, 1) == ([], [88])
+    assert prefill.units_of(1500, FIXED, PER_UNIT, 4) == ([], [86, 87, 89, 90])
+    assert prefill.units_of(1500, FIXED, PER_UNIT, 2, warmup=1) == ([88], [87, 89])  # the default: 87, 88, 89 sent
+    assert prefill.units_of(1500, FIXED, PER_UNIT, 3, warmup=2) == ([90, 91], [87, 88, 89])
+    assert prefill.units_of(10, FIXED, PER_UNIT, 5) == ([], [1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize(("repeats", "warmup"), [(1, 1), (2, 1), (3, 1), (4, 2), (2, 0), (5, 3)])
+def test_the_measured_lengths_are_centred_on_the_target(monkeypatch, repeats, warmup):
+    """`ft bench prefill --sizes 256` measured 293 tokens on the demo model (42 tokens a filler unit): the warm-up
+    took the shortest of the lengths centred on the target, and the measured ones sat at it and a unit above."""
+    per_unit, fixed = 42, 20
+
+    class Demo(FakeServer):  # the demo tokenizer's sizes: 20 + 42 x units
+        async def __call__(self, client, path, body, timeout):
+            res = await super().__call__(client, path, body, timeout)
+            res.prompt_tokens = fixed + per_unit * body["prompt"].count(prefill.FILLER)
+            return res
+
+    for size in (256, 1024, 2048):
+        (p,) = measure(monkeypatch, Demo(), sizes=[size], repeats=repeats, warmup=warmup).points
+        own = fixed + per_unit * round((size - fixed) / per_unit)  # the target's own units, within half a unit
+        lengths = [r["prompt_tokens"] for r in p["runs"]]
+        assert p["prompt_tokens"] == statistics.median(lengths) == own, (size, lengths)
+        assert sorted(lengths) == lengths and lengths[0] - own == own - lengths[-1]  # symmetric about it
+        every = lengths + [r["prompt_tokens"] for r in p["warmup_runs"]]
+        assert len(set(every)) == len(every)
+
+
+def test_a_size_past_the_context_is_refused_before_any_of_its_requests(monkeypatch):
+    """`--sizes 4k,8k --repeats 1` on a 4,096-token context: the 4096 row's warm-up (4,094 tokens) went through, its
+    measured request (4,136) got a 400, and the table showed a TTFT beside `failed 1`."""
+    server = FakeServer()
+    record = measure(monkeypatch, server, context=2000, sizes=[1500, 1990, 3000, 1000], repeats=2, warmup=1)
+    fits, edge, far, small = record.points
+    assert fits["ok"] and small["ok"] and fits["requests"] == small["requests"] == 2
+    for p in (edge, far):  # 1990: its own length fits, the one above it does not
+        assert p["ok"] is False and p["requests"] == 0 and p["not_sent"] == "over the context"
+        assert "runs" not in p and p["prompt_tokens"] is None
+        assert "past the server's context of 2000 tokens (from /v1/models max_model_len)" in p["error"], p["error"]
+    assert "the largest size whose requests all fit is about 1977 tokens" in edge["error"], edge["error"]
+    assert [f["where"] for f in record.data["failures"]] == ["prompt=1990", "prompt=3000"]
+    assert max(server.sent) < 2000 and len(server.sent) == 2 + 2 * 3  # calibration, then only the sizes that fit
+    assert record.data["settings"]["context"] == {"tokens": 2000, "source": "from /v1/models max_model_len"}
+    # the largest size it names does fit
+    assert measure(monkeypatch, FakeServer(), context=2000, sizes=[1977], repeats=2).points[0]["ok"]
+    # the table says why the row has no figures
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(view.table(record.data))
+    row = next(line for line in console.export_text().splitlines() if line.lstrip("│ ").startswith("1990"))
+    assert "not sent: over the context" in row, row
+
+
+def test_a_server_says_its_context_where_it_can():
+    from app.bench.target import context_tokens
+
+    def ask(server: dict):
+        return context_tokens(server, "m")
+
+    assert ask({"models": {"data": [{"id": "x", "max_model_len": 1}, {"id": "m", "max_model_len": 8192}]}}) == (
+        8192, "from /v1/models max_model_len")  # fluxtide, vLLM, SGLang
+    assert ask({"props": {"default_generation_settings": {"n_ctx": 4096}}}) == (
+        4096, "from /props default_generation_settings.n_ctx")  # llama.cpp: one slot's context
+    assert ask({"models": {"data": [{"id": "m"}]}}) == (None, None)  # another server: not known, nothing refused
 
 
 def test_a_negative_warmup_is_refused():

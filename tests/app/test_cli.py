@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +55,29 @@ def test_cache_resize_with_suffixes(ctl_server, capsys):
     assert "resize refused" in capsys.readouterr().out
     assert ctl(ctl_server, "--json", "cache", "--kv", "1k", "--moe", "auto") == 0
     assert json.loads(capsys.readouterr().out)["after"]["kv_tokens"] == 1024
+
+
+def test_cache_resize_prints_the_wait_for_requests_apart_from_the_swap(ctl_server, capsys, monkeypatch):
+    """`ft ctl cache --kv 256k --moe auto` printed "waited 0.6764 s": the whole resize, of which 0.002 s was the wait
+    for in-flight requests, so a slow swap read as requests that had blocked the resize."""
+    executor = ctl_server.container.executor()
+    swap = executor.resize_pools
+
+    def slow(target):
+        time.sleep(0.4)
+        swap(target)
+
+    monkeypatch.setattr(executor, "resize_pools", slow)
+    assert ctl(ctl_server, "cache", "--kv", "3k") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    found = re.search(r"waited ([\d.]+) s for in-flight requests, swapped the pools in ([\d.]+) s \(([\d.]+) s in "
+                      r"all\)", out)
+    assert found, out
+    waited, swapped, total = map(float, found.groups())
+    assert waited < 0.3 <= 0.4 <= swapped and total == pytest.approx(waited + swapped, abs=2e-4), out
+    assert ctl(ctl_server, "--json", "cache", "--kv", "1k") == 0
+    body = json.loads(capsys.readouterr().out)
+    assert {"waited_s", "swap_s", "total_s"} <= set(body) and body["swap_s"] >= 0.4, body
 
 
 def test_cache_mamba_says_the_running_limit_and_refuses_slots_past_it(ctl_server, capsys):

@@ -76,9 +76,10 @@ def test_a_resize_message_reports_every_workers_prefix_cache():
 
     from app.data_parallel.front import _applied
 
-    def body(note: str) -> dict:
+    def body(note: str, waited_s: float = 0.1, swap_s: float = 0.2) -> dict:
         return {"message": f"pools rebuilt; {note}", "experts_kept": True, "kept": "expert slots kept warm",
-                "waited_s": 0.1, "max_running": 4, "peak_bytes": 5, "steps": [], "before": {}, "after": {}}
+                "waited_s": waited_s, "swap_s": swap_s, "total_s": waited_s + swap_s, "max_running": 4,
+                "peak_bytes": 5, "steps": [], "before": {}, "after": {}}
 
     def cleared(n: int) -> str:
         return f"prefix cache cleared ({n} cached pages dropped: the KV or snapshot pool was rebuilt)"
@@ -88,6 +89,9 @@ def test_a_resize_message_reports_every_workers_prefix_cache():
     assert message == f"pools rebuilt on all 2 workers; worker 0: {cleared(0)}; worker 1: {cleared(1)}", message
     same = _applied([(w0, body(cleared(2))), (w1, body(cleared(2)))])["message"]
     assert same == f"pools rebuilt; {cleared(2)} (on all 2 workers)", same
+    # the wait for in-flight requests and the swap stay apart, each the slowest worker's
+    times = _applied([(w0, body(cleared(0), 0.5, 0.1)), (w1, body(cleared(0), 0.0, 0.3))])
+    assert (times["waited_s"], times["swap_s"], times["total_s"]) == (0.5, 0.3, 0.6)
 
 
 @pytest.mark.parametrize("statuses, expected", [

@@ -159,6 +159,8 @@ def test_drain_timeout_keeps_old_pools_and_the_request(srv):
     response, result = resize_that_gives_up(srv)
     assert response.status_code == 409 and response.json()["error"]["code"] == "resize_not_applied"
     assert "did not finish" in response.json()["error"]["message"]
+    times = response.json()
+    assert times["waited_s"] >= 0.1 and times["swap_s"] == 0 and times["total_s"] == times["waited_s"]  # no swap
     assert result == expected("long one", 300)
     assert plan(srv)["kv_tokens"] == 512
 
@@ -445,3 +447,47 @@ def test_by_default_a_short_prompt_beside_a_stream_is_not_layered(srv):
     stats = httpx.get(srv.base_url + "/v1/stats").json()["scheduler"]
     assert stats["layer_short_prompts"] is False and stats["partial_residency"] is True
     assert not layered_beside_a_stream(srv)
+
+
+def slow_swap(server, monkeypatch, seconds: float) -> None:
+    """Every pool swap of the server's executor takes `seconds` longer."""
+    executor = server.container.executor()
+    swap = executor.resize_pools
+
+    def slow(target):
+        time.sleep(seconds)
+        swap(target)
+
+    monkeypatch.setattr(executor, "resize_pools", slow)
+
+
+def test_a_resize_answers_the_wait_for_requests_apart_from_the_swap(srv, monkeypatch):
+    """`waited_s` covered the whole resize: `ft ctl cache` printed "waited 0.6764 s" where the log said "waited 0.002 s
+    for in-flight requests, swapped in 0.674 s", and the user took it for requests that had blocked the resize."""
+    slow_swap(srv, monkeypatch, 0.4)
+    r = rebuild(srv, kv_tokens=1024, wait_s=30)  # nothing in flight: no wait to speak of
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["waited_s"] < 0.3 <= 0.4 <= body["swap_s"], body
+    assert body["total_s"] == pytest.approx(body["waited_s"] + body["swap_s"], abs=2e-4)
+    # and with requests in flight the wait is theirs, the swap still apart
+    r = resize_while_streaming(srv, 3, 40, kv_tokens=2048, wait_s=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["waited_s"] > 0 and body["swap_s"] >= 0.4, body
+    assert body["total_s"] == pytest.approx(body["waited_s"] + body["swap_s"], abs=2e-4)
+
+
+def test_the_model_card_states_the_context_a_request_may_hold_now(srv):
+    """/v1/models `max_model_len` (vLLM's field; ft bench prefill refuses sizes past it before sending): the model's
+    context or, where a smaller KV pool bounds a request, the pool's size, moved by a live resize."""
+    def card() -> dict:
+        return httpx.get(srv.base_url + "/v1/models").json()["data"][0]
+
+    context = 4096  # the fake model's (tests/app/conftest.py)
+    assert card()["max_model_len"] == 512  # the KV pool bounds a request
+    assert rebuild(srv, kv_tokens=1024).status_code == 200
+    assert card()["max_model_len"] == 1024
+    assert httpx.get(srv.base_url + f"/v1/models/{card()['id']}").json()["max_model_len"] == 1024
+    assert rebuild(srv, kv_tokens=8192).status_code == 200
+    assert card()["max_model_len"] == context  # now the model's context bounds it
