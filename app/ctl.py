@@ -27,20 +27,24 @@ def _count_or_auto(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else _count(text)
 
 
-def _seconds(low: float, high: float, low_open: bool = False):
-    """An argparse type: a finite number of seconds in [low, high] ((low, high] with low_open)."""
+def _number(low: float, high: float, unit: str = "", low_open: bool = False):
+    """An argparse type: a finite number (of `unit`) in [low, high] ((low, high] with low_open)."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"not a number{' of ' + unit if unit else ''}: {text!r}") from None
         if not (low < value if low_open else low <= value) or not value <= high:  # NOTE: False for nan
-            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low:g} and <= {high:g} "
-                                             f"seconds, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low:g} and <= {high:g}"
+                                             f"{' ' + unit if unit else ''}, got {text!r}")
         return value
 
     return parse
+
+
+def _seconds(low: float, high: float, low_open: bool = False):
+    return _number(low, high, "seconds", low_open)
 
 
 def _positive_int(text: str) -> int:
@@ -53,15 +57,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _temperature(text: str) -> float:
-    """0 to 2, the range the server takes (app.api.generation.build_sampling): ft ctl refuses nothing it would take."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value <= 2:  # NOTE: False for nan; nan and inf were a traceback (httpx's JSON)
-        raise argparse.ArgumentTypeError(f"must be >= 0 and <= 2, got {text!r}")
-    return value
+# NOTE: 0 to 2, the range the server takes (app.api.generation.build_sampling): ft ctl refuses nothing it would take;
+# nan and inf were a traceback (httpx's JSON)
+_temperature = _number(0, 2)
 
 
 EXAMPLE = "http://localhost:1919"
