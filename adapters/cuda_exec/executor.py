@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from adapters.checkpoint.loader import LoadedCheckpoint
+from adapters.cuda_exec import short_prompts
 from adapters.cuda_exec.decode_inputs import DecodeInputs
 from adapters.cuda_exec.expert_pool import DeviceExpertPool
 from adapters.cuda_exec.fast_decoder import FastDecoder
@@ -127,6 +128,8 @@ class CudaGraphExecutor(ExecutorPools):
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
         self.sampler = Sampler(sampler_seed)
         self.max_decode_rows = max_decode_rows
+        # short prompt chunks as decode replays (short_prompts.py, ADR 0026): chunks of up to this many tokens; 0 off
+        self.short_prompt_tokens = short_prompts.MAX_TOKENS
         self.max_context = max_context or self.spec.max_context
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if routing_replay is not None and (routing_replay.num_layers, routing_replay.top_k) != (
@@ -350,7 +353,11 @@ class CudaGraphExecutor(ExecutorPools):
         self._host_counters = None  # this step moves them: read from the device when next asked for
         group, works = self._split_layered(batch)
         out = {}
-        if self._is_graph_works(works):
+        replays = self._replays(works) if group is None else None
+        if replays is not None:
+            finals, rows, _ = self._replay_rows(replays)
+            out = {w.request_id: rows[i:i + 1] for i, w in enumerate(finals)}
+        elif self._is_graph_works(works):
             logits, _ = self._decode(works)
             # NOTE: a graph's logits live in its static output, which the next replay overwrites
             out = {w.request_id: logits[i:i + 1].clone() for i, w in enumerate(works)}
@@ -404,6 +411,9 @@ class CudaGraphExecutor(ExecutorPools):
         group = batch.layered
         if self._is_graph_works(batch.works if group is None else [w for w in batch.works if w is not group]):
             return self._execute_decodes(batch)
+        replays = self._replays(batch.works) if group is None else None
+        if replays is not None:
+            return self._execute_replays(batch, replays)
         if self.on_launched is not None:  # an eager step launches and waits as it goes
             self.on_launched()
         logits = self.compute_logits(batch)
@@ -444,6 +454,45 @@ class CudaGraphExecutor(ExecutorPools):
         drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
         self._host_counters = (drawn[n], drawn[n + 1])
         return self._sampled(done, logits_rows, drawn[:n])
+
+    def _replays(self, works) -> list[list[short_prompts.Row]] | None:
+        """The decode replays that compute `works` (short_prompts.unroll), or None where the step is not for them."""
+        return short_prompts.unroll(works, self.short_prompt_tokens, self.decode_rows)
+
+    def _replay_rows(self, replays: list[list[short_prompts.Row]]) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Run the replays in order: (the works whose last row samples, their fp32 logits [n, V], tokens [n]). The
+        engine's launch hook runs once, after the first replay is launched (it streams the last step's tokens)."""
+        finals, logits, tokens = [], [], []
+        for r, rows in enumerate(replays):
+            step_logits, step_tokens = self._decode([row.work for row in rows])
+            if r == 0 and self.on_launched is not None:
+                self.on_launched()
+            for i, row in enumerate(rows):
+                if row.last and row.source.sample:
+                    # NOTE: copies: a graph's outputs are static buffers the next replay overwrites
+                    finals.append(row.source)
+                    logits.append(step_logits[i:i + 1].clone())
+                    tokens.append(step_tokens[i:i + 1].clone())
+        if not finals:
+            return [], torch.empty(0), torch.empty(0, dtype=torch.int64)
+        return finals, torch.cat(logits), torch.cat(tokens)
+
+    def _execute_replays(self, batch: StepBatch, replays) -> dict[str, SampledToken]:
+        """execute() for a step of short prompt chunks (and decodes) as decode replays (ADR 0026): every sampled
+        token and the expert counters come back in one device->host copy, as a decode step's."""
+        reason = self.can_execute(batch)
+        if reason is not None:
+            raise ValueError(f"cannot execute step: {reason}")
+        self._host_counters = None
+        with torch.inference_mode():
+            finals, logits_rows, tokens = self._replay_rows(replays)
+            if not finals:  # no chunk ends here (no row samples): the counters are read when asked for
+                return {}
+            tokens = self._draw(finals, logits_rows, tokens)
+        n = len(finals)
+        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
+        self._host_counters = (drawn[n], drawn[n + 1])
+        return self._sampled(finals, logits_rows, drawn[:n])
 
     def _sampled(self, works, logits_rows: torch.Tensor, drawn: list[int]) -> dict[str, SampledToken]:
         """Each work's SampledToken from the step's drawn tokens (drawn[i] for logits_rows [n, V] row i);
