@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from dependency_injector import providers
 
 from adapters.checkpoint.chat_template import ChatTemplate
@@ -64,3 +65,17 @@ def start_scripted_server(script: Callable[..., str], reactive: bool = False, **
     container.executor.override(providers.Singleton(ScriptedExecutor, container.pool_plan, script, reactive))
     server = start_server(container, **overrides)
     return server, container.executor()
+
+
+def scripted_fixture(script: Callable[..., str], reactive: bool = False, **overrides):
+    """A module-scoped pytest fixture giving (server, executor) of start_scripted_server(script, reactive,
+    **overrides), stopped after the module: `scripted = scripted_fixture(script)` in a test module."""
+
+    @pytest.fixture(scope="module")
+    def scripted():
+        server, executor = start_scripted_server(script, reactive, **overrides)
+        yield server, executor
+        server.stop()
+
+    return scripted
+

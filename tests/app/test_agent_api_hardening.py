@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import MODEL
-from tests.app.scripted import start_scripted_server
+from tests.app.scripted import scripted_fixture
 
 PREFILL = "The answer is"
 QUESTION = {"role": "user", "content": "What is 6 × 7?"}
@@ -21,11 +21,7 @@ def script(prompt: str) -> str:
     return " 42." if prompt.endswith(PREFILL) else "A fresh turn."
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server, executor = start_scripted_server(script)
-    yield server, executor
-    server.stop()
+scripted = scripted_fixture(script)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.app.conftest import MODEL, start_server
-from tests.app.scripted import TemplateTokenizer, start_scripted_server
+from tests.app.scripted import TemplateTokenizer, scripted_fixture
 from tests.app.test_tool_calls import script
 
 TOOLS = [{"name": "multiply", "description": "Multiply two integers",
@@ -17,11 +17,7 @@ TOOLS = [{"name": "multiply", "description": "Multiply two integers",
 QUESTION = [{"role": "user", "content": "What is 6 × 7?"}]
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server, executor = start_scripted_server(script, api_key="k3y")
-    yield server, executor
-    server.stop()
+scripted = scripted_fixture(script, api_key="k3y")
 
 
 @pytest.fixture(scope="module")

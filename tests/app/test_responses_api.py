@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.app.conftest import MODEL
-from tests.app.scripted import start_scripted_server
+from tests.app.scripted import scripted_fixture
 from tests.app.test_tool_calls import script
 
 TOOLS = [
@@ -19,11 +19,7 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server, executor = start_scripted_server(script)
-    yield server, executor
-    server.stop()
+scripted = scripted_fixture(script)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from app.reasoning import FORCED_CLOSE
 from tests.app.conftest import MODEL
-from tests.app.scripted import start_scripted_server
+from tests.app.scripted import scripted_fixture, start_scripted_server
 
 THOUGHT = ("Let me think about this carefully. " * 60)[:1500]  # 1500 reasoning tokens if not stopped
 ANSWER = "The answer is 42."
@@ -40,11 +40,7 @@ def completion_tokens(reasoning: int) -> int:
     return reasoning + len(FORCED_CLOSE) + len(ANSWER) + 1
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server, executor = start_scripted_server(thinker, reactive=True, api_key="k3y", kv_tokens=4096)
-    yield server, executor
-    server.stop()
+scripted = scripted_fixture(thinker, reactive=True, api_key="k3y", kv_tokens=4096)
 
 
 @pytest.fixture(scope="module")

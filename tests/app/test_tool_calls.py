@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.app.conftest import MODEL
-from tests.app.scripted import start_scripted_server
+from tests.app.scripted import scripted_fixture
 
 TOOLS = [
     {
@@ -43,11 +43,7 @@ def script(prompt: str) -> str:
     return thinking + "No tools, so: 42."
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    server, executor = start_scripted_server(script)
-    yield server, executor
-    server.stop()
+scripted = scripted_fixture(script)
 
 
 @pytest.fixture(scope="module")
