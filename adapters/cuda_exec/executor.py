@@ -460,13 +460,10 @@ class CudaGraphExecutor(ExecutorPools):
         return short_prompts.unroll(works, self.short_prompt_tokens, self.decode_rows)
 
     def _replay_rows(self, replays: list[list[short_prompts.Row]]) -> tuple[list, torch.Tensor, torch.Tensor]:
-        """Run the replays in order: (the works whose last row samples, their fp32 logits [n, V], tokens [n]). The
-        engine's launch hook runs once, after the first replay is launched (it streams the last step's tokens)."""
+        """Run the replays in order: (the works whose last row samples, their fp32 logits [n, V], tokens [n])."""
         finals, logits, tokens = [], [], []
-        for r, rows in enumerate(replays):
+        for rows in replays:
             step_logits, step_tokens = self._decode([row.work for row in rows])
-            if r == 0 and self.on_launched is not None:
-                self.on_launched()
             for i, row in enumerate(rows):
                 if row.last and row.source.sample:
                     # NOTE: copies: a graph's outputs are static buffers the next replay overwrites
@@ -486,9 +483,12 @@ class CudaGraphExecutor(ExecutorPools):
         self._host_counters = None
         with torch.inference_mode():
             finals, logits_rows, tokens = self._replay_rows(replays)
-            if not finals:  # no chunk ends here (no row samples): the counters are read when asked for
-                return {}
-            tokens = self._draw(finals, logits_rows, tokens)
+            if finals:
+                tokens = self._draw(finals, logits_rows, tokens)
+        if self.on_launched is not None:  # as after a decode step's launch: the engine streams while the device runs
+            self.on_launched()
+        if not finals:  # no chunk ends here (no row samples): the counters are read when asked for
+            return {}
         n = len(finals)
         drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
         self._host_counters = (drawn[n], drawn[n + 1])
