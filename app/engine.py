@@ -141,7 +141,9 @@ class Engine:
         attribute: an executor without them has them off. Where the container attached its prefill choice
         (domain.prefill_choice.PrefillChoice), also the setting asked for and the reason for what it resolved to
         (`prefill_kernels_setting`, `prefill_kernels_reason`; ADR 0020), and where the fast path measured it on a
-        CUDA device, how fast misses land from the host bank (`expert_gather`: DeviceExpertPool.gather_rate)."""
+        CUDA device, how fast misses land from the host bank (`expert_gather`: DeviceExpertPool.gather_rate); on the
+        fast path, the longest prompt chunk a step runs as decode replays (`short_prompt_replays`,
+        FLUXTIDE_SHORT_PROMPT_REPLAYS; 0: none; ADR 0026)."""
         inner = getattr(self.executor, "executor", self.executor)  # StepLeader (expert parallelism) wraps rank 0's
         info = {"kind": type(inner).__name__, "prefill_kernels": bool(getattr(inner, "prefill_kernels", False)),
                 "prefill_fp8_activations": bool(getattr(inner, "fp8_activations", False)),
@@ -149,6 +151,9 @@ class Engine:
         choice = getattr(inner, "prefill_choice", None)
         if choice is not None:
             info.update(prefill_kernels_setting=choice.requested, prefill_kernels_reason=choice.reason)
+        limit = getattr(inner, "short_prompt_limit", None)  # the fast path: short prompt chunks as decode replays
+        if limit is not None:
+            info["short_prompt_replays"] = limit()
         gather = getattr(inner, "expert_gather", None)  # the fast path on CUDA: how fast misses land (GB/s)
         if gather is not None:
             info["expert_gather"] = dict(gather)

@@ -128,8 +128,9 @@ class CudaGraphExecutor(ExecutorPools):
         self.shared_rows = self.model.pack_shared_experts(self.bank.layout)
         self.sampler = Sampler(sampler_seed)
         self.max_decode_rows = max_decode_rows
-        # short prompt chunks as decode replays (short_prompts.py, ADR 0026): chunks of up to this many tokens; 0 off
-        self.short_prompt_tokens = short_prompts.MAX_TOKENS
+        # short prompt chunks as decode replays (domain/short_prompt_replays.py, ADR 0026): chunks of up to this many
+        # tokens (FLUXTIDE_SHORT_PROMPT_REPLAYS); 0 off
+        self.short_prompt_tokens: int = short_prompts.MAX_TOKENS
         self.max_context = max_context or self.spec.max_context
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if routing_replay is not None and (routing_replay.num_layers, routing_replay.top_k) != (
@@ -455,15 +456,33 @@ class CudaGraphExecutor(ExecutorPools):
         self._host_counters = (drawn[n], drawn[n + 1])
         return self._sampled(done, logits_rows, drawn[:n])
 
+    def short_prompt_limit(self) -> int:
+        """The longest prompt chunk (tokens) a step runs as decode replays; 0: none (ADR 0026). The same at every
+        pool plan: where the choice followed the plan, output differed between expert-slot counts.
+        NOTE: 0 with a routing replay or expert parallelism, as the prefill graphs are (`_build_segments`):
+        neither has been made to follow a step's rows replay by replay (with a routing replay the fast path's
+        tokens left the reference's: tests/adapters/test_routing_replay.py)."""
+        if self.routing_replay is not None or (self.experts is not None and self.experts.shard is not None):
+            return 0
+        return self.short_prompt_tokens
+
     def _replays(self, works) -> list[list[short_prompts.Row]] | None:
         """The decode replays that compute `works` (short_prompts.unroll), or None where the step is not for them."""
-        return short_prompts.unroll(works, self.short_prompt_tokens, self.decode_rows)
+        return short_prompts.unroll(works, self.short_prompt_limit(), self.decode_rows)
 
-    def _replay_rows(self, replays: list[list[short_prompts.Row]]) -> tuple[list, torch.Tensor, torch.Tensor]:
-        """Run the replays in order: (the works whose last row samples, their fp32 logits [n, V], tokens [n])."""
+    def _replay_rows(self, replays: list[list[short_prompts.Row]],
+                     launched: Callable[[], None] | None = None) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Run the replays in order: (the works whose last row samples, their fp32 logits [n, V], tokens [n]).
+        launched: called once the first replay is launched (the engine's launch hook)."""
         finals, logits, tokens = [], [], []
-        for rows in replays:
+        for r, rows in enumerate(replays):
             step_logits, step_tokens = self._decode([row.work for row in rows])
+            if r == 0 and launched is not None:
+                # NOTE: here, not after the last replay: restaging a row whose pages changed waits for the replay
+                # before it (a blocking page-table copy), so a hook run after the last launch streamed the step
+                # before's tokens only once nearly every replay had run (session 32, 24 GiB: the streams' gap
+                # around a 4-token tail's ~88 ms step was ~132 ms, the next one ~30)
+                launched()
             for i, row in enumerate(rows):
                 if row.last and row.source.sample:
                     # NOTE: copies: a graph's outputs are static buffers the next replay overwrites
@@ -482,11 +501,10 @@ class CudaGraphExecutor(ExecutorPools):
             raise ValueError(f"cannot execute step: {reason}")
         self._host_counters = None
         with torch.inference_mode():
-            finals, logits_rows, tokens = self._replay_rows(replays)
+            # the engine streams the last step's tokens once the first replay runs, as after a decode step's launch
+            finals, logits_rows, tokens = self._replay_rows(replays, self.on_launched)
             if finals:
                 tokens = self._draw(finals, logits_rows, tokens)
-        if self.on_launched is not None:  # as after a decode step's launch: the engine streams while the device runs
-            self.on_launched()
         if not finals:  # no chunk ends here (no row samples): the counters are read when asked for
             return {}
         n = len(finals)

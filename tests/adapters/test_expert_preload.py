@@ -206,7 +206,9 @@ def test_both_executors_start_with_every_expert_resident_and_serve_from_hits(ckp
     assert all(i > phases.index(fast.expert_preload.describe()) for i in captures)
     ref_logits, fast_logits = {}, {}
     assert _run(fast, fast_logits) == _run(ref, ref_logits)
-    assert fast.expert_misses == ref.expert_misses == 0 and fast.expert_hits == ref.expert_hits > 0
+    # NOTE: >=: the fast path runs these 4-token chunks as decode replays (ADR 0026), one lookup per token, where the
+    # reference path looks a chunk's distinct experts up once
+    assert fast.expert_misses == ref.expert_misses == 0 and fast.expert_hits >= ref.expert_hits > 0
     assert fast.experts.bytes_copied == 0
     fast.check_valid()
     ref.check_valid()

@@ -105,6 +105,7 @@ def test_a_decode_step_reads_its_tokens_and_the_expert_counters_back_in_one_copy
     tokens' read-back (no second device read on the host's path between steps), and they are the device's."""
     fast = CudaGraphExecutor(ckpt, make_plan(ckpt, expert_slots=ckpt.spec.top_k * 2), DEVICE, torch.float32,
                              max_decode_rows=4)
+    fast.short_prompt_tokens = 0  # eager prefill steps (a replayed one reads once: test_short_prompt_replays.py)
     reads: list[str] = []
     execute, tolist = fast.execute, torch.Tensor.tolist
     seen: list[tuple[str, int, tuple[int, int]]] = []  # (step kind, reads in the step, counters it reported)
@@ -134,10 +135,12 @@ def test_a_decode_step_reads_its_tokens_and_the_expert_counters_back_in_one_copy
     assert hits_misses == sorted(hits_misses) and len(set(hits_misses)) > 1  # cumulative and moving
 
 
-@pytest.mark.parametrize("route_lookup", ["fused", "unfused"])
-def test_fast_path_matches_the_reference_executor(ckpt, route_lookup, monkeypatch):
+@pytest.mark.parametrize("route_lookup, replays", [("fused", 0), ("unfused", 0), ("fused", 8)])
+def test_fast_path_matches_the_reference_executor(ckpt, route_lookup, replays, monkeypatch):
     """route_lookup "unfused": every decode bucket past moe_route_lookup's crossover (FUSED_MAX_TILE 0), so
-    the decode step routes rms_norm_router's logits through moe_router + the lookup kernel instead."""
+    the decode step routes rms_norm_router's logits through moe_router + the lookup kernel instead.
+    replays 8 (the default): the 4-token prompt chunks run as decode replays (ADR 0026), which look experts up
+    token by token, so only the logits and tokens are the reference's there; with 0 the LRU's decisions are too."""
     if route_lookup == "unfused":
         import adapters.kernels.moe_route_lookup as mrl
 
@@ -145,16 +148,21 @@ def test_fast_path_matches_the_reference_executor(ckpt, route_lookup, monkeypatc
     slots = ckpt.spec.top_k * 4  # a decode step of 3 rows never splits; prefill chunks may evict
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=slots), DEVICE, torch.float32)
     fast = _fast(ckpt, slots)
+    fast.short_prompt_tokens = replays
+    ran = []
+    replay_rows = fast._replay_rows
+    monkeypatch.setattr(fast, "_replay_rows", lambda r, *hook: ran.append(len(r)) or replay_rows(r, *hook))
     ref_logits, fast_logits = {}, {}
     assert _run(fast, fast_logits) == _run(ref, ref_logits)
+    assert bool(ran) == bool(replays)
     for rid, rows in ref_logits.items():
         for step, (ours, want) in enumerate(zip(fast_logits[rid], rows, strict=True)):
             err = (ours - want).abs().max().item()
             assert err <= 1e-4 * want.abs().max().item(), f"{rid} step {step}: {err}"
-    # the device-side LRU made the reference's decisions: same hits and misses, lookup for lookup
-    assert (fast.expert_hits, fast.expert_misses) == (ref.expert_hits, ref.expert_misses)
-    assert fast.expert_counters() == ref.expert_counters() == (ref.expert_hits, ref.expert_misses)
     assert fast.expert_misses > 0
+    if not replays:  # the device-side LRU made the reference's decisions: same hits and misses, lookup for lookup
+        assert (fast.expert_hits, fast.expert_misses) == (ref.expert_hits, ref.expert_misses)
+        assert fast.expert_counters() == ref.expert_counters() == (ref.expert_hits, ref.expert_misses)
     fast.check_valid()
 
 

@@ -40,8 +40,12 @@ def _plan(ckpt, expert_slots, staging, kv_tokens=1024):
 
 
 def _fast(ckpt, slots, staging, **kw):
-    return CudaGraphExecutor(ckpt, _plan(ckpt, slots, staging), DEVICE, torch.float32, max_decode_rows=4,
-                             prefill_kernels=True, **kw)
+    ex = CudaGraphExecutor(ckpt, _plan(ckpt, slots, staging), DEVICE, torch.float32, max_decode_rows=4,
+                           prefill_kernels=True, **kw)
+    # NOTE: replays off: this file streams the eager prefill steps' experts, and short chunks would run as decode
+    # replays, equal within rounding only (ADR 0026; their own tests: test_short_prompt_replays.py)
+    ex.short_prompt_tokens = 0
+    return ex
 
 
 def _run(executor, record):

@@ -149,12 +149,14 @@ def runs(tmp_path_factory):
         ckpt = load_checkpoint(root / name, progress=False)
         fast = CudaGraphExecutor(ckpt, one_plan(ckpt.spec, slots_for(ckpt.spec)), "cpu", torch.float32,
                                  max_decode_rows=4, prefill_kernels=True)
+        fast.short_prompt_tokens = 0  # as the ranks: expert parallelism runs no short-prompt replays (ADR 0026)
         single[name] = lockstep(fast)
         ref = TorchExecutor(ckpt, one_plan(ckpt.spec, slots_for(ckpt.spec)), "cpu", torch.float32)
         single[name]["reference_tokens"] = lockstep(ref)["tokens"]
     ckpt = load_checkpoint(root / "hybrid_3to1", progress=False)
     fast = CudaGraphExecutor(ckpt, one_plan(ckpt.spec, 16, staging=4), "cpu", torch.float32, max_decode_rows=4,
                              prefill_kernels=True)
+    fast.short_prompt_tokens = 0
     single["scheduled"] = scheduled(ckpt.spec, fast, 2, lambda: fast.resize_pools(one_plan(ckpt.spec, 12, staging=4)))
     mp.start_processes(_rank_main, args=(2, free_port(), root), nprocs=2, join=True, start_method="spawn")
     return root, single, [torch.load(root / f"rank{r}.pt") for r in range(2)]
@@ -220,6 +222,7 @@ def test_two_gpus_capture_the_exchange_in_the_decode_graphs_and_match_one_gpu(tm
     ckpt = load_checkpoint(tmp_path / "hybrid_3to1", progress=False, pin=True)
     one = CudaGraphExecutor(ckpt, one_plan(ckpt.spec, slots_for(ckpt.spec)), "cuda:0", torch.bfloat16,
                             max_decode_rows=4, prefill_kernels=True)
+    one.short_prompt_tokens = 0  # as the ranks (ADR 0026)
     want = lockstep(one)
     del one
     mp.start_processes(_gpu_rank_main, args=(2, free_port(), tmp_path), nprocs=2, join=True, start_method="spawn")

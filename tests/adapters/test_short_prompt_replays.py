@@ -11,17 +11,26 @@ exact, fp32 rounding apart; ADR 0025 measured the GDN kernels alike), 1e-4 on a 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from adapters.cuda_exec import executor as executor_module
 from adapters.cuda_exec.executor import CudaGraphExecutor
-from adapters.cuda_exec.short_prompts import Row, _max_tokens, unroll
+from adapters.cuda_exec.short_prompts import _max_tokens
+from app.engine import Engine
 from domain.ports import SequenceWork, StepBatch
 from domain.request import SamplingParams
+from domain.short_prompt_replays import DEFAULT_TOKENS, Row, unroll
 from tests.adapters.test_prefill_spans import DEVICE, GREEDY, _fast, _plan, _pools, _work
-from tests.adapters.torch_exec_models import QWEN3_5_CONFIGS, build_hf_model, pages_for, save_and_load
+from tests.adapters.torch_exec_models import (
+    QWEN3_5_CONFIGS,
+    build_hf_model,
+    make_plan,
+    pages_for,
+    save_and_load,
+)
 
 # NOTE: on a GPU the Triton GEMMs take fp32 through TF32 in both paths, in different tilings: there the fast
 # path's parity bound (1e-4 of the logit scale, tests/adapters/test_fast_executor.py)
@@ -101,7 +110,7 @@ def _run(ckpt, monkeypatch, replays: int, graphs: bool = False):
     monkeypatch.setattr(ex, "short_prompt_tokens", replays)
     ran = []
     rows = ex._replay_rows
-    monkeypatch.setattr(ex, "_replay_rows", lambda r: ran.append(len(r)) or rows(r))
+    monkeypatch.setattr(ex, "_replay_rows", lambda r, *hook: ran.append(len(r)) or rows(r, *hook))
     setup, step1, step2 = _scenario(_prompts())
     for works in setup:
         ex.execute(StepBatch(tuple(works)))
@@ -148,6 +157,20 @@ def test_execute_samples_the_same_tokens_and_reads_them_back_once(ckpt, monkeypa
     assert tokens[4] == tokens[0] and sorted(tokens[0]) == ["a", "c", "d", "r", "s"]
 
 
+def test_the_launch_hook_runs_once_the_first_replay_is_launched(ckpt, monkeypatch):
+    """The engine streams the step before's tokens while the replays run: its hook comes right after the first
+    replay's launch, not after the last (restaging a row can wait for the replay before it)."""
+    ex = _fast(ckpt)
+    monkeypatch.setattr(ex, "short_prompt_tokens", 4)
+    setup, step1, _ = _scenario(_prompts())
+    ex.execute(StepBatch(tuple(setup[0])))
+    events, decode = [], ex._decode
+    monkeypatch.setattr(ex, "_decode", lambda works: events.append(len(works)) or decode(works))
+    ex.on_launched = lambda: events.append("hook")
+    ex.execute(StepBatch(tuple(step1)))
+    assert events == [4, "hook", 3, 2, 1]  # replay 0: a, c, s, d; then a, c, s; a, s; s
+
+
 def test_a_seeded_draw_is_the_eager_steps(ckpt, monkeypatch):
     """The chunk's last row draws with the chunk's seed and output index; the rows before it draw nothing."""
     drawn = {}
@@ -164,3 +187,17 @@ def test_a_seeded_draw_is_the_eager_steps(ckpt, monkeypatch):
 def test_the_executor_reads_the_switch(monkeypatch, ckpt):
     monkeypatch.setattr(executor_module.short_prompts, "MAX_TOKENS", 6)
     assert _fast(ckpt).short_prompt_tokens == 6
+
+
+def test_the_stats_say_what_runs(ckpt, monkeypatch):
+    """/v1/stats' executor section (Engine.executor_info) states the chunk length, the default unless set, so every
+    `ft bench` record says whether its short prompts ran as replays; a live resize does not change it (the same
+    tokens at any expert-slot count)."""
+    spec = ckpt.spec
+    ex = CudaGraphExecutor(ckpt, make_plan(ckpt, spec.top_k * 2, state_slots=8), DEVICE, torch.float32,
+                           max_decode_rows=4, prefill_kernels=True, use_graphs=False)
+    assert Engine.executor_info(SimpleNamespace(executor=ex))["short_prompt_replays"] == DEFAULT_TOKENS == 8
+    ex.resize_pools(make_plan(ckpt, spec.total_experts, state_slots=8))
+    assert Engine.executor_info(SimpleNamespace(executor=ex))["short_prompt_replays"] == DEFAULT_TOKENS
+    monkeypatch.setattr(ex, "short_prompt_tokens", 0)
+    assert Engine.executor_info(SimpleNamespace(executor=ex))["short_prompt_replays"] == 0
