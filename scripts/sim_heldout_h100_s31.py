@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from simulator.cost_model import CostModel
 from simulator.fit_prefill import _point
 from simulator.fit_records import predict
 from simulator.hardware import get_profile
+from simulator.heldout import error_pct, heldout_row, run_json, write_report
 from simulator.records import expected_distinct, load_records
 from simulator.sweep import Calibration, find_calibration
 
@@ -40,28 +39,25 @@ STEP_MODEL_CMD = ("scripts/sim_heldout_h100_s31.py: fit_records.predict(CostMode
 PREFILL_CMD = ("scripts/sim_heldout_h100_s31.py: fit_prefill._point(qwen36_35b_a3b(), get_profile('h100'), "
                "cal.cost_params(), cal.seed, record, '{scen}', {n}, 8192, ...) on {rec}")
 PREDICT_LADDER = ("python -m simulator predict --hardware h100 --model qwen3.6-35b-a3b-fp8 --kv 65536 --batch 1,4,16 "
-                  "--max-running-requests 16 --layered-prefill on --prefill-kernels triton --routing uniform --json")
+                  "--max-running-requests 16 --layered-prefill on --prefill-kernels triton --routing uniform "
+                  "--short-prompt-replays 0 --json")  # NOTE: session 31's server ran no short-prompt replays
 PREDICT_BF16 = ("python -m simulator predict --hardware h100 --model qwen3.6-35b-a3b-bf16 --kv 8192 --batch 1,4 "
-                "--max-running-requests 4 --prefill-kernels triton --routing uniform --json")
+                "--max-running-requests 4 --prefill-kernels triton --routing uniform --short-prompt-replays 0 --json")
 
 
 def _pct(pred: float, meas: float) -> float:
-    return round((pred / meas - 1) * 100, 2)
+    return error_pct(pred, meas)
 
 
 def _row(record, point, measured, predicted, unit, command, **extra) -> dict:
-    err = _pct(predicted, measured)
     fmt = "bf16 " if record == BF16 else ""
     kind = ("prefill TTFT" if record == PREFILL else "HTTP TTFT" if point.endswith("TTFT")
             else "aggregate" if point.endswith("aggregate") else f"{fmt}decode step ({point.split('(')[1]}")
-    return {"record": record, "point": point, "kind": kind, "unit": unit, "measured": round(measured, 6),
-            "predicted": round(predicted, 6), "error_pct": err, "within_bound": abs(err) <= BOUND * 100,
-            "command": command, **extra}
+    return heldout_row(record, point, kind, measured, predicted, unit, command, BOUND, **extra)
 
 
-def _predict_cli(command: str) -> list[dict]:
-    out = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+def _predict_cli(command: str):
+    return run_json(command, ROOT)
 
 
 def _step_model(spec, cal, paths) -> dict[tuple[str, str], tuple[float, float, object]]:
@@ -149,10 +145,7 @@ def main() -> None:
     args = ap.parse_args()
     cal, measured_here = find_calibration("h100")
     points = decode_points(cal) + prefill_points(cal, Calibration.resolve("h200_records_v7"))
-    kinds: dict[str, list[bool]] = {}
-    for r in points:
-        kinds.setdefault(r["kind"], []).append(r["within_bound"])
-    report = {
+    header = {
         "schema": "fluxtide.sim-shipped-check/1", "date": "2026-12-06", "session": 31,
         "title": "the simulator against session 31's H100 records, held out (no refit)",
         "hardware_profile": get_profile("h100").to_dict(),
@@ -162,13 +155,8 @@ def main() -> None:
         "not_used": "the s27/s28/s30 H100 ladders (polled by a stalling /v1/stats) and the *-polled20hz / bf16 "
                     "poll A/B ladders of this session",
         "reproduce": "python scripts/sim_heldout_h100_s31.py",
-        "within_bound": {k: f"{sum(v)} of {len(v)}" for k, v in kinds.items()},
-        "points": points,
     }
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    for r in points:
-        print(f"{Path(r['record']).name[11:50]:40} {r['point']:42} {r['measured']:10.4f} {r['predicted']:10.4f} "
-              f"{r['error_pct']:+7.1f} %")
+    write_report(args.out, header, points, lambda r: r["kind"], slice(11, 50), 40, 42)
 
 
 if __name__ == "__main__":

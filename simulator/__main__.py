@@ -102,6 +102,10 @@ def add_mixed_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--max-running-requests", "--state-slots", dest="max_running_requests", type=parse_count,
                    help="as `ft serve --max-running-requests` (default: the calibration's, 4)")
     m.add_argument("--cache-type", choices=("radix", "none"), help="as `ft serve --cache-type`")
+    m.add_argument("--short-prompt-replays", type=parse_count_or_auto, metavar="N|auto",
+                   help="as the server's FLUXTIDE_SHORT_PROMPT_REPLAYS: a step whose prompt chunks are all at most N tokens "
+                        "runs as decode replays, one per token of its longest chunk (ADR 0026); 0 off; auto (the "
+                        "server's default) 8 at every plan (0 with a calibration of the customer's engine)")
     m.add_argument("--snapshot-slots", type=parse_count_or_zero, help="as `ft serve --snapshot-slots`")
     m.add_argument("--staging-experts", type=parse_count_or_auto, metavar="N|auto", help="as `ft serve --staging-experts`")
     m.add_argument("--prefill-kernels", choices=("auto", "reference", "triton"), default="auto",
@@ -188,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whether the plan holds the dequantized copy a long chunk's dense projections run on cuBLAS "
                         "over (ft serve on CUDA since 2026-12-06: FLUXTIDE_PREFILL_DEQUANT_ROWS, 48 MiB for Qwen3.6 "
                         "block FP8). Default: the calibration's (off in every calibration so far)")
+    p.add_argument("--short-prompt-replays", type=parse_count_or_auto, metavar="N|auto",
+                   help="as the server's FLUXTIDE_SHORT_PROMPT_REPLAYS: a step whose prompt chunks are all at most N tokens "
+                        "runs as decode replays, one per token of its longest chunk (ADR 0026); 0 off; auto (the "
+                        "server's default) 8 at every plan (0 with a calibration of the customer's engine)")
     p.add_argument("--cache-type", choices=("radix", "none"),
                    help="as `ft serve --cache-type`: radix plans 4 state snapshot slots per running request "
                         "(default: the calibration's; ft serve's radix for the H200)")
@@ -307,12 +315,22 @@ def deployment_from_args(deployment: Deployment, args, spec: ModelSpec | None = 
     return deployment.replace(**changes) if changes else deployment
 
 
+def with_short_prompt_replays(deployment: Deployment, args, customer_engine: bool) -> Deployment:
+    """`--short-prompt-replays N|auto` when given; else the deployment's (the server's default, auto), or 0 for the
+    customer's engine, which has no such path (ADR 0026 is ours)."""
+    given = getattr(args, "short_prompt_replays", None)
+    if given is not None:
+        return deployment.replace(short_prompt_replays=None if given == "auto" else given)
+    return deployment.replace(short_prompt_replays=0) if customer_engine else deployment
+
+
 def predict_command(args) -> int:
     extra = load_profiles(args.hardware_file) if args.hardware_file else None
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
     calibration, measured_here = calibration_for(args.calibration, hardware.name)
-    deployment = deployment_from_args(calibration.deployment_params(), args, spec)
+    deployment = with_short_prompt_replays(deployment_from_args(calibration.deployment_params(), args, spec), args,
+                                           calibration.customer_engine)
     workload = Workload.from_dict(calibration.workload).replace(same_prompt=not args.distinct_prompts,
                                                                 ttft_prompt_tokens=args.ttft_prompt)
     if args.prompt_tokens is not None:
@@ -369,7 +387,8 @@ def mixed_command(args) -> int:
     hardware = get_profile(args.hardware, extra)
     model_name, spec = resolve_model(args.model)
     calibration, measured_here = calibration_for(args.calibration, hardware.name)  # predict's default rule too
-    deployment = deployment_from_args(calibration.deployment_params(), args, spec)
+    deployment = with_short_prompt_replays(deployment_from_args(calibration.deployment_params(), args, spec), args,
+                                           calibration.customer_engine)
     workload = Workload.from_dict(calibration.workload)
     scenario = MixedScenario(streams=args.streams, prompt_tokens=args.prompt_tokens, stream_tokens=args.stream_tokens,
                              stream_prompt_tokens=args.stream_prompt_tokens or workload.prompt_tokens,

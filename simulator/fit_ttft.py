@@ -45,6 +45,7 @@ from simulator.params import write_or_check
 from simulator.predict import Deployment, Workload, predict_point
 from simulator.records import _get, _number
 from simulator.routing import make_routing
+from simulator.short_prompts import served_replays
 from simulator.sweep import CALIBRATION_DIR, Calibration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,16 @@ def _deployment(base: Deployment, record: dict, where: str) -> Deployment:
                         # the record's staging rows, not today's default (66 rows before ADR 0010's 8 ms cover)
                         staging_experts=int(_number(record, "pool_plan.staging_experts", where, positive=False)),
                         cache_type="radix" if prefix else "none", simulate_prefix_cache=True,
-                        prefill_kernels="triton" if triton else "reference")
+                        prefill_kernels="triton" if triton else "reference",
+                        # NOTE: the server's short-prompt replays (ADR 0026): off in every record this fit has read
+                        short_prompt_replays=_replays(record, where))
+
+
+def _replays(record: dict, where: str) -> int | None:
+    try:
+        return served_replays(record)
+    except ValueError as exc:
+        raise ValueError(f"{where}: the record does not say its server's short-prompt replays: {exc}") from None
 
 
 def _workload(base: Workload, record: dict, prompt: int, where: str) -> Workload:

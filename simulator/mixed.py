@@ -41,6 +41,7 @@ from simulator.layering_policy import CandidateScheduler, LayeringPolicy
 from simulator.params import StrictParams, require_positive
 from simulator.predict import Deployment, plan_deployment, plan_summary
 from simulator.routing import RoutingModel
+from simulator.short_prompts import resolve
 from simulator.sim_executor import SimExecutor
 
 TARGET_GAP_P99_MS = 150.0  # issue 9 (app/bench/mixed.py TARGET_GAP_P99_MS)
@@ -347,13 +348,15 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
                              linear_state=linear, layered_prefill=layered, num_layers=spec.num_layers,
                              layer_short_prompts=layered and cfg.layer_short_prompts and not what_if,
                              partial_residency=plan.partial_residency)
+    replays = resolve(dep.short_prompt_replays)
     # NOTE: the keys of the server's /v1/stats `scheduler` (ft bench mixed's server_step_budgets) where they match
     out["scheduler"] = {"max_step_tokens": config.max_step_tokens, "mixed_step_tokens": config.mixed_step_tokens,
                         "layer_group_tokens": config.layer_group_tokens,
                         "max_running": config.max_running, "layered_prefill": layered,
                         "layer_short_prompts": config.layer_short_prompts,
                         "partial_residency": config.partial_residency,
-                        "num_layers": config.num_layers, "prefix_cache": prefix_cache}
+                        "num_layers": config.num_layers, "prefix_cache": prefix_cache,
+                        "short_prompt_replays": replays}
     snapshots = plan.snapshot_slots if prefix_cache else 0
     if what_if:
         # NOTE: a step streams (DeviceExpertPool.routed) when the plan leaves experts out, has staging rows, and the
@@ -370,7 +373,8 @@ def predict_mixed(cfg: MixedConfig, routing: RoutingModel, scenario: MixedScenar
     else:
         scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots, snapshots)
     cost = CostModel(spec, cfg.hardware, cfg.cost)
-    executor = SimExecutor(SimHost(), cost, routing, plan.expert_slots, staging_experts=plan.staging_experts)
+    executor = SimExecutor(SimHost(), cost, routing, plan.expert_slots, staging_experts=plan.staging_experts,
+                           short_prompt_replays=replays)
     loop = _Loop(executor, scheduler, check)
     overhead = cost.request_overhead(executor.via_server)
     points, window, baseline, ttfts, failures = [], [], [], [], []

@@ -13,7 +13,9 @@ argument (argparse dest <- record field):
   max_prefill_length, mixed_prefill_length, max_running_requests, layered_prefill <- `summary.server_step_budgets`;
   layer_group_length <- its `layer_group_tokens` (since session 25), else its `mixed_step_tokens` (the groups'
   budget before then); layer_short_prompts <- its `layer_short_prompts` (since session 28: auto when true), else off
-  (a server before then layered only prompts longer than the mixed budget);
+  (a server before then layered only prompts longer than the mixed budget); short_prompt_replays <- the server's
+  `executor.short_prompt_replays` where stated, else by `started_at`: 0 before session 32's A/B records (which
+  set it by hand: give the flag), auto since (short_prompts.served_replays; ADR 0026);
   cache_type, prefill_kernels <- the server's /v1/stats (`server.stats.prefix_cache`, `.executor`);
 - model <- the built-in model whose geometry and expert bytes are `model.geometry` / `model.expert_bytes`;
   hardware <- the built-in profile named in every `hardware.gpus[].name` (the client's GPUs: the benchmark's host);
@@ -41,6 +43,7 @@ from typing import Any
 
 from simulator.hardware import BUILTIN_PROFILES, GIB
 from simulator.mixed import step_kind
+from simulator.short_prompts import served_replays
 from simulator.sweep import BUILTIN_MODELS, resolve_model
 
 SCHEMA, KIND = "fluxtide.bench/1", "mixed"
@@ -221,6 +224,7 @@ def _arguments(data: dict, points: list[dict]) -> tuple[dict[str, Any], dict[str
         "layered_prefill": lambda: "on" if _field(data, f"{budgets}.layered_prefill") else "off",
         "layer_short_prompts": lambda: _short_prompts(data, budgets),
         "repeat_prompt_tokens": lambda: _repeat_prompt_tokens(data, points),
+        "short_prompt_replays": lambda: _short_prompt_replays(data),
     }
     values, missing = {}, {}
     for dest, read in readers.items():
@@ -229,6 +233,15 @@ def _arguments(data: dict, points: list[dict]) -> tuple[dict[str, Any], dict[str
         except _Missing as exc:
             missing[dest] = str(exc)
     return values, missing
+
+
+def _short_prompt_replays(data: dict) -> int | str:
+    """FLUXTIDE_SHORT_PROMPT_REPLAYS of the record's server (simulator.short_prompts.served_replays), "auto" for auto."""
+    try:
+        value = served_replays(data)
+    except ValueError as exc:
+        raise _Missing(f"no executor.short_prompt_replays in the server's stats and {exc}") from None
+    return "auto" if value is None else value
 
 
 def flag(dest: str) -> str:

@@ -26,6 +26,7 @@ from simulator.hardware import GIB, HardwareProfile
 from simulator.host import SimHost
 from simulator.params import StrictParams, require_positive
 from simulator.routing import RoutingModel
+from simulator.short_prompts import resolve
 from simulator.sim_executor import SimExecutor
 
 
@@ -91,6 +92,12 @@ class Deployment(StrictParams):
     # CUDA since 2026-12-06 (session 30, FLUXTIDE_PREFILL_DEQUANT_ROWS=1024); False for files without the field
     # (every calibration and record so far was measured before)
     dense_copy: bool = False
+    # FLUXTIDE_SHORT_PROMPT_REPLAYS: a step whose prompt chunks are all at most this many tokens runs as replays of
+    # the captured decode step, one per token (ADR 0026; SimExecutor "Short prompts as decode replays"); 0 off; None
+    # (auto) the server's default since session 32 (2026-12-06), 8 at every plan (short_prompts.resolve). Files
+    # without the field get auto, so a prediction is of today's server; a fit or replay of a record served before
+    # then passes 0 (simulator/fit_ttft.py, mixed_record.py)
+    short_prompt_replays: int | None = None
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
@@ -101,6 +108,10 @@ class Deployment(StrictParams):
             if getattr(self, name) is not None:
                 require_positive(self, name, allow_zero=True)
         require_positive(self, "fixed_bytes", allow_zero=True)
+        n = self.short_prompt_replays
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"Deployment.short_prompt_replays must be None (auto) or an integer >= 0 (0: off), "
+                             f"got {n!r}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
         for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy"):
@@ -109,6 +120,15 @@ class Deployment(StrictParams):
         if self.prefill_kernels not in PREFILL_KERNELS:
             raise ValueError(f"Deployment.prefill_kernels must be one of {PREFILL_KERNELS}, "
                              f"got {self.prefill_kernels!r}")
+
+    def to_dict(self) -> dict:
+        """StrictParams' dict, less short_prompt_replays where it is the server's default (auto): a calibration states
+        it only where it differs, so the files fitted before the field stay what their commands write and predict
+        today's server; from_dict puts the default back."""
+        out = super().to_dict()
+        if out["short_prompt_replays"] is None:
+            del out["short_prompt_replays"]
+        return out
 
     def step_budgets(self, default_step: int, mixed_prefill_length: int | None = None) -> tuple[int, int | None]:
         """(max_step_tokens, mixed_step_tokens) of the simulated scheduler, as `ft serve` configures its own
@@ -390,8 +410,9 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
         # step's experts evicts every key before the next step can reuse it: hit rate ~0.
         result.extra["warning"] = (f"{plan.expert_slots} expert slots < one step's {working_set} experts "
                                    f"(top_k x layers x distinct sequences): the LRU keeps nothing between tokens")
+    replays = resolve(deployment.short_prompt_replays)
     executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots,
-                           staging_experts=plan.staging_experts)
+                           staging_experts=plan.staging_experts, short_prompt_replays=replays)
     prefix_cache = deployment.simulate_prefix_cache and deployment.cache_type == "radix"
     stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check, prefix_cache=prefix_cache,
                          linear_state=spec.linear_state_bytes_per_sequence() > 0, mixed_step_tokens=mixed,
@@ -425,7 +446,8 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                                layered_prefill=deployment.layered_prefill, num_layers=spec.num_layers)
     result.extra["scheduler"] = {"max_step_tokens": budgets.max_step_tokens,
                                  "mixed_step_tokens": budgets.mixed_step_tokens,
-                                 "layered_prefill": budgets.layered_prefill}
+                                 "layered_prefill": budgets.layered_prefill,
+                                 "short_prompt_replays": replays}
     result.extra["window"] = {"seconds": stats.seconds, "steps": stats.steps,
                               "sequence_steps": stats.sequence_steps, "misses": stats.misses,
                               "output_tokens": stats.output_tokens}

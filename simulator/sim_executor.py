@@ -59,6 +59,14 @@ k-th layer's work starts no earlier than k x eager_mixer_layer_s after the step'
 by layer, the later of the host's launches and the GPU's work (its copies of misses included, as before): host-bound
 when resident, copy-bound when the misses take longer than the launches. Layered steps never take this path (a layer
 group never takes the MoE segments).
+
+Short prompts as decode replays (`short_prompt_replays`, ADR 0026; docs/simulator.md, "Held out on an H100: short-prompt
+replays"): with N > 0, a step that domain.short_prompt_replays.unroll(works, N, largest graph bucket) accepts (every chunk
+at most N tokens, one of 2 or more, decodes beside them, no layer group) runs as the server runs it: one decode replay
+per token of its longest chunk, each costed as a decode-only step of its rows (host overhead, graph bucket and padding,
+lookups and copies through the residency, lm_head over the bucket); server_step_s once for the step. It never pays the
+short step's eager mixers. 0 (the default here): every such step is an uncaptured one, as before. predict and mixed
+pass `Deployment.short_prompt_replays` resolved (short_prompts.resolve: auto, the server's default, is 8).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ from dataclasses import dataclass
 from domain.ports import SampledToken, SequenceWork, StepBatch, layer_group_problem
 from domain.residency import ExpertResidency
 from domain.routing_streams import StreamKeys
+from domain.short_prompt_replays import unroll
 from domain.streamed_prefill import plan_rounds, speculate_whole_layers, staging_buffers
 from simulator.cost_model import CostModel, SequenceLoad
 from simulator.host import SimHost
@@ -91,6 +100,9 @@ class ExecutorCounters:
     # layered prefill: steps that carried a layer group, and the layers those groups computed
     layered_steps: int = 0
     layered_layers: int = 0
+    # short prompts as decode replays: steps run so, and the replays they took
+    replayed_steps: int = 0
+    replays: int = 0
 
     def minus(self, other: ExecutorCounters) -> ExecutorCounters:
         return ExecutorCounters(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
@@ -101,7 +113,7 @@ class ExecutorCounters:
 
 class SimExecutor:
     def __init__(self, host: SimHost, cost: CostModel, routing: RoutingModel, expert_slots: int,
-                 via_server: bool = True, staging_experts: int = 0) -> None:
+                 via_server: bool = True, staging_experts: int = 0, short_prompt_replays: int = 0) -> None:
         spec = cost.spec
         if (routing.num_layers, routing.top_k) != (spec.num_layers, spec.top_k) or routing.num_experts > spec.num_experts:
             raise ValueError(
@@ -121,6 +133,11 @@ class SimExecutor:
         if isinstance(staging_experts, bool) or not isinstance(staging_experts, int) or staging_experts < 0:
             raise ValueError(f"staging_experts must be an integer >= 0, got {staging_experts!r}")
         self.staging_experts = staging_experts  # the plan's staging rows (streamed prefill; 0: none)
+        if isinstance(short_prompt_replays, bool) or not isinstance(short_prompt_replays, int) \
+                or short_prompt_replays < 0:
+            raise ValueError(f"short_prompt_replays must be an integer >= 0, got {short_prompt_replays!r}")
+        # chunks of at most this many tokens run as decode replays (FLUXTIDE_SHORT_PROMPT_REPLAYS; 0: off)
+        self.short_prompt_replays = short_prompt_replays
         # the layered chunk part-way (SequenceWork.layers): (request id, start, tokens, layers computed)
         self._kept: tuple[str, int, int, int] | None = None
         # (layer, expert) keys the steps routed to since the caller last cleared it (looked up or streamed): the
@@ -199,6 +216,12 @@ class SimExecutor:
             return
         host, cost, residency = self.host, self.cost, self.residency
         works = batch.works
+        if self.short_prompt_replays:
+            buckets = cost.params.graph_buckets  # the largest captured bucket bounds a replay's rows (none: no graphs)
+            replays = unroll(works, self.short_prompt_replays, buckets[-1] if buckets else 0)
+            if replays is not None:
+                yield from self._replay_step(batch, [[row.work for row in rows] for rows in replays])
+                return
         routes = self._routes(works)
         loads = [SequenceLoad(len(w.token_ids), w.end_position) for w in works]
         decode_only = batch.num_prefill_tokens == 0 and all(len(w.token_ids) == 1 for w in works)
@@ -225,6 +248,28 @@ class SimExecutor:
         launch = cost.params.eager_mixer_layer_s if not graph and cost.short_step(pairs) else 0.0
         yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run,
                                      launch)
+
+    def _replay_step(self, batch: StepBatch, replays: list[list[SequenceWork]]):
+        """A step of short chunks as decode replays (module docstring): each replay a decode-only step of its rows."""
+        cost = self.cost
+        for w in batch.works:  # NOTE: a request's stream is keyed by its first work (its prompt head), never by a row
+            self._stream_key(w)
+        self._count(batch)
+        self.counters.replayed_steps += 1
+        self.counters.replays += len(replays)
+        for i, rows in enumerate(replays):
+            # NOTE: every replay restages its rows and launches its graph from the host, as a decode step does; the
+            # server's per-step HTTP work (server_step_s) is the engine step's, paid once
+            host_s = cost.host_overhead(len(rows), self.via_server and i == 0)
+            if host_s:
+                yield self.host.env.timeout(host_s)
+            padding = cost.padded_rows(len(rows)) - len(rows)
+            routes = self._routes(rows)  # row r of a chunk routes through its stream's position start + r
+            self._route_padding(routes, padding)
+            loads = [SequenceLoad(1, w.end_position) for w in rows] + [SequenceLoad(1, 1)] * padding
+            weighted = list(routes.values())
+            yield from self._lookup_pass([(layer, loads, weighted) for layer in range(cost.spec.num_layers)],
+                                         cost.step_overhead(len(rows) + padding), len(rows) + padding)
 
     def _count(self, batch: StepBatch) -> None:
         c = self.counters

@@ -265,7 +265,9 @@ def test_layered_prefill_shortens_the_gaps_and_the_ttft_of_the_mixed_scenario():
     assert on["window"]["p50_ms"] < 0.7 * off["window"]["p50_ms"]
     assert on["ttft_s_median"] < 0.7 * off["ttft_s_median"]
     assert on["points"][0]["window_bytes_staged"] < 0.2 * off["points"][0]["window_bytes_staged"]
-    assert on["baseline"] == off["baseline"]  # the same streams before the prompt arrives
+    # the same streams before the prompt arrives (within rounding: their 8-token prompts run as decode replays, whose
+    # times sum differently at the two modes' different clocks)
+    assert on["baseline"] == pytest.approx(off["baseline"], rel=1e-9)
     json.dumps([off, on])
 
 

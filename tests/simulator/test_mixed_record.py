@@ -13,7 +13,7 @@ from simulator.mixed_record import error_pct, gap_differences, read_record
 
 GAPS = [37.6] + [61.0] * 20 + [95.3]  # one stream's window: the straddling gap, 20 layer groups, the tail step
 RECORD = {
-    "schema": "fluxtide.bench/1", "kind": "mixed", "ok": True,
+    "schema": "fluxtide.bench/1", "kind": "mixed", "ok": True, "started_at": "2026-12-05T04:31:34+00:00",
     "settings": {"streams": 2, "prompt_tokens": 8192, "stream_tokens": 96, "warmup_tokens": 2, "baseline_tokens": 4,
                  "repeats": 1, "warmup_repeats": 0,
                  "calibration": {"tokens_fixed": 19.0, "tokens_per_filler_unit": 17.0, "long_prompt_units": 481}},
@@ -58,6 +58,7 @@ def test_the_record_sets_the_scenario_the_server_and_the_comparison(tmp_path, ca
                                                 "layered_prefill", "prefix_cache")} == {
         **{k: budgets[k] for k in ("max_running", "max_step_tokens", "mixed_step_tokens", "layered_prefill")},
         "prefix_cache": True}
+    assert result["scheduler"]["short_prompt_replays"] == 0  # served before session 32 turned them on
     compare = result["compare"]
     assert compare["record"] == write(tmp_path) and compare["overridden"] == {}
     for key in ("kv_tokens", "state_slots", "snapshot_slots", "staging_experts"):

@@ -81,9 +81,9 @@ def _long_prompt_point(mixed_prefill_length=None):
 def test_a_prompt_admitted_beside_decodes_runs_in_the_mixed_budget():
     default, single = _long_prompt_point(), _long_prompt_point(mixed_prefill_length=1024)
     assert default.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 512,
-                                          "layered_prefill": False}
+                                          "layered_prefill": False, "short_prompt_replays": 8}
     assert single.extra["scheduler"] == {"max_step_tokens": 1024, "mixed_step_tokens": 1024,
-                                         "layered_prefill": False}
+                                         "layered_prefill": False, "short_prompt_replays": 8}
     assert default.extra["window"]["steps"] == single.extra["window"]["steps"] + 1
     assert default.extra["window"]["output_tokens"] == single.extra["window"]["output_tokens"] == 16
 
@@ -92,11 +92,12 @@ def test_predict_reports_the_budgets_it_ran(tmp_path, capsys):
     argv = ["predict", "--hardware", "rtx3090", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k", "--workers", "1",
             "--json", "--routing", "uniform"]
     assert main(argv) == 0
+    # the server's short-prompt replays (ADR 0026): 8 tokens at every plan, a 24 GB card's included
     assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 8192, "mixed_step_tokens": 512,
-                                                                  "layered_prefill": False}
-    assert main([*argv, "--calibration", "rtx3090_v2"]) == 0
+                                                                  "layered_prefill": False, "short_prompt_replays": 8}
+    assert main([*argv, "--calibration", "rtx3090_v2"]) == 0  # the customer's engine: no replays
     assert json.loads(capsys.readouterr().out)[0]["scheduler"] == {"max_step_tokens": 2048, "mixed_step_tokens": 2048,
-                                                                  "layered_prefill": False}
+                                                                  "layered_prefill": False, "short_prompt_replays": 0}
     assert main([*argv, "--mixed-prefill-length", "2"]) == 2  # below --max-running-requests (4): refused
     assert "--mixed-prefill-length (2)" in capsys.readouterr().err
 
