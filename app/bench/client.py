@@ -11,6 +11,7 @@ tool_calls); ``text`` keeps the content only.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,8 +55,12 @@ class RequestResult:
         return (self.completion_tokens - 1) / span if span > 0 else None
 
     def as_dict(self, keep_text: bool = False, keep_times: bool = False) -> dict:
+        """The record's row: every field, the two rates and `text_sha256` (the first 16 hex digits of the output
+        text's SHA-256: two greedy runs streamed the same text where they agree); the text itself with keep_text,
+        the token arrival times with keep_times."""
         d = asdict(self)
         d["e2e_tok_s"], d["steady_tok_s"] = self.e2e_tok_s, self.steady_tok_s
+        d["text_sha256"] = hashlib.sha256(self.text.encode()).hexdigest()[:16]
         if not keep_text:
             d.pop("text")
         if not keep_times:

@@ -4,13 +4,14 @@ counts): each subcommand's JSON record, and that its figures agree with each oth
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 
 import httpx
 import pytest
 
-from app.bench.client import chat_body, run_round
+from app.bench.client import RequestResult, chat_body, run_round
 from app.bench.smoke import passes
 from app.cli import main
 from app.containers import Container
@@ -198,6 +199,8 @@ def test_probe_times_every_token_with_logprobs(tmp_path, demo):
             assert math.isclose(run["steady_tok_s"], (n - 1) / (run["end_s"] - run["ttft_s"]))
             assert math.isclose(run["e2e_tok_s"], n / run["end_s"])
             steady.append(run["steady_tok_s"])
+        # greedy repeats of one prompt stream one text: the record says so without keeping it
+        assert len({run["text_sha256"] for run in p["runs"]}) == 1 and "text" not in p["runs"][0]
         assert math.isclose(p["steady_decode_tok_s_median"], sum(steady) / 2)  # median of two
 
 
@@ -310,6 +313,13 @@ def test_model_dir_gives_geometry_and_a_bad_one_is_refused(tmp_path, demo):
     assert code == 0 and rec["model"]["geometry"]["hidden_size"] == 128 and rec["model"]["format"] == "float32"
     code, rec = bench(tmp_path, demo, "smoke", "--model-dir", str(tmp_path / "nowhere"))
     assert code == 1 and "cannot read config.json" in rec["failures"][0]["error"]
+
+
+def test_a_records_text_hash_is_the_outputs():
+    one, other = RequestResult(sent_at=0.0, text="1, 2, 3"), RequestResult(sent_at=0.0, text="1, 2, 4")
+    assert one.as_dict()["text_sha256"] == hashlib.sha256(b"1, 2, 3").hexdigest()[:16]
+    assert one.as_dict()["text_sha256"] != other.as_dict()["text_sha256"]
+    assert one.as_dict(keep_text=True)["text"] == "1, 2, 3"
 
 
 def test_smoke_match_modes():
