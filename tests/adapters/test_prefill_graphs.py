@@ -19,11 +19,15 @@ def test_segment_steps_match_the_eager_steps(ckpt, monkeypatch, tokens_per_pool)
     slots = min(tokens_per_pool * ckpt.spec.top_k, ckpt.spec.num_layers * ckpt.spec.num_experts)
     eager, segmented = {}, {}
     plain = _fast(ckpt, slots)
+    # NOTE: replays off in both: this run's 4-token chunks would otherwise run as decode replays (ADR 0026), which
+    # take short chunks before the segments do
+    plain.short_prompt_tokens = 0
     tokens = _run(plain, eager)
     runs = []
     real = MoeSegments.run
     monkeypatch.setattr(MoeSegments, "run", lambda self, i, buf: runs.append(buf.valid.shape[0]) or real(self, i, buf))
     fast = _fast(ckpt, slots, prefill_graphs=True)
+    fast.short_prompt_tokens = 0
     assert fast.model.segments.buckets == tuple(b for b in prefill_graphs.BUCKETS if b <= tokens_per_pool)
     assert _run(fast, segmented) == tokens
     assert runs and set(runs) <= set(fast.model.segments.buckets)
