@@ -20,7 +20,7 @@ from simulator.cost_model import CostModel
 from simulator.fit_prefill import _point
 from simulator.fit_records import predict
 from simulator.hardware import get_profile
-from simulator.heldout import error_pct, heldout_row, run_json, write_report
+from simulator.heldout import error_pct, heldout_header, heldout_row, run_json, write_report
 from simulator.records import expected_distinct, load_records
 from simulator.sweep import Calibration, find_calibration
 
@@ -145,17 +145,11 @@ def main() -> None:
     args = ap.parse_args()
     cal, measured_here = find_calibration("h100")
     points = decode_points(cal) + prefill_points(cal, Calibration.resolve("h200_records_v7"))
-    header = {
-        "schema": "fluxtide.sim-shipped-check/1", "date": "2026-12-06", "session": 31,
-        "title": "the simulator against session 31's H100 records, held out (no refit)",
-        "hardware_profile": get_profile("h100").to_dict(),
-        "calibration": cal.name, "calibration_measured_on": cal.hardware, "calibration_measured_here": measured_here,
-        "calibration_rule": "sweep.find_calibration('h100'): DEFAULT_CALIBRATIONS['h100']",
-        "refit": False, "held_out_bound": BOUND,
-        "not_used": "the s27/s28/s30 H100 ladders (polled by a stalling /v1/stats) and the *-polled20hz / bf16 "
-                    "poll A/B ladders of this session",
-        "reproduce": "python scripts/sim_heldout_h100_s31.py",
-    }
+    title = "the simulator against session 31's H100 records, held out (no refit)"
+    header = heldout_header(31, title, get_profile("h100").to_dict(), cal, measured_here, BOUND,
+                            "python scripts/sim_heldout_h100_s31.py",
+                            not_used="the s27/s28/s30 H100 ladders (polled by a stalling /v1/stats) and the "
+                                     "*-polled20hz / bf16 poll A/B ladders of this session")
     write_report(args.out, header, points, lambda r: r["kind"], slice(11, 50), 40, 42)
 
 

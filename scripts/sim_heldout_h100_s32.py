@@ -25,7 +25,7 @@ from simulator.cost_model import CostModel
 from simulator.fit_prefill import _point
 from simulator.fit_records import predict
 from simulator.hardware import get_profile
-from simulator.heldout import error_pct, heldout_row, run_json, write_report
+from simulator.heldout import error_pct, heldout_header, heldout_row, run_json, write_report
 from simulator.records import expected_distinct, load_records
 from simulator.sweep import find_calibration
 
@@ -204,17 +204,12 @@ def main() -> None:
     e2e = {n: {p["batch"]: p for p in _run_json(PREDICT.format(n=n))} for n in REPLAYS}
     points = (ladder_points(cal, e2e) + probe_points(cal, e2e) + probe_24_points() + prefill_points(cal)
               + mixed_points())
-    header = {
-        "schema": "fluxtide.sim-shipped-check/1", "date": "2026-12-06", "session": 32,
-        "title": "the simulator against session 32's H100 records, held out (no refit), short-prompt replays modelled",
-        "hardware_profile": get_profile("h100").to_dict(),
-        "calibration": cal.name, "calibration_measured_on": cal.hardware, "calibration_measured_here": measured_here,
-        "calibration_rule": "sweep.find_calibration('h100'): DEFAULT_CALIBRATIONS['h100']",
-        "refit": False, "held_out_bound": BOUND,
-        "replays": "each record predicted at its server's FLUXTIDE_SHORT_PROMPT_REPLAYS (its file name: replays8 "
-                   "or replays0); other_replays_* is the other setting, not scored",
-        "reproduce": "python scripts/sim_heldout_h100_s32.py",
-    }
+    title = ("the simulator against session 32's H100 records, held out (no refit), short-prompt replays "
+             "modelled")
+    header = heldout_header(32, title, get_profile("h100").to_dict(), cal, measured_here, BOUND,
+                            "python scripts/sim_heldout_h100_s32.py",
+                            replays="each record predicted at its server's FLUXTIDE_SHORT_PROMPT_REPLAYS (its file "
+                                    "name: replays8 or replays0); other_replays_* is the other setting, not scored")
     write_report(args.out, header, points,
                  lambda r: f"{r['kind']} (replays {r['replays']})" if "replays" in r else r["kind"],
                  slice(15, 58), 43, 40)

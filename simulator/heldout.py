@@ -31,6 +31,17 @@ def heldout_row(record: str, point: str, kind: str, measured: float, predicted: 
             "command": command, **extra}
 
 
+def heldout_header(session: int, title: str, hardware: dict, cal, measured_here, bound: float, reproduce: str,
+                   **extra) -> dict:
+    """The report's fields before the points: an H100-style held-out check with the card's default calibration
+    (`sweep.find_calibration`), no refit; `extra` adds the check's own notes."""
+    return {"schema": "fluxtide.sim-shipped-check/1", "date": "2026-12-06", "session": session, "title": title,
+            "hardware_profile": hardware, "calibration": cal.name, "calibration_measured_on": cal.hardware,
+            "calibration_measured_here": measured_here,
+            "calibration_rule": "sweep.find_calibration('h100'): DEFAULT_CALIBRATIONS['h100']",
+            "refit": False, "held_out_bound": bound, **extra, "reproduce": reproduce}
+
+
 def write_report(out: str | Path, header: dict, points: list[dict], group: Callable[[dict], str],
                  name_slice: slice, name_width: int, point_width: int) -> None:
     """Write `header` + the per-group within-bound counts (`group(row)` names a row's group) + the points to `out`
