@@ -24,10 +24,12 @@ import torch
 
 from adapters.kernels.moe_align import narrow_keys
 from adapters.kernels.moe_route_lookup import moe_route_lookup
+from adapters.kernels.moe_router import ResidentSlots, moe_router
 from adapters.kernels.residency_lookup import layer_lookup
 from adapters.kernels.residency_set_fills import set_fills
 from adapters.kernels.residency_set_hits import MAX_EXPERTS as SET_MAX_EXPERTS
 from adapters.kernels.residency_set_hits import set_hits
+from adapters.kernels.residency_settle_hits import settle_hits
 from domain.residency import Lookup, ResidencyExhausted
 
 NO_KEY = -1
@@ -91,6 +93,8 @@ class DeviceResidency:
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         # set by mark_every_key_resident (after a preload): no lookup can miss, so none needs victims
         self._no_victims: torch.Tensor | None = None
+        # with it, the decode step's keys used since the last settle (route_resident / settle_resident)
+        self._presence: torch.Tensor | None = None
 
     # ---- the device-side lookup ------------------------------------------------------------------------
     def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True, presorted: bool = False) -> DeviceLookup:
@@ -184,6 +188,7 @@ class DeviceResidency:
             raise ValueError("not every key is resident")
         # NOTE: read only where a lookup misses, which no longer happens; valid slots all the same
         self._no_victims = torch.arange(min(self.num_experts, self.num_slots), dtype=torch.int64, device=self.device)
+        self._presence = torch.zeros_like(self.slot_of_key, dtype=torch.uint8)  # [L*E + 1]
 
     @property
     def every_key_resident(self) -> bool:
@@ -263,6 +268,32 @@ class DeviceResidency:
         return moe_route_lookup(logits, x, top_k, renormalize, gate_weight, valid, layer * self.num_experts,
                                 self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
                                 self.num_slots, shared_slot, self.owner, self.rank)
+
+    def route_resident(self, layer: int, logits: torch.Tensor, x: torch.Tensor, router: torch.Tensor, top_k: int,
+                       renormalize: bool, gate_weight: torch.Tensor | None, valid: torch.Tensor,
+                       shared_slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's routing where every key is resident (docs/adr/0027-resident-pool-routing.md): one
+        moe_router launch from the router logits fp32 [T, E] gives (weights fp32 [T, K(+1 with gate_weight)],
+        slot_ids int32 [T, K(+1 with shared_slot)]) straight from the table, and marks the layer's keys; no
+        lookup launch, no miss list (none can miss). The hits and stamps of the layer are made by the step's
+        settle_resident, which must run after its last layer (until then they are pending). x [T, H] and
+        router [E, H]: the router's input and weight (moe_router checks them; the GEMV is not redone).
+        Raises ValueError unless every_key_resident."""
+        if self._presence is None:
+            raise ValueError("route_resident needs a residency that holds every key (mark_every_key_resident)")
+        t = logits.shape[0]
+        slot_ids = torch.empty((t, top_k + (shared_slot is not None)), dtype=torch.int32, device=self.device)
+        slots = ResidentSlots(self.slot_of_key, layer * self.num_experts, valid, self._presence, slot_ids, shared_slot)
+        weights, _ = moe_router(x, router, top_k, renormalize, gate_weight, logits=logits, slots=slots)
+        return weights, slot_ids
+
+    def settle_resident(self) -> None:
+        """The pending route_resident calls' hits, in one launch: the keys they marked become most recently used
+        in ascending key order and count as hits, exactly as their per-layer lookups would have left the tables
+        and counters (residency_settle_hits.py). Nothing pending: no stamp moves."""
+        if self._presence is None:
+            raise ValueError("settle_resident needs a residency that holds every key (mark_every_key_resident)")
+        settle_hits(self._presence, self.slot_of_key, self.stamp, self.clock, self._counters)
 
     def release_all(self) -> None:
         self.pinned.zero_()
@@ -393,6 +424,7 @@ class DeviceResidency:
         assert all(key_of[i] != NO_KEY for i in range(s) if bool(self.pinned[i])), "an empty slot is pinned"
         hits, misses, evictions = self.counters()
         assert min(hits, misses, evictions) >= 0 and evictions <= misses, "bad counters"
+        assert self._presence is None or not bool(self._presence.any()), "route_resident keys left unsettled"
 
     def lru_order(self) -> tuple[tuple[int, int], ...]:
         key_of = self.key_of_slot[: self.num_slots].tolist()

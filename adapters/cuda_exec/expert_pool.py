@@ -262,6 +262,10 @@ class DeviceExpertPool:
         return self._bank_row[torch.where(keys < 0, self._bank_row.shape[0] - 1, keys)]
 
     def _gather(self, fill_keys: torch.Tensor, fill_slots: torch.Tensor) -> None:
+        if self.residency.every_key_resident:
+            # NOTE: no lookup can miss once every key is resident (until a resize rebuilds the pool and its
+            # graphs), so the fill lists are all -1: the launch (~4.5 us a decode layer at bs16) is skipped
+            return
         gather_rows(self.bank.rows, self.slots, self.bank_rows(fill_keys), fill_slots)
 
     def _fetch(self, keys: torch.Tensor, presorted: bool = False) -> None:
@@ -539,6 +543,35 @@ class DeviceExpertPool:
         partials = self._unzeroed_partials(x, weights.shape[1])
         self.grouped_round(x, align._replace(block_slots=slots), weights, partials, a8=False if decode_sized else None)
         return self._reduce(partials, x, keys)
+
+    def routes_resident(self, pairs: int) -> bool:
+        """Whether a decode step's layer of `pairs` routed pairs takes `routed_resident`: every key is resident
+        (one GPU: a shard is never marked so) and the bucket stays on the per-pair GEMVs (the grouped decode
+        GEMMs align the router's expert ids, which routed_resident does not keep)."""
+        return self.residency.every_key_resident and pairs <= MAX_KEYS and not self.groups_decode(pairs)
+
+    def routed_resident(self, layer: int, x: torch.Tensor, logits: torch.Tensor, router: torch.Tensor, top_k: int,
+                        renormalize: bool, gate_weight: torch.Tensor | None = None,
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`routed_logits` for a pool that holds every key (routes_resident; ADR 0027): the router kernel reads
+        each pair's slot from the residency's table and marks the keys; no lookup or gather launch. The same
+        weights (moe_router's bits) and experts as routed_logits, so the same output; the layer's hits and
+        stamps wait for `settle_step`, which the caller runs once after the step's last layer.
+        logits fp32 [T, E], x [T, H], router [E, H], gate_weight [1, H] or None (needs shared rows). [T, H]."""
+        if not self.routes_resident(x.shape[0] * top_k):
+            raise ValueError("routed_resident needs a pool that holds every key (and a bucket on the GEMVs)")
+        if gate_weight is not None and not self.has_shared:
+            raise ValueError("this pool holds no shared experts")
+        if valid is None:
+            valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        weights, slot_ids = self.residency.route_resident(
+            layer, logits, x, router, top_k, renormalize, gate_weight, valid,
+            None if gate_weight is None else self.shared_slot(layer))
+        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
+
+    def settle_step(self) -> None:
+        """The hits of the step's routed_resident layers, in one launch (DeviceResidency.settle_resident)."""
+        self.residency.settle_resident()
 
     def can_route(self, rows: int, top_k: int) -> bool:
         """Whether `routed_logits` takes `rows` rows: the one-launch router + lookup fits (decode buckets)."""

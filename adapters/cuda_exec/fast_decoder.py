@@ -170,6 +170,7 @@ class FastDecoder(MoeDecoder):
         # NOTE: the residual add is fused into the next norm: (x + delta, norm(x + delta)) in one launch
         x, h = fused_norm(x, w["layers.0.input_layernorm.weight"], eps, unit_offset=unit)  # [B, H]
         cos_sin = self._rotary.cos_sin(buf.positions, x.dtype) if self.full_layers else None  # [B, R] x2
+        settle = False  # a layer took routed_resident: the step's hits are settled after the last layer
         for i, mixer in enumerate(self.mixers):
             if isinstance(mixer, FullAttention):
                 h = self._attention_decode(i, mixer, h, buf, kv, cos_sin)
@@ -179,12 +180,19 @@ class FastDecoder(MoeDecoder):
             if self._fused_routing(i, h.shape[0], experts):
                 # its tile is autotuned per bucket on CUDA, by the executor's eager warm-up step (bs1 wants
                 # smaller e-blocks than bs16: adapters/kernels/rms_norm_router.py)
-                x, h, logits = norm_router(x, h, norm_w, w[f"layers.{i}.mlp.gate.weight"], eps, unit_offset=unit)
-                if experts.fuses_routing(h.shape[0], self.opts.top_k):
+                router = w[f"layers.{i}.mlp.gate.weight"]
+                x, h, logits = norm_router(x, h, norm_w, router, eps, unit_offset=unit)
+                gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
+                if experts.routes_resident(h.shape[0] * self.opts.top_k):
+                    # NOTE: every key resident: the router reads the slots from the table, no lookup or gather
+                    # launch; the hits are settled once per step below (ADR 0027)
+                    delta = experts.routed_resident(i, h, logits, router, self.opts.top_k, self.opts.renormalize,
+                                                    gate_w, buf.valid)
+                    settle = True
+                elif experts.fuses_routing(h.shape[0], self.opts.top_k):
                     # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
                     # softmax/top-k/shared gate + the layer's residency decision, for small buckets only
                     # (moe_route_lookup.pays; docs/fast-decode.md)
-                    gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
                     delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
                                                   buf.valid)
                 else:  # larger buckets: moe_router (grid (T,)) from the same logits, then the lookup kernel
@@ -194,6 +202,8 @@ class FastDecoder(MoeDecoder):
                 delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
+        if settle:
+            experts.settle_step()
         logits = self._linear(h, self.lm_head).float()  # [B, V]
         return logits, logits.argmax(dim=-1)
 

@@ -15,7 +15,14 @@ Numerics follow adapters/torch_exec/moe.py `route` and `shared_expert`:
 One program per token keeps all E logits in registers. NOTE: each program then streams the whole
 router (E x H fp32) alone, at one SM's bandwidth; for big routers pass `logits` from a full-width
 GEMV (one cuBLAS launch) and this kernel does the rest. Graph-capturable: no host sync, grid (T,).
+
+Resident slots (`ResidentSlots`, docs/adr/0027-resident-pool-routing.md): for a pool that holds every key, the
+kernel also writes each pair's slot (slot_of_key[layer * E + id], -1 on padded rows; column K the resident
+shared expert's slot) and marks the layer's keys in a presence map, so the decode step needs no lookup launch:
+the hits are settled once per step (residency_settle_hits.py). KS = K (+ 1 with a shared slot).
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,10 +31,27 @@ import triton.language as tl
 MAX_EXPERTS = 1024
 
 
+class ResidentSlots(NamedTuple):
+    """The slot outputs of a router launch over a pool that holds every key (DeviceResidency.route_resident).
+
+    slot_of_key int64 [L*E + 1]: the residency's table (every key >= 0); base: the layer's first flat key
+    (layer * E); valid bool [T]: rows with False route nowhere (slot -1, no mark); presence uint8 [L*E + 1]:
+    each valid row's keys are set to 1 (idempotent stores, several rows may mark one key); out int32 [T, KS]
+    contiguous: the slots; shared_slot: column K of out (KS = K + 1) on valid rows, or None (KS = K)."""
+    slot_of_key: torch.Tensor
+    base: int
+    valid: torch.Tensor
+    presence: torch.Tensor
+    out: torch.Tensor
+    shared_slot: int | None
+
+
 @triton.jit
-def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, E, H, stride_x, stride_l,
-                       shared_id, K: tl.constexpr, HAS_LOGITS: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, slot_of_ptr, valid_ptr, presence_ptr,
+                       sout_ptr, E, H, stride_x, stride_l, shared_id, base, shared_slot,
+                       K: tl.constexpr, HAS_LOGITS: tl.constexpr, ROUND_LOGITS: tl.constexpr,
                        KO: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND_GATE: tl.constexpr, RENORM: tl.constexpr,
+                       HAS_SLOTS: tl.constexpr, KS: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -87,12 +111,22 @@ def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, E, H
         top_i = tl.where(offs_k == K, shared_id, top_i)
     tl.store(wout_ptr + row * KO + offs_k, top_w, mask=offs_k < KO)
     tl.store(iout_ptr + row * KO + offs_k, top_i, mask=offs_k < KO)
+    if HAS_SLOTS:  # a pool that holds every key: the slots straight from its table, the keys marked
+        live = tl.load(valid_ptr + row + offs_k * 0) != 0  # [BK] the row's flag on every lane
+        routed = (offs_k < K) & live
+        key = base + top_i  # [BK] flat keys of the routed columns
+        slot = tl.load(slot_of_ptr + key, mask=routed, other=-1)
+        if KS > K:
+            slot = tl.where(offs_k == K, tl.where(live, shared_slot, -1), slot)
+        tl.store(sout_ptr + row * KS + offs_k, slot.to(tl.int32), mask=offs_k < KS)
+        tl.store(presence_ptr + key, tl.full((BLOCK_K,), 1, tl.uint8), mask=routed)
 
 
 def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool,
                shared_gate_weight: torch.Tensor | None = None, shared_id: int | None = None, *,
                logits: torch.Tensor | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out: tuple[torch.Tensor, torch.Tensor] | None = None,
+               slots: ResidentSlots | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, KO], expert ids int64 [T, KO]) for x [T, H] (bf16/fp16/fp32).
 
     router_weight [E, H], fp32 or x's dtype (then logits are rounded to it). top_k K <= E.
@@ -100,6 +134,8 @@ def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renorma
     default E).
     logits [T, E] fp32, optional: precomputed x @ router_weight^T (the GEMV is then skipped).
     out: optional preallocated (weights, ids), contiguous [T, KO].
+    slots: a pool that holds every key also gets each pair's slot and its keys marked (ResidentSlots); the
+    weights and ids are the same bits as without it.
     Raises ValueError on mismatched shapes, dtypes or K.
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -143,10 +179,39 @@ def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renorma
     block_g = min(1024, triton.next_power_of_2(h))
     g = shared_gate_weight if has_shared else router_weight
     lg = logits if logits is not None else wout
-    _moe_router_kernel[(t,)](x, router_weight, lg, g, wout, iout, e, h, x.stride(0), lg.stride(0), shared_id,
+    ks = top_k
+    if slots is not None:
+        ks = _check_slots(slots, t, top_k, e, x.device)
+    # without slots the slot pointers are never read (HAS_SLOTS False): any tensor stands in
+    s = slots if slots is not None else ResidentSlots(iout, 0, iout, iout, iout, None)
+    _moe_router_kernel[(t,)](x, router_weight, lg, g, wout, iout, s.slot_of_key, s.valid, s.presence, s.out,
+                             e, h, x.stride(0), lg.stride(0), shared_id, s.base,
+                             -1 if s.shared_slot is None else s.shared_slot,
                              K=top_k, KO=ko, HAS_LOGITS=logits is not None,
                              ROUND_LOGITS=router_weight.dtype != torch.float32, HAS_SHARED=has_shared,
                              ROUND_GATE=has_shared and shared_gate_weight.dtype != torch.float32,
-                             RENORM=renormalize, BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_G=block_g,
-                             BLOCK_K=triton.next_power_of_2(ko), num_warps=8 if logits is None else 4)
+                             RENORM=renormalize, HAS_SLOTS=slots is not None, KS=ks, BLOCK_E=block_e,
+                             BLOCK_H=block_h, BLOCK_G=block_g, BLOCK_K=triton.next_power_of_2(max(ko, ks)),
+                             num_warps=8 if logits is None else 4)
     return wout, iout
+
+
+def _check_slots(slots: ResidentSlots, t: int, top_k: int, e: int, device: torch.device) -> int:
+    """KS of a ResidentSlots for T rows of top-K over E experts; ValueError if a tensor does not fit."""
+    ks = top_k + (slots.shared_slot is not None)
+    keys = slots.slot_of_key.numel()
+    if slots.slot_of_key.dtype != torch.int64 or slots.slot_of_key.dim() != 1 or not slots.slot_of_key.is_contiguous():
+        raise ValueError("slots.slot_of_key must be a contiguous int64 [L*E + 1]")
+    if not 0 <= slots.base <= keys - 1 - e:
+        raise ValueError(f"slots.base {slots.base} leaves no {e} keys in a table of {keys}")
+    if slots.presence.dtype != torch.uint8 or slots.presence.shape != (keys,):
+        raise ValueError(f"slots.presence must be uint8 [{keys}], got {slots.presence.dtype} "
+                         f"{tuple(slots.presence.shape)}")
+    if slots.valid.dtype != torch.bool or slots.valid.shape != (t,):
+        raise ValueError(f"slots.valid must be bool [{t}], got {slots.valid.dtype} {tuple(slots.valid.shape)}")
+    if slots.out.dtype != torch.int32 or slots.out.shape != (t, ks) or not slots.out.is_contiguous():
+        raise ValueError(f"slots.out must be a contiguous int32 [{t}, {ks}], got {slots.out.dtype} "
+                         f"{tuple(slots.out.shape)}")
+    if any(v.device != device for v in (slots.slot_of_key, slots.presence, slots.valid, slots.out)):
+        raise ValueError(f"slots tensors must be on {device}")
+    return ks

@@ -197,22 +197,26 @@ def test_padded_rows_route_nowhere_and_do_not_change_real_rows(ckpt):
     assert torch.isfinite(padded[0]).all()
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, pays):
-    """A decode step enters every MoE layer through rms_norm_router + moe_route_lookup (no moe_router, no
-    separate lookup launch) when the shared expert is resident in the pool (its shape is a routed
-    expert's) and the bucket is within moe_route_lookup's crossover (pays), through rms_norm_router +
-    moe_router + the lookup kernel past it, else through moe_router + the lookup kernel; every Gated
+@pytest.mark.parametrize("route", ["fused", "unfused", "resident"])
+def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, route):
+    """A decode step over a pool that holds every key (resident) enters every MoE layer through
+    rms_norm_router + moe_router with the slots from the table (route_resident, no lookup launch; one settle
+    after the last layer: ADR 0027) when the shared expert is resident in the pool (its shape is a routed
+    expert's); over a partial pool through rms_norm_router + moe_route_lookup (no moe_router, no separate
+    lookup launch) when the bucket is within moe_route_lookup's crossover (fused), through rms_norm_router +
+    moe_router + the lookup kernel past it (unfused), else through moe_router + the lookup kernel; every Gated
     DeltaNet layer projects a/b inside the recurrence (no a/b GEMV); attention applies its output gate in
     the combine step. The parity tests above hold these paths to the reference."""
     import adapters.cuda_exec.fast_decoder as fd
     import adapters.kernels.moe_route_lookup as mrl
     from adapters.cuda_exec.device_residency import DeviceResidency
 
-    if not pays:
+    pays = route == "fused"
+    if route == "unfused":
         monkeypatch.setattr(mrl, "FUSED_MAX_TILE", 0)
 
-    fast = _fast(ckpt, ckpt.spec.num_layers * ckpt.spec.num_experts, use_graphs=False)
+    total = ckpt.spec.num_layers * ckpt.spec.num_experts
+    fast = _fast(ckpt, total if route == "resident" else total - 1, use_graphs=False)
     seq = Sequence("p", PROMPTS[0], pages_for(0, 16), state_slot=0)
     run_requests(fast, [seq], 1, chunk=8)  # prefill (its own paths)
     calls: dict[str, int] = {}
@@ -226,6 +230,8 @@ def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, 
 
     monkeypatch.setattr(DeviceResidency, "route_layer", count("route_layer", DeviceResidency.route_layer))
     monkeypatch.setattr(DeviceResidency, "lookup_layer", count("lookup_layer", DeviceResidency.lookup_layer))
+    for name in ("route_resident", "settle_resident"):
+        monkeypatch.setattr(DeviceResidency, name, count(name, getattr(DeviceResidency, name)))
     for name in ("moe_router", "norm_router", "gdn_decode_step", "paged_decode_attention"):
         monkeypatch.setattr(fd, name, count(name, getattr(fd, name)))
     fast.inputs.stage([seq.next_work(1)], has_state=True)
@@ -234,10 +240,13 @@ def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, 
     layers, linear = ckpt.spec.num_layers, len(fast.model.linear_layers)
     spec = ckpt.spec
     assert fast.experts.has_shared == (spec.shared_expert_intermediate == spec.expert_intermediate)
-    assert fast.experts.fuses_routing(2, spec.top_k) == pays
+    assert fast.experts.fuses_routing(2, spec.top_k) == (route != "unfused")
+    assert fast.experts.routes_resident(2 * spec.top_k) == (route == "resident")
     moe = {"moe_router": layers, "lookup_layer": layers}
     if fast.experts.has_shared:
         moe = {"route_layer": layers, "norm_router": layers} if pays else {**moe, "norm_router": layers}
+        if route == "resident":
+            moe = {"route_resident": layers, "settle_resident": 1, "norm_router": layers}
     full = layers - linear
     attention = {"paged_decode_attention" + ("+gate" if fast.model.opts.attention.output_gate else ""): full}
     assert calls == {**moe, **({"gdn_decode_step+project_ab": linear} if linear else {}), **attention}
