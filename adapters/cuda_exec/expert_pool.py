@@ -293,17 +293,9 @@ class DeviceExpertPool:
             return slot_ids
         return torch.cat((slot_ids, torch.full_like(slot_ids[:, :1], self.shared_slot(layer))), 1)  # [T, K+1]
 
-    def _moe_out(self, pairs: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor,
-                 summed: bool = True) -> torch.Tensor:
+    def _moe_out(self, pairs: int, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The MoE output [T, H] of one call covering every pair: the fused kernels as they are on one GPU;
-        with a shard, this rank's partials exchanged and summed (bitwise the one-GPU sum).
-        summed False: on one GPU, where the call takes the per-pair GEMVs, the unsummed fp32 partials
-        [T, K(+1), H] instead (every pair written, skipped ones as zeros), for a caller that adds them in k
-        order itself (the decode step's next norm: rms_norm's partials residual, moe_sum's bits); [T, H]
-        otherwise. The caller tells the two apart by rank."""
-        if self.shard is None and not summed and not self.groups_decode(pairs) and pairs <= GEMV_MAX_PAIRS:
-            return fused_moe(x, slot_ids, weights, self.all_slots, self.layout, dedup=self.dedups(pairs),
-                             summed=False)
+        with a shard, this rank's partials exchanged and summed (bitwise the one-GPU sum)."""
         if self.shard is None:
             return self._experts(pairs, x, slot_ids, weights)
         partials = self.shard.partials(x, weights.shape[1])  # [T, K(+1), H] zeroed
@@ -451,7 +443,7 @@ class DeviceExpertPool:
         return grouped_gemms(x, align, weights, self.all_slots, self.layout, partials, h, a8=a8)
 
     def routed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               valid: torch.Tensor | None = None, shared: bool = False, summed: bool = True) -> torch.Tensor:
+               valid: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """sum_k weights[t,k] * expert_{ids[t,k]}(x[t]) for x [T, H], weights fp32 [T, K(+1)], ids [T, K];
         rows with valid False route nowhere (no lookup, no miss, zeros out). shared: weights' last column
         weighs the layer's resident shared expert (the router's output as it is; needs shared rows).
@@ -467,8 +459,6 @@ class DeviceExpertPool:
         sync per group.
         More than GEMV_MAX_PAIRS pairs (prefill chunks) run on the grouped tensor-core GEMMs, fewer on the
         per-pair GEMVs; every path is bitwise the same at any S and G.
-        summed False: the one-launch lookup's call may return the unsummed partials (`_moe_out`); the other
-        paths return [T, H] regardless.
         """
         if weights.shape != (ids.shape[0], ids.shape[1] + shared):
             raise ValueError(f"weights {tuple(weights.shape)} do not fit ids {tuple(ids.shape)} (shared={shared})")
@@ -487,7 +477,7 @@ class DeviceExpertPool:
             self._gather(fill_keys, fill_slots)
             if self.groups_decode(ids.numel()):
                 return self._grouped_by_expert(x, ids, valid, slot_ids, weights, shared)
-            return self._moe_out(ids.numel(), x, slot_ids, weights, summed)
+            return self._moe_out(ids.numel(), x, slot_ids, weights)
         if self._step_open and self.staging_slots:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
         if self.residency.can_lookup_set():
@@ -562,13 +552,12 @@ class DeviceExpertPool:
 
     def routed_resident(self, layer: int, x: torch.Tensor, logits: torch.Tensor, router: torch.Tensor, top_k: int,
                         renormalize: bool, gate_weight: torch.Tensor | None = None,
-                        valid: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor:
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
         """`routed_logits` for a pool that holds every key (routes_resident; ADR 0027): the router kernel reads
         each pair's slot from the residency's table and marks the keys; no lookup or gather launch. The same
         weights (moe_router's bits) and experts as routed_logits, so the same output; the layer's hits and
         stamps wait for `settle_step`, which the caller runs once after the step's last layer.
-        logits fp32 [T, E], x [T, H], router [E, H], gate_weight [1, H] or None (needs shared rows). [T, H], or
-        with summed False the unsummed partials as `_moe_out` gives them."""
+        logits fp32 [T, E], x [T, H], router [E, H], gate_weight [1, H] or None (needs shared rows). [T, H]."""
         if not self.routes_resident(x.shape[0] * top_k):
             raise ValueError("routed_resident needs a pool that holds every key (and a bucket on the GEMVs)")
         if gate_weight is not None and not self.has_shared:
@@ -578,7 +567,7 @@ class DeviceExpertPool:
         weights, slot_ids = self.residency.route_resident(
             layer, logits, x, router, top_k, renormalize, gate_weight, valid,
             None if gate_weight is None else self.shared_slot(layer))
-        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights, summed)
+        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
 
     def settle_step(self) -> None:
         """The hits of the step's routed_resident layers, in one launch (DeviceResidency.settle_resident)."""
@@ -598,14 +587,12 @@ class DeviceExpertPool:
                 and not self.groups_decode(rows * top_k))
 
     def routed_logits(self, layer: int, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-                      gate_weight: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                      summed: bool = True) -> torch.Tensor:
+                      gate_weight: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         """`routed` for the decode step, straight from the router's logits fp32 [T, E]: softmax, top-k,
         renormalisation, the shared gate (gate_weight [1, H]: the layer's resident shared expert, weighed
         by sigmoid(x . g)) and the layer's residency decision in one launch (moe_route_lookup), then the
         miss gather and the fused experts. Same routing as moe_router, same decisions as `routed`'s
-        one-launch lookup. Needs can_route(T, K); gate_weight needs shared rows. Returns [T, H], or with summed
-        False the unsummed partials as `_moe_out` gives them."""
+        one-launch lookup. Needs can_route(T, K); gate_weight needs shared rows. Returns [T, H]."""
         if not self.can_route(x.shape[0], top_k):
             raise ValueError(f"{x.shape[0]} rows x top-{top_k} do not fit one routing launch over "
                              f"{self.num_slots} slots")
@@ -618,7 +605,7 @@ class DeviceExpertPool:
             layer, logits, x, top_k, renormalize, gate_weight, valid,
             None if gate_weight is None else self.shared_slot(layer))
         self._gather(fill_keys, fill_slots)
-        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights, summed)
+        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager

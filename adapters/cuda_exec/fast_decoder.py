@@ -84,12 +84,10 @@ class FastDecoder(MoeDecoder):
         return fast_linear(x, w)
 
     def _moe(self, i: int, h: torch.Tensor, experts: DeviceExpertPool, valid: torch.Tensor | None = None,
-             h32: torch.Tensor | None = None, logits: torch.Tensor | None = None, summed: bool = True):
+             h32: torch.Tensor | None = None, logits: torch.Tensor | None = None):
         """The MoE block's output [T, H] for h [T, H]; h32: h.float() when the caller has it already (the
         decode step's norm writes it), for the fp32 router; logits: the fp32 router's h @ router^T [T, E]
-        when the caller has them already (rms_norm_router), so no router GEMV runs here. summed False: the
-        pool may return its unsummed partials [T, K(+1), H] (DeviceExpertPool._moe_out) where the shared
-        expert is in the pool or absent; a caller passing it adds them (rms_norm's partials residual)."""
+        when the caller has them already (rms_norm_router), so no router GEMV runs here."""
         prefix, k = f"layers.{i}.mlp.", self.opts.top_k
         router = self.w[prefix + "gate.weight"]
         gate_w = self.w[prefix + "shared_expert_gate.weight"] if self.opts.shared_expert else None
@@ -109,9 +107,9 @@ class FastDecoder(MoeDecoder):
         if self.replay_ids is not None:  # --routing-replay (benchmark-only): in place, graph-safe
             replace_routing(self.replay_ids[:, i], h, router, weights, ids, logits, self.opts.renormalize)
         if gate_w is None:
-            return experts.routed(i, h, weights, ids, valid, summed=summed)  # [T, H] or [T, K, H]
+            return experts.routed(i, h, weights, ids, valid)  # [T, H]
         if experts.has_shared:  # the shared expert is one more resident expert of the fused kernels
-            return experts.routed(i, h, weights, ids, valid, shared=True, summed=summed)
+            return experts.routed(i, h, weights, ids, valid, shared=True)
         w = self.w
         out = experts.routed(i, h, weights[:, :k], ids, valid)
         up = self._linear(h, w[prefix + "shared_expert.up_proj.weight"])
@@ -189,22 +187,20 @@ class FastDecoder(MoeDecoder):
                     # NOTE: every key resident: the router reads the slots from the table, no lookup or gather
                     # launch; the hits are settled once per step below (ADR 0027)
                     delta = experts.routed_resident(i, h, logits, router, self.opts.top_k, self.opts.renormalize,
-                                                    gate_w, buf.valid, summed=False)
+                                                    gate_w, buf.valid)
                     settle = True
                 elif experts.fuses_routing(h.shape[0], self.opts.top_k):
                     # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
                     # softmax/top-k/shared gate + the layer's residency decision, for small buckets only
                     # (moe_route_lookup.pays; docs/fast-decode.md)
                     delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
-                                                  buf.valid, summed=False)
+                                                  buf.valid)
                 else:  # larger buckets: moe_router (grid (T,)) from the same logits, then the lookup kernel
-                    delta = self._moe(i, h, experts, buf.valid, logits=logits, summed=False)
+                    delta = self._moe(i, h, experts, buf.valid, logits=logits)
             else:
                 x, h, h32 = self._add_post_norm(i, x, h)
-                delta = self._moe(i, h, experts, buf.valid, h32, summed=False)
+                delta = self._moe(i, h, experts, buf.valid, h32)
             after = f"layers.{i + 1}.input_layernorm.weight" if i + 1 < len(self.mixers) else "norm.weight"
-            # NOTE: delta may be the MoE's unsummed partials [B, K+1, H]: the norm adds them as moe_sum would (one
-            # launch a layer less)
             x, h = fused_norm(x, w[after], eps, unit_offset=unit, residual=delta)
         if settle:
             experts.settle_step()

@@ -65,9 +65,8 @@ _TUNED = triton.autotune(configs=tune_configs(), key=["K", "H", "I", "R", "FMT",
 
 
 def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
-             layout: ExpertLayout, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-             block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
-             summed: bool = True) -> torch.Tensor:
+             layout: ExpertLayout, out: torch.Tensor | None = None, partials: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+             num_warps: int = 4) -> torch.Tensor:
     """out [T, H] in h.dtype: sum over k = 0..K-1 of weights[t, k] * (h[t, k] @ down^T), fp32 accumulation.
 
     h [T, K, I] bf16/fp16/fp32 (moe_gate_up's output); slot_ids int32 [T, K] (-1: adds nothing; ids must
@@ -77,9 +76,6 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
     partials (optional fp32 [T, K, H]): write only the weighted partials of the pairs whose slot is not
     -1 there and return it, with no sum (the grouped path fills it over several calls, then moe_sum).
     Given both, partials wins and out is not written.
-    summed False (without out or partials): return the fresh fp32 [T, K, H] buffer of weighted partials, every
-    pair written (skipped pairs as zeros), unsummed: the caller adds them in k order (rms_norm's partials
-    residual does, with moe_sum's bits).
     block_k (None: 128, 256 for 4-bit formats): a power of two and a multiple of the scale group (128 for
     block FP8).
     Raises ValueError on any shape, dtype, device or block-size mismatch.
@@ -96,11 +92,9 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
                          f"{tuple(weights.shape)}")
     if not h.device == weights.device == slots.device:
         raise ValueError(f"moe_down: h on {h.device}, weights on {weights.device}, slots on {slots.device}")
-    if not summed and (out is not None or partials is not None):
-        raise ValueError("moe_down: summed=False returns its own partials; pass neither out nor partials")
     tuned, block_n, block_k = resolve_tiles(layout, block_n, block_k, slots.is_cuda, "moe_down", rows=layout.hidden)
     hidden = layout.hidden
-    if partials is None and out is None and summed:
+    if partials is None and out is None:
         out = torch.empty((tokens, hidden), dtype=h.dtype, device=h.device)
     elif out is not None and (out.shape != (tokens, hidden) or out.dtype != h.dtype or not out.is_contiguous()):
         raise ValueError(f"moe_down: out must be contiguous {h.dtype} [{tokens}, {hidden}], "
@@ -110,8 +104,6 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
         raise ValueError(f"moe_down: partials must be contiguous fp32 [{tokens}, {k}, {hidden}], "
                          f"got {partials.dtype} {tuple(partials.shape)}")
     if tokens == 0:
-        if not summed:
-            return torch.empty((0, k, hidden), dtype=torch.float32, device=h.device)
         return out if partials is None else partials
     y = partials if partials is not None else torch.empty((tokens, k, hidden), dtype=torch.float32, device=h.device)
     c = layout_consts(layout)
@@ -120,4 +112,4 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
            K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
            W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None)
-    return y if partials is not None or not summed else moe_sum(y, out)
+    return y if partials is not None else moe_sum(y, out)

@@ -5,10 +5,6 @@ Shape legend: R rows (tokens, or tokens x heads for q/k norms), D normalised wid
 Numerics follow adapters/torch_exec/norms.py exactly: the residual sum is rounded to the activations'
 dtype (as a torch add is), statistics in fp32; unit_offset (Qwen3.5) scales by (1 + w) in fp32 before
 the cast, the plain form (Qwen3) casts first and multiplies by w in the activations' dtype.
-
-The residual may come as the MoE's unsummed partials (`parts` fp32 [R, KP, D], moe_down's per-pair output):
-they are added here in moe_sum's order and rounding (((0 + p_0) + p_1) + ...) in fp32, cast once to the
-activations' dtype), so the decode step skips the moe_sum launch and gets moe_sum-then-norm's bits.
 """
 
 import torch
@@ -18,21 +14,14 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, out32_ptr, D, eps, HAS_RES: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_D: tl.constexpr,
-                     KP: tl.constexpr = 0):
+                     UNIT_OFFSET: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0)
     if HAS_RES:
-        if KP > 0:  # res_ptr holds KP fp32 partials per row: moe_sum's ordered sum, cast to the activations
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for k in range(KP):  # NOTE: k = 0..KP-1 in order, as moe_sum adds them
-                acc += tl.load(res_ptr + (row * KP + k).to(tl.int64) * D + offs, mask=mask, other=0.0)
-            res = acc.to(sum_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            res = tl.load(res_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) + res).to(sum_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * D + offs, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / D
@@ -60,20 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
 
     weight [D] (any float dtype). fp32_copy: also return norm(...).float() as a third tensor, written by
     the same launch (an fp32 router reads it without a cast kernel of its own).
-    residual may also be fp32 partials [R, KP, D] for a 2-D x [R, D] (the MoE's unsummed pairs, moe_down
-    `summed=False`): the residual is then their moe_sum, with its bits.
     Raises ValueError on mismatched shapes.
     """
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"weight must be [{d}], got {tuple(weight.shape)}")
-    parts = 0
-    if residual is not None and residual.dim() == 3 and x.dim() == 2:
-        if residual.dtype != torch.float32 or residual.shape[::2] != x.shape or not residual.is_contiguous():
-            raise ValueError(f"partials must be contiguous fp32 [{x.shape[0]}, KP, {d}], got {residual.dtype} "
-                             f"{tuple(residual.shape)}")
-        parts = residual.shape[1]
-    elif residual is not None and residual.shape != x.shape:
+    if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     x2 = x.reshape(-1, d).contiguous()
     rows = x2.shape[0]
@@ -81,10 +62,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     total = torch.empty_like(x2) if residual is not None else x2
     out32 = torch.empty(x2.shape, dtype=torch.float32, device=x2.device) if fp32_copy else out
     if rows:
-        res = (residual if parts else residual.reshape(-1, d).contiguous()) if residual is not None else x2
+        res = residual.reshape(-1, d).contiguous() if residual is not None else x2
         _rms_norm_kernel[(rows,)](x2, res, weight, total, out, out32, d, eps, HAS_RES=residual is not None,
                                   UNIT_OFFSET=unit_offset, FP32_COPY=fp32_copy,
-                                  BLOCK_D=triton.next_power_of_2(d), KP=parts, num_warps=norm_warps(d))
+                                  BLOCK_D=triton.next_power_of_2(d), num_warps=norm_warps(d))
     if fp32_copy:
         return total.view(x.shape), out.view(x.shape), out32.view(x.shape)
     return total.view(x.shape), out.view(x.shape)

@@ -37,29 +37,3 @@ def test_fused_norm_matches_the_reference(unit_offset, dtype):
 def test_norm_refuses_a_wrong_weight():
     with pytest.raises(ValueError, match="weight"):
         rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6, unit_offset=True)
-
-
-@pytest.mark.parametrize("unit_offset", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_partials_as_the_residual_give_moe_sum_then_the_norm_bit_for_bit(unit_offset, dtype):
-    """The decode step hands the MoE's unsummed partials [R, KP, D] to the next norm (one moe_sum launch a
-    layer less): the same bits as moe_sum into x's dtype, then the norm with that residual. Zeros and
-    negative zeros among the partials (skipped pairs) included."""
-    from adapters.kernels.moe_sum import moe_sum
-
-    gen = torch.Generator().manual_seed(4)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.randn(3, 80, generator=gen).to(dtype).to(dev)
-    parts = (torch.randn(3, 9, 80, generator=gen) * 3).to(dev)
-    parts[1, 4] = 0.0
-    parts[2, 0] = -0.0
-    w = (torch.randn(80, generator=gen) * 0.1).to(dtype).to(dev)
-    res = moe_sum(parts, torch.empty_like(x))
-    want = rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=res, fp32_copy=True)
-    got = rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=parts, fp32_copy=True)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="partials"):
-        rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=parts[:, :, :40])
-    with pytest.raises(ValueError, match="partials"):
-        rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=parts.to(torch.float64))

@@ -185,30 +185,6 @@ def test_down_into_out_is_bitwise_the_callers_partials_then_moe_sum(fmt, dtype, 
     assert rel_err(out, reference(x, slot_ids, weights, slots, layout, round_h=dtype)[1]) < 8e-3
 
 
-def test_down_unsummed_gives_the_partials_moe_sum_adds(monkeypatch):
-    """summed=False (the decode step, whose next norm adds the partials): moe_down's own buffer with every pair
-    written, skipped ones as zeros (NaN-poisoned here: one left unwritten fails), and moe_sum over it gives the
-    summed call's bits. out or partials with it are refused."""
-    import importlib
-
-    from adapters.kernels.moe_sum import moe_sum
-
-    layout, slots, where = make_pool(F_.FP8_BLOCK, 256, 128, experts=5, num_slots=7, seed=23)
-    x, slot_ids, weights = make_batch(3, 3, where, seed=24, hidden=256, dtype=torch.bfloat16)
-    slot_ids[2] = -1
-    h = moe_gate_up(x, slot_ids, slots, layout)
-    want = moe_down(h, slot_ids, weights, slots, layout)
-    monkeypatch.setattr(importlib.import_module("adapters.kernels.moe_down"), "torch", _PoisonedTorch())
-    parts = moe_down(h, slot_ids, weights, slots, layout, summed=False)
-    monkeypatch.undo()
-    assert parts.shape == (3, 3, layout.hidden) and parts.dtype == torch.float32
-    assert torch.equal(parts[2], torch.zeros_like(parts[2]))
-    assert torch.equal(moe_sum(parts, torch.empty_like(x)), want)
-    assert torch.equal(fused_moe(x, slot_ids, weights, slots, layout, summed=False), parts)
-    with pytest.raises(ValueError, match="summed=False"):
-        moe_down(h, slot_ids, weights, slots, layout, out=torch.empty_like(x), summed=False)
-
-
 @pytest.fixture(scope="module")
 def small():
     layout, slots, where = make_pool(F_.FP8_BLOCK, 256, 128, experts=2, num_slots=2, seed=11)
