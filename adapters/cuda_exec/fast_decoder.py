@@ -183,18 +183,20 @@ class FastDecoder(MoeDecoder):
                 router = w[f"layers.{i}.mlp.gate.weight"]
                 x, h, logits = norm_router(x, h, norm_w, router, eps, unit_offset=unit)
                 gate_w = w[f"layers.{i}.mlp.shared_expert_gate.weight"] if self.opts.shared_expert else None
-                if experts.routes_resident(h.shape[0] * self.opts.top_k):
-                    # NOTE: every key resident: the router reads the slots from the table, no lookup or gather
-                    # launch; the hits are settled once per step below (ADR 0027)
-                    delta = experts.routed_resident(i, h, logits, router, self.opts.top_k, self.opts.renormalize,
-                                                    gate_w, buf.valid)
-                    settle = True
-                elif experts.fuses_routing(h.shape[0], self.opts.top_k):
+                if experts.fuses_routing(h.shape[0], self.opts.top_k):
                     # NOTE: two launches from the mixer's output to the slot ids: norm + router GEMV, then
                     # softmax/top-k/shared gate + the layer's residency decision, for small buckets only
                     # (moe_route_lookup.pays; docs/fast-decode.md)
                     delta = experts.routed_logits(i, h, logits, self.opts.top_k, self.opts.renormalize, gate_w,
                                                   buf.valid)
+                elif experts.routes_resident(h.shape[0] * self.opts.top_k):
+                    # NOTE: every key resident: the router (moe_router, as the branch below) reads the slots from
+                    # the table, no lookup or gather launch; the hits are settled once per step below (ADR 0027).
+                    # Not for the fused buckets above: moe_route_lookup's weights are moe_router's within 1e-6,
+                    # not bit for bit, and the bits must not depend on the pool size
+                    delta = experts.routed_resident(i, h, logits, router, self.opts.top_k, self.opts.renormalize,
+                                                    gate_w, buf.valid)
+                    settle = True
                 else:  # larger buckets: moe_router (grid (T,)) from the same logits, then the lookup kernel
                     delta = self._moe(i, h, experts, buf.valid, logits=logits)
             else:

@@ -212,7 +212,7 @@ def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, 
     from adapters.cuda_exec.device_residency import DeviceResidency
 
     pays = route == "fused"
-    if route == "unfused":
+    if route != "fused":  # the resident route is for the buckets past the fused kernel's crossover
         monkeypatch.setattr(mrl, "FUSED_MAX_TILE", 0)
 
     total = ckpt.spec.num_layers * ckpt.spec.num_experts
@@ -240,7 +240,7 @@ def test_decode_steps_take_the_fused_routing_and_gdn_kernels(ckpt, monkeypatch, 
     layers, linear = ckpt.spec.num_layers, len(fast.model.linear_layers)
     spec = ckpt.spec
     assert fast.experts.has_shared == (spec.shared_expert_intermediate == spec.expert_intermediate)
-    assert fast.experts.fuses_routing(2, spec.top_k) == (route != "unfused")
+    assert fast.experts.fuses_routing(2, spec.top_k) == pays
     assert fast.experts.routes_resident(2 * spec.top_k) == (route == "resident")
     moe = {"moe_router": layers, "lookup_layer": layers}
     if fast.experts.has_shared:
