@@ -99,7 +99,7 @@ def step_tokens(records: list[tuple[str, dict]]) -> int:
     return next(iter(budgets.values()))
 
 
-def _deployment(base: Deployment, record: dict, where: str) -> Deployment:
+def _deployment(base: Deployment, record: dict, where: str, replays: int | None = None) -> Deployment:
     stats = _server_stats(record, where)
     prefix = bool(_get(stats, "prefix_cache.enabled", where))
     triton = bool(_get(stats, "executor.prefill_kernels", where))
@@ -110,8 +110,9 @@ def _deployment(base: Deployment, record: dict, where: str) -> Deployment:
                         staging_experts=int(_number(record, "pool_plan.staging_experts", where, positive=False)),
                         cache_type="radix" if prefix else "none", simulate_prefix_cache=True,
                         prefill_kernels="triton" if triton else "reference",
-                        # NOTE: the server's short-prompt replays (ADR 0026): off in every record this fit has read
-                        short_prompt_replays=_replays(record, where))
+                        # NOTE: the server's short-prompt replays (ADR 0026): off in every record this fit has read;
+                        # `replays` names them for a record that does not state them (session 32's A/B pairs)
+                        short_prompt_replays=_replays(record, where) if replays is None else replays)
 
 
 def _replays(record: dict, where: str) -> int | None:
@@ -131,8 +132,10 @@ def _workload(base: Workload, record: dict, prompt: int, where: str) -> Workload
 
 
 def simulate_points(calibration: Calibration, records: list[tuple[str, dict]], spec: ModelSpec,
-                    hardware: HardwareProfile) -> list[TtftPoint]:
-    """Every ok point of the ft bench records, measured and simulated with `calibration` (its cost as given)."""
+                    hardware: HardwareProfile, replays: dict[str, int] | None = None) -> list[TtftPoint]:
+    """Every ok point of the ft bench records, measured and simulated with `calibration` (its cost as given).
+    `replays`: record name -> its server's FLUXTIDE_SHORT_PROMPT_REPLAYS, for records that do not state it (else
+    short_prompts.served_replays reads it)."""
     cost = calibration.cost_params()
     routing = make_routing("uniform", spec.num_layers, spec.num_experts, spec.top_k, calibration.seed,
                            calibration.locality_params())
@@ -141,7 +144,7 @@ def simulate_points(calibration: Calibration, records: list[tuple[str, dict]], s
     for name, record in records:
         if record.get("kind") not in ("sweep", "ladder"):
             raise ValueError(f"{name}: a {record.get('kind')!r} record has no HTTP time to first token")
-        deployment = _deployment(calibration.deployment_params(), record, name)
+        deployment = _deployment(calibration.deployment_params(), record, name, (replays or {}).get(name))
         workload = _workload(Workload.from_dict(calibration.workload), record, prompt, name)
         plan = _get(record, "pool_plan", name)
         for i, p in enumerate(_get(record, "points", name)):
