@@ -11,18 +11,27 @@ _COMPILE_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from adapters.kernels import dense_gemv, moe_route_lookup, moe_router, residency_lookup, rms_norm, rms_norm_router
+from adapters.kernels import (dense_gemv, moe_route_lookup, moe_router, residency_lookup, residency_settle_hits,
+                              rms_norm, rms_norm_router)
 
 def build(kernel, sig, consts):
     sig = {**sig, **{k: "constexpr" for k in consts}}
     compiled = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32))
     assert compiled.metadata.shared <= 232448, (kernel.__name__, compiled.metadata.shared)
 
-build(moe_router._moe_router_kernel,
-      {"x_ptr": "*bf16", "w_ptr": "*fp32", "logits_ptr": "*fp32", "g_ptr": "*bf16", "wout_ptr": "*fp32",
-       "iout_ptr": "*i64", "E": "i32", "H": "i32", "stride_x": "i32", "stride_l": "i32", "shared_id": "i32"},
-      dict(K=8, HAS_LOGITS=True, ROUND_LOGITS=False, KO=9, HAS_SHARED=True, ROUND_GATE=True, RENORM=True,
-           BLOCK_E=256, BLOCK_H=16, BLOCK_G=1024, BLOCK_K=16))
+# without and with the resident pool's slot outputs (ADR 0027: the bs8/16 buckets over a pool holding every key)
+for slots, ks in ((False, 8), (True, 9)):
+    build(moe_router._moe_router_kernel,
+          {"x_ptr": "*bf16", "w_ptr": "*fp32", "logits_ptr": "*fp32", "g_ptr": "*bf16", "wout_ptr": "*fp32",
+           "iout_ptr": "*i64", "slot_of_ptr": "*i64", "valid_ptr": "*i1", "presence_ptr": "*u8", "sout_ptr": "*i32",
+           "E": "i32", "H": "i32", "stride_x": "i32", "stride_l": "i32", "shared_id": "i32", "base": "i32",
+           "shared_slot": "i32"},
+          dict(K=8, HAS_LOGITS=True, ROUND_LOGITS=False, KO=9, HAS_SHARED=True, ROUND_GATE=True, RENORM=True,
+               HAS_SLOTS=slots, KS=ks, BLOCK_E=256, BLOCK_H=16, BLOCK_G=1024, BLOCK_K=16))
+build(residency_settle_hits._settle_hits_kernel,
+      {"presence_ptr": "*u8", "slot_of_ptr": "*i64", "stamp_ptr": "*i64", "clock_ptr": "*i64",
+       "counters_ptr": "*i64", "N": "i32"},
+      dict(BLOCK_N=residency_settle_hits.BLOCK))
 # the decode step's lookup after moe_router: 1-2 rows of top-8 (16 keys) and the 16-row bucket (128 keys,
 # 8 warps), which takes it again since moe_route_lookup.pays stops at 4 rows at E = 256
 for block_n in (16, 128):
