@@ -36,7 +36,7 @@ from domain.request import SamplingParams
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import HardwareProfile, get_profile
 from simulator.host import SimHost
-from simulator.params import write_or_check
+from simulator.params import run_fit
 from simulator.records import _get, _number
 from simulator.routing import make_routing
 from simulator.sim_executor import SimExecutor
@@ -243,13 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare a fresh build with --out instead of writing it")
     args = p.parse_args(argv)
     http = args.http if str(args.http) else None
-    try:
-        profile = build(args.base, args.record, http, args.out.stem)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print_table(profile)
-    return write_or_check(profile, args.out, args.check)
+    return run_fit(lambda: build(args.base, args.record, http, args.out.stem), print_table, args.out, args.check)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from simulator.fit_prefill import HTTP as H200_HTTP
 from simulator.fit_prefill import RECORD as H200_PREFILL
 from simulator.fit_prefill import _point, _scenario, http_points, simulate_prefill
 from simulator.hardware import HardwareProfile, get_profile
-from simulator.params import write_or_check
+from simulator.params import run_fit
 from simulator.records import _number
 from simulator.sweep import CALIBRATION_DIR, Calibration
 
@@ -277,18 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare a fresh build with --out instead of writing it")
     p.add_argument("--report", action="store_true", help="also write the before/after records (docs/bench)")
     args = p.parse_args(argv)
-    try:
-        profile = build(args.base, args.out.stem)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print_table(profile)
-    code = write_or_check(profile, args.out, args.check)
-    if args.report and not args.check:
+
+    def report(profile: dict) -> None:
         from simulator.short_steps_report import write_reports
 
         write_reports(args.base, profile, REPORT_SPLIT, REPORT_TAIL)
-    return code
+
+    return run_fit(lambda: build(args.base, args.out.stem), print_table, args.out, args.check,
+                   after=report if args.report else None)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from domain.model_spec import ModelSpec, qwen36_35b_a3b
 from simulator.hardware import HardwareProfile, get_profile
-from simulator.params import write_or_check
+from simulator.params import run_fit
 from simulator.predict import Deployment, Workload, predict_point
 from simulator.records import _get, _number
 from simulator.routing import make_routing
@@ -254,13 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--check", action="store_true", help="compare a fresh build with --out instead of writing it")
     args = p.parse_args(argv)
-    try:
-        profile = build(args.base, args.records, args.out.stem)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print_table(profile)
-    return write_or_check(profile, args.out, args.check)
+    return run_fit(lambda: build(args.base, args.records, args.out.stem), print_table, args.out, args.check)
 
 
 if __name__ == "__main__":

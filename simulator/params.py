@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -91,3 +93,20 @@ def write_or_check(profile: dict, path: Path, check: bool) -> int:
     path.write_text(text)
     print(f"wrote {path}")
     return 0
+
+
+def run_fit(build: Callable[[], dict], print_table: Callable[[dict], None], path: Path, check: bool,
+            after: Callable[[dict], None] | None = None) -> int:
+    """A fit script's main once its arguments are read: build the profile (a ValueError or FileNotFoundError is
+    printed as `error: ...` on stderr, exit code 2), print its table, then write_or_check it; after(profile) runs
+    once it is written (never with check). Returns the exit code."""
+    try:
+        profile = build()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print_table(profile)
+    code = write_or_check(profile, path, check)
+    if after is not None and not check:
+        after(profile)
+    return code
