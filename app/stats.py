@@ -9,16 +9,55 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
+import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from domain.gap_stats import percentile
 
 
-@dataclass(frozen=True, slots=True)
+class _TraceRow(msgspec.Struct, gc=False):
+    """One step of /v1/stats/steps, its fields in the order the body shows them."""
+
+    end: float
+    seconds: float
+    host_seconds: float | None
+    decode_rows: int
+    prefill_tokens: int
+    prefill_works: int
+    layers: tuple[int, int] | None
+    layer_tokens: int
+    expert_hits: int
+    expert_misses: int
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _round6(values: list[float]) -> list[float]:
+    """[round(v, 6) for v in values], vectorised: round()'s decimal conversion was the largest part of encoding a
+    step's row. NOTE: exact, the same floats: below 8,000 the double product v * 1e6 is off the exact one by under
+    1e-6, so where it is not near a half (0.4999) its nearest integer k is the one round's correctly rounded decimal
+    conversion finds, and k / 1e6 (both exact doubles: one IEEE division) is the double nearest k / 10**6, the float
+    round parses its digits back to. The rest (near a half, negative, 8,000 or more, not finite) take round itself."""
+    given = np.array(values, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # huge, infinite, nan: not exact, rounded below
+        scaled = given * 1e6
+        nearest = np.rint(scaled)
+        exact = (np.abs(scaled - nearest) < 0.4999) & (given >= 0) & (given < 8e3)
+    rounded = (nearest / 1e6).tolist()
+    for i in np.flatnonzero(~exact).tolist():
+        rounded[i] = round(values[i], 6)
+    return rounded
+
+
+@dataclass(slots=True)
 class _Step:
     at: float
     prefill_tokens: int
@@ -35,19 +74,32 @@ class _Step:
     prefill_works: int = 0
     layers: tuple[int, int] | None = None
     layer_tokens: int = 0
+    # NOTE: the only field written after construction: the step's trace row as JSON, encoded by the first reader
+    # that needs it (a step's row never changes; two readers racing store equal bytes). The engine thread never
+    # encodes: a full window's rows cost milliseconds, re-encoding them on every GET /v1/stats/steps was its cost.
+    row: bytes | None = field(default=None, compare=False, repr=False)
 
-    def trace_row(self) -> dict:
-        """One step of /v1/stats/steps. prefill_tokens: the tokens its prefill works computed, a layered chunk's in
-        each of its groups (the window's prefill_tokens count a chunk once, in its first group)."""
-        later_group = self.layers is not None and self.layers[0] > 0
+
+def _encode_rows(steps: list[_Step]) -> None:
+    """Give each step of `steps` without one its row of /v1/stats/steps, encoded (together: their rounding is one
+    vectorised pass). prefill_tokens: the tokens its prefill works computed, a layered chunk's in each of its groups
+    (the window's prefill_tokens count a chunk once, in its first group)."""
+    fresh = [s for s in steps if s.row is None]
+    if not fresh:
+        return
+    seconds = _round6([s.seconds for s in fresh])
+    host = _round6([0.0 if s.host_seconds is None else s.host_seconds for s in fresh])
+    for s, call_s, host_s in zip(fresh, seconds, host, strict=True):
+        layers = s.layers
+        later_group = layers is not None and layers[0] > 0
         # NOTE: `end` unrounded: a client passes it back as `since` to get the steps after this one
-        return {"end": self.ended, "seconds": round(self.seconds, 6),
-                "host_seconds": None if self.host_seconds is None else round(self.host_seconds, 6),
-                "decode_rows": self.decode_tokens,
-                "prefill_tokens": self.prefill_tokens + (self.layer_tokens if later_group else 0),
-                "prefill_works": self.prefill_works, "layers": None if self.layers is None else list(self.layers),
-                "layer_tokens": self.layer_tokens if self.layers is not None else 0,
-                "expert_hits": self.expert_hits, "expert_misses": self.expert_misses}
+        s.row = _encode(_TraceRow(
+            s.ended, call_s, None if s.host_seconds is None else host_s, s.decode_tokens,
+            s.prefill_tokens + (s.layer_tokens if later_group else 0), s.prefill_works, layers,
+            s.layer_tokens if layers is not None else 0, s.expert_hits, s.expert_misses))
+
+
+_ended = attrgetter("ended")
 
 
 class ServingStats:
@@ -60,6 +112,9 @@ class ServingStats:
         self._clock = clock
         self._lock = threading.Lock()
         self._steps: deque[_Step] = deque()
+        # NOTE: steps of the window that ended before the step ahead of them (the wall clock stepped back): while
+        # there are none, `ended` rises along the window and GET /v1/stats/steps finds `since` by bisection
+        self._ended_inversions = 0
         self._ttfts: deque[tuple[float, float]] = deque()
         self._bursts: deque[int] = deque(maxlen=64)  # commands queued as each idle wake's arrival window closed
         self._idle_wakes = 0
@@ -132,6 +187,8 @@ class ServingStats:
                      prefill_work, time.time() if ended is None else ended,
                      int(prefill_work) if prefill_works is None else prefill_works, layers, layer_tokens)
         with self._lock:
+            if self._steps and step.ended < self._steps[-1].ended:
+                self._ended_inversions += 1
             self._steps.append(step)
             self._trim(step.at)
         # NOTE: a zero increment changes nothing; skipping it saves a lock round per counter and step.
@@ -305,15 +362,33 @@ class ServingStats:
             "host_s": {"count": len(host), "p50": percentile(host, 50), "p90": percentile(host, 90)},
         }
 
-    def steps(self, since: float | None = None) -> dict:
-        """GET /v1/stats/steps: every step of the window (the last ``window_s`` seconds), oldest first, or those that
-        ended after `since` (epoch seconds, the wall clock: ``clock`` "unix")."""
+    def steps_json(self, since: float | None = None) -> bytes:
+        """GET /v1/stats/steps' body: every step of the window (the last ``window_s`` seconds), oldest first, or
+        those that ended after `since` (epoch seconds, the wall clock: ``clock`` "unix")."""
         with self._lock:
             self._trim(self._clock())
             steps = list(self._steps)
-        # NOTE: the rows are built outside the lock (the engine thread's record_step never waits for them)
-        rows = [s.trace_row() for s in steps if since is None or s.ended > since]
-        return {"clock": "unix", "window_s": self.window_s, "steps": rows}
+            ordered = not self._ended_inversions
+        if since is not None:
+            if ordered:
+                steps = steps[bisect_right(steps, since, key=_ended):]
+            else:
+                steps = [s for s in steps if s.ended > since]
+        # NOTE: outside the lock (the engine thread's record_step never waits for them): each row is encoded once,
+        # by the first read that returns it, then joined from its bytes (the same bytes msgspec writes for the dict)
+        head, tail = b'{"clock":"unix","window_s":' + _encode(self.window_s) + b',"steps":[', b"]}"
+        _encode_rows(steps)
+        rows = [s.row for s in steps]
+        if not rows:
+            return head + tail
+        # NOTE: head and tail joined to the end rows, not to the body: each copy of a full window's megabyte counts
+        rows[0] = head + rows[0]
+        rows[-1] += tail
+        return b",".join(rows)
+
+    def steps(self, since: float | None = None) -> dict:
+        """steps_json as a dict."""
+        return msgspec.json.decode(self.steps_json(since))
 
     def prometheus_text(self) -> bytes:
         return generate_latest(self.registry)
@@ -321,7 +396,9 @@ class ServingStats:
     def _trim(self, now: float) -> None:
         horizon = now - self.window_s
         while self._steps and self._steps[0].at < horizon:
-            self._steps.popleft()
+            gone = self._steps.popleft()
+            if self._steps and self._steps[0].ended < gone.ended:
+                self._ended_inversions -= 1
         while self._ttfts and self._ttfts[0][0] < horizon:
             self._ttfts.popleft()
 
@@ -329,6 +406,9 @@ class ServingStats:
         with self._lock:
             times = [s.at for s in self._steps]
             assert times == sorted(times), "steps out of time order"
+            ends = [s.ended for s in self._steps]
+            inversions = sum(b < a for a, b in zip(ends, ends[1:], strict=False))
+            assert inversions == self._ended_inversions, "wall-clock inversions miscounted"
             assert all(s.seconds >= 0 and s.decode_tokens >= 0 and s.prefill_tokens >= 0 for s in self._steps)
             requests, hits, prompt, cached = self._prefix
             assert 0 <= hits <= requests and 0 <= cached <= prompt, "prefix-cache counters out of order"

@@ -120,6 +120,7 @@ class TraceStep(msgspec.Struct):
     prefill_tokens: int  # computed by its prefill works (a layered chunk's tokens in each of its groups)
     prefill_works: int
     layers: tuple[int, int] | None  # the layer group [first, end) of a layered chunk's work; null: none
+    layer_tokens: int  # that chunk's tokens (0 without a layer group)
     expert_hits: int
     expert_misses: int
 
