@@ -20,7 +20,7 @@ from app.api.agent import (
     template_kwargs_of,
     thinking_budget,
 )
-from app.api.errors import bad_value, unsupported
+from app.api.errors import OpenAIError, bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
@@ -53,6 +53,7 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
     if not messages:
         raise bad_value("messages", "messages must contain at least one message")
     out = []
+    call_ids: dict[str, None] = {}  # the tool calls of the assistant messages so far, in order
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise bad_value(f"messages[{i}].role", f"unknown role {m.role!r}")
@@ -75,7 +76,11 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         if m.tool_calls:
             message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(m.tool_calls)]
+            if m.role == "assistant":
+                call_ids.update((call["id"], None) for call in message["tool_calls"] if call["id"] is not None)
         if m.tool_call_id is not None:
+            if role == "tool" and m.tool_call_id not in call_ids:
+                raise _dangling(f"messages[{i}].tool_call_id", m.tool_call_id, call_ids)
             message["tool_call_id"] = m.tool_call_id
         if m.reasoning_content:
             message["reasoning_content"] = m.reasoning_content
@@ -85,10 +90,22 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def _dangling(param: str, call_id: str, call_ids: dict[str, None]) -> OpenAIError:
+    """A tool message whose tool_call_id names no earlier call: the template would render a result to nothing (the
+    model reads an answer no call of its asked for), where OpenAI refuses the request."""
+    known = list(call_ids)
+    hint = f" (the tool call ids so far: {', '.join(map(repr, known[-8:]))}{', ...' if len(known) > 8 else ''})" \
+        if known else " (no assistant message before it has tool_calls)"
+    return bad_value(param, f"tool_call_id {call_id!r} answers no tool call: no earlier assistant message has a tool "
+                     f"call with that id{hint}")
+
+
 def _template_call(call: dict, param: str) -> dict:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_value(param, "a tool call needs function.name")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise bad_value(param + ".id", f"a tool call id must be a string, got {call['id']!r}")
     arguments = arguments_object(function.get("arguments", {}), param + ".function.arguments")
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 

@@ -32,6 +32,7 @@ from app.api.generation import (
     events_until_finished,
     guard_stream,
     raise_if_failed,
+    reject_unsupported,
     require_engine,
     runtime_of,
     stop_strings,
@@ -122,6 +123,9 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
     if not messages:
         raise bad_value("messages", "messages must contain at least one message")
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
+    # NOTE: Anthropic's pairing rule: a tool_result answers a tool_use of the assistant turn right before it
+    # (consecutive user messages are one turn there)
+    answerable: list[str] = []
     for i, m in enumerate(messages):
         param = f"messages[{i}].content"
         if m.role not in ("user", "assistant"):
@@ -129,6 +133,7 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
             out.append(_assistant(blocks, param))
+            answerable = [call["id"] for call in out[-1].get("tool_calls", [])]
             continue
         texts: list[str] = []
         for j, block in enumerate(blocks):
@@ -144,13 +149,27 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
                 content = _text(block.get("content", ""), f"{param}[{j}].content")
                 if block.get("is_error"):
                     content = "Error: " + content
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content})
+                out.append({"role": "tool", "tool_call_id": _answered(block, answerable, f"{param}[{j}]"),
+                            "content": content})
             else:
                 raise unsupported(f"{param}[{j}]", f"content block type {kind!r} is not supported (text and "
                                   "tool_result are)")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _answered(block: dict, answerable: list[str], param: str) -> str:
+    """The tool_use id a tool_result block answers, checked: one of the previous assistant turn's tool_use blocks
+    (a result to no call was rendered as a tool response the model never asked for)."""
+    use_id = block.get("tool_use_id")
+    if not isinstance(use_id, str) or not use_id:
+        raise bad_value(f"{param}.tool_use_id", "a tool_result block needs a `tool_use_id` string")
+    if use_id not in answerable:
+        before = f"its tool_use ids are {', '.join(answerable)}" if answerable else "it has no tool_use blocks"
+        raise bad_value(f"{param}.tool_use_id", f"unexpected tool_use_id {use_id!r} in a tool_result block: each "
+                        f"tool_result must answer a tool_use block of the previous assistant message ({before})")
+    return use_id
 
 
 def _assistant(blocks: list, param: str) -> dict:
@@ -166,6 +185,8 @@ def _assistant(blocks: list, param: str) -> dict:
         elif kind == "tool_use":
             if not isinstance(block.get("input", {}), dict) or not isinstance(block.get("name"), str) or not block["name"]:
                 raise bad_value(f"{param}[{j}]", "tool_use needs a name and an object input")
+            if not isinstance(block.get("id"), str) or not block["id"]:
+                raise bad_value(f"{param}[{j}].id", "a tool_use block needs an `id` string (its tool_result names it)")
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         else:
@@ -265,6 +286,8 @@ async def messages(request: Request) -> Response | Stream:
     for name, hint in _CHAT_ONLY.items():
         if getattr(body, name) is not None:
             raise unsupported(name, f"not a Messages API parameter{hint}")
+    reject_unsupported(body)  # vLLM's extensions (guided_json, min_p, ...): served as if absent before
+    _check_ranges(body)
     stop = stop_strings(body.stop_sequences, "stop_sequences")
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None
@@ -297,6 +320,19 @@ async def messages(request: Request) -> Response | Stream:
         "stop_reason": _stop_reason(parser, last), "stop_sequence": last.stop_string,
         "usage": _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
     })
+
+
+def _check_ranges(body: MessagesRequest) -> None:
+    """Anthropic's ranges, where they are narrower than Chat Completions' (temperature up to 2, top_k -1 for no
+    cut); checked before the prompt is rendered, so a max_tokens of 0 is not reported against a thinking budget."""
+    if body.max_tokens < 1:
+        raise bad_value("max_tokens", f"max_tokens must be >= 1, got {body.max_tokens}")
+    if body.temperature is not None and not 0 <= body.temperature <= 1:
+        raise bad_value("temperature", f"temperature must be between 0 and 1, got {body.temperature}")
+    if body.top_p is not None and not 0 <= body.top_p <= 1:
+        raise bad_value("top_p", f"top_p must be between 0 and 1, got {body.top_p}")
+    if body.top_k is not None and body.top_k < 0:
+        raise bad_value("top_k", f"top_k must be >= 0, got {body.top_k}")
 
 
 def _add(blocks: list[dict], piece) -> None:

@@ -130,6 +130,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     if not items:
         raise bad_value("input", "input must not be empty")
     reasoning: str | None = None
+    call_ids: set[str] = set()  # the function_call items so far
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message")
@@ -146,6 +147,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 "name": item.get("name"), "arguments": arguments_object(item.get("arguments", "{}"), f"{param}.arguments")}}
             if not _nonempty_str(item.get("name")) or not _nonempty_str(item.get("call_id")):
                 raise bad_value(param, "a function_call item needs call_id and name (non-empty strings)")
+            call_ids.add(item["call_id"])
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or reasoning is None):
                 last.setdefault("tool_calls", []).append(call)
@@ -156,6 +158,10 @@ def _messages(body: ResponsesRequest) -> list[dict]:
         elif kind == "function_call_output":
             if not _nonempty_str(item.get("call_id")):
                 raise bad_value(param, "a function_call_output item needs call_id (a non-empty string)")
+            # NOTE: nothing is stored (no previous_response_id), so the call it answers is an earlier input item
+            if item["call_id"] not in call_ids:
+                raise bad_value(f"{param}.call_id", f"no function_call item before it has call_id "
+                                f"{item['call_id']!r}: a function_call_output answers an earlier function_call")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
         elif kind == "reasoning":
