@@ -21,6 +21,7 @@ import argparse
 import importlib
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     from adapters.checkpoint.synth_config import GEOMETRIES
 
     record: dict = {"kind": "bench_decode", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "hardware": hardware_profile("cuda"), "args": vars(args), "scenarios": {}}
+                    "hardware": hardware_profile("cuda"), "args": vars(args), "scenarios": {},
+                    "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLUXTIDE_")}}
     try:
         geometry = GEOMETRIES["qwen3.6-35b-a3b"]
         if args.layers:

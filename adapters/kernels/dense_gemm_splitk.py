@@ -58,6 +58,7 @@ from adapters.kernels.dequant_tile import (
     weight_step,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
+from adapters.kernels.pdl import launch_options, prefetch_rows, wait_previous, weight_mode
 
 BLOCK_M = 16  # tl.dot's smallest row tile: every decode bucket is one row tile (two up to 32 rows, ...)
 BLOCK_K = 128  # one 128x128 block-FP8 scale per K step, as in dense_gemm
@@ -73,7 +74,7 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
                               stride_ym, SPLIT_K, N: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr,
                               GROUP: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              W_LHS: tl.constexpr = False):
+                              W_LHS: tl.constexpr = False, USE_GDC: tl.constexpr = 0):
     # M_BUCKET: only an autotune key (the next power of two of M), like dense_gemm's
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -88,6 +89,10 @@ def _dense_gemm_splitk_kernel(x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, ws_ptr, cnt_ptr
     per = (steps + SPLIT_K - 1) // SPLIT_K
     k_lo = split * per * BLOCK_K
     k_hi = tl.minimum((split + 1) * per * BLOCK_K, K)
+    if USE_GDC:  # launched with PDL (pdl.py): this split's weight bytes are static, ask L2 for them first
+        if USE_GDC == 2 and pid_m == 0 and FMT >= 1 and FMT <= 4:  # one byte per weight (FP8, INT8) in [N, K] rows
+            prefetch_rows(w_ptr, tl.minimum(n, N - 1), K, k_lo, k_hi)
+        wait_previous()
     # the tile in the arrangement of its dot: [BM, BN], or transposed [BN, BM] under W_LHS; offs and ok index
     # one split's [M, N] partial (and y) element for element in either
     if W_LHS:
@@ -245,8 +250,9 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
     bn, sk = block_n or 16, split_k or min(2, most)
     ws = torch.empty((most if tuned else sk, m, n), dtype=torch.float32, device=x.device)
     args = (x, q.data, q.scale, global_scale(q), out, ws, cnt, m, m_bucket(m), x.stride(0), out.stride(0))
+    pdl = weight_mode(x)
     consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), BLOCK_M=BLOCK_M,
-                  BLOCK_K=BLOCK_K, **dot_modes(x))
+                  BLOCK_K=BLOCK_K, USE_GDC=pdl, **dot_modes(x), **launch_options(pdl > 0))
     tiles_m = triton.cdiv(m, BLOCK_M)
     if tuned:
         _TUNED[lambda meta: (tiles_m * triton.cdiv(n, meta["BLOCK_N"]) * meta["SPLIT_K"],)](*args, **consts)

@@ -18,6 +18,7 @@ import triton.language as tl
 from adapters.checkpoint.quant import FP8_BLOCK, QTensor
 from adapters.kernels import dense_gemv_fp4
 from adapters.kernels.packed_gemv import check_dense_operands, untuned_block_n
+from adapters.kernels.pdl import launch_options, prefetch_rows, wait_previous, weight_mode
 from domain.model_spec import WeightFormat
 
 # scale modes (tl.constexpr)
@@ -29,12 +30,16 @@ SUPPORTED = {WeightFormat.FP8_BLOCK: SCALE_BLOCK, WeightFormat.FP8_TENSOR: SCALE
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, stride_xm, stride_ym,
                        scale_cols: tl.constexpr, SCALE_MODE: tl.constexpr, G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     row = tl.program_id(1)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < N
+    if USE_GDC:  # launched with PDL (pdl.py): the weight slice is static, ask L2 for it before x is ready
+        if USE_GDC == 2 and row == 0:  # the other rows' programs read the same slice
+            prefetch_rows(w_ptr, tl.minimum(offs_n, N - 1), K, 0, K)
+        wait_previous()
     # NOTE: a tile that divides the matrix needs no masks, and a block-FP8 tile inside one scale row folds
     # its scales into x: the loop is one convert and one FMA per weight byte (see packed_gemv's note)
     EVEN: tl.constexpr = (N % BLOCK_N == 0) and (K % BLOCK_K == 0)
@@ -111,9 +116,11 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if m == 0:
         return out
     args = (x, q.data, q.scale, out, n, k, x.stride(0), out.stride(0), q.scale.shape[1])
+    pdl = weight_mode(x)
+    consts = dict(SCALE_MODE=mode, G=FP8_BLOCK, USE_GDC=pdl, **launch_options(pdl > 0))
     if x.is_cuda and block_n is None and block_k is None:
-        _TUNED[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK)
+        _TUNED[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)](*args, **consts)
     else:
         bn, bk = block_n or untuned_block_n(n, x.is_cuda), block_k or 128
-        _dense_gemv_kernel[(triton.cdiv(n, bn), m)](*args, SCALE_MODE=mode, G=FP8_BLOCK, BLOCK_N=bn, BLOCK_K=bk)
+        _dense_gemv_kernel[(triton.cdiv(n, bn), m)](*args, **consts, BLOCK_N=bn, BLOCK_K=bk)
     return out

@@ -20,10 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import let_next_start
+
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, D, eps, stride_gt, stride_gh, HEADS: tl.constexpr,
-                           W_IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr):
+                           W_IN_DTYPE: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
+        let_next_start()
     row = tl.program_id(0).to(tl.int64)
     g_row = g_ptr + (row // HEADS) * stride_gt + (row % HEADS) * stride_gh  # token row // Nv, head row % Nv
     offs = tl.arange(0, BLOCK_D)
@@ -69,5 +74,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     if rows:
         _gated_rms_norm_kernel[(rows,)](x2, g2, weight, out, d, eps, *strides, HEADS=max(1, heads),
                                         W_IN_DTYPE=weight.dtype == dtype,
-                                        BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+                                        BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4,
+                                        USE_GDC=pdl_enabled(x2))
     return out

@@ -35,6 +35,8 @@ from adapters.kernels.packed_gemv import (
     resolve_tiles,
     tune_configs,
 )
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import launch_options, wait_previous
 
 
 # S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
@@ -43,7 +45,9 @@ def _moe_down_kernel(h_ptr, slot_ids_ptr, weights_ptr, slots_ptr, y_ptr, S, PAIR
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, R: tl.constexpr,
                      D_DATA: tl.constexpr, D_SCALE: tl.constexpr, D_GSCALE: tl.constexpr,
                      W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, WRITE_SKIPPED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # launched with PDL (pdl.py): h and the slots come from the kernels before
+        wait_previous()
     tk = tl.program_id(0)  # t * K + k
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of down = columns of out
@@ -111,5 +115,6 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
            h.contiguous(), slot_ids.contiguous(), weights.contiguous(), slots, y, slots.shape[0],
            K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
-           W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None)
+           W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None,
+           USE_GDC=pdl_enabled(h), **launch_options(pdl_enabled(h)))
     return y if partials is not None else moe_sum(y, out)

@@ -26,6 +26,8 @@ from adapters.kernels.packed_gemv import (
     resolve_tiles,
     tune_configs,
 )
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import launch_options, let_next_start, wait_previous
 
 
 # S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
@@ -35,7 +37,10 @@ def _moe_gate_up_kernel(x_ptr, slot_ids_ptr, slots_ptr, h_ptr, S, PAIRS_BUCKET,
                         G_DATA: tl.constexpr, G_SCALE: tl.constexpr, G_GSCALE: tl.constexpr,
                         U_DATA: tl.constexpr, U_SCALE: tl.constexpr, U_GSCALE: tl.constexpr,
                         W_DTYPE: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # launched with PDL (pdl.py): the slots come from the kernel before, nothing to do before them
+        let_next_start()  # moe_down's programs may take SMs as this grid's programs finish
+        wait_previous()
     tk = tl.program_id(0)  # t * K + k
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)  # [N] rows of gate/up = columns of h
@@ -91,5 +96,6 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
            K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
            U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
-           W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1))
+           W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), USE_GDC=pdl_enabled(x),
+           **launch_options(pdl_enabled(x)))
     return out

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from adapters.kernels.moe_router import MAX_EXPERTS
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import let_next_start
 from adapters.kernels.residency_lookup import MAX_KEYS, lookup_keys
 
 # NOTE: the [T, E] logits (fp32) and their int64 top-k keys live in one program's registers, and the lookup
@@ -48,7 +50,9 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
                              HAS_OWNER: tl.constexpr,
                              ROUND_GATE: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
+        let_next_start()
     offs_t = tl.arange(0, BLOCK_T)  # [BT]
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     offs_k = tl.arange(0, BLOCK_K)  # [BK] weight columns (KO)
@@ -181,5 +185,5 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
         K=top_k, KO=ko, KS=ks, HAS_GATE=has_gate, HAS_OWNER=owner is not None, ROUND_GATE=has_gate and gate_weight.dtype != torch.float32,
         RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=block_g,
         BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k), BLOCK_S=1024,
-        num_warps=4 if block_t * block_e <= 2048 else 8)
+        num_warps=4 if block_t * block_e <= 2048 else 8, USE_GDC=pdl_enabled(logits))
     return weights, slot_ids, fill_keys, fill_slots

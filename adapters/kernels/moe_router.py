@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import let_next_start
+
 MAX_EXPERTS = 1024
 
 
@@ -53,7 +56,9 @@ def _moe_router_kernel(x_ptr, w_ptr, logits_ptr, g_ptr, wout_ptr, iout_ptr, slot
                        KO: tl.constexpr, HAS_SHARED: tl.constexpr, ROUND_GATE: tl.constexpr, RENORM: tl.constexpr,
                        HAS_SLOTS: tl.constexpr, KS: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
+        let_next_start()
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     mask_e = offs_e < E
@@ -192,7 +197,7 @@ def moe_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renorma
                              ROUND_GATE=has_shared and shared_gate_weight.dtype != torch.float32,
                              RENORM=renormalize, HAS_SLOTS=slots is not None, KS=ks, BLOCK_E=block_e,
                              BLOCK_H=block_h, BLOCK_G=block_g, BLOCK_K=triton.next_power_of_2(max(ko, ks)),
-                             num_warps=8 if logits is None else 4)
+                             num_warps=8 if logits is None else 4, USE_GDC=pdl_enabled(x))
     return wout, iout
 
 

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import let_next_start
+
 
 @triton.jit
 def _paged_decode_combine_kernel(
@@ -21,10 +24,12 @@ def _paged_decode_combine_kernel(
     stride_yb, stride_yn, stride_yd,
     stride_gb, stride_gn, stride_gd,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr,
+    HAS_GATE: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """Program (b, n, d-block): out[b, n, d] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max); zeros when every
     split is empty (lse all -inf: a padded row)."""
+    if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
+        let_next_start()
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -73,6 +78,6 @@ def paged_decode_combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torc
     _paged_decode_combine_kernel[(batch, heads, triton.cdiv(head_dim, block_d))](
         part_o, part_lse, out, g, *part_o.stride(), *part_lse.stride(), *out.stride(), *g.stride(),
         NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
+        BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4, USE_GDC=pdl_enabled(out),
     )
     return out

@@ -11,10 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels.pdl import enabled as pdl_enabled
+from adapters.kernels.pdl import let_next_start
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, out_ptr, out32_ptr, D, eps, HAS_RES: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_D: tl.constexpr):
+                     UNIT_OFFSET: tl.constexpr, FP32_COPY: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_GDC: tl.constexpr = False):
+    if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
+        let_next_start()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -65,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
         res = residual.reshape(-1, d).contiguous() if residual is not None else x2
         _rms_norm_kernel[(rows,)](x2, res, weight, total, out, out32, d, eps, HAS_RES=residual is not None,
                                   UNIT_OFFSET=unit_offset, FP32_COPY=fp32_copy,
-                                  BLOCK_D=triton.next_power_of_2(d), num_warps=norm_warps(d))
+                                  BLOCK_D=triton.next_power_of_2(d), num_warps=norm_warps(d), USE_GDC=pdl_enabled(x2))
     if fp32_copy:
         return total.view(x.shape), out.view(x.shape), out32.view(x.shape)
     return total.view(x.shape), out.view(x.shape)

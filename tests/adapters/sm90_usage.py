@@ -4,6 +4,7 @@ on the path), not by pytest itself."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -14,12 +15,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
+def with_defaults(fn, constexprs: dict) -> dict:
+    """constexprs plus the default of every parameter of the @triton.jit `fn` that has one and is not given
+    (ASTSource binds only what it is handed: a defaulted constexpr such as USE_GDC would otherwise be None)."""
+    params = inspect.signature(fn.fn).parameters.values()
+    return {**{p.name: p.default for p in params if p.default is not inspect.Parameter.empty}, **constexprs}
+
+
 def resource_usage(fn, types: dict[str, str], constexprs: dict, options: dict,
                    other: Callable[[str], str] = lambda name: "i32") -> dict[str, int]:
     """{REG, STACK (ptxas' spill stack per thread, bytes), SMEM (bytes)} of the @triton.jit `fn` compiled for
     sm_90: constexprs bound, every other argument typed by `types` (pointers such as "*bf16", scalars) or
     else other(name) (strides and lengths as i32 by default: what a launcher passes for tensors under 2**31
     elements); options: the launch's num_warps / num_stages."""
+    constexprs = with_defaults(fn, constexprs)
     sig = {n: "constexpr" if n in constexprs else types.get(n) or other(n) for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

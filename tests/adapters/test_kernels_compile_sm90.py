@@ -11,10 +11,12 @@ _COMPILE_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tests.adapters.sm90_usage import with_defaults
 from adapters.kernels import (dense_gemv, moe_route_lookup, moe_router, residency_lookup, residency_settle_hits,
                               rms_norm, rms_norm_router)
 
 def build(kernel, sig, consts):
+    consts = with_defaults(kernel, consts)
     sig = {**sig, **{k: "constexpr" for k in consts}}
     compiled = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32))
     assert compiled.metadata.shared <= 232448, (kernel.__name__, compiled.metadata.shared)

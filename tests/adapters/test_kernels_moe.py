@@ -244,8 +244,10 @@ from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.kernels import moe_down, moe_gate_up
 from adapters.kernels.packed_gemv import default_block_k, layout_consts
 from domain.model_spec import WeightFormat
+from tests.adapters.sm90_usage import with_defaults
 
 def build(kernel, ptrs, consts):
+    consts = with_defaults(kernel, consts)
     sig = {**ptrs, "S": "i32", "PAIRS_BUCKET": "i32", **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))}
     return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]

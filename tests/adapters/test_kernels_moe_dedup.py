@@ -250,10 +250,12 @@ from adapters.kernels import moe_down, moe_down_dedup, moe_gate_up, moe_gate_up_
 from adapters.kernels.dedup_gemv import pairs_per_program
 from adapters.kernels.packed_gemv import TUNE_TILES, default_block_k, layout_consts
 from domain.model_spec import WeightFormat
+from tests.adapters.sm90_usage import with_defaults
 
 TOOL = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
 def build(kernel, ptrs, ints, consts, warps, stages):
+    consts = with_defaults(kernel, consts)
     sig = {**ptrs, **{i: "i32" for i in ints}, **{k: "constexpr" for k in consts}}
     src = ASTSource(kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
