@@ -114,8 +114,9 @@ def add_ctl_parser(sub) -> None:
     cmds.add_parser("stats", parents=[common], help="pools, throughput, TTFT, expert hit rate")
     cache = cmds.add_parser("cache", parents=[common], help="show pools; with --kv/--moe/--mamba, resize them live")
     cache.add_argument("--kv", type=_count_or_auto, default=None, metavar="N",
-                       help="KV tokens (8k, 1.5m ...), or auto: whatever the budget leaves after the expert slots; "
-                            "a pool not given keeps its size")
+                       help="KV tokens (8k, 1.5m ...), or auto: whatever the budget leaves after the expert slots, "
+                            "at most state slots x the model's context (KV no running sequence can use), so auto "
+                            "can shrink the pool; a pool not given keeps its size")
     cache.add_argument("--moe", type=_count_or_auto, default=None, metavar="M",
                        help="expert slots, or auto: whatever the budget leaves after the KV pool")
     cache.add_argument("--mamba", type=_count, default=None, metavar="S",
@@ -161,7 +162,7 @@ def _table(title: str, rows: dict) -> Table:
         if isinstance(value, float):
             value = f"{value:.4g}"
         # NOTE: escaped: rich reads "[...]" in a cell as markup and drops it (a list value, a range in a message)
-        table.add_row(escape(str(key)), "" if value is None else escape(str(value)))
+        table.add_row(escape(str(key)), "n/a" if value is None else escape(str(value)))
     return table
 
 

@@ -41,6 +41,8 @@ def test_tables_render(ctl_server, capsys):
     assert "kv_pages_total" in out and "decode_tok_s" in out
     # the pools' prefix cache in rows as `ft ctl cache` shows it, not a Python dict repr
     assert "prefix_cache.cached_pages" in out and "{'" not in out, out
+    # a figure the server has not got (null: the CPU's streamed-prefill counters) reads n/a, not a blank cell
+    assert re.search(r"prefill_streaming\s*│\s*n/a", out), out
     assert ctl(ctl_server, "cache") == 0
     assert "plan.kv_tokens" in capsys.readouterr().out
 
