@@ -24,7 +24,10 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
 - the short step's eager token mixers (`short_step`): an uncaptured step of at most lookup_max_keys pairs a layer
   call (a prompt's tail beside decodes, a short prompt: the prefill graphs' steps) launches each layer's token mixer
   from Python, eager_mixer_layer_s of host time a layer, before that layer's GPU work can start (docs/simulator.md,
-  "Short steps: h200_records_v7").
+  "Short steps: h200_records_v7");
+- the per-pair GEMV call (`expert_call`, `expert_read(..., per_pair=True)`): a layer call of per-pair GEMVs costs
+  pair_call_s once plus its pairs' bytes at pair_read_efficiency (docs/simulator.md, "Held out on an H100: session 33,
+  refitted").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -44,6 +47,7 @@ from simulator.hardware import HardwareProfile
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
+OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s")  # left out of to_dict() at 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,14 @@ class CostParams(StrictParams):
     # (adapters/cuda_exec/expert_pool.py GEMV_MAX_PAIRS).
     expert_reads: str = "distinct"
     pair_gemv_max_pairs: int = 512
+    # A layer call of per-pair GEMVs (reads_per_pair) costs pair_call_s (s, once a call: the kernels' fixed launch,
+    # ramp and tail) + each pair's expert bytes at pair_read_efficiency of memory bandwidth (0: memory_efficiency).
+    # The kernels stream a pair faster than one efficiency for every byte says: an expert shared by several rows is
+    # re-read from L2, and more pairs keep more loads in flight (docs/simulator.md, "Held out on an H100: session
+    # 33, refitted"; simulator/fit_pair_gemv.py fits both on a bench_decode kernel profile). 0 and 0.0: files before
+    # h100_records_v2, whose per-pair reads run at memory_efficiency.
+    pair_call_s: float = 0.0
+    pair_read_efficiency: float = 0.0
     # The streamed prefill (docs/adr/0010-streamed-prefill.md): an uncaptured step (prefill or mixed) whose layer
     # calls route more than min(expert slots, lookup_max_keys) (token, top-k) pairs reads the resident experts in
     # place and copies the layer's non-resident ones through the plan's staging rows, in rounds that alternate
@@ -101,6 +113,11 @@ class CostParams(StrictParams):
     # template and tokenizer, the arrival window's quiet gap (ADR 0021), and the first token's way back. The
     # requests of one burst pay it side by side (they are admitted together after it); GPU and link idle.
     request_overhead_s: float = 0.0
+    # Between consecutive requests of a burst, on their way to the engine (s): the server parses, renders and
+    # tokenizes one request at a time, so the k-th of a burst sent together reaches the engine k x this after the
+    # first; the arrival window (Deployment.arrival_window_ms) decides which of them the first step takes
+    # (predict.run_workload). 0: a burst arrives at one instant (files before h100_records_v2).
+    request_spacing_s: float = 0.0
     # An uncaptured step whose layer calls route more than lookup_max_keys pairs (a prefill or mixed step of more
     # than 32 tokens at top-8: the grouped or streamed path; shorter steps replay the prefill graphs) pays, per layer
     # it computes, eager_layer_s (launches, host work, the grouped path's lookup and alignment: the eager forward's
@@ -127,7 +144,7 @@ class CostParams(StrictParams):
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
                          "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", "request_overhead_s",
                          "eager_layer_s", "eager_compute_efficiency", "eager_token_s", "eager_mixer_layer_s",
-                         allow_zero=True)
+                         "pair_call_s", "pair_read_efficiency", "request_spacing_s", allow_zero=True)
         buckets = self.graph_buckets
         if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                                                  for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -135,7 +152,8 @@ class CostParams(StrictParams):
         if not isinstance(self.padding_fetches, bool):
             raise ValueError("CostParams.padding_fetches must be a bool")
         require_positive(self, "memory_efficiency", "compute_efficiency", "h2d_efficiency", "kv_dtype_bytes")
-        for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency", "eager_compute_efficiency"):
+        for name in ("memory_efficiency", "compute_efficiency", "h2d_efficiency", "eager_compute_efficiency",
+                     "pair_read_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"CostParams.{name} must be <= 1, got {getattr(self, name)}")
         if not isinstance(self.overlap_copy_compute, bool):
@@ -148,6 +166,15 @@ class CostParams(StrictParams):
                 raise ValueError(f"CostParams.{name} must be an integer >= 1, got {m!r}")
         if not isinstance(self.streamed_prefill, bool):
             raise ValueError("CostParams.streamed_prefill must be a bool")
+
+    def to_dict(self) -> dict:
+        """StrictParams' dict, less the fields of h100_records_v2 (pair_call_s, pair_read_efficiency,
+        request_spacing_s) where they are 0: the files fitted before them stay what their commands write."""
+        out = super().to_dict()
+        for name in OFF_WHEN_ZERO:
+            if out[name] == 0:
+                del out[name]
+        return out
 
 
 @dataclass(frozen=True)
@@ -177,6 +204,7 @@ class CostModel:
         # per token a layer's token mixer computes, outside the roofline: eager_token_s in the eager model only
         self.layer_token_s = 0.0
         self._mem = hardware.memory_bytes_per_s * params.memory_efficiency
+        self._pair_mem = hardware.memory_bytes_per_s * (params.pair_read_efficiency or params.memory_efficiency)
         self._flops = hardware.bf16_flops * params.compute_efficiency
         self._h2d = hardware.h2d_bytes_per_s * params.h2d_efficiency
 
@@ -296,15 +324,23 @@ class CostModel:
         if not tokens_per_expert:
             return 0.0
         routed = sum(tokens_per_expert)
-        return self.expert_read(routed if per_pair else len(tokens_per_expert), routed)
+        return self.expert_read(routed if per_pair else len(tokens_per_expert), routed, per_pair)
 
-    def expert_read(self, weight_reads: float, routed_tokens: float) -> float:
+    def expert_read(self, weight_reads: float, routed_tokens: float, per_pair: bool = False) -> float:
         """Seconds for routed-expert GEMMs that read `weight_reads` experts' weights (distinct experts for
-        grouped GEMMs, routed pairs for per-pair GEMVs) over `routed_tokens` (token, expert) pairs;
-        fractional counts allowed (expected values)."""
+        grouped GEMMs, routed pairs for per-pair GEMVs: then at pair_read_efficiency) over `routed_tokens`
+        (token, expert) pairs; fractional counts allowed (expected values). The call's fixed part is expert_call."""
         if weight_reads < 0 or routed_tokens < 0:
             raise ValueError(f"negative expert counts: {weight_reads}, {routed_tokens}")
-        return self._roofline(weight_reads * self.expert_bytes, self.expert_flops_per_token * routed_tokens)
+        mem = self._pair_mem if per_pair else self._mem
+        return max(weight_reads * self.expert_bytes / mem, self.expert_flops_per_token * routed_tokens / self._flops)
+
+    def expert_call(self, pairs: float) -> float:
+        """Seconds a layer call of `pairs` routed pairs costs once, beside its reads: pair_call_s when it runs
+        per-pair GEMVs (reads_per_pair) and routes any pair, else 0."""
+        if pairs < 0:
+            raise ValueError(f"negative pairs {pairs}")
+        return self.params.pair_call_s if pairs and self.reads_per_pair(pairs) else 0.0
 
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
@@ -365,8 +401,8 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     rows x top-k pairs), every routed pair's expert: then rows in lockstep (distinct_per_layer ~ top-k)
     share the misses but not the compute. The padded rows of
     the graph bucket pay dense compute and lm_head and skip the experts (no misses). Per layer:
-    pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs), summed over layers (never a
-    per-step max of compute and copy). ValueError on counts out of range.
+    pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs) + the call's fixed part (expert_call), summed
+    over layers (never a per-step max of compute and copy). ValueError on counts out of range.
     """
     spec = model.spec
     if rows < 1 or context < 1:
@@ -390,12 +426,14 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     # NOTE: per pair, a distinct expert is read once per pair routed to it (routed / distinct on average);
     # the copies above stay per distinct miss.
     reads_hit, reads_miss = (routed * (1 - share), routed * share) if model.reads_per_pair(routed) else (hit_l, miss_l)
-    hit_gemm = model.expert_read(reads_hit, routed * (1 - share))
-    miss_gemm = model.expert_read(reads_miss, routed * share)
+    per_pair = model.reads_per_pair(routed)
+    hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair)
+    miss_gemm = model.expert_read(reads_miss, routed * share, per_pair)
+    call = model.expert_call(routed)  # the layer call's fixed part (pair_call_s), after its copies as in SimExecutor
     dense = sum(model.layer_pre_expert(layer, loads) for layer in range(layers)) + model.head(padded)
-    expert_phase = layers * model.layer_expert_time(copy_l, hit_gemm, miss_gemm)
+    expert_phase = layers * (model.layer_expert_time(copy_l, hit_gemm, miss_gemm) + call)
     copy = layers * copy_l
-    expert = layers * (hit_gemm + miss_gemm)
+    expert = layers * (hit_gemm + miss_gemm + call)
     host = model.host_overhead(rows, via_server)
     fixed = model.step_overhead(padded)
     total = host + fixed + dense + expert_phase

@@ -130,6 +130,9 @@ class ExpertParallelSimExecutor(SimExecutor):
             shares = self.partition.split([(layer, e) for e in sorted(tokens_per_expert)])
             per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))  # the layer call's pairs, as SimExecutor
             plans = [self._rank_work(r, keys, tokens_per_expert, per_pair) for r, keys in enumerate(shares)]
+            for r, keys in enumerate(shares):  # a rank's per-pair call of its own pairs pays its fixed part
+                if per_pair and keys:
+                    plans[r][2][-1] += cost.params.pair_call_s
             copying = sum(1 for misses, _, _ in plans if misses)
             procs = [host.env.process(self._rank_layer(r, dense, *plans[r], copying)) for r in range(n)]
             yield simpy.AllOf(host.env, procs)

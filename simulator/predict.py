@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from domain.arrival_window import ArrivalWindow
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan
 from domain.kv_pages import PageAllocator
 from domain.model_spec import ModelSpec
@@ -21,6 +22,7 @@ from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
 from domain.serve_plan import CACHE_TYPES, ServePlan, ServePools, plan_serve_pools, serve_budget
 from domain.step_budget import DEFAULT_MIXED_STEP_TOKENS, reserve_step, serve_step_reserve
+from simulator.arrivals import arrival_times, window_close
 from simulator.cost_model import CostModel, CostParams
 from simulator.hardware import GIB, HardwareProfile
 from simulator.host import SimHost
@@ -98,9 +100,16 @@ class Deployment(StrictParams):
     # without the field get auto, so a prediction is of today's server; a fit or replay of a record served before
     # then passes 0 (simulator/fit_ttft.py, mixed_record.py)
     short_prompt_replays: int | None = None
+    # the server fills an expert pool that holds every key before it serves (ExecutorPools._preload_experts, since
+    # 2026-12-05; SimExecutor "Preloaded experts"). False for files without the field (their records' servers did not)
+    preload_experts: bool = False
+    # --arrival-window-ms (ADR 0021; 30 on `ft serve` since 2026-12-03): an idle engine's first step waits for the rest
+    # of a burst (simulator/arrivals.py). 0 for files without the field: the first step starts at the first arrival
+    arrival_window_ms: float = 0.0
 
     def check_valid(self) -> None:
         require_positive(self, "memory_ratio", "state_slots")
+        require_positive(self, "arrival_window_ms", allow_zero=True)
         for name in ("expert_slots", "pool_bytes", "gpu_budget_bytes", "max_prefill_length"):
             if getattr(self, name) is not None:
                 require_positive(self, name)
@@ -114,7 +123,7 @@ class Deployment(StrictParams):
                              f"got {n!r}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
-        for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy"):
+        for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy", "preload_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Deployment.{name} must be a bool")
         if self.prefill_kernels not in PREFILL_KERNELS:
@@ -122,12 +131,15 @@ class Deployment(StrictParams):
                              f"got {self.prefill_kernels!r}")
 
     def to_dict(self) -> dict:
-        """StrictParams' dict, less short_prompt_replays where it is the server's default (auto): a calibration states
-        it only where it differs, so the files fitted before the field stay what their commands write and predict
-        today's server; from_dict puts the default back."""
+        """StrictParams' dict, less short_prompt_replays where it is the server's default (auto), and preload_experts and
+        arrival_window_ms where off: a calibration states them only where they differ, so the files fitted before
+        the fields stay what their commands write; from_dict puts the defaults back."""
         out = super().to_dict()
         if out["short_prompt_replays"] is None:
             del out["short_prompt_replays"]
+        for name, off in (("preload_experts", False), ("arrival_window_ms", 0.0)):  # stated where on (h100_records_v2)
+            if out[name] == off:
+                del out[name]
         return out
 
     def step_budgets(self, default_step: int, mixed_prefill_length: int | None = None) -> tuple[int, int | None]:
@@ -286,20 +298,23 @@ def scheduler_config(plan: PoolPlan, workload: Workload, max_context: int, prefi
 def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batch: int,
                  max_context: int, check: bool = False, prefix_cache: bool = False,
                  linear_state: bool = True, mixed_step_tokens: int | None = None, layered_prefill: bool = False,
-                 num_layers: int = 1) -> RunStats:
+                 num_layers: int = 1, arrival_window_s: float = 0.0) -> RunStats:
     """Drives the domain scheduler with the simulated executor through the benchmark method.
 
     prefix_cache: the scheduler runs the radix prefix cache over the plan's snapshot slots (as `ft serve
     --cache-type radix`; linear_state: the model has linear-attention state, so a match needs a snapshot).
-    Each round's requests reach the scheduler CostParams.request_overhead_s after they are sent (served over
-    HTTP); their times to first token and lifetimes count from the send. layered_prefill, num_layers: as
-    scheduler_config."""
+    Each round's requests are sent together; served over HTTP, the k-th reaches the scheduler
+    CostParams.request_overhead_s + k x request_spacing_s after the send, and an idle engine's first step waits
+    by the arrival window of `arrival_window_s` (s; 0: none) (simulator/arrivals.py); their times to first token
+    and lifetimes count from the send. layered_prefill, num_layers: as scheduler_config."""
     host = executor.host
     config = scheduler_config(plan, workload, max_context, prefix_cache, linear_state, mixed_step_tokens,
                               layered_prefill, num_layers)
     scheduler = Scheduler(config, PageAllocator(plan.kv_pages), plan.state_slots,
                           plan.snapshot_slots if prefix_cache else 0)
     overhead = executor.cost.request_overhead(executor.via_server)
+    spacing = executor.cost.params.request_spacing_s if executor.via_server else 0.0
+    window = ArrivalWindow(arrival_window_s)
     cached_tokens = 0
     iterations = ([(workload.warmup_tokens, False)] * workload.warmup_iterations
                   + [(workload.measure_tokens, True)] * workload.measure_iterations)
@@ -311,22 +326,30 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
             start_counters, start_snapshot = executor.counters.copy(), host.snapshot()
             executor.routed_keys.clear()
         t0 = host.now()
-        # NOTE: the burst is sent at t0 and reaches the engine together, the overhead later (GPU and link idle)
-        if overhead:
-            host.env.run(until=t0 + overhead)
+        # NOTE: the burst is sent at t0; its requests reach the engine from the overhead on, `spacing` apart (GPU and
+        # link idle until the first step)
+        arrivals = arrival_times(t0, overhead, spacing, batch)
         requests = []
         for r in range(batch):
             prompt_seed = 0 if workload.same_prompt else index * batch + r + 1
             prompt = [(prompt_seed * 7919 + i * 31 + 11) % 50000 for i in range(workload.prompt_tokens)]
-            req = Request(f"it{index}-r{r}", prompt,
-                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                          arrival_time=t0)
-            scheduler.add(req)
-            requests.append(req)
-            added += 1
+            requests.append(Request(f"it{index}-r{r}", prompt,
+                                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                    arrival_time=arrivals[r]))
+        added += batch
         first_token: dict[str, float] = {}
         done: dict[str, float] = {}
-        while (step := scheduler.schedule()) is not None:
+        queued = 0  # requests[:queued] have reached the scheduler
+        while True:
+            step = scheduler.schedule()
+            if step is None:  # idle: the next arrival wakes the engine, whose first step waits by the window
+                if queued == batch:
+                    break
+                start = window_close(arrivals[queued:], window)
+                if start > host.now():
+                    host.env.run(until=start)
+                queued = _admit(scheduler, requests, arrivals, queued, host.now())
+                continue
             sampled = executor.execute(step)
             for event in scheduler.complete(step, sampled):
                 first_token.setdefault(event.request_id, host.now())
@@ -335,6 +358,7 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
             if check:
                 scheduler.check_valid()
                 executor.check_valid()
+            queued = _admit(scheduler, requests, arrivals, queued, host.now())  # those that landed join the next step
         finished += len(done)
         if measured:
             window_seconds += host.now() - t0
@@ -359,6 +383,14 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
         else:
             stats.ttft_probe_s = probe
     return stats
+
+
+def _admit(scheduler: Scheduler, requests: list[Request], arrivals: list[float], queued: int, now: float) -> int:
+    """Add requests[queued:] that have arrived by `now` (arrivals ascending); returns how many have been added."""
+    while queued < len(requests) and arrivals[queued] <= now:
+        scheduler.add(requests[queued])
+        queued += 1
+    return queued
 
 
 def _ttft_probe(executor: SimExecutor, scheduler: Scheduler, prompt_tokens: int) -> float | str:
@@ -412,11 +444,13 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
                                    f"(top_k x layers x distinct sequences): the LRU keeps nothing between tokens")
     replays = resolve(deployment.short_prompt_replays)
     executor = SimExecutor(SimHost(), CostModel(spec, hardware, cost), routing, plan.expert_slots,
-                           staging_experts=plan.staging_experts, short_prompt_replays=replays)
+                           staging_experts=plan.staging_experts, short_prompt_replays=replays,
+                           preload_experts=deployment.preload_experts)
     prefix_cache = deployment.simulate_prefix_cache and deployment.cache_type == "radix"
     stats = run_workload(executor, plan, workload, batch, spec.max_context, check=check, prefix_cache=prefix_cache,
                          linear_state=spec.linear_state_bytes_per_sequence() > 0, mixed_step_tokens=mixed,
-                         layered_prefill=deployment.layered_prefill, num_layers=spec.num_layers)
+                         layered_prefill=deployment.layered_prefill, num_layers=spec.num_layers,
+                         arrival_window_s=deployment.arrival_window_ms / 1e3)
     lookups = stats.hits + stats.misses
     result.hit_rate = stats.hits / lookups if lookups else 1.0
     result.decode_tok_s = stats.output_tokens / stats.seconds

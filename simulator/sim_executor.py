@@ -60,6 +60,11 @@ by layer, the later of the host's launches and the GPU's work (its copies of mis
 when resident, copy-bound when the misses take longer than the launches. Layered steps never take this path (a layer
 group never takes the MoE segments).
 
+Preloaded experts (`preload_experts`; Deployment.preload_experts): `ft serve` fills an expert pool that holds every
+(layer, expert) key before it serves (ExecutorPools._preload_experts, since 2026-12-05), so its first requests miss
+nothing; with the flag set, so does this executor (at construction and after a resize). Off: the pool starts empty (the
+servers of every record before then, and every calibration file without the field).
+
 Short prompts as decode replays (`short_prompt_replays`, ADR 0026; docs/simulator.md, "Held out on an H100: short-prompt
 replays"): with N > 0, a step that domain.short_prompt_replays.unroll(works, N, largest graph bucket) accepts (every chunk
 at most N tokens, one of 2 or more, decodes beside them, no layer group) runs as the server runs it: one decode replay
@@ -113,7 +118,8 @@ class ExecutorCounters:
 
 class SimExecutor:
     def __init__(self, host: SimHost, cost: CostModel, routing: RoutingModel, expert_slots: int,
-                 via_server: bool = True, staging_experts: int = 0, short_prompt_replays: int = 0) -> None:
+                 via_server: bool = True, staging_experts: int = 0, short_prompt_replays: int = 0,
+                 preload_experts: bool = False) -> None:
         spec = cost.spec
         if (routing.num_layers, routing.top_k) != (spec.num_layers, spec.top_k) or routing.num_experts > spec.num_experts:
             raise ValueError(
@@ -125,6 +131,8 @@ class SimExecutor:
         # eager_compute_efficiency; the model itself when the profile has neither)
         self._eager_cost = cost.eager_model() if cost.has_eager_terms else cost
         self.residency = ExpertResidency(expert_slots)
+        self.preload_experts = preload_experts  # a pool that holds every key starts full (module docstring)
+        self._preload()
         self.counters = ExecutorCounters()
         self._stream_keys = StreamKeys()
         self._in_step = False
@@ -161,9 +169,25 @@ class SimExecutor:
         return {w.request_id: self._sample(w) for w in batch.works if w.sample}
 
     def resize_pools(self, plan) -> None:
-        """Expert slots come back cold, as on the device; KV/state need no simulation."""
+        """Expert slots come back cold, as on the device, and full again where they hold every key and the
+        executor preloads; KV/state need no simulation."""
         self.residency.resize(plan.expert_slots)
+        self._preload()
         self._kept = None
+
+    def _preload(self) -> None:
+        """With preload_experts, a pool whose slots hold every (layer, expert) key is filled as `ft serve` fills
+        it before serving (ExecutorPools._preload_experts): one lookup of every key, ascending, released; the
+        LRU then holds them oldest first in that order. Not counted as hits, misses or bytes (nor by the
+        server); no simulated time passes (it runs before the server is ready)."""
+        spec, r = self.cost.spec, self.residency
+        keys = [(layer, e) for layer in range(spec.num_layers) for e in range(spec.num_experts)]
+        if not self.preload_experts or r.num_slots < len(keys):
+            return
+        counted = r.hits, r.misses, r.evictions
+        r.lookup(keys)
+        r.release(keys)
+        r.hits, r.misses, r.evictions = counted
 
     def _check_layers(self, batch: StepBatch) -> None:
         """SequenceWork.layers' contract (ValueError, before the step runs); keeps track of the chunk part-way."""
@@ -364,11 +388,13 @@ class SimExecutor:
             self.routed_keys.update(keys)
             # NOTE: the engine picks per-pair GEMVs or grouped GEMMs from the layer call's pair count (lockstep
             # rows included: each streams its pairs), never from the pool size or the lookup groups below.
-            per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))
+            pairs = sum(tokens_per_expert.values())
+            per_pair = cost.reads_per_pair(pairs)
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
                                                         per_pair, cost)
+            pending += cost.expert_call(pairs)  # once a layer call, after its copies (CostParams.pair_call_s)
         pending += cost.head(head_rows)
         yield from host.gpu.use(pending)
 
@@ -411,13 +437,14 @@ class SimExecutor:
             tokens_per_expert, absent = routed[i], set(missing[i])
             per_pair = cost.reads_per_pair(sum(tokens_per_expert.values()))
             c.streamed_not_resident += sum(1 for e in tokens_per_expert if e in absent)
+            call = cost.expert_call(sum(tokens_per_expert.values()))  # with the layer's first round
             while k < len(rounds) and rounds[k].layer == i:
                 rnd = rounds[k]
                 mine = [tokens_per_expert[e] for e in rnd.experts if e in tokens_per_expert]
                 if rnd.first:  # the layer's resident experts compute with its first round
                     mine += [n for e, n in tokens_per_expert.items() if e not in absent]
                 yield copied[k]
-                yield from host.gpu.use(cost.expert_gemms(mine, per_pair))
+                yield from host.gpu.use(cost.expert_gemms(mine, per_pair) + (call if rnd.first else 0.0))
                 computed[k].succeed()
                 k += 1
         yield from host.gpu.use(cost.head(samples))
