@@ -509,8 +509,8 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
     lookup fusion has its own rows (route_lookup_points); moe_down's summing mode is gone (slower on the
     H200: docs/fast-decode.md), its per-pair + moe_sum timing is moe_points'. The norm + router rows also
     name the tile rms_norm_router's autotuner chose at that T (`norm_router_tile`, CUDA only) and time each
-    candidate tile alone (`norm_router_tiles_us`, "BExBH"). dev/experts/geo/timer (default _timed) let a CPU
-    test run the same code at tiny shapes in Triton's interpreter."""
+    candidate tile it tries at that T (BR <= T) alone (`norm_router_tiles_us`, "BRxBExBH"). dev/experts/
+    geo/timer (default _timed) let a CPU test run the same code at tiny shapes in Triton's interpreter."""
     import torch.nn.functional as F
 
     from adapters.kernels.gdn_decode import gdn_decode_step
@@ -547,8 +547,10 @@ def fusion_points(tokens: list[int], dev: str = "cuda", experts: int = 256, geo=
         # the tile the autotuner picked for this T on CUDA (None elsewhere: the interpreter runs the default),
         # and every candidate tile timed alone, so a run shows whether the pick is the fastest
         row["norm_router_tile"] = tuned_tile(x, norm_w, router) if x.is_cuda else None
-        row["norm_router_tiles_us"] = {f"{be}x{bh}": timer(lambda x=x, res=res, be=be, bh=bh: rms_norm_router(
-            x, res, norm_w, router, 1e-6, unit_offset=True, block_e=be, block_h=bh)) for be, bh in TUNE_TILES}
+        row["norm_router_tiles_us"] = {
+            f"{br}x{be}x{bh}": timer(lambda x=x, res=res, br=br, be=be, bh=bh: rms_norm_router(
+                x, res, norm_w, router, 1e-6, unit_offset=True, block_r=br, block_e=be, block_h=bh))
+            for br, be, bh in TUNE_TILES if br <= t}
         # GDN: the [64, 2048] bf16 a/b GEMV (cuBLAS) + the recurrence, or the recurrence projecting a/b
         slots = torch.arange(t, dtype=torch.int32, device=dev)
         qkv = bf(t, geo.conv_channels)

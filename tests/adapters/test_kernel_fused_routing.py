@@ -18,7 +18,7 @@ from adapters.cuda_exec.device_residency import DeviceResidency
 from adapters.kernels.moe_route_lookup import FUSED_MAX_TILE, MAX_TILE, fits, moe_route_lookup, pays
 from adapters.kernels.moe_router import moe_router
 from adapters.kernels.rms_norm import rms_norm
-from adapters.kernels.rms_norm_router import rms_norm_router
+from adapters.kernels.rms_norm_router import TUNE_TILES, rms_norm_router
 from domain.residency import ExpertResidency
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,6 +61,8 @@ def test_norm_router_refuses_bad_input():
         rms_norm_router(x, x, torch.randn(6), torch.randn(4, 8), 1e-6, unit_offset=True)
     with pytest.raises(ValueError, match="block_e"):
         rms_norm_router(x, x, torch.randn(8), torch.randn(4, 8), 1e-6, unit_offset=True, block_e=3)
+    with pytest.raises(ValueError, match="block_r"):
+        rms_norm_router(x, x, torch.randn(8), torch.randn(4, 8), 1e-6, unit_offset=True, block_r=6)
 
 
 def _norm_router_inputs(t, d=80, e=21, seed=5, dtype=torch.bfloat16):
@@ -89,20 +91,63 @@ def test_norm_router_small_tiles_give_the_default_launchs_results(t):
             assert rel(logits, F.linear(out.float(), router)) < 1e-5
 
 
+ROW_BLOCK_TILES = [tile for tile in TUNE_TILES if tile[0] > 1]
+
+
+@pytest.mark.parametrize(("t", "unit_offset"), [(3, True), (5, False), (19, True)])
+def test_norm_router_row_blocks_match_the_norm_then_the_router_gemv(t, unit_offset):
+    """Every row-block tile of TUNE_TILES (BLOCK_R 4-16 rows a program, each router tile applied to all of
+    them) against rms_norm + F.linear: the sum and the normalised row bit for bit (each row's statistics are
+    still one rms_norm reduction), logits within the one-row tiles' tolerance. T 3 and 5 leave rows past T
+    in the only or last block, 19 is a multiple of no BLOCK_R; E 21 a ragged e-block, D 80 a masked tail
+    (the tile's BH, capped at the padded row: one column step; BH 32: three, the last one masked)."""
+    assert {br for br, _, _ in ROW_BLOCK_TILES} == {4, 8, 16}
+    x, res, w, router = _norm_router_inputs(t)
+    want_total, want_out = rms_norm(x, w, 1e-6, unit_offset=unit_offset, residual=res)
+    want_logits = F.linear(want_out.float(), router)
+    for br, be, bh in ROW_BLOCK_TILES:
+        for block_h in (bh, 32):
+            total, out, logits = rms_norm_router(x, res, w, router, 1e-6, unit_offset=unit_offset, block_r=br,
+                                                 block_e=be, block_h=block_h)
+            assert torch.equal(total, want_total) and torch.equal(out, want_out), (br, be, block_h)
+            assert logits.shape == (t, 21) and rel(logits, want_logits) < 1e-5, (br, be, block_h)
+
+
+def test_norm_router_row_blocks_store_no_row_past_t():
+    """The last row block's rows past T (they repeat row T-1 in the statistics and the GEMV) store nothing:
+    the kernel launched on outputs with spare rows leaves those rows as they were."""
+    import adapters.kernels.rms_norm_router as nr
+
+    t, d, e, br = 5, 48, 6, 4
+    x, res, w, router = _norm_router_inputs(t, d=d, e=e)
+    total, out = (torch.full((2 * br, d), float("nan"), dtype=x.dtype, device=DEVICE) for _ in range(2))
+    logits = torch.full((2 * br, e), float("nan"), device=DEVICE)
+    nr._rms_norm_router_kernel[(2, 2)](x, res, w, router, total, out, logits, t, d, e, 1e-6, UNIT_OFFSET=True,
+                                       BLOCK_D=64, BLOCK_E=4, BLOCK_H=16, BLOCK_R=br, num_warps=nr.tune_warps(d))
+    assert not total[:t].isnan().any() and not out[:t].isnan().any() and not logits[:t].isnan().any()
+    assert total[t:].isnan().all() and out[t:].isnan().all() and logits[t:].isnan().all()
+
+
 def test_norm_router_tile_candidates_keep_enough_programs_and_one_warp_count():
     """The autotuner's candidates at the Qwen3.6 shape (D 2048, E 256): at least one fills >= 128 programs at
     one row (the bs1 grid of the old 4 x 512 tile was 64 for 132 SMs), the old tile stays a candidate, all
-    run rms_norm's warp count (4 to 2048 columns, 8 above); a row narrower than every BH keeps the
-    narrowest."""
+    run rms_norm's warp count (4 to 2048 columns, 8 above); row blocks only where BLOCK_R <= T (a larger
+    block only repeats row T-1); a row narrower than every BH keeps the narrowest."""
     import adapters.kernels.rms_norm_router as nr
 
-    kept = nr._prune(nr._TUNED.configs, {"D": 2048}, BLOCK_D=2048)
-    tiles = {(c.kwargs["BLOCK_E"], c.kwargs["BLOCK_H"]) for c in kept}
-    assert tiles == set(nr.TUNE_TILES) and {c.num_warps for c in kept} == {4}
-    assert max(-(-256 // be) for be, _ in tiles) >= 256 and (4, 512) in tiles
-    assert {c.num_warps for c in nr._prune(nr._TUNED.configs, {"D": 4096}, BLOCK_D=4096)} == {8}
-    narrow = nr._prune(nr._TUNED.configs, {"D": 80}, BLOCK_D=128)
-    assert narrow and {c.kwargs["BLOCK_H"] for c in narrow} == {min(bh for _, bh in nr.TUNE_TILES)}
+    def tiles(t, d=2048):
+        kept = nr._prune(nr._TUNED.configs, {"T": t, "D": d}, BLOCK_D=d)  # d a power of two here
+        return {(c.kwargs["BLOCK_R"], c.kwargs["BLOCK_E"], c.kwargs["BLOCK_H"]) for c in kept}, kept
+
+    at16, kept = tiles(16)
+    assert at16 == set(nr.TUNE_TILES) and {c.num_warps for c in kept} == {4}
+    assert tiles(1)[0] == {tile for tile in nr.TUNE_TILES if tile[0] == 1}
+    assert max(-(-256 // be) for _, be, _ in tiles(1)[0]) >= 256 and (1, 4, 512) in tiles(1)[0]
+    assert tiles(5)[0] == {tile for tile in nr.TUNE_TILES if tile[0] <= 4} != tiles(1)[0]
+    assert {br for br, _, _ in at16} == {1, 4, 8, 16}
+    assert {c.num_warps for c in tiles(16, 4096)[1]} == {8}
+    narrow = nr._prune(nr._TUNED.configs, {"T": 16, "D": 80}, BLOCK_D=128)
+    assert narrow and {c.kwargs["BLOCK_H"] for c in narrow} == {min(bh for _, _, bh in nr.TUNE_TILES)}
 
 
 def test_norm_router_tunes_per_row_count_and_never_inside_a_capture(monkeypatch):
@@ -116,26 +161,31 @@ def test_norm_router_tunes_per_row_count_and_never_inside_a_capture(monkeypatch)
     monkeypatch.setattr(nr._TUNED, "cache", {})
     monkeypatch.setattr(nr._TUNED, "cache_results", False)  # no disk cache: this test's fake timings only
     measured = []
-    fastest = {1: (2, 16), 2: (1, 32)}  # per T: the tile the fake timer makes fastest
+    fastest = {1: (1, 2, 16), 2: (2, 1, 32)}  # per T: the tile the fake timer makes fastest
+
+    def tile(config):
+        return config.kwargs["BLOCK_R"], config.kwargs["BLOCK_E"], config.kwargs["BLOCK_H"]
 
     def fake_bench(*args, config, **meta):
         t, d = args[7], args[8]
         assert config.num_warps == nr.tune_warps(d)
-        measured.append((t, config.kwargs["BLOCK_E"], config.kwargs["BLOCK_H"]))
-        ms = 1.0 if (config.kwargs["BLOCK_E"], config.kwargs["BLOCK_H"]) == fastest[t] else 2.0
+        measured.append((t, *tile(config)))
+        ms = 1.0 if tile(config) == fastest[t] else 2.0
         return [ms, ms, ms]
 
     monkeypatch.setattr(nr._TUNED, "_bench", fake_bench)
-    configs = [triton_config(be, bh) for be, bh in ((1, 16), (2, 16), (1, 32), (4, 32))]
+    # a 2-row block: measured (and picked) at T 2, pruned at T 1
+    configs = [triton_config(*tile) for tile in ((1, 1, 16), (1, 2, 16), (1, 1, 32), (1, 4, 32), (2, 1, 32))]
     monkeypatch.setattr(nr._TUNED, "configs", configs)
     for t in (1, 2):
         x, res, w, router = _norm_router_inputs(t, d=48, e=6)
         got = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False)
         assert sorted(m[1:] for m in measured if m[0] == t) == sorted(
-            (c.kwargs["BLOCK_E"], c.kwargs["BLOCK_H"]) for c in configs)
-        be, bh = fastest[t]
-        assert nr.tuned_tile(x, w, router) == {"block_e": be, "block_h": bh, "num_warps": 4}
-        want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_e=be, block_h=bh)
+            tile(c) for c in configs if c.kwargs["BLOCK_R"] <= t)
+        br, be, bh = fastest[t]
+        assert nr.tuned_tile(x, w, router) == {"block_r": br, "block_e": be, "block_h": bh, "num_warps": 4}
+        want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_r=br, block_e=be,
+                                  block_h=bh)
         for ours, theirs in zip(got, want, strict=True):
             assert torch.equal(ours, theirs)
     assert len(nr._TUNED.cache) == 2
@@ -146,17 +196,17 @@ def test_norm_router_tunes_per_row_count_and_never_inside_a_capture(monkeypatch)
     assert len(measured) == before
     x, res, w, router = _norm_router_inputs(4, d=48, e=6)
     got = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False)  # untuned: the default tile, unmeasured
-    want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_e=nr.DEFAULT_BLOCK_E,
-                              block_h=nr.DEFAULT_BLOCK_H)
+    want = nr.rms_norm_router(x, res, w, router, 1e-6, unit_offset=False, block_r=nr.DEFAULT_BLOCK_R,
+                              block_e=nr.DEFAULT_BLOCK_E, block_h=nr.DEFAULT_BLOCK_H)
     for ours, theirs in zip(got, want, strict=True):
         assert torch.equal(ours, theirs)
     assert len(measured) == before and len(nr._TUNED.cache) == 2
 
 
-def triton_config(block_e: int, block_h: int):
+def triton_config(block_r: int, block_e: int, block_h: int):
     import triton
 
-    return triton.Config({"BLOCK_E": block_e, "BLOCK_H": block_h}, num_warps=4)
+    return triton.Config({"BLOCK_R": block_r, "BLOCK_E": block_e, "BLOCK_H": block_h}, num_warps=4)
 
 
 def _tables(r: DeviceResidency):
@@ -222,6 +272,26 @@ def test_route_lookup_bounds_and_bad_input():
     with pytest.raises(ValueError, match="gate_weight"):
         moe_route_lookup(torch.randn(2, 6, device=DEVICE), x, 2, True, torch.randn(1, 5, device=DEVICE), valid,
                          0, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_norm_router_every_tile_keeps_rms_norms_bits_on_gpu(rows):
+    """Compiled, at the Qwen3.6 shape (D 2048, E 256, bf16, unit offset): every tile of TUNE_TILES (row
+    blocks included, also those the autotuner prunes at this T) gives rms_norm's sum and normalised row bit
+    for bit (the engine's bitwise-identical output across pool sizes rests on it: other paths run rms_norm),
+    and logits within F.linear's tolerance."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + rows)
+    h, e = 2048, 256
+    x, res = (torch.randn(rows, h, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    norm_w = torch.randn(h, device="cuda", generator=gen).bfloat16()
+    router = torch.randn(e, h, device="cuda", generator=gen) * 0.02
+    want_total, want_out = rms_norm(x, norm_w, 1e-6, unit_offset=True, residual=res)
+    for br, be, bh in TUNE_TILES:
+        total, out, logits = rms_norm_router(x, res, norm_w, router, 1e-6, unit_offset=True, block_r=br,
+                                             block_e=be, block_h=bh)
+        assert torch.equal(total, want_total) and torch.equal(out, want_out), (br, be, bh)
+        assert rel(logits, F.linear(out.float(), router)) < 1e-5, (br, be, bh)
 
 
 @pytest.mark.gpu

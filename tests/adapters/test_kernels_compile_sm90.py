@@ -59,11 +59,12 @@ for block_t, block_e, owner in ((1, 256, False), (4, 256, False), (2, 512, False
           dict(K=8, KO=9, KS=9, HAS_GATE=True, HAS_OWNER=owner, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t,
                BLOCK_E=block_e,
                BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=1024))
-for block_e, block_h in rms_norm_router.TUNE_TILES:  # every tile the autotuner may pick (4 warps at D 2048)
+# every tile the autotuner may pick (4 warps at D 2048), row blocks (BLOCK_R > 1) included
+for block_r, block_e, block_h in rms_norm_router.TUNE_TILES:
     build(rms_norm_router._rms_norm_router_kernel,
           {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*fp32", "sum_ptr": "*bf16",
            "out_ptr": "*bf16", "logits_ptr": "*fp32", "T": "i32", "D": "i32", "E": "i32", "eps": "fp32"},
-          dict(UNIT_OFFSET=True, BLOCK_D=2048, BLOCK_E=block_e, BLOCK_H=block_h))
+          dict(UNIT_OFFSET=True, BLOCK_D=2048, BLOCK_R=block_r, BLOCK_E=block_e, BLOCK_H=block_h))
 build(rms_norm._rms_norm_kernel,
       {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "out_ptr": "*bf16",
        "out32_ptr": "*fp32", "D": "i32", "eps": "fp32"},
