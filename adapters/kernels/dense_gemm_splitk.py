@@ -58,7 +58,7 @@ from adapters.kernels.dequant_tile import (
     weight_step,
 )
 from adapters.kernels.packed_gemv import FORMAT_CODES, SCALE_GROUP
-from adapters.kernels.pdl import launch_options, prefetch_rows, wait_previous, weight_mode
+from adapters.kernels.pdl import launch_args, prefetch_rows, wait_previous, weight_mode
 
 BLOCK_M = 16  # tl.dot's smallest row tile: every decode bucket is one row tile (two up to 32 rows, ...)
 BLOCK_K = 128  # one 128x128 block-FP8 scale per K step, as in dense_gemm
@@ -250,9 +250,8 @@ def dense_gemm_splitk(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = No
     bn, sk = block_n or 16, split_k or min(2, most)
     ws = torch.empty((most if tuned else sk, m, n), dtype=torch.float32, device=x.device)
     args = (x, q.data, q.scale, global_scale(q), out, ws, cnt, m, m_bucket(m), x.stride(0), out.stride(0))
-    pdl = weight_mode(x)
     consts = dict(N=n, K=k, FMT=FORMAT_CODES[q.fmt], GROUP=SCALE_GROUP.get(q.fmt, 1), BLOCK_M=BLOCK_M,
-                  BLOCK_K=BLOCK_K, USE_GDC=pdl, **dot_modes(x), **launch_options(pdl > 0))
+                  BLOCK_K=BLOCK_K, **dot_modes(x), **launch_args(weight_mode(x)))
     tiles_m = triton.cdiv(m, BLOCK_M)
     if tuned:
         _TUNED[lambda meta: (tiles_m * triton.cdiv(n, meta["BLOCK_N"]) * meta["SPLIT_K"],)](*args, **consts)

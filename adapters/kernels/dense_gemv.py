@@ -18,7 +18,7 @@ import triton.language as tl
 from adapters.checkpoint.quant import FP8_BLOCK, QTensor
 from adapters.kernels import dense_gemv_fp4
 from adapters.kernels.packed_gemv import check_dense_operands, untuned_block_n
-from adapters.kernels.pdl import launch_options, prefetch_rows, wait_previous, weight_mode
+from adapters.kernels.pdl import launch_args, prefetch_rows, wait_previous, weight_mode
 from domain.model_spec import WeightFormat
 
 # scale modes (tl.constexpr)
@@ -116,8 +116,7 @@ def dense_gemv(x: torch.Tensor, q: QTensor, out: torch.Tensor | None = None, blo
     if m == 0:
         return out
     args = (x, q.data, q.scale, out, n, k, x.stride(0), out.stride(0), q.scale.shape[1])
-    pdl = weight_mode(x)
-    consts = dict(SCALE_MODE=mode, G=FP8_BLOCK, USE_GDC=pdl, **launch_options(pdl > 0))
+    consts = dict(SCALE_MODE=mode, G=FP8_BLOCK, **launch_args(weight_mode(x)))
     if x.is_cuda and block_n is None and block_k is None:
         _TUNED[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), m)](*args, **consts)
     else:

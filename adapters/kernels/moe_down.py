@@ -36,7 +36,7 @@ from adapters.kernels.packed_gemv import (
     tune_configs,
 )
 from adapters.kernels.pdl import enabled as pdl_enabled
-from adapters.kernels.pdl import launch_options, wait_previous
+from adapters.kernels.pdl import launch_args, wait_previous
 
 
 # S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
@@ -116,5 +116,5 @@ def moe_down(h: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor, slo
            K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            D_DATA=c.down.data, D_SCALE=c.down.scale, D_GSCALE=c.down.global_scale,
            W_DTYPE=c.down.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), WRITE_SKIPPED=partials is None,
-           USE_GDC=pdl_enabled(h), **launch_options(pdl_enabled(h)))
+           **launch_args(int(pdl_enabled(h))))
     return y if partials is not None else moe_sum(y, out)

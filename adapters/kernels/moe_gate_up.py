@@ -27,7 +27,7 @@ from adapters.kernels.packed_gemv import (
     tune_configs,
 )
 from adapters.kernels.pdl import enabled as pdl_enabled
-from adapters.kernels.pdl import launch_options, let_next_start, wait_previous
+from adapters.kernels.pdl import launch_args, let_next_start, wait_previous
 
 
 # S only feeds the debug assert, PAIRS_BUCKET only the autotune key: neither is specialized on (no recompiles)
@@ -96,6 +96,6 @@ def moe_gate_up(x: torch.Tensor, slot_ids: torch.Tensor, slots: torch.Tensor, la
            K=k, H=hidden, I=inter, R=c.row_bytes, PAIRS_BUCKET=pairs_bucket(tokens * k),
            G_DATA=c.gate.data, G_SCALE=c.gate.scale, G_GSCALE=c.gate.global_scale,
            U_DATA=c.up.data, U_SCALE=c.up.scale, U_GSCALE=c.up.global_scale,
-           W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1), USE_GDC=pdl_enabled(x),
-           **launch_options(pdl_enabled(x)))
+           W_DTYPE=c.gate.w_dtype, FMT=c.fmt_code, GROUP=max(c.group, 1),
+           **launch_args(int(pdl_enabled(x))))
     return out

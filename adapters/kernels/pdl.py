@@ -9,7 +9,7 @@ before. The kernel before it lets it in early by calling `griddepcontrol.launch_
 CUTLASS's example 63 (Hopper GEMM with weight prefetch) is the same idea; CUDA graphs keep the edges.
 
 Rules every kernel here follows (a PDL-launched kernel that breaks them races):
-- launched with PDL (`launch_options(True)`) only with USE_GDC=True, so gdc_wait() runs in every program;
+- launched with PDL only through `launch_args` (USE_GDC > 0 with it), so gdc_wait() runs in every program;
 - before gdc_wait(): only static reads (weights) and prefetches; no load of anything an earlier kernel of the
   step writes, no store at all (a store could overwrite what the previous kernel still reads);
 - gdc_launch_dependents() anywhere: it only lets the next PDL-launched kernel start its own pre-wait part.
@@ -25,10 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-# FLUXTIDE_PDL: 0 off, 1 PDL launches (the weight kernels wait first thing), 2 the weight kernels also prefetch
-# their weight rows into L2 before the wait
-ENABLED = os.environ.get("FLUXTIDE_PDL", "0") in ("1", "2")
-PREFETCH = os.environ.get("FLUXTIDE_PDL", "0") == "2"
+
+def _mode(value: str) -> int:
+    """FLUXTIDE_PDL: "0" (or unset) off, "1" PDL launches (the weight kernels wait first thing), "2" the weight
+    kernels also prefetch their weight rows into L2 before the wait; anything else is refused, as the
+    FLUXTIDE_PREFILL_* settings are. ValueError."""
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"FLUXTIDE_PDL must be 0, 1 or 2, got {value!r}")
+    return int(value)
+
+
+MODE = _mode(os.environ.get("FLUXTIDE_PDL", "0"))
+ENABLED = MODE > 0
+PREFETCH = MODE == 2
 LINE = tl.constexpr(128)  # bytes one L2 prefetch asks for (one cache line)
 
 
@@ -49,9 +58,10 @@ def weight_mode(t: torch.Tensor) -> int:
     return (2 if PREFETCH else 1) if enabled(t) else 0
 
 
-def launch_options(on: bool) -> dict:
-    """Triton launch options for a PDL launch ({} when off): pass with USE_GDC=on."""
-    return {"launch_pdl": True} if on else {}
+def launch_args(use_gdc: int) -> dict:
+    """A PDL-launched kernel's USE_GDC and its launch option together (the rule above: a PDL launch always runs
+    the wait): {"USE_GDC": use_gdc, "launch_pdl": True}, or {"USE_GDC": 0} for a plain launch."""
+    return {"USE_GDC": use_gdc, "launch_pdl": True} if use_gdc else {"USE_GDC": 0}
 
 
 @triton.jit

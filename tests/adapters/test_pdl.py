@@ -15,8 +15,8 @@ from tests.adapters.sm90 import build_for_sm90
 def test_never_on_off_cuda(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert not pdl.enabled(torch.zeros(1))
-    assert pdl.launch_options(False) == {}
-    assert pdl.launch_options(True) == {"launch_pdl": True}
+    assert pdl.launch_args(0) == {"USE_GDC": 0}
+    assert pdl.launch_args(2) == {"USE_GDC": 2, "launch_pdl": True}
 
 
 def test_off_by_default_without_the_variable(monkeypatch):
@@ -26,6 +26,10 @@ def test_off_by_default_without_the_variable(monkeypatch):
         assert importlib.reload(pdl).ENABLED is False
         monkeypatch.setenv("FLUXTIDE_PDL", "1")
         assert importlib.reload(pdl).ENABLED is True
+        for bad in ("yes", "3", ""):  # refused, not read as off (as the FLUXTIDE_PREFILL_* settings)
+            monkeypatch.setenv("FLUXTIDE_PDL", bad)
+            with pytest.raises(ValueError, match="FLUXTIDE_PDL must be 0, 1 or 2"):
+                importlib.reload(pdl)
     finally:
         monkeypatch.delenv("FLUXTIDE_PDL", raising=False)
         importlib.reload(pdl)
