@@ -208,8 +208,9 @@ class CostModel:
         self._flops = hardware.bf16_flops * params.compute_efficiency
         self._h2d = hardware.h2d_bytes_per_s * params.h2d_efficiency
 
-    def _roofline(self, nbytes: float, flops: float) -> float:
-        return max(nbytes / self._mem, flops / self._flops)
+    def _roofline(self, nbytes: float, flops: float, mem: float | None = None) -> float:
+        """The slower of reading nbytes at `mem` bytes/s (None: the memory efficiency's rate) and flops."""
+        return max(nbytes / (self._mem if mem is None else mem), flops / self._flops)
 
     @property
     def has_eager_terms(self) -> bool:
@@ -332,8 +333,8 @@ class CostModel:
         (token, expert) pairs; fractional counts allowed (expected values). The call's fixed part is expert_call."""
         if weight_reads < 0 or routed_tokens < 0:
             raise ValueError(f"negative expert counts: {weight_reads}, {routed_tokens}")
-        mem = self._pair_mem if per_pair else self._mem
-        return max(weight_reads * self.expert_bytes / mem, self.expert_flops_per_token * routed_tokens / self._flops)
+        return self._roofline(weight_reads * self.expert_bytes, self.expert_flops_per_token * routed_tokens,
+                              self._pair_mem if per_pair else None)
 
     def expert_call(self, pairs: float) -> float:
         """Seconds a layer call of `pairs` routed pairs costs once, beside its reads: pair_call_s when it runs
