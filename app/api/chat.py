@@ -20,7 +20,7 @@ from app.api.agent import (
     template_kwargs_of,
     thinking_budget,
 )
-from app.api.errors import OpenAIError, bad_value, unsupported
+from app.api.errors import bad_value, unsupported
 from app.api.generation import (
     build_sampling,
     check_model,
@@ -41,6 +41,7 @@ from app.api.generation import (
 from app.api.logprob_tokens import token_bytes, token_string
 from app.api.prompts import prepare_off_loop
 from app.api.schemas import ChatCompletionRequest, ChatMessage, decode_body, read_body
+from app.api.tool_pairing import PairingWords, ToolPairing
 from app.engine import Engine
 from app.streams import StreamEvent
 
@@ -53,51 +54,76 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
     if not messages:
         raise bad_value("messages", "messages must contain at least one message")
     out = []
-    call_ids: dict[str, None] = {}  # the tool calls of the assistant messages so far, in order
+    pairing = ToolPairing(_PAIRING)
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise bad_value(f"messages[{i}].role", f"unknown role {m.role!r}")
-        content = m.content
-        # NOTE: OpenAI's rule: content is required, except for an assistant message that carries tool calls
-        if content is None and not (m.role == "assistant" and m.tool_calls):
-            raise bad_value(f"messages[{i}].content", "an assistant message needs content (or tool_calls)"
-                            if m.role == "assistant" else f"a {m.role} message needs content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text":
-                    raise unsupported(f"messages[{i}].content", "only text content parts are supported")
-                if not isinstance(part.get("text"), str):
-                    raise bad_value(f"messages[{i}].content[{j}].text", "a text part needs a `text` string")
-                texts.append(part["text"])
-            content = "".join(texts)
         role = _LEGACY_ROLES.get(m.role, m.role)
-        message = {"role": role, "content": content or ""}
-        if m.tool_calls:
-            message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
-                                     for j, call in enumerate(m.tool_calls)]
-            if m.role == "assistant":
-                call_ids.update((call["id"], None) for call in message["tool_calls"] if call["id"] is not None)
-        if m.tool_call_id is not None:
-            if role == "tool" and m.tool_call_id not in call_ids:
-                raise _dangling(f"messages[{i}].tool_call_id", m.tool_call_id, call_ids)
-            message["tool_call_id"] = m.tool_call_id
+        message = {"role": role, "content": _content(m, i)}
+        if role != "tool":  # NOTE: OpenAI's rule: the tool messages answering a turn's calls come right after it
+            pairing.settle()
+        _tool_fields(m, i, message, pairing)
         if m.reasoning_content:
             message["reasoning_content"] = m.reasoning_content
         if m.name is not None:  # NOTE: handed to the chat template, which may render it
             message["name"] = m.name
         out.append(message)
+    pairing.settle()
     return out
 
 
-def _dangling(param: str, call_id: str, call_ids: dict[str, None]) -> OpenAIError:
+def _content(m: ChatMessage, i: int) -> str:
+    content = m.content
+    # NOTE: OpenAI's rule: content is required, except for an assistant message that carries tool calls
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise bad_value(f"messages[{i}].content", "an assistant message needs content (or tool_calls)"
+                        if m.role == "assistant" else f"a {m.role} message needs content")
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
+            raise unsupported(f"messages[{i}].content", "only text content parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise bad_value(f"messages[{i}].content[{j}].text", "a text part needs a `text` string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_fields(m: ChatMessage, i: int, message: dict, pairing: ToolPairing) -> None:
+    """``tool_calls`` and ``tool_call_id`` onto the template's message, each call and result paired (an assistant
+    message's calls are the calls; a call without an id, which no result can name, is not tracked)."""
+    if m.tool_calls:
+        message["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
+                                 for j, call in enumerate(m.tool_calls)]
+        for j, call in enumerate(message["tool_calls"] if m.role == "assistant" else []):
+            if call["id"] is not None:
+                pairing.call(call["id"], f"messages[{i}].tool_calls[{j}].id", f"messages[{i}]")
+    if m.tool_call_id is not None:
+        if message["role"] == "tool":
+            pairing.answer(m.tool_call_id, f"messages[{i}].tool_call_id")
+        message["tool_call_id"] = m.tool_call_id
+
+
+def _dangling(call_id: str, pairing: ToolPairing) -> str:
     """A tool message whose tool_call_id names no earlier call: the template would render a result to nothing (the
     model reads an answer no call of its asked for), where OpenAI refuses the request."""
-    known = list(call_ids)
+    known = list(pairing.calls)
     hint = f" (the tool call ids so far: {', '.join(map(repr, known[-8:]))}{', ...' if len(known) > 8 else ''})" \
         if known else " (no assistant message before it has tool_calls)"
-    return bad_value(param, f"tool_call_id {call_id!r} answers no tool call: no earlier assistant message has a tool "
-                     f"call with that id{hint}")
+    return f"tool_call_id {call_id!r} answers no tool call: no earlier assistant message has a tool call with that " \
+        f"id{hint}"
+
+
+# OpenAI's pairing rules, in its words where it has them
+_PAIRING = PairingWords(
+    unanswered="an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+               "'tool_call_id'; these tool_call_ids have no response message: {ids}",
+    duplicate_call="duplicate tool call id {id}: an earlier tool call has it ({first}); each tool call needs its own "
+                   "id, as a tool message names the call it answers by it",
+    duplicate_answer="tool_call_id {id} has a response already ({first}): each tool call gets one tool message",
+    dangling=_dangling,
+)
 
 
 def _template_call(call: dict, param: str) -> dict:

@@ -40,6 +40,7 @@ from app.api.generation import (
 )
 from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body, read_body
+from app.api.tool_pairing import PairingWords, ToolPairing
 from app.engine import Engine
 from app.runtime import Runtime
 from app.tool_parsers import ToolCallDelta
@@ -123,17 +124,17 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
     if not messages:
         raise bad_value("messages", "messages must contain at least one message")
     out = [{"role": "system", "content": _text(system, "system")}] if system else []
-    # NOTE: Anthropic's pairing rule: a tool_result answers a tool_use of the assistant turn right before it
-    # (consecutive user messages are one turn there)
-    answerable: list[str] = []
+    # NOTE: Anthropic's pairing rule: a tool_result answers a tool_use of the assistant turn right before it, and
+    # every tool_use is answered there (consecutive user messages are one turn there)
+    pairing = ToolPairing(_PAIRING)
     for i, m in enumerate(messages):
         param = f"messages[{i}].content"
         if m.role not in ("user", "assistant"):
             raise bad_value(f"messages[{i}].role", f"role must be 'user' or 'assistant', got {m.role!r}")
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
-            out.append(_assistant(blocks, param))
-            answerable = [call["id"] for call in out[-1].get("tool_calls", [])]
+            pairing.settle()
+            out.append(_assistant(blocks, i, pairing))
             continue
         texts: list[str] = []
         for j, block in enumerate(blocks):
@@ -149,30 +150,47 @@ def _messages(system, messages: list[AnthropicMessage]) -> list[dict]:
                 content = _text(block.get("content", ""), f"{param}[{j}].content")
                 if block.get("is_error"):
                     content = "Error: " + content
-                out.append({"role": "tool", "tool_call_id": _answered(block, answerable, f"{param}[{j}]"),
+                out.append({"role": "tool", "tool_call_id": _answered(block, pairing, f"{param}[{j}]"),
                             "content": content})
             else:
                 raise unsupported(f"{param}[{j}]", f"content block type {kind!r} is not supported (text and "
                                   "tool_result are)")
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
+    pairing.settle()
     return out
 
 
-def _answered(block: dict, answerable: list[str], param: str) -> str:
+def _answered(block: dict, pairing: ToolPairing, param: str) -> str:
     """The tool_use id a tool_result block answers, checked: one of the previous assistant turn's tool_use blocks
-    (a result to no call was rendered as a tool response the model never asked for)."""
+    not answered yet (a result to no call was rendered as a tool response the model never asked for)."""
     use_id = block.get("tool_use_id")
     if not isinstance(use_id, str) or not use_id:
         raise bad_value(f"{param}.tool_use_id", "a tool_result block needs a `tool_use_id` string")
-    if use_id not in answerable:
-        before = f"its tool_use ids are {', '.join(answerable)}" if answerable else "it has no tool_use blocks"
-        raise bad_value(f"{param}.tool_use_id", f"unexpected tool_use_id {use_id!r} in a tool_result block: each "
-                        f"tool_result must answer a tool_use block of the previous assistant message ({before})")
+    pairing.answer(use_id, f"{param}.tool_use_id")
     return use_id
 
 
-def _assistant(blocks: list, param: str) -> dict:
+def _unexpected(use_id: str, pairing: ToolPairing) -> str:
+    answerable = pairing.turn  # the previous assistant turn's tool_use ids: each turn settles the one before
+    before = f"its tool_use ids are {', '.join(answerable)}" if answerable else "it has no tool_use blocks"
+    return (f"unexpected tool_use_id {use_id!r} in a tool_result block: each tool_result must answer a tool_use "
+            f"block of the previous assistant message ({before})")
+
+
+# Anthropic's pairing rules, in its words where it has them
+_PAIRING = PairingWords(
+    unanswered="tool_use ids were found without tool_result blocks immediately after: {ids}. Each tool_use block "
+               "must have a corresponding tool_result block in the next message.",
+    duplicate_call="tool_use ids must be unique: {id} is also the id of an earlier tool_use block ({first})",
+    duplicate_answer="each tool_use must have a single result: tool_use_id {id} has a tool_result block already "
+                     "({first})",
+    dangling=_unexpected,
+)
+
+
+def _assistant(blocks: list, i: int, pairing: ToolPairing) -> dict:
+    param = f"messages[{i}].content"
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -187,7 +205,8 @@ def _assistant(blocks: list, param: str) -> dict:
                 raise bad_value(f"{param}[{j}]", "tool_use needs a name and an object input")
             if not isinstance(block.get("id"), str) or not block["id"]:
                 raise bad_value(f"{param}[{j}].id", "a tool_use block needs an `id` string (its tool_result names it)")
-            calls.append({"id": block.get("id"), "type": "function",
+            pairing.call(block["id"], f"{param}[{j}].id", f"messages[{i}]")
+            calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         else:
             raise unsupported(f"{param}[{j}]", f"content block type {kind!r} is not supported in assistant turns")

@@ -42,6 +42,7 @@ from app.api.generation import (
 )
 from app.api.prompts import prepare_off_loop
 from app.api.schemas import _Sampling, decode_body, read_body
+from app.api.tool_pairing import PairingWords, ToolPairing
 from app.engine import Engine
 from app.tool_parsers import ToolCallDelta
 
@@ -130,7 +131,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     if not items:
         raise bad_value("input", "input must not be empty")
     reasoning: str | None = None
-    call_ids: set[str] = set()  # the function_call items so far
+    pairing = ToolPairing(_PAIRING)
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message")
@@ -147,7 +148,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
                 "name": item.get("name"), "arguments": arguments_object(item.get("arguments", "{}"), f"{param}.arguments")}}
             if not _nonempty_str(item.get("name")) or not _nonempty_str(item.get("call_id")):
                 raise bad_value(param, "a function_call item needs call_id and name (non-empty strings)")
-            call_ids.add(item["call_id"])
+            pairing.call(item["call_id"], f"{param}.call_id", param)
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or reasoning is None):
                 last.setdefault("tool_calls", []).append(call)
@@ -159,9 +160,7 @@ def _messages(body: ResponsesRequest) -> list[dict]:
             if not _nonempty_str(item.get("call_id")):
                 raise bad_value(param, "a function_call_output item needs call_id (a non-empty string)")
             # NOTE: nothing is stored (no previous_response_id), so the call it answers is an earlier input item
-            if item["call_id"] not in call_ids:
-                raise bad_value(f"{param}.call_id", f"no function_call item before it has call_id "
-                                f"{item['call_id']!r}: a function_call_output answers an earlier function_call")
+            pairing.answer(item["call_id"], f"{param}.call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")})
         elif kind == "reasoning":
@@ -172,7 +171,20 @@ def _messages(body: ResponsesRequest) -> list[dict]:
             reasoning = "".join(_part_text(p, f"{param}.{key}[{j}]") for j, p in enumerate(parts) if isinstance(p, dict))
         else:
             raise unsupported(param, f"input item type {kind!r} is not supported")
+    pairing.settle()  # NOTE: OpenAI's rule: each function_call's output is somewhere after it in the input
     return out
+
+
+# OpenAI's pairing rules for input items, in its words where it has them
+_PAIRING = PairingWords(
+    unanswered="No tool output found for function call {ids}: each function_call item needs a "
+               "function_call_output item with its call_id after it",
+    duplicate_call="duplicate call_id {id}: an earlier function_call has it ({first}); each function_call needs its "
+                   "own call_id, as a function_call_output names the call it answers by it",
+    duplicate_answer="call_id {id} has a function_call_output already ({first}): each function_call gets one output",
+    dangling=lambda call_id, _: f"no function_call item before it has call_id {call_id!r}: a function_call_output "
+                                f"answers an earlier function_call",
+)
 
 
 def _conversation(body: ResponsesRequest) -> Conversation:

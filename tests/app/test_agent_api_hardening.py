@@ -1,6 +1,7 @@
 """What an agent sends that the server got wrong: Anthropic's assistant prefill (a last assistant turn is the
 start of the answer), tool-call arguments nested past what JSON decoding survives (a 500 before), tool results that
-answer no call (served before), and the Messages API's own field rules (Anthropic's ranges and error shape)."""
+answer no call, tool calls left without a result and call ids used twice (all served before), and the Messages
+API's own field rules (Anthropic's ranges and error shape)."""
 
 from __future__ import annotations
 
@@ -95,9 +96,22 @@ def test_an_assistant_message_without_content_or_calls_is_explained(scripted):
     assert r.json()["error"]["message"] == "an assistant message needs content (or tool_calls)"
 
 
-# -- tool-call ids: a result must answer a call the conversation made -------------------------------------------------
+# -- tool-call ids: a result answers a call the conversation made, every call gets one result, ids are unique --------
 
 CALL = {"id": "call_a", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 6, "b": 7}'}}
+CALL_B = {**CALL, "id": "call_b"}
+
+
+def calls(*ids: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": i} for i in ids]}
+
+
+def answer(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "42"}
+
+
+UNANSWERED = ("an assistant message with 'tool_calls' must be followed by tool messages responding to each "
+              "'tool_call_id'; these tool_call_ids have no response message: ")
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +136,31 @@ def openai_client(scripted):
     ([QUESTION, {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": 7}]},
       {"role": "tool", "tool_call_id": "7", "content": "42"}], "messages[1].tool_calls[0].id",
      "a tool call id must be a string, got 7"),
+    # calls left without a result (OpenAI: "The following tool_call_ids did not have response messages"): served
+    # before, the model reading its own call go unanswered. Before the next user, assistant or system message ...
+    ([QUESTION, calls("call_a", "call_b"), answer("call_a"), {"role": "user", "content": "And?"}], "messages[1]",
+     UNANSWERED + "call_b"),
+    ([QUESTION, calls("call_a", "call_b"), {"role": "assistant", "content": "42."}], "messages[1]",
+     UNANSWERED + "call_a, call_b"),
+    ([QUESTION, calls("call_a"), {"role": "system", "content": "Be brief."}, answer("call_a")], "messages[1]",
+     UNANSWERED + "call_a"),
+    # ... or the end of the conversation, a turn after answered ones too
+    ([QUESTION, calls("call_a"), answer("call_a"), calls("call_b")], "messages[3]", UNANSWERED + "call_b"),
+    # a tool message without an id answers nothing
+    ([QUESTION, calls("call_a"), {"role": "tool", "content": "42"}], "messages[1]", UNANSWERED + "call_a"),
+    # one id twice: a result could not say which call it answers
+    ([QUESTION, calls("call_a", "call_a"), answer("call_a")], "messages[1].tool_calls[1].id",
+     "duplicate tool call id 'call_a': an earlier tool call has it (messages[1].tool_calls[0].id)"),
+    ([QUESTION, calls("call_a"), answer("call_a"), calls("call_a"), answer("call_a")], "messages[3].tool_calls[0].id",
+     "duplicate tool call id 'call_a': an earlier tool call has it (messages[1].tool_calls[0].id)"),
+    # two results to one call, in one turn or after a later one
+    ([QUESTION, calls("call_a", "call_b"), answer("call_a"), answer("call_a"), answer("call_b")],
+     "messages[3].tool_call_id",
+     "tool_call_id 'call_a' has a response already (messages[2].tool_call_id): each tool call gets one tool message"),
+    ([QUESTION, calls("call_a"), answer("call_a"), calls("call_b"), answer("call_b"), answer("call_a")],
+     "messages[5].tool_call_id", "tool_call_id 'call_a' has a response already (messages[2].tool_call_id)"),
 ])
-def test_a_tool_message_answering_no_earlier_call_is_a_400_naming_it(openai_client, messages, param, said, stream):
+def test_unpaired_tool_calls_and_results_are_a_400_naming_them(openai_client, messages, param, said, stream):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model=MODEL, max_tokens=5, messages=messages, stream=stream)
     error = info.value.body
@@ -131,27 +168,65 @@ def test_a_tool_message_answering_no_earlier_call_is_a_400_naming_it(openai_clie
     assert said in error["message"], error
 
 
-def test_tool_results_answering_any_earlier_call_are_served(openai_client, scripted):
-    """Two calls answered in turn, a result to the turn before the last, and a tool message without an id (vLLM
-    serves it; nothing to check it against) all still render."""
-    second = {**CALL, "id": "call_b"}
-    messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [CALL, second]},
-                {"role": "tool", "tool_call_id": "call_b", "content": "42"},
-                {"role": "tool", "tool_call_id": "call_a", "content": "42"},
-                {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": "call_c"}]},
-                {"role": "tool", "tool_call_id": "call_a", "content": "again 42"},
-                {"role": "tool", "content": "no id"}]
-    answer = openai_client.chat.completions.create(model=MODEL, max_tokens=5, messages=messages)
-    assert answer.choices[0].finish_reason in ("stop", "length")
-    assert scripted[1].prompts[answer.id].count("<tool_response>") == 4
+@pytest.mark.parametrize("stream", [False, True])
+def test_paired_tool_calls_over_several_turns_are_served(openai_client, scripted, stream):
+    """Parallel calls answered out of order, then more turns, each call answered once before the next message; a
+    tool message without an id (vLLM serves it; nothing to check it against) once every call has its result."""
+    messages = [QUESTION, calls("call_a", "call_b", "call_c"), answer("call_c"), answer("call_a"), answer("call_b"),
+                {"role": "assistant", "content": "Checking once more."}, calls("call_d"), answer("call_d"),
+                {"role": "tool", "content": "no id"}, {"role": "user", "content": "And 6 × 8?"}, calls("call_e"),
+                {"role": "function", "name": "multiply", "tool_call_id": "call_e", "content": "48"}]
+    created = openai_client.chat.completions.create(model=MODEL, max_tokens=5, messages=messages, stream=stream)
+    chunks = list(created) if stream else [created]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert scripted[1].prompts[chunks[0].id].count("<tool_response>") == 6
 
 
-def test_a_responses_function_call_output_answering_no_call_is_a_400(openai_client):
+def function_call(call_id: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "multiply", "arguments": '{"a": 6, "b": 7}'}
+
+
+def output(call_id: str) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": "42"}
+
+
+@pytest.mark.parametrize(("items", "param", "said"), [
+    ([function_call("c1"), output("c2")], "input[2].call_id",
+     "no function_call item before it has call_id 'c2': a function_call_output answers an earlier function_call"),
+    # OpenAI: "No tool output found for function call <call_id>." (served before)
+    ([function_call("c1")], "input[1]", "No tool output found for function call c1: each function_call item needs"),
+    ([function_call("c1"), function_call("c2"), output("c2"), {"role": "user", "content": "And?"}], "input[1]",
+     "No tool output found for function call c1:"),
+    ([function_call("c1"), function_call("c2"), {"role": "assistant", "content": "Hm."}], "input[1]",
+     "No tool output found for function call c1, c2:"),
+    ([function_call("c1"), output("c1"), function_call("c2")], "input[3]",
+     "No tool output found for function call c2:"),
+    # one call_id twice, or two outputs to one call
+    ([function_call("c1"), function_call("c1"), output("c1")], "input[2].call_id",
+     "duplicate call_id 'c1': an earlier function_call has it (input[1].call_id)"),
+    ([function_call("c1"), output("c1"), function_call("c1"), output("c1")], "input[3].call_id",
+     "duplicate call_id 'c1': an earlier function_call has it (input[1].call_id)"),
+    ([function_call("c1"), output("c1"), output("c1")], "input[3].call_id",
+     "call_id 'c1' has a function_call_output already (input[2].call_id): each function_call gets one output"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_unpaired_responses_function_calls_and_outputs_are_a_400(openai_client, items, param, said, stream):
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.responses.create(model=MODEL, max_output_tokens=5, input=[
-            QUESTION, {"type": "function_call", "call_id": "c1", "name": "multiply", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c2", "output": "42"}])
-    assert info.value.body["param"] == "input[2].call_id" and "'c2'" in info.value.body["message"]
+        openai_client.responses.create(model=MODEL, max_output_tokens=5, input=[QUESTION, *items], stream=stream)
+    error = info.value.body
+    assert (error["param"], error["code"], error["type"]) == (param, "invalid_value", "invalid_request_error"), error
+    assert said in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_paired_responses_function_calls_over_several_turns_are_served(openai_client, scripted, stream):
+    """Parallel calls answered out of order, then a message and another call with its output."""
+    items = [QUESTION, function_call("c1"), function_call("c2"), output("c2"), output("c1"),
+             {"role": "assistant", "content": "Checking once more."}, function_call("c3"), output("c3")]
+    created = openai_client.responses.create(model=MODEL, max_output_tokens=5, input=items, stream=stream)
+    response = list(created)[-1].response if stream else created
+    assert response.status in ("completed", "incomplete")
+    assert scripted[1].prompts[response.id].count("<tool_response>") == 3
 
 
 # -- Anthropic's Messages API: its fields' rules, in its error shape -------------------------------------------------
@@ -161,11 +236,20 @@ TOOL_USE = {"role": "assistant", "content": [{"type": "text", "text": "Computing
                                               "input": {"a": 6, "b": 7}}]}
 
 
-def result(tool_use_id: str | None, content: str = "42") -> dict:
+TWO_TOOL_USES = {"role": "assistant", "content": [*TOOL_USE["content"], {"type": "tool_use", "id": "toolu_b",
+                                                                          "name": "multiply", "input": {}}]}
+NO_RESULT = "tool_use ids were found without tool_result blocks immediately after: "
+
+
+def results(tool_use_id: str | None, content: str = "42") -> dict:
     block = {"type": "tool_result", "content": content}
     if tool_use_id is not None:
         block["tool_use_id"] = tool_use_id
-    return {"role": "user", "content": [block]}
+    return block
+
+
+def result(tool_use_id: str | None, content: str = "42") -> dict:
+    return {"role": "user", "content": [results(tool_use_id, content)]}
 
 
 def assert_anthropic_400(info, starts: str) -> None:
@@ -181,15 +265,35 @@ def assert_anthropic_400(info, starts: str) -> None:
      "must answer a tool_use block of the previous assistant message (its tool_use ids are toolu_a)"),
     ([result("toolu_a"), QUESTION],
      "messages[0].content[0].tool_use_id: unexpected tool_use_id 'toolu_a'"),
-    # Anthropic's rule: the assistant turn right before it, not any earlier one
+    # Anthropic's rule: the assistant turn right before it, not any earlier one (whose calls all have their result
+    # by now: one more is a second result)
     ([QUESTION, TOOL_USE, result("toolu_a"), {"role": "assistant", "content": "42."}, result("toolu_a")],
-     "messages[4].content[0].tool_use_id: unexpected tool_use_id 'toolu_a'"),
+     "messages[4].content[0].tool_use_id: each tool_use must have a single result: tool_use_id 'toolu_a' has a "
+     "tool_result block already (messages[2].content[0].tool_use_id)"),
+    ([QUESTION, TOOL_USE, {"role": "user", "content": [results("toolu_a"), results("toolu_a")]}],
+     "messages[2].content[1].tool_use_id: each tool_use must have a single result: tool_use_id 'toolu_a' has a "
+     "tool_result block already (messages[2].content[0].tool_use_id)"),
+    # Anthropic: "tool_use ids were found without tool_result blocks immediately after" (served before)
+    ([QUESTION, TOOL_USE, QUESTION], f"messages[1]: {NO_RESULT}toolu_a. Each tool_use block must have a "
+     "corresponding tool_result block in the next message."),
+    ([QUESTION, TOOL_USE], f"messages[1]: {NO_RESULT}toolu_a."),
+    ([QUESTION, TWO_TOOL_USES, result("toolu_b"), {"role": "assistant", "content": "42."}],
+     f"messages[1]: {NO_RESULT}toolu_a."),
+    ([QUESTION, TWO_TOOL_USES, QUESTION, result("toolu_a")], f"messages[1]: {NO_RESULT}toolu_b."),
+    ([QUESTION, TWO_TOOL_USES, {"role": "assistant", "content": "42."}], f"messages[1]: {NO_RESULT}toolu_a, toolu_b."),
+    # one tool_use id twice, in one turn or two
+    ([QUESTION, {"role": "assistant", "content": [*TOOL_USE["content"], TOOL_USE["content"][1]]}, result("toolu_a")],
+     "messages[1].content[2].id: tool_use ids must be unique: 'toolu_a' is also the id of an earlier tool_use block "
+     "(messages[1].content[1].id)"),
+    ([QUESTION, TOOL_USE, result("toolu_a"), TOOL_USE, result("toolu_a")],
+     "messages[3].content[1].id: tool_use ids must be unique: 'toolu_a'"),
     ([QUESTION, TOOL_USE, result(None)], "messages[2].content[0].tool_use_id: a tool_result block needs"),
     ([QUESTION, {"role": "assistant", "content": [{"type": "tool_use", "name": "multiply", "input": {}}]},
       result("toolu_a")], "messages[1].content[0].id: a tool_use block needs an `id` string"),
 ])
 def test_a_tool_result_must_answer_a_tool_use_of_the_previous_assistant_turn(client, messages, starts):
-    """These were served (200): a tool response to no call, rendered into the prompt."""
+    """These were served (200): a tool response to no call or a second one, a tool_use left without its result, a
+    tool_use id used twice, all rendered into the prompt."""
     for create in (client.messages.create, client.messages.count_tokens):
         kw = {"max_tokens": 20} if create == client.messages.create else {}
         with pytest.raises(anthropic.BadRequestError) as info:
@@ -197,14 +301,24 @@ def test_a_tool_result_must_answer_a_tool_use_of_the_previous_assistant_turn(cli
         assert_anthropic_400(info, starts)
 
 
-def test_paired_tool_results_are_served(client, scripted):
-    """Every result of the previous turn, one over two user messages (Anthropic joins consecutive ones)."""
-    two = {"role": "assistant", "content": [*TOOL_USE["content"], {"type": "tool_use", "id": "toolu_b",
-                                                                    "name": "multiply", "input": {}}]}
-    message = client.messages.create(model=MODEL, max_tokens=20, messages=[
-        QUESTION, two, result("toolu_b"), result("toolu_a", "also 42")], thinking={"type": "disabled"})
+@pytest.mark.parametrize("stream", [False, True])
+def test_paired_tool_results_are_served(client, scripted, stream):
+    """Every result of the previous turn in any order, one over two user messages (Anthropic joins consecutive
+    ones), then a later turn's call answered with text beside its result."""
+    later = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_c", "name": "multiply",
+                                               "input": {"a": 6, "b": 8}}]}
+    messages = [QUESTION, TWO_TOOL_USES, result("toolu_b"), result("toolu_a", "also 42"),
+                {"role": "assistant", "content": "42. Once more?"}, QUESTION, later,
+                {"role": "user", "content": [results("toolu_c", "48"), {"type": "text", "text": "Thanks."}]}]
+    kw = {"model": MODEL, "max_tokens": 20, "messages": messages, "thinking": {"type": "disabled"}}
+    if stream:
+        with client.messages.stream(**kw) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**kw)
     assert message.stop_reason == "end_turn" and message.content[0].text == "A fresh turn."
-    assert scripted[1].prompts[message.id].count("<tool_response>") == 2
+    assert scripted[1].prompts[message.id].count("<tool_response>") == 3
+    assert client.messages.count_tokens(model=MODEL, messages=messages).input_tokens > 0
 
 
 @pytest.mark.parametrize(("kw", "starts"), [
