@@ -21,9 +21,10 @@
 #            splits it (SHM_GIB in /dev/shm, default what host memory leaves beside the bank and 24 GiB of
 #            headroom, the rest on the disk; symlinked into /tmp/qwen36-bf16), then bench_decode.py resident bs1/4
 #            as in formats (~6 min on a cold machine; the 2-GPU kind, never lent so far, would hold it unsplit)
-#   formats-http  ft serve each of $FORMATS resident (the checkpoint formats or bf16 left in /tmp/qwen36-FMT,
-#            synthesized if absent, tokenizer added) and ft bench ladder c1/c4 (LEVELS) and probe: issue 8's format
-#            targets through the HTTP API, as the customer measures (run after formats / bf16 on a warm machine)
+#   formats-http  ft serve each of $FORMATS resident (the checkpoint formats or bf16 in /tmp/qwen36-FMT, synthesized
+#            if absent (bf16 split as in the phase bf16), other /tmp/qwen36-* checkpoints removed where the disk is
+#            short, tokenizer added) and ft bench ladder c1/c4 (LEVELS) and probe: issue 8's format targets through
+#            the HTTP API, as the customer measures. BF16 on an 80 GB card: RESIDENT_KV=8k RESIDENT_RUNNING=4
 #   prefill-a8  scripts/bench_prefill.py resident 4k/32k with bf16 and with FP8 activations (ADR 0018), each with
 #            its record ($OUT/prefill_bf16, $OUT/prefill_a8: the latter's a8_logits says how far the logits move)
 #   spans    the batched prefill spans (sessions 12-14): their warm-up's, step's and kernels' GPU tests, then
@@ -83,6 +84,37 @@ bench_prefill() {
   local limit=$1 name=$2; shift 2
   timeout "$limit" python3 scripts/bench_prefill.py --out "$OUT/$name" --synth-dir "$CKPT" --reuse "$@" 2>&1 \
     | grep -E "^resident|^budget|Error|failed" | cut -c1-300
+}
+# free_disk GIB KEEP: removes the other synthesized checkpoints (/tmp/qwen36-*, their /dev/shm spills) until the disk
+# has GIB free; KEEP (a checkpoint directory) stays. Session 35: formats-http after the resident FP8 runs found the
+# 34 GiB FP8 and the 20 GiB NVFP4 checkpoints still on the 64 GiB disk, and the next synthesis died of ENOSPC
+free_disk() {
+  local need=$1 keep=$2 d
+  for d in /tmp/qwen36-*; do
+    (( $(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9) >= need )) && return 0
+    [[ -e $d && $d != "$keep" ]] || continue
+    echo "free_disk: removing $d (${need} GiB wanted on /tmp)"; rm -rf "$d" "/dev/shm/$(basename "$d")"
+  done
+}
+# synth_bf16: the BF16 checkpoint in /tmp/qwen36-bf16 (the phase bf16's note: split between /dev/shm and the disk);
+# fails (status 1) where it cannot fit
+synth_bf16() {
+  local ck=/tmp/qwen36-bf16 total=65  # GiB: 60.0 of experts + 4.6 dense (domain.model_spec: qwen36_35b_a3b(WeightFormat.BF16))
+  [ -f "$ck/config.json" ] && return 0
+  rm -rf "$ck" /dev/shm/qwen36-bf16  # a synthesis cut short leaves no config.json, and its files would count as used
+  local mem shm_free shm keep disk
+  mem=$(awk '/^MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+  shm_free=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
+  shm=${SHM_GIB:-$(( mem - 60 - 24 ))}  # the pinned bank (60) and headroom (CUDA, torch, page cache) stay free
+  (( shm > shm_free )) && shm=$shm_free
+  keep=$(( total - shm )); (( keep < 0 )) && keep=0
+  free_disk $(( keep + 4 )) "$ck"
+  disk=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+  echo "bf16: host memory $mem GiB, disk free $disk GiB, /dev/shm free $shm_free GiB: $keep GiB on the disk, the rest in /dev/shm"
+  if (( keep + 4 > disk )); then echo "bf16: does not fit this machine (needs $keep + 4 GiB on the disk)"; return 1; fi
+  timeout 420 python3 -m app synth --out "$ck" --geometry qwen3.6-35b-a3b --format bf16 --device cuda \
+    --spill-dir /dev/shm/qwen36-bf16 --max-out-gb "$keep" 2>&1 | tail -1
+  [ -f "$ck/config.json" ]
 }
 for phase in "$@"; do
   echo "=== $phase"
@@ -235,19 +267,7 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       done ;;
     bf16)
       ck=/tmp/qwen36-bf16
-      if [ ! -f "$ck/config.json" ]; then
-        total=65  # GiB: 60.0 of experts + 4.6 dense (domain.model_spec: qwen36_35b_a3b(WeightFormat.BF16))
-        mem=$(awk '/^MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
-        disk=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
-        shm_free=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
-        shm=${SHM_GIB:-$(( mem - 60 - 24 ))}  # the pinned bank (60) and headroom (CUDA, torch, page cache) stay free
-        (( shm > shm_free )) && shm=$shm_free
-        keep=$(( total - shm )); (( keep < 0 )) && keep=0
-        echo "bf16: host memory $mem GiB, disk free $disk GiB, /dev/shm free $shm_free GiB: $keep GiB on the disk, the rest in /dev/shm"
-        if (( keep + 4 > disk )); then echo "bf16: does not fit this machine (needs $keep + 4 GiB on the disk)"; continue; fi
-        timeout 420 python3 -m app synth --out "$ck" --geometry qwen3.6-35b-a3b --format bf16 --device cuda \
-          --spill-dir /dev/shm/qwen36-bf16 --max-out-gb "$keep" 2>&1 | tail -1
-      fi
+      synth_bf16 || continue
       free -g | head -2; df -h /tmp /dev/shm | tail -2
       timeout 400 python3 scripts/bench_decode.py --out "$OUT/decode_bf16" --synth-dir "$ck" --reuse \
         --format bf16 --batch 1,4 --plans resident --warmup 16 --steps 32 --parity-steps 2 2>&1 \
@@ -256,8 +276,13 @@ synthesize(Path(sys.argv[1]), GEOMETRIES['qwen3.6-35b-a3b'], 'fp8_block', seed=0
       ( . "$(dirname "$0")/gpu_http_bench.sh"
         for fmt in ${FORMATS:-nvfp4_modelopt}; do
           CKPT=/tmp/qwen36-$fmt
-          [ -f "$CKPT/config.json" ] || timeout 200 python3 -m app synth --out "$CKPT" --geometry qwen3.6-35b-a3b \
-            --format "$fmt" --device cuda 2>&1 | tail -1
+          if [[ $fmt == bf16 ]]; then
+            synth_bf16 || continue
+          elif [ ! -f "$CKPT/config.json" ]; then
+            free_disk 40 "$CKPT"  # the largest other format (FP8, 34 GiB) and the tokenizer
+            timeout 200 python3 -m app synth --out "$CKPT" --geometry qwen3.6-35b-a3b --format "$fmt" --device cuda \
+              2>&1 | tail -1
+          fi
           synth_ckpt  # adds the tokenizer files bench_decode.py leaves out
           if serve 8101 "$OUT/serve_$fmt.log" $(resident_serve_args); then
             LADDER_ARGS="--levels ${LEVELS:-1,4} --rounds 2" bench_ladder http://127.0.0.1:8101 "$OUT/ladder_$fmt.json" > /dev/null
