@@ -25,9 +25,12 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
   call (a prompt's tail beside decodes, a short prompt: the prefill graphs' steps) launches each layer's token mixer
   from Python, eager_mixer_layer_s of host time a layer, before that layer's GPU work can start (docs/simulator.md,
   "Short steps: h200_records_v7");
+- the split-K dense projections (`splitk`): a layer call of 3 to 32 rows pays splitk_layer_s beside its roofline;
 - the per-pair GEMV call (`expert_call`, `expert_read(..., per_pair=True)`): a layer call of per-pair GEMVs costs
   pair_call_s once plus its pairs' bytes at pair_read_efficiency (docs/simulator.md, "Held out on an H100: session 33,
-  refitted").
+  refitted"); with pair_reread_s set, only the first pair of each distinct expert of the call reads it at that rate,
+  and every other pair routed to the same expert (re-read from L2) costs pair_reread_s (docs/simulator.md, "Held out
+  on an H100: sessions 34-35").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -47,7 +50,10 @@ from simulator.hardware import HardwareProfile
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
-OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s")  # left out of to_dict() at 0
+OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s", "splitk_layer_s")
+# NOTE: adapters/cuda_exec/prefill_linear.py use_splitk (SPLITK_GEMV_MAX_ROWS + 1 .. SPLITK_MAX_ROWS): the rows a
+# layer's dense projections run as split-K GEMMs; fewer run the GEMV (the simulator may not import adapters)
+SPLITK_ROWS = (3, 32)  # left out of to_dict() at 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,19 @@ class CostParams(StrictParams):
     # h100_records_v2, whose per-pair reads run at memory_efficiency.
     pair_call_s: float = 0.0
     pair_read_efficiency: float = 0.0
+    # A per-pair GEMV call's pair whose expert an earlier pair of the same call reads (rows routed to one expert: the
+    # HTTP ladder's identical greedy rows, 16 pairs an expert at c16) re-reads it from L2: pair_reread_s (s) a such
+    # pair instead of the expert's bytes at pair_read_efficiency. Fitted on session 34's H100 records, where the
+    # ladder's lockstep c16 step is 0.55 ms shorter than bench_decode's bs16 replay of distinct rows on the same
+    # kernels (simulator/fit_resident_h100.py). 0: off, every pair reads at the pair rate (files before
+    # h100_records_v3).
+    pair_reread_s: float = 0.0
+    # A layer call of SPLITK_ROWS rows (3 to 32: the decode buckets 4, 8, 16 and short steps) runs its dense
+    # projections as split-K GEMMs (adapters/cuda_exec/prefill_linear.py use_splitk), which read the weights slower
+    # than the one-row GEMVs whose bytes the roofline costs: this much more a layer (s). Fitted on session 34's H100
+    # kernel profile, split-K at bs16 less the GEMVs at bs1 (simulator/fit_resident_h100.py). 0: off (files before
+    # h100_records_v3).
+    splitk_layer_s: float = 0.0
     # The streamed prefill (docs/adr/0010-streamed-prefill.md): an uncaptured step (prefill or mixed) whose layer
     # calls route more than min(expert slots, lookup_max_keys) (token, top-k) pairs reads the resident experts in
     # place and copies the layer's non-resident ones through the plan's staging rows, in rounds that alternate
@@ -144,7 +163,8 @@ class CostParams(StrictParams):
         require_positive(self, "step_overhead_s", "sequence_overhead_s", "transfer_latency_s", "transfer_setup_s",
                          "layer_overhead_s", "host_step_s", "host_row_s", "server_step_s", "request_overhead_s",
                          "eager_layer_s", "eager_compute_efficiency", "eager_token_s", "eager_mixer_layer_s",
-                         "pair_call_s", "pair_read_efficiency", "request_spacing_s", allow_zero=True)
+                         "pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s",
+                         "splitk_layer_s", allow_zero=True)
         buckets = self.graph_buckets
         if not isinstance(buckets, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
                                                  for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -169,7 +189,8 @@ class CostParams(StrictParams):
 
     def to_dict(self) -> dict:
         """StrictParams' dict, less the fields of h100_records_v2 (pair_call_s, pair_read_efficiency,
-        request_spacing_s) where they are 0: the files fitted before them stay what their commands write."""
+        request_spacing_s) and v3 (pair_reread_s, splitk_layer_s) where they are 0: the files fitted before them stay what their
+        commands write."""
         out = super().to_dict()
         for name in OFF_WHEN_ZERO:
             if out[name] == 0:
@@ -299,7 +320,7 @@ class CostModel:
         """Attention or GDN, shared expert and router of one layer, for every sequence."""
         spec = self.spec
         tokens = sum(s.num_tokens for s in loads)
-        launch = self.params.layer_overhead_s + self.layer_token_s * tokens
+        launch = self.params.layer_overhead_s + self.layer_token_s * tokens + self.splitk(tokens)
         nbytes = self.layer_dense_bytes
         flops = 2.0 * self.layer_dense_params * tokens
         if spec.layer_kinds[layer] is LayerKind.FULL_ATTENTION:
@@ -310,6 +331,11 @@ class CostModel:
         else:
             nbytes += 2 * self.state_bytes_layer * len(loads)  # read and write the recurrent state
         return launch + self._roofline(nbytes, flops)
+
+    def splitk(self, rows: int) -> float:
+        """Seconds a layer's dense projections over `rows` rows take beyond their roofline: splitk_layer_s where
+        the engine runs them as split-K GEMMs (SPLITK_ROWS), else 0."""
+        return self.params.splitk_layer_s if SPLITK_ROWS[0] <= rows <= SPLITK_ROWS[1] else 0.0
 
     def reads_per_pair(self, pairs: float) -> bool:
         """Whether a layer call of `pairs` routed (token, top-k) pairs streams an expert's weights per pair
@@ -324,17 +350,24 @@ class CostModel:
         reads_per_pair, decided on the whole layer call's pairs)."""
         if not tokens_per_expert:
             return 0.0
-        routed = sum(tokens_per_expert)
-        return self.expert_read(routed if per_pair else len(tokens_per_expert), routed, per_pair)
+        routed, distinct = sum(tokens_per_expert), len(tokens_per_expert)
+        if per_pair and self.params.pair_reread_s:  # NOTE: each expert's first pair reads it, the rest re-read L2
+            return self.expert_read(distinct, routed, per_pair, rereads=routed - distinct)
+        return self.expert_read(routed if per_pair else distinct, routed, per_pair)
 
-    def expert_read(self, weight_reads: float, routed_tokens: float, per_pair: bool = False) -> float:
+    def expert_read(self, weight_reads: float, routed_tokens: float, per_pair: bool = False,
+                    rereads: float = 0.0) -> float:
         """Seconds for routed-expert GEMMs that read `weight_reads` experts' weights (distinct experts for
         grouped GEMMs, routed pairs for per-pair GEMVs: then at pair_read_efficiency) over `routed_tokens`
-        (token, expert) pairs; fractional counts allowed (expected values). The call's fixed part is expert_call."""
-        if weight_reads < 0 or routed_tokens < 0:
-            raise ValueError(f"negative expert counts: {weight_reads}, {routed_tokens}")
+        (token, expert) pairs, plus `rereads` per-pair reads of an expert the same call already read, at
+        pair_reread_s each (their FLOPs are in routed_tokens); fractional counts allowed (expected values). The
+        call's fixed part is expert_call."""
+        if weight_reads < 0 or routed_tokens < 0 or rereads < 0:
+            raise ValueError(f"negative expert counts: {weight_reads}, {routed_tokens}, {rereads}")
+        if rereads and not (per_pair and self.params.pair_reread_s):
+            raise ValueError("re-reads are priced only for per-pair reads with pair_reread_s set")
         return self._roofline(weight_reads * self.expert_bytes, self.expert_flops_per_token * routed_tokens,
-                              self._pair_mem if per_pair else None)
+                              self._pair_mem if per_pair else None) + rereads * self.params.pair_reread_s
 
     def expert_call(self, pairs: float) -> float:
         """Seconds a layer call of `pairs` routed pairs costs once, beside its reads: pair_call_s when it runs
@@ -400,7 +433,8 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     `layers_with_misses` layers (default: every layer when there are misses). The expert GEMMs read
     each distinct expert once, or, where the model reads per pair (CostModel.reads_per_pair of the
     rows x top-k pairs), every routed pair's expert: then rows in lockstep (distinct_per_layer ~ top-k)
-    share the misses but not the compute. The padded rows of
+    share the misses but not the compute (with pair_reread_s, a distinct expert's pairs after its first cost that
+    each: they re-read it from L2). The padded rows of
     the graph bucket pay dense compute and lm_head and skip the experts (no misses). Per layer:
     pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs) + the call's fixed part (expert_call), summed
     over layers (never a per-step max of compute and copy). ValueError on counts out of range.
@@ -426,10 +460,15 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     share = miss_l / distinct_per_layer if distinct_per_layer else 0.0
     # NOTE: per pair, a distinct expert is read once per pair routed to it (routed / distinct on average);
     # the copies above stay per distinct miss.
-    reads_hit, reads_miss = (routed * (1 - share), routed * share) if model.reads_per_pair(routed) else (hit_l, miss_l)
     per_pair = model.reads_per_pair(routed)
-    hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair)
-    miss_gemm = model.expert_read(reads_miss, routed * share, per_pair)
+    reads_hit, reads_miss = (routed * (1 - share), routed * share) if per_pair else (hit_l, miss_l)
+    reread_hit = reread_miss = 0.0
+    if per_pair and model.params.pair_reread_s:  # NOTE: each distinct expert's first pair reads it, the rest re-read
+        reads_hit, reads_miss = hit_l, miss_l
+        again = max(0.0, routed - distinct_per_layer)
+        reread_hit, reread_miss = again * (1 - share), again * share
+    hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair, reread_hit)
+    miss_gemm = model.expert_read(reads_miss, routed * share, per_pair, reread_miss)
     call = model.expert_call(routed)  # the layer call's fixed part (pair_call_s), after its copies as in SimExecutor
     dense = sum(model.layer_pre_expert(layer, loads) for layer in range(layers)) + model.head(padded)
     expert_phase = layers * (model.layer_expert_time(copy_l, hit_gemm, miss_gemm) + call)

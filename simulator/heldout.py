@@ -54,3 +54,55 @@ def write_report(out: str | Path, header: dict, points: list[dict], group: Calla
     for r in points:
         print(f"{Path(r['record']).name[name_slice]:{name_width}} {r['point']:{point_width}} {r['measured']:10.4f} "
               f"{r['predicted']:10.4f} {r['error_pct']:+7.1f} %")
+
+
+def scored_row(record: str, point: str, kind: str, unit: str, measured: float, by_cal: dict[str, float], scored: str,
+               command: str, bound: float, **extra) -> dict:
+    """heldout_row of `by_cal[scored]`, every other calibration's prediction, error and within-bound beside it
+    (`<name>_predicted`, `<name>_error_pct`, `<name>_within_bound`)."""
+    beside = {}
+    for cal, value in by_cal.items():
+        if cal != scored:
+            err = error_pct(value, measured)
+            beside |= {f"{cal}_predicted": round(value, 6), f"{cal}_error_pct": err,
+                       f"{cal}_within_bound": abs(err) <= bound * 100}
+    return heldout_row(record, point, kind, measured, by_cal[scored], unit, command, bound, **beside, **extra)
+
+
+def http_rows(record: str, data: dict, by_cal: dict[str, dict[int, dict]], scored: str, command: str, bound: float,
+              **extra) -> list[dict]:
+    """An `ft bench` ladder's or probe's points against `predict --json` results (`by_cal[cal][batch]`): per point its
+    median TTFT (ms), aggregate tok/s (ladder) and steady decode step (ms, 1 / steady tok/s a request); a probe is
+    one request, predict's bs1."""
+    rows = []
+    for p in data["points"]:
+        batch, name = (p["concurrency"], f"c{p['concurrency']}") if data["kind"] == "ladder" else \
+            (1, f"{p['max_tokens']} tokens")
+        got = {cal: r[batch] for cal, r in by_cal.items()}
+        figures = [("TTFT", "HTTP TTFT", "ms", p["ttft_s_median"] * 1e3, {c: g["ttft_s"] * 1e3 for c, g in got.items()})]
+        if "aggregate_tok_s" in p:
+            figures.append(("aggregate", "aggregate", "tok/s", p["aggregate_tok_s"],
+                            {c: g["decode_tok_s"] for c, g in got.items()}))
+        figures.append(("decode step (predict steady)", "decode step (predict steady)", "ms",
+                        1e3 / p["steady_decode_tok_s_median"],
+                        {c: 1e3 / g["steady_decode_tok_s_per_request"] for c, g in got.items()}))
+        rows += [scored_row(record, f"{name} {label}", kind, unit, measured, values, scored,
+                            command + ("" if data["kind"] == "ladder" else " (bs1)"), bound, **extra)
+                 for label, kind, unit, measured, values in figures]
+    return rows
+
+
+def step_rows(record: str, observations: list, models: dict, scored: str, command: str, bound: float,
+              predict: Callable, **extra) -> list[dict]:
+    """Each "step" observation (records.StepObservation) of a record against the step model of every calibration
+    (`models[cal]`, a CostModel; `predict(model, obs)` in seconds), in ms."""
+    return [scored_row(record, o.label.removeprefix("bench_decode ") + " execute() step", "bench_decode step", "ms",
+                       o.measured_s * 1e3, {cal: predict(m, o) * 1e3 for cal, m in models.items()}, scored, command,
+                       bound, misses_per_step=round(o.misses_per_step, 2), **extra)
+            for o in observations if o.kind == "step"]
+
+
+def within_counts(points: list[dict], field: str, select: Callable[[dict], bool]) -> str:
+    """'<n> of <m>' selected rows whose `field` (a within-bound flag) is true."""
+    chosen = [r[field] for r in points if select(r)]
+    return f"{sum(chosen)} of {len(chosen)}"
