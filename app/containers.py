@@ -28,7 +28,7 @@ from domain.ports import Tokenizer
 from domain.prefill_choice import PrefillChoice, resolve_prefill_kernels
 from domain.prefix_store import snapshot_interval
 from domain.scheduler import Scheduler, SchedulerConfig
-from domain.serve_plan import ServePools, cap_bytes, plan_serve_pools, serve_budget
+from domain.serve_plan import ServePools, cap_bytes, embedding_on_host, plan_serve_pools, serve_budget
 from domain.step_budget import blame_step, reserve_step, serve_step_reserve, serve_step_tokens
 
 log = logging.getLogger("fluxtide.serve")
@@ -152,8 +152,10 @@ def _dense_copy(settings: ServeSettings, spec: ModelSpec, device: str) -> bool:
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
     """The card's budget with the largest step's activations held outside the pools (ADR 0011): every plan
     made from it, live resizes included, leaves them room."""
+    # NOTE: on CUDA the loader and the decoder (either executor) keep the input embedding in pinned host memory
     budget = serve_budget(spec, _device_total_bytes(settings, device), settings.memory_ratio,
-                          cap_bytes(settings.gpu_budget_gib))
+                          cap_bytes(settings.gpu_budget_gib),
+                          host_embedding=embedding_on_host(spec, device.startswith("cuda")))
     return reserve_step(budget, _step_reserve(settings, spec, device))
 
 

@@ -165,6 +165,11 @@ class ModelSpec:
         conv = self.linear_conv_channels * (self.linear_conv_kernel - 1) * BF16_BYTES
         return self.num_linear_attention_layers * (recurrent + conv)
 
+    def embedding_bytes(self) -> int:
+        """The input embedding table embed_tokens [vocab, H] in bf16: part of dense_weight_bytes(), which a CUDA
+        deployment keeps in host memory instead (domain.serve_plan.serve_budget, host_embedding)."""
+        return self.vocab_size * self.hidden_size * BF16_BYTES
+
     def dense_weight_bytes(self) -> int:
         """Every weight that is not a routed expert, as it sits on the GPU.
 

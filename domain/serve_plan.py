@@ -33,11 +33,21 @@ def cap_bytes(gpu_budget_gib: float | None) -> int | None:
     return int(gpu_budget_gib * GIB)
 
 
+def embedding_on_host(spec: ModelSpec, gpu: bool) -> bool:
+    """Whether a deployment keeps the input embedding in host memory, out of the GPU budget: on a GPU, where the
+    table's rows (H a multiple of 8: a multiple of 16 bytes in bf16) suit the gather that reads them one per token
+    (the loader's and the decoder's rule: adapters.checkpoint.loader.hosts_embedding; a tied checkpoint keeps its
+    table on the GPU as the head's weight, which dense_weight_bytes() counts once more, so the plan holds it)."""
+    return gpu and spec.hidden_size % 8 == 0
+
+
 def serve_budget(spec: ModelSpec, device_total_bytes: int, memory_ratio: float = 0.9,
-                 gpu_budget_bytes: int | None = None, fixed_bytes: int = 0) -> GpuBudget:
+                 gpu_budget_bytes: int | None = None, fixed_bytes: int = 0, host_embedding: bool = False) -> GpuBudget:
     """The server's budget: total = the device's memory (what the driver reports), capped at
-    gpu_budget_bytes when given; pool = int(total * memory_ratio) - the dense weights of `spec`
-    (spec.dense_weight_bytes(): what the loader puts on the GPU besides the experts) - fixed_bytes
+    gpu_budget_bytes when given; pool = int(total * memory_ratio) - the dense weights of `spec` on the GPU
+    (spec.dense_weight_bytes(): what the loader puts there besides the experts, less spec.embedding_bytes() when
+    host_embedding (embedding_on_host): a CUDA deployment's decoder reads the input embedding from pinned host
+    memory, one row per token, so its VRAM goes to the pools) - fixed_bytes
     (0 for `ft serve`; a simulator calibration of another engine may set aside its fixed caches).
     Raises ValueError on negative sizes or a ratio outside (0, 1]."""
     if device_total_bytes <= 0:
@@ -45,8 +55,8 @@ def serve_budget(spec: ModelSpec, device_total_bytes: int, memory_ratio: float =
     if gpu_budget_bytes is not None and gpu_budget_bytes <= 0:
         raise ValueError(f"gpu_budget_bytes must be > 0, got {gpu_budget_bytes}")
     total = device_total_bytes if gpu_budget_bytes is None else min(device_total_bytes, gpu_budget_bytes)
-    return GpuBudget(total_bytes=total, memory_ratio=memory_ratio, weights_bytes=spec.dense_weight_bytes(),
-                     fixed_bytes=fixed_bytes)
+    weights = spec.dense_weight_bytes() - (spec.embedding_bytes() if host_embedding else 0)
+    return GpuBudget(total_bytes=total, memory_ratio=memory_ratio, weights_bytes=weights, fixed_bytes=fixed_bytes)
 
 
 @dataclass(frozen=True)

@@ -298,9 +298,9 @@ def run_scenario(args, ckpt, name: str, record: dict, link_bytes_per_s: float) -
 
     spec = ckpt.spec
     scen: dict = record["scenarios"].setdefault(name, {})
-    budget = GpuBudget(total_bytes=1 << 40, weights_bytes=dense_bytes(ckpt))
+    budget = GpuBudget(total_bytes=1 << 40, weights_bytes=dense_bytes(ckpt, args.device))
     if name == "budget":  # the card: experts sized by the planner under --gpu-budget-gib
-        budget = GpuBudget(total_bytes=int(args.gpu_budget_gib * GiB), weights_bytes=dense_bytes(ckpt),
+        budget = GpuBudget(total_bytes=int(args.gpu_budget_gib * GiB), weights_bytes=dense_bytes(ckpt, args.device),
                            fixed_bytes=int(args.fixed_gib * GiB))
     plan = scenario_plan(args, spec, name, budget)
     scen["plan"] = asdict(plan)

@@ -228,11 +228,17 @@ def device_kernels(prof):
 
 # ---- phase 2: full-size FP8 checkpoint ------------------------------------------------------------
 
-def dense_bytes(ckpt) -> int:
+def dense_bytes(ckpt, device: str = "cuda") -> int:
+    """Bytes of the checkpoint's dense tensors the decoder puts on `device` (the input embedding stays in host
+    memory where adapters.checkpoint.loader.hosts_embedding says so, on CUDA)."""
+    from adapters.checkpoint.loader import EMBEDDING, hosts_embedding
     from adapters.checkpoint.quant import QTensor
 
+    hosted = hosts_embedding(device, ckpt.dense, ckpt.spec.hidden_size)
     total = 0
-    for t in ckpt.dense.values():
+    for name, t in ckpt.dense.items():
+        if hosted and name == EMBEDDING:
+            continue
         parts = [t.data, t.scale, t.global_scale] if isinstance(t, QTensor) else [t]
         total += sum(p.numel() * p.element_size() for p in parts if p is not None)
     return total
@@ -275,7 +281,7 @@ def run_full(args, record: dict) -> None:
     full["load_seconds"] = round(time.perf_counter() - t, 1)
     full["bank_bytes"] = ckpt.experts.nbytes
     full["bank_pinned"] = ckpt.experts.pinned
-    weights = dense_bytes(ckpt)
+    weights = dense_bytes(ckpt, device)
     full["dense_bytes_on_device"] = weights
     budget = GpuBudget(total_bytes=budget_bytes, weights_bytes=weights, fixed_bytes=int(args.fixed_gib * GiB))
     plan = plan_pools(ckpt.spec, budget, PoolRequest(state_slots=4))

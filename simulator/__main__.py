@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whether the plan holds the dequantized copy a long chunk's dense projections run on cuBLAS "
                         "over (ft serve on CUDA since 2026-12-06: FLUXTIDE_PREFILL_DEQUANT_ROWS, 48 MiB for Qwen3.6 "
                         "block FP8). Default: the calibration's (off in every calibration so far)")
+    p.add_argument("--host-embedding", dest="serve_host_embedding", choices=("on", "off"),
+                   help="whether the server keeps the input embedding in host memory, out of the GPU budget (ft serve "
+                        "on CUDA since 2026-12-06: 1.02 GB more for the pools on Qwen3.6). Default: the calibration's "
+                        "(off in every calibration so far)")
     p.add_argument("--short-prompt-replays", type=parse_count_or_auto, metavar="N|auto",
                    help="as the server's FLUXTIDE_SHORT_PROMPT_REPLAYS: a step whose prompt chunks are all at most N tokens "
                         "runs as decode replays, one per token of its longest chunk (ADR 0026); 0 off; auto (the "
@@ -312,6 +316,8 @@ def deployment_from_args(deployment: Deployment, args, spec: ModelSpec | None = 
         changes["layered_prefill"] = args.serve_layered_prefill == "on"
     if getattr(args, "serve_dense_copy", None) is not None:
         changes["dense_copy"] = args.serve_dense_copy == "on"
+    if getattr(args, "serve_host_embedding", None) is not None:
+        changes["host_embedding"] = args.serve_host_embedding == "on"
     return deployment.replace(**changes) if changes else deployment
 
 

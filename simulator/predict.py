@@ -20,7 +20,14 @@ from domain.model_spec import ModelSpec
 from domain.prefix_store import snapshot_interval
 from domain.request import Request, SamplingParams
 from domain.scheduler import Scheduler, SchedulerConfig
-from domain.serve_plan import CACHE_TYPES, ServePlan, ServePools, plan_serve_pools, serve_budget
+from domain.serve_plan import (
+    CACHE_TYPES,
+    ServePlan,
+    ServePools,
+    embedding_on_host,
+    plan_serve_pools,
+    serve_budget,
+)
 from domain.step_budget import DEFAULT_MIXED_STEP_TOKENS, reserve_step, serve_step_reserve
 from simulator.arrivals import arrival_times, window_close
 from simulator.cost_model import CostModel, CostParams
@@ -94,6 +101,10 @@ class Deployment(StrictParams):
     # CUDA since 2026-12-06 (session 30, FLUXTIDE_PREFILL_DEQUANT_ROWS=1024); False for files without the field
     # (every calibration and record so far was measured before)
     dense_copy: bool = False
+    # the input embedding in pinned host memory, out of the GPU budget (domain.serve_plan.embedding_on_host): ft serve
+    # on CUDA since 2026-12-06 (session 35: the table's 1.02 GB for Qwen3.6 go to the pools); False for files without
+    # the field (every calibration and record so far planned the table on the GPU)
+    host_embedding: bool = False
     # FLUXTIDE_SHORT_PROMPT_REPLAYS: a step whose prompt chunks are all at most this many tokens runs as replays of
     # the captured decode step, one per token (ADR 0026; SimExecutor "Short prompts as decode replays"); 0 off; None
     # (auto) the server's default since session 32 (2026-12-06), 8 at every plan (short_prompts.resolve). Files
@@ -123,7 +134,7 @@ class Deployment(StrictParams):
                              f"got {n!r}")
         if self.cache_type not in CACHE_TYPES:
             raise ValueError(f"Deployment.cache_type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
-        for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy", "preload_experts"):
+        for name in ("simulate_prefix_cache", "layered_prefill", "dense_copy", "preload_experts", "host_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Deployment.{name} must be a bool")
         if self.prefill_kernels not in PREFILL_KERNELS:
@@ -131,13 +142,14 @@ class Deployment(StrictParams):
                              f"got {self.prefill_kernels!r}")
 
     def to_dict(self) -> dict:
-        """StrictParams' dict, less short_prompt_replays where it is the server's default (auto), and preload_experts and
-        arrival_window_ms where off: a calibration states them only where they differ, so the files fitted before
+        """StrictParams' dict, less short_prompt_replays where it is the server's default (auto), and preload_experts,
+        arrival_window_ms and host_embedding where off: a calibration states them only where they differ, so the files fitted before
         the fields stay what their commands write; from_dict puts the defaults back."""
         out = super().to_dict()
         if out["short_prompt_replays"] is None:
             del out["short_prompt_replays"]
-        for name, off in (("preload_experts", False), ("arrival_window_ms", 0.0)):  # stated where on (h100_records_v2)
+        # stated where on (h100_records_v2; host_embedding: none yet)
+        for name, off in (("preload_experts", False), ("arrival_window_ms", 0.0), ("host_embedding", False)):
             if out[name] == off:
                 del out[name]
         return out
@@ -169,7 +181,8 @@ class Deployment(StrictParams):
         dense_copy the dequantized copy of a dense weight."""
         if self.pool_bytes is not None:
             return GpuBudget(total_bytes=self.pool_bytes, memory_ratio=1.0)
-        budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes)
+        budget = serve_budget(spec, hardware.vram_bytes, self.memory_ratio, self.gpu_budget_bytes, self.fixed_bytes,
+                              host_embedding=self.host_embedding and embedding_on_host(spec, gpu=True))
         if self.max_prefill_length is None:
             return budget
         return reserve_step(budget, serve_step_reserve(spec, self.max_prefill_length, self.state_slots,

@@ -235,9 +235,10 @@ def load_checkpoint(
     if skipped:
         log.info("%s: ignoring %d activation/kv scale tensors (e.g. %s)", model_dir.name, len(skipped), skipped[0])
     layout = ExpertLayout(fmt.fmt, spec.hidden_size, spec.expert_intermediate, float_dtype)
-    dense_bytes = sum(
-        e.end - e.begin for c, e in inv.canon.items() if parse_expert(c) is None
-    ) if torch.device(device).type == "cpu" else 0
+    host_embed = hosts_embedding(device, plan, spec.hidden_size)
+    dense_bytes = sum(  # the dense weights host memory holds: all of them on the CPU, the embedding (or none) on CUDA
+        e.end - e.begin for c, e in inv.canon.items()
+        if parse_expert(c) is None and (torch.device(device).type == "cpu" or host_embed and c == EMBEDDING))
     partial = expert_keys is not None and not mmap
     if partial and callable(expert_keys):
         expert_keys = expert_keys(spec)
@@ -263,7 +264,8 @@ def load_checkpoint(
     dense: dict[str, torch.Tensor | QTensor] = {}
     for name, disk in plan.items():
         if disk is None:
-            dense[name] = files.get(inv.canon[name].name).to(device, copy=True)
+            stored = files.get(inv.canon[name].name)
+            dense[name] = pinned(stored) if host_embed and name == EMBEDDING else stored.to(device, copy=True)
         else:
             base = name[: -len(".weight")]
             q = read_weight(disk, base, lambda n: files.get(inv.canon[n].name))
@@ -277,6 +279,26 @@ def load_checkpoint(
     ckpt = LoadedCheckpoint(spec, text_config, dense, bank, generation_config, model_dir, checked.format_name)
     ckpt.check_valid()
     return ckpt
+
+
+EMBEDDING = "embed_tokens.weight"
+
+
+def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
+    """Whether a deployment on `device` keeps the input embedding in pinned host memory instead of on the GPU
+    (the loader leaves it there, MoeDecoder reads it with adapters.kernels.expert_gather.gather_table_rows): on
+    CUDA, for an untied checkpoint (`dense`, the dense tensors' names, holds lm_head.weight: a tied table is the
+    head's weight, read whole every step) whose rows the gather kernel copies (`hidden`, H, a multiple of 8: rows
+    of a multiple of 16 bytes in bf16 or fp32). Why: a step reads one row per
+    token (4 KiB at H = 2048), while the table (V x H, 1.02 GB for Qwen3.6's 248k x 2048 in bf16) would take the
+    VRAM of ~320 expert slots; llama.cpp keeps its token embeddings in host memory too. The pool plan leaves the
+    table out of the GPU budget on CUDA (domain.serve_plan.serve_budget, host_embedding)."""
+    return torch.device(device).type == "cuda" and "lm_head.weight" in dense and hidden % 8 == 0
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """t in page-locked host memory (itself when it is already): the memory a kernel reads over PCIe."""
+    return t if t.is_pinned() else t.contiguous().pin_memory()
 
 
 def stored_bytes(entry: TensorEntry) -> int:

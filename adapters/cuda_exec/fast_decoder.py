@@ -166,7 +166,7 @@ class FastDecoder(MoeDecoder):
         buf = _Rows(st[TOKEN], st[POSITION], st[VALID] != 0, view.page_table, st[SEQ_LEN].to(torch.int32),
                     st[KV_ROW], st[STATE_SLOT].to(torch.int32))
         w, eps, unit = self.w, self.opts.eps, self.opts.unit_offset_norm
-        x = self.embed[buf.token_ids]  # [B, H]
+        x = self.embed_rows(buf.token_ids)  # [B, H]
         # NOTE: the residual add is fused into the next norm: (x + delta, norm(x + delta)) in one launch
         x, h = fused_norm(x, w["layers.0.input_layernorm.weight"], eps, unit_offset=unit)  # [B, H]
         cos_sin = self._rotary.cos_sin(buf.positions, x.dtype) if self.full_layers else None  # [B, R] x2
@@ -288,7 +288,7 @@ class FastDecoder(MoeDecoder):
         layer's MoE half from its segment (a graph replay on CUDA) over the bucket's padded rows. Returns the
         hidden rows [T, H], a view of the bucket's buffer: valid until the next step."""
         tokens = inp.token_ids.shape[0]
-        buf = segments.start(self.embed[inp.token_ids])
+        buf = segments.start(self.embed_rows(inp.token_ids))
         rows = self._decode_rows(inp)
         h = self._norm(buf.x[:tokens], self.w["layers.0.input_layernorm.weight"])  # [T, H]
         for i, mixer in enumerate(self.mixers):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.checkpoint.loader import EMBEDDING, hosts_embedding, pinned
 from adapters.checkpoint.quant import QTensor
 from adapters.torch_exec.expert_cache import ExpertSlotCache
 from adapters.torch_exec.full_attention import AttentionGeometry, FullAttention
@@ -50,16 +51,22 @@ class MoeDecoder:
 
     def __init__(self, dense: dict, opts: DecoderOptions, dtype: torch.dtype, device):
         self.opts, self.dtype, self.device = opts, dtype, torch.device(device)
-        self.w = {name: to_compute_dtype(t, dtype, device) for name, t in dense.items()}
+        # NOTE: an embedding the loader left in host memory on a CUDA deployment (hosts_embedding) stays there
+        table = dense[EMBEDDING]
+        if isinstance(table, QTensor):
+            raise ValueError("quantized embed_tokens are not supported")
+        host_embed = table.device.type == "cpu" and table.dim() == 2 and hosts_embedding(self.device, dense,
+                                                                                         table.shape[1])
+        self.w = {name: to_compute_dtype(t, dtype, device) for name, t in dense.items()
+                  if not (host_embed and name == EMBEDDING)}
         # NOTE: the GDN decay parameters stay fp32: exp(A_log) of a bf16 A_log loses the decay's precision.
         # The routers too: top-k is a discontinuous choice, and bf16 router logits flip near-tied experts
         # (a whole expert swapped) far more often than the bf16-rounded activations alone do.
         for name, t in dense.items():
             if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) and not isinstance(t, QTensor):
                 self.w[name] = t.to(device=device, dtype=torch.float32)
-        self.embed = self.w["embed_tokens.weight"]
-        if isinstance(self.embed, QTensor):
-            raise ValueError("quantized embed_tokens are not supported")
+        # [V, H] in the compute dtype: on the device, or in pinned host memory (hosts_embedding), read by embed_rows
+        self.embed = pinned(table.to(dtype=dtype)) if host_embed else self.w[EMBEDDING]
         self.lm_head = self.w.get("lm_head.weight", self.embed)  # tied when the checkpoint has no lm_head
         self.full_layers = [i for i, k in enumerate(opts.layer_kinds) if k == FULL]
         self.linear_layers = [i for i, k in enumerate(opts.layer_kinds) if k == LINEAR]
@@ -76,6 +83,17 @@ class MoeDecoder:
                                                  self.full_layers.index(i)))
             else:
                 self.mixers.append(GatedDeltaNet(self._layer(i, "linear_attn."), opts.gdn, opts.eps))
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of token ids int [T] (on the decoder's device): [T, H] in the compute dtype on that
+        device. A table in host memory (hosts_embedding) is read by one gather launch through unified virtual
+        addressing, which a CUDA graph captures like any kernel."""
+        if self.embed.device == ids.device:
+            return self.embed[ids]
+        # NOTE: imported here: Triton is needed only where a table is hosted (CUDA)
+        from adapters.kernels.expert_gather import gather_table_rows
+
+        return gather_table_rows(self.embed, ids)
 
     def _layer(self, i: int, sub: str = "") -> dict:
         prefix = f"layers.{i}.{sub}"
@@ -103,7 +121,7 @@ class MoeDecoder:
         if (x is None) != (first == 0):
             raise ValueError(f"layers {layers}: the residual stream x is needed exactly when first > 0")
         if x is None:
-            x = self.embed[inp.token_ids]  # [T, H]
+            x = self.embed_rows(inp.token_ids)  # [T, H]
         return self._layers(x, first, end, inp, kv, state, self._decode_rows(inp), snapshots, experts)
 
     def _layers(self, x: torch.Tensor, first: int, end: int, inp: StepInputs, kv: PagedKVCache,

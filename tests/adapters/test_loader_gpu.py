@@ -1,5 +1,6 @@
-"""CUDA hosts: the bank is pinned, dense weights land on the GPU, and qlinear on the GPU (from slot-pool
-style views of a bank row copied to the device) matches the CPU result in every format."""
+"""CUDA hosts: the bank is pinned, dense weights land on the GPU (the input embedding stays pinned in host
+memory), and qlinear on the GPU (from slot-pool style views of a bank row copied to the device) matches the CPU
+result in every format."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def test_pinned_bank_and_cuda_qlinear_match_cpu(fmt, tmp_path):
     assert ckpt.experts.pinned
     q_proj = ckpt.dense["layers.3.self_attn.q_proj.weight"]
     assert (q_proj.data if isinstance(q_proj, QTensor) else q_proj).is_cuda
+    # the input embedding stays in pinned host memory (hosts_embedding: untied, rows the gather copies)
+    embed = ckpt.dense["embed_tokens.weight"]
+    assert embed.device.type == "cpu" and embed.is_pinned() and ckpt.dense["lm_head.weight"].is_cuda
     layout = ckpt.experts.layout
     slot = torch.empty(layout.row_bytes, dtype=torch.uint8, device="cuda")  # one device slot
     slot.copy_(ckpt.experts.row(2, 5), non_blocking=True)

@@ -1,11 +1,21 @@
 """domain/serve_plan.py: `ft serve`'s flags -> budget and pools, the defaults dropped (and said) when they do
 not fit, explicit sizes never dropped, unsized KV capped at what the running requests can use."""
 
+import dataclasses
+
 import pytest
 
 from domain.budget import GpuBudget, PlanRefusal, PoolPlan, plan_pools
 from domain.model_spec import LayerKind, ModelSpec
-from domain.serve_plan import GIB, ServePlan, ServePools, cap_bytes, plan_serve_pools, serve_budget
+from domain.serve_plan import (
+    GIB,
+    ServePlan,
+    ServePools,
+    cap_bytes,
+    embedding_on_host,
+    plan_serve_pools,
+    serve_budget,
+)
 from domain.streamed_prefill import default_staging_experts
 
 SPEC = ModelSpec(
@@ -34,6 +44,17 @@ def test_the_budget_is_the_capped_card_times_the_ratio_less_the_dense_weights():
         cap_bytes(0)
     with pytest.raises(ValueError, match="device_total_bytes"):
         serve_budget(SPEC, 0)
+
+
+def test_a_gpu_deployment_leaves_the_input_embedding_out_of_the_budget():
+    # the loader and decoder keep the table in pinned host memory on a GPU: its VRAM goes to the pools
+    assert SPEC.embedding_bytes() == SPEC.vocab_size * SPEC.hidden_size * 2
+    hosted = serve_budget(SPEC, 100 * GIB, 0.9, cap_bytes(24), host_embedding=embedding_on_host(SPEC, gpu=True))
+    on_gpu = serve_budget(SPEC, 100 * GIB, 0.9, cap_bytes(24))
+    assert hosted.weights_bytes == SPEC.dense_weight_bytes() - SPEC.embedding_bytes()
+    assert hosted.pool_bytes - on_gpu.pool_bytes == SPEC.embedding_bytes()
+    assert not embedding_on_host(SPEC, gpu=False)  # a CPU deployment: everything is host memory already
+    assert not embedding_on_host(dataclasses.replace(SPEC, hidden_size=2044), gpu=True)  # rows the gather cannot copy
 
 
 def test_defaults_are_ft_serves_and_bad_flags_are_refused():

@@ -11,7 +11,7 @@ import pytest
 from app.containers import _dense_copy, _pool_plan, _step_reserve, planned_prefill, serve_pools
 from app.settings import ServeSettings
 from domain.model_spec import ModelSpec, WeightFormat, matrix_bytes, qwen36_35b_a3b
-from domain.serve_plan import ServePools, cap_bytes, serve_budget
+from domain.serve_plan import ServePools, cap_bytes, embedding_on_host, serve_budget
 from domain.step_budget import reserve_step, serve_step_reserve
 from simulator.__main__ import build_parser, deployment_from_args, main
 from simulator.hardware import get_profile
@@ -241,7 +241,8 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
     spec = dataclasses.replace(tiny_spec(), dense_format=WeightFormat(dense))
     hw = get_profile("rtx3090")
     settings = ServeSettings(gpu_budget_gib=budget_gib, **flags)
-    budget = reserve_step(serve_budget(spec, hw.vram_bytes, settings.memory_ratio, cap_bytes(settings.gpu_budget_gib)),
+    budget = reserve_step(serve_budget(spec, hw.vram_bytes, settings.memory_ratio, cap_bytes(settings.gpu_budget_gib),
+                                       host_embedding=embedding_on_host(spec, gpu=True)),
                           _step_reserve(settings, spec, "cuda"))  # what app.containers._budget holds on a card
     deployment = Deployment(gpu_budget_bytes=cap_bytes(budget_gib), memory_ratio=settings.memory_ratio,
                             max_prefill_length=settings.max_prefill_length,
@@ -249,7 +250,8 @@ def test_the_server_and_the_simulator_plan_the_same_pools_for_the_same_flags(fla
                             cache_type=settings.cache_type, snapshot_slots=settings.snapshot_slots,
                             staging_experts=settings.staging_experts,
                             prefill_kernels=planned_prefill(settings, spec, "cuda").kernels,
-                            layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(settings, spec, "cuda"))
+                            layered_prefill=settings.layered_prefill, dense_copy=_dense_copy(settings, spec, "cuda"),
+                            host_embedding=True)
     assert serve_pools(settings, spec, "cuda") == deployment.pools(settings.kv_tokens)
     try:
         served = _pool_plan(settings, spec, budget, "cuda")
