@@ -152,10 +152,13 @@ def _dense_copy(settings: ServeSettings, spec: ModelSpec, device: str) -> bool:
 def _budget(settings: ServeSettings, spec: ModelSpec, device: str) -> GpuBudget:
     """The card's budget with the largest step's activations held outside the pools (ADR 0011): every plan
     made from it, live resizes included, leaves them room."""
-    # NOTE: on CUDA the loader and the decoder (either executor) keep the input embedding in pinned host memory
+    # NOTE: on CUDA the loader and the decoder (either executor) keep the input embedding in pinned host memory,
+    # unless FLUXTIDE_HOST_EMBEDDING=0 (the loader asks the same switch: the two agree)
+    from adapters.checkpoint.loader import host_embedding_enabled
+
+    on_host = embedding_on_host(spec, device.startswith("cuda") and host_embedding_enabled())
     budget = serve_budget(spec, _device_total_bytes(settings, device), settings.memory_ratio,
-                          cap_bytes(settings.gpu_budget_gib),
-                          host_embedding=embedding_on_host(spec, device.startswith("cuda")))
+                          cap_bytes(settings.gpu_budget_gib), host_embedding=on_host)
     return reserve_step(budget, _step_reserve(settings, spec, device))
 
 

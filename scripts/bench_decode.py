@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from gpu_check import GiB, dense_bytes, device_kernels, hardware_profile, kernel_family  # noqa: E402
 
 FAMILIES = [  # kernel name pattern -> component of the step
+    ("embedding", r"embedding_gather"),  # the input rows from the host table (ADR 0029): not an expert miss
     ("moe", r"moe|fused_moe|gate_up|_down"),
     ("expert_gather", r"gather_rows"),
     ("attention", r"paged_decode|attention|combine"),

@@ -38,6 +38,7 @@ from adapters.checkpoint.host_bank import (
     PartialHostExpertBank,
     allocate_rows,
     mem_available_bytes,
+    pin_in_place,
 )
 from adapters.checkpoint.names import parse_expert
 from adapters.checkpoint.quant import QTensor
@@ -284,6 +285,17 @@ def load_checkpoint(
 EMBEDDING = "embed_tokens.weight"
 
 
+def host_embedding_enabled() -> bool:
+    """FLUXTIDE_HOST_EMBEDDING: "1" (or unset: the default) keeps the input embedding in host memory on CUDA
+    (hosts_embedding), "0" puts it on the GPU as before ADR 0029 (the A/B's control, a Triton-free reference path);
+    anything else is refused, not read as either. Read at each call: the plan (app/containers.py) and the loader
+    ask it in one process, so they agree."""
+    value = os.environ.get("FLUXTIDE_HOST_EMBEDDING", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FLUXTIDE_HOST_EMBEDDING must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
     """Whether a deployment on `device` keeps the input embedding in pinned host memory instead of on the GPU
     (the loader leaves it there, MoeDecoder reads it with adapters.kernels.expert_gather.gather_table_rows): on
@@ -293,12 +305,19 @@ def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
     token (4 KiB at H = 2048), while the table (V x H, 1.02 GB for Qwen3.6's 248k x 2048 in bf16) would take the
     VRAM of ~320 expert slots; llama.cpp keeps its token embeddings in host memory too. The pool plan leaves the
     table out of the GPU budget on CUDA (domain.serve_plan.serve_budget, host_embedding)."""
-    return torch.device(device).type == "cuda" and "lm_head.weight" in dense and hidden % 8 == 0
+    return (torch.device(device).type == "cuda" and "lm_head.weight" in dense and hidden % 8 == 0
+            and host_embedding_enabled())
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
-    """t in page-locked host memory (itself when it is already): the memory a kernel reads over PCIe."""
-    return t if t.is_pinned() else t.contiguous().pin_memory()
+    """A copy of t in page-locked host memory of exactly its size (host_bank.pin_in_place: torch's pinned allocator
+    rounds up to a power of two, 1.07 GB locked for Qwen3.6's 1.02 GB table), or t itself when it is pinned already:
+    the memory a kernel reads over PCIe."""
+    if t.is_pinned():
+        return t
+    out = pin_in_place(torch.empty(t.shape, dtype=t.dtype))
+    out.copy_(t)  # NOTE: after pinning: pin_in_place's fallback hands back a fresh (uninitialised) tensor
+    return out
 
 
 def stored_bytes(entry: TensorEntry) -> int:

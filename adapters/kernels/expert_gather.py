@@ -6,8 +6,6 @@ The bank is pinned host memory; a Triton kernel handed its pointer reads it over
 virtual addressing (measured on the H200: 47-51 GB/s for 3 MiB rows, the copy engine's rate), and unlike
 one cudaMemcpy per expert the launch has a static grid, so it lives inside a captured CUDA graph.
 Padding entries (key -1) exit at once: a lookup's fill list is padded to a fixed length.
-The same launch gathers a step's token embeddings from a table the decoder keeps in pinned host memory
-(gather_table_rows: one 4 KiB row per token at H = 2048, bf16).
 """
 
 import torch
@@ -59,21 +57,3 @@ def gather_rows(bank: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, dst
     _gather_rows_kernel[grid](bank.view(torch.int32), slots.view(torch.int32), keys, dst_slots, row_words,
                               CHUNK=chunk_words, BLOCK=1024)
 
-
-def gather_table_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """table[ids] gathered onto ids' device in one launch (graph-capturable: no host sync, static grid).
-
-    table: [V, H] contiguous, in pinned host memory (read over PCIe through unified virtual addressing) or any
-    memory the kernel can address, rows of a multiple of 16 bytes; ids: int32/int64 [T], each in [0, V) (not
-    checked: a check would sync the device). Returns a new [T, H] tensor of table's dtype on ids' device.
-    Raises ValueError on a table that is not 2-D and contiguous or whose rows are not a multiple of 16 bytes, and
-    on ids that are not a 1-D integer tensor."""
-    if table.dim() != 2 or not table.is_contiguous() or table.shape[1] * table.element_size() % 16:
-        raise ValueError(f"table must be a contiguous [V, H] with rows of a multiple of 16 bytes, got "
-                         f"{table.dtype} {tuple(table.shape)}")
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"ids must be int32/int64 [T], got {ids.dtype} {tuple(ids.shape)}")
-    out = torch.empty((ids.shape[0], table.shape[1]), dtype=table.dtype, device=ids.device)
-    rows = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)
-    gather_rows(table.view(torch.uint8), out.view(torch.uint8), ids, rows)
-    return out

@@ -67,6 +67,7 @@ class MoeDecoder:
                 self.w[name] = t.to(device=device, dtype=torch.float32)
         # [V, H] in the compute dtype: on the device, or in pinned host memory (hosts_embedding), read by embed_rows
         self.embed = pinned(table.to(dtype=dtype)) if host_embed else self.w[EMBEDDING]
+        self.embed_hosted = host_embed
         self.lm_head = self.w.get("lm_head.weight", self.embed)  # tied when the checkpoint has no lm_head
         self.full_layers = [i for i, k in enumerate(opts.layer_kinds) if k == FULL]
         self.linear_layers = [i for i, k in enumerate(opts.layer_kinds) if k == LINEAR]
@@ -88,12 +89,14 @@ class MoeDecoder:
         """The input embedding of token ids int [T] (on the decoder's device): [T, H] in the compute dtype on that
         device. A table in host memory (hosts_embedding) is read by one gather launch through unified virtual
         addressing, which a CUDA graph captures like any kernel."""
-        if self.embed.device == ids.device:
+        if not self.embed_hosted:
             return self.embed[ids]
+        if ids.device.type != "cuda":  # NOTE: indexing the host table would hand back host rows
+            raise ValueError(f"embed_rows: ids must be on the decoder's device ({self.device}), got {ids.device}")
         # NOTE: imported here: Triton is needed only where a table is hosted (CUDA)
-        from adapters.kernels.expert_gather import gather_table_rows
+        from adapters.kernels.embedding_gather import gather_embedding_rows
 
-        return gather_table_rows(self.embed, ids)
+        return gather_embedding_rows(self.embed, ids)
 
     def _layer(self, i: int, sub: str = "") -> dict:
         prefix = f"layers.{i}.{sub}"

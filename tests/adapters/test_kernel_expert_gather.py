@@ -4,7 +4,7 @@ untouched slots keep their bytes."""
 import pytest
 import torch
 
-from adapters.kernels.expert_gather import CHUNK_BYTES, gather_rows, gather_table_rows
+from adapters.kernels.expert_gather import CHUNK_BYTES, gather_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,26 +28,3 @@ def test_gather_refuses_mismatched_rows():
         gather_rows(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 48, dtype=torch.uint8),
                     torch.tensor([0]), torch.tensor([0]))
 
-
-@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_table_rows_are_gathered_bit_for_bit_in_id_order(ids_dtype, dtype):
-    # the input embedding a CUDA decoder keeps in host memory: table[ids] for a step's tokens, repeats included
-    gen = torch.Generator().manual_seed(1)
-    table = torch.randn(50, 24, generator=gen).to(dtype)  # 24 x 2 = 48 bytes a bf16 row: a multiple of 16
-    if DEVICE == "cuda":
-        table = table.pin_memory()
-    ids = torch.tensor([7, 0, 49, 7, 12], dtype=ids_dtype, device=DEVICE)
-    got = gather_table_rows(table, ids)
-    assert got.device.type == DEVICE and got.dtype == dtype and got.shape == (5, 24)
-    assert torch.equal(got.cpu(), table[ids.cpu()])
-    assert gather_table_rows(table, ids[:0]).shape == (0, 24)
-
-
-def test_table_gather_refuses_what_it_cannot_copy():
-    with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        gather_table_rows(torch.zeros(4, 6, dtype=torch.bfloat16), torch.tensor([0]))  # 12-byte rows
-    with pytest.raises(ValueError, match="contiguous"):
-        gather_table_rows(torch.zeros(8, 16).t(), torch.tensor([0]))
-    with pytest.raises(ValueError, match="ids"):
-        gather_table_rows(torch.zeros(4, 8), torch.tensor([0.0]))
