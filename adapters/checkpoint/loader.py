@@ -298,7 +298,7 @@ def host_embedding_enabled() -> bool:
 
 def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
     """Whether a deployment on `device` keeps the input embedding in pinned host memory instead of on the GPU
-    (the loader leaves it there, MoeDecoder reads it with adapters.kernels.expert_gather.gather_table_rows): on
+    (the loader leaves it there, MoeDecoder reads it with adapters.kernels.embedding_gather.gather_embedding_rows): on
     CUDA, for an untied checkpoint (`dense`, the dense tensors' names, holds lm_head.weight: a tied table is the
     head's weight, read whole every step) whose rows the gather kernel copies (`hidden`, H, a multiple of 8: rows
     of a multiple of 16 bytes in bf16 or fp32). Why: a step reads one row per
@@ -309,13 +309,14 @@ def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
             and host_embedding_enabled())
 
 
-def pinned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t in page-locked host memory of exactly its size (host_bank.pin_in_place: torch's pinned allocator
-    rounds up to a power of two, 1.07 GB locked for Qwen3.6's 1.02 GB table), or t itself when it is pinned already:
-    the memory a kernel reads over PCIe."""
-    if t.is_pinned():
+def pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t in `dtype` (default its own) in page-locked host memory of exactly its size (host_bank.pin_in_place: torch's
+    pinned allocator rounds up to a power of two, 1.07 GB locked for Qwen3.6's 1.02 GB table): t itself when it is
+    pinned in that dtype already, else one copy, converted on the way: the memory a kernel reads over PCIe."""
+    dtype = dtype or t.dtype
+    if t.is_pinned() and t.dtype == dtype:
         return t
-    out = pin_in_place(torch.empty(t.shape, dtype=t.dtype))
+    out = pin_in_place(torch.empty(t.shape, dtype=dtype))
     out.copy_(t)  # NOTE: after pinning: pin_in_place's fallback hands back a fresh (uninitialised) tensor
     return out
 

@@ -56,4 +56,3 @@ def gather_rows(bank: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, dst
     grid = (n, triton.cdiv(row_words, chunk_words))
     _gather_rows_kernel[grid](bank.view(torch.int32), slots.view(torch.int32), keys, dst_slots, row_words,
                               CHUNK=chunk_words, BLOCK=1024)
-

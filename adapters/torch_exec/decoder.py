@@ -66,7 +66,7 @@ class MoeDecoder:
             if name.endswith(("A_log", "dt_bias", "mlp.gate.weight")) and not isinstance(t, QTensor):
                 self.w[name] = t.to(device=device, dtype=torch.float32)
         # [V, H] in the compute dtype: on the device, or in pinned host memory (hosts_embedding), read by embed_rows
-        self.embed = pinned(table.to(dtype=dtype)) if host_embed else self.w[EMBEDDING]
+        self.embed = pinned(table, dtype) if host_embed else self.w[EMBEDDING]
         self.embed_hosted = host_embed
         self.lm_head = self.w.get("lm_head.weight", self.embed)  # tied when the checkpoint has no lm_head
         self.full_layers = [i for i, k in enumerate(opts.layer_kinds) if k == FULL]

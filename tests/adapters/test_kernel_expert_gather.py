@@ -27,4 +27,3 @@ def test_gather_refuses_mismatched_rows():
     with pytest.raises(ValueError, match="row bytes"):
         gather_rows(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 48, dtype=torch.uint8),
                     torch.tensor([0]), torch.tensor([0]))
-
