@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapters.kernels import residency_lookup
 from adapters.kernels.moe_router import MAX_EXPERTS
 from adapters.kernels.pdl import enabled as pdl_enabled
 from adapters.kernels.pdl import let_next_start
@@ -184,6 +185,7 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
         logits.stride(0), x.stride(0), base, num_slots, -1 if shared_slot is None else shared_slot, rank,
         K=top_k, KO=ko, KS=ks, HAS_GATE=has_gate, HAS_OWNER=owner is not None, ROUND_GATE=has_gate and gate_weight.dtype != torch.float32,
         RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=block_g,
-        BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k), BLOCK_S=1024,
+        BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k),
+        BLOCK_S=residency_lookup.VICTIM_BLOCK,
         num_warps=4 if block_t * block_e <= 2048 else 8, USE_GDC=pdl_enabled(logits))
     return weights, slot_ids, fill_keys, fill_slots

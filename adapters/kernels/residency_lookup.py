@@ -25,6 +25,9 @@ MAX_STAMP = tl.constexpr(2**62)
 # decode steps (n = rows x top-k <= 16 x 8 here), ruinous for prefill chunks (n in the thousands), which
 # take the torch path (DeviceResidency.lookup_flat) instead.
 MAX_KEYS = 256
+# lanes of one block of the victim scan (a power of two): stamps read per dependent load-and-reduce of a miss.
+# 4,096 int64 are 32 per thread at 4 warps (64 registers), live only in the scan, after the pairwise tiles die
+VICTIM_BLOCK = 4096
 
 
 @triton.jit
@@ -63,6 +66,10 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
     tl.store(fill_slots_ptr + fills, tl.full((BLOCK_N,), -1, tl.int64), mask=fills < n)
     tl.debug_barrier()
     # 2. each miss takes the slot with the smallest stamp
+    # NOTE: stamps are distinct (each lookup hands out clock, clock + 1, ...; empty slots slot - S), so the
+    # minimum has one index and the block order cannot change the choice: one reduction gives value and index.
+    # A miss's scan is a chain of dependent block loads and reductions, so its length is what costs: at 1,024
+    # lanes a 24 GiB pool's ~5.5k slots were six links per miss (~146 misses a bs1 step), VICTIM_BLOCK two
     evictions = n_miss * 0
     for m in range(0, n_miss):
         best_val = clock * 0 + MAX_STAMP
@@ -70,10 +77,9 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
         for s0 in range(0, S, BLOCK_S):
             s_offs = s0 + tl.arange(0, BLOCK_S)
             vals = tl.load(stamp_ptr + s_offs, mask=s_offs < S, other=MAX_STAMP)
-            local = tl.min(vals, axis=0)
-            local_idx = s0 + tl.argmin(vals, axis=0)
+            local, local_idx = tl.min(vals, axis=0, return_indices=True)
             better = local < best_val
-            best_idx = tl.where(better, local_idx, best_idx)
+            best_idx = tl.where(better, s0 + local_idx, best_idx)
             best_val = tl.where(better, local, best_val)
         this = miss & (miss_rank == m)
         key_m = tl.sum(tl.where(this, key, 0), axis=0)
@@ -154,5 +160,5 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
     _layer_lookup_kernel[(1,)](ids, valid, slot_of_key, key_of_slot, stamp, clock, counters, fill_keys, fill_slots,
                                slot_ids, owner if owner is not None else slot_of_key, n, base, num_slots,
                                -1 if shared_slot is None else shared_slot, ids.stride(0), rank, K=k,
-                               KO=ko, HAS_OWNER=owner is not None, BLOCK_N=block_n, BLOCK_S=1024,
+                               KO=ko, HAS_OWNER=owner is not None, BLOCK_N=block_n, BLOCK_S=VICTIM_BLOCK,
                                num_warps=8 if block_n >= 64 else 4)

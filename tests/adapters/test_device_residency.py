@@ -2,6 +2,7 @@
 differential contract, plus layer-style lookups with padding as the decode step issues them."""
 
 import random
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.kernels import residency_lookup
 from domain.residency import ExpertResidency
 from tests.contracts.residency_contract import lookup_decisions, residency_contract_machine
 
@@ -61,6 +63,19 @@ def test_lookup_decisions_are_plain_tuples():
 def test_layer_lookup_kernel_matches_the_domain(num_slots, seed):
     """The one-launch lookup kernel (Triton's interpreter here) against the domain LRU: fills, evictions,
     every entry's slot (duplicates and padded rows included), counters and the LRU order."""
+    _layer_lookups_match_the_domain(num_slots, seed)
+
+
+@settings(max_examples=15, deadline=None)
+@given(num_slots=st.integers(9, 20), block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**31 - 1))
+def test_layer_lookup_kernel_scanning_victims_in_several_blocks_matches_the_domain(num_slots, block, seed):
+    """The same with the victim scan's block narrower than the pool (as a 24 GiB pool's ~5.5k slots are
+    wider than VICTIM_BLOCK): the smallest stamp is found across blocks, whichever block holds it."""
+    with patch.object(residency_lookup, "VICTIM_BLOCK", block):
+        _layer_lookups_match_the_domain(num_slots, seed)
+
+
+def _layer_lookups_match_the_domain(num_slots: int, seed: int) -> None:
     rng = random.Random(seed)
     layers, experts, top_k, rows = 3, 10, 2, 4
     ref, dev = ExpertResidency(num_slots), DeviceResidency(num_slots, layers, experts, DEVICE)

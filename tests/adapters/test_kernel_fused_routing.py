@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.cuda_exec.device_residency import DeviceResidency
+from adapters.kernels import residency_lookup
 from adapters.kernels.moe_route_lookup import FUSED_MAX_TILE, MAX_TILE, fits, moe_route_lookup, pays
 from adapters.kernels.moe_router import moe_router
 from adapters.kernels.rms_norm import rms_norm
@@ -213,9 +214,11 @@ def _tables(r: DeviceResidency):
     return [v.clone() for v in (r.slot_of_key, r.key_of_slot, r.stamp, r.clock, r._counters)]
 
 
-@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize(("renorm", "block"), [(True, 4096), (False, 4096), (True, 4)])
 @pytest.mark.parametrize("gate", ["none", "fp32", "bf16"])
-def test_route_lookup_matches_the_router_then_the_lookup(renorm, gate):
+def test_route_lookup_matches_the_router_then_the_lookup(renorm, gate, block, monkeypatch):
+    # block: the victim scan's lanes (VICTIM_BLOCK); 4 scans the 14 slots in four blocks, both kernels alike
+    monkeypatch.setattr(residency_lookup, "VICTIM_BLOCK", block)
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     layers, experts, top_k, rows, hidden, num_slots = 3, 12, 3, 4, 40, 14

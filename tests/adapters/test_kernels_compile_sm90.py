@@ -42,7 +42,7 @@ for block_n in (16, 128):
            "stamp_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64", "fill_keys_ptr": "*i64",
            "fill_slots_ptr": "*i64", "slot_ids_ptr": "*i32", "owner_ptr": "*i32", "n": "i32", "base": "i32",
            "S": "i32", "shared_slot": "i32", "stride_ids": "i32", "rank": "i32"},
-          dict(K=8, KO=9, HAS_OWNER=True, BLOCK_N=block_n, BLOCK_S=1024))
+          dict(K=8, KO=9, HAS_OWNER=True, BLOCK_N=block_n, BLOCK_S=residency_lookup.VICTIM_BLOCK))
 # the decode step takes the fused router + lookup up to T*E = FUSED_MAX_TILE (4 rows at E = 256, 2 at 512);
 # it fits up to MAX_TILE (16 rows at E = 256, 8 at 512), which bench_kernels' A/B runs to find the
 # crossover; the 16-row tile also with the owner table (expert parallelism: one more load and compare in
@@ -58,7 +58,7 @@ for block_t, block_e, owner in ((1, 256, False), (4, 256, False), (2, 512, False
            "base": "i32", "S": "i32", "shared_slot": "i32", "rank": "i32"},
           dict(K=8, KO=9, KS=9, HAS_GATE=True, HAS_OWNER=owner, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t,
                BLOCK_E=block_e,
-               BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=1024))
+               BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=residency_lookup.VICTIM_BLOCK))
 # every tile the autotuner may pick (4 warps at D 2048), row blocks (BLOCK_R > 1) included
 for block_r, block_e, block_h in rms_norm_router.TUNE_TILES:
     build(rms_norm_router._rms_norm_router_kernel,
