@@ -78,6 +78,63 @@ def profile_step(ex, rows: int, steps: int = 3) -> dict:
             "top_kernels": top}
 
 
+def profile_replay(graph, replays: int = 5) -> dict:
+    """Device time per kernel family of `replays` replays of a captured decode graph, beside the device time the
+    replays span (the difference is the graph's idle time between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    by_family: dict[str, float] = {}
+    per_kernel: list[tuple[float, int, str]] = []
+    for key, dev_us, count in device_kernels(prof):
+        fam = classify(key)
+        by_family[fam] = by_family.get(fam, 0.0) + dev_us / replays / 1000.0
+        per_kernel.append((dev_us / replays, count // replays, key))
+    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
+           for us, n, key in sorted(per_kernel, reverse=True)[:15]]
+    return {"span_ms_per_replay": round(start.elapsed_time(end) / replays, 4),
+            "kernel_ms_per_replay": round(sum(by_family.values()), 4),
+            "ms_per_replay_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())}, "top_kernels": top}
+
+
+def profile_execute(ex, seqs: list[dict], greedy, steps: int = 3) -> dict:
+    """Device time per kernel family of `steps` decode steps through ex.execute (graph replays with their
+    misses: new tokens route to new experts), beside their wall time; advances `seqs` as the timed loop does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from domain.ports import SequenceWork, StepBatch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            works = tuple(SequenceWork(s["id"], (s["tok"],), s["pos"], s["pages"], i, True, greedy, s["out"])
+                          for i, s in enumerate(seqs))
+            out = ex.execute(StepBatch(works))
+            for s in seqs:
+                s["tok"], s["pos"], s["out"] = out[s["id"]].token_id, s["pos"] + 1, s["out"] + 1
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3 / steps
+    by_family: dict[str, float] = {}
+    per_kernel: list[tuple[float, int, str]] = []
+    for key, dev_us, count in device_kernels(prof):
+        fam = classify(key)
+        by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
+        per_kernel.append((dev_us / steps, count // steps, key))
+    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
+           for us, n, key in sorted(per_kernel, reverse=True)[:15]]
+    return {"wall_ms_per_step": round(wall_ms, 4), "kernel_ms_per_step": round(sum(by_family.values()), 4),
+            "ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())}, "top_kernels": top}
+
+
 def preload_all(ex) -> None:
     """Fill the expert pool layer by layer through the residency and the gather kernel."""
     from adapters.kernels.expert_gather import gather_rows
@@ -131,7 +188,7 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
         point: dict = {}
         scen.setdefault("batches", {})[str(rows)] = point
         try:
-            ctx = prompt_len + args.warmup + args.steps + 2
+            ctx = prompt_len + args.warmup + args.steps + 2 + 3  # + profile_execute's 3 steps
             pages_each = -(-ctx // plan.page_size)
             seqs = []
             t = time.perf_counter()
@@ -157,6 +214,9 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
                 for s in seqs:
                     s["tok"], s["pos"], s["out"] = out[s["id"]].token_id, s["pos"] + 1, s["out"] + 1
             hits, misses = ex.expert_hits - hits0, ex.expert_misses - misses0
+            if budget_gib is not None and rows in (1, rows_max):
+                # the kernels of steps that miss (the eager profile below repeats one step: every key hits)
+                point["miss_profile"] = profile_execute(ex, seqs, greedy)
             med = statistics.median(step_s)
             point.update({
                 "execute_median_ms": round(med * 1e3, 4), "execute_p90_ms": round(sorted(step_s)[int(0.9 * len(step_s))] * 1e3, 4),
@@ -168,12 +228,20 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
             graph = ex.graphs[bucket][0]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
+            hits0, misses0 = ex.expert_counters()
             start.record()
             for _ in range(20):
                 graph.replay()
             end.record()
             torch.cuda.synchronize()
             point["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
+            hits, misses = ex.expert_counters()
+            # NOTE: the replays repeat one step's inputs, so after the first every key should hit; counted, not
+            # assumed (a partial pool's replay has measured ~2.4x its eager kernels' sum: misses or gaps?)
+            point["replay_misses_per_step"] = round((misses - misses0) / 20, 2)
+            point["replay_hits_per_step"] = round((hits - hits0) / 20, 2)
+            if budget_gib is not None and rows in (1, rows_max):
+                point["replay_profile"] = profile_replay(graph)
             # NOTE: replays repeat one step's inputs, so after the first every expert hits: with misses in
             # the measured steps this difference is miss time plus host time, not host time alone
             point["execute_minus_replay_ms"] = round(point["execute_median_ms"] - point["graph_replay_ms"], 4)
