@@ -307,6 +307,10 @@ async def messages(request: Request) -> Response | Stream:
             raise unsupported(name, f"not a Messages API parameter{hint}")
     reject_unsupported(body)  # vLLM's extensions (guided_json, min_p, ...): served as if absent before
     _check_ranges(body)
+    if body.top_p == 0:
+        # NOTE: Anthropic's range includes 0, where nucleus sampling's smallest prefix is the top token alone:
+        # top-k 1 (the sampler keeps the top token at any top_p; Chat Completions' (0, 1] has no such edge)
+        body = msgspec.structs.replace(body, top_p=None, top_k=1)
     stop = stop_strings(body.stop_sequences, "stop_sequences")
     engine, prompt = await _prompt(runtime, body)
     budget = prompt.thinking.budget if prompt.thinking is not None else None

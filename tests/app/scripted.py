@@ -37,6 +37,7 @@ class ScriptedExecutor(SlowExecutor):
         self.script = script
         self.reactive = reactive
         self.prompts: dict[str, str] = {}
+        self.sampling: dict[str, object] = {}  # request id -> the SamplingParams its works carried
         self._prompt_len: dict[str, int] = {}
 
     def execute(self, batch):
@@ -50,6 +51,7 @@ class ScriptedExecutor(SlowExecutor):
             n = self._prompt_len.setdefault(work.request_id, len(seq))
             prompt = bytes(t for t in seq[:n] if t < 256).decode()
             self.prompts[work.request_id] = prompt
+            self.sampling[work.request_id] = work.sampling
             if self.reactive:  # NOTE: what the model "sees" is its KV: forced tokens included
                 out = self.script(prompt, bytes(t for t in seq[n:] if t < 256).decode(errors="replace")).encode()
             else:

@@ -350,6 +350,15 @@ def test_messages_fields_are_checked_as_anthropic_checks_them(client, kw, starts
     assert_anthropic_400(info, starts)
 
 
+def test_messages_top_p_zero_is_served_as_the_top_token_alone(client, scripted):
+    """Anthropic's top_p range includes 0 (Chat Completions' does not): the nucleus is then the top token,
+    handed to the sampler as top-k 1 whatever the temperature (the sampler's greedy cut)."""
+    message = client.messages.create(model=MODEL, max_tokens=5, messages=[QUESTION],
+                                     extra_body={"temperature": 1.0, "top_p": 0})
+    assert message.usage.output_tokens == 5
+    assert scripted[1].sampling[message.id].top_k == 1
+
+
 def test_messages_range_edges_are_served(client):
     message = client.messages.create(model=MODEL, max_tokens=1, messages=[QUESTION], stop_sequences=["never"],
                                      thinking={"type": "disabled"},
