@@ -143,7 +143,10 @@ def _conversation(body: ChatCompletionRequest) -> Conversation:
         if isinstance(tool, dict) and tool.get("type") == "function" and function is None and "name" in tool:
             raise bad_value(f"tools[{i}]", 'a function tool is {"type": "function", "function": {"name": ..., '
                             '"parameters": ...}}: the Responses API\'s flat shape is not accepted here')
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+        if isinstance(tool, dict) and tool.get("type") == "function" and not isinstance(function, dict):
+            raise bad_value(f"tools[{i}].function", 'a function tool needs its "function" object: '
+                            '{"type": "function", "function": {"name": ..., "parameters": ...}}')
+        if not isinstance(tool, dict) or tool.get("type") != "function":
             raise unsupported(f"tools[{i}]", "only function tools are supported")
         tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
                                    f"tools[{i}]"))

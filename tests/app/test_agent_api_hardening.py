@@ -89,6 +89,16 @@ def test_a_tool_in_the_other_openai_shape_is_named_as_such(scripted):
     assert "not nested" in responses.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("function", [None, "multiply"])
+def test_a_function_tool_without_its_function_object_is_named_as_such(scripted, function):
+    """{"type": "function"} without an object under "function" was answered "only function tools are supported"."""
+    tool = {"type": "function"} if function is None else {"type": "function", "function": function}
+    r = httpx.post(scripted[0].base_url + "/v1/chat/completions", timeout=30,
+                   json={"messages": [QUESTION], "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function", r.text
+    assert r.json()["error"]["code"] == "invalid_value" and "needs its \"function\" object" in r.json()["error"]["message"]
+
+
 def test_an_assistant_message_without_content_or_calls_is_explained(scripted):
     r = httpx.post(scripted[0].base_url + "/v1/chat/completions", timeout=30, json={"messages": [
         QUESTION, {"role": "assistant", "content": None, "tool_calls": []}]})
