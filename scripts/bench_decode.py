@@ -51,8 +51,26 @@ def classify(name: str) -> str:
     return kernel_family(name, FAMILIES, "elementwise_and_norms")
 
 
+def kernel_summary(prof, steps: int, top: int = 15) -> dict:
+    """A torch.profiler run of `steps` steps as device ms per step by kernel family, their sum, launches per step
+    and the `top` kernels by device time."""
+    by_family: dict[str, float] = {}
+    per_kernel: list[tuple[float, int, str]] = []
+    kernels = 0
+    for key, dev_us, count in device_kernels(prof):
+        fam = classify(key)
+        by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
+        per_kernel.append((dev_us / steps, count // steps, key))
+        kernels += count
+    return {"ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())},
+            "kernel_ms_per_step": round(sum(by_family.values()), 4), "kernels_per_step": kernels // steps,
+            "top_kernels": [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
+                            for us, n, key in sorted(per_kernel, reverse=True)[:top]]}
+
+
 def profile_step(ex, rows: int, steps: int = 3) -> dict:
-    """Device time per kernel family of one eager decode step (the same kernels the graph replays)."""
+    """Device time per kernel family of one eager decode step (the same kernels the graph replays).
+    NOTE: the steps repeat one token, but the GDN state moves on, so a partial pool's repeats can miss."""
     from torch.profiler import ProfilerActivity, profile
 
     buf = ex.inputs.view(rows)
@@ -63,19 +81,7 @@ def profile_step(ex, rows: int, steps: int = 3) -> dict:
             for _ in range(steps):
                 ex.model.decode_step(buf, ex.kv, ex.state, ex.experts)
             torch.cuda.synchronize()
-    by_family: dict[str, float] = {}
-    per_kernel: list[tuple[float, int, str]] = []
-    kernels = 0
-    for key, dev_us, count in device_kernels(prof):
-        fam = classify(key)
-        by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
-        per_kernel.append((dev_us / steps, count // steps, key))
-        kernels += count
-    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
-           for us, n, key in sorted(per_kernel, reverse=True)[:30]]
-    return {"ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())},
-            "kernel_ms_per_step": round(sum(by_family.values()), 4), "kernels_per_step": kernels // steps,
-            "top_kernels": top}
+    return kernel_summary(prof, steps, top=30)
 
 
 def profile_replay(graph, replays: int = 5) -> dict:
@@ -92,17 +98,7 @@ def profile_replay(graph, replays: int = 5) -> dict:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-    by_family: dict[str, float] = {}
-    per_kernel: list[tuple[float, int, str]] = []
-    for key, dev_us, count in device_kernels(prof):
-        fam = classify(key)
-        by_family[fam] = by_family.get(fam, 0.0) + dev_us / replays / 1000.0
-        per_kernel.append((dev_us / replays, count // replays, key))
-    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
-           for us, n, key in sorted(per_kernel, reverse=True)[:15]]
-    return {"span_ms_per_replay": round(start.elapsed_time(end) / replays, 4),
-            "kernel_ms_per_replay": round(sum(by_family.values()), 4),
-            "ms_per_replay_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())}, "top_kernels": top}
+    return {"span_ms_per_step": round(start.elapsed_time(end) / replays, 4), **kernel_summary(prof, replays)}
 
 
 def profile_execute(ex, seqs: list[dict], greedy, steps: int = 3) -> dict:
@@ -123,16 +119,7 @@ def profile_execute(ex, seqs: list[dict], greedy, steps: int = 3) -> dict:
                 s["tok"], s["pos"], s["out"] = out[s["id"]].token_id, s["pos"] + 1, s["out"] + 1
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t) * 1e3 / steps
-    by_family: dict[str, float] = {}
-    per_kernel: list[tuple[float, int, str]] = []
-    for key, dev_us, count in device_kernels(prof):
-        fam = classify(key)
-        by_family[fam] = by_family.get(fam, 0.0) + dev_us / steps / 1000.0
-        per_kernel.append((dev_us / steps, count // steps, key))
-    top = [{"kernel": key[:90], "us_per_step": round(us, 1), "launches_per_step": n}
-           for us, n, key in sorted(per_kernel, reverse=True)[:15]]
-    return {"wall_ms_per_step": round(wall_ms, 4), "kernel_ms_per_step": round(sum(by_family.values()), 4),
-            "ms_per_step_by_family": {k: round(v, 4) for k, v in sorted(by_family.items())}, "top_kernels": top}
+    return {"wall_ms_per_step": round(wall_ms, 4), **kernel_summary(prof, steps)}
 
 
 def preload_all(ex) -> None:
@@ -236,8 +223,8 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
             torch.cuda.synchronize()
             point["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 4)
             hits, misses = ex.expert_counters()
-            # NOTE: the replays repeat one step's inputs, so after the first every key should hit; counted, not
-            # assumed (a partial pool's replay has measured ~2.4x its eager kernels' sum: misses or gaps?)
+            # NOTE: the replays repeat one step's inputs, but the GDN state moves on, so a partial pool's replays
+            # may miss (its replay has measured ~2.4x its eager kernels' sum): counted, not assumed
             point["replay_misses_per_step"] = round((misses - misses0) / 20, 2)
             point["replay_hits_per_step"] = round((hits - hits0) / 20, 2)
             if budget_gib is not None and rows in (1, rows_max):
