@@ -1,4 +1,4 @@
-"""`ft` console script: `ft serve`, `ft check DIR`, `ft ctl ...`, `ft bench ...`, `ft synth ...`."""
+"""`ft` console script: `ft serve`, `ft check DIR`, `ft ctl ...`, `ft shell`, `ft bench ...`, `ft synth ...`."""
 
 from __future__ import annotations
 
@@ -299,6 +299,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from app.ctl import add_ctl_parser
 
     add_ctl_parser(sub)
+    from app.shell import add_shell_parser
+
+    add_shell_parser(sub)
     from app.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -328,6 +331,10 @@ def _main(argv: list[str] | None) -> int:
         from app.ctl import run_ctl
 
         return run_ctl(args)
+    if args.command == "shell":
+        from app.shell import run_shell
+
+        return run_shell(args)
     if args.command == "bench":
         from app.bench.cli import run_bench
 
