@@ -86,9 +86,12 @@ def base_url_problem(text: str) -> str | None:
     return None
 
 
-def _add_connection_options(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """`ft ctl`'s options, common to every subcommand. defaults=False (a subcommand's copy): an option not given
-    there is not set at all (argparse.SUPPRESS), so the value given before the subcommand, or its default, stays."""
+def _add_connection_options(p: argparse.ArgumentParser, defaults: bool, json_option: bool = True,
+                            timeout_help: str = "seconds per request (default 30; a resize may take --wait seconds "
+                                                "on top)") -> None:
+    """`ft ctl`'s options, common to every subcommand (and `ft shell`'s, without --json: json_option False).
+    defaults=False (a subcommand's copy): an option not given there is not set at all (argparse.SUPPRESS), so the
+    value given before the subcommand, or its default, stays."""
 
     def default(value):
         return value if defaults else argparse.SUPPRESS
@@ -97,9 +100,10 @@ def _add_connection_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="the server's URL (default FT_BASE_URL or http://127.0.0.1:1919); an OpenAI-style one ending "
                         "in /v1 is accepted")
     p.add_argument("--api-key", default=default(None), metavar="KEY", help="bearer token (default FT_API_KEY)")
-    p.add_argument("--json", action="store_true", default=default(False), help="print raw JSON instead of tables")
+    if json_option:
+        p.add_argument("--json", action="store_true", default=default(False), help="print raw JSON instead of tables")
     p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=default(30.0), metavar="S",
-                   help="seconds per request (default 30; a resize may take --wait seconds on top)")
+                   help=timeout_help)
 
 
 def add_ctl_parser(sub) -> None:

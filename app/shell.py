@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
 import httpx
 
-from app.ctl import _Console, _positive_int, _seconds, _temperature, base_url_problem, server_root
+from app.ctl import _add_connection_options, _client, _Console, _positive_int, _temperature, base_url_problem
 
 HELP = """\
 Type a message and press Enter; the whole conversation goes to the server each turn.
@@ -30,12 +29,9 @@ NOT_RUN = "ft shell has no tools: this call was not run."
 def add_shell_parser(sub) -> None:
     p = sub.add_parser("shell", help="interactive chat with a running server (or any OpenAI-compatible one)")
     # NOTE: ft ctl's connection options, defaults and checks (less --json, which means nothing to a chat)
-    p.add_argument("--base-url", default=os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919"), metavar="URL",
-                   help="the server's URL (default FT_BASE_URL or http://127.0.0.1:1919); an OpenAI-style one ending "
-                        "in /v1 is accepted")
-    p.add_argument("--api-key", default=None, metavar="KEY", help="bearer token (default FT_API_KEY)")
-    p.add_argument("--timeout", type=_seconds(0, 86400, low_open=True), default=30.0, metavar="S",
-                   help="seconds to wait for the server: to connect, and between two streamed pieces (default 30)")
+    _add_connection_options(p, defaults=True, json_option=False,
+                            timeout_help="seconds to wait for the server: to connect, and between two streamed "
+                                         "pieces (default 30)")
     p.add_argument("--model", default=None, metavar="NAME",
                    help="the model to chat with (default: the server's first /v1/models entry)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (/system changes it)")
@@ -43,12 +39,6 @@ def add_shell_parser(sub) -> None:
                    help="sampling temperature, 0 to 2 (default: the server's)")
     p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
                    help="output tokens per answer at most (default: the server's; fluxtide: the rest of the context)")
-
-
-def _client(args) -> httpx.Client:
-    key = args.api_key or os.environ.get("FT_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=server_root(args.base_url), headers=headers, timeout=args.timeout)
 
 
 def _text(body: dict, key: str) -> str:
