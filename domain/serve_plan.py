@@ -33,12 +33,19 @@ def cap_bytes(gpu_budget_gib: float | None) -> int | None:
     return int(gpu_budget_gib * GIB)
 
 
+def gathers_embedding_rows(hidden_size: int) -> bool:
+    """Whether embedding rows of `hidden_size` suit the gather that reads them one per token from host memory:
+    H a multiple of 8, rows of a multiple of 16 bytes in bf16 (adapters/kernels/embedding_gather.py). The one rule
+    the plan (embedding_on_host) and the loader (adapters.checkpoint.loader.hosts_embedding) both apply."""
+    return hidden_size % 8 == 0
+
+
 def embedding_on_host(spec: ModelSpec, gpu: bool) -> bool:
     """Whether a deployment keeps the input embedding in host memory, out of the GPU budget: on a GPU, where the
-    table's rows (H a multiple of 8: a multiple of 16 bytes in bf16) suit the gather that reads them one per token
-    (the loader's and the decoder's rule: adapters.checkpoint.loader.hosts_embedding; a tied checkpoint keeps its
-    table on the GPU as the head's weight, which dense_weight_bytes() counts once more, so the plan holds it)."""
-    return gpu and spec.hidden_size % 8 == 0
+    table's rows suit the gather (gathers_embedding_rows; the loader's and the decoder's rule too:
+    adapters.checkpoint.loader.hosts_embedding; a tied checkpoint keeps its table on the GPU as the head's weight,
+    which dense_weight_bytes() counts once more, so the plan holds it)."""
+    return gpu and gathers_embedding_rows(spec.hidden_size)
 
 
 def serve_budget(spec: ModelSpec, device_total_bytes: int, memory_ratio: float = 0.9,

@@ -44,6 +44,7 @@ from adapters.checkpoint.names import parse_expert
 from adapters.checkpoint.quant import QTensor
 from adapters.checkpoint.safetensors_files import SafetensorsFiles, TensorEntry, read_json_object
 from domain.model_spec import ModelSpec, WeightFormat
+from domain.serve_plan import gathers_embedding_rows
 
 log = logging.getLogger(__name__)
 
@@ -300,12 +301,12 @@ def hosts_embedding(device: torch.device | str, dense, hidden: int) -> bool:
     """Whether a deployment on `device` keeps the input embedding in pinned host memory instead of on the GPU
     (the loader leaves it there, MoeDecoder reads it with adapters.kernels.embedding_gather.gather_embedding_rows): on
     CUDA, for an untied checkpoint (`dense`, the dense tensors' names, holds lm_head.weight: a tied table is the
-    head's weight, read whole every step) whose rows the gather kernel copies (`hidden`, H, a multiple of 8: rows
-    of a multiple of 16 bytes in bf16 or fp32). Why: a step reads one row per
+    head's weight, read whole every step) whose rows the gather kernel copies (`hidden`, H: the plan's rule,
+    domain.serve_plan.gathers_embedding_rows). Why: a step reads one row per
     token (4 KiB at H = 2048), while the table (V x H, 1.02 GB for Qwen3.6's 248k x 2048 in bf16) would take the
     VRAM of ~320 expert slots; llama.cpp keeps its token embeddings in host memory too. The pool plan leaves the
     table out of the GPU budget on CUDA (domain.serve_plan.serve_budget, host_embedding)."""
-    return (torch.device(device).type == "cuda" and "lm_head.weight" in dense and hidden % 8 == 0
+    return (torch.device(device).type == "cuda" and "lm_head.weight" in dense and gathers_embedding_rows(hidden)
             and host_embedding_enabled())
 
 
