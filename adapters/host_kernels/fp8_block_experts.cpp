@@ -1,0 +1,152 @@
+// Block-FP8 experts computed on the host CPU, reading packed bank rows in place (ADR 0030).
+//
+// Shape legend: T tokens, P (token, expert) pairs, H hidden, I expert intermediate, R row bytes.
+// For every pair p: act[p] = silu(gate_e x_t) * up_e x_t (fp32 [I]), then
+// out[t] = sum over t's pairs, in pair order, of weight[p] * down_e act[p] (fp32 [H]).
+// Weights stay e4m3 with fp32 128x128 block scales (w = data * scale, adapters/checkpoint/quant.py);
+// nothing dequantized is stored: each 16-byte run of e4m3 becomes fp16 bits and then fp32 in registers.
+//
+// e4m3 -> fp16 bits: sign << 15 | (byte & 0x7F) << 7 puts e4m3's 4 exponent and 3 mantissa bits
+// where fp16 keeps its low exponent and top mantissa bits; the fp16 value is then the e4m3 value
+// times 2^-8, for normals and subnormals alike (fp16's bias is 15, e4m3's 7), and the hardware
+// converts fp16 subnormals to fp32 exactly. The 2^8 is applied once per block with the scale.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define FT_SIMD 1
+#endif
+
+namespace {
+
+constexpr int BLOCK = 128;
+constexpr float FP16_OFFSET = 256.0f;  // 2^8: e4m3 value = fp16(bits) * 2^8
+
+inline float e4m3_scalar(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 0x7;
+  const float v = exp ? std::ldexp(1.0f + man / 8.0f, exp - 7) : std::ldexp(man / 8.0f, -6);
+  return sign ? -v : v;
+}
+
+// sum_k fp16(w[k]) * x[k] for n bytes of e4m3 (the 2^8 offset left to the caller)
+inline float dot_e4m3(const uint8_t* w, const float* x, int n) {
+  int k = 0;
+  float tail = 0.0f;
+#ifdef FT_SIMD
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+         acc3 = _mm256_setzero_ps();
+  // NOTE: byte b in a 16-bit lane's high half, shifted right by one with sign extension, is
+  // s s eeee mmm 0000000: clearing bit 14 leaves sign << 15 | (b & 0x7F) << 7 in three operations
+  const __m128i zero = _mm_setzero_si128(), clear14 = _mm_set1_epi16(static_cast<int16_t>(0xBFFF));
+  auto fp16_lo = [&](__m128i b) { return _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, b), 1), clear14); };
+  auto fp16_hi = [&](__m128i b) { return _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), clear14); };
+  for (; k + 32 <= n; k += 32) {  // four independent accumulators: the FMA latency hidden
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+    const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_lo(b0)), _mm256_loadu_ps(x + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_hi(b0)), _mm256_loadu_ps(x + k + 8), acc1);
+    acc2 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_lo(b1)), _mm256_loadu_ps(x + k + 16), acc2);
+    acc3 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_hi(b1)), _mm256_loadu_ps(x + k + 24), acc3);
+  }
+  for (; k + 16 <= n; k += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_lo(b)), _mm256_loadu_ps(x + k), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(fp16_hi(b)), _mm256_loadu_ps(x + k + 8), acc1);
+  }
+  acc0 = _mm256_add_ps(acc0, acc2);
+  acc1 = _mm256_add_ps(acc1, acc3);
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  tail = _mm_cvtss_f32(s);
+#endif
+  for (; k < n; ++k) tail += e4m3_scalar(w[k]) / FP16_OFFSET * x[k];
+  return tail;
+}
+
+// y[r] = sum over k-blocks of scale[r / 128, kb] * dot(w[r, kb], x[kb]) for rows [r0, r1) of an
+// e4m3 [rows, cols] matrix with fp32 scales [ceil(rows/128), ceil(cols/128)]; y[r - r0] gets row r
+inline void gemv_rows(const uint8_t* w, const float* scale, const float* x, int cols, int r0, int r1, float* y) {
+  const int kblocks = (cols + BLOCK - 1) / BLOCK;
+  for (int r = r0; r < r1; ++r) {
+    const uint8_t* row = w + static_cast<int64_t>(r) * cols;
+    const float* srow = scale + static_cast<int64_t>(r / BLOCK) * kblocks;
+    float acc = 0.0f;
+    for (int kb = 0; kb < kblocks; ++kb) {
+      const int k0 = kb * BLOCK, n = std::min(BLOCK, cols - k0);
+      acc += srow[kb] * dot_e4m3(row + k0, x + k0, n);
+    }
+    y[r - r0] = acc * FP16_OFFSET;  // y holds rows [r0, r1)
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+}  // namespace
+
+// x fp32 [T, H]; bank uint8 [N, R] (rows packed by ExpertLayout); pair_token / pair_row int64 [P];
+// pair_weight fp32 [P]; offsets int64 [6]: gate data, gate scale, up data, up scale, down data, down scale
+// (bytes into a row). Returns fp32 [T, H].
+torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tensor pair_token,
+                                torch::Tensor pair_row, torch::Tensor pair_weight, torch::Tensor offsets,
+                                int64_t inter, int64_t grain_rows) {
+  const int64_t T = x.size(0), H = x.size(1), P = pair_token.size(0), I = inter;
+  auto out = torch::zeros({T, H}, x.options());
+  if (P == 0) return out;
+  auto act = torch::empty({P, I}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const uint8_t* rows = bank.data_ptr<uint8_t>();
+  const int64_t R = bank.size(1);
+  const int64_t* tok = pair_token.data_ptr<int64_t>();
+  const int64_t* rid = pair_row.data_ptr<int64_t>();
+  const float* pw = pair_weight.data_ptr<float>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  float* a = act.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t gate_chunks = (I + grain_rows - 1) / grain_rows;
+  // phase 1: gate and up rows of every pair, split into chunks of grain_rows output rows
+  at::parallel_for(0, P * gate_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(grain_rows), u(grain_rows);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t p = job / gate_chunks, r0 = (job % gate_chunks) * grain_rows, r1 = std::min(I, r0 + grain_rows);
+      const uint8_t* row = rows + rid[p] * R;
+      const float* xt = xs + tok[p] * H;
+      gemv_rows(row + off[0], reinterpret_cast<const float*>(row + off[1]), xt, H, r0, r1, g.data());
+      gemv_rows(row + off[2], reinterpret_cast<const float*>(row + off[3]), xt, H, r0, r1, u.data());
+      for (int64_t r = r0; r < r1; ++r) a[p * I + r] = silu(g[r - r0]) * u[r - r0];
+    }
+  });
+  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum at any thread count)
+  const int64_t down_chunks = (H + grain_rows - 1) / grain_rows;
+  at::parallel_for(0, T * down_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(grain_rows);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+      for (int64_t p = 0; p < P; ++p) {
+        if (tok[p] != t) continue;
+        const uint8_t* row = rows + rid[p] * R;
+        gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), a + p * I, I, r0, r1, y.data());
+        for (int64_t r = r0; r < r1; ++r) o[t * H + r] += pw[p] * y[r - r0];
+      }
+    }
+  });
+  return out;
+}
+
+bool simd_build() {
+#ifdef FT_SIMD
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp8_block_experts", &fp8_block_experts, "block-FP8 experts on the host (ADR 0030)");
+  m.def("simd_build", &simd_build, "whether the AVX2/F16C/FMA path was compiled in");
+}

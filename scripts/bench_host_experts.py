@@ -1,0 +1,169 @@
+"""How fast can the host CPU compute decode-step experts with torch? (ADR 0030's first question.)
+
+ADR 0030 proposes computing part of a decode step's expert misses on the host instead of copying them over
+PCIe. It pays only if the host computes experts from the pinned bank at tens of GB/s of weight bytes
+(llama.cpp's CPU-experts figure on the H200's host implies ~47 GB/s through hand-written Q8_0 kernels). This
+script times one token (bs1) through N experts of the Qwen3.6-35B-A3B geometry (gate/up 2×512×2048, down
+2048×512) along every path torch offers on the CPU, at 1, half and all threads, and writes one JSON record:
+
+- ``fp8_to_bf16``: the block-FP8 bank's bytes cast to bf16 (torch's cast), then two GEMVs: what a pure-torch
+  host path over the bank we already keep would do.
+- ``fp8_bits``: the same through integer bit operations (e4m3 → bf16 bits, the 2^120 exponent offset folded
+  into the block scale), the fastest cast we found without native code.
+- ``bf16``: GEMVs over weights already in bf16: the memory-bandwidth ceiling (would need a second, 2× larger
+  host copy of every expert).
+- ``int8_dynamic``: fbgemm's dynamically quantized int8 linear (a re-quantized host copy, not bitwise).
+- ``compiled``: our host kernel (adapters/host_kernels/fp8_block_experts), reading packed block-FP8 bank
+  rows in place, compiled for this host on first use (the build's seconds are recorded); ``compiled_2`` and
+  ``compiled_4`` time calls of 2 and 4 experts, one layer's host share at bs1, where fixed costs show.
+
+Rates are weight bytes of the block-FP8 expert (3 MiB) per second, so every path compares with the PCIe
+link's 51 GB/s. Usage: ``python scripts/bench_host_experts.py --out $OUT/host_experts [--experts 16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from adapters.checkpoint.expert_layout import ExpertLayout  # noqa: E402
+from adapters.checkpoint.quant import QTensor  # noqa: E402
+from adapters.host_kernels.fp8_block_experts import available, fp8_block_experts  # noqa: E402
+from domain.model_spec import WeightFormat  # noqa: E402
+
+HIDDEN, INTER = 2048, 512
+FP8_EXPERT_BYTES = 3 * HIDDEN * INTER  # gate, up, down at one byte a weight (scales left out)
+
+
+def _fp8_bits_to_bf16(w: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes → bf16 whose value is the e4m3 value × 2^-120 (normals and subnormals alike: both formats'
+    fields line up once the 4 exponent bits sit in bf16's low exponent bits); the caller folds 2^120 into
+    the block scale."""
+    b = w.view(torch.uint8).to(torch.int16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 4)).view(torch.bfloat16)
+
+
+def _paths(n: int, built: tuple[bool, str]) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(n, 2 * INTER, HIDDEN, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, 2I, H]
+    w2 = (torch.randn(n, HIDDEN, INTER, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, H, I]
+    x = torch.randn(1, HIDDEN, generator=g).to(torch.bfloat16)  # [1, H]
+    silu = torch.nn.functional.silu
+
+    def expert(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ a.T).chunk(2, dim=-1)
+        return (silu(gate) * up) @ b.T
+
+    def fp8_to_bf16():
+        for e in range(n):
+            expert(w13[e].to(torch.bfloat16), w2[e].to(torch.bfloat16))
+
+    scale = torch.tensor(2.0 ** 120, dtype=torch.bfloat16)
+
+    def fp8_bits():
+        for e in range(n):
+            expert(_fp8_bits_to_bf16(w13[e]) * scale, _fp8_bits_to_bf16(w2[e]) * scale)
+
+    w13b, w2b = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+    def bf16():
+        for e in range(n):
+            expert(w13b[e], w2b[e])
+
+    with warnings.catch_warnings():  # fbgemm's dynamic quantization is deprecated upstream; timed all the same
+        warnings.simplefilter("ignore")
+        q = [(torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(_linear(w13[e])), {torch.nn.Linear},
+                                                     dtype=torch.qint8),
+              torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(_linear(w2[e])), {torch.nn.Linear},
+                                                     dtype=torch.qint8)) for e in range(n)]
+    xf = x.float()
+
+    def int8_dynamic():
+        for a, b in q:
+            gate, up = a(xf).chunk(2, dim=-1)
+            b(silu(gate) * up)
+
+    # the bit cast must equal torch's cast exactly, or its rate means nothing
+    assert torch.equal(_fp8_bits_to_bf16(w13[0]).float() * 2.0 ** 120, w13[0].float())
+    paths = {"fp8_to_bf16": fp8_to_bf16, "fp8_bits": fp8_bits, "bf16": bf16, "int8_dynamic": int8_dynamic}
+    if built[0]:
+        layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER)
+        scales = [torch.ones(-(-r // 128), -(-c // 128)) for r, c in ((INTER, HIDDEN), (INTER, HIDDEN),
+                                                                        (HIDDEN, INTER))]
+        bank = torch.stack([layout.pack(*(QTensor(WeightFormat.FP8_BLOCK, tuple(d.shape), data=d, scale=s)
+                                          for d, s in zip((w13[e, :INTER], w13[e, INTER:], w2[e]), scales,
+                                                          strict=True))) for e in range(n)])  # [N, R]
+        pairs = torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.full((n,), 1.0 / n)
+        paths["compiled"] = lambda: fp8_block_experts(xf, bank, layout, *pairs)
+        for k in (2, 4):  # one layer's host share at bs1: a call's fixed costs (threads forked twice) show here
+            few = torch.zeros(k, dtype=torch.int64), torch.arange(k), torch.full((k,), 1.0 / k)
+            paths[f"compiled_{k}"] = functools.partial(fp8_block_experts, xf, bank, layout, *few)
+    return paths
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w.float())
+    return lin
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t) / repeats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for host_experts.json")
+    p.add_argument("--experts", type=int, default=16, help="experts per timed call (one token's misses)")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    cores = os.cpu_count() or 1
+    threads = sorted({1, max(1, cores // 2), cores})
+    t = time.perf_counter()
+    built = available()
+    build_seconds = round(time.perf_counter() - t, 1)
+    paths = _paths(args.experts, built)
+    record: dict = {"kind": "bench_host_experts", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "cpu": {"model": _cpu_model(), "logical_cores": cores, "machine": platform.machine()},
+                    "torch": torch.__version__, "experts": args.experts, "fp8_expert_bytes": FP8_EXPERT_BYTES,
+                    "compiled_build": {"ok": built[0], "detail": built[1], "seconds": build_seconds}, "results": {}}
+    for t in threads:
+        torch.set_num_threads(t)
+        for name, fn in paths.items():
+            n = int(name.rsplit("_", 1)[1]) if name.startswith("compiled_") else args.experts
+            sec = _time(fn, args.repeats * (args.experts // n))
+            rate = n * FP8_EXPERT_BYTES / sec / 1e9
+            record["results"][f"{name}@{t}"] = {"ms_per_call": round(sec * 1e3, 4), "experts_per_call": n,
+                                                "ms_per_expert": round(sec * 1e3 / n, 4),
+                                                "fp8_gb_s": round(rate, 2), "threads": t}
+            print(f"{name:14s} {t:3d} threads  {sec * 1e3 / n:8.3f} ms/expert  {rate:7.2f} GB/s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host_experts.json").write_text(json.dumps(record, indent=1))
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
