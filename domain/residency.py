@@ -27,6 +27,7 @@ class Lookup:
     hits: tuple[ExpertKey, ...]  # distinct keys already resident, in request order
     fills: tuple[tuple[ExpertKey, int], ...]  # misses: (key, slot to copy it into), in request order
     evicted: tuple[ExpertKey, ...]  # keys that lost their slot to the fills, in eviction order
+    host: tuple[ExpertKey, ...] = ()  # misses computed on the host (ADR 0030): no slot, slot -1, request order
 
 
 def _check_key(key: object) -> ExpertKey:
@@ -55,6 +56,12 @@ class ExpertResidency:
     - Every requested key is pinned until ``release``; pinned keys are never evicted.
     - ``lookup`` is all-or-nothing: when it cannot be satisfied it raises
       ``ResidencyExhausted`` and changes nothing (probe first with ``can_lookup``).
+    - ``lookup(keys, host_permille=p)`` (ADR 0030, host expert compute): of the lookup's m
+      distinct misses, the last ⌊m × p / 1000⌋ in request order are computed on the host: they
+      take no slot, evict nothing, are not pinned and stay non-resident; their ``slots`` entries
+      are -1. The rest fill as above. Integer arithmetic, so a device kernel makes the same split.
+      ``misses`` counts every non-resident key looked up (fills and host keys), so the hit rate
+      stays hits / (hits + misses); ``host_computed`` counts the host keys alone.
     - ``resize`` rebuilds the pool cold (no resident keys), as the MoE pool resize does on
       the device; counters are cumulative and survive it.
     Every operation is O(1) per key (OrderedDict for recency, a heap only for free slots).
@@ -64,6 +71,7 @@ class ExpertResidency:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.host_computed = 0
         self._reset(num_slots)
 
     def _reset(self, num_slots: int) -> None:
@@ -95,13 +103,22 @@ class ExpertResidency:
         """Resident keys, least recently used first (for tests, metrics and the simulator)."""
         return tuple(self._lru)
 
-    def can_lookup(self, keys: Sequence[ExpertKey]) -> bool:
-        return self._fits(_distinct(keys))
+    def can_lookup(self, keys: Sequence[ExpertKey], host_permille: int = 0) -> bool:
+        distinct = _distinct(keys)
+        return self._fits(distinct, len(self._host_split(distinct, host_permille)[1]))
 
-    def _fits(self, distinct: list[ExpertKey]) -> bool:
-        """can_lookup on keys already validated and de-duplicated (lookup validates them once)."""
+    def _fits(self, distinct: list[ExpertKey], num_host: int = 0) -> bool:
+        """can_lookup on keys already validated and de-duplicated (lookup validates them once); the
+        num_host host keys among them need no slot."""
         pinned_by_others = len(self._pinned) - sum(1 for k in distinct if k in self._pinned)
-        return len(distinct) <= self.num_slots - pinned_by_others
+        return len(distinct) - num_host <= self.num_slots - pinned_by_others
+
+    def _host_split(self, distinct: list[ExpertKey], host_permille: int) -> tuple[list[ExpertKey], list[ExpertKey]]:
+        """(the distinct misses in request order, the last ⌊misses × host_permille / 1000⌋ of them)."""
+        if not isinstance(host_permille, int) or isinstance(host_permille, bool) or not 0 <= host_permille <= 1000:
+            raise ValueError(f"host_permille must be an int in 0..1000, got {host_permille!r}")
+        missing = [k for k in distinct if k not in self._lru]
+        return missing, missing[len(missing) - len(missing) * host_permille // 1000:]
 
     def can_release(self, keys: Sequence[ExpertKey] | None = None) -> bool:
         return keys is None or all(_check_key(k) in self._pinned for k in keys)
@@ -116,21 +133,25 @@ class ExpertResidency:
 
     # ---- mutations ---------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ExpertKey]) -> Lookup:
+    def lookup(self, keys: Sequence[ExpertKey], host_permille: int = 0) -> Lookup:
+        """Hits, fills and (with host_permille > 0) host keys for ``keys`` (class docstring).
+        Raises ResidencyExhausted when the keys that take a slot (all but the host keys) cannot all
+        be pinned, ValueError on a bad key or a host_permille outside 0..1000."""
         distinct = _distinct(keys)
-        if not self._fits(distinct):
+        missing, host = self._host_split(distinct, host_permille)
+        on_host = set(host)
+        if not self._fits(distinct, len(host)):
             pinned_by_others = len(self._pinned - set(distinct))
             raise ResidencyExhausted(
-                f"lookup of {len(distinct)} distinct experts cannot fit: {self.num_slots} slots, "
+                f"lookup of {len(distinct) - len(host)} distinct experts cannot fit: {self.num_slots} slots, "
                 f"{pinned_by_others} pinned by earlier lookups (release them or split the group)"
             )
         requested = set(distinct)
-        num_misses = sum(1 for k in distinct if k not in self._lru)
         # NOTE: victims come from the LRU end of the order as it was before this lookup, skipping
         # pinned and requested keys; hits and fills only ever become MRU, so choosing the victims
         # up front is the same as choosing them miss by miss. The scan stops after the victims
         # it needs, so it costs O(misses + pinned + requested), not O(S).
-        victims = self._oldest_unpinned(max(0, num_misses - len(self._free)), requested)
+        victims = self._oldest_unpinned(max(0, len(missing) - len(host) - len(self._free)), requested)
         hits: list[ExpertKey] = []
         fills: list[tuple[ExpertKey, int]] = []
         evicted: list[ExpertKey] = []
@@ -139,6 +160,8 @@ class ExpertResidency:
             if slot is not None:
                 self._lru.move_to_end(key)
                 hits.append(key)
+                continue
+            if key in on_host:
                 continue
             if self._free:
                 slot = heapq.heappop(self._free)
@@ -149,15 +172,17 @@ class ExpertResidency:
             self._lru[key] = slot
             self._slot_key[slot] = key
             fills.append((key, slot))
-        self._pinned.update(distinct)
+        self._pinned.update(k for k in distinct if k not in on_host)
         self.hits += len(hits)
-        self.misses += len(fills)
+        self.misses += len(missing)
         self.evictions += len(evicted)
+        self.host_computed += len(host)
         return Lookup(
-            slots=tuple(self._lru[k] for k in keys),
+            slots=tuple(self._lru.get(k, -1) for k in keys),
             hits=tuple(hits),
             fills=tuple(fills),
             evicted=tuple(evicted),
+            host=tuple(host),
         )
 
     def _oldest_unpinned(self, count: int, requested: set[ExpertKey]) -> list[ExpertKey]:
@@ -203,10 +228,12 @@ class ExpertResidency:
         assert len(free) + len(used) == self.num_slots, "free + used != total"
         assert self._pinned <= self._lru.keys(), "a pinned key is not resident"
         assert min(self.hits, self.misses, self.evictions) >= 0, "negative counter"
-        assert self.evictions <= self.misses, "more evictions than misses"
+        assert self.host_computed >= 0, "negative counter"
+        assert self.evictions + self.host_computed <= self.misses, "more evictions and host keys than misses"
 
     def __repr__(self) -> str:
         return (
             f"ExpertResidency(num_slots={self.num_slots}, resident={self.num_resident}, "
-            f"pinned={self.num_pinned}, hits={self.hits}, misses={self.misses}, evictions={self.evictions})"
+            f"pinned={self.num_pinned}, hits={self.hits}, misses={self.misses}, evictions={self.evictions}, "
+            f"host_computed={self.host_computed})"
         )

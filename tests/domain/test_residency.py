@@ -1,7 +1,8 @@
 """ExpertResidency: worked examples, then the differential contract against a list-based shadow."""
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from domain.residency import ExpertResidency, Lookup, ResidencyExhausted
 from tests.contracts.residency_contract import residency_contract_machine, run_residency_contract
@@ -151,6 +152,70 @@ def test_resize_starts_cold_keeps_counters_and_is_refused_while_pinned():
     res.check_valid()
     with pytest.raises(ValueError):
         ExpertResidency(-1)
+
+
+# ---- host expert compute (ADR 0030) -------------------------------------------------------
+
+
+def test_host_share_takes_the_last_misses_which_get_no_slot():
+    res = ExpertResidency(4)
+    res.lookup([(0, 1)])
+    res.release()
+    # misses in request order: (0, 5), (0, 6), (0, 7), (0, 8): 4 x 500 / 1000 = 2 on the host, the last two
+    keys = [(0, 5), (0, 1), (0, 6), (0, 7), (0, 8), (0, 7)]
+    assert not res.can_lookup(keys) and res.can_lookup(keys, host_permille=500)  # 5 distinct, 3 need a slot
+    got = res.lookup([(0, 5), (0, 1), (0, 6), (0, 7), (0, 8), (0, 7)], host_permille=500)
+    assert got == Lookup(slots=(1, 0, 2, -1, -1, -1), hits=((0, 1),), fills=(((0, 5), 1), ((0, 6), 2)),
+                         evicted=(), host=((0, 7), (0, 8)))
+    assert res.slot_of((0, 7)) is None and not res.is_pinned((0, 8))
+    assert (res.hits, res.misses, res.evictions, res.host_computed) == (1, 5, 0, 2)
+    res.check_valid()
+
+
+def test_host_share_rounds_down_and_evicts_only_for_fills():
+    res = ExpertResidency(2)
+    res.lookup([(0, 0), (0, 1)])
+    res.release()
+    got = res.lookup([(1, 0), (1, 1), (1, 2)], host_permille=400)  # 3 x 400 // 1000 = 1 host key
+    assert got.host == ((1, 2),) and got.evicted == ((0, 0), (0, 1))
+    res.release()
+    every = res.lookup([(2, 0), (2, 1)], host_permille=1000)  # all misses on the host: the pool is untouched
+    assert every.host == ((2, 0), (2, 1)) and every.fills == () and res.lru_order() == ((1, 0), (1, 1))
+
+
+@pytest.mark.parametrize("bad", [-1, 1001, 0.5, True, "500"])
+def test_host_permille_outside_0_to_1000_is_refused(bad):
+    res = ExpertResidency(2)
+    with pytest.raises(ValueError, match="host_permille"):
+        res.lookup([(0, 0)], host_permille=bad)
+    assert res.misses == 0 and res.num_resident == 0
+
+
+_keys = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=8)
+
+
+@given(slots=st.integers(4, 10), rounds=st.lists(st.tuples(_keys, st.integers(0, 1000)), max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_a_host_lookup_decides_the_slots_as_a_plain_lookup_without_its_host_keys(slots, rounds):
+    # the host keys are non-resident, so leaving them out changes no victim: every slot decision of
+    # lookup(keys, p) equals plain lookup(keys minus its host keys), and the pools stay identical
+    shared, plain = ExpertResidency(slots), ExpertResidency(slots)
+    for keys, permille in rounds:
+        if not shared.can_lookup(keys):
+            continue
+        got = shared.lookup(keys, host_permille=permille)
+        host = set(got.host)
+        assert not host & {k for k, _ in got.fills} and not host & set(got.hits)
+        assert all(shared.slot_of(k) is None for k in host)
+        assert len(host) == (len(host) + len(got.fills)) * permille // 1000
+        ref = plain.lookup([k for k in keys if k not in host])
+        assert (got.hits, got.fills, got.evicted) == (ref.hits, ref.fills, ref.evicted)
+        assert [s for k, s in zip(keys, got.slots, strict=True) if k not in host] == list(ref.slots)
+        assert shared.lru_order() == plain.lru_order()
+        shared.check_valid()
+        shared.release()
+        plain.release()
+    assert shared.misses == plain.misses + shared.host_computed
 
 
 # ---- differential contract -------------------------------------------------------------
