@@ -1,10 +1,11 @@
-"""How fast can the host CPU compute decode-step experts with torch? (ADR 0030's first question.)
+"""How fast can the host CPU compute decode-step experts? (ADR 0030's first question.)
 
 ADR 0030 proposes computing part of a decode step's expert misses on the host instead of copying them over
 PCIe. It pays only if the host computes experts from the pinned bank at tens of GB/s of weight bytes
 (llama.cpp's CPU-experts figure on the H200's host implies ~47 GB/s through hand-written Q8_0 kernels). This
 script times one token (bs1) through N experts of the Qwen3.6-35B-A3B geometry (gate/up 2×512×2048, down
-2048×512) along every path torch offers on the CPU, at 1, half and all threads, and writes one JSON record:
+2048×512) along every path torch offers on the CPU and our own kernel, at 1, 2, 4, 8, half and all threads, and
+writes one JSON record:
 
 - ``fp8_to_bf16``: the block-FP8 bank's bytes cast to bf16 (torch's cast), then two GEMVs: what a pure-torch
   host path over the bank we already keep would do.
@@ -24,7 +25,6 @@ link's 51 GB/s. Usage: ``python scripts/bench_host_experts.py --out $OUT/host_ex
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -54,7 +54,7 @@ def _fp8_bits_to_bf16(w: torch.Tensor) -> torch.Tensor:
     return (((b & 0x80) << 8) | ((b & 0x7F) << 4)).view(torch.bfloat16)
 
 
-def _paths(n: int, built: tuple[bool, str]) -> dict:
+def _paths(n: int, built: tuple[bool, str], bank_rows: int) -> dict:
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(n, 2 * INTER, HIDDEN, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, 2I, H]
     w2 = (torch.randn(n, HIDDEN, INTER, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, H, I]
@@ -104,12 +104,25 @@ def _paths(n: int, built: tuple[bool, str]) -> dict:
         bank = torch.stack([layout.pack(*(QTensor(WeightFormat.FP8_BLOCK, tuple(d.shape), data=d, scale=s)
                                           for d, s in zip((w13[e, :INTER], w13[e, INTER:], w2[e]), scales,
                                                           strict=True))) for e in range(n)])  # [N, R]
-        pairs = torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.full((n,), 1.0 / n)
-        paths["compiled"] = lambda: fp8_block_experts(xf, bank, layout, *pairs)
+        # NOTE: the bank is tiled to bank_rows rows and each call takes the next rows, so the weights come from
+        # DRAM as a real bank's would, not from a last-level cache that holds 16 experts (48 MiB)
+        bank = bank.repeat(-(-bank_rows // n), 1)  # [N', R]
+        paths["compiled"] = _rotating(xf, bank, layout, n)
         for k in (2, 4):  # one layer's host share at bs1: a call's fixed costs (threads forked twice) show here
-            few = torch.zeros(k, dtype=torch.int64), torch.arange(k), torch.full((k,), 1.0 / k)
-            paths[f"compiled_{k}"] = functools.partial(fp8_block_experts, xf, bank, layout, *few)
+            paths[f"compiled_{k}"] = _rotating(xf, bank, layout, k)
     return paths
+
+
+def _rotating(x: torch.Tensor, bank: torch.Tensor, layout: ExpertLayout, k: int):
+    """A call of k experts for one token, each call on the bank's next k rows."""
+    state = {"next": 0}
+    tokens, weights = torch.zeros(k, dtype=torch.int64), torch.full((k,), 1.0 / k)
+
+    def call():
+        rows = (state["next"] + torch.arange(k)) % bank.shape[0]
+        state["next"] = int(rows[-1]) + 1
+        fp8_block_experts(x, bank, layout, tokens, rows, weights)
+    return call
 
 
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
@@ -131,16 +144,17 @@ def main() -> None:
     p.add_argument("--out", required=True, help="directory for host_experts.json")
     p.add_argument("--experts", type=int, default=16, help="experts per timed call (one token's misses)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--bank-rows", type=int, default=256, help="rows of the compiled path's bank (3 MiB each)")
     args = p.parse_args()
     cores = os.cpu_count() or 1
-    threads = sorted({1, max(1, cores // 2), cores})
+    threads = sorted({t for t in (1, 2, 4, 8, cores // 2, cores) if 1 <= t <= cores})
     t = time.perf_counter()
     built = available()
     build_seconds = round(time.perf_counter() - t, 1)
-    paths = _paths(args.experts, built)
+    paths = _paths(args.experts, built, args.bank_rows)
     record: dict = {"kind": "bench_host_experts", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "cpu": {"model": _cpu_model(), "logical_cores": cores, "machine": platform.machine()},
-                    "torch": torch.__version__, "experts": args.experts, "fp8_expert_bytes": FP8_EXPERT_BYTES,
+                    "torch": torch.__version__, "experts": args.experts, "bank_rows": args.bank_rows, "fp8_expert_bytes": FP8_EXPERT_BYTES,
                     "compiled_build": {"ok": built[0], "detail": built[1], "seconds": build_seconds}, "results": {}}
     for t in threads:
         torch.set_num_threads(t)
