@@ -40,6 +40,13 @@ def _check_key(key: object) -> ExpertKey:
     return key  # type: ignore[return-value]
 
 
+def host_key_count(misses: int, host_permille: int) -> int:
+    """How many of a lookup's `misses` distinct misses are computed on the host at `host_permille` (ADR 0030):
+    m × p / 1000 rounded half up, in integers so a device kernel computes the same count. Rounded, not floored:
+    a decode layer has only ~4 misses, and a floor would send none of them to the host below 250 ‰."""
+    return (misses * host_permille + 500) // 1000
+
+
 def _distinct(keys: Sequence[ExpertKey]) -> list[ExpertKey]:
     # NOTE: dict preserves first-occurrence order, which is how duplicates collapse.
     return list(dict.fromkeys(_check_key(k) for k in keys))
@@ -57,7 +64,8 @@ class ExpertResidency:
     - ``lookup`` is all-or-nothing: when it cannot be satisfied it raises
       ``ResidencyExhausted`` and changes nothing (probe first with ``can_lookup``).
     - ``lookup(keys, host_permille=p)`` (ADR 0030, host expert compute): of the lookup's m
-      distinct misses, the last ⌊m × p / 1000⌋ in request order are computed on the host: they
+      distinct misses, the last ``host_key_count(m, p)`` (m × p / 1000 rounded half up) in request
+      order are computed on the host: they
       take no slot, evict nothing, are not pinned and stay non-resident; their ``slots`` entries
       are -1. The rest fill as above. Integer arithmetic, so a device kernel makes the same split.
       ``misses`` counts every non-resident key looked up (fills and host keys), so the hit rate
@@ -114,11 +122,11 @@ class ExpertResidency:
         return len(distinct) - num_host <= self.num_slots - pinned_by_others
 
     def _host_split(self, distinct: list[ExpertKey], host_permille: int) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """(the distinct misses in request order, the last ⌊misses × host_permille / 1000⌋ of them)."""
+        """(the distinct misses in request order, the last host_key_count of them)."""
         if not isinstance(host_permille, int) or isinstance(host_permille, bool) or not 0 <= host_permille <= 1000:
             raise ValueError(f"host_permille must be an int in 0..1000, got {host_permille!r}")
         missing = [k for k in distinct if k not in self._lru]
-        return missing, missing[len(missing) - len(missing) * host_permille // 1000:]
+        return missing, missing[len(missing) - host_key_count(len(missing), host_permille):]
 
     def can_release(self, keys: Sequence[ExpertKey] | None = None) -> bool:
         return keys is None or all(_check_key(k) in self._pinned for k in keys)

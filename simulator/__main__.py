@@ -20,6 +20,7 @@ from domain.model_spec import ModelSpec
 from domain.prefill_choice import resolve_prefill_kernels
 from domain.serve_plan import cap_bytes
 from simulator.hardware import GIB, get_profile, load_profiles
+from simulator.host_lane import with_host_lane
 from simulator.predict import Deployment, Workload
 from simulator.sweep import (
     BUILTIN_MODELS,
@@ -58,6 +59,27 @@ def parse_count_or_zero(text: str) -> int:
 def parse_count_or_auto(text: str) -> int | str:
     """'auto' or a count as parse_count_or_zero (None stays free to mean: not given)."""
     return "auto" if text.strip().lower() == "auto" else parse_count_or_zero(text)
+
+
+def parse_gb_s(text: str) -> float:
+    """A finite rate >= 0 in GB/s."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate in GB/s: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite rate >= 0 in GB/s: {text!r}")
+    return value
+
+
+def parse_permille_or_auto(text: str) -> int | str:
+    """'auto' or an integer share in 0..1000 (per mille)."""
+    t = text.strip().lower()
+    if t == "auto":
+        return t
+    if not t.isdigit() or int(t) > 1000:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer in 0..1000 (per mille): {text!r}")
+    return int(t)
 
 
 def parse_list(text: str) -> list[int]:
@@ -210,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as `ft serve --prefill-kernels`; triton turns on the auto staging rows; auto resolves as "
                         "ft serve's default does on a card's fast path (triton for bf16, block-FP8 and NVFP4 weights, "
                         "domain/prefill_choice.py) (default: the calibration's, reference)")
+    p.add_argument("--host-experts-gb-s", type=parse_gb_s, metavar="GB/S",
+                   help="the host lane (ADR 0030, the customer's 'hybrid' mode): compute a share of each decode "
+                        "lookup's misses on the host CPU at this rate (GB/s of expert weight bytes per routed pair) "
+                        "while the link copies the rest (default: off)")
+    p.add_argument("--host-permille", type=parse_permille_or_auto, metavar="N|auto",
+                   help="the host lane's share of each lookup's misses, per mille (the last floor(m x N / 1000) of m "
+                        "misses, as the domain's lookup takes them); auto (the default with --host-experts-gb-s): "
+                        "the balanced share, round(1000 x host / (host + link)) of the profile's host->device rate")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,
                    help="each benchmark request's prompt in tokens: the context its decode reads (default: the "
@@ -344,7 +374,8 @@ def predict_command(args) -> int:
     # NOTE: the simulated scheduler's budgets are the server's, from the deployment (Deployment.step_budgets):
     # --max-prefill-length alone (it also sizes the activations the plan holds), the mixed budget beside decodes
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
-    cfg = SweepConfig(model_name, spec, hardware, deployment, calibration.cost_params(), args.routing,
+    cost = with_host_lane(calibration.cost_params(), hardware, args.host_experts_gb_s, args.host_permille)
+    cfg = SweepConfig(model_name, spec, hardware, deployment, cost, args.routing,
                       calibration.locality_params(), workload,
                       calibration.seed if args.seed is None else args.seed, label, calibration.predicts,
                       args.mixed_prefill_length)
@@ -359,8 +390,10 @@ def predict_command(args) -> int:
     else:
         from simulator.table import print_table
 
+        lane = (f"; host lane (ADR 0030): {cost.host_permille / 10:g} % of each lookup's misses on the host at "
+                f"{cost.host_expert_gb_s:g} GB/s" if cost.host_permille else "")
         print_table(results, title=f"{model_name} on {hardware.name} ({calibration.describe(hardware.name)}; "
-                                   f"routing {args.routing})")
+                                   f"routing {args.routing}{lane})")
     return 0
 
 

@@ -30,7 +30,10 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
   pair_call_s once plus its pairs' bytes at pair_read_efficiency (docs/simulator.md, "Held out on an H100: session 33,
   refitted"); with pair_reread_s set, only the first pair of each distinct expert of the call reads it at that rate,
   and every other pair routed to the same expert (re-read from L2) costs pair_reread_s (docs/simulator.md, "Held out
-  on an H100: sessions 34-35").
+  on an H100: sessions 34-35");
+- the host lane (`host_compute`, host_lane.py, ADR 0030): with host_permille set, the last share of each decode
+  lookup's misses is computed on the host CPU beside the link's copies of the rest; the layer's miss GEMMs wait for
+  both lanes (docs/simulator.md, "The host lane").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -46,7 +49,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from domain.model_spec import LayerKind, ModelSpec
+from domain.residency import host_key_count
 from simulator.hardware import HardwareProfile
+from simulator.host_lane import check_host_params, miss_points
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
@@ -54,6 +59,8 @@ OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pa
 # NOTE: adapters/cuda_exec/prefill_linear.py use_splitk (SPLITK_GEMV_MAX_ROWS + 1 .. SPLITK_MAX_ROWS): the rows a
 # layer's dense projections run as split-K GEMMs; fewer run the GEMV (the simulator may not import adapters)
 SPLITK_ROWS = (3, 32)  # left out of to_dict() at 0
+# the host lane's fields (ADR 0030), left out of to_dict() at these values: files written before it stay as they are
+HOST_LANE_DEFAULTS = {"host_expert_gb_s": 0.0, "host_permille": 0, "host_call_s": 20e-6}
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,15 @@ class CostParams(StrictParams):
     # them, and a layer's GPU work starts no earlier than its launches end (host and GPU pipelined: the step is the
     # later of the two, layer by layer). 0: the step is costed as a graph replay (files before h200_records_v7).
     eager_mixer_layer_s: float = 0.0
+    # The host lane (ADR 0030; simulator/host_lane.py): of each decode lookup's m misses the last
+    # host_key_count(m, host_permille) (domain.residency: m × p / 1000 rounded half up) are computed on the host CPU
+    # while the link copies the rest; the host reads their expert bytes once per (token, expert) pair at
+    # host_expert_gb_s (GB/s of expert weight bytes), plus host_call_s (s) per lookup with any host keys (the GPU
+    # hands the rows over and waits for the partial sum). 0 and 0: off
+    # (every calibration file; to_dict leaves the three out at their defaults).
+    host_expert_gb_s: float = 0.0
+    host_permille: int = 0
+    host_call_s: float = 20e-6
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
@@ -186,6 +202,7 @@ class CostParams(StrictParams):
                 raise ValueError(f"CostParams.{name} must be an integer >= 1, got {m!r}")
         if not isinstance(self.streamed_prefill, bool):
             raise ValueError("CostParams.streamed_prefill must be a bool")
+        check_host_params(self)
 
     def to_dict(self) -> dict:
         """StrictParams' dict, less the fields of h100_records_v2 (pair_call_s, pair_read_efficiency,
@@ -194,6 +211,9 @@ class CostParams(StrictParams):
         out = super().to_dict()
         for name in OFF_WHEN_ZERO:
             if out[name] == 0:
+                del out[name]
+        for name, default in HOST_LANE_DEFAULTS.items():
+            if out[name] == default:
                 del out[name]
         return out
 
@@ -305,16 +325,19 @@ class CostModel:
         p = self.params
         return p.host_step_s + p.host_row_s * rows + (p.server_step_s if via_server else 0.0)
 
-    def layer_expert_time(self, copy_s: float, hit_gemm_s: float, miss_gemm_s: float) -> float:
+    def layer_expert_time(self, copy_s: float, hit_gemm_s: float, miss_gemm_s: float, host_s: float = 0.0) -> float:
         """Seconds from a layer's router output to its expert outputs, given the copy time of its
         misses and the GEMM times of its resident and missed experts. The copy cannot start before
         the router (it needs the routing); with overlap_copy_compute it hides behind the resident
-        experts' GEMMs, max(copy, hit) + miss, else copy + hit + miss (the gather runs first)."""
-        if min(copy_s, hit_gemm_s, miss_gemm_s) < 0:
-            raise ValueError(f"negative times {copy_s}, {hit_gemm_s}, {miss_gemm_s}")
+        experts' GEMMs, max(copy, hit) + miss, else copy + hit + miss (the gather runs first).
+        host_s: the host lane's time for the layer's host keys (host_compute), beside the copy: the
+        miss GEMMs wait for both, so copy above reads max(copy, host)."""
+        if min(copy_s, hit_gemm_s, miss_gemm_s, host_s) < 0:
+            raise ValueError(f"negative times {copy_s}, {hit_gemm_s}, {miss_gemm_s}, {host_s}")
+        lanes = max(copy_s, host_s) if host_s else copy_s
         if self.params.overlap_copy_compute:
-            return max(copy_s, hit_gemm_s) + miss_gemm_s
-        return copy_s + hit_gemm_s + miss_gemm_s
+            return max(lanes, hit_gemm_s) + miss_gemm_s
+        return lanes + hit_gemm_s + miss_gemm_s
 
     def layer_pre_expert(self, layer: int, loads: Sequence[SequenceLoad]) -> float:
         """Attention or GDN, shared expert and router of one layer, for every sequence."""
@@ -376,6 +399,18 @@ class CostModel:
             raise ValueError(f"negative pairs {pairs}")
         return self.params.pair_call_s if pairs and self.reads_per_pair(pairs) else 0.0
 
+    def host_compute(self, pairs: float, calls: float = 1.0) -> float:
+        """Seconds the host lane (host_lane.py) takes for host keys routed `pairs` (token, expert) pairs, handed over
+        in `calls` lookups: calls × host_call_s + pairs × expert bytes / host_expert_gb_s (0 pairs cost nothing)."""
+        if pairs < 0 or calls < 0:
+            raise ValueError(f"negative host pairs {pairs} or calls {calls}")
+        if not pairs:
+            return 0.0
+        p = self.params
+        if not p.host_expert_gb_s:
+            raise ValueError("host pairs need CostParams.host_expert_gb_s > 0")
+        return calls * p.host_call_s + pairs * self.expert_bytes / (p.host_expert_gb_s * 1e9)
+
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
         copy calls (0 experts cost nothing)."""
@@ -408,9 +443,10 @@ class StepBreakdown:
     fixed_s: float  # in-graph fixed + per computed row (step_overhead_s, sequence_overhead_s)
     dense_s: float  # attention/GDN, shared expert, router, lm_head of the computed rows
     expert_s: float  # routed-expert GEMMs (resident and missed experts)
-    copy_s: float  # misses' host->device copies (link busy)
-    exposed_copy_s: float  # part of copy_s not hidden behind resident-expert GEMMs
+    copy_s: float  # misses' host->device copies (link busy); with a host lane the fills' only
+    exposed_copy_s: float  # part of the copies (or of the host lane, where longer) not hidden behind resident GEMMs
     total_s: float
+    host_lane_s: float = 0.0  # host keys computed on the host CPU (ADR 0030), beside the copies
 
     @property
     def graph_s(self) -> float:
@@ -429,15 +465,19 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     """Closed-form time of one decode step of `rows` real rows at `context` KV positions each.
 
     distinct_per_layer: expected distinct routed experts one layer looks up for the real rows (<= E);
-    misses_per_step: expert rows copied in the step (over all layers), spread evenly over
-    `layers_with_misses` layers (default: every layer when there are misses). The expert GEMMs read
+    misses_per_step: non-resident experts looked up in the step (over all layers), spread evenly over
+    `layers_with_misses` layers (default: every layer when there are misses); all are copied unless the host lane
+    (CostParams.host_permille, host_lane.py) computes its share of each layer's misses on the host, beside the
+    copies. The expert GEMMs read
     each distinct expert once, or, where the model reads per pair (CostModel.reads_per_pair of the
     rows x top-k pairs), every routed pair's expert: then rows in lockstep (distinct_per_layer ~ top-k)
     share the misses but not the compute (with pair_reread_s, a distinct expert's pairs after its first cost that
     each: they re-read it from L2). The padded rows of
     the graph bucket pay dense compute and lm_head and skip the experts (no misses). Per layer:
     pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs) + the call's fixed part (expert_call), summed
-    over layers (never a per-step max of compute and copy). ValueError on counts out of range.
+    over layers (never a per-step max of compute and copy); with a host lane the copy there is max(the fills' copy,
+    the host keys' host_compute), the miss GEMMs are the fills', and a layer is costed at the whole miss counts around
+    its average (host_lane.miss_points). ValueError on counts out of range.
     """
     spec = model.spec
     if rows < 1 or context < 1:
@@ -456,25 +496,37 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     routed = rows * spec.top_k
     miss_l = misses_per_step / layers
     hit_l = distinct_per_layer - miss_l
-    copy_l = model.transfer(miss_l, layers_with_misses / layers) if misses_per_step else 0.0
     share = miss_l / distinct_per_layer if distinct_per_layer else 0.0
     # NOTE: per pair, a distinct expert is read once per pair routed to it (routed / distinct on average);
-    # the copies above stay per distinct miss.
+    # the copies below stay per distinct miss.
     per_pair = model.reads_per_pair(routed)
-    reads_hit, reads_miss = (routed * (1 - share), routed * share) if per_pair else (hit_l, miss_l)
-    reread_hit = reread_miss = 0.0
-    if per_pair and model.params.pair_reread_s:  # NOTE: each distinct expert's first pair reads it, the rest re-read
-        reads_hit, reads_miss = hit_l, miss_l
-        again = max(0.0, routed - distinct_per_layer)
-        reread_hit, reread_miss = again * (1 - share), again * share
-    hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair, reread_hit)
-    miss_gemm = model.expert_read(reads_miss, routed * share, per_pair, reread_miss)
+    rereads = per_pair and bool(model.params.pair_reread_s)  # each distinct expert's first pair reads it, the rest
+    again = max(0.0, routed - distinct_per_layer)  # re-read it from L2
+    reads_hit = routed * (1 - share) if per_pair and not rereads else hit_l
+    hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair, again * (1 - share) if rereads else 0.0)
     call = model.expert_call(routed)  # the layer call's fixed part (pair_call_s), after its copies as in SimExecutor
+    # NOTE: the host lane (host_lane.py) takes the last host_key_count(m, host_permille) of a layer's m misses off the link
+    # and the GPU, so a layer is costed at whole miss counts (miss_points); off, at the average itself, as before.
+    permille = model.params.host_permille
+    phase = copy_l = gemms = lane = 0.0
+    for weight, misses in miss_points(miss_l, permille):
+        on_host = host_key_count(misses, permille) if permille else 0
+        fill = misses - on_host
+        fill_share = fill / distinct_per_layer if distinct_per_layer else 0.0
+        reads_miss = routed * fill_share if per_pair and not rereads else fill
+        miss_gemm = model.expert_read(reads_miss, routed * fill_share, per_pair, again * fill_share if rereads else 0.0)
+        copy_w = model.transfer(fill, layers_with_misses / layers) if misses_per_step else 0.0
+        # the host reads each host key once per pair routed to it, as the GPU's per-pair GEMVs would
+        host_w = model.host_compute(routed * on_host / distinct_per_layer) if on_host else 0.0
+        phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call)
+        copy_l += weight * copy_w
+        gemms += weight * (hit_gemm + miss_gemm + call)
+        lane += weight * host_w
     dense = sum(model.layer_pre_expert(layer, loads) for layer in range(layers)) + model.head(padded)
-    expert_phase = layers * (model.layer_expert_time(copy_l, hit_gemm, miss_gemm) + call)
+    expert_phase = layers * phase
     copy = layers * copy_l
-    expert = layers * (hit_gemm + miss_gemm + call)
+    expert = layers * gemms
     host = model.host_overhead(rows, via_server)
     fixed = model.step_overhead(padded)
     total = host + fixed + dense + expert_phase
-    return StepBreakdown(rows, padded, host, fixed, dense, expert, copy, expert_phase - expert, total)
+    return StepBreakdown(rows, padded, host, fixed, dense, expert, copy, expert_phase - expert, total, layers * lane)

@@ -1,5 +1,6 @@
-"""The simulated serving host: simpy resources for the GPU compute stream and the PCIe copy
-engine, each recording time-weighted utilisation and how long requests waited for it."""
+"""The simulated serving host: simpy resources for the GPU compute stream, the PCIe copy engine and
+the host CPU's expert lane (ADR 0030), each recording time-weighted utilisation and how long requests
+waited for it."""
 
 from __future__ import annotations
 
@@ -63,21 +64,24 @@ class HostSnapshot:
     time: float
     gpu_busy: float
     pcie_busy: float
+    cpu_busy: float = 0.0  # the host lane (0 where a host has none, e.g. expert_parallel's)
 
 
 class SimHost:
-    """One GPU host: compute stream + host->device copy engine on one simpy clock."""
+    """One GPU host: compute stream + host->device copy engine + the host CPU's expert lane (the
+    host keys of a lookup, CostParams.host_permille; idle otherwise) on one simpy clock."""
 
     def __init__(self, env: simpy.Environment | None = None) -> None:
         self.env = env or simpy.Environment()
         self.gpu = TimedResource(self.env, "gpu")
         self.pcie = TimedResource(self.env, "pcie")
+        self.cpu = TimedResource(self.env, "cpu")
 
     def now(self) -> float:  # domain.ports.Clock
         return float(self.env.now)
 
     def snapshot(self) -> HostSnapshot:
-        return HostSnapshot(self.now(), self.gpu.busy_at(), self.pcie.busy_at())
+        return HostSnapshot(self.now(), self.gpu.busy_at(), self.pcie.busy_at(), self.cpu.busy_at())
 
     @staticmethod
     def utilisation(start: HostSnapshot, end: HostSnapshot) -> tuple[float, float]:
@@ -87,6 +91,12 @@ class SimHost:
             return 0.0, 0.0
         return (end.gpu_busy - start.gpu_busy) / span, (end.pcie_busy - start.pcie_busy) / span
 
+    @staticmethod
+    def cpu_utilisation(start: HostSnapshot, end: HostSnapshot) -> float:
+        """The host lane's time-weighted utilisation between two snapshots."""
+        span = end.time - start.time
+        return (end.cpu_busy - start.cpu_busy) / span if span > 0 else 0.0
+
     def advance_to(self, time: float) -> None:
         if time > self.env.now:
             self.env.run(until=time)
@@ -94,3 +104,4 @@ class SimHost:
     def check_valid(self) -> None:
         self.gpu.check_valid()
         self.pcie.check_valid()
+        self.cpu.check_valid()

@@ -258,6 +258,10 @@ class RunStats:
     cached_prompt_tokens: int = 0
     steady_tok_s: list[float] = field(default_factory=list)  # per measured request with > 1 token (SPEC.md)
     working_set: int = 0  # distinct (layer, expert) keys the measured window's steps routed to
+    # the host lane (ADR 0030): misses computed on the host, their routed pairs, and the lane's utilisation
+    host_experts: int = 0
+    host_pairs: int = 0
+    cpu_utilisation: float = 0.0
 
 
 def plan_deployment(spec: ModelSpec, hardware: HardwareProfile, deployment: Deployment, kv_tokens: int, *,
@@ -383,12 +387,14 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
                 if len(req.output_token_ids) > 1 and done[req.request_id] > first_token[req.request_id]:
                     steady.append((len(req.output_token_ids) - 1) / (done[req.request_id] - first_token[req.request_id]))
     c = executor.counters.minus(start_counters)
-    gpu_util, pcie_util = SimHost.utilisation(start_snapshot, host.snapshot())
+    end_snapshot = host.snapshot()
+    gpu_util, pcie_util = SimHost.utilisation(start_snapshot, end_snapshot)
     stats = RunStats(window_seconds, output_tokens, per_request, ttfts, c.expert_hits, c.expert_misses,
                      c.bytes_moved, gpu_util, pcie_util, c.steps, c.sequence_steps, finished, added,
                      streamed_steps=c.streamed_steps, streamed_not_resident=c.streamed_not_resident,
                      streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens, steady_tok_s=steady,
-                     working_set=len(executor.routed_keys))
+                     working_set=len(executor.routed_keys), host_experts=c.host_experts, host_pairs=c.host_pairs,
+                     cpu_utilisation=SimHost.cpu_utilisation(start_snapshot, end_snapshot))
     if workload.ttft_prompt_tokens:
         probe = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
         if isinstance(probe, str):
@@ -504,4 +510,18 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
             "experts_staged": stats.streamed_staged}
     if prefix_cache:
         result.extra["window"]["cached_prompt_tokens"] = stats.cached_prompt_tokens
+    if cost.host_permille:
+        result.extra["host_lane"] = host_lane_summary(cost, stats, spec.expert_bytes())
     return result
+
+
+def host_lane_summary(cost: CostParams, stats: RunStats, expert_bytes: int) -> dict:
+    """The host lane of a point (ADR 0030; only where on): its settings and what the measured window did with them:
+    misses computed on the host, their share of the misses, the bytes the link copied and the host read a token
+    (once per routed pair), and the host lane's utilisation."""
+    tokens = max(1, stats.output_tokens)
+    return {"mode": "host experts (ADR 0030)", "host_expert_gb_s": cost.host_expert_gb_s,
+            "host_permille": cost.host_permille, "host_call_s": cost.host_call_s, "host_experts": stats.host_experts,
+            "host_share_of_misses": stats.host_experts / stats.misses if stats.misses else 0.0,
+            "copied_bytes_per_token": stats.bytes_moved / tokens,
+            "host_bytes_per_token": stats.host_pairs * expert_bytes / tokens, "cpu_utilisation": stats.cpu_utilisation}

@@ -72,6 +72,14 @@ per token of its longest chunk, each costed as a decode-only step of its rows (h
 lookups and copies through the residency, lm_head over the bucket); server_step_s once for the step. It never pays the
 short step's eager mixers. 0 (the default here): every such step is an uncaptured one, as before. predict and mixed
 pass `Deployment.short_prompt_replays` resolved (short_prompts.resolve: auto, the server's default, is 8).
+
+The host lane (CostParams.host_permille, host_expert_gb_s, host_call_s; ADR 0030, simulator/host_lane.py): a decode
+graph's lookups (decode-only steps, replays, a layered step's decode rows; never an uncaptured pass) pass the share to
+ExpertResidency.lookup, whose host keys take no slot and are not copied. Their work runs on the host's `cpu` lane
+(host_call_s + their pairs x expert bytes / host_expert_gb_s) beside the link's copies of the fills; the GPU computes
+the hits as before (overlap_copy_compute included), then waits for both lanes before the fills' GEMMs. The host keys'
+GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than its keys) pays host_call_s per
+group with host keys.
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ class ExecutorCounters:
     decode_tokens: int = 0
     expert_hits: int = 0
     expert_misses: int = 0
-    bytes_moved: int = 0  # misses' copies (expert_misses x expert bytes)
+    bytes_moved: int = 0  # misses' copies ((expert_misses - host_experts) x expert bytes)
     # streamed prefill (outside the residency): steps, routed (layer, expert)s not resident, rows copied
     streamed_steps: int = 0
     streamed_not_resident: int = 0
@@ -108,6 +116,10 @@ class ExecutorCounters:
     # short prompts as decode replays: steps run so, and the replays they took
     replayed_steps: int = 0
     replays: int = 0
+    # the host lane (ADR 0030): misses computed on the host (counted in expert_misses too, never in bytes_moved) and
+    # the (token, expert) pairs routed to them (the host reads an expert's bytes once per pair)
+    host_experts: int = 0
+    host_pairs: int = 0
 
     def minus(self, other: ExecutorCounters) -> ExecutorCounters:
         return ExecutorCounters(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
@@ -271,7 +283,7 @@ class SimExecutor:
         # a short uncaptured step launches its token mixers from Python, layer by layer (module docstring)
         launch = cost.params.eager_mixer_layer_s if not graph and cost.short_step(pairs) else 0.0
         yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run,
-                                     launch)
+                                     launch, cost.params.host_permille if graph else 0)
 
     def _replay_step(self, batch: StepBatch, replays: list[list[SequenceWork]]):
         """A step of short chunks as decode replays (module docstring): each replay a decode-only step of its rows."""
@@ -293,7 +305,8 @@ class SimExecutor:
             loads = [SequenceLoad(1, w.end_position) for w in rows] + [SequenceLoad(1, 1)] * padding
             weighted = list(routes.values())
             yield from self._lookup_pass([(layer, loads, weighted) for layer in range(cost.spec.num_layers)],
-                                         cost.step_overhead(len(rows) + padding), len(rows) + padding)
+                                         cost.step_overhead(len(rows) + padding), len(rows) + padding,
+                                         host_permille=cost.params.host_permille)
 
     def _count(self, batch: StepBatch) -> None:
         c = self.counters
@@ -337,7 +350,8 @@ class SimExecutor:
             loads = [SequenceLoad(1, w.end_position) for w in graph] + [SequenceLoad(1, 1)] * padding
             weighted = list(routes.values())
             yield from self._lookup_pass([(layer, loads, weighted) for layer in range(num_layers)], pending,
-                                         len(graph) + padding)  # every graph row runs the head, padded ones too
+                                         len(graph) + padding,  # every graph row runs the head, padded ones too
+                                         host_permille=cost.params.host_permille)
             pending = 0.0
         ranged = []  # (first, end, load, work): the layers each eager row computes
         for w in eager:
@@ -363,12 +377,13 @@ class SimExecutor:
             yield from self._lookup_pass(segment, pending, samples, run)
 
     def _lookup_pass(self, segment, pending: float, head_rows: int, cost: CostModel | None = None,
-                     launch_s: float = 0.0):
+                     launch_s: float = 0.0, host_permille: int = 0):
         """Layers through the residency: segment = [(layer, loads, weighted routes)] in layer order; `pending` GPU
         time queued before the first layer; the head over `head_rows` rows after the last. `cost`: the model of
         the pass's kernels (the eager one for a long uncaptured pass; default self.cost). `launch_s`: host time a
         layer's launches take (a short step's eager token mixers): the k-th layer's GPU work starts no earlier than
-        k x launch_s after the pass opens, the GPU idling until then."""
+        k x launch_s after the pass opens, the GPU idling until then. `host_permille`: the host lane's share of each
+        lookup's misses (a decode graph's pass: CostParams.host_permille; 0 elsewhere)."""
         host, residency = self.host, self.residency
         cost = cost or self.cost
         opened = host.env.now
@@ -393,7 +408,7 @@ class SimExecutor:
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
-                                                        per_pair, cost)
+                                                        per_pair, cost, host_permille)
             pending += cost.expert_call(pairs)  # once a layer call, after its copies (CostParams.pair_call_s)
         pending += cost.head(head_rows)
         yield from host.gpu.use(pending)
@@ -471,30 +486,38 @@ class SimExecutor:
             copied[k].succeed()
 
     def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float, per_pair: bool = False,
-                      cost: CostModel | None = None):
-        """Looks the group up, copies its misses (once per distinct expert) and queues its GEMMs (weights
-        read per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
+                      cost: CostModel | None = None, host_permille: int = 0):
+        """Looks the group up, copies its fills (once per distinct expert) and, with `host_permille`, computes its
+        host keys on the host lane beside the copies (module docstring), then queues the GPU's GEMMs (weights read
+        per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
         host, residency, c = self.host, self.residency, self.counters
         cost = cost or self.cost
-        lookup = residency.lookup(keys)
-        misses = len(lookup.fills)
+        lookup = residency.lookup(keys, host_permille=host_permille)
+        misses, on_host = len(lookup.fills), len(lookup.host)
+        host_pairs = sum(tokens_per_expert[e] for _, e in lookup.host)
         c.expert_hits += len(lookup.hits)
-        c.expert_misses += misses
+        c.expert_misses += misses + on_host
         c.bytes_moved += misses * cost.expert_bytes
+        c.host_experts += on_host
+        c.host_pairs += host_pairs
         hit_tokens = [tokens_per_expert[e] for _, e in lookup.hits]
         miss_tokens = [tokens_per_expert[e] for (_, e), _slot in lookup.fills]
-        if not misses:
+        if not misses and not on_host:
             residency.release()
             return pending + cost.expert_gemms(hit_tokens, per_pair)
-        # The router's output is needed before the copies can start: flush the GPU up to here.
+        # The router's output is needed before the copies (and the host's work) can start: flush the GPU up to here.
         yield from host.gpu.use(pending)
-        copies = host.env.process(host.pcie.use(cost.transfer(misses)))
+        lanes = [host.env.process(host.pcie.use(cost.transfer(misses)))] if misses else []
+        if on_host:
+            lanes.append(host.env.process(host.cpu.use(cost.host_compute(host_pairs))))
+        # NOTE: one lane is waited on as itself, as before the host lane: the same events, the same timeline
+        done = lanes[0] if len(lanes) == 1 else host.env.all_of(lanes)
         if cost.params.overlap_copy_compute:
             yield from host.gpu.use(cost.expert_gemms(hit_tokens, per_pair))
-            yield copies
+            yield done
             gemms = cost.expert_gemms(miss_tokens, per_pair)
         else:
-            yield copies
+            yield done
             gemms = cost.expert_gemms(hit_tokens + miss_tokens, per_pair)
         # NOTE: this group holds the only pins, so release-all equals release(keys) without
         # validating every key again. The GEMMs are queued; nothing looks up before they run.
@@ -505,10 +528,14 @@ class SimExecutor:
         self.residency.check_valid()
         self.host.check_valid()
         c = self.counters
-        assert c.bytes_moved == c.expert_misses * self.cost.expert_bytes, "bytes moved != misses x expert bytes"
-        assert (c.expert_hits, c.expert_misses) == (self.residency.hits, self.residency.misses), (
-            "executor and residency disagree on hits/misses"
+        # NOTE: host keys are misses that are never copied (ADR 0030)
+        assert c.bytes_moved == (c.expert_misses - c.host_experts) * self.cost.expert_bytes, (
+            "bytes moved != (misses - host experts) x expert bytes")
+        assert (c.expert_hits, c.expert_misses, c.host_experts) == (
+            self.residency.hits, self.residency.misses, self.residency.host_computed), (
+            "executor and residency disagree on hits/misses/host experts"
         )
+        assert c.host_experts <= c.host_pairs, "a host expert without a routed pair"
 
 
 def _is_decode_row(work: SequenceWork) -> bool:

@@ -26,6 +26,10 @@ def _notes(r: PointResult) -> str:
         notes.append(f"{r.extra['queued']} of {r.batch} requests queue (max running {r.state_slots})")
     notes += [f"[yellow]{n}[/yellow]" for n in (*r.extra.get("plan_notes", ()), r.extra.get("warning"),
                                                   r.extra.get("ttft_prompt_reason")) if n]
+    lane = r.extra.get("host_lane")
+    if lane:
+        notes.append(f"host lane: {lane['host_experts']:,} misses ({lane['host_share_of_misses']:.0%}) computed on the "
+                     f"host, host CPU busy {lane['cpu_utilisation']:.0%}")
     working_set = r.extra.get("working_set")
     if working_set and r.expert_slots >= working_set:
         notes.append(f"the pool holds the window's whole working set ({working_set:,} experts): its misses are "

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.residency import ExpertResidency, Lookup, ResidencyExhausted
+from domain.residency import ExpertResidency, Lookup, ResidencyExhausted, host_key_count
 from tests.contracts.residency_contract import residency_contract_machine, run_residency_contract
 
 
@@ -172,11 +172,17 @@ def test_host_share_takes_the_last_misses_which_get_no_slot():
     res.check_valid()
 
 
-def test_host_share_rounds_down_and_evicts_only_for_fills():
+@pytest.mark.parametrize("misses,permille,host", [(4, 423, 2), (3, 423, 1), (3, 155, 0), (4, 125, 1), (3, 500, 2),
+                                                  (0, 1000, 0), (7, 0, 0), (7, 1000, 7), (1, 499, 0), (1, 500, 1)])
+def test_host_key_count_rounds_half_up(misses, permille, host):
+    assert host_key_count(misses, permille) == host
+
+
+def test_host_share_rounds_and_evicts_only_for_fills():
     res = ExpertResidency(2)
     res.lookup([(0, 0), (0, 1)])
     res.release()
-    got = res.lookup([(1, 0), (1, 1), (1, 2)], host_permille=400)  # 3 x 400 // 1000 = 1 host key
+    got = res.lookup([(1, 0), (1, 1), (1, 2)], host_permille=400)  # 3 x 0.4 = 1.2: 1 host key
     assert got.host == ((1, 2),) and got.evicted == ((0, 0), (0, 1))
     res.release()
     every = res.lookup([(2, 0), (2, 1)], host_permille=1000)  # all misses on the host: the pool is untouched
@@ -207,7 +213,7 @@ def test_a_host_lookup_decides_the_slots_as_a_plain_lookup_without_its_host_keys
         host = set(got.host)
         assert not host & {k for k, _ in got.fills} and not host & set(got.hits)
         assert all(shared.slot_of(k) is None for k in host)
-        assert len(host) == (len(host) + len(got.fills)) * permille // 1000
+        assert len(host) == host_key_count(len(host) + len(got.fills), permille)
         ref = plain.lookup([k for k in keys if k not in host])
         assert (got.hits, got.fills, got.evicted) == (ref.hits, ref.fills, ref.evicted)
         assert [s for k, s in zip(keys, got.slots, strict=True) if k not in host] == list(ref.slots)

@@ -1,0 +1,71 @@
+"""The host lane (docs/adr/0030-host-expert-compute.md, the customer's "hybrid" mode): a share of each decode lookup's
+misses is computed on the host CPU while the PCIe link copies the rest.
+
+The split is the domain's (ExpertResidency.lookup(keys, host_permille=p)): of a lookup's m distinct misses the last
+host_key_count(m, p) (m × p / 1000 rounded half up) are host keys; they take no slot and are never copied. The host reads each host key's expert bytes
+once per (token, expert) pair at CostParams.host_expert_gb_s, after a fixed round trip (host_call_s) per lookup with
+any host keys (the GPU hands the layer's rows to the host and waits for its partial sum). The GPU runs only the GEMMs
+of its hits and fills, after both lanes.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def balanced_host_permille(host_gb_s: float, link_gb_s: float) -> int:
+    """The share of misses (per mille) at which both lanes finish together: round(1000 × host / (host + link)), both
+    in GB/s of expert bytes. It ignores the fixed costs (host_call_s, a copy's latency) and that a lookup sends whole
+    keys (m × p / 1000 rounded), so at a few misses a lookup the split is lumpy: more or fewer keys than the share."""
+    for name, value in (("host_gb_s", host_gb_s), ("link_gb_s", link_gb_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0 (GB/s), got {value!r}")
+    return round(1000 * host_gb_s / (host_gb_s + link_gb_s))
+
+
+def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
+    """(weight, misses) points a layer with `misses` misses on average is costed at (decode_step). Without a host share,
+    the average itself. With one, whole counts, since a lookup sends host_key_count(m, permille) of its m misses to
+    the host and a layer takes the longer of its two lanes: the two integers around the average, weighted by nearness (the
+    least spread an average allows; one point where it is whole). Where a layer's misses spread wider (bs1 on uniform
+    routing: 0 to 8), the simulated executor, which looks each layer up, is the one to trust."""
+    if misses < 0:
+        raise ValueError(f"negative misses {misses}")
+    if not permille:
+        return [(1.0, misses)]
+    low = math.floor(misses)
+    upper = misses - low  # weight of low + 1
+    return [(1.0, low)] if not upper else [(1 - upper, low), (upper, low + 1)]
+
+
+def check_host_params(params) -> None:
+    """CostParams' host fields (ValueError): host_expert_gb_s a finite number >= 0 (0: no host lane), host_permille an
+    integer in 0..1000, host_call_s >= 0; a host share needs a host rate."""
+    name = type(params).__name__
+    rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < math.inf:
+        raise ValueError(f"{name}.host_expert_gb_s must be a finite number >= 0 (GB/s of expert bytes; 0: off), "
+                         f"got {rate!r}")
+    if isinstance(permille, bool) or not isinstance(permille, int) or not 0 <= permille <= 1000:
+        raise ValueError(f"{name}.host_permille must be an integer in 0..1000 (the share of each lookup's misses "
+                         f"computed on the host), got {permille!r}")
+    if isinstance(call, bool) or not isinstance(call, int | float) or not 0 <= call < math.inf:
+        raise ValueError(f"{name}.host_call_s must be a finite number >= 0 (seconds a lookup with host keys), "
+                         f"got {call!r}")
+    if permille and not rate:
+        raise ValueError(f"{name}.host_permille = {permille} needs host_expert_gb_s > 0 (the host's rate)")
+
+
+def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str | None):
+    """`cost` (CostParams) with predict's --host-experts-gb-s and --host-permille N|auto: auto (also the default
+    when only a rate is given) is balanced_host_permille of the host rate and the link's, the profile's pinned
+    host->device bandwidth at the calibration's h2d_efficiency. Neither given: `cost` itself. ValueError for a share
+    without a rate (CostParams' own check)."""
+    if host_gb_s is None and permille is None:
+        return cost
+    rate = cost.host_expert_gb_s if host_gb_s is None else host_gb_s
+    if permille is None or permille == "auto":
+        if not rate:
+            raise ValueError("--host-permille auto needs --host-experts-gb-s (the host's rate in GB/s)")
+        permille = balanced_host_permille(rate, hardware.h2d_bytes_per_s * cost.h2d_efficiency / 1e9)
+    return cost.replace(host_expert_gb_s=float(rate), host_permille=permille)
