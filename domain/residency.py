@@ -43,7 +43,10 @@ def _check_key(key: object) -> ExpertKey:
 def host_key_count(misses: int, host_permille: int) -> int:
     """How many of a lookup's `misses` distinct misses are computed on the host at `host_permille` (ADR 0030):
     m × p / 1000 rounded half up, in integers so a device kernel computes the same count. Rounded, not floored:
-    a decode layer has only ~4 misses, and a floor would send none of them to the host below 250 ‰."""
+    a decode layer has only ~4 misses, and a floor would send none of them to the host below 250 ‰.
+    Raises ValueError for a host_permille that is not an int in 0..1000."""
+    if not isinstance(host_permille, int) or isinstance(host_permille, bool) or not 0 <= host_permille <= 1000:
+        raise ValueError(f"host_permille must be an int in 0..1000, got {host_permille!r}")
     return (misses * host_permille + 500) // 1000
 
 
@@ -123,8 +126,6 @@ class ExpertResidency:
 
     def _host_split(self, distinct: list[ExpertKey], host_permille: int) -> tuple[list[ExpertKey], list[ExpertKey]]:
         """(the distinct misses in request order, the last host_key_count of them)."""
-        if not isinstance(host_permille, int) or isinstance(host_permille, bool) or not 0 <= host_permille <= 1000:
-            raise ValueError(f"host_permille must be an int in 0..1000, got {host_permille!r}")
         missing = [k for k in distinct if k not in self._lru]
         return missing, missing[len(missing) - host_key_count(len(missing), host_permille):]
 

@@ -30,7 +30,7 @@ from adapters.kernels.residency_set_fills import set_fills
 from adapters.kernels.residency_set_hits import MAX_EXPERTS as SET_MAX_EXPERTS
 from adapters.kernels.residency_set_hits import set_hits
 from adapters.kernels.residency_settle_hits import settle_hits
-from domain.residency import Lookup, ResidencyExhausted
+from domain.residency import Lookup, ResidencyExhausted, host_key_count
 
 NO_KEY = -1
 _NEVER = torch.iinfo(torch.int64).max  # stamp of a slot that can not be a victim in this lookup
@@ -44,12 +44,15 @@ class DeviceLookup:
     fill_keys: int64 [n], flat keys to copy from the host bank, in request order, then -1
     fill_slots: int64 [n], the slot each fill_keys entry goes to (-1 where fill_keys is -1)
     evicted: int64 [n], flat keys that lost their slot, in eviction order, then -1
+    host_keys: int64 [n], flat keys computed on the host (ADR 0030), in request order, then -1; None when
+        the lookup had no host share
     """
 
     slots: torch.Tensor
     fill_keys: torch.Tensor
     fill_slots: torch.Tensor
     evicted: torch.Tensor
+    host_keys: torch.Tensor | None = None
 
 
 class DeviceResidency:
@@ -78,6 +81,7 @@ class DeviceResidency:
             self.owner = torch.cat((owner.to(torch.int32), torch.full((1,), -1, dtype=torch.int32))).to(self.device)
         # cumulative counters live on the device (one host read when someone asks)
         self._counters = torch.zeros(3, dtype=torch.int64, device=self.device)  # hits, misses, evictions
+        self._host_computed = torch.zeros((), dtype=torch.int64, device=self.device)  # host keys (ADR 0030)
         self._reset(num_slots)
 
     def _reset(self, num_slots: int) -> None:
@@ -97,21 +101,25 @@ class DeviceResidency:
         self._presence: torch.Tensor | None = None
 
     # ---- the device-side lookup ------------------------------------------------------------------------
-    def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True, presorted: bool = False) -> DeviceLookup:
+    def lookup_flat(self, flat_keys: torch.Tensor, pin: bool = True, presorted: bool = False,
+                    host_permille: int = 0) -> DeviceLookup:
         """Look up flat keys [n] (int, -1 = padding) in request order, entirely with tensor ops.
 
         The caller guarantees the lookup fits (`can_lookup`); inside a captured graph nothing can be
         refused, so the decode step sizes its batch buckets so that it always does (S >= n, no pins
         held by others). pin=False skips pinning (a lookup released before the next one). presorted: the
         caller guarantees equal keys are adjacent (e.g. sorted ascending, padding anywhere as one run), so
-        request order within each run is the given order and the lookup skips its own sort.
+        request order within each run is the given order and the lookup skips its own sort. host_permille:
+        the last domain.residency.host_key_count of the misses (request order) are host keys (ADR 0030): no
+        slot, no victim, no pin, slot -1, listed in `host_keys`; the count is computed on the device.
         """
+        host_key_count(0, host_permille)  # refuses a bad share before anything changes
         keys = flat_keys.to(device=self.device, dtype=torch.int64).reshape(-1)  # [n]
         n, sink_key, sink_slot = keys.shape[0], self.slot_of_key.shape[0] - 1, self.num_slots
         keys = self.owned_only(keys)
         if n == 0:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
-            return DeviceLookup(empty, empty, empty, empty)
+            return DeviceLookup(empty, empty, empty, empty, empty if host_permille else None)
         valid = keys >= 0  # [n]
         # first occurrence of each key in request order (duplicates collapse like dict.fromkeys): a stable
         # sort puts equal keys together, earliest first; O(n log n), so prefill-sized lookups stay cheap
@@ -130,6 +138,16 @@ class DeviceResidency:
         slot_before = self.slot_of_key[safe]  # [n]
         hit = distinct & (slot_before >= 0)  # [n]
         miss = distinct & (slot_before < 0)  # [n]
+        missed = miss  # [n] every miss, host keys included (the counters count them all)
+        miss_rank = torch.cumsum(miss.to(torch.int64), 0) - 1  # [n]
+        host = None
+        if host_permille:
+            # NOTE: host keys are the last misses in request order, so the fills keep their miss ranks
+            # (0, 1, ...) and take the same victims a lookup without the host keys would. The count is
+            # domain.residency.host_key_count as tensor arithmetic (no host read inside a graph)
+            n_miss = miss.sum()
+            host = miss & (miss_rank >= n_miss - (n_miss * host_permille + 500) // 1000)  # [n]
+            miss = miss & ~host
         # victims: smallest stamps among slots not pinned and not holding a requested key
         blocked = self.pinned.clone()  # [S + 1]
         blocked.index_fill_(0, torch.where(hit, slot_before, sink_slot), True)
@@ -138,7 +156,6 @@ class DeviceResidency:
         k = min(n, self.num_slots)
         victims = torch.topk(candidates, k, largest=False, sorted=True).indices if k else candidates[:0]  # [k]
         victims = torch.cat((victims, torch.full((n - k,), sink_slot, dtype=torch.int64, device=self.device)))
-        miss_rank = torch.cumsum(miss.to(torch.int64), 0) - 1  # [n]
         fill_slot = torch.where(miss, victims[miss_rank.clamp(min=0)], sink_slot)  # [n]
         old_key = self.key_of_slot[fill_slot]  # [n] key evicted by each fill (-1: the slot was empty)
         evicting = miss & (old_key >= 0)  # [n]
@@ -148,7 +165,8 @@ class DeviceResidency:
         self.key_of_slot[fill_slot] = torch.where(miss, safe, NO_KEY)
         slot_after = torch.where(valid, self.slot_of_key[safe], -1)  # [n]
         distinct_rank = torch.cumsum(distinct.to(torch.int64), 0) - 1  # [n]
-        touched = torch.where(distinct, slot_after, sink_slot)  # [n]
+        # a host key's slot_after is -1: it touches the sink, like padding
+        touched = torch.where(distinct & (slot_after >= 0), slot_after, sink_slot)  # [n]
         self.stamp[touched] = self.clock + distinct_rank
         fill_sink(self.stamp, 0)
         fill_sink(self.key_of_slot, NO_KEY)
@@ -156,14 +174,20 @@ class DeviceResidency:
         if pin:
             self.pinned.index_fill_(0, touched, True)
             fill_sink(self.pinned, False)
-        self._counters += torch.stack((hit.sum(), miss.sum(), evicting.sum()))
+        self._counters += torch.stack((hit.sum(), missed.sum(), evicting.sum()))
         fill_order = _compact(miss, n)  # [n] positions of misses first, in request order
         evict_order = _compact(evicting, n)
+        host_keys = None
+        if host is not None:
+            self._host_computed += host.sum()
+            host_order = _compact(host, n)
+            host_keys = torch.where(host[host_order], safe[host_order], -1)
         return DeviceLookup(
             slots=slot_after,
             fill_keys=torch.where(miss[fill_order], safe[fill_order], -1),
             fill_slots=torch.where(miss[fill_order], fill_slot[fill_order], -1),
             evicted=torch.where(evicting[evict_order], old_key[evict_order], -1),
+            host_keys=host_keys,
         )
 
     def preload(self, flat_keys: torch.Tensor) -> DeviceLookup:
@@ -314,28 +338,29 @@ class DeviceResidency:
     def _key(self, flat: int) -> tuple[int, int]:
         return divmod(int(flat), self.num_experts)
 
-    def can_lookup(self, keys) -> bool:
+    def can_lookup(self, keys, host_permille: int = 0) -> bool:
         flat = self._flat(keys).unique()
         if flat.numel() == 0:
             return True
         slots = self.slot_of_key[flat]
         pinned_requested = int((self.pinned[slots.clamp(min=0)] & (slots >= 0)).sum())
         pinned_by_others = int(self.pinned[: self.num_slots].sum()) - pinned_requested
-        return flat.numel() <= self.num_slots - pinned_by_others
+        on_host = host_key_count(int((slots < 0).sum()), host_permille)  # host keys need no slot
+        return flat.numel() - on_host <= self.num_slots - pinned_by_others
 
-    def lookup(self, keys) -> Lookup:
+    def lookup(self, keys, host_permille: int = 0) -> Lookup:
         keys = list(keys)
         if self.owner is not None:
             flat = self._flat(keys)
             foreign = [k for k, o in zip(keys, self.owner[flat].tolist(), strict=True) if o != self.rank]
             if foreign:
                 raise ValueError(f"rank {self.rank}: expert keys {foreign} belong to other ranks")
-        if not self.can_lookup(keys):
+        if not self.can_lookup(keys, host_permille):
             raise ResidencyExhausted(f"lookup of {len(set(keys))} distinct experts cannot fit in "
                                      f"{self.num_slots} slots with {int(self.pinned.sum())} pinned")
         flat = self._flat(keys)
         slot_before = self.slot_of_key[flat].tolist() if flat.numel() else []
-        found = self.lookup_flat(flat)
+        found = self.lookup_flat(flat, host_permille=host_permille)
         seen: set[int] = set()
         hits = []
         for f, s in zip(flat.tolist(), slot_before, strict=True):
@@ -344,8 +369,9 @@ class DeviceResidency:
             seen.add(f)
         fills = [(self._key(k), s) for k, s in zip(found.fill_keys.tolist(), found.fill_slots.tolist(), strict=True)
                  if k >= 0]
+        host = () if found.host_keys is None else tuple(self._key(k) for k in found.host_keys.tolist() if k >= 0)
         return Lookup(slots=tuple(found.slots.tolist()), hits=tuple(hits), fills=tuple(fills),
-                      evicted=tuple(self._key(k) for k in found.evicted.tolist() if k >= 0))
+                      evicted=tuple(self._key(k) for k in found.evicted.tolist() if k >= 0), host=host)
 
     def release(self, keys=None) -> None:
         if keys is None:
@@ -390,6 +416,11 @@ class DeviceResidency:
         return int(self._counters[2])
 
     @property
+    def host_computed(self) -> int:
+        """Misses computed on the host (ADR 0030), also counted in `misses`."""
+        return int(self._host_computed)
+
+    @property
     def counters_tensor(self) -> torch.Tensor:
         """int64 [3] on the device: cumulative hits, misses, evictions (to read back with other values)."""
         return self._counters
@@ -423,7 +454,7 @@ class DeviceResidency:
         assert not bool(self.pinned[s]), "the sink slot is pinned"
         assert all(key_of[i] != NO_KEY for i in range(s) if bool(self.pinned[i])), "an empty slot is pinned"
         hits, misses, evictions = self.counters()
-        assert min(hits, misses, evictions) >= 0 and evictions <= misses, "bad counters"
+        assert min(hits, misses, evictions) >= 0 and evictions + self.host_computed <= misses, "bad counters"
         assert self._presence is None or not bool(self._presence.any()), "route_resident keys left unsettled"
 
     def lru_order(self) -> tuple[tuple[int, int], ...]:

@@ -18,7 +18,7 @@ LAYERS, EXPERTS = 3, 5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs in Triton's interpreter on the CPU
 
 TestDeviceResidencyContract = residency_contract_machine(
-    lambda num_slots: DeviceResidency(num_slots, LAYERS, EXPERTS)).TestCase
+    lambda num_slots: DeviceResidency(num_slots, LAYERS, EXPERTS), with_host=True).TestCase
 TestDeviceResidencyContract.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
 
 

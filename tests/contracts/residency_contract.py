@@ -61,8 +61,10 @@ def residency_contract_machine(
     max_experts: int = 5,
     max_slots: int = 6,
     with_resize: bool = True,
+    with_host: bool = False,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine driving ``factory(num_slots)`` and ExpertResidency with the same calls."""
+    """A state machine driving ``factory(num_slots)`` and ExpertResidency with the same calls;
+    ``with_host``: also lookups with a host share (``host_permille``, ADR 0030) and ``host_computed``."""
     all_keys = [(layer, expert) for layer in range(max_layers) for expert in range(max_experts)]
     key = st.sampled_from(all_keys)
     key_lists = st.lists(key, max_size=max_slots + 2)
@@ -73,20 +75,23 @@ def residency_contract_machine(
             self.reference = ExpertResidency(num_slots)
             self.candidate = factory(num_slots)
 
-        def _lookup_both(self, keys: list[tuple[int, int]]) -> None:
-            can = self.reference.can_lookup(keys)
-            assert bool(self.candidate.can_lookup(keys)) == can, f"can_lookup({keys}) disagrees"
+        def _lookup_both(self, keys: list[tuple[int, int]], host_permille: int = 0) -> None:
+            share = {"host_permille": host_permille} if host_permille else {}
+            can = self.reference.can_lookup(keys, **share)
+            assert bool(self.candidate.can_lookup(keys, **share)) == can, f"can_lookup({keys}) disagrees"
             if not can:
                 with pytest.raises(ResidencyExhausted):
-                    self.reference.lookup(keys)
+                    self.reference.lookup(keys, **share)
                 with pytest.raises(Exception):  # noqa: B017 - any clear error is acceptable
-                    self.candidate.lookup(keys)
+                    self.candidate.lookup(keys, **share)
                 return
             order_before = self.reference.lru_order()
             pinned_before = {k for k in all_keys if self.reference.is_pinned(k)}
-            expected = self.reference.lookup(keys)
-            got = self.candidate.lookup(keys)
+            expected = self.reference.lookup(keys, **share)
+            got = self.candidate.lookup(keys, **share)
             assert lookup_decisions(got) == lookup_decisions(expected), f"lookup({keys}) decisions differ"
+            if host_permille:
+                assert tuple(_as_key(k) for k in got.host) == expected.host, f"lookup({keys}) host keys differ"
             self._check_victims(expected.evicted, order_before, pinned_before, set(keys))
 
         @staticmethod
@@ -109,6 +114,11 @@ def residency_contract_machine(
             self.reference.release()
             self.candidate.release()
             self._lookup_both(keys[: self.reference.num_slots])
+
+        @precondition(lambda self: with_host)
+        @rule(keys=key_lists, host_permille=st.integers(0, 1000))
+        def host_lookup(self, keys, host_permille):
+            self._lookup_both(keys, host_permille)
 
         @rule(data=st.data())
         def release_some(self, data):
@@ -144,6 +154,8 @@ def residency_contract_machine(
                 ref.misses,
                 ref.evictions,
             )
+            if with_host:
+                assert int(cand.host_computed) == ref.host_computed, "host_computed differs"
             for k in all_keys:
                 slot = cand.slot_of(k)
                 assert (None if slot is None else int(slot)) == ref.slot_of(k), f"slot_of({k}) differs"

@@ -232,5 +232,5 @@ def test_contract_domain_against_list_shadow():
 
 
 # The domain class against itself: catches hidden shared state and nondeterminism.
-TestContractSelf = residency_contract_machine(ExpertResidency).TestCase
+TestContractSelf = residency_contract_machine(ExpertResidency, with_host=True).TestCase
 TestContractSelf.settings = settings(max_examples=100, stateful_step_count=20, deadline=None)
