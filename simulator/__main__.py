@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lookup's misses on the host CPU at this rate (GB/s of expert weight bytes per routed pair) "
                         "while the link copies the rest (default: off)")
     p.add_argument("--host-permille", type=parse_permille_or_auto, metavar="N|auto",
-                   help="the host lane's share of each lookup's misses, per mille (the last floor(m x N / 1000) of m "
-                        "misses, as the domain's lookup takes them); auto (the default with --host-experts-gb-s): "
+                   help="the host lane's share of each lookup's misses, per mille (the last m x N / 1000 of m misses, "
+                        "rounded, as the domain's lookup takes them); auto (the default with --host-experts-gb-s): "
                         "the balanced share, round(1000 x host / (host + link)) of the profile's host->device rate")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,
