@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import warnings
@@ -40,6 +39,7 @@ import torch  # noqa: E402
 from adapters.checkpoint.expert_layout import ExpertLayout  # noqa: E402
 from adapters.checkpoint.quant import QTensor  # noqa: E402
 from adapters.host_kernels.fp8_block_experts import available, fp8_block_experts  # noqa: E402
+from app.bench.hardware import hardware_profile  # noqa: E402
 from domain.model_spec import WeightFormat  # noqa: E402
 
 HIDDEN, INTER = 2048, 512
@@ -55,6 +55,7 @@ def _fp8_bits_to_bf16(w: torch.Tensor) -> torch.Tensor:
 
 
 def _paths(n: int, built: tuple[bool, str], bank_rows: int) -> dict:
+    """name -> (a timed call, the experts it computes)."""
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(n, 2 * INTER, HIDDEN, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, 2I, H]
     w2 = (torch.randn(n, HIDDEN, INTER, generator=g) * 0.05).to(torch.float8_e4m3fn)  # [N, H, I]
@@ -96,7 +97,8 @@ def _paths(n: int, built: tuple[bool, str], bank_rows: int) -> dict:
 
     # the bit cast must equal torch's cast exactly, or its rate means nothing
     assert torch.equal(_fp8_bits_to_bf16(w13[0]).float() * 2.0 ** 120, w13[0].float())
-    paths = {"fp8_to_bf16": fp8_to_bf16, "fp8_bits": fp8_bits, "bf16": bf16, "int8_dynamic": int8_dynamic}
+    paths = {"fp8_to_bf16": (fp8_to_bf16, n), "fp8_bits": (fp8_bits, n), "bf16": (bf16, n),
+             "int8_dynamic": (int8_dynamic, n)}
     if built[0]:
         layout = ExpertLayout(WeightFormat.FP8_BLOCK, HIDDEN, INTER)
         scales = [torch.ones(-(-r // 128), -(-c // 128)) for r, c in ((INTER, HIDDEN), (INTER, HIDDEN),
@@ -107,9 +109,9 @@ def _paths(n: int, built: tuple[bool, str], bank_rows: int) -> dict:
         # NOTE: the bank is tiled to bank_rows rows and each call takes the next rows, so the weights come from
         # DRAM as a real bank's would, not from a last-level cache that holds 16 experts (48 MiB)
         bank = bank.repeat(-(-bank_rows // n), 1)  # [N', R]
-        paths["compiled"] = _rotating(xf, bank, layout, n)
+        paths["compiled"] = (_rotating(xf, bank, layout, n), n)
         for k in (2, 4):  # one layer's host share at bs1: a call's fixed costs (threads forked twice) show here
-            paths[f"compiled_{k}"] = _rotating(xf, bank, layout, k)
+            paths[f"compiled_{k}"] = (_rotating(xf, bank, layout, k), k)
     return paths
 
 
@@ -153,14 +155,13 @@ def main() -> None:
     build_seconds = round(time.perf_counter() - t, 1)
     paths = _paths(args.experts, built, args.bank_rows)
     record: dict = {"kind": "bench_host_experts", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "cpu": {"model": _cpu_model(), "logical_cores": cores, "machine": platform.machine()},
-                    "torch": torch.__version__, "experts": args.experts, "bank_rows": args.bank_rows, "fp8_expert_bytes": FP8_EXPERT_BYTES,
+                    "hardware": hardware_profile(measure_bandwidth=False), "experts": args.experts,
+                    "bank_rows": args.bank_rows, "fp8_expert_bytes": FP8_EXPERT_BYTES,
                     "compiled_build": {"ok": built[0], "detail": built[1], "seconds": build_seconds}, "results": {}}
     for t in threads:
         torch.set_num_threads(t)
-        for name, fn in paths.items():
-            n = int(name.rsplit("_", 1)[1]) if name.startswith("compiled_") else args.experts
-            sec = _time(fn, args.repeats * (args.experts // n))
+        for name, (fn, n) in paths.items():
+            sec = _time(fn, args.repeats * max(1, args.experts // n))
             rate = n * FP8_EXPERT_BYTES / sec / 1e9
             record["results"][f"{name}@{t}"] = {"ms_per_call": round(sec * 1e3, 4), "experts_per_call": n,
                                                 "ms_per_expert": round(sec * 1e3 / n, 4),
@@ -169,14 +170,6 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_experts.json").write_text(json.dumps(record, indent=1))
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -143,10 +143,10 @@ class DeviceResidency:
         host = None
         if host_permille:
             # NOTE: host keys are the last misses in request order, so the fills keep their miss ranks
-            # (0, 1, ...) and take the same victims a lookup without the host keys would. The count is
-            # domain.residency.host_key_count as tensor arithmetic (no host read inside a graph)
+            # (0, 1, ...) and take the same victims a lookup without the host keys would. The domain's count,
+            # applied to a device scalar: tensor arithmetic, no host read inside a graph
             n_miss = miss.sum()
-            host = miss & (miss_rank >= n_miss - (n_miss * host_permille + 500) // 1000)  # [n]
+            host = miss & (miss_rank >= n_miss - host_key_count(n_miss, host_permille))  # [n]
             miss = miss & ~host
         # victims: smallest stamps among slots not pinned and not holding a requested key
         blocked = self.pinned.clone()  # [S + 1]
