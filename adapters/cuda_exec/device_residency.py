@@ -262,36 +262,51 @@ class DeviceResidency:
         mine = self.owner[torch.where(flat_keys < 0, sink, flat_keys)] == self.rank
         return torch.where(mine, flat_keys, -1)
 
-    def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor, shared_slot: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def lookup_layer(self, layer: int, ids: torch.Tensor, valid: torch.Tensor, shared_slot: int | None = None,
+                     host_permille: int = 0) -> tuple[torch.Tensor, ...]:
         """The decode step's lookup: layer `layer`'s experts ids [T, K] of rows with valid [T] True, in
         ascending expert order, released at once (no pins kept), in one kernel launch.
 
         Returns (fill_keys int64 [T*K], fill_slots int64 [T*K], slot_ids int32 [T, K]): the misses to
         gather (then -1) and every entry's slot (-1 for invalid rows). Needs T*K <= S and no pinned keys.
         shared_slot: slot_ids gets a column K holding it on valid rows (-1 on the others): [T, K+1].
+        host_permille > 0 (ADR 0030; 0, the default, is off): the layer's last host_key_count misses are
+        computed on the host (slot -1, no fill, counted in `host_computed`), and a fourth tensor follows,
+        host_pairs int64 [T*K] (lane t*K + k: the pair's flat key where it is a host pair, else -1).
+        Raises ValueError for a host_permille that is not an int in 0..1000.
         """
+        host_key_count(0, host_permille)  # refuses a bad share before anything is allocated
+        host = host_permille > 0
         t, k = ids.shape
         fill_keys = torch.empty(t * k, dtype=torch.int64, device=self.device)
         fill_slots = torch.empty(t * k, dtype=torch.int64, device=self.device)
         slot_ids = torch.empty((t, k + (shared_slot is not None)), dtype=torch.int32, device=self.device)
+        host_pairs = torch.empty(t * k, dtype=torch.int64, device=self.device) if host else None
         if ids.dtype != torch.int64 or ids.stride(1) != 1:  # the router's ids pass as they are (a [T, K] view)
             ids = ids.contiguous().to(torch.int64)
         layer_lookup(ids, valid, layer * self.num_experts, self.slot_of_key,
                      self.key_of_slot, self.stamp, self.clock, self._counters, fill_keys, fill_slots, slot_ids,
-                     self.num_slots, shared_slot, self.owner, self.rank)
-        return fill_keys, fill_slots, slot_ids
+                     self.num_slots, shared_slot, self.owner, self.rank, host_permille,
+                     self._host_computed if host else None, host_pairs)
+        return (fill_keys, fill_slots, slot_ids) + ((host_pairs,) if host else ())
 
     def route_layer(self, layer: int, logits: torch.Tensor, x: torch.Tensor, top_k: int, renormalize: bool,
-                    gate_weight: torch.Tensor | None, valid: torch.Tensor, shared_slot: int | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    gate_weight: torch.Tensor | None, valid: torch.Tensor, shared_slot: int | None = None,
+                    host_permille: int = 0) -> tuple[torch.Tensor, ...]:
         """The decode step's routing and lookup in one launch (moe_route_lookup): router logits fp32 [T, E]
         -> (weights fp32 [T, K(+1 with gate_weight)], slot_ids int32 [T, K(+1 with shared_slot)],
         fill_keys int64 [T*K], fill_slots int64 [T*K]), making lookup_layer's decisions for the top-k ids.
+        host_permille > 0: lookup_layer's host split, and a fifth tensor follows, host_pairs int64 [T*K]
+        (lane t*K + k: the pair's flat key where it is computed on the host, its weight weights[t, k]).
         Needs moe_route_lookup.fits(T, E, K, S) and no pinned keys."""
-        return moe_route_lookup(logits, x, top_k, renormalize, gate_weight, valid, layer * self.num_experts,
-                                self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
-                                self.num_slots, shared_slot, self.owner, self.rank)
+        host_key_count(0, host_permille)  # refuses a bad share before anything is allocated
+        host = host_permille > 0
+        host_pairs = torch.empty(logits.shape[0] * top_k, dtype=torch.int64, device=self.device) if host else None
+        found = moe_route_lookup(logits, x, top_k, renormalize, gate_weight, valid, layer * self.num_experts,
+                                 self.slot_of_key, self.key_of_slot, self.stamp, self.clock, self._counters,
+                                 self.num_slots, shared_slot, self.owner, self.rank, host_permille,
+                                 self._host_computed if host else None, host_pairs)
+        return found + ((host_pairs,) if host else ())
 
     def route_resident(self, layer: int, logits: torch.Tensor, x: torch.Tensor, router: torch.Tensor, top_k: int,
                        renormalize: bool, gate_weight: torch.Tensor | None, valid: torch.Tensor,

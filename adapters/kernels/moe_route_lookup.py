@@ -13,7 +13,9 @@ MoE layer less, and the ids never leave registers, which pays only for small til
 this kernel up to T*E <= FUSED_MAX_TILE (`pays`, measured: see the NOTE there) and the pair above.
 Numerics are moe_router's with `logits` given (fp32 softmax, top-k by packed (probability bits, id) keys,
 exact ties to the lowest id, renormalisation summed in selection order, the gate rounded to g's dtype);
-decisions are residency_lookup's (padded rows route nowhere, duplicates collapse, ascending key order).
+decisions are residency_lookup's (padded rows route nowhere, duplicates collapse, ascending key order),
+the host split (ADR 0030) included: with host_permille > 0 the layer's last misses take no slot and
+host_pairs int64 [T*K] names the pairs computed on the host.
 Graph-capturable: no host sync, grid (1,).
 """
 
@@ -25,7 +27,7 @@ from adapters.kernels import residency_lookup
 from adapters.kernels.moe_router import MAX_EXPERTS
 from adapters.kernels.pdl import enabled as pdl_enabled
 from adapters.kernels.pdl import let_next_start
-from adapters.kernels.residency_lookup import MAX_KEYS, lookup_keys
+from adapters.kernels.residency_lookup import MAX_KEYS, check_host_split, lookup_keys
 
 # NOTE: the [T, E] logits (fp32) and their int64 top-k keys live in one program's registers, and the lookup
 # then compares T*K keys pairwise: 4K elements is a 16-row bucket at E = 256 (Qwen3.6) or 8 rows at E = 512.
@@ -51,7 +53,10 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
                              HAS_OWNER: tl.constexpr,
                              ROUND_GATE: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr = False):
+                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, host_permille=None, host_count_ptr=None,
+                             host_pairs_ptr=None, HOST: tl.constexpr = False, USE_GDC: tl.constexpr = False):
+    # NOTE: the host split's arguments default to None, which Triton binds as constexprs: the plain lookup's
+    # launches and sm_90 builds need not name them and compile to exactly the kernel without them
     if USE_GDC:  # pdl.py: a PDL-launched kernel after this one may start its pre-wait part
         let_next_start()
     offs_t = tl.arange(0, BLOCK_T)  # [BT]
@@ -111,10 +116,17 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
     valid = tl.reshape(pair_ok, (BLOCK_T * BLOCK_R,))
     offs = tl.arange(0, BLOCK_T * BLOCK_R)
     slot_after = lookup_keys(key, valid, offs, T * K, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr,
-                             counters_ptr, fill_keys_ptr, fill_slots_ptr, S, BLOCK_T * BLOCK_R, BLOCK_S)
+                             counters_ptr, fill_keys_ptr, fill_slots_ptr, S, host_permille, host_count_ptr,
+                             BLOCK_T * BLOCK_R, BLOCK_S, HOST)
     slots2 = tl.reshape(slot_after, (BLOCK_T, BLOCK_R))
     tl.store(slot_ids_ptr + offs_t[:, None] * KS + offs_r[None, :], slots2.to(tl.int32),
              mask=t_ok[:, None] & (offs_r[None, :] < K))
+    if HOST:  # a valid pair left without a slot is computed on the host; lane t*K + k (padded, foreign: -1)
+        # NOTE: from the flat lanes, as slots2: key2 and pair_ok would keep their [BT, BR] layout live
+        # across the lookup
+        host2 = tl.reshape(tl.where(valid & (slot_after < 0), key, -1), (BLOCK_T, BLOCK_R))
+        tl.store(host_pairs_ptr + offs_t[:, None] * K + offs_r[None, :], host2,
+                 mask=t_ok[:, None] & (offs_r[None, :] < K))
     if KS > K:  # the layer's resident shared expert as column K, on valid rows only
         tl.store(slot_ids_ptr + offs_t * KS + K, tl.where(live, shared_slot, -1).to(tl.int32), mask=t_ok)
 
@@ -136,7 +148,9 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
                      gate_weight: torch.Tensor | None, valid: torch.Tensor, base: int, slot_of_key: torch.Tensor,
                      key_of_slot: torch.Tensor, stamp: torch.Tensor, clock: torch.Tensor, counters: torch.Tensor,
                      num_slots: int, shared_slot: int | None = None, owner: torch.Tensor | None = None,
-                     rank: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     rank: int = 0, host_permille: int = 0, host_count: torch.Tensor | None = None,
+                     host_pairs: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights fp32 [T, KO], slot_ids int32 [T, KS], fill_keys int64 [T*K], fill_slots int64 [T*K]).
 
     logits fp32 [T, E] (unit column stride): the router GEMV's output. x [T, H]: the router's input, read
@@ -147,8 +161,13 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
     rows, -1 on the others (KS = K + 1; -1 everywhere: no shared expert on this rank). fill_keys/fill_slots:
     the misses to gather, then -1. owner: int32 [L*E(+1)], the rank owning each flat key (expert
     parallelism): pairs another rank owns keep their weight but are not looked up (slot -1, zero output).
+    host_permille (ADR 0030, 0 = off, the default), host_count, host_pairs: residency_lookup.layer_lookup's
+    host split, the same rule and arguments: host_pairs int64 [T*K] is filled in place (lane t*K + k: the
+    pair's flat key where that valid pair is computed on the host, its slot_ids entry -1; else -1), an
+    output the caller owns so it can live where the host reads it (mapped pinned memory), and the return
+    stays these four tensors with the split on or off. The weights of host pairs are those in `weights`.
     Needs fits(T, E, K, num_slots) and no pinned slots (the decode step's buckets guarantee both).
-    Raises ValueError on mismatched shapes or dtypes.
+    Raises ValueError on mismatched shapes or dtypes or a bad host split, before anything is written.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits must be fp32 [T, E] with unit column stride, got {logits.dtype} "
@@ -157,6 +176,7 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
     if x.dim() != 2 or x.shape[0] != t or x.stride(1) != 1:
         raise ValueError(f"x must be [{t}, H] with unit column stride, got {tuple(x.shape)}")
     h = x.shape[1]
+    host = check_host_split(host_permille, host_count, host_pairs, t * top_k)
     if not fits(t, e, top_k, num_slots):
         raise ValueError(f"{t} rows x top-{top_k} of {e} experts do not fit one launch over {num_slots} slots "
                          f"(T*K <= min(S, {MAX_KEYS}), T*E <= {MAX_TILE})")
@@ -179,6 +199,9 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
     fill_slots = torch.empty(t * top_k, dtype=torch.int64, device=dev)
     block_t, block_e = triton.next_power_of_2(t), triton.next_power_of_2(e)
     block_g = min(triton.next_power_of_2(h), max(64, 8192 // block_t))
+    # off: the host arguments stay at the kernel's defaults, so the launch is the plain lookup's
+    extra = dict(host_permille=host_permille, host_count_ptr=host_count, host_pairs_ptr=host_pairs,
+                 HOST=True) if host else {}
     _moe_route_lookup_kernel[(1,)](
         logits, x, gate_weight if has_gate else x, valid, weights, slot_ids, slot_of_key, key_of_slot, stamp,
         clock, counters, fill_keys, fill_slots, owner if owner is not None else slot_of_key, t, e, h,
@@ -187,5 +210,5 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
         RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=block_g,
         BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k),
         BLOCK_S=residency_lookup.VICTIM_BLOCK,
-        num_warps=4 if block_t * block_e <= 2048 else 8, USE_GDC=pdl_enabled(logits))
+        num_warps=4 if block_t * block_e <= 2048 else 8, USE_GDC=pdl_enabled(logits), **extra)
     return weights, slot_ids, fill_keys, fill_slots
