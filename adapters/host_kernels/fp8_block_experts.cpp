@@ -10,8 +10,11 @@
 // where fp16 keeps its low exponent and top mantissa bits; the fp16 value is then the e4m3 value
 // times 2^-8, for normals and subnormals alike (fp16's bias is 15, e4m3's 7), and the hardware
 // converts fp16 subnormals to fp32 exactly. The 2^8 is applied once per block with the scale.
+#include "fp8_block_experts.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -89,25 +92,9 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 }  // namespace
 
-// x fp32 [T, H]; bank uint8 [N, R] (rows packed by ExpertLayout); pair_token / pair_row int64 [P];
-// pair_weight fp32 [P]; offsets int64 [6]: gate data, gate scale, up data, up scale, down data, down scale
-// (bytes into a row). Returns fp32 [T, H].
-torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tensor pair_token,
-                                torch::Tensor pair_row, torch::Tensor pair_weight, torch::Tensor offsets,
-                                int64_t inter, int64_t grain_rows) {
-  const int64_t T = x.size(0), H = x.size(1), P = pair_token.size(0), I = inter;
-  auto out = torch::zeros({T, H}, x.options());
-  if (P == 0) return out;
-  auto act = torch::empty({P, I}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const uint8_t* rows = bank.data_ptr<uint8_t>();
-  const int64_t R = bank.size(1);
-  const int64_t* tok = pair_token.data_ptr<int64_t>();
-  const int64_t* rid = pair_row.data_ptr<int64_t>();
-  const float* pw = pair_weight.data_ptr<float>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  float* a = act.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, const uint8_t* rows, int64_t R,
+                                     const int64_t* tok, const int64_t* rid, const float* pw, int64_t P,
+                                     const int64_t* off, int64_t I, int64_t grain_rows, float* a, float* o) {
   const int64_t gate_chunks = (I + grain_rows - 1) / grain_rows;
   // phase 1: gate and up rows of every pair, split into chunks of grain_rows output rows
   at::parallel_for(0, P * gate_chunks, 1, [&](int64_t begin, int64_t end) {
@@ -121,12 +108,14 @@ torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tens
       for (int64_t r = r0; r < r1; ++r) a[p * I + r] = silu(g[r - r0]) * u[r - r0];
     }
   });
-  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum at any thread count)
+  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum at any thread count);
+  // each job zeroes its rows first, so out needs no clearing and a token without pairs gets zeros
   const int64_t down_chunks = (H + grain_rows - 1) / grain_rows;
   at::parallel_for(0, T * down_chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> y(grain_rows);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+      std::fill(o + t * H + r0, o + t * H + r1, 0.0f);
       for (int64_t p = 0; p < P; ++p) {
         if (tok[p] != t) continue;
         const uint8_t* row = rows + rid[p] * R;
@@ -135,6 +124,21 @@ torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tens
       }
     }
   });
+}
+
+// x fp32 [T, H]; bank uint8 [N, R] (rows packed by ExpertLayout); pair_token / pair_row int64 [P];
+// pair_weight fp32 [P]; offsets int64 [6]: gate data, gate scale, up data, up scale, down data, down scale
+// (bytes into a row). Returns fp32 [T, H].
+torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tensor pair_token,
+                                torch::Tensor pair_row, torch::Tensor pair_weight, torch::Tensor offsets,
+                                int64_t inter, int64_t grain_rows) {
+  const int64_t T = x.size(0), H = x.size(1), P = pair_token.size(0);
+  auto out = torch::empty({T, H}, x.options());
+  auto act = torch::empty({P, inter}, x.options());
+  fluxtide::fp8_block_experts_into(x.data_ptr<float>(), T, H, bank.data_ptr<uint8_t>(), bank.size(1),
+                                   pair_token.data_ptr<int64_t>(), pair_row.data_ptr<int64_t>(),
+                                   pair_weight.data_ptr<float>(), P, offsets.data_ptr<int64_t>(), inter,
+                                   grain_rows, act.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 
@@ -146,7 +150,10 @@ bool simd_build() {
 #endif
 }
 
+// NOTE: host_lane.cpp compiles this file into its own module (-DFLUXTIDE_FP8_EMBEDDED), which binds what it needs
+#ifndef FLUXTIDE_FP8_EMBEDDED
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_block_experts", &fp8_block_experts, "block-FP8 experts on the host (ADR 0030)");
   m.def("simd_build", &simd_build, "whether the AVX2/F16C/FMA path was compiled in");
 }
+#endif

@@ -9,7 +9,8 @@ w = data × scale). Nothing dequantized is stored; see the .cpp for the e4m3 →
 
 The kernel is compiled for this host (`-O3 -march=native`, OpenMP through ATen's parallel_for) by
 `torch.utils.cpp_extension` on first use and cached in torch's extension directory. It needs a C++ compiler
-and ninja; `available()` says whether the build succeeded and why not.
+and ninja; `available()` says whether the build succeeded and why not. C++ callers reach the same kernel on raw
+pointers through fp8_block_experts.h (host_lane.cpp builds this source into its own module).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from adapters.checkpoint.expert_layout import ExpertLayout
 from domain.model_spec import WeightFormat
 
-_SOURCE = Path(__file__).with_suffix(".cpp")
+SOURCE = Path(__file__).with_suffix(".cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")  # this host's vector units; ATen's parallel_for through OpenMP
 _PARTS = (("gate", "data"), ("gate", "scale"), ("up", "data"), ("up", "scale"), ("down", "data"), ("down", "scale"))
 GRAIN_ROWS = 64  # output rows per parallel job: 16 gate/up jobs per pair at I = 512, 32 down jobs at H = 2,048
 
@@ -31,8 +33,7 @@ GRAIN_ROWS = 64  # output rows per parallel job: 16 gate/up jobs per pair at I =
 def _module():
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    return load(name="fluxtide_fp8_block_experts", sources=[str(_SOURCE)], extra_cflags=flags,
+    return load(name="fluxtide_fp8_block_experts", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
