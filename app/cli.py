@@ -24,6 +24,19 @@ def _count_or_auto(text: str) -> int | None:
     return None if text == "auto" else _count(text)
 
 
+def _permille_or_auto(text: str) -> int | str:
+    """--host-experts: "auto" as it is (the executor measures), else a whole number of per mille in 0..1000."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a share in per mille: {text!r} (use 0 to 1000, or auto)") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"a share in per mille must be 0 to 1000 (or auto), got {value}")
+    return value
+
+
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (default: the embedded demo model)")
@@ -137,6 +150,13 @@ def _add_serve(sub) -> None:
                         "past the expert cache, which it leaves alone); 0 = prefill through the expert cache; "
                         "auto (default): sized from the link rate and expert size (130 for Qwen3.6 FP8, 390 MiB), "
                         "0 when every expert is resident")
+    p.add_argument("--host-experts", type=_permille_or_auto, default=None, metavar="PERMILLE|auto",
+                   help="fast path: compute this share, in per mille (0-1000), of each decode layer's expert misses "
+                        "on the host CPU while the PCIe link copies the rest (docs/adr/0030-host-expert-compute.md); "
+                        "needs the CUDA fast path and a block-FP8 checkpoint. Outputs are then no longer bitwise "
+                        "those at other expert-slot counts (the host sums in another order; within fp32 1e-4). "
+                        "auto: measure the host kernel's and the link's rates at start-up and balance them; 0, or "
+                        "unset (the default): off")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"), help="default info (any case)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N",
@@ -219,12 +239,16 @@ def _serve(args, parser) -> int:
             cache_type=args.cache_type,
             snapshot_slots=args.snapshot_slots,
             staging_experts=args.staging_experts,
+            host_experts=args.host_experts,
             expert_parallel=args.expert_parallel,
             ep_rank=args.ep_rank,
             ep_address=args.ep_address,
         )
         if args.data_parallel != 1 and args.expert_parallel != 1:
             raise ValueError("--data-parallel and --expert-parallel cannot be combined yet")
+        if args.data_parallel != 1 and settings.host_experts:  # NOTE: 0 (off) and None pass; "auto" does not
+            raise ValueError("--host-experts cannot run with --data-parallel yet: ADR 0030 computes one GPU's "
+                             "misses on the host (N workers would share its cores)")
         if problem := model_dir_problem(settings):
             raise ValueError(problem)
         check_routing_replay(settings)

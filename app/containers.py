@@ -344,8 +344,16 @@ def _torch_executor(settings: ServeSettings, checkpoint, plan: PoolPlan, device:
             checkpoint, plan, device, dtype, max_decode_rows=settings.max_running_requests, on_phase=progress,
             prefill_kernels=choice.triton, routing_replay=routing_replay, max_step_tokens=settings.max_prefill_length,
             warm_prefill=True, fp8_activations=settings.prefill_fp8_activations, prefill_graphs=graphs,
+            host_experts=settings.host_experts_share,  # NOTE: 0 = off; "auto" passes through as it is
             step_profiler=_step_profiler()))  # NOTE: made first: before the executor captures its graphs
     _no_step_profiler("the reference executor serves")
+    if settings.host_experts_share:
+        # NOTE: not ignored: ServeSettings refused what it could see (--device cpu, --executor reference, ...); here
+        # --device auto found no CUDA device, or the bank is not pinned
+        why = (f"--device {settings.device} resolved to {device}, no CUDA device" if not device.startswith("cuda")
+               else "the expert bank is not in pinned host memory")
+        raise ValueError(f"--host-experts needs the CUDA fast path (--executor cuda-graph on a CUDA device), and the "
+                         f"reference executor serves here ({why}); leave --host-experts unset or 0")
     if settings.prefill_fp8_activations:
         raise ValueError("--prefill-fp8-activations applies to the fast path's Triton prefill, which cannot run "
                          "here (the reference executor serves: CPU, --executor reference, --mmap-experts or "

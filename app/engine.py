@@ -143,7 +143,8 @@ class Engine:
         (`prefill_kernels_setting`, `prefill_kernels_reason`; ADR 0020), and where the fast path measured it on a
         CUDA device, how fast misses land from the host bank (`expert_gather`: DeviceExpertPool.gather_rate); on the
         fast path, the longest prompt chunk a step runs as decode replays (`short_prompt_replays`,
-        FLUXTIDE_SHORT_PROMPT_REPLAYS; 0: none; ADR 0026)."""
+        FLUXTIDE_SHORT_PROMPT_REPLAYS; 0: none; ADR 0026), and the per mille of decode misses its host lane computes
+        on the CPU (`host_experts`: --host-experts, "auto" resolved; 0: off, or turned off after a failure; ADR 0030)."""
         inner = getattr(self.executor, "executor", self.executor)  # StepLeader (expert parallelism) wraps rank 0's
         info = {"kind": type(inner).__name__, "prefill_kernels": bool(getattr(inner, "prefill_kernels", False)),
                 "prefill_fp8_activations": bool(getattr(inner, "fp8_activations", False)),
@@ -154,6 +155,9 @@ class Engine:
         limit = getattr(inner, "short_prompt_limit", None)  # the fast path: short prompt chunks as decode replays
         if limit is not None:
             info["short_prompt_replays"] = limit()
+        share = getattr(inner, "host_share", None)  # the fast path: its host lane's share (ADR 0030)
+        if share is not None:
+            info["host_experts"] = share
         gather = getattr(inner, "expert_gather", None)  # the fast path on CUDA: how fast misses land (GB/s)
         if gather is not None:
             info["expert_gather"] = dict(gather)

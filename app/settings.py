@@ -75,6 +75,10 @@ class ServeSettings:
     # streamed-prefill staging rows (docs/adr/0010-streamed-prefill.md); None = auto: the geometry's default on
     # the fast path when not every expert is resident, else 0; 0 = prefill through the expert LRU
     staging_experts: int | None = None
+    # decode misses computed on the host CPU beside the link's copies (docs/adr/0030-host-expert-compute.md): a share
+    # in per mille (0..1000) of each lookup's misses, or "auto" (the fast executor measures the host kernel's rate
+    # and the link's at start-up and balances them); None or 0 = off. The CUDA fast path on one GPU only.
+    host_experts: int | str | None = None
     # expert parallelism (docs/adr/0008-expert-parallel.md): N ranks, the experts split over them; rank 0 serves.
     expert_parallel: int = 1
     ep_rank: int = 0  # set by `ft serve --expert-parallel N` for the ranks it starts
@@ -99,6 +103,11 @@ class ServeSettings:
         """--layer-short-prompts auto with --layered-prefill on: the scheduler layers every chunk beside decodes
         wherever the plan leaves experts out (SchedulerConfig.layer_short_prompts)."""
         return self.layered_prefill and self.layer_short_prompts == "auto"
+
+    @property
+    def host_experts_share(self) -> int | str:
+        """--host-experts as the fast executor takes it: per mille of each lookup's misses, or "auto"; 0 = off."""
+        return self.host_experts or 0
 
     def _fast_path_clashes(self, *extra: tuple[str, bool]) -> list[str]:
         """The flags set here that keep the CUDA-graph fast path from serving (the reference executor would), and
@@ -173,6 +182,21 @@ class ServeSettings:
             raise ValueError(f"--snapshot-slots must be >= 0, got {self.snapshot_slots}")
         if self.staging_experts is not None and self.staging_experts < 0:
             raise ValueError(f"--staging-experts must be >= 0, got {self.staging_experts}")
+        if self.host_experts is not None and (isinstance(self.host_experts, bool) or not (
+                self.host_experts == "auto" or (isinstance(self.host_experts, int) and 0 <= self.host_experts <= 1000))):
+            raise ValueError(f"--host-experts must be a share in per mille, 0 to 1000, or auto, got "
+                             f"{self.host_experts!r}")
+        if self.host_experts_share:
+            # NOTE: as for --prefill-fp8-activations: what can be known before loading is refused here; the rest
+            # (--device auto without CUDA, an unpinned bank) when the executor is chosen (app.containers), and what
+            # only the checkpoint tells (experts not block FP8, no host compiler) by the executor itself
+            clash = self._fast_path_clashes()
+            if clash:
+                raise ValueError(f"--host-experts needs the CUDA fast path (--executor cuda-graph on a CUDA device), "
+                                 f"which cannot run with {', '.join(clash)}")
+            if self.expert_parallel > 1:
+                raise ValueError("--host-experts cannot run with --expert-parallel yet: ADR 0030 computes one GPU's "
+                                 "misses on the host")
         if self.expert_parallel < 1 or not 0 <= self.ep_rank < self.expert_parallel:
             raise ValueError(f"--expert-parallel must be >= 1 (rank {self.ep_rank} of it), got {self.expert_parallel}")
         if self.expert_parallel > 1:

@@ -158,7 +158,9 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
     scen["residency"] = round(min(plan.expert_slots, total) / total, 4)
     t = time.perf_counter()
     ex = CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=rows_max,
-                           prefill_kernels=args.prefill_kernels == "triton")
+                           prefill_kernels=args.prefill_kernels == "triton", host_experts=args.host_experts)
+    scen["host_experts"] = {"asked": args.host_experts, "share": ex.host_lane.share if ex.host_lane else 0,
+                            "measured": ex.host_lane_rates}
     scen["init_and_capture_seconds"] = round(time.perf_counter() - t, 2)
     scen["capture_seconds"] = round(ex.capture_seconds, 2)
     scen["graph_buckets"] = sorted(ex.graphs)
@@ -300,7 +302,8 @@ def run_parity(args, ckpt, record: dict) -> None:
     dtype = torch.float32
     for label, make in (("reference", lambda: TorchExecutor(ckpt, plan, "cuda", dtype)),
                         ("fast", lambda: CudaGraphExecutor(ckpt, plan, "cuda", dtype, max_decode_rows=2,
-                                                           prefill_kernels=args.prefill_kernels == "triton"))):
+                                                           prefill_kernels=args.prefill_kernels == "triton",
+                                                           host_experts=args.host_experts))):
         ex = make()
         logits, tokens = [], []
         row = ex.compute_logits(StepBatch((SequenceWork("p", prompt, 0, pages, 0, True, greedy, 0),)))["p"][0]
@@ -341,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--parity-steps", type=int, default=8)
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--host-experts", type=lambda v: v if v == "auto" else int(v), default=0, metavar="PERMILLE|auto",
+                   help="ADR 0030's host lane: the executor's host_experts (0: off)")
     p.add_argument("--prefill-kernels", default="reference", choices=("reference", "triton"),
                    help="as ft serve: triton also takes the tensor-core GEMM for the projections of decode "
                         "buckets from a few rows up (prefill_linear), reference keeps the GEMV")

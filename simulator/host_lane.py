@@ -12,15 +12,7 @@ from __future__ import annotations
 
 import math
 
-
-def balanced_host_permille(host_gb_s: float, link_gb_s: float) -> int:
-    """The share of misses (per mille) at which both lanes finish together: round(1000 × host / (host + link)), both
-    in GB/s of expert bytes. It ignores the fixed costs (host_call_s, a copy's latency) and that a lookup sends whole
-    keys (m × p / 1000 rounded), so at a few misses a lookup the split is lumpy: more or fewer keys than the share."""
-    for name, value in (("host_gb_s", host_gb_s), ("link_gb_s", link_gb_s)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number > 0 (GB/s), got {value!r}")
-    return round(1000 * host_gb_s / (host_gb_s + link_gb_s))
+from domain.residency import balanced_host_permille  # noqa: F401 - predict's auto share, as ft serve's
 
 
 def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:

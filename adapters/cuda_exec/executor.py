@@ -11,6 +11,7 @@ The reference TorchExecutor stays the numerical oracle and the CPU path; this ex
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -38,9 +39,11 @@ from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten, upload
 from domain.ports import SampledToken, StepBatch
+from domain.residency import balanced_host_permille, host_key_count
 from domain.streamed_prefill import LINK_BYTES_PER_S, pcie_bound_s
 
 if TYPE_CHECKING:
+    from adapters.host_kernels.host_lane import HostLane
     from domain.budget import PoolPlan
 
 log = logging.getLogger(__name__)
@@ -82,7 +85,7 @@ class CudaGraphExecutor(ExecutorPools):
                  on_phase: Callable[[str], None] | None = None, prefill_kernels: bool = False,
                  routing_replay: RoutingReplayer | None = None, max_step_tokens: int = 2048,
                  warm_prefill: bool = False, fp8_activations: bool = False, prefill_graphs: bool = False,
-                 step_profiler: StepProfiler | None = None):
+                 step_profiler: StepProfiler | None = None, host_experts: int | str = 0):
         """on_phase(name): told when the first graph capture and the prefill warm-up start and end (start-up
         milestones).
         prefill_kernels: prefill and mixed steps through the Triton prefill kernels (FastDecoder's hooks);
@@ -102,7 +105,12 @@ class CudaGraphExecutor(ExecutorPools):
         --prefill-graphs); needs prefill_kernels, else ValueError. Off CUDA (use_graphs False) the same padded
         buffers run eagerly (tests).
         step_profiler: execute() runs the steps it picks under torch.profiler, each leaving a trace and a summary
-        (step_profiler.py, FLUXTIDE_PROFILE_DIR); None (the default) costs nothing."""
+        (step_profiler.py, FLUXTIDE_PROFILE_DIR); None (the default) costs nothing.
+        host_experts: the per mille (0..1000) of each decode lookup's misses computed on the host CPU while the
+        link copies the rest (docs/adr/0030-host-expert-compute.md, --host-experts), or "auto": the host's and
+        the link's rates measured here and balanced; 0 (the default): off. Needs block-FP8 experts and a C++
+        compiler (the host kernel builds at start-up); ValueError otherwise. Outputs are then within fp32 1e-4
+        of the other paths, not bitwise (the host sums in its own order)."""
         arch = checkpoint.spec.architecture
         if arch not in OPTIONS:
             raise ValueError(f"architecture {arch!r} is not supported (known: {sorted(OPTIONS)})")
@@ -154,6 +162,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.warmup: WarmupReport | None = None
         self.step_profiler = step_profiler
         self._on_phase = on_phase
+        self.host_lane: HostLane | None = self._start_host_lane(host_experts)  # before the pools: they take it
         self.resize_pools(plan)
         if warm_prefill:
             self._warm_prefill()
@@ -223,9 +232,115 @@ class CudaGraphExecutor(ExecutorPools):
         return plan.staging_experts
 
     def _new_experts(self, plan: PoolPlan) -> DeviceExpertPool:
-        return DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
+        pool = DeviceExpertPool(self.bank, self._expert_slots(plan), self.device, self.shared_rows,
                                 grouped=self.prefill_kernels, staging_slots=self._staging_slots(plan),
                                 fp8_activations=self.fp8_activations)
+        pool.use_host_lane(self.host_lane)
+        return pool
+
+    # ---- the host lane (docs/adr/0030-host-expert-compute.md) --------------------------------------------
+    def _start_host_lane(self, host_experts: int | str) -> HostLane | None:
+        """The started host lane of --host-experts PERMILLE|auto, or None for 0. Raises ValueError for another
+        value, experts that are not block FP8, a bank without rows in memory, or a host kernel that does not build."""
+        self.host_lane_rates: dict | None = None  # what auto measured (GB/s), for records and logs
+        if host_experts != "auto":
+            host_key_count(0, host_experts)  # an int in 0..1000, else ValueError
+            if not host_experts:
+                return None
+        from adapters.host_kernels import host_lane
+
+        if self.bank.rows is None:
+            raise ValueError("--host-experts computes experts from the host bank's rows; --mmap-experts has none")
+        built, why = host_lane.available()
+        if not built:
+            raise ValueError(f"--host-experts: the host expert kernel does not build here ({why})")
+        keys = self.bank.num_layers * self.bank.num_experts
+        row_of_key = torch.arange(keys) if self.bank.row_of_key is None else torch.tensor(self.bank.row_of_key)
+        threads = self._host_lane_threads()
+        try:
+            lane = host_lane.HostLane(self.bank.rows, self.bank.layout, row_of_key, self.model.opts.top_k,
+                                      self.max_decode_rows, self.device, threads=threads,
+                                      share=1000 if host_experts == "auto" else host_experts)
+        except ValueError as exc:
+            raise ValueError(f"--host-experts: {exc}") from exc
+        lane.start()
+        if host_experts == "auto":
+            host_gb_s, link_gb_s = lane.measure(), self._link_gb_s()
+            lane.share = balanced_host_permille(host_gb_s, link_gb_s)
+            self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": round(link_gb_s, 2),
+                                    "threads": threads}
+            log.info("--host-experts auto: the host computes experts at %.1f GB/s with %d threads, the link copies "
+                     "%.1f GB/s: %d per mille of the misses go to the host", host_gb_s, threads, link_gb_s,
+                     lane.share)
+        return lane
+
+    @property
+    def host_share(self) -> int:
+        """The per mille of decode lookups' misses the host lane computes (0: no lane, or turned off)."""
+        return 0 if self.host_lane is None else self.host_lane.share
+
+    @staticmethod
+    def _host_lane_threads() -> int:
+        """The host lane's team: FLUXTIDE_HOST_LANE_THREADS, else every core but one (the engine's thread keeps one).
+        NOTE: the default is not settled: on the lent H100 host (16 cores) 15 threads gave decode steps with stalls
+        (p90 up to 30 ms, docs/fast-decode.md, session 38); the variable is there to measure fewer."""
+        cores = len(os.sched_getaffinity(0))
+        value = os.environ.get("FLUXTIDE_HOST_LANE_THREADS")
+        if value is None:
+            return max(1, cores - 1)
+        if not value.isdigit() or not 1 <= int(value) <= cores:
+            raise ValueError(f"FLUXTIDE_HOST_LANE_THREADS must be a thread count in 1..{cores}, got {value!r}")
+        return int(value)
+
+    def _link_gb_s(self, rows: int = 8, rounds: int = 3) -> float:
+        """GB/s of host bank rows copied to the device (the rate a decode step's misses cross the link at):
+        `rounds` copies of its first `rows` rows into a scratch buffer, after one warm-up."""
+        src = self.bank.rows[:rows]
+        dst = torch.empty_like(src, device=self.device)
+        start = 0.0
+        for r in range(rounds + 1):
+            if r == 1:  # after the warm-up copy
+                self._sync()
+                start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+        self._sync()
+        return rounds * src.numel() / (time.perf_counter() - start) / 1e9
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _lane_error(self) -> torch.Tensor:
+        """int64 [1], the host lane's device error word, to read back with a step's tokens; [0] without a lane."""
+        if self.host_lane is None:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return self.host_lane.state[2:3]
+
+    def _check_host_lane(self, error_words: list[int] | None = None) -> None:
+        """After a step: where the host lane failed it (a wait gave up or the host refused a request), the lane
+        is turned off (the graphs captured again without it) and RuntimeError fails the step's requests; the
+        next steps copy every miss. error_words: the `_lane_error` read back with the step's tokens (None: read
+        it now, a host sync)."""
+        lane = self.host_lane
+        if lane is None:
+            return
+        words = self._lane_error().tolist() if error_words is None else error_words
+        if not words or not words[0]:
+            return
+        device_error, host_error = lane.device_error(), lane.host_error()
+        lane.stop()
+        self.host_lane = None
+        self.experts.use_host_lane(None)
+        self.graphs = {}
+        self.model.segments = None
+        if self.use_graphs and self.decode_rows > 0:
+            self._capture()
+        if self._segments_ready:
+            self._build_segments()
+        log.error("the host expert lane failed (%s, host: %s): --host-experts is off from now on",
+                  device_error, host_error)
+        raise RuntimeError(f"the host expert lane failed this step ({device_error[0].name}, host "
+                           f"{host_error[0].name}); it is off from now on, later steps copy every miss")
 
     def _capture(self) -> None:
         """One graph per bucket, captured on all-padded rows (nothing routes, no pool is written)."""
@@ -418,6 +533,7 @@ class CudaGraphExecutor(ExecutorPools):
         if self.on_launched is not None:  # an eager step launches and waits as it goes
             self.on_launched()
         logits = self.compute_logits(batch)
+        self._check_host_lane()  # an eager step's layers may have used it too (a host sync: eager steps wait anyway)
         wanted = [works[rid] for rid in logits if works[rid].sample]
         if not wanted:
             return out
@@ -452,8 +568,9 @@ class CudaGraphExecutor(ExecutorPools):
         # every row's token and the expert cache's counters in one device->host copy (a second read would
         # cost a second wait on the engine's path between two steps); log-probabilities only where asked for
         n = len(tokens)
-        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
+        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2], self._lane_error())).tolist()
         self._host_counters = (drawn[n], drawn[n + 1])
+        self._check_host_lane(drawn[n + 2:])
         return self._sampled(done, logits_rows, drawn[:n])
 
     def short_prompt_limit(self) -> int:
@@ -506,10 +623,12 @@ class CudaGraphExecutor(ExecutorPools):
             if finals:
                 tokens = self._draw(finals, logits_rows, tokens)
         if not finals:  # no chunk ends here (no row samples): the counters are read when asked for
+            self._check_host_lane()
             return {}
         n = len(finals)
-        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2])).tolist()
+        drawn = torch.cat((tokens, self.experts.residency.counters_tensor[:2], self._lane_error())).tolist()
         self._host_counters = (drawn[n], drawn[n + 1])
+        self._check_host_lane(drawn[n + 2:])
         return self._sampled(finals, logits_rows, drawn[:n])
 
     def _sampled(self, works, logits_rows: torch.Tensor, drawn: list[int]) -> dict[str, SampledToken]:

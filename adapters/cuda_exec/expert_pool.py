@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,10 @@ from adapters.kernels.moe_sum import moe_sum
 from adapters.kernels.packed_gemv import PAIRS_BUCKETS, pairs_bucket
 from adapters.kernels.residency_lookup import MAX_KEYS
 from adapters.torch_exec.expert_cache import ExpertPreload
+from domain.residency import host_key_count
+
+if TYPE_CHECKING:
+    from adapters.host_kernels.host_lane import HostLane
 
 # Above this many (token, top-k) pairs a layer's experts run as grouped tensor-core GEMMs (grouped_moe),
 # at or below it as per-pair GEMVs (fused_moe). NOTE: the choice depends on T*K only, never on the pool
@@ -165,6 +170,8 @@ class DeviceExpertPool:
         # rows copied by unmasked rounds, streamed steps and layer calls (host)
         self._streamed = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._staged_unmasked = self._streamed_steps = self._streamed_layers = 0
+        # ADR 0030: the host lane that computes a share of the decode lookups' misses (use_host_lane; off: None)
+        self.host_lane: HostLane | None = None
 
     @property
     def num_slots(self) -> int:
@@ -470,14 +477,17 @@ class DeviceExpertPool:
         if ids.numel() <= min(self.num_slots, MAX_KEYS):  # decode: one launch does the whole lookup
             if valid is None:
                 valid = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+            lane = self._host_lane_for(ids.shape[0], ids.numel())
             # the shared expert's column comes from the lookup launch itself (-1 on padded rows)
-            fill_keys, fill_slots, slot_ids = self.residency.lookup_layer(
-                layer, ids, valid, self.shared_slot(layer) if shared else None)
+            fill_keys, fill_slots, slot_ids, *host_pairs = self.residency.lookup_layer(
+                layer, ids, valid, self.shared_slot(layer) if shared else None, self._share_of(lane))
             self._snapshot = None  # the residency moved: a later streamed call of the step snapshots it again
+            if lane is not None:  # before the gather: the host computes its pairs while the link copies
+                lane.publish(x, host_pairs[0], weights)
             self._gather(fill_keys, fill_slots)
             if self.groups_decode(ids.numel()):
                 return self._grouped_by_expert(x, ids, valid, slot_ids, weights, shared)
-            return self._moe_out(ids.numel(), x, slot_ids, weights)
+            return self._with_host_partial(lane, self._moe_out(ids.numel(), x, slot_ids, weights))
         if self._step_open and self.staging_slots:
             return self._routed_streamed(layer, x, weights, ids, valid, shared)
         if self.residency.can_lookup_set():
@@ -601,11 +611,47 @@ class DeviceExpertPool:
         if valid is None:
             valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         self._snapshot = None  # as in routed: the lookup below changes the residency
-        weights, slot_ids, fill_keys, fill_slots = self.residency.route_layer(
+        lane = self._host_lane_for(x.shape[0], x.shape[0] * top_k)
+        weights, slot_ids, fill_keys, fill_slots, *host_pairs = self.residency.route_layer(
             layer, logits, x, top_k, renormalize, gate_weight, valid,
-            None if gate_weight is None else self.shared_slot(layer))
+            None if gate_weight is None else self.shared_slot(layer), self._share_of(lane))
+        if lane is not None:  # before the gather, as in routed
+            lane.publish(x, host_pairs[0], weights)
         self._gather(fill_keys, fill_slots)
-        return self._moe_out(x.shape[0] * top_k, x, slot_ids, weights)
+        return self._with_host_partial(lane, self._moe_out(x.shape[0] * top_k, x, slot_ids, weights))
+
+    # ---- the host lane (docs/adr/0030-host-expert-compute.md) ----------------------------------------
+    def use_host_lane(self, lane: HostLane | None) -> None:
+        """Compute lane.share (per mille) of each one-launch decode lookup's misses on the host CPU through
+        `lane` (adapters/host_kernels/host_lane.py, started by its owner); None: every miss is copied (the
+        default). Takes effect for the graphs captured after it. Raises ValueError for a lane over another
+        top-k or hidden size, or with an expert shard (ADR 0030 is one GPU)."""
+        if lane is not None:
+            if self.shard is not None:
+                raise ValueError("the host lane computes one GPU's misses; an expert shard has none of its own")
+            if lane.hidden != self.layout.hidden:
+                raise ValueError(f"a host lane for hidden size {lane.hidden}, the experts' is {self.layout.hidden}")
+            host_key_count(0, lane.share)
+        self.host_lane = lane
+
+    def _host_lane_for(self, rows: int, pairs: int) -> HostLane | None:
+        """The lane a one-launch decode call of `rows` rows and `pairs` routed pairs sends its host share to,
+        or None: no lane, a zero share, more rows than its mailbox, another top-k, or a call on the grouped
+        decode GEMMs (they read every valid pair's slot: a host pair has none)."""
+        lane = self.host_lane
+        if lane is None or not lane.share or rows > lane.max_rows or pairs != rows * lane.top_k \
+                or self.groups_decode(pairs):
+            return None
+        return lane
+
+    @staticmethod
+    def _share_of(lane: HostLane | None) -> int:
+        return 0 if lane is None else lane.share
+
+    @staticmethod
+    def _with_host_partial(lane: HostLane | None, out: torch.Tensor) -> torch.Tensor:
+        """out [T, H] plus the host's partial sum of its pairs (waits for it on the device, bounded)."""
+        return out if lane is None else lane.wait_add(out)
 
     # ---- streamed prefill (docs/adr/0010-streamed-prefill.md) ------------------------------------------
     @contextmanager
