@@ -18,6 +18,10 @@ writes one JSON record:
   rows in place, compiled for this host on first use (the build's seconds are recorded); ``compiled_2`` and
   ``compiled_4`` time calls of 2 and 4 experts, one layer's host share at bs1, where fixed costs show.
 
+With ``--with-gather`` (CUDA) the compiled paths are timed again while pinned host → device copies loop (``CopyLoad``):
+the decode step's gathers read the same host DRAM as the host lane, so what each gets while the other runs is what
+ADR 0030's split has to work with (the record keeps both rates).
+
 Rates are weight bytes of the block-FP8 expert (3 MiB) per second, so every path compares with the PCIe
 link's 51 GB/s. Usage: ``python scripts/bench_host_experts.py --out $OUT/host_experts [--experts 16]``.
 """
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -127,6 +132,39 @@ def _rotating(x: torch.Tensor, bank: torch.Tensor, layout: ExpertLayout, k: int)
     return call
 
 
+class CopyLoad:
+    """Pinned host → device copies looping on a side stream (what a decode step's gathers do to host DRAM while the
+    host lane computes), from a thread, in batches of 16 copies of `rows` 3 MiB rows between syncs. A context
+    manager; `gb_s` is the copies' rate while it ran."""
+
+    def __init__(self, rows: int = 64):
+        self.src = torch.empty(rows, 3 << 20, dtype=torch.uint8, pin_memory=True)
+        self.dst = torch.empty_like(self.src, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.gb_s = 0.0
+
+    def _loop(self) -> None:
+        copied, start = 0, time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self._stop.is_set():
+                for _ in range(16):
+                    self.dst.copy_(self.src, non_blocking=True)
+                self.stream.synchronize()  # releases the GIL while the copies run
+                copied += 16 * self.src.numel()
+        self.gb_s = copied / (time.perf_counter() - start) / 1e9
+
+    def __enter__(self) -> CopyLoad:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        time.sleep(0.2)  # the copies under way before anything is timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w.float())
@@ -147,6 +185,9 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=16, help="experts per timed call (one token's misses)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bank-rows", type=int, default=256, help="rows of the compiled path's bank (3 MiB each)")
+    p.add_argument("--with-gather", action="store_true",
+                   help="on CUDA: also time our kernel at every thread count while pinned host->device copies loop "
+                        "(the decode step's gathers read the same DRAM; ADR 0030), and the copies alone")
     args = p.parse_args()
     cores = os.cpu_count() or 1
     threads = sorted({t for t in (1, 2, 4, 8, cores // 2, cores) if 1 <= t <= cores})
@@ -167,6 +208,22 @@ def main() -> None:
                                                 "ms_per_expert": round(sec * 1e3 / n, 4),
                                                 "fp8_gb_s": round(rate, 2), "threads": t}
             print(f"{name:14s} {t:3d} threads  {sec * 1e3 / n:8.3f} ms/expert  {rate:7.2f} GB/s")
+    if args.with_gather and torch.cuda.is_available() and built[0]:
+        with CopyLoad() as alone:
+            time.sleep(1.0)
+        record["copies_alone_gb_s"] = round(alone.gb_s, 2)
+        print(f"pinned copies alone {alone.gb_s:7.2f} GB/s")
+        for t in threads:
+            torch.set_num_threads(t)
+            for name in (n for n in paths if n.startswith("compiled")):
+                fn, n = paths[name]
+                with CopyLoad() as load:
+                    sec = _time(fn, args.repeats * max(1, args.experts // n))
+                rate = n * FP8_EXPERT_BYTES / sec / 1e9
+                record["results"][f"{name}+copies@{t}"] = {
+                    "ms_per_call": round(sec * 1e3, 4), "experts_per_call": n, "fp8_gb_s": round(rate, 2),
+                    "threads": t, "copies_gb_s": round(load.gb_s, 2)}
+                print(f"{name + '+copies':20s} {t:3d} threads  {rate:7.2f} GB/s, copies {load.gb_s:7.2f} GB/s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_experts.json").write_text(json.dumps(record, indent=1))
