@@ -54,8 +54,9 @@ def host_key_count(misses: int, host_permille: int) -> int:
 def balanced_host_permille(host_gb_s: float, link_gb_s: float) -> int:
     """The share of misses (per mille) at which the host lane and the PCIe link finish together (ADR 0030; `ft serve
     --host-experts auto` and the simulator's predict): round(1000 × host / (host + link)), both in GB/s of expert
-    bytes. Raises ValueError for a rate that is not a finite number > 0. It ignores the fixed costs (host_call_s, a copy's latency) and that a lookup sends whole
-    keys (m × p / 1000 rounded), so at a few misses a lookup the split is lumpy: more or fewer keys than the share."""
+    bytes. Raises ValueError for a rate that is not a finite number > 0. It ignores the fixed costs (host_call_s, a
+    copy's latency) and that a lookup sends whole keys (m × p / 1000 rounded), so at a few misses a lookup the split
+    is lumpy: more or fewer keys than the share."""
     for name, value in (("host_gb_s", host_gb_s), ("link_gb_s", link_gb_s)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a finite number > 0 (GB/s), got {value!r}")

@@ -192,6 +192,11 @@ class CudaGraphExecutor(ExecutorPools):
         if self.routing_replay is not None:
             self.replay_table = DeviceRoutingTable(self.inputs.rows, len(self.model.mixers), self.model.opts.top_k,
                                                    self.device)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The decode graphs and the prefill MoE segments captured again over the pools as they are (the old ones
+        dropped by the caller): after a resize, and after the host lane is turned off."""
         if self.use_graphs and self.decode_rows > 0:
             self._capture()
         if self._segments_ready:
@@ -243,6 +248,7 @@ class CudaGraphExecutor(ExecutorPools):
         """The started host lane of --host-experts PERMILLE|auto, or None for 0. Raises ValueError for another
         value, experts that are not block FP8, a bank without rows in memory, or a host kernel that does not build."""
         self.host_lane_rates: dict | None = None  # what auto measured (GB/s), for records and logs
+        self._auto_host_gb_s: float | None = None  # auto: the lane's rate, until the link's is measured
         if host_experts != "auto":
             host_key_count(0, host_experts)  # an int in 0..1000, else ValueError
             if not host_experts:
@@ -264,15 +270,24 @@ class CudaGraphExecutor(ExecutorPools):
         except ValueError as exc:
             raise ValueError(f"--host-experts: {exc}") from exc
         lane.start()
-        if host_experts == "auto":
-            host_gb_s, link_gb_s = lane.measure(), self._link_gb_s()
-            lane.share = balanced_host_permille(host_gb_s, link_gb_s)
-            self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": round(link_gb_s, 2),
-                                    "threads": threads}
-            log.info("--host-experts auto: the host computes experts at %.1f GB/s with %d threads, the link copies "
-                     "%.1f GB/s: %d per mille of the misses go to the host", host_gb_s, threads, link_gb_s,
-                     lane.share)
+        if host_experts == "auto":  # the share follows once a pool has measured the link (_measure_expert_gather)
+            self._auto_host_gb_s = lane.measure()
         return lane
+
+    def _measure_expert_gather(self) -> None:
+        """ExecutorPools' measure of a fresh pool's gather rates, then --host-experts auto's share from the two
+        lanes' rates: the gather kernel's (how the decode step's misses land; measured here off CUDA too, where the
+        base class leaves it) and the host lane's. Runs before the pool's graphs are captured, at every rebuild."""
+        super()._measure_expert_gather()
+        lane, host_gb_s = self.host_lane, self._auto_host_gb_s
+        if lane is None or host_gb_s is None:
+            return
+        link_gb_s = (self.expert_gather or self.experts.gather_rate())["kernel_gb_s"]
+        lane.share = balanced_host_permille(host_gb_s, link_gb_s)
+        self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": link_gb_s, "threads": lane.threads}
+        log.info("--host-experts auto: the host computes experts at %.1f GB/s with %d threads, the gather kernel "
+                 "copies %.1f GB/s: %d per mille of the misses go to the host", host_gb_s, lane.threads, link_gb_s,
+                 lane.share)
 
     @property
     def host_share(self) -> int:
@@ -291,24 +306,6 @@ class CudaGraphExecutor(ExecutorPools):
         if not value.isdigit() or not 1 <= int(value) <= cores:
             raise ValueError(f"FLUXTIDE_HOST_LANE_THREADS must be a thread count in 1..{cores}, got {value!r}")
         return int(value)
-
-    def _link_gb_s(self, rows: int = 8, rounds: int = 3) -> float:
-        """GB/s of host bank rows copied to the device (the rate a decode step's misses cross the link at):
-        `rounds` copies of its first `rows` rows into a scratch buffer, after one warm-up."""
-        src = self.bank.rows[:rows]
-        dst = torch.empty_like(src, device=self.device)
-        start = 0.0
-        for r in range(rounds + 1):
-            if r == 1:  # after the warm-up copy
-                self._sync()
-                start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-        self._sync()
-        return rounds * src.numel() / (time.perf_counter() - start) / 1e9
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _lane_error(self) -> torch.Tensor:
         """int64 [1], the host lane's device error word, to read back with a step's tokens; [0] without a lane."""
@@ -333,10 +330,7 @@ class CudaGraphExecutor(ExecutorPools):
         self.experts.use_host_lane(None)
         self.graphs = {}
         self.model.segments = None
-        if self.use_graphs and self.decode_rows > 0:
-            self._capture()
-        if self._segments_ready:
-            self._build_segments()
+        self._capture_graphs()
         log.error("the host expert lane failed (%s, host: %s): --host-experts is off from now on",
                   device_error, host_error)
         raise RuntimeError(f"the host expert lane failed this step ({device_error[0].name}, host "

@@ -117,6 +117,7 @@ class HostLane:
         host_key_count(0, share)  # refuses a share outside 0..1000
         self.device = torch.device(device)
         self.top_k, self.max_rows, self.max_spins, self.share = top_k, max_rows, max_spins, share
+        self.threads = threads or torch.get_num_threads()
         self.hidden = layout.hidden
         pin = self.device.type == "cuda"
         h = layout.hidden
@@ -134,7 +135,7 @@ class HostLane:
         self._row_bytes = layout.row_bytes
         self._lane = _module().HostLane(self.ctrl, self.x, self.pairs, self.weights, self.partial,
                                         bank.contiguous(), offsets, row_of_key.contiguous(), top_k,
-                                        layout.intermediate, fp8.GRAIN_ROWS, threads or torch.get_num_threads())
+                                        layout.intermediate, fp8.GRAIN_ROWS, self.threads)
 
     def start(self) -> None:
         """Starts the serving thread (a no-op while it runs); a request published before is served."""

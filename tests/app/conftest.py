@@ -12,6 +12,7 @@ import httpx
 import pytest
 from dependency_injector import providers
 
+import app.containers as containers
 from app.containers import Container
 from app.serving import RunningServer
 from app.settings import ServeSettings
@@ -243,3 +244,21 @@ def demo_server():
     server = RunningServer(Container(), settings).start(wait_ready=120)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    """The CUDA fast path taken (app.containers._use_fast_path forced) with CudaGraphExecutor replaced by a recorder
+    of the keywords it is built with (nothing touches a GPU); returns the list of those keyword dicts."""
+    import adapters.cuda_exec.executor as cuda_executor
+
+    built: list[dict] = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            self.prefill_kernels = kwargs["prefill_kernels"]
+
+    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: True)
+    monkeypatch.setattr(cuda_executor, "CudaGraphExecutor", Recorder)
+    return built

@@ -212,23 +212,6 @@ def test_off_builds_the_reference_executor_as_before(reference_executor, value):
     assert len(reference_executor) == 1 and "host_experts" not in reference_executor[0]
 
 
-@pytest.fixture
-def fast_path(monkeypatch):
-    """The CUDA fast path taken (_use_fast_path forced) with CudaGraphExecutor replaced by a recorder of the
-    keywords it is built with (nothing touches a GPU)."""
-    import adapters.cuda_exec.executor as cuda_executor
-
-    built: list[dict] = []
-
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            built.append(kwargs)
-
-    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: True)
-    monkeypatch.setattr(cuda_executor, "CudaGraphExecutor", Recorder)
-    return built
-
-
 @pytest.mark.parametrize(("value", "passed"), [(None, 0), (0, 0), (1, 1), (423, 423), (1000, 1000),
                                                ("auto", "auto")])
 def test_the_fast_executor_is_built_with_the_share(fast_path, value, passed):

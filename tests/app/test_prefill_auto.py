@@ -102,24 +102,6 @@ def checkpoint(experts: F, *dense: F):
     return SimpleNamespace(experts=SimpleNamespace(layout=SimpleNamespace(fmt=experts)), dense=weights)
 
 
-@pytest.fixture
-def fast_path(monkeypatch):
-    """The CUDA fast path taken (_use_fast_path forced) with CudaGraphExecutor replaced by a recorder of the
-    arguments it is built with (nothing touches a GPU)."""
-    import adapters.cuda_exec.executor as cuda_executor
-
-    built: list[dict] = []
-
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            built.append(kwargs)
-            self.prefill_kernels = kwargs["prefill_kernels"]
-
-    monkeypatch.setattr(containers, "_use_fast_path", lambda *a: True)
-    monkeypatch.setattr(cuda_executor, "CudaGraphExecutor", Recorder)
-    return built
-
-
 @pytest.mark.parametrize("requested, ckpt, triton, reason", [
     ("auto", checkpoint(F.BF16), True, "auto: CUDA fast path, experts bf16, dense bf16"),
     ("auto", checkpoint(F.FP8_BLOCK, F.FP8_BLOCK), True, "experts fp8_block, dense bf16+fp8_block"),
