@@ -159,8 +159,10 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
     t = time.perf_counter()
     ex = CudaGraphExecutor(ckpt, plan, "cuda", torch.bfloat16, max_decode_rows=rows_max,
                            prefill_kernels=args.prefill_kernels == "triton", host_experts=args.host_experts)
-    scen["host_experts"] = {"asked": args.host_experts, "share": ex.host_lane.share if ex.host_lane else 0,
-                            "measured": ex.host_lane_rates}
+    lane = ex.host_lane
+    scen["host_experts"] = {"asked": args.host_experts, "share": lane.share if lane else 0,
+                            "measured": ex.host_lane_rates, "threads": lane.threads if lane else None,
+                            "team": lane.team if lane else None}
     scen["init_and_capture_seconds"] = round(time.perf_counter() - t, 2)
     scen["capture_seconds"] = round(ex.capture_seconds, 2)
     scen["graph_buckets"] = sorted(ex.graphs)

@@ -18,6 +18,11 @@ writes one JSON record:
   rows in place, compiled for this host on first use (the build's seconds are recorded); ``compiled_2`` and
   ``compiled_4`` time calls of 2 and 4 experts, one layer's host share at bs1, where fixed costs show.
 
+With ``--lane`` the host lane's thread itself is timed (adapters/host_kernels/host_lane): requests of 1, 2, 4 and
+8 experts for one token through its mailbox, for each kind of team (``spin``: the lane's own spinning workers;
+``openmp``: ATen's parallel_for on the thread's OpenMP team) at half, all but two and all but one of the cores: a
+request's fixed cost (waking the team, joining it) is what separates a bs1 layer's ~1.5 experts from the rate above.
+
 With ``--with-gather`` (CUDA) the compiled paths are timed again while pinned host → device copies loop (``CopyLoad``):
 the decode step's gathers read the same host DRAM as the host lane, so what each gets while the other runs is what
 ADR 0030's split has to work with (the record keeps both rates).
@@ -115,6 +120,7 @@ def _paths(n: int, built: tuple[bool, str], bank_rows: int) -> dict:
         # DRAM as a real bank's would, not from a last-level cache that holds 16 experts (48 MiB)
         bank = bank.repeat(-(-bank_rows // n), 1)  # [N', R]
         paths["compiled"] = (_rotating(xf, bank, layout, n), n)
+        paths["_bank"] = (bank, layout)  # not a path: the bank --lane serves from
         for k in (2, 4):  # one layer's host share at bs1: a call's fixed costs (threads forked twice) show here
             paths[f"compiled_{k}"] = (_rotating(xf, bank, layout, k), k)
     return paths
@@ -165,6 +171,26 @@ class CopyLoad:
         self._thread.join()
 
 
+def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], requests: int) -> dict:
+    """name -> µs a request and GB/s through a running host lane, per team, thread count and experts a request."""
+    from adapters.host_kernels import host_lane
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda: the mailbox pinned, as the executor has it
+    results = {}
+    for team in host_lane.TEAMS:
+        for t in threads:
+            with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 1, device, threads=t,
+                                    team=team) as lane:
+                for k in (1, 2, 4, 8):
+                    lane.measure(requests=8, experts=k)  # the team awake and spinning, as inside a step
+                    gb_s = lane.measure(requests=requests, experts=k)
+                    us = k * layout.row_bytes / gb_s / 1e3
+                    results[f"lane_{team}_{k}@{t}"] = {"us_per_request": round(us, 1), "experts_per_call": k,
+                                                       "fp8_gb_s": round(gb_s, 2), "threads": t, "team": team}
+                    print(f"lane {team:7s} {t:3d} threads {k} experts  {us:8.1f} us/request  {gb_s:7.2f} GB/s")
+    return results
+
+
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w.float())
@@ -188,6 +214,8 @@ def main() -> None:
     p.add_argument("--with-gather", action="store_true",
                    help="on CUDA: also time our kernel at every thread count while pinned host->device copies loop "
                         "(the decode step's gathers read the same DRAM; ADR 0030), and the copies alone")
+    p.add_argument("--lane", action="store_true",
+                   help="also time the host lane's thread through its mailbox, per kind of team (module docstring)")
     args = p.parse_args()
     cores = os.cpu_count() or 1
     threads = sorted({t for t in (1, 2, 4, 8, cores // 2, cores) if 1 <= t <= cores})
@@ -195,6 +223,7 @@ def main() -> None:
     built = available()
     build_seconds = round(time.perf_counter() - t, 1)
     paths = _paths(args.experts, built, args.bank_rows)
+    bank_layout = paths.pop("_bank", None)
     record: dict = {"kind": "bench_host_experts", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "hardware": hardware_profile(measure_bandwidth=False), "experts": args.experts,
                     "bank_rows": args.bank_rows, "fp8_expert_bytes": FP8_EXPERT_BYTES,
@@ -224,6 +253,9 @@ def main() -> None:
                     "ms_per_call": round(sec * 1e3, 4), "experts_per_call": n, "fp8_gb_s": round(rate, 2),
                     "threads": t, "copies_gb_s": round(load.gb_s, 2)}
                 print(f"{name + '+copies':20s} {t:3d} threads  {rate:7.2f} GB/s, copies {load.gb_s:7.2f} GB/s")
+    if args.lane and bank_layout is not None:
+        lane_threads = sorted({t for t in (cores // 2, cores - 2, cores - 1) if t >= 1})
+        record["results"].update(_lane_rates(*bank_layout, lane_threads, args.repeats * 20))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_experts.json").write_text(json.dumps(record, indent=1))

@@ -266,7 +266,7 @@ class CudaGraphExecutor(ExecutorPools):
         try:
             lane = host_lane.HostLane(self.bank.rows, self.bank.layout, row_of_key, self.model.opts.top_k,
                                       self.max_decode_rows, self.device, threads=threads,
-                                      share=1000 if host_experts == "auto" else host_experts)
+                                      team=self._host_lane_team(), share=1000 if host_experts == "auto" else host_experts)
         except ValueError as exc:
             raise ValueError(f"--host-experts: {exc}") from exc
         lane.start()
@@ -306,6 +306,19 @@ class CudaGraphExecutor(ExecutorPools):
         if not value.isdigit() or not 1 <= int(value) <= cores:
             raise ValueError(f"FLUXTIDE_HOST_LANE_THREADS must be a thread count in 1..{cores}, got {value!r}")
         return int(value)
+
+    @staticmethod
+    def _host_lane_team() -> str:
+        """The host lane's kind of team: FLUXTIDE_HOST_LANE_TEAM, spin (workers that spin between a step's layers) or
+        openmp (ATen's parallel_for, whose workers sleep between requests when threads outnumber cores). NOTE: the
+        default stays openmp, the team session 38 measured, until a device run compares the two (ADR 0030, "Session
+        39")."""
+        from adapters.host_kernels.host_lane import TEAMS
+
+        value = os.environ.get("FLUXTIDE_HOST_LANE_TEAM", "openmp")
+        if value not in TEAMS:
+            raise ValueError(f"FLUXTIDE_HOST_LANE_TEAM must be one of {', '.join(TEAMS)}, got {value!r}")
+        return value
 
     def _lane_error(self) -> torch.Tensor:
         """int64 [1], the host lane's device error word, to read back with a step's tokens; [0] without a lane."""

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -90,38 +91,45 @@ inline void gemv_rows(const uint8_t* w, const float* scale, const float* x, int 
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+inline void for_each_job(const fluxtide::ForEach& for_each, int64_t n, const std::function<void(int64_t)>& job) {
+  if (for_each) {
+    for_each(n, job);
+    return;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) job(j);
+  });
+}
+
 }  // namespace
 
 void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, const uint8_t* rows, int64_t R,
                                      const int64_t* tok, const int64_t* rid, const float* pw, int64_t P,
-                                     const int64_t* off, int64_t I, int64_t grain_rows, float* a, float* o) {
+                                     const int64_t* off, int64_t I, int64_t grain_rows, float* a, float* o,
+                                     const ForEach& for_each) {
+  // phase 1: gate and up rows of every pair, split into jobs of grain_rows output rows
   const int64_t gate_chunks = (I + grain_rows - 1) / grain_rows;
-  // phase 1: gate and up rows of every pair, split into chunks of grain_rows output rows
-  at::parallel_for(0, P * gate_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(grain_rows), u(grain_rows);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t p = job / gate_chunks, r0 = (job % gate_chunks) * grain_rows, r1 = std::min(I, r0 + grain_rows);
-      const uint8_t* row = rows + rid[p] * R;
-      const float* xt = xs + tok[p] * H;
-      gemv_rows(row + off[0], reinterpret_cast<const float*>(row + off[1]), xt, H, r0, r1, g.data());
-      gemv_rows(row + off[2], reinterpret_cast<const float*>(row + off[3]), xt, H, r0, r1, u.data());
-      for (int64_t r = r0; r < r1; ++r) a[p * I + r] = silu(g[r - r0]) * u[r - r0];
-    }
+  for_each_job(for_each, P * gate_chunks, [&](int64_t job) {
+    const int64_t p = job / gate_chunks, r0 = (job % gate_chunks) * grain_rows, r1 = std::min(I, r0 + grain_rows);
+    std::vector<float> g(r1 - r0), u(r1 - r0);
+    const uint8_t* row = rows + rid[p] * R;
+    const float* xt = xs + tok[p] * H;
+    gemv_rows(row + off[0], reinterpret_cast<const float*>(row + off[1]), xt, H, r0, r1, g.data());
+    gemv_rows(row + off[2], reinterpret_cast<const float*>(row + off[3]), xt, H, r0, r1, u.data());
+    for (int64_t r = r0; r < r1; ++r) a[p * I + r] = silu(g[r - r0]) * u[r - r0];
   });
-  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum at any thread count);
-  // each job zeroes its rows first, so out needs no clearing and a token without pairs gets zeros
+  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum whichever thread runs a
+  // job); each job zeroes its rows first, so out needs no clearing and a token without pairs gets zeros
   const int64_t down_chunks = (H + grain_rows - 1) / grain_rows;
-  at::parallel_for(0, T * down_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> y(grain_rows);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
-      std::fill(o + t * H + r0, o + t * H + r1, 0.0f);
-      for (int64_t p = 0; p < P; ++p) {
-        if (tok[p] != t) continue;
-        const uint8_t* row = rows + rid[p] * R;
-        gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), a + p * I, I, r0, r1, y.data());
-        for (int64_t r = r0; r < r1; ++r) o[t * H + r] += pw[p] * y[r - r0];
-      }
+  for_each_job(for_each, T * down_chunks, [&](int64_t job) {
+    const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+    std::vector<float> y(r1 - r0);
+    std::fill(o + t * H + r0, o + t * H + r1, 0.0f);
+    for (int64_t p = 0; p < P; ++p) {
+      if (tok[p] != t) continue;
+      const uint8_t* row = rows + rid[p] * R;
+      gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), a + p * I, I, r0, r1, y.data());
+      for (int64_t r = r0; r < r1; ++r) o[t * H + r] += pw[p] * y[r - r0];
     }
   });
 }

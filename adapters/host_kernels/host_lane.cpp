@@ -10,12 +10,14 @@
 // the host pairs' experts into partial [T, H] and answers ctrl[DONE] = seq (or -seq when the request was bad)
 // with a release store. The GPU acquires DONE and adds partial. The thread never touches Python (no GIL).
 #include "fp8_block_experts.h"
+#include "spin_team.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -59,12 +61,13 @@ class HostLane {
  public:
   // ctrl int64 [CTRL_WORDS]; x fp32 [M, H]; pairs int64 [M*K]; weights fp32 [M*K]; partial fp32 [M, H]
   // (the mailbox, pinned on CUDA hosts); bank uint8 [N, R]; offsets int64 [6]; row_of_key int64 [L*E] (bank
-  // row of a key, -1 where the bank has none); threads: the OpenMP team of this thread's kernel calls.
+  // row of a key, -1 where the bank has none); threads: the team of this thread's kernel calls, itself included;
+  // spin: that team is a SpinTeam started with the thread (spin_team.h), else this thread's OpenMP team.
   HostLane(torch::Tensor ctrl, torch::Tensor x, torch::Tensor pairs, torch::Tensor weights, torch::Tensor partial,
            torch::Tensor bank, torch::Tensor offsets, torch::Tensor row_of_key, int64_t top_k, int64_t inter,
-           int64_t grain_rows, int64_t threads)
+           int64_t grain_rows, int64_t threads, bool spin)
       : ctrl_(ctrl), x_(x), pairs_(pairs), weights_(weights), partial_(partial), bank_(bank), offsets_(offsets),
-        row_of_key_(row_of_key), k_(top_k), inter_(inter), grain_(grain_rows), threads_(threads) {
+        row_of_key_(row_of_key), k_(top_k), inter_(inter), grain_(grain_rows), threads_(threads), spin_(spin) {
     TORCH_CHECK(top_k > 0 && inter > 0 && grain_rows > 0 && threads > 0, "top_k, inter, grain_rows and threads "
                 "must be positive");
     TORCH_CHECK(x.dim() == 2 && bank.dim() == 2, "x and bank must be 2-D");
@@ -115,6 +118,12 @@ class HostLane {
     at::internal::lazy_init_num_threads();
     omp_set_num_threads(static_cast<int>(threads_));
 #endif
+    // the spin team lives as long as this thread: stop() ends its workers too
+    std::unique_ptr<fluxtide::SpinTeam> team;
+    if (spin_) {
+      team = std::make_unique<fluxtide::SpinTeam>(static_cast<int>(threads_));
+      for_each_ = [&team](int64_t n, const std::function<void(int64_t)>& job) { team->run(n, job); };
+    }
     int64_t* ctrl = ctrl_.data_ptr<int64_t>();
     const int64_t answered = load_acquire(ctrl + DONE);
     int64_t last = answered < 0 ? -answered : answered;
@@ -138,6 +147,7 @@ class HostLane {
         idle = (++polls & 1023) == 0 && std::chrono::steady_clock::now() - last_request > SPIN_FOR;
       }
     }
+    for_each_ = nullptr;  // before the team it calls ends
   }
 
   // Computes one request into partial and answers it: DONE = seq, or DONE = -seq with the first error kept in
@@ -173,7 +183,7 @@ class HostLane {
       try {
         fluxtide::fp8_block_experts_into(x_.data_ptr<float>(), t, h_, bank_.data_ptr<uint8_t>(), bank_.size(1),
                                          tok_.data(), row_.data(), w_.data(), n, offsets_.data_ptr<int64_t>(),
-                                         inter_, grain_, act_.data(), partial_.data_ptr<float>());
+                                         inter_, grain_, act_.data(), partial_.data_ptr<float>(), for_each_);
       } catch (...) {  // NOTE: nothing may leave the thread: an escaping exception would end the process
         code = KERNEL_FAILED;
       }
@@ -189,6 +199,8 @@ class HostLane {
 
   torch::Tensor ctrl_, x_, pairs_, weights_, partial_, bank_, offsets_, row_of_key_;  // held: kept alive
   int64_t k_, inter_, grain_, threads_, m_ = 0, h_ = 0;
+  bool spin_;
+  fluxtide::ForEach for_each_;  // the spin team's run while the thread runs with one; empty: OpenMP
   std::vector<int64_t> tok_, row_;  // [M*K] the request's pairs, built without allocating
   std::vector<float> w_, act_;      // [M*K], [M*K, I]
   std::atomic<bool> stop_{false};
@@ -202,7 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // start/stop release the GIL: stop joins a thread that never takes it, but Python threads may run meanwhile
   pybind11::class_<HostLane>(m, "HostLane")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t>())
+                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, bool>())
       .def("start", &HostLane::start, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("stop", &HostLane::stop, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("running", &HostLane::running);

@@ -53,6 +53,7 @@ ERROR, ERROR_SEQ, ERROR_DETAIL, SERVED = 32, 33, 34, 35
 # ~1 s on CUDA (a poll is a PCIe read, ~1 us): far beyond a layer's host share (milliseconds at bs16), short
 # enough that a stalled host thread fails the step rather than looking like a hang
 MAX_SPINS = 1_000_000
+TEAMS = ("spin", "openmp")  # the thread's kernel team (HostLane's team argument)
 
 
 class DeviceError(enum.IntEnum):
@@ -97,14 +98,16 @@ class HostLane:
     bank: uint8 [N, R] block-FP8 rows packed by `layout` (pinned or not); row_of_key: int64 [L*E] on the CPU,
     the bank row of each key (-1 where the bank has none); top_k: K, the pairs per row; max_rows: M; device:
     where the step runs (cuda: a pinned mailbox; cpu: Triton's interpreter); threads: the OpenMP team of the
-    thread's kernel calls, itself included (default: torch's intra-op count); max_spins: the waits' bound;
+    thread's kernel calls, itself included (default: torch's intra-op count); team: "spin" (a SpinTeam of
+    spinning workers that lives as long as the thread, host_kernels/spin_team.h) or "openmp" (the thread's own
+    OpenMP team, forked by ATen's parallel_for twice a request); max_spins: the waits' bound;
     share: the per mille of a decode lookup's misses the pool sends here (domain.residency.host_key_count;
     read by DeviceExpertPool, not by the lane). The thread is not started here: start() it. Raises ValueError
     on arguments that do not fit."""
 
     def __init__(self, bank: torch.Tensor, layout: ExpertLayout, row_of_key: torch.Tensor, top_k: int,
                  max_rows: int, device: torch.device | str, *, share: int = 1000, threads: int | None = None,
-                 max_spins: int = MAX_SPINS) -> None:
+                 team: str = "spin", max_spins: int = MAX_SPINS) -> None:
         offsets = fp8.row_offsets(layout)
         if bank.dtype != torch.uint8 or bank.dim() != 2 or bank.shape[1] != layout.row_bytes or bank.is_cuda:
             raise ValueError(f"bank must be uint8 [N, {layout.row_bytes}] in host memory, got {bank.dtype} "
@@ -114,10 +117,13 @@ class HostLane:
                              f"{tuple(row_of_key.shape)} on {row_of_key.device}")
         if top_k < 1 or max_rows < 1 or max_spins < 1 or (threads is not None and threads < 1):
             raise ValueError("top_k, max_rows, max_spins and threads must be positive")
+        if team not in TEAMS:
+            raise ValueError(f"team must be one of {', '.join(TEAMS)}, got {team!r}")
         host_key_count(0, share)  # refuses a share outside 0..1000
         self.device = torch.device(device)
         self.top_k, self.max_rows, self.max_spins, self.share = top_k, max_rows, max_spins, share
         self.threads = threads or torch.get_num_threads()
+        self.team = team
         self.hidden = layout.hidden
         pin = self.device.type == "cuda"
         h = layout.hidden
@@ -135,7 +141,7 @@ class HostLane:
         self._row_bytes = layout.row_bytes
         self._lane = _module().HostLane(self.ctrl, self.x, self.pairs, self.weights, self.partial,
                                         bank.contiguous(), offsets, row_of_key.contiguous(), top_k,
-                                        layout.intermediate, fp8.GRAIN_ROWS, self.threads)
+                                        layout.intermediate, fp8.GRAIN_ROWS, self.threads, team == "spin")
 
     def start(self) -> None:
         """Starts the serving thread (a no-op while it runs); a request published before is served."""
@@ -167,18 +173,19 @@ class HostLane:
         any float dtype on the lane's device. Returns out. No host sync."""
         return host_lane_wait.wait_add(out, self.partial, self.ctrl[DONE:DONE + 1], self.state, self.max_spins)
 
-    def measure(self, requests: int = 8, timeout_s: float = 30.0) -> float:
+    def measure(self, requests: int = 8, timeout_s: float = 30.0, experts: int | None = None) -> float:
         """GB/s of expert bytes (packed rows) the running thread computes, measured through the mailbox itself: one
-        warm-up and `requests` timed requests of one row through top_k distinct experts each, issued from Python, so
-        the figure holds the thread's team, the bank's memory and a request's round trip (`ft serve --host-experts
-        auto` balances it against the link). Before any step only: it takes sequence numbers and moves the device
+        warm-up and `requests` timed requests of one row through `experts` (default top_k, at most top_k) distinct
+        experts each, issued from Python, so the figure holds the thread's team, the bank's memory and a request's
+        round trip (`ft serve --host-experts auto` balances it against the link). Before any step only: it takes sequence numbers and moves the device
         counter past them (a host sync). Raises RuntimeError when the thread is not running or an answer takes
-        longer than timeout_s, ValueError for requests < 1."""
-        if requests < 1:
-            raise ValueError(f"requests must be at least 1, got {requests}")
+        longer than timeout_s, ValueError for requests < 1 or experts outside 1..top_k."""
+        k = self.top_k if experts is None else experts
+        if requests < 1 or not 1 <= k <= self.top_k:
+            raise ValueError(f"requests must be at least 1 and experts in 1..{self.top_k}, got {requests}, {k}")
         if not self.running:
             raise RuntimeError("the host lane's thread is not running: start() it first")
-        k, n = self.top_k, self._keys.numel()
+        n = self._keys.numel()
         seq = max(int(self.state[0]), abs(int(self.ctrl[DONE])), int(self.ctrl[REQUEST]))
         self.x[0].normal_()
         self.weights[:k].fill_(1.0 / k)

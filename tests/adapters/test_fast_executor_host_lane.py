@@ -47,11 +47,14 @@ def _seqs():
     return [Sequence(f"r{i}", p, pages_for(i, len(p) + NEW_TOKENS + 1), state_slot=i) for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("share", [1000, 423])
-def test_the_host_lane_gives_the_reference_executors_tokens_and_logits(ckpt, share):
+@pytest.mark.parametrize("share,team", [(1000, None), (423, None), (423, "spin")])
+def test_the_host_lane_gives_the_reference_executors_tokens_and_logits(ckpt, share, team, monkeypatch):
+    if team is not None:
+        monkeypatch.setenv("FLUXTIDE_HOST_LANE_TEAM", team)
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=_slots(ckpt)), DEVICE, torch.float32)
     fast = _fast(ckpt, share)
     assert fast.host_lane is not None and fast.host_lane.running and fast.host_lane.share == share
+    assert fast.host_lane.team == (team or "openmp")
     ref_seqs, fast_seqs = _seqs(), _seqs()
     ref_logits, fast_logits = {}, {}
     run_requests(ref, ref_seqs, NEW_TOKENS, chunk=4, record=ref_logits)
@@ -104,6 +107,14 @@ def test_auto_measures_both_rates_and_picks_a_share(ckpt):
 def test_a_share_outside_0_to_1000_or_auto_is_refused(ckpt, bad):
     with pytest.raises(ValueError, match="host_permille|auto"):
         _fast(ckpt, bad)
+
+
+@pytest.mark.parametrize("var,value", [("FLUXTIDE_HOST_LANE_TEAM", "tbb"), ("FLUXTIDE_HOST_LANE_THREADS", "0"),
+                                       ("FLUXTIDE_HOST_LANE_THREADS", "many")])
+def test_a_bad_lane_setting_in_the_environment_is_refused_by_name(ckpt, monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        _fast(ckpt, 500)
 
 
 def test_zero_is_off(ckpt):

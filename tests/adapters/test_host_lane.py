@@ -83,7 +83,9 @@ def _layer(g, t, keys, dtype):
     return x, torch.tensor(keys, dtype=torch.int64), weights, out
 
 
-def test_round_trip_layer_after_layer(bank):
+@pytest.mark.parametrize("team", hl.TEAMS)
+def test_round_trip_layer_after_layer(bank, team):
+    # _expected runs the kernel on ATen's OpenMP team: the spin team's answers are the same bits
     g = torch.Generator().manual_seed(1)
     layers = [  # (T, keys by lane t*K + k, dtype of x and out)
         (2, [0, -1, 3, 5], torch.bfloat16),
@@ -92,7 +94,7 @@ def test_round_trip_layer_after_layer(bank):
         (1, [4, 4], torch.float32),  # one key twice on one row, summed in lane order
         (3, [5, 3, 0, 2, 7, 4], torch.bfloat16),
     ]
-    with _lane(bank) as lane:
+    with _lane(bank, team=team) as lane:
         for n, (t, keys, dtype) in enumerate(layers):
             x, pairs, weights, out = _layer(g, t, keys, dtype)
             before = out.clone()
@@ -114,11 +116,13 @@ def test_round_trip_layer_after_layer(bank):
         assert int(lane.state[0]) == 4  # one sequence number a request
 
 
-def test_a_step_of_random_layers(bank):
+@pytest.mark.parametrize("team,threads", [("spin", 2), ("spin", 3), ("openmp", 2)])
+def test_a_step_of_random_layers(bank, team, threads):
     # many requests back to back, each answered before the next is published: the sequence numbers and the
-    # reused mailbox never mix two layers up (rows, pairs, padding and dtypes drawn at random)
+    # reused mailbox never mix two layers up (rows, pairs, padding and dtypes drawn at random); a spin team
+    # larger than the cores here (3 on 2) still answers every request exactly
     g = torch.Generator().manual_seed(6)
-    with _lane(bank) as lane:
+    with _lane(bank, team=team, threads=threads) as lane:
         for n in range(40):
             t = int(torch.randint(1, M + 1, (), generator=g))
             keys = torch.randint(0, len(ROW_OF_KEY), (t * K,), generator=g)
@@ -243,6 +247,23 @@ def test_dropping_the_lane_stops_its_thread(bank):
     _until(lambda: _threads() == count, "the thread gone")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_spin_team_lives_and_ends_with_its_thread(bank):
+    lane = _lane(bank, threads=4, team="spin")
+    count = _threads()
+    lane.start()  # the lane's thread and its three workers
+    _until(lambda: _threads() == count + 4, "the lane's thread and three workers")
+    time.sleep(0.02)  # past the workers' pure-spin spell: they poll, and must still end promptly
+    began = time.monotonic()
+    lane.stop()
+    assert time.monotonic() - began < 1.0
+    assert _threads() == count  # stop() joined the workers with the thread
+    lane.start()
+    _until(lambda: _threads() == count + 4, "a fresh team after a restart")
+    del lane
+    _until(lambda: _threads() == count, "every thread gone")
+
+
 def test_launchers_refuse_what_does_not_fit(bank):
     lane = _lane(bank)
     x, pairs, w = torch.zeros(2, H), torch.full((2 * K,), -1), torch.zeros(2, K + 1)
@@ -260,6 +281,8 @@ def test_launchers_refuse_what_does_not_fit(bank):
         host_lane_wait.wait_add(x, lane.partial, lane.ctrl[hl.DONE:hl.DONE + 1], lane.state, 0)
     with pytest.raises(ValueError, match="row_of_key"):
         hl.HostLane(bank[0], bank[1], ROW_OF_KEY.int(), K, M, "cpu")
+    with pytest.raises(ValueError, match="team must be one of spin, openmp"):
+        hl.HostLane(bank[0], bank[1], ROW_OF_KEY, K, M, "cpu", team="tbb")
     with pytest.raises(ValueError, match="reads block FP8 rows"):
         hl.HostLane(bank[0], ExpertLayout(WeightFormat.BF16, H, I), ROW_OF_KEY, K, M, "cpu")
     assert not lane.running
