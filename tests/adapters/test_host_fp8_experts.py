@@ -41,9 +41,10 @@ def _reference(x, bank, layout, pair_token, pair_row, pair_weight) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72), (384, 256)])
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72), (201, 75), (384, 256)])
 def test_matches_the_dequantized_reference(hidden, inter):
-    # (200, 72): partial 128-blocks and rows that end off the 32- and 16-byte vector steps (the scalar tail)
+    # (200, 72): partial 128-blocks and rows that end off the 16-byte vector steps (the scalar tail); (201, 75): odd
+    # row counts in a job (the GEMV's two-row step leaves one row) and odd row lengths
     g = torch.Generator().manual_seed(hidden + inter)
     layout = ExpertLayout(WeightFormat.FP8_BLOCK, hidden, inter)
     bank = _bank(layout, 6, g)
