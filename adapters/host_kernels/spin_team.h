@@ -2,7 +2,8 @@
 // to the OpenMP team that ATen's parallel_for forks twice a request. A bs1 layer gives the host ~1.5 experts
 // (~100-200 us of work) every ~250 us; OpenMP's workers (libgomp) spin only briefly when more threads exist
 // than cores (torch's own team counts) and then sleep on a futex, so every parallel region may pay a wake-up
-// per worker. These workers spin on one word for SPIN_FOR after the last job, then poll every IDLE_SLEEP.
+// per worker. These workers poll one word for SPIN_FOR after the last job (PAUSE first, then yielding the core
+// between polls), then poll every IDLE_SLEEP.
 //
 // The calling thread is member 0 and works too: a job never waits for a sleeping worker to wake. Jobs are
 // claimed one at a time from one ticket word, generation << 32 | jobs << 16 | next: a claim is a compare-and-swap
@@ -36,6 +37,7 @@ class SpinTeam {
  public:
   static constexpr auto SPIN_FOR = std::chrono::milliseconds(5);
   static constexpr auto IDLE_SLEEP = std::chrono::microseconds(100);
+  static constexpr uint32_t PAUSE_POLLS = 4096;
 
   // threads: the team including the caller of run() (threads - 1 workers are started here); at least 1.
   explicit SpinTeam(int threads) {
@@ -106,12 +108,16 @@ class SpinTeam {
         work_on(gen, *fn_.load(std::memory_order_relaxed), base_.load(std::memory_order_relaxed));
         last_job = std::chrono::steady_clock::now();
         idle = false;
+        polls = 0;
         continue;
       }
       if (idle) {
         std::this_thread::sleep_for(IDLE_SLEEP);
       } else {
-        FT_TEAM_PAUSE();
+        // NOTE: PAUSE for the first PAUSE_POLLS polls (~100-300 us: the gap between a request's two calls and
+        // most gaps between a bs1 step's layers), then yield between polls: a team that outnumbers the free
+        // cores hands them to the runnable threads it would otherwise starve (the engine's thread, the driver's)
+        if (polls < PAUSE_POLLS) FT_TEAM_PAUSE(); else std::this_thread::yield();
         idle = (++polls & 1023) == 0 && std::chrono::steady_clock::now() - last_job > SPIN_FOR;
       }
     }
