@@ -297,8 +297,8 @@ class CudaGraphExecutor(ExecutorPools):
     @staticmethod
     def _host_lane_threads() -> int:
         """The host lane's team: FLUXTIDE_HOST_LANE_THREADS, else every core but one (the engine's thread keeps one).
-        NOTE: the default is not settled: on the lent H100 host (16 cores) 15 threads gave decode steps with stalls
-        (p90 up to 30 ms, docs/fast-decode.md, session 38); the variable is there to measure fewer."""
+        With the spin team 15 and 12 threads of the H100 machine's 16 gave the same bs1 step (9.40 / 9.52 ms, p90
+        10.3 / 10.0; docs/fast-decode.md, session 39); session 38's stalls at 15 were OpenMP's team."""
         cores = len(os.sched_getaffinity(0))
         value = os.environ.get("FLUXTIDE_HOST_LANE_THREADS")
         if value is None:
@@ -309,13 +309,13 @@ class CudaGraphExecutor(ExecutorPools):
 
     @staticmethod
     def _host_lane_team() -> str:
-        """The host lane's kind of team: FLUXTIDE_HOST_LANE_TEAM, spin (workers that spin between a step's layers) or
-        openmp (ATen's parallel_for, whose workers sleep between requests when threads outnumber cores). NOTE: the
-        default stays openmp, the team session 38 measured, until a device run compares the two (ADR 0030, "Session
-        39")."""
+        """The host lane's kind of team: FLUXTIDE_HOST_LANE_TEAM, spin (the default: workers that poll between a step's
+        layers) or openmp (ATen's parallel_for, whose workers sleep between requests when threads outnumber cores). On
+        the H100 machine at 24 GiB, 423 per mille, bs1: spin 9.40 ms a step, openmp 13.54, no lane 11.45 (ADR 0030,
+        "Session 39")."""
         from adapters.host_kernels.host_lane import TEAMS
 
-        value = os.environ.get("FLUXTIDE_HOST_LANE_TEAM", "openmp")
+        value = os.environ.get("FLUXTIDE_HOST_LANE_TEAM", "spin")
         if value not in TEAMS:
             raise ValueError(f"FLUXTIDE_HOST_LANE_TEAM must be one of {', '.join(TEAMS)}, got {value!r}")
         return value

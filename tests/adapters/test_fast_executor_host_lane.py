@@ -47,14 +47,14 @@ def _seqs():
     return [Sequence(f"r{i}", p, pages_for(i, len(p) + NEW_TOKENS + 1), state_slot=i) for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("share,team", [(1000, None), (423, None), (423, "spin")])
+@pytest.mark.parametrize("share,team", [(1000, None), (423, None), (423, "openmp")])
 def test_the_host_lane_gives_the_reference_executors_tokens_and_logits(ckpt, share, team, monkeypatch):
     if team is not None:
         monkeypatch.setenv("FLUXTIDE_HOST_LANE_TEAM", team)
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=_slots(ckpt)), DEVICE, torch.float32)
     fast = _fast(ckpt, share)
     assert fast.host_lane is not None and fast.host_lane.running and fast.host_lane.share == share
-    assert fast.host_lane.team == (team or "openmp")
+    assert fast.host_lane.team == (team or "spin")
     ref_seqs, fast_seqs = _seqs(), _seqs()
     ref_logits, fast_logits = {}, {}
     run_requests(ref, ref_seqs, NEW_TOKENS, chunk=4, record=ref_logits)
