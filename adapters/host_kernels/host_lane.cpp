@@ -121,8 +121,12 @@ class HostLane {
     // the spin team lives as long as this thread: stop() ends its workers too
     std::unique_ptr<fluxtide::SpinTeam> team;
     if (spin_) {
-      team = std::make_unique<fluxtide::SpinTeam>(static_cast<int>(threads_));
-      for_each_ = [&team](int64_t n, const std::function<void(int64_t)>& job) { team->run(n, job); };
+      try {
+        team = std::make_unique<fluxtide::SpinTeam>(static_cast<int>(threads_));
+        for_each_ = [&team](int64_t n, const std::function<void(int64_t)>& job) { team->run(n, job); };
+      } catch (...) {  // NOTE: nothing may leave the thread; without its workers (no threads left) it serves on
+        team.reset();  // OpenMP's team, as FLUXTIDE_HOST_LANE_TEAM=openmp would
+      }
     }
     int64_t* ctrl = ctrl_.data_ptr<int64_t>();
     const int64_t answered = load_acquire(ctrl + DONE);

@@ -3,12 +3,12 @@
 // (~100-200 us of work) every ~250 us; OpenMP's workers (libgomp) spin only briefly when more threads exist
 // than cores (torch's own team counts) and then sleep on a futex, so every parallel region may pay a wake-up
 // per worker. These workers poll one word for SPIN_FOR after the last job (PAUSE first, then yielding the core
-// between polls), then poll every IDLE_SLEEP.
+// between polls), then poll every IDLE_SLEEP, and every LONG_SLEEP once idle for LONG_IDLE.
 //
 // The calling thread is member 0 and works too: a job never waits for a sleeping worker to wake. Jobs are
 // claimed one at a time from one ticket word, generation << 32 | jobs << 16 | next: a claim is a compare-and-swap
-// on the whole word, so a worker that wakes late can never claim a job of a later call, and the bound travels
-// with the generation. Every job runs exactly once whichever thread takes it (the results do not depend on which
+// on the whole word, so the bound travels with the generation, and a worker reads the batch's function only after
+// its claim succeeded (a worker that wakes late never runs a job with another call's function). Every job runs exactly once whichever thread takes it (the results do not depend on which
 // thread ran a job: each job writes its own outputs). Calls of more than MAX_JOBS jobs run as several batches.
 #pragma once
 
@@ -20,6 +20,7 @@
 #include <functional>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -37,13 +38,23 @@ class SpinTeam {
  public:
   static constexpr auto SPIN_FOR = std::chrono::milliseconds(5);
   static constexpr auto IDLE_SLEEP = std::chrono::microseconds(100);
+  // after LONG_IDLE without a job (an idle server) a worker polls every LONG_SLEEP: the first request after that
+  // waits for no worker (the caller works), its workers join within LONG_SLEEP
+  static constexpr auto LONG_IDLE = std::chrono::milliseconds(100);
+  static constexpr auto LONG_SLEEP = std::chrono::milliseconds(2);
   static constexpr uint32_t PAUSE_POLLS = 4096;
 
   // threads: the team including the caller of run() (threads - 1 workers are started here); at least 1.
   explicit SpinTeam(int threads) {
     if (threads < 1) throw std::invalid_argument("a spin team needs at least one thread");
     workers_.reserve(threads - 1);
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+    try {
+      for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+    } catch (...) {  // NOTE: a thread that did not start: end the ones that did (joinable threads must not be dropped)
+      stop_.store(true, std::memory_order_relaxed);
+      for (auto& w : workers_) w.join();
+      throw;
+    }
   }
 
   ~SpinTeam() {
@@ -69,21 +80,29 @@ class SpinTeam {
       generation_ = (generation_ + 1) & 0xFFFFFFFFu;
       // release: a worker that acquires this ticket sees fn_, base_ and the caller's inputs
       ticket_.store(generation_ << 32 | jobs << 16, std::memory_order_release);
-      work_on(generation_, fn, base);
-      while (done_.load(std::memory_order_acquire) < static_cast<int64_t>(jobs)) FT_TEAM_PAUSE();  // the outputs
-      if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
+      work_on(generation_);
+      // acquire: the jobs' outputs. A worker holding the last job may be descheduled: yield after a while
+      for (uint32_t polls = 0; done_.load(std::memory_order_acquire) < static_cast<int64_t>(jobs); ++polls) {
+        if (polls < PAUSE_POLLS) FT_TEAM_PAUSE(); else std::this_thread::yield();
+      }
+      if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(std::exchange(error_, nullptr));
     }
   }
 
  private:
   static constexpr int64_t MAX_JOBS = 0xFFFF;
 
-  // Claims and runs jobs of generation gen until none is left or the generation moved on. fn and base are
-  // gen's whenever a claim succeeds: the caller replaces them only after every job of gen was claimed and done.
-  void work_on(uint64_t gen, const JobFn& fn, int64_t base) {
+  // Claims and runs jobs of generation gen until none is left or the generation moved on.
+  // NOTE: fn_ and base_ are read only after a claim succeeded: the claim reads from the release sequence of this
+  // batch's ticket store, so they are this batch's (the caller replaces them only after every job is done, and this
+  // job is not). Read before a claim they could belong to a finished call (a dangling fn_) or, after the 32-bit
+  // generation wrapped, pair a stale function with a recycled ticket.
+  void work_on(uint64_t gen) {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     while ((t >> 32) == gen && (t & 0xFFFFu) < ((t >> 16) & 0xFFFFu)) {
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      const JobFn& fn = *fn_.load(std::memory_order_relaxed);
+      const int64_t base = base_.load(std::memory_order_relaxed);
       try {
         fn(base + static_cast<int64_t>(t & 0xFFFFu));
       } catch (...) {  // NOTE: nothing may leave a worker thread: keep the first, the caller rethrows it
@@ -103,16 +122,14 @@ class SpinTeam {
       const uint64_t gen = ticket_.load(std::memory_order_acquire) >> 32;
       if (gen != seen) {
         seen = gen;
-        // NOTE: fn_ and base_ may already belong to a later call when this worker was slow; the ticket's
-        // generation then refuses every claim in work_on, so they are never used with the wrong call
-        work_on(gen, *fn_.load(std::memory_order_relaxed), base_.load(std::memory_order_relaxed));
+        work_on(gen);
         last_job = std::chrono::steady_clock::now();
         idle = false;
         polls = 0;
         continue;
       }
       if (idle) {
-        std::this_thread::sleep_for(IDLE_SLEEP);
+        std::this_thread::sleep_for(std::chrono::steady_clock::now() - last_job > LONG_IDLE ? LONG_SLEEP : IDLE_SLEEP);
       } else {
         // NOTE: PAUSE for the first PAUSE_POLLS polls (~100-300 us: the gap between a request's two calls and
         // most gaps between a bs1 step's layers), then yield between polls: a team that outnumbers the free
@@ -123,9 +140,11 @@ class SpinTeam {
     }
   }
 
-  std::atomic<uint64_t> ticket_{0};  // generation << 32 | jobs << 16 | next job
-  std::atomic<const JobFn*> fn_{nullptr};
-  std::atomic<int64_t> base_{0}, done_{0};
+  // NOTE: the polled ticket and the counter every job bumps on cache lines of their own
+  alignas(64) std::atomic<uint64_t> ticket_{0};  // generation << 32 | jobs << 16 | next job
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<const JobFn*> fn_{nullptr};
+  std::atomic<int64_t> base_{0};
   std::atomic<bool> failed_{false}, stop_{false};
   std::exception_ptr error_;
   uint64_t generation_ = 0;  // the caller's alone
