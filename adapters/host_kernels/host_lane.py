@@ -97,7 +97,7 @@ class HostLane:
 
     bank: uint8 [N, R] block-FP8 rows packed by `layout` (pinned or not); row_of_key: int64 [L*E] on the CPU,
     the bank row of each key (-1 where the bank has none); top_k: K, the pairs per row; max_rows: M; device:
-    where the step runs (cuda: a pinned mailbox; cpu: Triton's interpreter); threads: the OpenMP team of the
+    where the step runs (cuda: a pinned mailbox; cpu: Triton's interpreter); threads: the team of the
     thread's kernel calls, itself included (default: torch's intra-op count); team: "spin" (a SpinTeam of
     spinning workers that lives as long as the thread, host_kernels/spin_team.h) or "openmp" (the thread's own
     OpenMP team, forked by ATen's parallel_for twice a request); max_spins: the waits' bound;
@@ -177,8 +177,8 @@ class HostLane:
         """GB/s of expert bytes (packed rows) the running thread computes, measured through the mailbox itself: one
         warm-up and `requests` timed requests of one row through `experts` (default top_k, at most top_k) distinct
         experts each, issued from Python, so the figure holds the thread's team, the bank's memory and a request's
-        round trip (`ft serve --host-experts auto` balances it against the link). Before any step only: it takes sequence numbers and moves the device
-        counter past them (a host sync). Raises RuntimeError when the thread is not running or an answer takes
+        round trip (`ft serve --host-experts auto` balances it against the link). Before any step only: it takes
+        sequence numbers and moves the device counter past them (a host sync). Raises RuntimeError when the thread is not running or an answer takes
         longer than timeout_s, ValueError for requests < 1 or experts outside 1..top_k."""
         k = self.top_k if experts is None else experts
         if requests < 1 or not 1 <= k <= self.top_k:

@@ -8,8 +8,9 @@
 // The calling thread is member 0 and works too: a job never waits for a sleeping worker to wake. Jobs are
 // claimed one at a time from one ticket word, generation << 32 | jobs << 16 | next: a claim is a compare-and-swap
 // on the whole word, so the bound travels with the generation, and a worker reads the batch's function only after
-// its claim succeeded (a worker that wakes late never runs a job with another call's function). Every job runs exactly once whichever thread takes it (the results do not depend on which
-// thread ran a job: each job writes its own outputs). Calls of more than MAX_JOBS jobs run as several batches.
+// its claim succeeded (a worker that wakes late never runs a job with another call's function). Every job runs
+// exactly once whichever thread takes it (the results do not depend on which thread ran a job: each job writes its
+// own outputs). Calls of more than MAX_JOBS jobs run as several batches.
 #pragma once
 
 #include <algorithm>
@@ -65,8 +66,6 @@ class SpinTeam {
   SpinTeam(const SpinTeam&) = delete;
   SpinTeam& operator=(const SpinTeam&) = delete;
 
-  int size() const { return static_cast<int>(workers_.size()) + 1; }
-
   // One call at a time (the lane serves one request at a time). Rethrows, on the caller, the first exception a
   // job raised, after every job of its batch has finished.
   void run(int64_t n, const JobFn& fn) {
@@ -82,15 +81,19 @@ class SpinTeam {
       ticket_.store(generation_ << 32 | jobs << 16, std::memory_order_release);
       work_on(generation_);
       // acquire: the jobs' outputs. A worker holding the last job may be descheduled: yield after a while
-      for (uint32_t polls = 0; done_.load(std::memory_order_acquire) < static_cast<int64_t>(jobs); ++polls) {
-        if (polls < PAUSE_POLLS) FT_TEAM_PAUSE(); else std::this_thread::yield();
-      }
+      for (uint32_t polls = 0; done_.load(std::memory_order_acquire) < static_cast<int64_t>(jobs); ++polls)
+        backoff(polls);
       if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(std::exchange(error_, nullptr));
     }
   }
 
  private:
   static constexpr int64_t MAX_JOBS = 0xFFFF;
+
+  // one poll's wait: PAUSE for the first PAUSE_POLLS polls, then the core yielded to whoever is runnable
+  static void backoff(uint32_t polls) {
+    if (polls < PAUSE_POLLS) FT_TEAM_PAUSE(); else std::this_thread::yield();
+  }
 
   // Claims and runs jobs of generation gen until none is left or the generation moved on.
   // NOTE: fn_ and base_ are read only after a claim succeeded: the claim reads from the release sequence of this
@@ -134,7 +137,7 @@ class SpinTeam {
         // NOTE: PAUSE for the first PAUSE_POLLS polls (~100-300 us: the gap between a request's two calls and
         // most gaps between a bs1 step's layers), then yield between polls: a team that outnumbers the free
         // cores hands them to the runnable threads it would otherwise starve (the engine's thread, the driver's)
-        if (polls < PAUSE_POLLS) FT_TEAM_PAUSE(); else std::this_thread::yield();
+        backoff(polls);
         idle = (++polls & 1023) == 0 && std::chrono::steady_clock::now() - last_job > SPIN_FOR;
       }
     }
