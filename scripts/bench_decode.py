@@ -7,7 +7,8 @@ the hardware profile.
         [--splitk-max-rows 1,32] [--pairs-bucket-max 1,256]
 
 Scenarios: `resident` holds all 10,240 experts; a number is a GPU budget in GiB planned by the domain
-planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt per row, warm up
+planner (MoE-first, --kv-tokens of KV). Each scenario: prefill one short prompt per row (--same-prompt: the same one
+for every row, so rows route alike as ft bench sweep's do), warm up
 (--warmup steps, fills the LRU), then time --steps decode steps through execute() (host clock, which
 includes input staging and the one device->host copy) and the bare graph replay (CUDA events).
 --splitk-max-rows / --pairs-bucket-max run every scenario once per value (the cross product when both are
@@ -184,7 +185,10 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
             seqs = []
             t = time.perf_counter()
             for r in range(rows):
-                prompt = tuple((7919 * (i + 1) + 31 * r) % spec.vocab_size for i in range(prompt_len))
+                # NOTE: --same-prompt gives every row one prompt, so greedy rows route alike as the customer's
+                # benchmark's requests do (ft bench sweep: one prompt, temperature 0); else each row its own
+                shift = 0 if args.same_prompt else 31 * r
+                prompt = tuple((7919 * (i + 1) + shift) % spec.vocab_size for i in range(prompt_len))
                 pages = tuple(range(r * pages_each, (r + 1) * pages_each))
                 work = SequenceWork(f"s{r}", prompt, 0, pages, r, True, greedy, 0)
                 tok = ex.execute(StepBatch((work,)))[f"s{r}"].token_id
@@ -344,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-gib", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--same-prompt", action="store_true",
+                   help="one prompt for every row (greedy rows then route alike, as ft bench sweep's requests do); "
+                        "default: a prompt per row")
     p.add_argument("--parity-steps", type=int, default=8)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--host-experts", type=lambda v: v if v == "auto" else int(v), default=0, metavar="PERMILLE|auto",

@@ -19,9 +19,9 @@ writes one JSON record:
   ``compiled_4`` time calls of 2 and 4 experts, one layer's host share at bs1, where fixed costs show.
 
 With ``--lane`` the host lane's thread itself is timed (adapters/host_kernels/host_lane): requests of 1, 2, 4 and
-8 experts for one token through its mailbox, for each kind of team (``spin``: the lane's own spinning workers;
-``openmp``: ATen's parallel_for on the thread's OpenMP team) at half, all but two and all but one of the cores: a
-request's fixed cost (waking the team, joining it) is what separates a bs1 layer's ~1.5 experts from the rate above.
+8 experts for one token, and of 2 experts for 4 tokens routed alike, through its mailbox, for each kind of team
+(``spin``: the lane's own spinning workers; ``openmp``: ATen's parallel_for on the thread's OpenMP team) at half,
+all but two and all but one of the cores: a request's fixed cost (waking the team, joining it) is what separates a bs1 layer's ~1.5 experts from the rate above.
 
 With ``--with-gather`` (CUDA) the compiled paths are timed again while pinned host → device copies loop (``CopyLoad``):
 the decode step's gathers read the same host DRAM as the host lane, so what each gets while the other runs is what
@@ -179,15 +179,18 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
     results = {}
     for team in host_lane.TEAMS:
         for t in threads:
-            with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 1, device, threads=t,
+            with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 4, device, threads=t,
                                     team=team) as lane:
-                for k in (1, 2, 4, 8):
-                    lane.measure(requests=8, experts=k)  # the team awake and spinning, as inside a step
-                    gb_s = lane.measure(requests=requests, experts=k)
+                # (experts, rows): one row, then 4 rows routed alike (a batch of one prompt: each expert read once)
+                for k, rows in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 4)):
+                    lane.measure(requests=8, experts=k, rows=rows)  # the team awake and spinning, as inside a step
+                    gb_s = lane.measure(requests=requests, experts=k, rows=rows)
                     us = k * layout.row_bytes / gb_s / 1e3
-                    results[f"lane_{team}_{k}@{t}"] = {"us_per_request": round(us, 1), "experts_per_call": k,
-                                                       "fp8_gb_s": round(gb_s, 2), "threads": t, "team": team}
-                    print(f"lane {team:7s} {t:3d} threads {k} experts  {us:8.1f} us/request  {gb_s:7.2f} GB/s")
+                    name = f"lane_{team}_{k}@{t}" + ("" if rows == 1 else f"x{rows}rows")
+                    results[name] = {"us_per_request": round(us, 1), "experts_per_call": k, "rows": rows,
+                                     "fp8_gb_s": round(gb_s, 2), "threads": t, "team": team}
+                    print(f"lane {team:7s} {t:3d} threads {k} experts {rows} rows {us:8.1f} us/request"
+                          f"  {gb_s:7.2f} GB/s")
     return results
 
 

@@ -54,58 +54,122 @@ inline float hsum(__m256 a) {
 }
 #endif
 
-// y[r - r0] = sum over k-blocks of scale[r / 128, kb] * sum_k w[r, k] x[k] for rows [r0, r1) of an e4m3
-// [rows, cols] matrix with fp32 scales [ceil(rows/128), ceil(cols/128)].
-// NOTE: ROWS rows at a time share each load of x; a block's products stay in vector accumulators and its scale
-// is applied as one vector FMA, so a row pays one horizontal sum, not one a block (1.3x on the dev box's cores,
-// where the conversions' shuffles are the bound; the sum's order is fixed by the code, not by threads)
-template <int ROWS>
-inline void gemv_rows_by(const uint8_t* w, const float* scale, const float* x, int cols, int r, float* y) {
+constexpr int MAX_VECTORS = 4;  // vectors a weight pass serves: 12 accumulators at 4, within AVX2's 16 registers
+
+// y[j][yo + i] = sum over k-blocks of scale[(r + i) / 128, kb] * sum_k w[r + i, k] x[j][k], for ROWS rows from r
+// of an e4m3 [rows, cols] matrix with fp32 scales [ceil(rows/128), ceil(cols/128)] and NT vectors x[j].
+// NOTE: every (row, vector) pair runs the same operations in the same order whatever ROWS and NT are, so a
+// pair's result never depends on which others share its expert (the tests compare bits; it needs the build's
+// -ffp-contract=off, see fp8_block_experts.py's CFLAGS). The weights are
+// converted once for all NT vectors: a conversion costs ~9 vector operations a 16 bytes, a vector's FMAs 2.
+// ROWS rows share each load of x; a block's products stay in vector accumulators and its scale is applied as
+// one vector FMA, so a row pays one horizontal sum, not one a block.
+template <int ROWS, int NT>
+inline void gemv_tile(const uint8_t* w, const float* scale, const float* const* x, int cols, int r,
+                      float* const* y, int64_t yo) {
   const int kblocks = (cols + BLOCK - 1) / BLOCK;
   const uint8_t* row[ROWS];
   const float* srow[ROWS];
-  float tail[ROWS];
+  float tail[ROWS][NT];
   for (int i = 0; i < ROWS; ++i) {
     row[i] = w + static_cast<int64_t>(r + i) * cols;
     srow[i] = scale + static_cast<int64_t>((r + i) / BLOCK) * kblocks;
-    tail[i] = 0.0f;
+    for (int j = 0; j < NT; ++j) tail[i][j] = 0.0f;
   }
 #ifdef FT_SIMD
-  __m256 total[ROWS];
-  for (int i = 0; i < ROWS; ++i) total[i] = _mm256_setzero_ps();
+  __m256 total[ROWS][NT];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < NT; ++j) total[i][j] = _mm256_setzero_ps();
 #endif
   for (int kb = 0; kb < kblocks; ++kb) {
     const int k0 = kb * BLOCK, n = std::min(BLOCK, cols - k0);
     int k = 0;
 #ifdef FT_SIMD
-    __m256 lo[ROWS], hi[ROWS];  // two chains a row: the FMA latency hidden
-    for (int i = 0; i < ROWS; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    __m256 lo[ROWS][NT], hi[ROWS][NT];  // two chains a (row, vector): the FMA latency hidden
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < NT; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
     for (; k + 16 <= n; k += 16) {
-      const __m256 x0 = _mm256_loadu_ps(x + k0 + k), x1 = _mm256_loadu_ps(x + k0 + k + 8);
+      __m256 x0[NT], x1[NT];
+      for (int j = 0; j < NT; ++j) {
+        x0[j] = _mm256_loadu_ps(x[j] + k0 + k);
+        x1[j] = _mm256_loadu_ps(x[j] + k0 + k + 8);
+      }
       for (int i = 0; i < ROWS; ++i) {
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[i] + k0 + k));
-        lo[i] = _mm256_fmadd_ps(e4m3_half(b, false), x0, lo[i]);
-        hi[i] = _mm256_fmadd_ps(e4m3_half(b, true), x1, hi[i]);
+        const __m256 wl = e4m3_half(b, false), wh = e4m3_half(b, true);
+        for (int j = 0; j < NT; ++j) {
+          lo[i][j] = _mm256_fmadd_ps(wl, x0[j], lo[i][j]);
+          hi[i][j] = _mm256_fmadd_ps(wh, x1[j], hi[i][j]);
+        }
       }
     }
     for (int i = 0; i < ROWS; ++i)
-      total[i] = _mm256_fmadd_ps(_mm256_add_ps(lo[i], hi[i]), _mm256_set1_ps(srow[i][kb]), total[i]);
+      for (int j = 0; j < NT; ++j)
+        total[i][j] = _mm256_fmadd_ps(_mm256_add_ps(lo[i][j], hi[i][j]), _mm256_set1_ps(srow[i][kb]), total[i][j]);
 #endif
     for (; k < n; ++k)
-      for (int i = 0; i < ROWS; ++i) tail[i] += srow[i][kb] * (e4m3_scalar(row[i][k0 + k]) / FP16_OFFSET) * x[k0 + k];
+      for (int i = 0; i < ROWS; ++i) {
+        const float wk = srow[i][kb] * (e4m3_scalar(row[i][k0 + k]) / FP16_OFFSET);
+        for (int j = 0; j < NT; ++j) tail[i][j] += wk * x[j][k0 + k];
+      }
   }
-  for (int i = 0; i < ROWS; ++i) {
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < NT; ++j) {
 #ifdef FT_SIMD
-    tail[i] += hsum(total[i]);
+      tail[i][j] += hsum(total[i][j]);
 #endif
-    y[i] = tail[i] * FP16_OFFSET;
+      y[j][yo + i] = tail[i][j] * FP16_OFFSET;
+    }
+}
+
+template <int ROWS, int NT>
+inline void gemv_span(const uint8_t* w, const float* scale, const float* const* x, int cols, int r0, int r1,
+                      float* const* y) {
+  int r = r0;
+  for (; r + ROWS <= r1; r += ROWS) gemv_tile<ROWS, NT>(w, scale, x, cols, r, y, r - r0);
+  for (; r < r1; ++r) gemv_tile<1, NT>(w, scale, x, cols, r, y, r - r0);
+}
+
+// y[j][r - r0] for rows [r0, r1) and nt vectors x[j] (the pairs of one expert), MAX_VECTORS at a time
+inline void gemv_rows(const uint8_t* w, const float* scale, const float* const* x, int nt, int cols, int r0,
+                      int r1, float* const* y) {
+  for (int j0 = 0; j0 < nt; j0 += MAX_VECTORS) {
+    const float* const* xs = x + j0;
+    float* const* ys = y + j0;
+    switch (std::min(MAX_VECTORS, nt - j0)) {
+      case 1: gemv_span<2, 1>(w, scale, xs, cols, r0, r1, ys); break;
+      case 2: gemv_span<2, 2>(w, scale, xs, cols, r0, r1, ys); break;
+      case 3: gemv_span<1, 3>(w, scale, xs, cols, r0, r1, ys); break;
+      default: gemv_span<1, 4>(w, scale, xs, cols, r0, r1, ys); break;
+    }
   }
 }
 
-inline void gemv_rows(const uint8_t* w, const float* scale, const float* x, int cols, int r0, int r1, float* y) {
-  int r = r0;
-  for (; r + 2 <= r1; r += 2) gemv_rows_by<2>(w, scale, x, cols, r, y + (r - r0));
-  if (r < r1) gemv_rows_by<1>(w, scale, x, cols, r, y + (r - r0));
+// The pairs grouped by bank row: order [P] lists pair indices by (row, index), group g is
+// order[start[g] .. start[g + 1]) (ascending pair order within a group). Sorts in place: no allocation once
+// the vectors have grown to P (the host lane calls this for every request).
+inline void group_by_row(const int64_t* rid, int64_t P, std::vector<int64_t>& order, std::vector<int64_t>& start) {
+  order.resize(P);
+  for (int64_t p = 0; p < P; ++p) order[p] = p;
+  std::sort(order.begin(), order.end(), [rid](int64_t a, int64_t b) { return rid[a] != rid[b] ? rid[a] < rid[b] : a < b; });
+  start.clear();
+  for (int64_t i = 0; i < P; ++i)
+    if (i == 0 || rid[order[i]] != rid[order[i - 1]]) start.push_back(i);
+  start.push_back(P);
+}
+
+// The pairs of each token in pair order: token t's are pairs[first[t] .. first[t + 1]). O(T * P), a few thousand
+// comparisons at a decode step's sizes; no allocation once the vectors have grown.
+inline void pairs_by_token(const int64_t* tok, int64_t T, int64_t P, std::vector<int64_t>& pairs,
+                           std::vector<int64_t>& first) {
+  pairs.clear();
+  first.clear();
+  for (int64_t t = 0; t < T; ++t) {
+    first.push_back(static_cast<int64_t>(pairs.size()));
+    for (int64_t p = 0; p < P; ++p)
+      if (tok[p] == t) pairs.push_back(p);
+  }
+  first.push_back(static_cast<int64_t>(pairs.size()));
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -126,29 +190,85 @@ void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, con
                                      const int64_t* tok, const int64_t* rid, const float* pw, int64_t P,
                                      const int64_t* off, int64_t I, int64_t grain_rows, float* a, float* o,
                                      const ForEach& for_each) {
-  // phase 1: gate and up rows of every pair, split into jobs of grain_rows output rows
+  // NOTE: an expert shared by several pairs (the rows of a batch that route alike: the customer's benchmark sends
+  // one prompt to every request) is read and converted once for up to MAX_VECTORS of them at a time
+  // NOTE: the jobs read the grouping through plain pointers: a thread_local named inside a job would be the
+  // running worker's own (empty) instance, not the caller's
+  thread_local std::vector<int64_t> order_buf, start_buf, token_pairs_buf, token_first_buf;
+  group_by_row(rid, P, order_buf, start_buf);
+  pairs_by_token(tok, T, P, token_pairs_buf, token_first_buf);
+  const int64_t *order = order_buf.data(), *start = start_buf.data();
+  const int64_t *token_pairs = token_pairs_buf.data(), *token_first = token_first_buf.data();
+  const int64_t groups = static_cast<int64_t>(start_buf.size()) - 1;
+  // phase 1: gate and up rows of every pair, jobs of grain_rows output rows of one expert
   const int64_t gate_chunks = (I + grain_rows - 1) / grain_rows;
-  for_each_job(for_each, P * gate_chunks, [&](int64_t job) {
-    const int64_t p = job / gate_chunks, r0 = (job % gate_chunks) * grain_rows, r1 = std::min(I, r0 + grain_rows);
-    std::vector<float> g(r1 - r0), u(r1 - r0);
-    const uint8_t* row = rows + rid[p] * R;
-    const float* xt = xs + tok[p] * H;
-    gemv_rows(row + off[0], reinterpret_cast<const float*>(row + off[1]), xt, H, r0, r1, g.data());
-    gemv_rows(row + off[2], reinterpret_cast<const float*>(row + off[3]), xt, H, r0, r1, u.data());
-    for (int64_t r = r0; r < r1; ++r) a[p * I + r] = silu(g[r - r0]) * u[r - r0];
+  for_each_job(for_each, groups * gate_chunks, [&](int64_t job) {
+    const int64_t g = job / gate_chunks, r0 = (job % gate_chunks) * grain_rows, r1 = std::min(I, r0 + grain_rows);
+    const int n = static_cast<int>(r1 - r0);
+    const uint8_t* row = rows + rid[order[start[g]]] * R;
+    thread_local std::vector<float> gu;  // the running worker's: [MAX_VECTORS, n] gate rows, then as many up rows
+    gu.resize(2 * MAX_VECTORS * static_cast<size_t>(n));
+    for (int64_t j0 = start[g]; j0 < start[g + 1]; j0 += MAX_VECTORS) {
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_VECTORS, start[g + 1] - j0));
+      const float* xv[MAX_VECTORS];
+      float *gv[MAX_VECTORS], *uv[MAX_VECTORS];
+      for (int j = 0; j < nt; ++j) {
+        xv[j] = xs + tok[order[j0 + j]] * H;
+        gv[j] = gu.data() + static_cast<int64_t>(j) * n;
+        uv[j] = gu.data() + static_cast<int64_t>(MAX_VECTORS + j) * n;
+      }
+      gemv_rows(row + off[0], reinterpret_cast<const float*>(row + off[1]), xv, nt, H, r0, r1, gv);
+      gemv_rows(row + off[2], reinterpret_cast<const float*>(row + off[3]), xv, nt, H, r0, r1, uv);
+      for (int j = 0; j < nt; ++j)
+        for (int i = 0; i < n; ++i) a[order[j0 + j] * I + r0 + i] = silu(gv[j][i]) * uv[j][i];
+    }
   });
-  // phase 2: down rows per token, the token's pairs summed in pair order (the same sum whichever thread runs a
-  // job); each job zeroes its rows first, so out needs no clearing and a token without pairs gets zeros
   const int64_t down_chunks = (H + grain_rows - 1) / grain_rows;
-  for_each_job(for_each, T * down_chunks, [&](int64_t job) {
-    const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
-    std::vector<float> y(r1 - r0);
-    std::fill(o + t * H + r0, o + t * H + r1, 0.0f);
-    for (int64_t p = 0; p < P; ++p) {
-      if (tok[p] != t) continue;
-      const uint8_t* row = rows + rid[p] * R;
-      gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), a + p * I, I, r0, r1, y.data());
-      for (int64_t r = r0; r < r1; ++r) o[t * H + r] += pw[p] * y[r - r0];
+  if (groups == P) {
+    // phase 2, no expert shared (a bs1 request, or rows that route apart): each token's down rows and the sum of
+    // its pairs in pair order in one job, as two phases would give them, one team wake-up fewer
+    for_each_job(for_each, T * down_chunks, [&](int64_t job) {
+      const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+      thread_local std::vector<float> yt;
+      yt.resize(r1 - r0);
+      float* yv[1] = {yt.data()};
+      float* ot = o + t * H;
+      std::fill(ot + r0, ot + r1, 0.0f);
+      for (int64_t i = token_first[t]; i < token_first[t + 1]; ++i) {
+        const int64_t p = token_pairs[i];
+        const uint8_t* row = rows + rid[p] * R;
+        const float* av[1] = {a + p * I};
+        gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), av, 1, I, r0, r1, yv);
+        for (int64_t r = r0; r < r1; ++r) ot[r] += pw[p] * yt[r - r0];
+      }
+    });
+    return;
+  }
+  // phase 2: down rows of every pair, jobs of grain_rows output rows of one expert, into y [P, H] (act's tail)
+  float* y = a + P * I;
+  for_each_job(for_each, groups * down_chunks, [&](int64_t job) {
+    const int64_t g = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+    const uint8_t* row = rows + rid[order[start[g]]] * R;
+    for (int64_t j0 = start[g]; j0 < start[g + 1]; j0 += MAX_VECTORS) {
+      const int nt = static_cast<int>(std::min<int64_t>(MAX_VECTORS, start[g + 1] - j0));
+      const float* av[MAX_VECTORS];
+      float* yv[MAX_VECTORS];
+      for (int j = 0; j < nt; ++j) {
+        av[j] = a + order[j0 + j] * I;
+        yv[j] = y + order[j0 + j] * H + r0;
+      }
+      gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), av, nt, I, r0, r1, yv);
+    }
+  });
+  // phase 3: each token's pairs summed in pair order, one job a token (the same sum whichever thread runs it);
+  // every row of out is written, zeros where a token has no pair
+  for_each_job(for_each, T, [&](int64_t t) {
+    float* ot = o + t * H;
+    std::fill(ot, ot + H, 0.0f);
+    for (int64_t i = token_first[t]; i < token_first[t + 1]; ++i) {
+      const int64_t p = token_pairs[i];
+      const float* yp = y + p * H;
+      for (int64_t r = 0; r < H; ++r) ot[r] += pw[p] * yp[r];
     }
   });
 }
@@ -161,7 +281,7 @@ torch::Tensor fp8_block_experts(torch::Tensor x, torch::Tensor bank, torch::Tens
                                 int64_t inter, int64_t grain_rows) {
   const int64_t T = x.size(0), H = x.size(1), P = pair_token.size(0);
   auto out = torch::empty({T, H}, x.options());
-  auto act = torch::empty({P, inter}, x.options());
+  auto act = torch::empty({P, inter + H}, x.options());  // activations, then down outputs
   fluxtide::fp8_block_experts_into(x.data_ptr<float>(), T, H, bank.data_ptr<uint8_t>(), bank.size(1),
                                    pair_token.data_ptr<int64_t>(), pair_row.data_ptr<int64_t>(),
                                    pair_weight.data_ptr<float>(), P, offsets.data_ptr<int64_t>(), inter,

@@ -11,7 +11,7 @@ namespace fluxtide {
 
 // out fp32 [T, H] = for each token the router-weighted sum, over its pairs in pair order, of
 // down(silu(gate x) * up x) with the expert read from bank row pair_row[p] (fp8_block_experts.py's contract).
-// Every row of out is written, zero where a token has no pair; act is fp32 [P, I] scratch. bank is uint8
+// Every row of out is written, zero where a token has no pair; act is fp32 [P, I + H] scratch. bank is uint8
 // [N, R]; offsets int64 [6] (gate/up/down data and scale byte offsets in a row). Inputs are trusted: the
 // caller checks tokens < T and rows < N. for_each(n, job) must call job(j) once for every j in [0, n), in any
 // order, from any threads, and return when all are done (the host lane passes its SpinTeam's run); empty: ATen's

@@ -7,7 +7,7 @@ the router-weighted sum, over its pairs in the order given, of down(silu(gate x)
 from bank row pair_row[p] as `ExpertLayout` packs it (block FP8 only: e4m3 data, fp32 128×128 block scales,
 w = data × scale). Nothing dequantized is stored; see the .cpp for the e4m3 → fp16 bit mapping.
 
-The kernel is compiled for this host (`-O3 -march=native`, OpenMP through ATen's parallel_for) by
+The kernel is compiled for this host (`-O3 -march=native -ffp-contract=off`, OpenMP through ATen's parallel_for) by
 `torch.utils.cpp_extension` on first use and cached in torch's extension directory. It needs a C++ compiler
 and ninja; `available()` says whether the build succeeded and why not. C++ callers reach the same kernel on raw
 pointers through fp8_block_experts.h (host_lane.cpp builds this source into its own module).
@@ -24,7 +24,10 @@ from adapters.checkpoint.expert_layout import ExpertLayout
 from domain.model_spec import WeightFormat
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-CFLAGS = ("-O3", "-march=native", "-fopenmp")  # this host's vector units; ATen's parallel_for through OpenMP
+# this host's vector units; ATen's parallel_for through OpenMP; no FMA contraction of plain C++ arithmetic: GCC's
+# tuning for some hosts (AMD's znver) fuses a multiply-add in one template instance of the GEMV's scalar tail and not
+# in another, which would make a pair's bits depend on how many rows share its expert (the intrinsics are explicit)
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 _PARTS = (("gate", "data"), ("gate", "scale"), ("up", "data"), ("up", "scale"), ("down", "data"), ("down", "scale"))
 GRAIN_ROWS = 64  # output rows per parallel job: 16 gate/up jobs per pair at I = 512, 32 down jobs at H = 2,048
 

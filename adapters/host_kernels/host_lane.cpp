@@ -84,7 +84,7 @@ class HostLane {
     tok_.resize(m_ * k_);
     row_.resize(m_ * k_);
     w_.resize(m_ * k_);
-    act_.resize(m_ * k_ * inter_);
+    act_.resize(m_ * k_ * (inter_ + h_));
   }
 
   ~HostLane() { stop(); }
@@ -206,7 +206,7 @@ class HostLane {
   bool spin_;
   fluxtide::ForEach for_each_;  // the spin team's run while the thread runs with one; empty: OpenMP
   std::vector<int64_t> tok_, row_;  // [M*K] the request's pairs, built without allocating
-  std::vector<float> w_, act_;      // [M*K], [M*K, I]
+  std::vector<float> w_, act_;      // [M*K], [M*K, I + H] (the kernel's scratch)
   std::atomic<bool> stop_{false};
   std::mutex lifecycle_;
   std::thread thread_;

@@ -173,22 +173,25 @@ class HostLane:
         any float dtype on the lane's device. Returns out. No host sync."""
         return host_lane_wait.wait_add(out, self.partial, self.ctrl[DONE:DONE + 1], self.state, self.max_spins)
 
-    def measure(self, requests: int = 8, timeout_s: float = 30.0, experts: int | None = None) -> float:
+    def measure(self, requests: int = 8, timeout_s: float = 30.0, experts: int | None = None, rows: int = 1) -> float:
         """GB/s of expert bytes (packed rows) the running thread computes, measured through the mailbox itself: one
-        warm-up and `requests` timed requests of one row through `experts` (default top_k, at most top_k) distinct
-        experts each, issued from Python, so the figure holds the thread's team, the bank's memory and a request's
-        round trip (`ft serve --host-experts auto` balances it against the link). Before any step only: it takes
-        sequence numbers and moves the device counter past them (a host sync). Raises RuntimeError when the thread is not running or an answer takes
-        longer than timeout_s, ValueError for requests < 1 or experts outside 1..top_k."""
+        warm-up and `requests` timed requests of `rows` rows (default 1, at most M) that all route through the same
+        `experts` (default top_k, at most top_k) distinct experts, as a batch of one prompt does, issued from Python,
+        so the figure holds the thread's team, the bank's memory and a request's round trip (`ft serve
+        --host-experts auto` balances it against the link). The bytes counted are the distinct experts' rows. Before
+        any step only: it takes sequence numbers and moves the device counter past them (a host sync). Raises
+        RuntimeError when the thread is not running or an answer takes longer than timeout_s, ValueError for
+        requests < 1, experts outside 1..top_k or rows outside 1..M."""
         k = self.top_k if experts is None else experts
-        if requests < 1 or not 1 <= k <= self.top_k:
-            raise ValueError(f"requests must be at least 1 and experts in 1..{self.top_k}, got {requests}, {k}")
+        if requests < 1 or not 1 <= k <= self.top_k or not 1 <= rows <= self.x.shape[0]:
+            raise ValueError(f"requests must be at least 1, experts in 1..{self.top_k} and rows in "
+                             f"1..{self.x.shape[0]}, got {requests}, {k}, {rows}")
         if not self.running:
             raise RuntimeError("the host lane's thread is not running: start() it first")
         n = self._keys.numel()
         seq = max(int(self.state[0]), abs(int(self.ctrl[DONE])), int(self.ctrl[REQUEST]))
-        self.x[0].normal_()
-        self.weights[:k].fill_(1.0 / k)
+        self.x[:rows].normal_()
+        self.weights.fill_(1.0 / k)
         start = 0.0
         for r in range(requests + 1):
             if r == 1:
@@ -196,8 +199,10 @@ class HostLane:
             seq += 1
             self.pairs.fill_(-1)
             # NOTE: the next experts of the bank each time, so the rate is the bank's memory's, not a cache's
-            self.pairs[:k] = self._keys[(torch.arange(k) + r * k) % n]
-            self.ctrl[ROWS] = 1
+            keys = self._keys[(torch.arange(k) + r * k) % n]
+            for t in range(rows):
+                self.pairs[t * self.top_k:t * self.top_k + k] = keys
+            self.ctrl[ROWS] = rows
             self.ctrl[REQUEST] = seq  # last: the thread reads the rest after it (x86 keeps stores in order)
             deadline = time.perf_counter() + timeout_s
             while abs(int(self.ctrl[DONE])) != seq:

@@ -58,6 +58,31 @@ def test_matches_the_dequantized_reference(hidden, inter):
     assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (200, 72), (201, 75)])
+def test_an_expert_shared_by_many_pairs_gives_each_pair_its_own_bits(hidden, inter):
+    # a batch that routes alike (one prompt sent to every request) shares experts: the kernel reads a shared
+    # expert once for up to 4 vectors at a time (2 rows a step for 1 and 2, 1 row for 3 and 4); every pair must
+    # still get the bits it gets alone (where no expert is shared the kernel takes its fused two-phase path: the
+    # runs alone compare the two paths). Row 2 is shared by 6 pairs (a group of 4 then 2), row 0 by 3, row 4 by 1.
+    # (201, 75): the scalar tail of rows off the 16-byte steps, where an FMA contraction in one template instance
+    # and not another broke the bits on AMD hosts (-ffp-contract=off)
+    g = torch.Generator().manual_seed(7 + hidden)
+    layout = ExpertLayout(WeightFormat.FP8_BLOCK, hidden, inter)
+    bank = _bank(layout, 5, g)
+    x = torch.randn(6, hidden, generator=g)
+    pair_token = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 5, 5])
+    pair_row = torch.tensor([2, 0, 0, 2, 2, 4, 2, 2, 2, 0])
+    pair_weight = torch.rand(10, generator=g)
+    out = hk.fp8_block_experts(x, bank, layout, pair_token, pair_row, pair_weight)
+    ref = _reference(x, bank, layout, pair_token, pair_row, pair_weight)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for t in range(6):
+        mine = pair_token == t
+        alone = hk.fp8_block_experts(x[t:t + 1], bank, layout, torch.zeros(int(mine.sum()), dtype=torch.int64),
+                                     pair_row[mine], pair_weight[mine])
+        assert torch.equal(out[t], alone[0]), f"token {t} differs from its run alone"
+
+
 def test_every_e4m3_byte_decodes_as_torch_casts_it():
     # all 254 finite encodings (zero, both signs, the subnormals) in one gate row, a one-hot x picks each out
     g = torch.Generator().manual_seed(1)

@@ -264,6 +264,29 @@ def test_a_spin_team_lives_and_ends_with_its_thread(bank):
     _until(lambda: _threads() == count, "every thread gone")
 
 
+@pytest.mark.parametrize("team", hl.TEAMS)
+def test_measure_serves_rows_routed_alike(bank, team):
+    # --host-experts auto's measurement, and bench_host_experts' batch of one prompt: `rows` rows through the
+    # same experts; the last request's answer must be the kernel's for those pairs
+    rows, layout = bank
+    lane = _lane(bank, team=team)
+    with pytest.raises(RuntimeError, match="not running"):
+        lane.measure(requests=1)
+    lane.start()
+    try:
+        for bad in (dict(rows=0), dict(rows=M + 1), dict(experts=K + 1), dict(requests=0)):
+            with pytest.raises(ValueError, match="rows in"):
+                lane.measure(**bad)
+        assert lane.measure(requests=1, experts=2, rows=M) > 0
+        keys = (ROW_OF_KEY >= 0).nonzero().flatten()  # the keys with a bank row, as the lane lists them
+        last = keys[(torch.arange(2) + 2) % keys.numel()]  # request 1's experts (request 0 warms up)
+        expected = hk.fp8_block_experts(lane.x[:M].cpu(), rows, layout, torch.arange(M).repeat_interleave(2),
+                                        ROW_OF_KEY[last].repeat(M), torch.full((2 * M,), 0.5))
+        assert torch.equal(lane.partial[:M].cpu(), expected)
+    finally:
+        lane.stop()
+
+
 def test_launchers_refuse_what_does_not_fit(bank):
     lane = _lane(bank)
     x, pairs, w = torch.zeros(2, H), torch.full((2 * K,), -1), torch.zeros(2, K + 1)
