@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "domain/prefill_choice.py) (default: the calibration's, reference)")
     p.add_argument("--host-experts-gb-s", type=parse_gb_s, metavar="GB/S",
                    help="the host lane (ADR 0030, the customer's 'hybrid' mode): compute a share of each decode "
-                        "lookup's misses on the host CPU at this rate (GB/s of expert weight bytes per routed pair) "
-                        "while the link copies the rest (default: off)")
+                        "lookup's misses on the host CPU at this rate (GB/s of expert weight bytes, read once a "
+                        "weight pass: up to 4 rows of one expert) while the link copies the rest (default: off)")
     p.add_argument("--host-permille", type=parse_permille_or_auto, metavar="N|auto",
                    help="the host lane's share of each lookup's misses, per mille (the last m x N / 1000 of m misses, "
                         "rounded, as the domain's lookup takes them); auto (the default with --host-experts-gb-s): "

@@ -32,8 +32,9 @@ Three named terms describe how a step's pieces line up in time (docs/simulator.m
   and every other pair routed to the same expert (re-read from L2) costs pair_reread_s (docs/simulator.md, "Held out
   on an H100: sessions 34-35");
 - the host lane (`host_compute`, host_lane.py, ADR 0030): with host_permille set, the last share of each decode
-  lookup's misses is computed on the host CPU beside the link's copies of the rest; the layer's miss GEMMs wait for
-  both lanes (docs/simulator.md, "The host lane").
+  lookup's misses is computed on the host CPU beside the link's copies of the rest, a weight pass over a host key's
+  expert serving up to host_lane.ROWS_PER_PASS of its rows; the layer's miss GEMMs wait for both lanes
+  (docs/simulator.md, "The host lane").
 
 How a layer's routed-expert GEMMs read weights is a property of the engine (`expert_reads`): "distinct"
 reads each distinct expert of the step once (grouped GEMMs, an engine that deduplicates: the reference
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from domain.model_spec import LayerKind, ModelSpec
 from domain.residency import host_key_count
 from simulator.hardware import HardwareProfile
-from simulator.host_lane import check_host_params, miss_points
+from simulator.host_lane import check_host_params, miss_points, passes_per_key
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
@@ -165,9 +166,10 @@ class CostParams(StrictParams):
     eager_mixer_layer_s: float = 0.0
     # The host lane (ADR 0030; simulator/host_lane.py): of each decode lookup's m misses the last
     # host_key_count(m, host_permille) (domain.residency: m × p / 1000 rounded half up) are computed on the host CPU
-    # while the link copies the rest; the host reads their expert bytes once per (token, expert) pair at
-    # host_expert_gb_s (GB/s of expert weight bytes), plus host_call_s (s) per lookup with any host keys (the GPU
-    # hands the rows over and waits for the partial sum). 0 and 0: off
+    # while the link copies the rest; the host reads their expert bytes once per weight pass (a pass serves up to
+    # host_lane.ROWS_PER_PASS rows routed to the key: the kernel's MAX_VECTORS) at host_expert_gb_s (GB/s of expert
+    # weight bytes), plus host_call_s (s) per lookup with any host keys (the GPU hands the rows over and waits for the
+    # partial sum). 0 and 0: off
     # (every calibration file; to_dict leaves the three out at their defaults).
     host_expert_gb_s: float = 0.0
     host_permille: int = 0
@@ -399,17 +401,19 @@ class CostModel:
             raise ValueError(f"negative pairs {pairs}")
         return self.params.pair_call_s if pairs and self.reads_per_pair(pairs) else 0.0
 
-    def host_compute(self, pairs: float, calls: float = 1.0) -> float:
-        """Seconds the host lane (host_lane.py) takes for host keys routed `pairs` (token, expert) pairs, handed over
-        in `calls` lookups: calls × host_call_s + pairs × expert bytes / host_expert_gb_s (0 pairs cost nothing)."""
-        if pairs < 0 or calls < 0:
-            raise ValueError(f"negative host pairs {pairs} or calls {calls}")
-        if not pairs:
+    def host_compute(self, passes: float, calls: float = 1.0) -> float:
+        """Seconds the host lane (host_lane.py) takes for `passes` weight passes over host keys' experts, handed over
+        in `calls` lookups: calls × host_call_s + passes × expert bytes / host_expert_gb_s (0 passes cost nothing).
+        A host key routed by n rows in a lookup takes host_lane.weight_passes(n) = ceil(n / ROWS_PER_PASS) passes:
+        the host kernel converts an expert's weights once for up to that many of its rows."""
+        if passes < 0 or calls < 0:
+            raise ValueError(f"negative host passes {passes} or calls {calls}")
+        if not passes:
             return 0.0
         p = self.params
         if not p.host_expert_gb_s:
-            raise ValueError("host pairs need CostParams.host_expert_gb_s > 0")
-        return calls * p.host_call_s + pairs * self.expert_bytes / (p.host_expert_gb_s * 1e9)
+            raise ValueError("host passes need CostParams.host_expert_gb_s > 0")
+        return calls * p.host_call_s + passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
 
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
@@ -477,7 +481,10 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     pre-expert + layer_expert_time(copy, hit GEMMs, miss GEMMs) + the call's fixed part (expert_call), summed
     over layers (never a per-step max of compute and copy); with a host lane the copy there is max(the fills' copy,
     the host keys' host_compute), the miss GEMMs are the fills', and a layer is costed at the whole miss counts around
-    its average (host_lane.miss_points). ValueError on counts out of range.
+    its average (host_lane.miss_points). The host keys' weight passes assume each key is routed by routed / distinct
+    pairs, spread as evenly as that average allows (host_lane.passes_per_key): a pass a pair where rows never share a
+    key (as before passes were counted), ceil(rows / ROWS_PER_PASS) a key for lockstep rows (one prompt), a pass a key
+    for distinct rows on uniform routing. ValueError on counts out of range.
     """
     spec = model.spec
     if rows < 1 or context < 1:
@@ -516,8 +523,8 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
         reads_miss = routed * fill_share if per_pair and not rereads else fill
         miss_gemm = model.expert_read(reads_miss, routed * fill_share, per_pair, again * fill_share if rereads else 0.0)
         copy_w = model.transfer(fill, layers_with_misses / layers) if misses_per_step else 0.0
-        # the host reads each host key once per pair routed to it, as the GPU's per-pair GEMVs would
-        host_w = model.host_compute(routed * on_host / distinct_per_layer) if on_host else 0.0
+        # the host reads each host key once per weight pass over the rows routed to it (routed / distinct on average)
+        host_w = model.host_compute(on_host * passes_per_key(routed / distinct_per_layer)) if on_host else 0.0
         phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call)
         copy_l += weight * copy_w
         gemms += weight * (hit_gemm + miss_gemm + call)

@@ -2,10 +2,13 @@
 misses is computed on the host CPU while the PCIe link copies the rest.
 
 The split is the domain's (ExpertResidency.lookup(keys, host_permille=p)): of a lookup's m distinct misses the last
-host_key_count(m, p) (m × p / 1000 rounded half up) are host keys; they take no slot and are never copied. The host reads each host key's expert bytes
-once per (token, expert) pair at CostParams.host_expert_gb_s, after a fixed round trip (host_call_s) per lookup with
-any host keys (the GPU hands the layer's rows to the host and waits for its partial sum). The GPU runs only the GEMMs
-of its hits and fills, after both lanes.
+host_key_count(m, p) (m × p / 1000 rounded half up) are host keys; they take no slot and are never copied. The host
+reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s, after a fixed round trip
+(host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its partial sum).
+The host kernel groups a lookup's (token, expert) pairs by expert and converts each expert's weights once for up to
+ROWS_PER_PASS of its rows at a time, so a host key routed by n rows costs ceil(n / ROWS_PER_PASS) passes
+(`weight_passes`), not n: rows that route alike (one prompt to every request) share the reads. The GPU runs only the
+GEMMs of its hits and fills, after both lanes.
 """
 
 from __future__ import annotations
@@ -13,6 +16,35 @@ from __future__ import annotations
 import math
 
 from domain.residency import balanced_host_permille  # noqa: F401 - predict's auto share, as ft serve's
+
+# NOTE: the rows one weight pass of the host kernel serves: MAX_VECTORS in adapters/host_kernels/fp8_block_experts.cpp
+# (gemv_rows), written out here because the simulator may not import adapters; change both together
+ROWS_PER_PASS = 4
+
+
+def weight_passes(rows: int) -> int:
+    """Weight passes the host kernel makes over one host key's expert for the `rows` (token, expert) pairs routed to
+    it in one lookup: ceil(rows / ROWS_PER_PASS) (0 for none)."""
+    if rows < 0:
+        raise ValueError(f"negative rows {rows}")
+    return -(-rows // ROWS_PER_PASS)
+
+
+def passes_per_key(pairs_per_key: float) -> float:
+    """The step model's weight passes a host key on average, for host keys routed `pairs_per_key` pairs on average
+    (decode_step: routed pairs / distinct experts, the same for every key as the GPU's per-pair reads assume).
+    Assumes the pairs spread as evenly over the keys as their average allows: every key is routed by the integer
+    below the average or the one above, weighted by nearness (as miss_points), and costs weight_passes of it. So rows
+    that never share a key (an average of 1, or below) cost a pass a pair, as before passes were counted; lockstep rows
+    (one prompt: n rows on every key) cost ceil(n / ROWS_PER_PASS) a key; and distinct rows on uniform routing, which
+    put a few pairs on a few keys (1 to 2 on average), cost a pass a key. A routing that piles more than
+    ROWS_PER_PASS rows on some keys and one on the rest costs more than this says: the simulated executor, which
+    counts each key's rows, is the one to trust there."""
+    if pairs_per_key < 0:
+        raise ValueError(f"negative pairs per key {pairs_per_key}")
+    low = math.floor(pairs_per_key)
+    upper = pairs_per_key - low  # weight of low + 1
+    return (1 - upper) * weight_passes(low) + upper * weight_passes(low + 1)
 
 
 def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:

@@ -258,9 +258,11 @@ class RunStats:
     cached_prompt_tokens: int = 0
     steady_tok_s: list[float] = field(default_factory=list)  # per measured request with > 1 token (SPEC.md)
     working_set: int = 0  # distinct (layer, expert) keys the measured window's steps routed to
-    # the host lane (ADR 0030): misses computed on the host, their routed pairs, and the lane's utilisation
+    # the host lane (ADR 0030): misses computed on the host, their routed pairs, the host kernel's weight passes over
+    # them (up to host_lane.ROWS_PER_PASS of a lookup's pairs of one expert a pass), and the lane's utilisation
     host_experts: int = 0
     host_pairs: int = 0
+    host_passes: int = 0
     cpu_utilisation: float = 0.0
 
 
@@ -394,6 +396,7 @@ def run_workload(executor: SimExecutor, plan: PoolPlan, workload: Workload, batc
                      streamed_steps=c.streamed_steps, streamed_not_resident=c.streamed_not_resident,
                      streamed_staged=c.streamed_staged, cached_prompt_tokens=cached_tokens, steady_tok_s=steady,
                      working_set=len(executor.routed_keys), host_experts=c.host_experts, host_pairs=c.host_pairs,
+                     host_passes=c.host_passes,
                      cpu_utilisation=SimHost.cpu_utilisation(start_snapshot, end_snapshot))
     if workload.ttft_prompt_tokens:
         probe = _ttft_probe(executor, scheduler, workload.ttft_prompt_tokens)
@@ -518,10 +521,11 @@ def predict_point(spec: ModelSpec, model_name: str, hardware: HardwareProfile, d
 def host_lane_summary(cost: CostParams, stats: RunStats, expert_bytes: int) -> dict:
     """The host lane of a point (ADR 0030; only where on): its settings and what the measured window did with them:
     misses computed on the host, their share of the misses, the bytes the link copied and the host read a token
-    (once per routed pair), and the host lane's utilisation."""
+    (once per weight pass: host_lane.weight_passes of each host key's rows in a lookup), and the host lane's
+    utilisation."""
     tokens = max(1, stats.output_tokens)
     return {"mode": "host experts (ADR 0030)", "host_expert_gb_s": cost.host_expert_gb_s,
             "host_permille": cost.host_permille, "host_call_s": cost.host_call_s, "host_experts": stats.host_experts,
             "host_share_of_misses": stats.host_experts / stats.misses if stats.misses else 0.0,
             "copied_bytes_per_token": stats.bytes_moved / tokens,
-            "host_bytes_per_token": stats.host_pairs * expert_bytes / tokens, "cpu_utilisation": stats.cpu_utilisation}
+            "host_bytes_per_token": stats.host_passes * expert_bytes / tokens, "cpu_utilisation": stats.cpu_utilisation}

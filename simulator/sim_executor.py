@@ -76,10 +76,11 @@ pass `Deployment.short_prompt_replays` resolved (short_prompts.resolve: auto, th
 The host lane (CostParams.host_permille, host_expert_gb_s, host_call_s; ADR 0030, simulator/host_lane.py): a decode
 graph's lookups (decode-only steps, replays, a layered step's decode rows; never an uncaptured pass) pass the share to
 ExpertResidency.lookup, whose host keys take no slot and are not copied. Their work runs on the host's `cpu` lane
-(host_call_s + their pairs x expert bytes / host_expert_gb_s) beside the link's copies of the fills; the GPU computes
-the hits as before (overlap_copy_compute included), then waits for both lanes before the fills' GEMMs. The host keys'
-GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than its keys) pays host_call_s per
-group with host keys.
+(host_call_s + their weight passes x expert bytes / host_expert_gb_s; a key routed by n of the lookup's rows takes
+host_lane.weight_passes(n) = ceil(n / 4) passes, the host kernel serving up to 4 rows a pass) beside the link's copies
+of the fills; the GPU computes the hits as before (overlap_copy_compute included), then waits for both lanes before
+the fills' GEMMs. The host keys' GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than
+its keys) pays host_call_s per group with host keys.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ from domain.short_prompt_replays import unroll
 from domain.streamed_prefill import plan_rounds, speculate_whole_layers, staging_buffers
 from simulator.cost_model import CostModel, SequenceLoad
 from simulator.host import SimHost
+from simulator.host_lane import weight_passes
 from simulator.routing import RoutingModel
 
 
@@ -116,10 +118,12 @@ class ExecutorCounters:
     # short prompts as decode replays: steps run so, and the replays they took
     replayed_steps: int = 0
     replays: int = 0
-    # the host lane (ADR 0030): misses computed on the host (counted in expert_misses too, never in bytes_moved) and
-    # the (token, expert) pairs routed to them (the host reads an expert's bytes once per pair)
+    # the host lane (ADR 0030): misses computed on the host (counted in expert_misses too, never in bytes_moved),
+    # the (token, expert) pairs routed to them, and the host kernel's weight passes over them (it reads an expert's
+    # bytes once a pass, a pass serving up to host_lane.ROWS_PER_PASS of a lookup's pairs of that expert)
     host_experts: int = 0
     host_pairs: int = 0
+    host_passes: int = 0
 
     def minus(self, other: ExecutorCounters) -> ExecutorCounters:
         return ExecutorCounters(*(getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__))
@@ -495,11 +499,13 @@ class SimExecutor:
         lookup = residency.lookup(keys, host_permille=host_permille)
         misses, on_host = len(lookup.fills), len(lookup.host)
         host_pairs = sum(tokens_per_expert[e] for _, e in lookup.host)
+        host_passes = sum(weight_passes(tokens_per_expert[e]) for _, e in lookup.host)
         c.expert_hits += len(lookup.hits)
         c.expert_misses += misses + on_host
         c.bytes_moved += misses * cost.expert_bytes
         c.host_experts += on_host
         c.host_pairs += host_pairs
+        c.host_passes += host_passes
         hit_tokens = [tokens_per_expert[e] for _, e in lookup.hits]
         miss_tokens = [tokens_per_expert[e] for (_, e), _slot in lookup.fills]
         if not misses and not on_host:
@@ -509,7 +515,7 @@ class SimExecutor:
         yield from host.gpu.use(pending)
         lanes = [host.env.process(host.pcie.use(cost.transfer(misses)))] if misses else []
         if on_host:
-            lanes.append(host.env.process(host.cpu.use(cost.host_compute(host_pairs))))
+            lanes.append(host.env.process(host.cpu.use(cost.host_compute(host_passes))))
         # NOTE: one lane is waited on as itself, as before the host lane: the same events, the same timeline
         done = lanes[0] if len(lanes) == 1 else host.env.all_of(lanes)
         if cost.params.overlap_copy_compute:
@@ -535,7 +541,7 @@ class SimExecutor:
             self.residency.hits, self.residency.misses, self.residency.host_computed), (
             "executor and residency disagree on hits/misses/host experts"
         )
-        assert c.host_experts <= c.host_pairs, "a host expert without a routed pair"
+        assert c.host_experts <= c.host_passes <= c.host_pairs, "a host expert without a pass, or a pass without a pair"
 
 
 def _is_decode_row(work: SequenceWork) -> bool:

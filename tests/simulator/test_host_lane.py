@@ -18,7 +18,7 @@ from simulator.__main__ import main
 from simulator.cost_model import HOST_LANE_DEFAULTS, CostModel, CostParams, decode_step
 from simulator.hardware import get_profile
 from simulator.host import SimHost
-from simulator.host_lane import balanced_host_permille, miss_points
+from simulator.host_lane import balanced_host_permille, miss_points, passes_per_key, weight_passes
 from simulator.predict import Workload, predict_point, run_workload
 from simulator.routing import UniformRouting
 from simulator.sim_executor import SimExecutor
@@ -112,7 +112,7 @@ def cold_step(params: CostParams, rows: int, spec=SPEC) -> tuple[SimExecutor, fl
 
 @settings(max_examples=60, deadline=None)
 @given(top_k=st.integers(1, 8), permille=st.integers(0, 1000), rate=st.floats(0.5, 400),
-       call=st.sampled_from([0.0, 20e-6, 1e-4]), rows=st.sampled_from([1, 2, 3, 4]), overlap=st.booleans(),
+       call=st.sampled_from([0.0, 20e-6, 1e-4]), rows=st.sampled_from([1, 2, 3, 4, 5, 8]), overlap=st.booleans(),
        reads=st.sampled_from(["pairs", "distinct"]))
 def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, rate, call, rows, overlap, reads):
     """Every layer misses top_k experts (1 to 8): the domain's host keys, copies, host lane and step time of the
@@ -125,12 +125,57 @@ def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, r
     c = ex.counters
     assert c.expert_misses == top_k * layers and c.host_experts == on_host * layers
     assert c.host_pairs == rows * on_host * layers  # lockstep rows: each host expert is routed once a row
+    assert c.host_passes == weight_passes(rows) * on_host * layers  # ... and read once for up to 4 of them
     assert c.bytes_moved == (top_k - on_host) * layers * spec.expert_bytes()
     step = decode_step(CostModel(spec, H100, params), rows, 2, float(top_k), float(top_k * layers))
     assert took == pytest.approx(step.total_s, rel=1e-9)
     assert ex.host.pcie.busy_at() == pytest.approx(step.copy_s, rel=1e-9)
     assert ex.host.cpu.busy_at() == pytest.approx(step.host_lane_s, rel=1e-9)
     assert ex.host.cpu.uses == (layers if on_host else 0)
+
+
+def test_a_host_key_shared_by_rows_is_read_once_for_up_to_four_of_them():
+    """The host kernel (adapters/host_kernels/fp8_block_experts.cpp, MAX_VECTORS) converts an expert's weights once
+    for up to 4 of a lookup's rows routed to it: lockstep rows (one prompt to every request, as the customer's
+    benchmark sends) on a host key cost ceil(rows / 4) passes, not a pass a row. Every layer sends its one miss to
+    the host (top-1, the whole share), so the lane is its round trips and the passes, in the executor and the step
+    model alike."""
+    spec = tiny_spec(layers=4, experts=16, top_k=1)
+    rate, call = 10.0, 20e-6
+    params = cost(host_expert_gb_s=rate, host_permille=1000, host_call_s=call)
+    model, read = CostModel(spec, H100, params), spec.expert_bytes() / (rate * 1e9)
+    lane = {}
+    for rows in (1, 2, 4, 5, 8, 9):
+        ex, _ = cold_step(params, rows, spec)
+        c = ex.counters
+        assert (c.host_experts, c.host_pairs, c.host_passes) == (4, 4 * rows, 4 * weight_passes(rows))
+        lane[rows] = ex.host.cpu.busy_at()
+        assert lane[rows] == pytest.approx(4 * (call + math.ceil(rows / 4) * read), rel=1e-9)
+        assert decode_step(model, rows, 2, 1.0, 4.0).host_lane_s == pytest.approx(lane[rows], rel=1e-9)
+    assert lane[1] == pytest.approx(lane[2]) == pytest.approx(lane[4])  # a pass a pair would be 4 x one row's reads
+    assert lane[5] == pytest.approx(lane[8]) == pytest.approx(lane[1] + 4 * read)  # 5 rows: a second pass
+    assert lane[9] == pytest.approx(lane[1] + 8 * read)
+
+
+def test_the_step_model_spreads_a_keys_pairs_as_evenly_as_their_average_allows():
+    """passes_per_key: whole averages cost their own passes; at or below one pair a key (rows that never share a key)
+    a pass a pair, as before passes were counted; between, the two whole counts around the average."""
+    for n in range(0, 13):
+        assert passes_per_key(float(n)) == weight_passes(n) == math.ceil(n / 4)
+    for x in (0.0, 0.25, 0.999, 1.0):
+        assert passes_per_key(x) == pytest.approx(x)
+    assert passes_per_key(1.15) == passes_per_key(3.9) == 1.0  # uniform routing's distinct rows: a pass a key
+    assert passes_per_key(4.25) == pytest.approx(1.25)
+    # rows that never share a key (bs1: routed / distinct = 1): the step model's host lane is a pass a pair, as it was;
+    # 3.65 misses a layer are costed at 3 (35 %, 1 host key at 423 per mille) and 4 (65 %, 2 host keys)
+    model = CostModel(SPEC, H100, cost(host_expert_gb_s=40.0, host_permille=423))
+    step = decode_step(model, 1, 144, 8.0, 146.0)
+    per_pair = SPEC.num_layers * (0.35 * model.host_compute(1.0) + 0.65 * model.host_compute(2.0))
+    assert step.host_lane_s == pytest.approx(per_pair, rel=1e-12)
+    with pytest.raises(ValueError, match="negative"):
+        passes_per_key(-0.5)
+    with pytest.raises(ValueError, match="negative"):
+        weight_passes(-1)
 
 
 def test_the_host_lane_runs_beside_the_copies_not_after_them():
@@ -155,7 +200,8 @@ def test_the_host_lane_runs_beside_the_copies_not_after_them():
        overlap=st.booleans(), same_prompt=st.booleans(), seed=st.integers(0, 3))
 def test_every_run_with_a_host_lane_keeps_the_books(slots, permille, rate, batch, overlap, same_prompt, seed):
     """Random pools, shares and rates through the scheduler (check_valid after every step): the link copies the fills
-    only, the host lane is busy exactly for its round trips and pairs, and the three resources stay within time."""
+    only, the host lane is busy exactly for its round trips and weight passes, and the three resources stay within
+    time."""
     spec = tiny_spec()
     params = CostParams(step_overhead_s=1e-3, transfer_latency_s=1e-5, overlap_copy_compute=overlap,
                         graph_buckets=(1, 2, 4), host_expert_gb_s=rate, host_permille=permille)
@@ -168,10 +214,10 @@ def test_every_run_with_a_host_lane_keeps_the_books(slots, permille, rate, batch
                         measure_tokens=6, same_prompt=same_prompt)
     stats = run_workload(ex, plan, workload, batch, spec.max_context, check=True)
     c, host = ex.counters, ex.host
-    assert c.host_experts == ex.residency.host_computed and c.host_experts <= c.host_pairs
+    assert c.host_experts == ex.residency.host_computed and c.host_experts <= c.host_passes <= c.host_pairs
     assert c.bytes_moved == (c.expert_misses - c.host_experts) * spec.expert_bytes()
     assert host.pcie.busy_at() == pytest.approx(model.transfer(c.expert_misses - c.host_experts), rel=1e-9, abs=1e-15)
-    lane = host.cpu.uses * params.host_call_s + c.host_pairs * spec.expert_bytes() / (rate * 1e9)
+    lane = host.cpu.uses * params.host_call_s + c.host_passes * spec.expert_bytes() / (rate * 1e9)
     assert host.cpu.busy_at() == pytest.approx(lane, rel=1e-9, abs=1e-15)
     assert (c.host_experts > 0) == (host.cpu.uses > 0)
     if not permille:
