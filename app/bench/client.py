@@ -135,7 +135,11 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, timeo
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    # NOTE: read on to the body's end, never break here: httpx closes a connection whose body was
+                    # left unread, so every round opened new ones, and the request that found the one idle
+                    # connection (a stats poll's) reached the server alone, ahead of the round (session 40: bs6's
+                    # first measured round ran as two cohorts, 1 and 5, at 60 % of the second's rate)
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:
                     err = chunk["error"]

@@ -11,7 +11,7 @@ import math
 import httpx
 import pytest
 
-from app.bench.client import RequestResult, chat_body, run_round
+from app.bench.client import RequestResult, chat_body, run_round, stream_request
 from app.bench.smoke import passes
 from app.cli import main
 from app.containers import Container
@@ -69,6 +69,28 @@ def check_rounds(point: dict, concurrency: int, tokens: int, rounds: int) -> Non
 def plan_of(server) -> dict:
     plan = httpx.get(server.base_url + "/v1/cache/status").json()["plan"]
     return {k: plan[k] for k in ("kv_tokens", "expert_slots", "state_slots")}
+
+
+def test_a_streamed_request_leaves_its_connection_for_the_next_one(demo):
+    # a round's requests reach the server together only if they find open connections: the client must read each
+    # stream to its end (past [DONE]), or httpx drops the connection and the next request connects anew
+    connects = []
+
+    async def trace(event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.complete":
+            connects.append(event)
+
+    async def traced(request: httpx.Request) -> None:
+        request.extensions["trace"] = trace  # httpcore's documented tracing hook
+
+    async def three_streams() -> list[RequestResult]:
+        async with httpx.AsyncClient(base_url=demo.base_url, event_hooks={"request": [traced]}) as client:
+            path, body = chat_body("fluxtide-demo-arithmetic", "Count from 1 to 100.", 4)
+            return [await stream_request(client, path, body, 60.0) for _ in range(3)]
+
+    results = asyncio.run(three_streams())
+    assert all(r.ok and r.completion_tokens == 4 for r in results), [r.error for r in results]
+    assert len(connects) == 1, f"{len(connects)} TCP connections for three sequential streams"
 
 
 def test_sweep_rebuilds_and_records_a_refused_resize(tmp_path, demo):
