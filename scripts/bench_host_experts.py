@@ -21,7 +21,8 @@ writes one JSON record:
 With ``--lane`` the host lane's thread itself is timed (adapters/host_kernels/host_lane): requests of 1, 2, 4 and
 8 experts for one token, and of 2 experts for 4 tokens routed alike, through its mailbox, for each kind of team
 (``spin``: the lane's own spinning workers; ``openmp``: ATen's parallel_for on the thread's OpenMP team) at half,
-all but two and all but one of the cores: a request's fixed cost (waking the team, joining it) is what separates a bs1 layer's ~1.5 experts from the rate above.
+all but two and all but one of the cores: a request's fixed cost (waking the team, joining it) is what separates a
+bs1 layer's ~1.5 experts from the rate above.
 
 With ``--with-gather`` (CUDA) the compiled paths are timed again while pinned host → device copies loop (``CopyLoad``):
 the decode step's gathers read the same host DRAM as the host lane, so what each gets while the other runs is what

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <vector>
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -130,18 +131,16 @@ inline void gemv_span(const uint8_t* w, const float* scale, const float* const* 
   for (; r < r1; ++r) gemv_tile<1, NT>(w, scale, x, cols, r, y, r - r0);
 }
 
-// y[j][r - r0] for rows [r0, r1) and nt vectors x[j] (the pairs of one expert), MAX_VECTORS at a time
+// y[j][r - r0] for rows [r0, r1) and nt vectors x[j] (pairs of one expert), nt in 1..MAX_VECTORS: the callers
+// hand a group's pairs over MAX_VECTORS at a time (their pointer arrays are that long)
 inline void gemv_rows(const uint8_t* w, const float* scale, const float* const* x, int nt, int cols, int r0,
                       int r1, float* const* y) {
-  for (int j0 = 0; j0 < nt; j0 += MAX_VECTORS) {
-    const float* const* xs = x + j0;
-    float* const* ys = y + j0;
-    switch (std::min(MAX_VECTORS, nt - j0)) {
-      case 1: gemv_span<2, 1>(w, scale, xs, cols, r0, r1, ys); break;
-      case 2: gemv_span<2, 2>(w, scale, xs, cols, r0, r1, ys); break;
-      case 3: gemv_span<1, 3>(w, scale, xs, cols, r0, r1, ys); break;
-      default: gemv_span<1, 4>(w, scale, xs, cols, r0, r1, ys); break;
-    }
+  switch (nt) {
+    case 1: gemv_span<2, 1>(w, scale, x, cols, r0, r1, y); break;
+    case 2: gemv_span<2, 2>(w, scale, x, cols, r0, r1, y); break;
+    case 3: gemv_span<1, 3>(w, scale, x, cols, r0, r1, y); break;
+    case MAX_VECTORS: gemv_span<1, MAX_VECTORS>(w, scale, x, cols, r0, r1, y); break;
+    default: throw std::logic_error("gemv_rows takes 1 to MAX_VECTORS vectors");
   }
 }
 

@@ -199,9 +199,7 @@ class HostLane:
             seq += 1
             self.pairs.fill_(-1)
             # NOTE: the next experts of the bank each time, so the rate is the bank's memory's, not a cache's
-            keys = self._keys[(torch.arange(k) + r * k) % n]
-            for t in range(rows):
-                self.pairs[t * self.top_k:t * self.top_k + k] = keys
+            self.pairs.view(-1, self.top_k)[:rows, :k] = self._keys[(torch.arange(k) + r * k) % n]  # [rows, k]
             self.ctrl[ROWS] = rows
             self.ctrl[REQUEST] = seq  # last: the thread reads the rest after it (x86 keeps stores in order)
             deadline = time.perf_counter() + timeout_s
