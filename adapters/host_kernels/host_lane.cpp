@@ -17,8 +17,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 #ifdef _OPENMP
@@ -90,11 +92,25 @@ class HostLane {
   ~HostLane() { stop(); }
 
   // Starts the serving thread; a no-op while it runs. A request published before the start is served.
+  // Returns once the thread has its kernel team, so team() names the one it serves with.
   void start() {
     std::lock_guard<std::mutex> lock(lifecycle_);
     if (thread_.joinable()) return;
     stop_.store(false, std::memory_order_relaxed);
-    thread_ = std::thread([this] { run(); });
+    std::promise<void> settled;
+    std::future<void> ready = settled.get_future();
+    thread_ = std::thread([this, &settled] { run(settled); });
+    ready.wait();
+  }
+
+  // The team the thread serves with (or last served with): "spin", or "openmp" when OpenMP was asked for or a
+  // spin team could not start its workers; "" before the first start.
+  std::string team() const {
+    switch (team_.load(std::memory_order_acquire)) {
+      case SPIN: return "spin";
+      case OPENMP: return "openmp";
+      default: return "";
+    }
   }
 
   // Ends the thread after the request it is serving, if any (a kernel call: milliseconds); idempotent.
@@ -111,7 +127,7 @@ class HostLane {
   }
 
  private:
-  void run() {
+  void run(std::promise<void>& settled) {
 #ifdef _OPENMP
     // NOTE: torch sizes a thread's OpenMP team lazily, once per thread, from its global count; settle that
     // first, then size this thread's team alone (omp_set_num_threads is per thread: Python's is untouched)
@@ -125,9 +141,11 @@ class HostLane {
         team = std::make_unique<fluxtide::SpinTeam>(static_cast<int>(threads_));
         for_each_ = [&team](int64_t n, const std::function<void(int64_t)>& job) { team->run(n, job); };
       } catch (...) {  // NOTE: nothing may leave the thread; without its workers (no threads left) it serves on
-        team.reset();  // OpenMP's team, as FLUXTIDE_HOST_LANE_TEAM=openmp would
+        team.reset();  // OpenMP's team, as FLUXTIDE_HOST_LANE_TEAM=openmp would; team() says so
       }
     }
+    team_.store(team ? SPIN : OPENMP, std::memory_order_release);
+    settled.set_value();  // NOTE: last use of settled: start() returns and its promise ends
     int64_t* ctrl = ctrl_.data_ptr<int64_t>();
     const int64_t answered = load_acquire(ctrl + DONE);
     int64_t last = answered < 0 ? -answered : answered;
@@ -204,6 +222,8 @@ class HostLane {
   torch::Tensor ctrl_, x_, pairs_, weights_, partial_, bank_, offsets_, row_of_key_;  // held: kept alive
   int64_t k_, inter_, grain_, threads_, m_ = 0, h_ = 0;
   bool spin_;
+  static constexpr int SPIN = 1, OPENMP = 2;
+  std::atomic<int> team_{0};    // the running thread's team (SPIN or OPENMP), 0 before the first start
   fluxtide::ForEach for_each_;  // the spin team's run while the thread runs with one; empty: OpenMP
   std::vector<int64_t> tok_, row_;  // [M*K] the request's pairs, built without allocating
   std::vector<float> w_, act_;      // [M*K], [M*K, I + H] (the kernel's scratch)
@@ -221,5 +241,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, bool>())
       .def("start", &HostLane::start, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("stop", &HostLane::stop, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("running", &HostLane::running);
+      .def("running", &HostLane::running)
+      .def("team", &HostLane::team);
 }

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import time
 from pathlib import Path
 
@@ -44,6 +45,8 @@ from adapters.checkpoint.expert_layout import ExpertLayout
 from adapters.host_kernels import fp8_block_experts as fp8
 from adapters.kernels import host_lane_publish, host_lane_wait
 from domain.residency import host_key_count
+
+log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".cpp")
 # NOTE: ctrl word indices, host_lane.cpp's constants
@@ -123,7 +126,7 @@ class HostLane:
         self.device = torch.device(device)
         self.top_k, self.max_rows, self.max_spins, self.share = top_k, max_rows, max_spins, share
         self.threads = threads or torch.get_num_threads()
-        self.team = team
+        self._team = team
         self.hidden = layout.hidden
         pin = self.device.type == "cuda"
         h = layout.hidden
@@ -144,8 +147,17 @@ class HostLane:
                                         layout.intermediate, fp8.GRAIN_ROWS, self.threads, team == "spin")
 
     def start(self) -> None:
-        """Starts the serving thread (a no-op while it runs); a request published before is served."""
+        """Starts the serving thread (a no-op while it runs); a request published before is served. Logs a
+        warning when a spin team was asked for and the thread serves on OpenMP's (its workers did not start)."""
         self._lane.start()
+        if self.team != self._team:
+            log.warning("host lane: the %s team could not start; serving on the %s team", self._team, self.team)
+
+    @property
+    def team(self) -> str:
+        """The team the thread serves with (or last served with): "spin" or "openmp"; before the first start,
+        the team asked for."""
+        return self._lane.team() or self._team
 
     def stop(self) -> None:
         """Ends the thread once its current request, if any, is answered; idempotent. Also on destruction."""

@@ -247,12 +247,22 @@ def test_dropping_the_lane_stops_its_thread(bank):
     _until(lambda: _threads() == count, "the thread gone")
 
 
+@pytest.mark.parametrize("team", hl.TEAMS)
+def test_team_names_the_team_the_thread_serves_with(bank, team):
+    lane = _lane(bank, team=team)
+    assert lane.team == team  # not started: the one asked for
+    with lane:
+        assert lane.team == team  # the C++ thread's own report (a spin team that failed to start says openmp)
+    assert lane.team == team
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_a_spin_team_lives_and_ends_with_its_thread(bank):
     lane = _lane(bank, threads=4, team="spin")
     count = _threads()
-    lane.start()  # the lane's thread and its three workers
-    _until(lambda: _threads() == count + 4, "the lane's thread and three workers")
+    lane.start()  # returns once the team is up: the lane's thread and its three workers
+    assert _threads() == count + 4
+    assert lane.team == "spin"
     time.sleep(0.02)  # past the workers' pure-spin spell: they poll, and must still end promptly
     began = time.monotonic()
     lane.stop()
