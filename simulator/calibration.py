@@ -1,9 +1,9 @@
 """Calibration: fit the engine/machine cost parameters to measured decode throughput.
 
 Re-run with `python -m simulator.calibration [--measurements FILE] [--out FILE]`. Without
---measurements it fits SPEC.md's RTX 3090 reference table (bs1 and bs4 columns) under the
-reading of that deployment documented in docs/simulator.md, and writes
-simulator/calibration/rtx3090_v1.json.
+--measurements it fits SPEC.md's RTX 3090 reference table (bs1 and bs4 columns; quoted in docs/simulator.md,
+"The customer's RTX 3090 reference table") under the reading of that deployment documented there, and
+writes simulator/calibration/rtx3090_v1.json.
 
 Procedure (linear, so it is exact and fast):
 1. Plan every measured point with the domain budget planner under the reading (pool budget,
@@ -241,7 +241,7 @@ def calibrate(measurements=None, out: Path | None = None, seed: int = 0, hardwar
         "name": out.stem if out is not None else f"{hardware}_v?",
         "hardware": hardware,
         "model": "qwen3.6-35b-a3b-fp8",
-        "engine": f"{CUSTOMER_ENGINE_PREFIX} (SPEC.md reference table)" if reference
+        "engine": f"{CUSTOMER_ENGINE_PREFIX} (its RTX 3090 reference table, docs/simulator.md)" if reference
                   else "measurements passed with --measurements",
         "procedure": "python -m simulator.calibration (simulator/calibration.py docstring)",
         "reading": {
@@ -272,7 +272,8 @@ def calibrate(measurements=None, out: Path | None = None, seed: int = 0, hardwar
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.calibration", description=__doc__.split("\n")[0])
-    parser.add_argument("--measurements", type=Path, help="JSON measurements (default: SPEC.md RTX 3090 table)")
+    parser.add_argument("--measurements", type=Path, help="JSON measurements (default: the customer's RTX 3090 "
+                        "reference table, quoted in docs/simulator.md)")
     parser.add_argument("--hardware", default="rtx3090")
     parser.add_argument("--pool-gib", type=float, help="pool budget of the measured deployment (default 17.6)")
     parser.add_argument("--state-slots", type=int, default=RTX3090_STATE_SLOTS)

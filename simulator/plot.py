@@ -22,7 +22,7 @@ def plot_sweep(results: list[PointResult], path: str) -> None:
     first = results[0] if results else None
     title = f"{first.model} on {first.hardware}" if first else ""
     agg.set(title=f"aggregate decode tok/s  {title}", xlabel="KV pool (k tokens)", ylabel="tok/s")
-    per.set(title="per-request decode tok/s", xlabel="KV pool (k tokens)", ylabel="tok/s")
+    per.set(title="mean per-request decode tok/s", xlabel="KV pool (k tokens)", ylabel="tok/s")
     for ax in (agg, per):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -212,7 +212,10 @@ class PointResult:
     residency: float = 0.0
     state_slots: int = 0
     hit_rate: float | None = None
-    decode_tok_s: float | None = None
+    decode_tok_s: float | None = None  # aggregate: all measured output tokens / all measured wall time
+    # the mean over measured requests of each one's tokens / its time from its round's send to its last token; not
+    # aggregate / batch (ft bench's per_request_tok_s) but never below it, and above the aggregate at batch 1 when
+    # the measured rounds differ in speed (an average of rates, not a ratio of sums)
     decode_tok_s_per_request: float | None = None
     pcie_utilisation: float | None = None
     gpu_utilisation: float | None = None

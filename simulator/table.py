@@ -38,9 +38,13 @@ def _notes(r: PointResult) -> str:
 
 
 def print_table(results: list[PointResult], title: str = "", console: Console | None = None) -> None:
-    table = Table(title=title)
-    for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "tok/s",
-                 "tok/s/request", "steady tok/s/req", "PCIe util", "GPU util", "TTFT ms", "reason"):
+    # NOTE: the three speeds are defined differently (PointResult); unlabelled, a batch-1 row whose per-request
+    # figure tops its aggregate read as a bug
+    table = Table(title=title, caption="aggregate: all measured tokens / all measured time; mean per request: "
+                  "each request's tokens / its time from its round's send, averaged (never below aggregate / batch); "
+                  "steady: tokens after the first / time after the first, median")
+    for name in ("KV pool", "batch", "fits", "expert slots", "residency", "hit rate", "aggregate tok/s",
+                 "mean tok/s/request", "steady tok/s/req", "PCIe util", "GPU util", "TTFT ms", "reason"):
         table.add_column(name, justify="left" if name == "reason" else "right")
     probe = next((r.extra["ttft_prompt_tokens"] for r in results if "ttft_prompt_tokens" in r.extra), None)
     if probe:

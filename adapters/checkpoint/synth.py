@@ -154,6 +154,13 @@ def random_qtensor(fmt: WeightFormat, rows: int, cols: int, gen: torch.Generator
 
 # ---- streaming shard writer ---------------------------------------------------------------------
 
+def _umask_file_mode() -> int:
+    """The mode open() gives a new file under the process umask (0o644 under the usual 022)."""
+    umask = os.umask(0)  # the only portable way to read it is to set it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class ShardWriter:
     """Collects tensors and writes a shard whenever `shard_bytes` is reached.
 
@@ -180,6 +187,7 @@ class ShardWriter:
         self.shard_dirs: list[Path] = []  # where each shard's file is (out_dir or spill_dir)
         self.out_bytes = 0  # bytes of the shards written to out_dir itself
         self.total_bytes = 0
+        self.file_mode = _umask_file_mode()  # read here, before any worker thread runs
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -197,7 +205,11 @@ class ShardWriter:
             where = self.spill_dir
         else:
             self.out_bytes += self.pending_bytes
-        save_file(self.pending, where / f"shard-{len(self.shards):05d}.tmp", metadata={"format": "pt"})
+        tmp = where / f"shard-{len(self.shards):05d}.tmp"
+        save_file(self.pending, tmp, metadata={"format": "pt"})
+        # save_file writes through a private 0600 temp file; give the shard the mode config.json gets,
+        # or a checkpoint one user made is unreadable to another
+        tmp.chmod(self.file_mode)
         self.shards.append(sorted(self.pending))
         self.shard_dirs.append(where)
         self.pending, self.pending_bytes = {}, 0

@@ -204,7 +204,8 @@ async def cache_rebuild(request: Request) -> Response:
     moe = _count("moe_slots", body.moe_slots, auto=True)
     mamba = _count("mamba_slots", body.mamba_slots)
     if kv is None and moe is None and mamba is None:
-        raise bad_value("kv_tokens", "give at least one of kv_tokens, moe_slots, mamba_slots")
+        # param null: no one field is at fault (it named kv_tokens, also for a body of only unknown fields)
+        raise OpenAIError(400, "give at least one of kv_tokens, moe_slots, mamba_slots", code="invalid_value")
     if kv == "auto" and moe == "auto":
         raise bad_value("moe_slots", "only one of kv_tokens and moe_slots can be 'auto' (it takes what the other leaves)")
     if not 0 <= body.wait_s <= 3600:

@@ -28,7 +28,8 @@ streams, a long prompt the server counted at 8,192 tokens or more, on an H200 se
 checkpoint within a 24 GiB budget and at least 8k tokens of KV); any other run, or one whose record cannot
 show a condition (no GPU profile, no --model-dir, not fluxtide), gets `meets_target: null` with
 `target_conditions_met: false` and the conditions that differ. The p99 against --target-gap-ms is always
-kept (`within_gap_threshold`).
+kept (`within_gap_threshold`). `server_step_budgets` is the server's /v1/stats `scheduler` at the end of the
+measured repeats, its `layer_groups` the layer-group works those repeats ran (the server counts from its start).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from app.bench import step_trace
+from app.bench import step_trace, target
 from app.bench.client import RequestResult, completion_body, stream_request
 from app.bench.context import Ctx
 from app.bench.figures import median
@@ -160,10 +161,17 @@ def verdict(p99_ms: float | None, conditions: dict, gap_threshold_ms: float) -> 
     }
 
 
-def _budgets(record_data: dict) -> dict | None:
-    """The server's step budgets from /v1/stats (fluxtide only)."""
-    stats = ((record_data.get("server") or {}).get("stats") or {})
-    return stats.get("scheduler")
+def run_budgets(before: dict | None, after: dict | None) -> dict | None:
+    """The summary's `server_step_budgets`: /v1/stats `scheduler` (fluxtide only) after the measured repeats, with
+    `layer_groups` the layer-group works they ran. NOTE: the server counts those from its start; read before the
+    run, the summary printed that count (0 on a fresh server) beside a largest step that was a layer group."""
+    if after is None:
+        return before
+    budgets = dict(after)
+    if "layer_groups" in after:  # null when the count at the start is unknown: never the server's total
+        budgets["layer_groups"] = (after["layer_groups"] - before["layer_groups"]
+                                   if before is not None and "layer_groups" in before else None)
+    return budgets
 
 
 async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int, warmup_tokens: int,
@@ -186,6 +194,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
             record.fail(f"warm-up {i}", str(exc))
         ctx.progress.advance(task)
     fluxtide = bool((record.data.get("target") or {}).get("fluxtide"))
+    budgets_before = await target.scheduler(ctx.client) if fluxtide else None  # the measured repeats' start
     all_window: list[float] = []
     all_baseline: list[float] = []
     ttfts: list[float] = []
@@ -232,6 +241,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
         record.points.append(point)
         ctx.progress.advance(task)
     pooled = gap_figures(all_window)
+    budgets_after = await target.scheduler(ctx.client) if fluxtide else None
     record.data["summary"] = {
         "target": dict(TARGET),
         "window": pooled,
@@ -239,7 +249,7 @@ async def run(ctx: Ctx, *, streams: int, prompt_tokens: int, stream_tokens: int,
         "ttft_s_median": median(ttfts),
         **verdict(pooled["p99_ms"], target_conditions(record.data, streams=streams, prompt_tokens=measured_prompts),
                   target_gap_p99_ms),
-        "server_step_budgets": _budgets(record.data),
+        "server_step_budgets": run_budgets(budgets_before, budgets_after),
         "largest_window_step": step_trace.largest_of(record.points),
     }
     if not ttfts:

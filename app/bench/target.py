@@ -132,6 +132,13 @@ async def pools(client: httpx.AsyncClient) -> dict | None:
     return stats.get("pools") if stats else None
 
 
+async def scheduler(client: httpx.AsyncClient) -> dict | None:
+    """fluxtide's /v1/stats `scheduler` section (step budgets, max running, `layer_groups` run since start), or None
+    where the server has no such section (another server)."""
+    stats = await _get_json(client, "/v1/stats")
+    return stats.get("scheduler") if stats else None
+
+
 async def prefix_cache(client: httpx.AsyncClient) -> dict | None:
     """fluxtide's /v1/stats `prefix_cache` section (lookups, hits and cached tokens since start, the cache's
     pages), or None where the server has no such section (another server)."""

@@ -249,3 +249,13 @@ def test_spill_cli_refuses_half_a_pair(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x"), "--spill-dir", str(tmp_path / "shm"), "--max-out-gb", "-1"])
     assert "--max-out-gb must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shard_bytes", [2 << 30, 200_000])  # one model.safetensors, then several shards
+def test_weight_files_get_the_umask_mode_like_config_json(tmp_path, shard_bytes):
+    # safetensors' save_file writes a private 0600 temp file; a checkpoint must be readable by whoever
+    # can read its config.json
+    out = synthesize(tmp_path / "m", "tiny", "bf16", tokenizer=False, shard_bytes=shard_bytes)
+    config_mode = (out / "config.json").stat().st_mode & 0o777
+    weights = list(out.glob("*.safetensors"))
+    assert weights and {p.stat().st_mode & 0o777 for p in weights} == {config_mode}

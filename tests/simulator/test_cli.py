@@ -44,6 +44,20 @@ def test_table_output_and_model_from_a_checkpoint_config(capsys, tmp_path):
     assert "rtx4060-laptop" in out and "4,096" in out and "yes" in out
 
 
+def test_the_aggregate_and_per_request_speeds_are_labelled_as_the_different_figures_they_are(capsys):
+    # batch 1 printed an aggregate (127.5) under its per-request figure (128.0): a mean of each round's rate is
+    # not the ratio of all tokens to all time, and the headers did not say which was which
+    argv = ["predict", "--hardware", "rtx3090", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k", "--batch", "1,4",
+            "--workers", "1"]
+    assert main([*argv, "--json"]) == 0
+    for point in json.loads(capsys.readouterr().out):
+        assert point["decode_tok_s_per_request"] >= point["decode_tok_s"] / point["batch"] * (1 - 1e-12)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "aggregate tok/s" in out and "mean tok/s/request" in out
+    assert "all measured tokens / all measured time" in out and "never below" in out  # the caption says how
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--hardware", "nope", "--model", "qwen3.6-35b-a3b-fp8", "--kv", "8k"], "unknown hardware"),
     (["--hardware", "rtx3090", "--model", "/nonexistent", "--kv", "8k"], "no config.json"),
@@ -110,7 +124,7 @@ def test_a_ttft_probe_too_long_for_one_points_pool_refuses_the_probe_not_the_swe
 
 
 RECORDS = "fitted from the records listed in provenance (whatever engine produced them)"
-CUSTOMER = "measured on rtx3090 with the customer's existing engine (SPEC.md reference table)"
+CUSTOMER = "measured on rtx3090 with the customer's existing engine (its RTX 3090 reference table, docs/simulator.md)"
 
 
 @pytest.mark.parametrize("hardware, calibration, title, label, engine", [
