@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +51,39 @@ def host_key_count(misses: int, host_permille: int) -> int:
     return (misses * host_permille + 500) // 1000
 
 
+# NOTE: the rows one weight pass of the host kernel serves (MAX_VECTORS in adapters/host_kernels/fp8_block_experts.cpp,
+# which this pure module cannot import; change both together): a host key that n rows route to costs the host
+# ceil(n / HOST_ROWS_PER_PASS) passes over its bytes, while its copy costs the link one
+HOST_ROWS_PER_PASS = 4
+
+
+def host_weight_passes(rows: int) -> int:
+    """Weight passes the host kernel makes over one host key's expert for the `rows` pairs routed to it in one lookup:
+    ceil(rows / HOST_ROWS_PER_PASS), 0 for none. Raises ValueError for negative rows."""
+    if rows < 0:
+        raise ValueError(f"negative rows {rows}")
+    return -(-rows // HOST_ROWS_PER_PASS)
+
+
+def host_split(miss_rows: Sequence[int], host_permille: int) -> int:
+    """How many of a lookup's distinct misses go to the host (ADR 0030, "Session 41"): the longest run of the last
+    misses whose summed weight passes (host_weight_passes of the rows routed to each; `miss_rows` in the lookup's
+    order) stays within host_key_count(m, p) passes, m = len(miss_rows). Where every miss is routed by at most
+    HOST_ROWS_PER_PASS rows (bs1 and up to 4 rows, distinct or alike) it equals host_key_count(m, p); a key that more
+    rows share weighs more, so the host takes fewer keys where a batch routes alike. Integer arithmetic (a suffix sum
+    against a budget), so a device kernel makes the same split. Raises ValueError for a bad share or rows < 1."""
+    budget = host_key_count(len(miss_rows), host_permille)
+    taken = cost = 0
+    for rows in reversed(miss_rows):
+        if rows < 1:
+            raise ValueError(f"a missed key is routed by at least one row, got {rows}")
+        cost += host_weight_passes(rows)
+        if cost > budget:
+            break
+        taken += 1
+    return taken
+
+
 def balanced_host_permille(host_gb_s: float, link_gb_s: float) -> int:
     """The share of misses (per mille) at which the host lane and the PCIe link finish together (ADR 0030; `ft serve
     --host-experts auto` and the simulator's predict): round(1000 × host / (host + link)), both in GB/s of expert
@@ -80,8 +113,10 @@ class ExpertResidency:
     - ``lookup`` is all-or-nothing: when it cannot be satisfied it raises
       ``ResidencyExhausted`` and changes nothing (probe first with ``can_lookup``).
     - ``lookup(keys, host_permille=p)`` (ADR 0030, host expert compute): of the lookup's m
-      distinct misses, the last ``host_key_count(m, p)`` (m × p / 1000 rounded half up) in request
-      order are computed on the host: they
+      distinct misses, the last ``host_split(rows, p)`` in request order are computed on the host:
+      as many of the last misses as fit in ``host_key_count(m, p)`` (m × p / 1000 rounded half up)
+      weight passes, a miss that n of the requested keys repeat (n rows routed to it) weighing
+      ``host_weight_passes(n)``; with no key repeated more than 4 times, the last host_key_count. They
       take no slot, evict nothing, are not pinned and stay non-resident; their ``slots`` entries
       are -1. The rest fill as above. Integer arithmetic, so a device kernel makes the same split.
       ``misses`` counts every non-resident key looked up (fills and host keys), so the hit rate
@@ -129,7 +164,7 @@ class ExpertResidency:
 
     def can_lookup(self, keys: Sequence[ExpertKey], host_permille: int = 0) -> bool:
         distinct = _distinct(keys)
-        return self._fits(distinct, len(self._host_split(distinct, host_permille)[1]))
+        return self._fits(distinct, len(self._host_split(keys, distinct, host_permille)[1]))
 
     def _fits(self, distinct: list[ExpertKey], num_host: int = 0) -> bool:
         """can_lookup on keys already validated and de-duplicated (lookup validates them once); the
@@ -137,10 +172,15 @@ class ExpertResidency:
         pinned_by_others = len(self._pinned) - sum(1 for k in distinct if k in self._pinned)
         return len(distinct) - num_host <= self.num_slots - pinned_by_others
 
-    def _host_split(self, distinct: list[ExpertKey], host_permille: int) -> tuple[list[ExpertKey], list[ExpertKey]]:
-        """(the distinct misses in request order, the last host_key_count of them)."""
+    def _host_split(self, keys: Sequence[ExpertKey], distinct: list[ExpertKey],
+                    host_permille: int) -> tuple[list[ExpertKey], list[ExpertKey]]:
+        """(the distinct misses in request order, the last host_split of them: `keys` repeat a key per row)."""
+        host_key_count(0, host_permille)  # refuses a bad share, misses or not
         missing = [k for k in distinct if k not in self._lru]
-        return missing, missing[len(missing) - host_key_count(len(missing), host_permille):]
+        if not host_permille or not missing:
+            return missing, []
+        rows = Counter(keys)
+        return missing, missing[len(missing) - host_split([rows[k] for k in missing], host_permille):]
 
     def can_release(self, keys: Sequence[ExpertKey] | None = None) -> bool:
         return keys is None or all(_check_key(k) in self._pinned for k in keys)
@@ -160,7 +200,7 @@ class ExpertResidency:
         Raises ResidencyExhausted when the keys that take a slot (all but the host keys) cannot all
         be pinned, ValueError on a bad key or a host_permille outside 0..1000."""
         distinct = _distinct(keys)
-        missing, host = self._host_split(distinct, host_permille)
+        missing, host = self._host_split(keys, distinct, host_permille)
         on_host = set(host)
         if not self._fits(distinct, len(host)):
             pinned_by_others = len(self._pinned - set(distinct))

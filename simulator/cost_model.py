@@ -50,9 +50,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from domain.model_spec import LayerKind, ModelSpec
-from domain.residency import host_key_count
 from simulator.hardware import HardwareProfile
-from simulator.host_lane import check_host_params, miss_points, passes_per_key
+from simulator.host_lane import check_host_params, host_keys_at, miss_points, passes_per_key
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
@@ -164,8 +163,8 @@ class CostParams(StrictParams):
     # them, and a layer's GPU work starts no earlier than its launches end (host and GPU pipelined: the step is the
     # later of the two, layer by layer). 0: the step is costed as a graph replay (files before h200_records_v7).
     eager_mixer_layer_s: float = 0.0
-    # The host lane (ADR 0030; simulator/host_lane.py): of each decode lookup's m misses the last
-    # host_key_count(m, host_permille) (domain.residency: m × p / 1000 rounded half up) are computed on the host CPU
+    # The host lane (ADR 0030; simulator/host_lane.py): of each decode lookup's m misses the last ones within
+    # host_key_count(m, host_permille) weight passes (domain.residency.host_split) are computed on the host CPU
     # while the link copies the rest; the host reads their expert bytes once per weight pass (a pass serves up to
     # host_lane.ROWS_PER_PASS rows routed to the key: the kernel's MAX_VECTORS) at host_expert_gb_s (GB/s of expert
     # weight bytes), plus host_call_s (s) per lookup with any host keys (the GPU hands the rows over and waits for the
@@ -512,12 +511,13 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     reads_hit = routed * (1 - share) if per_pair and not rereads else hit_l
     hit_gemm = model.expert_read(reads_hit, routed * (1 - share), per_pair, again * (1 - share) if rereads else 0.0)
     call = model.expert_call(routed)  # the layer call's fixed part (pair_call_s), after its copies as in SimExecutor
-    # NOTE: the host lane (host_lane.py) takes the last host_key_count(m, host_permille) of a layer's m misses off the link
+    # NOTE: the host lane (host_lane.py) takes the last misses that fit host_key_count(m, host_permille) weight passes
+    # (host_keys_at: the domain's host_split with every key alike) of a layer's m misses off the link
     # and the GPU, so a layer is costed at whole miss counts (miss_points); off, at the average itself, as before.
     permille = model.params.host_permille
     phase = copy_l = gemms = lane = 0.0
     for weight, misses in miss_points(miss_l, permille):
-        on_host = host_key_count(misses, permille) if permille else 0
+        on_host = host_keys_at(misses, permille, passes_per_key(routed / distinct_per_layer)) if permille else 0
         fill = misses - on_host
         fill_share = fill / distinct_per_layer if distinct_per_layer else 0.0
         reads_miss = routed * fill_share if per_pair and not rereads else fill

@@ -2,7 +2,9 @@
 misses is computed on the host CPU while the PCIe link copies the rest.
 
 The split is the domain's (ExpertResidency.lookup(keys, host_permille=p)): of a lookup's m distinct misses the last
-host_key_count(m, p) (m × p / 1000 rounded half up) are host keys; they take no slot and are never copied. The host
+ones whose weight passes fit host_key_count(m, p) (m × p / 1000 rounded half up) are host keys (host_split: a pass a
+key up to ROWS_PER_PASS rows, so where a batch routes alike the host takes fewer); they take no slot and are never
+copied. The host
 reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s, after a fixed round trip
 (host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its partial sum).
 The host kernel groups a lookup's (token, expert) pairs by expert and converts each expert's weights once for up to
@@ -15,19 +17,17 @@ from __future__ import annotations
 
 import math
 
-from domain.residency import balanced_host_permille  # noqa: F401 - predict's auto share, as ft serve's
+from domain.residency import (
+    HOST_ROWS_PER_PASS,
+    balanced_host_permille,  # noqa: F401 - predict's auto share, as ft serve's
+    host_key_count,
+    host_weight_passes,
+)
 
-# NOTE: the rows one weight pass of the host kernel serves: MAX_VECTORS in adapters/host_kernels/fp8_block_experts.cpp
-# (gemv_rows), written out here because the simulator may not import adapters; change both together
-ROWS_PER_PASS = 4
-
-
-def weight_passes(rows: int) -> int:
-    """Weight passes the host kernel makes over one host key's expert for the `rows` (token, expert) pairs routed to
-    it in one lookup: ceil(rows / ROWS_PER_PASS) (0 for none)."""
-    if rows < 0:
-        raise ValueError(f"negative rows {rows}")
-    return -(-rows // ROWS_PER_PASS)
+# the rows one weight pass of the host kernel serves, and a host key's passes: the domain's (its split weighs keys by
+# them), which names the kernel's MAX_VECTORS in adapters/host_kernels/fp8_block_experts.cpp
+ROWS_PER_PASS = HOST_ROWS_PER_PASS
+weight_passes = host_weight_passes
 
 
 def passes_per_key(pairs_per_key: float) -> float:
@@ -45,6 +45,16 @@ def passes_per_key(pairs_per_key: float) -> float:
     low = math.floor(pairs_per_key)
     upper = pairs_per_key - low  # weight of low + 1
     return (1 - upper) * weight_passes(low) + upper * weight_passes(low + 1)
+
+
+def host_keys_at(misses: int, permille: int, passes_per_key: float) -> int:
+    """The step model's host keys of a layer with `misses` (whole) misses whose keys weigh `passes_per_key` weight
+    passes on average (the domain's host_split with every key alike): as many as fit host_key_count(misses,
+    permille) passes, never more than that count. 0 without a share."""
+    budget = host_key_count(misses, permille)
+    if not budget or passes_per_key <= 1:
+        return budget
+    return min(budget, math.floor(budget / passes_per_key + 1e-9))
 
 
 def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:

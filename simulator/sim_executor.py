@@ -496,6 +496,8 @@ class SimExecutor:
         per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
         host, residency, c = self.host, self.residency, self.counters
         cost = cost or self.cost
+        if host_permille:  # the domain weighs a host key by its rows: a key once per pair routed to it
+            keys = [key for key in keys for _ in range(tokens_per_expert[key[1]])]
         lookup = residency.lookup(keys, host_permille=host_permille)
         misses, on_host = len(lookup.fills), len(lookup.host)
         host_pairs = sum(tokens_per_expert[e] for _, e in lookup.host)

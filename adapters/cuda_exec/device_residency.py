@@ -30,7 +30,7 @@ from adapters.kernels.residency_set_fills import set_fills
 from adapters.kernels.residency_set_hits import MAX_EXPERTS as SET_MAX_EXPERTS
 from adapters.kernels.residency_set_hits import set_hits
 from adapters.kernels.residency_settle_hits import settle_hits
-from domain.residency import Lookup, ResidencyExhausted, host_key_count
+from domain.residency import HOST_ROWS_PER_PASS, Lookup, ResidencyExhausted, host_key_count, host_split
 
 NO_KEY = -1
 _NEVER = torch.iinfo(torch.int64).max  # stamp of a slot that can not be a victim in this lookup
@@ -110,8 +110,9 @@ class DeviceResidency:
         held by others). pin=False skips pinning (a lookup released before the next one). presorted: the
         caller guarantees equal keys are adjacent (e.g. sorted ascending, padding anywhere as one run), so
         request order within each run is the given order and the lookup skips its own sort. host_permille:
-        the last domain.residency.host_key_count of the misses (request order) are host keys (ADR 0030): no
-        slot, no victim, no pin, slot -1, listed in `host_keys`; the count is computed on the device.
+        the last misses (request order) that domain.residency.host_split sends to the host are host keys (ADR
+        0030; a key's weight is the passes its repeats in `flat_keys`, its rows, need): no slot, no victim, no
+        pin, slot -1, listed in `host_keys`; the split is computed on the device.
         """
         host_key_count(0, host_permille)  # refuses a bad share before anything changes
         keys = flat_keys.to(device=self.device, dtype=torch.int64).reshape(-1)  # [n]
@@ -143,10 +144,14 @@ class DeviceResidency:
         host = None
         if host_permille:
             # NOTE: host keys are the last misses in request order, so the fills keep their miss ranks
-            # (0, 1, ...) and take the same victims a lookup without the host keys would. The domain's count,
-            # applied to a device scalar: tensor arithmetic, no host read inside a graph
-            n_miss = miss.sum()
-            host = miss & (miss_rank >= n_miss - host_key_count(n_miss, host_permille))  # [n]
+            # (0, 1, ...) and take the same victims a lookup without the host keys would. The domain's rule
+            # (host_split) on device tensors, no host read inside a graph: each miss weighs the weight passes
+            # of its rows (its valid repeats), and the misses whose suffix of weights fits the budget go
+            rows = torch.zeros(sink_key + 1, dtype=torch.int64, device=self.device)  # [L*E + 1]
+            rows.index_add_(0, safe, valid.to(torch.int64))
+            passes = torch.where(miss, (rows[safe] + HOST_ROWS_PER_PASS - 1) // HOST_ROWS_PER_PASS, 0)  # [n]
+            suffix = passes.flip(0).cumsum(0).flip(0)  # [n] the weights of this miss and every later one
+            host = miss & (suffix <= host_key_count(miss.sum(), host_permille))  # [n]
             miss = miss & ~host
         # victims: smallest stamps among slots not pinned and not holding a requested key
         blocked = self.pinned.clone()  # [S + 1]
@@ -360,7 +365,14 @@ class DeviceResidency:
         slots = self.slot_of_key[flat]
         pinned_requested = int((self.pinned[slots.clamp(min=0)] & (slots >= 0)).sum())
         pinned_by_others = int(self.pinned[: self.num_slots].sum()) - pinned_requested
-        on_host = host_key_count(int((slots < 0).sum()), host_permille)  # host keys need no slot
+        host_key_count(0, host_permille)  # refuses a bad share
+        on_host = 0  # host keys need no slot: the domain's split of the misses in request order (repeats: rows)
+        if host_permille:
+            rows: dict[int, int] = {}
+            for k in self._flat(keys).tolist():
+                rows[k] = rows.get(k, 0) + 1
+            missed = (self.slot_of_key[list(rows)] < 0).tolist()
+            on_host = host_split([n for n, m in zip(rows.values(), missed, strict=True) if m], host_permille)
         return flat.numel() - on_host <= self.num_slots - pinned_by_others
 
     def lookup(self, keys, host_permille: int = 0) -> Lookup:

@@ -9,9 +9,10 @@ ascending order followed by a release (what the reference executor does per laye
 1. every distinct requested key that is resident (a hit) becomes most recently used, in ascending order;
 2. misses, in ascending order, take the slot with the smallest stamp: empty slots first (stamp slot - S,
    lowest slot first), then the least recently used key; each filled key becomes most recently used.
-   With a host share (ADR 0030, host_permille p > 0) the last domain.residency.host_key_count(m, p) of the
-   m misses (the largest keys) are host keys instead: no slot, no victim, no stamp, slot -1; only the
-   first m - that many fill, so they take exactly the victims a lookup without the host keys would.
+   With a host share (ADR 0030, host_permille p > 0) the last domain.residency.host_split of the m misses
+   (the largest keys that fit host_key_count(m, p) weight passes, a key weighing ceil(its rows / 4)) are
+   host keys instead: no slot, no victim, no stamp, slot -1; only the first m - that many fill, so they
+   take exactly the victims a lookup without the host keys would.
 Because a hit is stamped (clock + its rank) before any victim is chosen, and a chosen victim is stamped
 at once, "the smallest stamp" never picks a requested key: the scan needs no exclusion list.
 The victim scan runs once per filled miss, so a step without fills (all hits, or all misses on the
@@ -27,9 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from domain.residency import host_key_count
+from domain.residency import HOST_ROWS_PER_PASS, host_key_count
 
 MAX_STAMP = tl.constexpr(2**62)
+ROWS_PER_PASS = tl.constexpr(HOST_ROWS_PER_PASS)  # the host split's rows a weight pass
 # NOTE: the kernel compares every key with every other in one program ([n, n] in registers): right for
 # decode steps (n = rows x top-k <= 16 x 8 here), ruinous for prefill chunks (n in the thousands), which
 # take the torch path (DeviceResidency.lookup_flat) instead.
@@ -73,10 +75,17 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     n_fill = n_miss
     if HOST:
-        # NOTE: domain.residency.host_key_count in integers (int32: n_miss <= MAX_KEYS, p <= 1000). The host
-        # keys are the misses of rank >= n_fill: the loop below fills ranks 0..n_fill-1 only, so they never
-        # get a slot (slot_of stays -1), a victim or a stamp, and the fills choose what they would without them
-        n_host = (n_miss * host_permille + 500) // 1000
+        # NOTE: domain.residency.host_split in integers (int32: n_miss <= MAX_KEYS, p <= 1000): a miss weighs
+        # the weight passes of its rows (the valid lanes that repeat its key), and the last misses (highest
+        # ranks) whose summed weights fit host_key_count(n_miss, p) are host keys. They are the misses of rank
+        # >= n_fill: the loop below fills ranks 0..n_fill-1 only, so they never get a slot (slot_of stays -1),
+        # a victim or a stamp, and the fills choose what they would without them
+        rows = tl.sum((valid_j & (key_j == key_i)).to(tl.int32), axis=1)  # [BN]
+        passes = tl.where(miss, (rows + ROWS_PER_PASS - 1) // ROWS_PER_PASS, 0)  # [BN]
+        later = miss_j & (miss_rank[None, :] >= miss_rank[:, None])  # [BN, BN] misses from this one's rank on
+        suffix = tl.sum(tl.where(later, passes[None, :], 0), axis=1)  # [BN]
+        budget = (n_miss * host_permille + 500) // 1000
+        n_host = tl.sum((miss & (suffix <= budget)).to(tl.int32), axis=0)
         n_fill = n_miss - n_host
         tl.store(host_count_ptr, tl.load(host_count_ptr) + n_host)
     clock = tl.load(clock_ptr)
@@ -190,8 +199,9 @@ def layer_lookup(ids: torch.Tensor, valid: torch.Tensor, base: int, slot_of_key:
     row: no shared expert on this rank).
     owner: int32 [L*E(+1)], the rank owning each flat key (expert parallelism): pairs whose key another
     rank owns are not looked up and get slot -1 (zero output), so the LRU only ever sees `rank`'s keys.
-    host_permille (ADR 0030, 0 = off, the default): the last domain.residency.host_key_count(m, p) of the
-    layer's m misses in ascending key order are computed on the host: they get slot -1, no fill, no victim;
+    host_permille (ADR 0030, 0 = off, the default): the last domain.residency.host_split of the layer's m
+    misses in ascending key order (a key weighing the passes of the rows routed to it) are computed on the
+    host: they get slot -1, no fill, no victim;
     `counters` still counts them as misses, host_count (int64 scalar, e.g. DeviceResidency._host_computed)
     gets their number added, and host_pairs int64 [T*K] gets, lane t*K + k, the pair's flat key where that
     valid pair is a host pair, else -1 (padded rows and other ranks' pairs: -1). Both are given exactly when

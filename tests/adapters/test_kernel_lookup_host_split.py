@@ -1,9 +1,10 @@
 """The host split (ADR 0030) in the decode step's one-launch lookups, residency_lookup.layer_lookup and
 moe_route_lookup (Triton's interpreter on the CPU, compiled on a GPU): of a layer's m misses in ascending key
-order the last domain.residency.host_key_count(m, p) take no slot and are listed in host_pairs.
+order the last domain.residency.host_split takes (those whose weight passes, ceil(rows / 4) a key, fit
+host_key_count(m, p)) take no slot and are listed in host_pairs.
 - a worked example, numbers by hand;
-- a differential against the domain (ExpertResidency.lookup(keys, host_permille), fed the layer's distinct
-  keys in ascending order then released, as the reference executor does) and, bit for bit, against the torch
+- a differential against the domain (ExpertResidency.lookup(keys, host_permille), fed the layer's pairs in
+  ascending key order, a key once per row routed to it, then released) and, bit for bit, against the torch
   path (DeviceResidency.lookup_flat, the same keys): tables, stamps, clock, counters, lookup by lookup;
 - host_permille 0 is the plain lookup, bit for bit; bad arguments are refused before anything is written;
 - the HOST variants build for sm_90, spilling no more than the plain ones; a GPU run at the Qwen3.6
@@ -119,7 +120,7 @@ def test_worked_example_the_two_largest_of_four_misses_go_to_the_host(path):
 
 def _differential(path: str, num_slots: int, seed: int, with_owner: bool) -> None:
     rng = random.Random(seed)
-    layers, experts, top_k, rows = 3, 10, 2, 4
+    layers, experts, top_k, rows = 3, 10, 2, 6  # 5 or 6 rows on one key weigh 2 passes
     owner = torch.tensor([rng.randrange(2) for _ in range(layers * experts)]) if with_owner else None
     if owner is not None:
         owner[0] = 0  # rank 0 owns at least one key
@@ -132,13 +133,17 @@ def _differential(path: str, num_slots: int, seed: int, with_owner: bool) -> Non
         valid = torch.tensor([r < live for r in range(rows)], device=DEVICE)
         for layer in range(layers):
             base, p = layer * experts, rng.choice(PERMILLES)
-            # distinct within a row (a top-k), repeated across rows; padded rows hold ids too
-            ids = [rng.sample(range(experts), top_k) for _ in range(rows)]
+            # distinct within a row (a top-k), repeated across rows; padded rows hold ids too. Half the layers
+            # route every row alike (one prompt at temperature 0), so a key's rows reach 5-6: 2 weight passes
+            alike = rng.random() < 0.5
+            first = rng.sample(range(experts), top_k)
+            ids = [list(first) if alike else rng.sample(range(experts), top_k) for _ in range(rows)]
             fill_keys, fill_slots, slot_ids, host_pairs = _lookup(path, kernel, layer, ids, valid, p, rng)
-            distinct = sorted({base + e for row in ids[:live] for e in row if mine(base + e)})
-            want = ref.lookup([divmod(f, experts) for f in distinct], p)
+            # the domain and the torch path get every owned valid pair (a key once per row), ascending
+            pairs = sorted(base + e for row in ids[:live] for e in row if mine(base + e))
+            want = ref.lookup([divmod(f, experts) for f in pairs], p)
             ref.release()
-            twin.lookup_flat(torch.tensor(distinct + [-1] * (rows * top_k - len(distinct))), pin=False,
+            twin.lookup_flat(torch.tensor(pairs + [-1] * (rows * top_k - len(pairs))), pin=False,
                              host_permille=p)
             _assert_same_tables(kernel, twin)  # stamps and clock included, lookup by lookup
             fills = [(divmod(f, experts), s) for f, s in zip(fill_keys.tolist(), fill_slots.tolist(), strict=True)
@@ -161,7 +166,7 @@ def _differential(path: str, num_slots: int, seed: int, with_owner: bool) -> Non
 
 
 @settings(max_examples=12, deadline=None)
-@given(num_slots=st.integers(8, 16), seed=st.integers(0, 2**31 - 1), with_owner=st.booleans(),
+@given(num_slots=st.integers(12, 20), seed=st.integers(0, 2**31 - 1), with_owner=st.booleans(),
        block=st.sampled_from([4, residency_lookup.VICTIM_BLOCK]))
 def test_layer_lookup_host_split_matches_the_domain(num_slots, seed, with_owner, block):
     """layer_lookup: random decode steps (padded rows, ids repeated across rows, a share drawn per lookup from
@@ -172,7 +177,7 @@ def test_layer_lookup_host_split_matches_the_domain(num_slots, seed, with_owner,
 
 
 @settings(max_examples=8, deadline=None)
-@given(num_slots=st.integers(8, 16), seed=st.integers(0, 2**31 - 1), with_owner=st.booleans(),
+@given(num_slots=st.integers(12, 20), seed=st.integers(0, 2**31 - 1), with_owner=st.booleans(),
        block=st.sampled_from([4, residency_lookup.VICTIM_BLOCK]))
 def test_route_lookup_host_split_matches_the_domain(num_slots, seed, with_owner, block):
     """moe_route_lookup, the same steps, its logits chosen so its top-k is the drawn ids."""
@@ -191,6 +196,23 @@ def test_the_split_takes_effect_in_many_lookups():
             _lookup(path, res, layer, [rng.sample(range(10), 2) for _ in range(4)], valid, 500, rng)
         hits, misses, evictions = res.counters()
         assert res.host_computed > 0 and evictions > 0 and misses > res.host_computed + evictions
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_six_rows_routed_alike_send_the_host_fewer_keys(path):
+    """Six rows route alike to experts 1, 2, 3 of layer 0 (all miss) at 500 permille: host_key_count(3, 500) = 2
+    passes of budget, and a key that six rows share needs 2 passes (ceil(6 / 4)), so only the largest, 3, is a
+    host key; with four rows (1 pass a key) the two largest are, as without weights."""
+    rng = random.Random(0)
+    for live, host in ((6, [3]), (4, [2, 3])):
+        res = DeviceResidency(18, 1, 8, DEVICE)  # the decode step's buckets hold T*K slots
+        valid = torch.tensor([r < live for r in range(6)], device=DEVICE)
+        fill_keys, _, slot_ids, host_pairs = _lookup(path, res, 0, [[1, 2, 3]] * 6, valid, 500, rng)
+        assert [f for f in fill_keys.tolist() if f >= 0] == [k for k in (1, 2, 3) if k not in host]
+        assert sorted({f for f in host_pairs.tolist() if f >= 0}) == host
+        assert res.host_computed == len(host) and res.counters()[1] == 3
+        want = ExpertResidency(18).lookup([(0, e) for e in (1, 2, 3)] * live, 500)
+        assert [e for _, e in want.host] == host
 
 
 # ---------------------------------------------------------------- off is the plain lookup
@@ -379,11 +401,10 @@ def test_host_split_at_the_qwen3_6_geometry_on_gpu(path, rows):
         for layer in range(layers):
             ids = [rng.sample(range(experts), top_k) for _ in range(rows)]
             _, _, slot_ids, host_pairs = _lookup(path, kernel, layer, ids, valid, 423, rng)
-            distinct = sorted({layer * experts + e for row in ids for e in row})
-            want = ref.lookup([divmod(f, experts) for f in distinct], 423)
+            pairs = sorted(layer * experts + e for row in ids for e in row)  # a key once per row (its weight)
+            want = ref.lookup([divmod(f, experts) for f in pairs], 423)
             ref.release()
-            twin.lookup_flat(torch.tensor(distinct + [-1] * (rows * top_k - len(distinct))), pin=False,
-                             host_permille=423)
+            twin.lookup_flat(torch.tensor(pairs, device="cuda"), pin=False, host_permille=423)
             _assert_same_tables(kernel, twin)
             host = {layer * experts + e for (_, e) in want.host}
             assert host_pairs.tolist() == [layer * experts + e if layer * experts + e in host else -1

@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain.residency import ExpertResidency, Lookup, ResidencyExhausted, host_key_count
+from domain.residency import (
+    ExpertResidency,
+    Lookup,
+    ResidencyExhausted,
+    host_key_count,
+    host_split,
+    host_weight_passes,
+)
 from tests.contracts.residency_contract import residency_contract_machine, run_residency_contract
 
 
@@ -213,7 +220,8 @@ def test_a_host_lookup_decides_the_slots_as_a_plain_lookup_without_its_host_keys
         host = set(got.host)
         assert not host & {k for k, _ in got.fills} and not host & set(got.hits)
         assert all(shared.slot_of(k) is None for k in host)
-        assert len(host) == host_key_count(len(host) + len(got.fills), permille)
+        missing = [k for k in dict.fromkeys(keys) if k in host or k in {f for f, _ in got.fills}]
+        assert len(host) == host_split([keys.count(k) for k in missing], permille)
         ref = plain.lookup([k for k in keys if k not in host])
         assert (got.hits, got.fills, got.evicted) == (ref.hits, ref.fills, ref.evicted)
         assert [s for k, s in zip(keys, got.slots, strict=True) if k not in host] == list(ref.slots)
@@ -234,3 +242,40 @@ def test_contract_domain_against_list_shadow():
 # The domain class against itself: catches hidden shared state and nondeterminism.
 TestContractSelf = residency_contract_machine(ExpertResidency, with_host=True).TestCase
 TestContractSelf.settings = settings(max_examples=100, stateful_step_count=20, deadline=None)
+
+
+@pytest.mark.parametrize("rows,passes", [(0, 0), (1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
+def test_host_weight_passes_serve_four_rows_a_pass(rows, passes):
+    assert host_weight_passes(rows) == passes
+
+
+@pytest.mark.parametrize("miss_rows,permille,host", [
+    ([1, 1, 1, 1], 500, 2),  # one row a key (bs1): host_key_count(4, 500) = 2
+    ([4, 4, 4, 4], 500, 2),  # four rows alike: one pass a key, the same split
+    ([6, 6, 6, 6], 500, 1),  # six rows alike: two passes a key, a budget of 2 passes takes one key
+    ([6, 6, 6], 423, 0),  # budget 1 pass (3 x 0.423 = 1.27), the last key needs 2: none
+    ([1, 1, 6], 700, 1),  # the last miss takes the whole budget of 2 passes
+    ([1, 1, 9], 700, 0),  # the last miss alone is over the budget (3 passes): the run stops there
+    ([6, 1, 1], 700, 2),  # the last two fit in 2 passes, the third would not
+    ([2, 5, 1, 1, 1], 1000, 4),  # every miss: 5 keys, 6 passes over a budget of 5
+])
+def test_host_split_takes_the_last_misses_within_the_pass_budget(miss_rows, permille, host):
+    assert host_split(miss_rows, permille) == host
+    if all(r <= 4 for r in miss_rows):
+        assert host == host_key_count(len(miss_rows), permille)
+
+
+def test_a_lookup_weighs_a_key_by_the_rows_that_repeat_it():
+    # six rows routed alike at 500 per mille: 3 misses, a budget of 2 passes; each key needs 2, so one host key
+    res = ExpertResidency(8)
+    got = res.lookup([(0, 1), (0, 2), (0, 3)] * 6, host_permille=500)
+    assert got.host == ((0, 3),) and [k for k, _ in got.fills] == [(0, 1), (0, 2)]
+    assert res.host_computed == 1 and res.misses == 3
+    res.release()
+    one_row = ExpertResidency(8).lookup([(0, 1), (0, 2), (0, 3)], host_permille=500)
+    assert one_row.host == ((0, 2), (0, 3))  # host_key_count(3, 500) = 2 when no key is shared
+
+
+def test_host_split_refuses_a_missed_key_without_rows():
+    with pytest.raises(ValueError, match="at least one row"):
+        host_split([1, 0], 500)

@@ -12,13 +12,19 @@ from domain.budget import GpuBudget, PoolRequest, plan_pools
 from domain.model_spec import qwen36_35b_a3b
 from domain.ports import SequenceWork, StepBatch
 from domain.request import SamplingParams
-from domain.residency import host_key_count
+from domain.residency import host_split
 from domain.serve_plan import cap_bytes
 from simulator.__main__ import main
 from simulator.cost_model import HOST_LANE_DEFAULTS, CostModel, CostParams, decode_step
 from simulator.hardware import get_profile
 from simulator.host import SimHost
-from simulator.host_lane import balanced_host_permille, miss_points, passes_per_key, weight_passes
+from simulator.host_lane import (
+    balanced_host_permille,
+    host_keys_at,
+    miss_points,
+    passes_per_key,
+    weight_passes,
+)
 from simulator.predict import Workload, predict_point, run_workload
 from simulator.routing import UniformRouting
 from simulator.sim_executor import SimExecutor
@@ -121,7 +127,9 @@ def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, r
     params = cost(host_expert_gb_s=rate, host_permille=permille, host_call_s=call, overlap_copy_compute=overlap,
                   expert_reads=reads)
     ex, took = cold_step(params, rows, spec)
-    layers, on_host = spec.num_layers, host_key_count(top_k, permille)  # the domain's rule, per layer
+    # the domain's rule, per layer: lockstep rows put `rows` pairs on every key, each weighing weight_passes(rows)
+    layers, on_host = spec.num_layers, host_split([rows] * top_k, permille)
+    assert on_host == host_keys_at(top_k, permille, passes_per_key(float(rows)))  # the step model's count
     c = ex.counters
     assert c.expert_misses == top_k * layers and c.host_experts == on_host * layers
     assert c.host_pairs == rows * on_host * layers  # lockstep rows: each host expert is routed once a row
@@ -137,24 +145,27 @@ def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, r
 def test_a_host_key_shared_by_rows_is_read_once_for_up_to_four_of_them():
     """The host kernel (adapters/host_kernels/fp8_block_experts.cpp, MAX_VECTORS) converts an expert's weights once
     for up to 4 of a lookup's rows routed to it: lockstep rows (one prompt to every request, as the customer's
-    benchmark sends) on a host key cost ceil(rows / 4) passes, not a pass a row. Every layer sends its one miss to
-    the host (top-1, the whole share), so the lane is its round trips and the passes, in the executor and the step
-    model alike."""
-    spec = tiny_spec(layers=4, experts=16, top_k=1)
+    benchmark sends) on a host key cost ceil(rows / 4) passes, not a pass a row, and the domain's split weighs a key
+    by them (host_split). Every layer misses its 2 experts with the whole share (a budget of 2 passes): up to 4 rows
+    both go to the host at a pass each; 5 to 8 rows, one key of 2 passes (the other is copied); 9 rows, none (3
+    passes are over the budget). The lane is its round trips and passes, in the executor and the step model alike."""
+    spec = tiny_spec(layers=4, experts=16, top_k=2)
     rate, call = 10.0, 20e-6
     params = cost(host_expert_gb_s=rate, host_permille=1000, host_call_s=call)
     model, read = CostModel(spec, H100, params), spec.expert_bytes() / (rate * 1e9)
     lane = {}
-    for rows in (1, 2, 4, 5, 8, 9):
+    for rows, keys in ((1, 2), (2, 2), (4, 2), (5, 1), (8, 1), (9, 0)):
         ex, _ = cold_step(params, rows, spec)
         c = ex.counters
-        assert (c.host_experts, c.host_pairs, c.host_passes) == (4, 4 * rows, 4 * weight_passes(rows))
+        assert (c.host_experts, c.host_pairs, c.host_passes) == (4 * keys, 4 * keys * rows,
+                                                                 4 * keys * weight_passes(rows))
+        assert c.bytes_moved == 4 * (2 - keys) * spec.expert_bytes()
         lane[rows] = ex.host.cpu.busy_at()
-        assert lane[rows] == pytest.approx(4 * (call + math.ceil(rows / 4) * read), rel=1e-9)
-        assert decode_step(model, rows, 2, 1.0, 4.0).host_lane_s == pytest.approx(lane[rows], rel=1e-9)
+        assert lane[rows] == pytest.approx(4 * (call + keys * math.ceil(rows / 4) * read) if keys else 0.0, rel=1e-9)
+        assert decode_step(model, rows, 2, 2.0, 8.0).host_lane_s == pytest.approx(lane[rows], rel=1e-9)
     assert lane[1] == pytest.approx(lane[2]) == pytest.approx(lane[4])  # a pass a pair would be 4 x one row's reads
-    assert lane[5] == pytest.approx(lane[8]) == pytest.approx(lane[1] + 4 * read)  # 5 rows: a second pass
-    assert lane[9] == pytest.approx(lane[1] + 8 * read)
+    assert lane[5] == pytest.approx(lane[8]) == pytest.approx(lane[1])  # one key, a second pass: the same budget
+    assert lane[9] == 0.0
 
 
 def test_the_step_model_spreads_a_keys_pairs_as_evenly_as_their_average_allows():
