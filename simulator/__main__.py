@@ -390,7 +390,7 @@ def predict_command(args) -> int:
     else:
         from simulator.table import print_table
 
-        lane = (f"; host lane (ADR 0030): {cost.host_permille / 10:g} % of each lookup's misses on the host at "
+        lane = (f"; host lane (ADR 0030): up to {cost.host_permille / 10:g} % of each lookup's misses on the host at "
                 f"{cost.host_expert_gb_s:g} GB/s" if cost.host_permille else "")
         print_table(results, title=f"{model_name} on {hardware.name} ({calibration.describe(hardware.name)}; "
                                    f"routing {args.routing}{lane})")

@@ -59,8 +59,8 @@ def host_keys_at(misses: int, permille: int, passes_per_key: float) -> int:
 
 def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
     """(weight, misses) points a layer with `misses` misses on average is costed at (decode_step). Without a host share,
-    the average itself. With one, whole counts, since a lookup sends host_key_count(m, permille) of its m misses to
-    the host and a layer takes the longer of its two lanes: the two integers around the average, weighted by nearness (the
+    the average itself. With one, whole counts, since a lookup sends the host its last misses within host_key_count(m,
+    permille) weight passes (host_keys_at) and a layer takes the longer of its two lanes: the two integers around the average, weighted by nearness (the
     least spread an average allows; one point where it is whole). Where a layer's misses spread wider (bs1 on uniform
     routing: 0 to 8), the simulated executor, which looks each layer up, is the one to trust."""
     if misses < 0:

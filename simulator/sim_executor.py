@@ -404,6 +404,8 @@ class SimExecutor:
                     for e in token[layer]:
                         tokens_per_expert[e] = tokens_per_expert.get(e, 0) + weight
             keys = [(layer, e) for e in tokens_per_expert]
+            if host_permille:  # the engine's decode lookups take a layer's keys ascending: their "last" misses
+                keys.sort()   # are the host's (host_split's order decides how many, not only which)
             self.routed_keys.update(keys)
             # NOTE: the engine picks per-pair GEMVs or grouped GEMMs from the layer call's pair count (lockstep
             # rows included: each streams its pairs), never from the pool size or the lookup groups below.

@@ -275,8 +275,8 @@ class DeviceResidency:
         Returns (fill_keys int64 [T*K], fill_slots int64 [T*K], slot_ids int32 [T, K]): the misses to
         gather (then -1) and every entry's slot (-1 for invalid rows). Needs T*K <= S and no pinned keys.
         shared_slot: slot_ids gets a column K holding it on valid rows (-1 on the others): [T, K+1].
-        host_permille > 0 (ADR 0030; 0, the default, is off): the layer's last host_key_count misses are
-        computed on the host (slot -1, no fill, counted in `host_computed`), and a fourth tensor follows,
+        host_permille > 0 (ADR 0030; 0, the default, is off): the layer's last misses within host_split's budget
+        (domain.residency: host_key_count weight passes, ceil(rows / 4) a key) are computed on the host (slot -1, no fill, counted in `host_computed`), and a fourth tensor follows,
         host_pairs int64 [T*K] (lane t*K + k: the pair's flat key where it is a host pair, else -1).
         Raises ValueError for a host_permille that is not an int in 0..1000.
         """
@@ -359,13 +359,13 @@ class DeviceResidency:
         return divmod(int(flat), self.num_experts)
 
     def can_lookup(self, keys, host_permille: int = 0) -> bool:
+        host_key_count(0, host_permille)  # refuses a bad share, keys or not (as the domain does)
         flat = self._flat(keys).unique()
         if flat.numel() == 0:
             return True
         slots = self.slot_of_key[flat]
         pinned_requested = int((self.pinned[slots.clamp(min=0)] & (slots >= 0)).sum())
         pinned_by_others = int(self.pinned[: self.num_slots].sum()) - pinned_requested
-        host_key_count(0, host_permille)  # refuses a bad share
         on_host = 0  # host keys need no slot: the domain's split of the misses in request order (repeats: rows)
         if host_permille:
             rows: dict[int, int] = {}

@@ -62,8 +62,8 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
     key_j = key32[None, :]
     earlier = offs[None, :] < offs[:, None]
     valid_j = valid[None, :]
-    dup = tl.sum((valid_j & (key_j == key_i) & earlier).to(tl.int32), axis=1) > 0
-    distinct = valid & ~dup  # [BN]
+    occurrence = tl.sum((valid_j & (key_j == key_i) & earlier).to(tl.int32), axis=1)  # [BN] earlier equal lanes
+    distinct = valid & (occurrence == 0)  # [BN]
     distinct_j = distinct[None, :]
     rank = tl.sum((distinct_j & (key_j < key_i)).to(tl.int32), axis=1)  # [BN] by value: duplicates share it
     slot_before = tl.load(slot_of_ptr + key, mask=valid, other=-1)
@@ -75,17 +75,24 @@ def lookup_keys(key, valid, offs, n, slot_of_ptr, key_of_ptr, stamp_ptr, clock_p
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     n_fill = n_miss
     if HOST:
-        # NOTE: domain.residency.host_split in integers (int32: n_miss <= MAX_KEYS, p <= 1000): a miss weighs
-        # the weight passes of its rows (the valid lanes that repeat its key), and the last misses (highest
-        # ranks) whose summed weights fit host_key_count(n_miss, p) are host keys. They are the misses of rank
-        # >= n_fill: the loop below fills ranks 0..n_fill-1 only, so they never get a slot (slot_of stays -1),
-        # a victim or a stamp, and the fills choose what they would without them
-        rows = tl.sum((valid_j & (key_j == key_i)).to(tl.int32), axis=1)  # [BN]
-        passes = tl.where(miss, (rows + ROWS_PER_PASS - 1) // ROWS_PER_PASS, 0)  # [BN]
-        later = miss_j & (miss_rank[None, :] >= miss_rank[:, None])  # [BN, BN] misses from this one's rank on
-        suffix = tl.sum(tl.where(later, passes[None, :], 0), axis=1)  # [BN]
+        # NOTE: domain.residency.host_split in integers (int32: n_miss <= MAX_KEYS, p <= 1000). A missed key
+        # weighs ceil(rows / 4) passes, counted one a lane on its 1st, 5th, 9th ... valid lane (the occurrence
+        # `distinct` already reduced); the keys are taken from the top miss rank down while their passes fit
+        # host_key_count: at most `budget` of them (each weighs >= 1), each a pair of [BN] reductions, and no
+        # [BN, BN] tile beyond the plain lookup's (a suffix sum by rank was one: 104 -> 352 B of spill a thread
+        # at 128 lanes on Triton 3.6). The host keys are the misses of rank >= n_fill: the loop below fills ranks
+        # 0..n_fill-1 only, so they never get a slot (slot_of stays -1), a victim or a stamp, and the fills
+        # choose what they would without them
+        opens = (valid & (slot_before < 0) & (occurrence % ROWS_PER_PASS == 0)).to(tl.int32)  # [BN]
         budget = (n_miss * host_permille + 500) // 1000
-        n_host = tl.sum((miss & (suffix <= budget)).to(tl.int32), axis=0)
+        n_host = n_miss * 0
+        used = n_miss * 0
+        taking = n_miss >= 0  # still taking keys (a scalar True of the loop's type)
+        for t in range(0, budget):
+            key_t = tl.sum(tl.where(miss & (miss_rank == n_miss - 1 - t), key32, 0), axis=0)
+            used += tl.sum(tl.where(key32 == key_t, opens, 0), axis=0)
+            taking = taking & (used <= budget)
+            n_host += taking.to(tl.int32)
         n_fill = n_miss - n_host
         tl.store(host_count_ptr, tl.load(host_count_ptr) + n_host)
     clock = tl.load(clock_ptr)

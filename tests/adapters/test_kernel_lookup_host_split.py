@@ -215,6 +215,18 @@ def test_six_rows_routed_alike_send_the_host_fewer_keys(path):
         assert [e for _, e in want.host] == host
 
 
+def test_the_split_weighs_passes_of_as_many_rows_as_the_host_kernel_serves():
+    """domain.residency.HOST_ROWS_PER_PASS, the rows a key's weight pass is counted for in the split, is the host
+    kernel's MAX_VECTORS (fp8_block_experts.cpp): a kernel serving more or fewer rows a pass needs a new split."""
+    import re
+    from pathlib import Path
+
+    from domain.residency import HOST_ROWS_PER_PASS
+
+    source = (Path(residency_lookup.__file__).parents[1] / "host_kernels" / "fp8_block_experts.cpp").read_text()
+    assert [int(v) for v in re.findall(r"constexpr int MAX_VECTORS = (\d+);", source)] == [HOST_ROWS_PER_PASS]
+
+
 # ---------------------------------------------------------------- off is the plain lookup
 
 
@@ -352,10 +364,12 @@ print(json.dumps(out))
 """
 
 
-# ptxas, 2026-12-07, REG / STACK bytes a thread, plain -> HOST. Triton 3.9: lookup 16 lanes 72/0 -> 64/8, 128
-# lanes 255/40 both; route 1x256 114/0 -> 80/0, 4x256 168/24 both, 2x512 119/0 -> 121/0, 16x256 231/0 -> 236/0.
-# Triton 3.6 (the device's, FT_SM90_TRITON): lookup 128/0 and 255/104 both; route 1x256 128/0 both, 4x256
-# 192/0 -> 202/0, 2x512 127/0 both, 16x256 255/472 -> 255/648 (a tile the decode step does not take: `pays`)
+# ptxas, 2026-12-07 (session 41: the split weighing passes), REG / STACK bytes a thread, plain -> HOST. Triton 3.9:
+# lookup 16 lanes 72/0 -> 64/8, 128 lanes 255/40 both; route 1x256 114/0 -> 106/0, 4x256 168/24 -> 168/32, 2x512
+# 119/0 -> 121/0, 16x256 231/0 -> 238/0. Triton 3.6 (the device's, FT_SM90_TRITON): lookup 16 lanes 128/0 both,
+# 128 lanes 255/104 -> 255/64 (a suffix sum by rank as a [BN, BN] tile made it 352: measured on the H100 machine);
+# route 1x256 128/0 both, 4x256 192/0 -> 204/0, 2x512 127/0 both, 16x256 255/472 -> 255/648 (a tile the decode step
+# does not take: `pays`)
 _STACK_SLACK = 32  # ptxas' choices move by a few words either way (3.9's 16 lanes: 8 B more at 8 fewer registers)
 
 

@@ -120,6 +120,13 @@ def residency_contract_machine(
         def host_lookup(self, keys, host_permille):
             self._lookup_both(keys, host_permille)
 
+        @precondition(lambda self: with_host)
+        @rule(keys=st.lists(key, min_size=1, max_size=3), rows=st.integers(1, 6), host_permille=st.integers(1, 1000))
+        def host_lookup_rows_alike(self, keys, rows, host_permille):
+            # a batch's rows routed alike: each key repeated `rows` times, so a miss weighs 2 weight passes past
+            # 4 rows and the split takes fewer keys (host_split); the random lists above rarely repeat a key 5 times
+            self._lookup_both(keys * rows, host_permille)
+
         @rule(data=st.data())
         def release_some(self, data):
             pinned = [k for k in all_keys if self.reference.is_pinned(k)]

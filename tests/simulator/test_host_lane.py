@@ -310,7 +310,7 @@ def test_predict_names_the_host_lane_and_takes_the_balanced_share_by_default(cap
     assert lane["mode"] == "host experts (ADR 0030)" and lane["host_expert_gb_s"] == 40.0
     assert lane["host_permille"] == balanced_host_permille(40.0, LINK_GB_S) == 423 and lane["host_experts"] > 0
     assert main([*P, "--host-experts-gb-s", "40", "--host-permille", "200"]) == 0
-    assert "host lane (ADR 0030): 20 % of each lookup's misses on the host at 40 GB/s" in capsys.readouterr().out
+    assert "host lane (ADR 0030): up to 20 % of each lookup's misses on the host at 40 GB/s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
