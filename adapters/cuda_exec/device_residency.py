@@ -277,7 +277,8 @@ class DeviceResidency:
         shared_slot: slot_ids gets a column K holding it on valid rows (-1 on the others): [T, K+1].
         host_permille > 0 (ADR 0030; 0, the default, is off): the layer's last misses within host_split's budget
         (domain.residency: host_key_count weight passes, ceil(rows / 4) a key) are computed on the host (slot -1,
-        no fill, counted in `host_computed`), and a fourth tensor follows, host_pairs int64 [T*K] (lane t*K + k: the pair's flat key where it is a host pair, else -1).
+        no fill, counted in `host_computed`), and a fourth tensor follows, host_pairs int64 [T*K] (lane t*K + k:
+        the pair's flat key where it is a host pair, else -1).
         Raises ValueError for a host_permille that is not an int in 0..1000.
         """
         host_key_count(0, host_permille)  # refuses a bad share before anything is allocated
