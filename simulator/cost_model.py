@@ -515,16 +515,17 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     # (host_keys_at: the domain's host_split with every key alike) of a layer's m misses off the link
     # and the GPU, so a layer is costed at whole miss counts (miss_points); off, at the average itself, as before.
     permille = model.params.host_permille
+    passes = passes_per_key(routed / distinct_per_layer) if permille else 0.0  # a host key's, routed / distinct rows
     phase = copy_l = gemms = lane = 0.0
     for weight, misses in miss_points(miss_l, permille):
-        on_host = host_keys_at(misses, permille, passes_per_key(routed / distinct_per_layer)) if permille else 0
+        on_host = host_keys_at(misses, permille, passes) if permille else 0
         fill = misses - on_host
         fill_share = fill / distinct_per_layer if distinct_per_layer else 0.0
         reads_miss = routed * fill_share if per_pair and not rereads else fill
         miss_gemm = model.expert_read(reads_miss, routed * fill_share, per_pair, again * fill_share if rereads else 0.0)
         copy_w = model.transfer(fill, layers_with_misses / layers) if misses_per_step else 0.0
         # the host reads each host key once per weight pass over the rows routed to it (routed / distinct on average)
-        host_w = model.host_compute(on_host * passes_per_key(routed / distinct_per_layer)) if on_host else 0.0
+        host_w = model.host_compute(on_host * passes) if on_host else 0.0
         phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call)
         copy_l += weight * copy_w
         gemms += weight * (hit_gemm + miss_gemm + call)

@@ -4,9 +4,9 @@ misses is computed on the host CPU while the PCIe link copies the rest.
 The split is the domain's (ExpertResidency.lookup(keys, host_permille=p)): of a lookup's m distinct misses the last
 ones whose weight passes fit host_key_count(m, p) (m × p / 1000 rounded half up) are host keys (host_split: a pass a
 key up to ROWS_PER_PASS rows, so where a batch routes alike the host takes fewer); they take no slot and are never
-copied. The host
-reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s, after a fixed round trip
-(host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its partial sum).
+copied. The host reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s, after a fixed
+round trip (host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its
+partial sum).
 The host kernel groups a lookup's (token, expert) pairs by expert and converts each expert's weights once for up to
 ROWS_PER_PASS of its rows at a time, so a host key routed by n rows costs ceil(n / ROWS_PER_PASS) passes
 (`weight_passes`), not n: rows that route alike (one prompt to every request) share the reads. The GPU runs only the
@@ -60,8 +60,8 @@ def host_keys_at(misses: int, permille: int, passes_per_key: float) -> int:
 def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
     """(weight, misses) points a layer with `misses` misses on average is costed at (decode_step). Without a host share,
     the average itself. With one, whole counts, since a lookup sends the host its last misses within host_key_count(m,
-    permille) weight passes (host_keys_at) and a layer takes the longer of its two lanes: the two integers around the average, weighted by nearness (the
-    least spread an average allows; one point where it is whole). Where a layer's misses spread wider (bs1 on uniform
+    permille) weight passes (host_keys_at) and a layer takes the longer of its two lanes: the two integers around the
+    average, weighted by nearness (the least spread an average allows; one point where it is whole). Where a layer's misses spread wider (bs1 on uniform
     routing: 0 to 8), the simulated executor, which looks each layer up, is the one to trust."""
     if misses < 0:
         raise ValueError(f"negative misses {misses}")

@@ -361,7 +361,8 @@ class DeviceResidency:
 
     def can_lookup(self, keys, host_permille: int = 0) -> bool:
         host_key_count(0, host_permille)  # refuses a bad share, keys or not (as the domain does)
-        flat = self._flat(keys).unique()
+        requested = self._flat(keys)  # [n] a key once per row
+        flat = requested.unique()
         if flat.numel() == 0:
             return True
         slots = self.slot_of_key[flat]
@@ -370,7 +371,7 @@ class DeviceResidency:
         on_host = 0  # host keys need no slot: the domain's split of the misses in request order (repeats: rows)
         if host_permille:
             rows: dict[int, int] = {}
-            for k in self._flat(keys).tolist():
+            for k in requested.tolist():
                 rows[k] = rows.get(k, 0) + 1
             missed = (self.slot_of_key[list(rows)] < 0).tolist()
             on_host = host_split([n for n, m in zip(rows.values(), missed, strict=True) if m], host_permille)

@@ -105,8 +105,8 @@ class HostLane:
     spinning workers that lives as long as the thread, host_kernels/spin_team.h) or "openmp" (the thread's own
     OpenMP team, forked by ATen's parallel_for twice a request); max_spins: the waits' bound;
     share: the per mille of a decode lookup's misses the pool sends here, at most (domain.residency.host_split:
-    the budget in weight passes; read by DeviceExpertPool, not by the lane). The thread is not started here: start() it. Raises ValueError
-    on arguments that do not fit."""
+    the budget in weight passes; read by DeviceExpertPool, not by the lane). The thread is not started here:
+    start() it. Raises ValueError on arguments that do not fit."""
 
     def __init__(self, bank: torch.Tensor, layout: ExpertLayout, row_of_key: torch.Tensor, top_k: int,
                  max_rows: int, device: torch.device | str, *, share: int = 1000, threads: int | None = None,
