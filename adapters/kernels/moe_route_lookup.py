@@ -4,7 +4,7 @@ then the layer's lookup in the device LRU (residency_lookup's `lookup_keys`: hit
 the miss list) and every pair's slot, the resident shared expert's slot as column K.
 
 Shape legend: T rows (padded decode batch), E experts (<= 1024), H hidden, K top-k, KO = K (+ 1 with the
-shared gate), KS = K (+ 1 with a resident shared expert), S slots, n = T*K keys.
+shared gate), KS = K (+ 1 with a resident shared expert), S slots, n = T*K keys, BN lanes (n rounded up).
 
 Why one program: the lookup needs every row's experts at once (one LRU decision per layer), so the router
 runs for all T rows in the same program, as a [T, E] tile (it fits up to T*E <= MAX_TILE). Without it
@@ -53,7 +53,8 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
                              HAS_OWNER: tl.constexpr,
                              ROUND_GATE: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, host_permille=None, host_count_ptr=None,
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+                             host_permille=None, host_count_ptr=None,
                              host_pairs_ptr=None, HOST: tl.constexpr = False, USE_GDC: tl.constexpr = False):
     # NOTE: the host split's arguments default to None, which Triton binds as constexprs: the plain lookup's
     # launches and sm_90 builds need not name them and compile to exactly the kernel without them
@@ -62,7 +63,7 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
     offs_t = tl.arange(0, BLOCK_T)  # [BT]
     offs_e = tl.arange(0, BLOCK_E)  # [BE]
     offs_k = tl.arange(0, BLOCK_K)  # [BK] weight columns (KO)
-    offs_r = tl.arange(0, BLOCK_R)  # [BR] routed columns (K): the lookup's lanes are BT x BR, not BT x BK
+    offs_r = tl.arange(0, BLOCK_R)  # [BR] routed columns (K)
     t_ok = offs_t < T
     mask_e = offs_e[None, :] < E
     tile_ok = t_ok[:, None] & mask_e  # [BT, BE]
@@ -104,29 +105,30 @@ def _moe_route_lookup_kernel(logits_ptr, x_ptr, g_ptr, valid_ptr, wout_ptr, slot
             sg = sg.to(g_ptr.dtype.element_ty).to(tl.float32)
         top_w = tl.where(offs_k[None, :] == K, sg[:, None], top_w)
     tl.store(wout_ptr + offs_t[:, None] * KO + offs_k[None, :], top_w, mask=t_ok[:, None] & (offs_k[None, :] < KO))
-    # the lookup over the n = T*K routed pairs, flattened row-major (position t*BR + k: request order)
-    # NOTE: its pairwise [n, n] comparisons are the kernel's biggest register tile: BR = K rounded up
-    # (not KO), so a 16-row top-8 bucket keeps residency_lookup's 128 lanes
+    # the lookup over the n = T*K routed pairs in request order (lane t*K + k), as layer_lookup's lanes: loaded
+    # one-dimensional from memory, fill_keys serving as the scratch (lookup_keys overwrites it only after every
+    # thread has read its lanes: the barriers).
+    # NOTE: not tl.reshape of the [BT, BR] ids: with BT = 8 (5-8 rows) the compiled reshape's layout made the
+    # lookup's lane reductions count each lane twice (fills of key 2f instead of f, on an H100 with Triton 3.6,
+    # at every top-k; 1-4 and 16 rows were right, and so is the interpreter): scripts/diag/route_lookup_probe.py
     live = tl.load(valid_ptr + offs_t, mask=t_ok, other=0) != 0  # [BT]
-    pair_ok = (live[:, None] & (offs_r[None, :] < K))  # [BT, BR]
+    tl.store(fill_keys_ptr + offs_t[:, None] * K + offs_r[None, :], top_i + base,
+             mask=t_ok[:, None] & (offs_r[None, :] < K))
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK_N)  # [BN] lanes
+    in_range = offs < T * K
+    valid = in_range & (tl.load(valid_ptr + offs // K, mask=in_range, other=0) != 0)
+    key = tl.load(fill_keys_ptr + offs, mask=in_range, other=-1)
     if HAS_OWNER:  # expert parallelism: a pair another rank owns routes nowhere here (no key, slot -1)
-        pair_ok = pair_ok & (tl.load(owner_ptr + top_i + base, mask=pair_ok, other=-1) == rank)
-    key2 = tl.where(pair_ok, top_i + base, -1)  # [BT, BR]
-    key = tl.reshape(key2, (BLOCK_T * BLOCK_R,))
-    valid = tl.reshape(pair_ok, (BLOCK_T * BLOCK_R,))
-    offs = tl.arange(0, BLOCK_T * BLOCK_R)
+        valid = valid & (tl.load(owner_ptr + key, mask=valid, other=-1) == rank)
+    key = tl.where(valid, key, -1)
+    tl.debug_barrier()
     slot_after = lookup_keys(key, valid, offs, T * K, slot_of_ptr, key_of_ptr, stamp_ptr, clock_ptr,
                              counters_ptr, fill_keys_ptr, fill_slots_ptr, S, host_permille, host_count_ptr,
-                             BLOCK_T * BLOCK_R, BLOCK_S, HOST)
-    slots2 = tl.reshape(slot_after, (BLOCK_T, BLOCK_R))
-    tl.store(slot_ids_ptr + offs_t[:, None] * KS + offs_r[None, :], slots2.to(tl.int32),
-             mask=t_ok[:, None] & (offs_r[None, :] < K))
+                             BLOCK_N, BLOCK_S, HOST)
+    tl.store(slot_ids_ptr + (offs // K) * KS + offs % K, slot_after.to(tl.int32), mask=in_range)
     if HOST:  # a valid pair left without a slot is computed on the host; lane t*K + k (padded, foreign: -1)
-        # NOTE: from the flat lanes, as slots2: key2 and pair_ok would keep their [BT, BR] layout live
-        # across the lookup
-        host2 = tl.reshape(tl.where(valid & (slot_after < 0), key, -1), (BLOCK_T, BLOCK_R))
-        tl.store(host_pairs_ptr + offs_t[:, None] * K + offs_r[None, :], host2,
-                 mask=t_ok[:, None] & (offs_r[None, :] < K))
+        tl.store(host_pairs_ptr + offs, tl.where(valid & (slot_after < 0), key, -1), mask=in_range)
     if KS > K:  # the layer's resident shared expert as column K, on valid rows only
         tl.store(slot_ids_ptr + offs_t * KS + K, tl.where(live, shared_slot, -1).to(tl.int32), mask=t_ok)
 
@@ -209,6 +211,6 @@ def moe_route_lookup(logits: torch.Tensor, x: torch.Tensor, top_k: int, renormal
         K=top_k, KO=ko, KS=ks, HAS_GATE=has_gate, HAS_OWNER=owner is not None, ROUND_GATE=has_gate and gate_weight.dtype != torch.float32,
         RENORM=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=block_g,
         BLOCK_K=triton.next_power_of_2(ko), BLOCK_R=triton.next_power_of_2(top_k),
-        BLOCK_S=residency_lookup.VICTIM_BLOCK,
+        BLOCK_N=max(16, triton.next_power_of_2(t * top_k)), BLOCK_S=residency_lookup.VICTIM_BLOCK,
         num_warps=4 if block_t * block_e <= 2048 else 8, USE_GDC=pdl_enabled(logits), **extra)
     return weights, slot_ids, fill_keys, fill_slots

@@ -358,7 +358,7 @@ for host in (False, True):
             moe_route_lookup._moe_route_lookup_kernel, types,
             dict(K=8, KO=9, KS=9, HAS_GATE=True, HAS_OWNER=False, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t,
                  BLOCK_E=block_e, BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8,
-                 BLOCK_S=residency_lookup.VICTIM_BLOCK, HOST=host),
+                 BLOCK_N=max(16, 8 * block_t), BLOCK_S=residency_lookup.VICTIM_BLOCK, HOST=host),
             {"num_warps": 4 if block_t * block_e <= 2048 else 8})
 print(json.dumps(out))
 """

@@ -57,8 +57,8 @@ for block_t, block_e, owner in ((1, 256, False), (4, 256, False), (2, 512, False
            "owner_ptr": "*i32", "T": "i32", "E": "i32", "H": "i32", "stride_l": "i32", "stride_x": "i32",
            "base": "i32", "S": "i32", "shared_slot": "i32", "rank": "i32"},
           dict(K=8, KO=9, KS=9, HAS_GATE=True, HAS_OWNER=owner, ROUND_GATE=True, RENORM=True, BLOCK_T=block_t,
-               BLOCK_E=block_e,
-               BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8, BLOCK_S=residency_lookup.VICTIM_BLOCK))
+               BLOCK_E=block_e, BLOCK_G=min(2048, 8192 // block_t), BLOCK_K=16, BLOCK_R=8,
+               BLOCK_N=max(16, 8 * block_t), BLOCK_S=residency_lookup.VICTIM_BLOCK))
 # every tile the autotuner may pick (4 warps at D 2048), row blocks (BLOCK_R > 1) included
 for block_r, block_e, block_h in rms_norm_router.TUNE_TILES:
     build(rms_norm_router._rms_norm_router_kernel,
