@@ -19,8 +19,9 @@ writes one JSON record:
   ``compiled_4`` time calls of 2 and 4 experts, one layer's host share at bs1, where fixed costs show.
 
 With ``--lane`` the host lane's thread itself is timed (adapters/host_kernels/host_lane): requests of 1, 2, 4 and
-8 experts for one token, and of 2 experts for 4 tokens routed alike, through its mailbox, for each kind of team
-(``spin``: the lane's own spinning workers; ``openmp``: ATen's parallel_for on the thread's OpenMP team) at half,
+8 experts for one token, of 1 expert for 2, 4, 6 and 8 tokens routed alike and of 2 experts for 4 and 6, through its
+mailbox, for each kind of team (``spin``: the lane's own spinning workers; ``openmp``: ATen's parallel_for on the
+thread's OpenMP team) at half,
 all but two and all but one of the cores: a request's fixed cost (waking the team, joining it) is what separates a
 bs1 layer's ~1.5 experts from the rate above.
 
@@ -180,10 +181,12 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
     results = {}
     for team in host_lane.TEAMS:
         for t in threads:
-            with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 4, device, threads=t,
+            with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 8, device, threads=t,
                                     team=team) as lane:
-                # (experts, rows): one row, then 4 rows routed alike (a batch of one prompt: each expert read once)
-                for k, rows in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 4)):
+                # (experts, rows): one row, then rows routed alike (a batch of one prompt: each expert read once a
+                # weight pass of 4 rows): 2, 4, 6 and 8 rows of one expert, 4 and 6 rows of two, the price of a host
+                # key by its rows (ADR 0030, "Session 42": 6 rows alike cost more than the split's weights say)
+                for k, rows in ((1, 1), (2, 1), (4, 1), (8, 1), (2, 4), (1, 2), (1, 4), (1, 6), (1, 8), (2, 6)):
                     lane.measure(requests=8, experts=k, rows=rows)  # the team awake and spinning, as inside a step
                     gb_s = lane.measure(requests=requests, experts=k, rows=rows)
                     us = k * layout.row_bytes / gb_s / 1e3
