@@ -72,6 +72,17 @@ def parse_gb_s(text: str) -> float:
     return value
 
 
+def parse_non_negative(text: str) -> float:
+    """A finite number >= 0 (the host lane's fixed microseconds, its row factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
+    return value
+
+
 def parse_permille_or_auto(text: str) -> int | str:
     """'auto' or an integer share in 0..1000 (per mille)."""
     t = text.strip().lower()
@@ -240,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the host lane's share of each lookup's misses, per mille (the last m x N / 1000 of m misses, "
                         "rounded, as the domain's lookup takes them); auto (the default with --host-experts-gb-s): "
                         "the balanced share, round(1000 x host / (host + link)) of the profile's host->device rate")
+    p.add_argument("--host-call-us", type=parse_non_negative, metavar="US",
+                   help="the host lane's fixed microseconds a lookup with host keys (the hand-over, the team's "
+                        "wake-up; default 20; the H100 machine's host-kernel file fits 66.4 with --host-experts-gb-s "
+                        "64.1, docs/simulator.md \"The host lane's request cost refit\")")
+    p.add_argument("--host-row-factor", type=parse_non_negative, metavar="A",
+                   help="a host weight pass serving n rows routed alike costs 1 + A x (n - 1) one-row passes "
+                        "(default 0; the H100 machine's fit: 0.191)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,
                    help="each benchmark request's prompt in tokens: the context its decode reads (default: the "
@@ -374,7 +392,8 @@ def predict_command(args) -> int:
     # NOTE: the simulated scheduler's budgets are the server's, from the deployment (Deployment.step_budgets):
     # --max-prefill-length alone (it also sizes the activations the plan holds), the mixed budget beside decodes
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
-    cost = with_host_lane(calibration.cost_params(), hardware, args.host_experts_gb_s, args.host_permille)
+    cost = with_host_lane(calibration.cost_params(), hardware, args.host_experts_gb_s, args.host_permille,
+                          args.host_call_us, args.host_row_factor)
     cfg = SweepConfig(model_name, spec, hardware, deployment, cost, args.routing,
                       calibration.locality_params(), workload,
                       calibration.seed if args.seed is None else args.seed, label, calibration.predicts,

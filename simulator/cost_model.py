@@ -55,7 +55,8 @@ from simulator.host_lane import check_host_params, host_keys_at, miss_points, pa
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
-OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s", "splitk_layer_s")
+OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s", "splitk_layer_s",
+                 "host_row_factor")
 # NOTE: adapters/cuda_exec/prefill_linear.py use_splitk (SPLITK_GEMV_MAX_ROWS + 1 .. SPLITK_MAX_ROWS): the rows a
 # layer's dense projections run as split-K GEMMs; fewer run the GEMV (the simulator may not import adapters)
 SPLITK_ROWS = (3, 32)  # left out of to_dict() at 0
@@ -169,10 +170,15 @@ class CostParams(StrictParams):
     # host_lane.ROWS_PER_PASS rows routed to the key: the kernel's MAX_VECTORS) at host_expert_gb_s (GB/s of expert
     # weight bytes), plus host_call_s (s) per lookup with any host keys (the GPU hands the rows over and waits for the
     # partial sum). 0 and 0: off
-    # (every calibration file; to_dict leaves the three out at their defaults).
+    # (every calibration file; to_dict leaves the three out at their defaults, and host_row_factor at 0).
     host_expert_gb_s: float = 0.0
     host_permille: int = 0
     host_call_s: float = 20e-6
+    # A weight pass serving n rows routed alike costs (1 + host_row_factor x (n - 1)) x a 1-row pass: the kernel
+    # converts the expert's weights once but multiplies and sums n rows (host_compute's `pairs`). 0: every pass costs
+    # a 1-row pass, as before the field (docs/simulator.md, "The host lane's request cost refit on the host-kernel
+    # file (session 42)"; host_lane.H100_HOST_REQUEST_S41 is the fit).
+    host_row_factor: float = 0.0
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
@@ -207,8 +213,8 @@ class CostParams(StrictParams):
 
     def to_dict(self) -> dict:
         """StrictParams' dict, less the fields of h100_records_v2 (pair_call_s, pair_read_efficiency,
-        request_spacing_s) and v3 (pair_reread_s, splitk_layer_s) where they are 0: the files fitted before them stay what their
-        commands write."""
+        request_spacing_s), v3 (pair_reread_s, splitk_layer_s) and the host request refit (host_row_factor) where
+        they are 0: the files fitted before them stay what their commands write."""
         out = super().to_dict()
         for name in OFF_WHEN_ZERO:
             if out[name] == 0:
@@ -400,19 +406,25 @@ class CostModel:
             raise ValueError(f"negative pairs {pairs}")
         return self.params.pair_call_s if pairs and self.reads_per_pair(pairs) else 0.0
 
-    def host_compute(self, passes: float, calls: float = 1.0) -> float:
-        """Seconds the host lane (host_lane.py) takes for `passes` weight passes over host keys' experts, handed over
-        in `calls` lookups: calls × host_call_s + passes × expert bytes / host_expert_gb_s (0 passes cost nothing).
-        A host key routed by n rows in a lookup takes host_lane.weight_passes(n) = ceil(n / ROWS_PER_PASS) passes:
-        the host kernel converts an expert's weights once for up to that many of its rows."""
+    def host_compute(self, passes: float, calls: float = 1.0, pairs: float | None = None) -> float:
+        """Seconds the host lane (host_lane.py) takes for `passes` weight passes over host keys' experts, serving
+        `pairs` routed (row, key) pairs in all (default: `passes`, a row a pass), handed over in `calls` lookups:
+        calls × host_call_s + (passes + host_row_factor × (pairs − passes)) × expert bytes / host_expert_gb_s, a pass
+        of n rows costing (1 + host_row_factor × (n − 1)) 1-row passes (0 passes cost nothing). A host key routed by n
+        rows in a lookup takes host_lane.weight_passes(n) = ceil(n / ROWS_PER_PASS) passes: the host kernel converts
+        an expert's weights once for up to that many of its rows."""
         if passes < 0 or calls < 0:
             raise ValueError(f"negative host passes {passes} or calls {calls}")
+        pairs = passes if pairs is None else pairs
+        if pairs < passes - 1e-9:
+            raise ValueError(f"host pairs {pairs} fewer than passes {passes} (a pass serves at least one row)")
         if not passes:
             return 0.0
         p = self.params
         if not p.host_expert_gb_s:
             raise ValueError("host passes need CostParams.host_expert_gb_s > 0")
-        return calls * p.host_call_s + passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
+        one_row_passes = passes + p.host_row_factor * (pairs - passes) if p.host_row_factor else passes
+        return calls * p.host_call_s + one_row_passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
 
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
@@ -515,7 +527,8 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     # (host_keys_at: the domain's host_split with every key alike) of a layer's m misses off the link
     # and the GPU, so a layer is costed at whole miss counts (miss_points); off, at the average itself, as before.
     permille = model.params.host_permille
-    passes = passes_per_key(routed / distinct_per_layer) if permille else 0.0  # a host key's, routed / distinct rows
+    key_pairs = routed / distinct_per_layer if permille else 0.0  # a host key's rows, and its weight passes
+    passes = passes_per_key(key_pairs) if permille else 0.0
     phase = copy_l = gemms = lane = 0.0
     for weight, misses in miss_points(miss_l, permille):
         on_host = host_keys_at(misses, permille, passes) if permille else 0
@@ -525,7 +538,7 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
         miss_gemm = model.expert_read(reads_miss, routed * fill_share, per_pair, again * fill_share if rereads else 0.0)
         copy_w = model.transfer(fill, layers_with_misses / layers) if misses_per_step else 0.0
         # the host reads each host key once per weight pass over the rows routed to it (routed / distinct on average)
-        host_w = model.host_compute(on_host * passes) if on_host else 0.0
+        host_w = model.host_compute(on_host * passes, pairs=on_host * key_pairs) if on_host else 0.0
         phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call)
         copy_l += weight * copy_w
         gemms += weight * (hit_gemm + miss_gemm + call)

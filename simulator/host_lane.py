@@ -77,6 +77,10 @@ def check_host_params(params) -> None:
     integer in 0..1000, host_call_s >= 0; a host share needs a host rate."""
     name = type(params).__name__
     rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
+    rows = params.host_row_factor
+    if isinstance(rows, bool) or not isinstance(rows, int | float) or not 0 <= rows < math.inf:
+        raise ValueError(f"{name}.host_row_factor must be a finite number >= 0 (a pass of n rows costs 1 + factor x "
+                         f"(n - 1) 1-row passes), got {rows!r}")
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < math.inf:
         raise ValueError(f"{name}.host_expert_gb_s must be a finite number >= 0 (GB/s of expert bytes; 0: off), "
                          f"got {rate!r}")
@@ -90,16 +94,54 @@ def check_host_params(params) -> None:
         raise ValueError(f"{name}.host_permille = {permille} needs host_expert_gb_s > 0 (the host's rate)")
 
 
-def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str | None):
+def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str | None,
+                   call_us: float | None = None, row_factor: float | None = None):
     """`cost` (CostParams) with predict's --host-experts-gb-s and --host-permille N|auto: auto (also the default
     when only a rate is given) is balanced_host_permille of the host rate and the link's, the profile's pinned
-    host->device bandwidth at the calibration's h2d_efficiency. Neither given: `cost` itself. ValueError for a share
-    without a rate (CostParams' own check)."""
+    host->device bandwidth at the calibration's h2d_efficiency; --host-call-us (µs) and --host-row-factor set
+    host_call_s and host_row_factor. Neither rate nor share given: `cost` itself (ValueError if a call cost or a
+    row factor is, as they price a lane there is not). ValueError for a share without a rate (CostParams' own check)."""
     if host_gb_s is None and permille is None:
+        if call_us is not None or row_factor is not None:
+            raise ValueError("--host-call-us and --host-row-factor price the host lane: give --host-experts-gb-s too")
         return cost
+    if call_us is not None:
+        cost = cost.replace(host_call_s=call_us * 1e-6)
+    if row_factor is not None:
+        cost = cost.replace(host_row_factor=row_factor)
     rate = cost.host_expert_gb_s if host_gb_s is None else host_gb_s
     if permille is None or permille == "auto":
         if not rate:
             raise ValueError("--host-permille auto needs --host-experts-gb-s (the host's rate in GB/s)")
         permille = balanced_host_permille(rate, hardware.h2d_bytes_per_s * cost.h2d_efficiency / 1e9)
     return cost.replace(host_expert_gb_s=float(rate), host_permille=permille)
+
+
+# The host request's cost fitted on session 41's host-kernel file (docs/bench/2026-12-07-s41-h100-host-experts-lane.json,
+# the spin team at 15 threads; fit_host_request): a request is host_call_s + its weight passes at host_expert_gb_s, a
+# pass of n rows routed alike costing (1 + host_row_factor x (n - 1)) 1-row passes. Not a calibration's: pass it to
+# CostParams.replace with a lane's share (docs/simulator.md, "The host lane's request cost refit on the host-kernel file
+# (session 42)").
+H100_HOST_REQUEST_S41 = {"host_call_s": 66.4e-6, "host_expert_gb_s": 64.1, "host_row_factor": 0.191}
+
+
+def fit_host_request(results: dict, expert_bytes: int, threads: int = 15, team: str = "spin") -> dict:
+    """host_call_s, host_expert_gb_s and host_row_factor fitted on a host-kernel record's `results`
+    (scripts/bench_host_experts.py: "lane_{team}_{k}@{threads}" for k experts of one row, us_per_request, and
+    "lane_{team}_{k}@{threads}x{n}rows" for k experts of n rows routed alike): the fixed part and the per-expert cost by
+    least squares over the 1-row requests, then the row factor from the mean of the many-row requests' excess
+    (us - fixed) / (k x per expert) - 1 over n - 1. ValueError with fewer than two 1-row sizes or no many-row one."""
+    one, many = [], []
+    for key, r in results.items():
+        if not key.startswith(f"lane_{team}_") or r.get("threads") != threads or r.get("team") != team:
+            continue
+        (one if r["rows"] == 1 else many).append((r["experts_per_call"], r["rows"], r["us_per_request"]))
+    if len({k for k, _, _ in one}) < 2 or not many:
+        raise ValueError(f"need 1-row requests of two sizes and a many-row one at {threads} threads ({team})")
+    n = len(one)
+    mx, my = sum(k for k, _, _ in one) / n, sum(us for _, _, us in one) / n
+    per = sum((k - mx) * (us - my) for k, _, us in one) / sum((k - mx) ** 2 for k, _, _ in one)
+    fixed = my - per * mx
+    factor = sum(((us - fixed) / (k * per) - 1) / (rows - 1) for k, rows, us in many) / len(many)
+    return {"host_call_s": fixed * 1e-6, "host_expert_gb_s": expert_bytes / (per * 1e-6) / 1e9,
+            "host_row_factor": factor}

@@ -519,7 +519,7 @@ class SimExecutor:
         yield from host.gpu.use(pending)
         lanes = [host.env.process(host.pcie.use(cost.transfer(misses)))] if misses else []
         if on_host:
-            lanes.append(host.env.process(host.cpu.use(cost.host_compute(host_passes))))
+            lanes.append(host.env.process(host.cpu.use(cost.host_compute(host_passes, pairs=host_pairs))))
         # NOTE: one lane is waited on as itself, as before the host lane: the same events, the same timeline
         done = lanes[0] if len(lanes) == 1 else host.env.all_of(lanes)
         if cost.params.overlap_copy_compute:

@@ -313,7 +313,23 @@ def test_predict_names_the_host_lane_and_takes_the_balanced_share_by_default(cap
     assert "host lane (ADR 0030): up to 20 % of each lookup's misses on the host at 40 GB/s" in capsys.readouterr().out
 
 
+def test_predict_takes_the_host_requests_fixed_cost_and_row_factor(capsys):
+    """--host-call-us and --host-row-factor reach the cost model: a bs4 batch of one prompt (4 rows on each host key)
+    is slower with a row factor, and the record names both."""
+    lane = [*P, "--batch", "4", "--host-experts-gb-s", "64.1", "--host-permille", "465", "--json"]
+    assert main(lane) == 0
+    (plain,) = json.loads(capsys.readouterr().out)
+    assert main([*lane, "--host-call-us", "66.4", "--host-row-factor", "0.191"]) == 0
+    (priced,) = json.loads(capsys.readouterr().out)
+    assert plain["host_lane"]["host_row_factor"] == 0.0 and plain["host_lane"]["host_call_s"] == 20e-6
+    assert priced["host_lane"]["host_row_factor"] == 0.191
+    assert priced["host_lane"]["host_call_s"] == pytest.approx(66.4e-6)
+    assert priced["decode_tok_s"] < 0.95 * plain["decode_tok_s"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--host-row-factor", "0.2"], "give --host-experts-gb-s too"),
+    (["--host-call-us", "-1"], "finite number >= 0"),
     (["--host-permille", "100"], "needs host_expert_gb_s > 0"),
     (["--host-permille", "auto"], "--host-permille auto needs --host-experts-gb-s"),
     (["--host-experts-gb-s", "40", "--host-permille", "1001"], "integer in 0..1000"),
