@@ -61,26 +61,25 @@ def parse_count_or_auto(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else parse_count_or_zero(text)
 
 
-def parse_gb_s(text: str) -> float:
-    """A finite rate >= 0 in GB/s."""
+def _finite_non_negative(text: str, noun: str, unit: str = "") -> float:
+    """float(text) if a finite number >= 0, else argparse's error naming `noun` (and `unit`)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate in GB/s: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a {noun}{unit}: {text!r}") from None
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite rate >= 0 in GB/s: {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite {noun} >= 0{unit}: {text!r}")
     return value
+
+
+def parse_gb_s(text: str) -> float:
+    """A finite rate >= 0 in GB/s."""
+    return _finite_non_negative(text, "rate", " in GB/s")
 
 
 def parse_non_negative(text: str) -> float:
     """A finite number >= 0 (the host lane's fixed microseconds, its row factor)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
-    return value
+    return _finite_non_negative(text, "number")
 
 
 def parse_permille_or_auto(text: str) -> int | str:

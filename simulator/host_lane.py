@@ -4,9 +4,9 @@ misses is computed on the host CPU while the PCIe link copies the rest.
 The split is the domain's (ExpertResidency.lookup(keys, host_permille=p)): of a lookup's m distinct misses the last
 ones whose weight passes fit host_key_count(m, p) (m × p / 1000 rounded half up) are host keys (host_split: a pass a
 key up to ROWS_PER_PASS rows, so where a batch routes alike the host takes fewer); they take no slot and are never
-copied. The host reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s, after a fixed
-round trip (host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its
-partial sum).
+copied. The host reads a host key's expert bytes once per weight pass at CostParams.host_expert_gb_s (a pass of n rows
+alike costing 1 + host_row_factor x (n - 1) one-row passes: it multiplies and sums every row), after a fixed round trip
+(host_call_s) per lookup with any host keys (the GPU hands the layer's rows to the host and waits for its partial sum).
 The host kernel groups a lookup's (token, expert) pairs by expert and converts each expert's weights once for up to
 ROWS_PER_PASS of its rows at a time, so a host key routed by n rows costs ceil(n / ROWS_PER_PASS) passes
 (`weight_passes`), not n: rows that route alike (one prompt to every request) share the reads. The GPU runs only the
@@ -74,7 +74,7 @@ def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
 
 def check_host_params(params) -> None:
     """CostParams' host fields (ValueError): host_expert_gb_s a finite number >= 0 (0: no host lane), host_permille an
-    integer in 0..1000, host_call_s >= 0; a host share needs a host rate."""
+    integer in 0..1000, host_call_s >= 0, host_row_factor a finite number >= 0; a host share needs a host rate."""
     name = type(params).__name__
     rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
     rows = params.host_row_factor
@@ -128,20 +128,24 @@ H100_HOST_REQUEST_S41 = {"host_call_s": 66.4e-6, "host_expert_gb_s": 64.1, "host
 def fit_host_request(results: dict, expert_bytes: int, threads: int = 15, team: str = "spin") -> dict:
     """host_call_s, host_expert_gb_s and host_row_factor fitted on a host-kernel record's `results`
     (scripts/bench_host_experts.py: "lane_{team}_{k}@{threads}" for k experts of one row, us_per_request, and
-    "lane_{team}_{k}@{threads}x{n}rows" for k experts of n rows routed alike): the fixed part and the per-expert cost by
-    least squares over the 1-row requests, then the row factor from the mean of the many-row requests' excess
-    (us - fixed) / (k x per expert) - 1 over n - 1. ValueError with fewer than two 1-row sizes or no many-row one."""
+    "lane_{team}_{k}@{threads}x{n}rows" for k experts of n rows routed alike; an entry without "rows" is one row): the
+    fixed part and the per-expert cost by least squares over the 1-row requests, then the row factor as host_compute
+    prices a request (k keys of n rows: k x (p + factor x (n - p)) one-row passes, p = weight_passes(n)), the mean over
+    the many-row requests of ((us - fixed) / (k x per expert) - p) / (n - p). ValueError with fewer than two 1-row
+    sizes or no many-row one."""
     one, many = [], []
     for key, r in results.items():
         if not key.startswith(f"lane_{team}_") or r.get("threads") != threads or r.get("team") != team:
             continue
-        (one if r["rows"] == 1 else many).append((r["experts_per_call"], r["rows"], r["us_per_request"]))
+        rows = r.get("rows", 1)
+        (one if rows == 1 else many).append((r["experts_per_call"], rows, r["us_per_request"]))
     if len({k for k, _, _ in one}) < 2 or not many:
         raise ValueError(f"need 1-row requests of two sizes and a many-row one at {threads} threads ({team})")
     n = len(one)
     mx, my = sum(k for k, _, _ in one) / n, sum(us for _, _, us in one) / n
     per = sum((k - mx) * (us - my) for k, _, us in one) / sum((k - mx) ** 2 for k, _, _ in one)
     fixed = my - per * mx
-    factor = sum(((us - fixed) / (k * per) - 1) / (rows - 1) for k, rows, us in many) / len(many)
+    factor = sum(((us - fixed) / (k * per) - weight_passes(rows)) / (rows - weight_passes(rows))
+                 for k, rows, us in many) / len(many)
     return {"host_call_s": fixed * 1e-6, "host_expert_gb_s": expert_bytes / (per * 1e-6) / 1e9,
             "host_row_factor": factor}

@@ -77,7 +77,8 @@ The host lane (CostParams.host_permille, host_expert_gb_s, host_call_s; ADR 0030
 graph's lookups (decode-only steps, replays, a layered step's decode rows; never an uncaptured pass) pass the share to
 ExpertResidency.lookup, whose host keys take no slot and are not copied. Their work runs on the host's `cpu` lane
 (host_call_s + their weight passes x expert bytes / host_expert_gb_s; a key routed by n of the lookup's rows takes
-host_lane.weight_passes(n) = ceil(n / 4) passes, the host kernel serving up to 4 rows a pass) beside the link's copies
+host_lane.weight_passes(n) = ceil(n / 4) passes, the host kernel serving up to 4 rows a pass, each pass of r rows
+costing 1 + host_row_factor x (r - 1) one-row passes: CostModel.host_compute's pairs) beside the link's copies
 of the fills; the GPU computes the hits as before (overlap_copy_compute included), then waits for both lanes before
 the fills' GEMMs. The host keys' GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than
 its keys) pays host_call_s per group with host keys.

@@ -59,6 +59,23 @@ def test_the_refit_is_the_host_kernel_files_fit():
         fit_host_request(json.loads(LANE_FILE.read_text())["results"], SPEC.expert_bytes(), threads=3)
 
 
+def test_the_fit_counts_the_passes_of_more_than_four_rows():
+    """A record priced exactly by host_compute (66 us + 50 us a one-row pass, factor 0.2), with requests of 6 and 8
+    rows (two passes a key) and an old entry without "rows": the fit gives the three back."""
+    fixed, per, a = 66.0, 50.0, 0.2
+
+    def entry(k, rows, passes):
+        return {"experts_per_call": k, "rows": rows, "threads": 15, "team": "spin",
+                "us_per_request": fixed + k * per * (passes + a * (rows - passes))}
+
+    results = {f"lane_spin_{k}@15": entry(k, 1, 1) for k in (1, 2, 4)}
+    results["lane_spin_8@15"] = {key: v for key, v in entry(8, 1, 1).items() if key != "rows"}
+    results |= {"lane_spin_1@15x6rows": entry(1, 6, 2), "lane_spin_2@15x8rows": entry(2, 8, 2),
+                "lane_spin_2@15x4rows": entry(2, 4, 1)}
+    got = fit_host_request(results, 5_000_000)
+    assert got == pytest.approx({"host_call_s": 66e-6, "host_expert_gb_s": 100.0, "host_row_factor": 0.2})
+
+
 @pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan, "0.2", True])
 def test_a_bad_row_factor_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="host_row_factor must be a finite number >= 0"):
