@@ -409,10 +409,10 @@ class CostModel:
     def host_compute(self, passes: float, calls: float = 1.0, pairs: float | None = None) -> float:
         """Seconds the host lane (host_lane.py) takes for `passes` weight passes over host keys' experts, serving
         `pairs` routed (row, key) pairs in all (default: `passes`, a row a pass), handed over in `calls` lookups:
-        calls × host_call_s + (passes + host_row_factor × (pairs − passes)) × expert bytes / host_expert_gb_s, a pass
-        of n rows costing (1 + host_row_factor × (n − 1)) 1-row passes (0 passes cost nothing). A host key routed by n
-        rows in a lookup takes host_lane.weight_passes(n) = ceil(n / ROWS_PER_PASS) passes: the host kernel converts
-        an expert's weights once for up to that many of its rows."""
+        calls × host_call_s + (passes + host_row_factor × (pairs − passes)) × expert bytes / host_expert_gb_s,
+        a pass of n rows costing (1 + host_row_factor × (n − 1)) 1-row passes (0 passes cost nothing). A host key
+        routed by n rows in a lookup takes host_lane.weight_passes(n) = ceil(n / ROWS_PER_PASS) passes: the host
+        kernel converts an expert's weights once for up to that many of its rows."""
         if passes < 0 or calls < 0:
             raise ValueError(f"negative host passes {passes} or calls {calls}")
         pairs = passes if pairs is None else pairs
@@ -423,7 +423,7 @@ class CostModel:
         p = self.params
         if not p.host_expert_gb_s:
             raise ValueError("host passes need CostParams.host_expert_gb_s > 0")
-        one_row_passes = passes + p.host_row_factor * (pairs - passes) if p.host_row_factor else passes
+        one_row_passes = passes + p.host_row_factor * (pairs - passes)  # factor 0: passes, exactly
         return calls * p.host_call_s + one_row_passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
 
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:

@@ -61,8 +61,9 @@ def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
     """(weight, misses) points a layer with `misses` misses on average is costed at (decode_step). Without a host share,
     the average itself. With one, whole counts, since a lookup sends the host its last misses within host_key_count(m,
     permille) weight passes (host_keys_at) and a layer takes the longer of its two lanes: the two integers around the
-    average, weighted by nearness (the least spread an average allows; one point where it is whole). Where a layer's misses spread wider (bs1 on uniform
-    routing: 0 to 8), the simulated executor, which looks each layer up, is the one to trust."""
+    average, weighted by nearness (the least spread an average allows; one point where it is whole). Where a layer's
+    misses spread wider (bs1 on uniform routing: 0 to 8), the simulated executor, which looks each layer up, is the one
+    to trust."""
     if misses < 0:
         raise ValueError(f"negative misses {misses}")
     if not permille:
@@ -72,22 +73,27 @@ def miss_points(misses: float, permille: int) -> list[tuple[float, float]]:
     return [(1.0, low)] if not upper else [(1 - upper, low), (upper, low + 1)]
 
 
+def _finite_non_negative(value) -> bool:
+    """A real number (not a bool) in [0, inf)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value < math.inf
+
+
 def check_host_params(params) -> None:
     """CostParams' host fields (ValueError): host_expert_gb_s a finite number >= 0 (0: no host lane), host_permille an
     integer in 0..1000, host_call_s >= 0, host_row_factor a finite number >= 0; a host share needs a host rate."""
     name = type(params).__name__
     rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
     rows = params.host_row_factor
-    if isinstance(rows, bool) or not isinstance(rows, int | float) or not 0 <= rows < math.inf:
+    if not _finite_non_negative(rows):
         raise ValueError(f"{name}.host_row_factor must be a finite number >= 0 (a pass of n rows costs 1 + factor x "
                          f"(n - 1) 1-row passes), got {rows!r}")
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < math.inf:
+    if not _finite_non_negative(rate):
         raise ValueError(f"{name}.host_expert_gb_s must be a finite number >= 0 (GB/s of expert bytes; 0: off), "
                          f"got {rate!r}")
     if isinstance(permille, bool) or not isinstance(permille, int) or not 0 <= permille <= 1000:
         raise ValueError(f"{name}.host_permille must be an integer in 0..1000 (the share of each lookup's misses "
                          f"computed on the host), got {permille!r}")
-    if isinstance(call, bool) or not isinstance(call, int | float) or not 0 <= call < math.inf:
+    if not _finite_non_negative(call):
         raise ValueError(f"{name}.host_call_s must be a finite number >= 0 (seconds a lookup with host keys), "
                          f"got {call!r}")
     if permille and not rate:
@@ -117,8 +123,8 @@ def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str 
     return cost.replace(host_expert_gb_s=float(rate), host_permille=permille)
 
 
-# The host request's cost fitted on session 41's host-kernel file (docs/bench/2026-12-07-s41-h100-host-experts-lane.json,
-# the spin team at 15 threads; fit_host_request): a request is host_call_s + its weight passes at host_expert_gb_s, a
+# The host request's cost fitted on session 41's host-kernel file
+# (docs/bench/2026-12-07-s41-h100-host-experts-lane.json, the spin team at 15 threads; fit_host_request): a request is host_call_s + its weight passes at host_expert_gb_s, a
 # pass of n rows routed alike costing (1 + host_row_factor x (n - 1)) 1-row passes. Not a calibration's: pass it to
 # CostParams.replace with a lane's share (docs/simulator.md, "The host lane's request cost refit on the host-kernel file
 # (session 42)").

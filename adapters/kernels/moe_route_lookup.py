@@ -9,8 +9,9 @@ shared gate), KS = K (+ 1 with a resident shared expert), S slots, n = T*K keys,
 Why one program: the lookup needs every row's experts at once (one LRU decision per layer), so the router
 runs for all T rows in the same program, as a [T, E] tile (it fits up to T*E <= MAX_TILE). Without it
 the step launches moe_router (grid (T,)) and then _layer_lookup_kernel (one program): here one launch per
-MoE layer less, and the ids stay in the one program (out to fill_keys and back: the lookup's lanes), which pays
-only for small tiles: the decode step takes this kernel up to T*E <= FUSED_MAX_TILE (`pays`, measured: see the NOTE there) and the pair above.
+MoE layer less, and the ids stay in the one program (out to fill_keys and back: the lookup's lanes), which
+pays only for small tiles: the decode step takes this kernel up to T*E <= FUSED_MAX_TILE (`pays`, measured:
+see the NOTE there) and the pair above.
 Numerics are moe_router's with `logits` given (fp32 softmax, top-k by packed (probability bits, id) keys,
 exact ties to the lowest id, renormalisation summed in selection order, the gate rounded to g's dtype);
 decisions are residency_lookup's (padded rows route nowhere, duplicates collapse, ascending key order),
@@ -31,8 +32,9 @@ from adapters.kernels.residency_lookup import MAX_KEYS, check_host_split, lookup
 
 # NOTE: the [T, E] logits (fp32) and their int64 top-k keys live in one program's registers, and the lookup
 # then compares T*K keys pairwise: 4K elements is a 16-row bucket at E = 256 (Qwen3.6) or 8 rows at E = 512.
-# Built for sm_90 (cuobjdump, with the ids flattened by tl.reshape before session 42): 91 registers at 1 x 256 (4 warps), 178 at 8 x 256 (4 warps), 231 at 16 x 256
-# (8 warps), no spills; 16 x 512 spills under 8 and 16 warps, so larger tiles take the unfused path.
+# Built for sm_90 (cuobjdump, with the ids flattened by tl.reshape before session 42): 91 registers at 1 x 256
+# (4 warps), 178 at 8 x 256 (4 warps), 231 at 16 x 256 (8 warps), no spills; 16 x 512 spills under 8 and 16
+# warps, so larger tiles take the unfused path.
 MAX_TILE = 4096
 # NOTE: where the decode step stops taking this kernel (`pays`): a measured crossover, not a register limit.
 # The one program does the whole [T, E] tile and the shared gate's [T, H] dot serially, so its time grows
