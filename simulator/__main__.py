@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-row-factor", type=parse_non_negative, metavar="A",
                    help="a host weight pass serving n rows routed alike costs 1 + A x (n - 1) one-row passes "
                         "(default 0; the H100 machine's fit: 0.191)")
+    p.add_argument("--host-wait-row-us", type=parse_non_negative, metavar="US",
+                   help="the hand-off's GPU side: microseconds a routed row of a lookup with host keys keeps the GPU "
+                        "past both lanes (the wait kernel; default 0; the H100 machine's bench_decode fit: 17.3, "
+                        "docs/simulator.md \"The host lane's hand-off on the GPU\")")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,
                    help="each benchmark request's prompt in tokens: the context its decode reads (default: the "
@@ -392,7 +396,7 @@ def predict_command(args) -> int:
     # --max-prefill-length alone (it also sizes the activations the plan holds), the mixed budget beside decodes
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     cost = with_host_lane(calibration.cost_params(), hardware, args.host_experts_gb_s, args.host_permille,
-                          args.host_call_us, args.host_row_factor)
+                          args.host_call_us, args.host_row_factor, args.host_wait_row_us)
     cfg = SweepConfig(model_name, spec, hardware, deployment, cost, args.routing,
                       calibration.locality_params(), workload,
                       calibration.seed if args.seed is None else args.seed, label, calibration.predicts,

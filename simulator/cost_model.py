@@ -56,7 +56,7 @@ from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
 OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s", "splitk_layer_s",
-                 "host_row_factor")
+                 "host_row_factor", "host_wait_row_s")
 # NOTE: adapters/cuda_exec/prefill_linear.py use_splitk (SPLITK_GEMV_MAX_ROWS + 1 .. SPLITK_MAX_ROWS): the rows a
 # layer's dense projections run as split-K GEMMs; fewer run the GEMV (the simulator may not import adapters)
 SPLITK_ROWS = (3, 32)  # left out of to_dict() at 0
@@ -179,6 +179,12 @@ class CostParams(StrictParams):
     # a 1-row pass, as before the field (docs/simulator.md, "The host lane's request cost refit on the host-kernel
     # file (session 42)"; host_lane.H100_HOST_REQUEST_S41 is the fit).
     host_row_factor: float = 0.0
+    # The hand-off's GPU side (docs/simulator.md, "The host lane's hand-off on the GPU (session 43)"): a lookup with
+    # host keys keeps the GPU this long per row it routes past both lanes (the wait kernel after the layer's expert
+    # GEMMs), serial, never hidden behind the copies as the host's own time is. bench_decode's profiles put ~17.3 µs
+    # a row past the host's imbalance with the GPU's work (host_lane.fit_host_wait, H100_HOST_WAIT_S43). 0: off, as
+    # before the field (left out of to_dict). decode_step counts it in the exposed part, not in the expert GEMMs.
+    host_wait_row_s: float = 0.0
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
@@ -213,8 +219,9 @@ class CostParams(StrictParams):
 
     def to_dict(self) -> dict:
         """StrictParams' dict, less the fields of h100_records_v2 (pair_call_s, pair_read_efficiency,
-        request_spacing_s), v3 (pair_reread_s, splitk_layer_s) and the host request refit (host_row_factor) where
-        they are 0: the files fitted before them stay what their commands write."""
+        request_spacing_s), v3 (pair_reread_s, splitk_layer_s), the host request refit (host_row_factor) and the
+        hand-off's GPU side (host_wait_row_s) where they are 0: the files fitted before them stay what their commands
+        write."""
         out = super().to_dict()
         for name in OFF_WHEN_ZERO:
             if out[name] == 0:
@@ -426,6 +433,13 @@ class CostModel:
         one_row_passes = passes + p.host_row_factor * (pairs - passes)  # factor 0: passes, exactly
         return calls * p.host_call_s + one_row_passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
 
+    def host_wait(self, rows: float) -> float:
+        """GPU seconds a lookup with host keys over `rows` routed rows spends on the hand-off past both lanes
+        (host_wait_row_s a row: the wait kernel after the expert GEMMs, serial on the GPU)."""
+        if rows < 0:
+            raise ValueError(f"negative rows {rows}")
+        return rows * self.params.host_wait_row_s
+
     def transfer(self, num_experts: float, calls: float = 1.0) -> float:
         """Host->device copy of num_experts expert rows on the copy engine, issued as `calls`
         copy calls (0 experts cost nothing)."""
@@ -539,7 +553,9 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
         copy_w = model.transfer(fill, layers_with_misses / layers) if misses_per_step else 0.0
         # the host reads each host key once per weight pass over the rows routed to it (routed / distinct on average)
         host_w = model.host_compute(on_host * passes, pairs=on_host * key_pairs) if on_host else 0.0
-        phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call)
+        # the hand-off's GPU side (host_wait_row_s), past both lanes; nothing where it is 0 (the same sums as before)
+        wait = model.host_wait(rows) if on_host and model.params.host_wait_row_s else 0.0
+        phase += weight * (model.layer_expert_time(copy_w, hit_gemm, miss_gemm, host_w) + call + wait)
         copy_l += weight * copy_w
         gemms += weight * (hit_gemm + miss_gemm + call)
         lane += weight * host_w

@@ -21,6 +21,7 @@ from domain.residency import (
     HOST_ROWS_PER_PASS,
     balanced_host_permille,  # noqa: F401 - predict's auto share, as ft serve's
     host_key_count,
+    host_split,
     host_weight_passes,
 )
 
@@ -80,10 +81,14 @@ def _finite_non_negative(value) -> bool:
 
 def check_host_params(params) -> None:
     """CostParams' host fields (ValueError): host_expert_gb_s a finite number >= 0 (0: no host lane), host_permille an
-    integer in 0..1000, host_call_s >= 0, host_row_factor a finite number >= 0; a host share needs a host rate."""
+    integer in 0..1000, host_call_s >= 0, host_row_factor and host_wait_row_s finite numbers >= 0; a host share needs
+    a host rate."""
     name = type(params).__name__
     rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
-    rows = params.host_row_factor
+    rows, wait = params.host_row_factor, params.host_wait_row_s
+    if not _finite_non_negative(wait):
+        raise ValueError(f"{name}.host_wait_row_s must be a finite number >= 0 (GPU seconds a routed row of a lookup "
+                         f"with host keys waits past both lanes), got {wait!r}")
     if not _finite_non_negative(rows):
         raise ValueError(f"{name}.host_row_factor must be a finite number >= 0 (a pass of n rows costs 1 + factor x "
                          f"(n - 1) 1-row passes), got {rows!r}")
@@ -101,20 +106,24 @@ def check_host_params(params) -> None:
 
 
 def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str | None,
-                   call_us: float | None = None, row_factor: float | None = None):
+                   call_us: float | None = None, row_factor: float | None = None, wait_row_us: float | None = None):
     """`cost` (CostParams) with predict's --host-experts-gb-s and --host-permille N|auto: auto (also the default
     when only a rate is given) is balanced_host_permille of the host rate and the link's, the profile's pinned
-    host->device bandwidth at the calibration's h2d_efficiency; --host-call-us (µs) and --host-row-factor set
-    host_call_s and host_row_factor. Neither rate nor share given: `cost` itself (ValueError if a call cost or a
-    row factor is, as they price a lane there is not). ValueError for a share without a rate (CostParams' own check)."""
+    host->device bandwidth at the calibration's h2d_efficiency; --host-call-us (µs), --host-row-factor and
+    --host-wait-row-us (µs) set host_call_s, host_row_factor and host_wait_row_s. Neither rate nor share given:
+    `cost` itself (ValueError if any of those three is, as they price a lane there is not). ValueError for a share
+    without a rate (CostParams' own check)."""
     if host_gb_s is None and permille is None:
-        if call_us is not None or row_factor is not None:
-            raise ValueError("--host-call-us and --host-row-factor price the host lane: give --host-experts-gb-s too")
+        if call_us is not None or row_factor is not None or wait_row_us is not None:
+            raise ValueError("--host-call-us, --host-row-factor and --host-wait-row-us price the host lane: give "
+                             "--host-experts-gb-s too")
         return cost
     if call_us is not None:
         cost = cost.replace(host_call_s=call_us * 1e-6)
     if row_factor is not None:
         cost = cost.replace(host_row_factor=row_factor)
+    if wait_row_us is not None:
+        cost = cost.replace(host_wait_row_s=wait_row_us * 1e-6)
     rate = cost.host_expert_gb_s if host_gb_s is None else host_gb_s
     if permille is None or permille == "auto":
         if not rate:
@@ -155,3 +164,112 @@ def fit_host_request(results: dict, expert_bytes: int, threads: int = 15, team: 
                  for k, rows, us in many) / len(many)
     return {"host_call_s": fixed * 1e-6, "host_expert_gb_s": expert_bytes / (per * 1e-6) / 1e9,
             "host_row_factor": factor}
+
+
+# The hand-off's GPU side fitted on bench_decode's per-kernel profiles of the lane (fit_host_wait over
+# docs/bench/2026-12-07-s41-h100-bench-decode-{h423,same-prompt-h423}.json and
+# ...-s42-h100-bench-decode-same-prompt-hauto.json, with H100_HOST_REQUEST_S41's request cost): GPU seconds a routed
+# row of a lookup with host keys waits past the host's imbalance with the GPU's own work. Not a calibration's: pass it
+# to CostParams.replace with the request cost (docs/simulator.md, "The host lane's hand-off on the GPU (session 43)").
+H100_HOST_WAIT_S43 = {"host_wait_row_s": 17.3e-6}
+
+
+def _kernel_us(profile: dict | None, name: str) -> tuple[float, int]:
+    """(µs a step, launches a step) of one kernel in a bench_decode profile's top_kernels; (0, 0) where absent."""
+    for k in (profile or {}).get("top_kernels", ()):
+        if k["kernel"] == name:
+            return k["us_per_step"], k["launches_per_step"]
+    return 0.0, 0
+
+
+def host_wait_point(point: dict, share: int, same_prompt: bool, geometry: dict, expert_bytes: int,
+                    request: dict) -> dict:
+    """One bench_decode batch point of the host lane (`point`: scenarios[..].batches[rows], with its miss_profile of
+    graph replays that miss) split into what its wait kernel (_wait_add_kernel, after the layer's expert GEMMs) spent.
+    Per layer, on uniform routing as the simulator's: the layer looks up D distinct keys (top-k for one prompt, whose
+    rows route alike; E x (1 - (1 - K/E)^T) for distinct rows) of which m ~ Binomial(D, misses a layer / D) miss,
+    measured misses from miss_bytes_per_step; the domain's split (host_split) sends k(m) of them to the host. The host
+    takes `request`'s cost (host_call_s, host_expert_gb_s, host_row_factor: fit_host_request's keys) for its k keys;
+    the GPU's own work after the publish is the other m - k copies, at the profile's gather time a copied miss, plus
+    the profile's expert GEMMs and sum a layer. Returns, in µs: `wait` (a layer), `empty` (a launch without host keys:
+    the point's all-hit profile, where nothing is sent), `host_layers` (the share of layers with host keys),
+    `host`, `gpu` (their means over those layers), `imbalance` (E[max(0, host - gpu)] a layer) and `residual` (a
+    layer with host keys: the wait less the empty launches and the imbalance), with `rows`. ValueError for a point
+    without a miss profile or a share, or with more misses than keys."""
+    profile = point.get("miss_profile")
+    if not profile or not share:
+        raise ValueError("a host lane point needs a miss_profile and a share")
+    layers, experts, top_k = geometry["num_hidden_layers"], geometry["num_experts"], geometry["num_experts_per_tok"]
+    rows = max(1, round(point.get("rows", 0))) if "rows" in point else None
+    if rows is None:
+        raise ValueError("the point must carry its rows")
+    distinct = top_k if same_prompt else round(experts * (1 - (1 - top_k / experts) ** rows))
+    key_rows = rows if same_prompt else rows * top_k / distinct
+    misses = point["miss_bytes_per_step"] / expert_bytes / layers
+    q = misses / distinct
+    if not 0 < q <= 1:
+        raise ValueError(f"{misses:.2f} misses a layer do not fit {distinct} keys")
+    probs = [math.comb(distinct, m) * q ** m * (1 - q) ** (distinct - m) for m in range(distinct + 1)]
+    whole = max(1, round(key_rows))
+
+    def on_host(m: int) -> int:
+        return host_split([whole] * m, share) if m else 0
+
+    host_keys = sum(pm * on_host(m) for m, pm in enumerate(probs))
+    copy_us = _kernel_us(profile, "_gather_rows_kernel")[0] / layers / (misses - host_keys)
+    gemms_us = sum(_kernel_us(profile, k)[0] for k in ("_moe_gate_up_kernel", "_moe_down_kernel",
+                                                       "_moe_sum_kernel")) / layers
+    per_pass_us = expert_bytes / (request["host_expert_gb_s"] * 1e9) * 1e6
+    passes = passes_per_key(key_rows)
+
+    def host_us(k: int) -> float:  # CostModel.host_compute of k keys of key_rows rows each
+        return request["host_call_s"] * 1e6 + k * (passes + request["host_row_factor"] * (key_rows - passes)) * per_pass_us
+
+    host_layers = imbalance = host_sum = gpu_sum = 0.0
+    for m, pm in enumerate(probs):
+        k = on_host(m)
+        if not k:
+            continue
+        h, g = host_us(k), (m - k) * copy_us + gemms_us
+        host_layers += pm
+        host_sum += pm * h
+        gpu_sum += pm * g
+        imbalance += pm * max(0.0, h - g)
+    us, launches = _kernel_us(point.get("profile"), "_wait_add_kernel")
+    empty = us / launches if launches else 0.0
+    wait = _kernel_us(profile, "_wait_add_kernel")[0] / layers
+    if not host_layers:
+        raise ValueError("no layer of this point sends the host a key")
+    return {"rows": rows, "wait": wait, "empty": empty, "host_layers": host_layers, "host": host_sum / host_layers,
+            "gpu": gpu_sum / host_layers, "imbalance": imbalance,
+            "residual": (wait - (1 - host_layers) * empty - imbalance) / host_layers}
+
+
+def host_wait_points(record: dict, expert_bytes: int, request: dict) -> list[dict]:
+    """host_wait_point of every batch point of a bench_decode record (scripts/bench_decode.py) whose lane was on and
+    that carries a miss_profile, each with its `scenario` and `record` path keys left to the caller."""
+    out = []
+    for name, scenario in record["scenarios"].items():
+        share = (scenario.get("host_experts") or {}).get("share") or 0
+        if not share:
+            continue
+        for rows, point in scenario["batches"].items():
+            if not point.get("miss_profile"):
+                continue
+            got = host_wait_point({**point, "rows": int(rows)}, share, bool(record["args"].get("same_prompt")),
+                                  record["geometry"], expert_bytes, request)
+            out.append({"scenario": name, "share": share, "same_prompt": bool(record["args"].get("same_prompt")),
+                        **got})
+    return out
+
+
+def fit_host_wait(records: list[dict], expert_bytes: int, request: dict) -> dict:
+    """host_wait_row_s fitted on bench_decode records of the lane (host_wait_points): the GPU seconds a routed row
+    of a lookup with host keys waits past the host's imbalance with the GPU's own work, by least squares through
+    the origin of each point's residual (µs a layer with host keys) against its rows, every point weighing alike.
+    Returns {"host_wait_row_s": s, "points": [...]}. ValueError without a lane point."""
+    points = [p for record in records for p in host_wait_points(record, expert_bytes, request)]
+    if not points:
+        raise ValueError("no bench_decode point of the host lane with a miss_profile")
+    per_row = sum(p["rows"] * p["residual"] for p in points) / sum(p["rows"] ** 2 for p in points)
+    return {"host_wait_row_s": per_row * 1e-6, "points": points}

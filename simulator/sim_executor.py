@@ -81,7 +81,8 @@ host_lane.weight_passes(n) = ceil(n / 4) passes, the host kernel serving up to 4
 costing 1 + host_row_factor x (r - 1) one-row passes: CostModel.host_compute's pairs) beside the link's copies
 of the fills; the GPU computes the hits as before (overlap_copy_compute included), then waits for both lanes before
 the fills' GEMMs. The host keys' GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than
-its keys) pays host_call_s per group with host keys.
+its keys) pays host_call_s per group with host keys. With host_wait_row_s, a group with host keys then keeps the GPU
+host_wait_row_s x the layer call's routed rows past both lanes (the hand-off's GPU side: the wait kernel).
 """
 
 from __future__ import annotations
@@ -412,10 +413,11 @@ class SimExecutor:
             # rows included: each streams its pairs), never from the pool size or the lookup groups below.
             pairs = sum(tokens_per_expert.values())
             per_pair = cost.reads_per_pair(pairs)
+            rows = sum(weight * len(seq) for weight, seq in weighted) if host_permille else 0  # the hand-off's rows
             group = max(1, residency.num_slots)
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
-                                                        per_pair, cost, host_permille)
+                                                        per_pair, cost, host_permille, rows)
             pending += cost.expert_call(pairs)  # once a layer call, after its copies (CostParams.pair_call_s)
         pending += cost.head(head_rows)
         yield from host.gpu.use(pending)
@@ -493,10 +495,11 @@ class SimExecutor:
             copied[k].succeed()
 
     def _expert_group(self, keys, tokens_per_expert: dict[int, int], pending: float, per_pair: bool = False,
-                      cost: CostModel | None = None, host_permille: int = 0):
+                      cost: CostModel | None = None, host_permille: int = 0, rows: int = 0):
         """Looks the group up, copies its fills (once per distinct expert) and, with `host_permille`, computes its
         host keys on the host lane beside the copies (module docstring), then queues the GPU's GEMMs (weights read
-        per routed pair with `per_pair`); returns GPU time still pending (not yet handed to simpy)."""
+        per routed pair with `per_pair`) and, where it sent the host keys, the hand-off's GPU side for the layer
+        call's `rows` routed rows (CostModel.host_wait); returns GPU time still pending (not yet handed to simpy)."""
         host, residency, c = self.host, self.residency, self.counters
         cost = cost or self.cost
         if host_permille:  # the domain weighs a host key by its rows: a key once per pair routed to it
@@ -530,6 +533,8 @@ class SimExecutor:
         else:
             yield done
             gemms = cost.expert_gemms(hit_tokens + miss_tokens, per_pair)
+        if on_host and cost.params.host_wait_row_s:  # the wait kernel, after the GEMMs: serial on the GPU
+            gemms += cost.host_wait(rows)
         # NOTE: this group holds the only pins, so release-all equals release(keys) without
         # validating every key again. The GEMMs are queued; nothing looks up before they run.
         residency.release()
