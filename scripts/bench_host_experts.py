@@ -29,6 +29,9 @@ With ``--with-gather`` (CUDA) the compiled paths are timed again while pinned ho
 the decode step's gathers read the same host DRAM as the host lane, so what each gets while the other runs is what
 ADR 0030's split has to work with (the record keeps both rates).
 
+With ``--round-trip`` (CUDA) a layer's whole hand-off is timed through the GPU's two kernels by rows, against the
+host's own time for the same request (``_round_trip``).
+
 Rates are weight bytes of the block-FP8 expert (3 MiB) per second, so every path compares with the PCIe
 link's 51 GB/s. Usage: ``python scripts/bench_host_experts.py --out $OUT/host_experts [--experts 16]``.
 """
@@ -198,6 +201,67 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
     return results
 
 
+def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays: int = 20) -> dict:
+    """name -> µs of one layer's hand-off through the GPU (CUDA only): host_lane_publish then host_lane_wait, as a
+    decode step runs them, CUDA-graph replays of 32 such pairs (each a different expert of the bank, so the host
+    reads DRAM, not its cache), for T = 1, 2, 4, 6, 8 rows in three shapes: ``alike`` (every row routed to the one
+    host expert: the host's work grows with the rows), ``one`` (T rows published, only row 0 routed: the host's
+    work is one row's, the hand-off's is T rows': x out, the partial back) and ``none`` (no host pair: the two
+    launches alone). Beside each, the same request timed from Python through the mailbox (HostLane.measure: the
+    host alone), so ``alike``/``one`` minus it is what the GPU side of a hand-off costs (ADR 0030, "Session 43":
+    the step profiles put ~17 µs a routed row there)."""
+    from adapters.host_kernels import host_lane
+
+    k_top, m = 8, 8
+    n_pairs = 32
+    results = {}
+    with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), k_top, m, "cuda", threads=threads) as lane:
+        for rows in (1, 2, 4, 6, 8):
+            x = torch.randn(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
+            w = torch.full((rows, k_top), 1.0 / k_top, device="cuda")
+            out = torch.zeros(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
+            for shape in ("alike", "one", "none"):
+                pairs = torch.full((n_pairs, rows, k_top), -1, dtype=torch.int64)
+                keys = torch.arange(n_pairs) % bank.shape[0]  # [P] one expert a pair of launches
+                if shape == "alike":
+                    pairs[:, :, 0] = keys[:, None]
+                elif shape == "one":
+                    pairs[:, 0, 0] = keys
+                pairs = pairs.reshape(n_pairs, -1).cuda()  # [P, T*K]
+                for _ in range(2):  # compile, then warm the team
+                    for i in range(n_pairs):
+                        lane.publish(x, pairs[i], w)
+                        lane.wait_add(out)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(n_pairs):
+                        lane.publish(x, pairs[i], w)
+                        lane.wait_add(out)
+                graph.replay()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(replays):
+                    graph.replay()
+                torch.cuda.synchronize()
+                us = (time.perf_counter() - start) / (replays * n_pairs) * 1e6
+                error = lane.device_error()
+                if error[0]:
+                    raise RuntimeError(f"the host lane failed a round trip: {error}, {lane.host_error()}")
+                entry = {"us_per_layer": round(us, 2), "rows": rows, "shape": shape, "threads": threads}
+                if shape != "none":
+                    host_rows = rows if shape == "alike" else 1
+                    lane.measure(requests=8, experts=1, rows=host_rows)
+                    gb_s = lane.measure(requests=n_pairs * 4, experts=1, rows=host_rows)
+                    entry["host_alone_us"] = round(layout.row_bytes / gb_s / 1e3, 2)
+                    entry["gpu_side_us"] = round(us - entry["host_alone_us"], 2)
+                results[f"round_trip_{shape}_x{rows}@{threads}"] = entry
+                print(f"round trip {shape:5s} {rows} rows {us:8.1f} us/layer"
+                      + (f"  host alone {entry['host_alone_us']:7.1f}  GPU side {entry['gpu_side_us']:7.1f}"
+                         if shape != "none" else ""))
+    return results
+
+
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w.float())
@@ -223,6 +287,8 @@ def main() -> None:
                         "(the decode step's gathers read the same DRAM; ADR 0030), and the copies alone")
     p.add_argument("--lane", action="store_true",
                    help="also time the host lane's thread through its mailbox, per kind of team (module docstring)")
+    p.add_argument("--round-trip", action="store_true",
+                   help="on CUDA: time a layer's hand-off through the GPU (publish, then wait) by rows (_round_trip)")
     args = p.parse_args()
     cores = os.cpu_count() or 1
     threads = sorted({t for t in (1, 2, 4, 8, cores // 2, cores) if 1 <= t <= cores})
@@ -263,6 +329,8 @@ def main() -> None:
     if args.lane and bank_layout is not None:
         lane_threads = sorted({t for t in (cores // 2, cores - 2, cores - 1) if t >= 1})
         record["results"].update(_lane_rates(*bank_layout, lane_threads, args.repeats * 20))
+    if args.round_trip and bank_layout is not None and torch.cuda.is_available():
+        record["results"].update(_round_trip(*bank_layout, max(1, cores - 1)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host_experts.json").write_text(json.dumps(record, indent=1))
