@@ -209,12 +209,47 @@ def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays:
     work is one row's, the hand-off's is T rows': x out, the partial back) and ``none`` (no host pair: the two
     launches alone). Beside each, the same request timed from Python through the mailbox (HostLane.measure: the
     host alone), so ``alike``/``one`` minus it is what the GPU side of a hand-off costs (ADR 0030, "Session 43":
-    the step profiles put ~17 µs a routed row there)."""
+    the step profiles put ~17 µs a routed row there). At 1, 4 and 6 rows both are timed again while pinned copies
+    loop (``+copies``: a step's gathers read the host's DRAM while the host computes)."""
     from adapters.host_kernels import host_lane
 
     k_top, m = 8, 8
     n_pairs = 32
     results = {}
+
+    def graph_of(lane, x, pairs, w, out):
+        for _ in range(2):  # compile, then warm the team
+            for i in range(n_pairs):
+                lane.publish(x, pairs[i], w)
+                lane.wait_add(out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n_pairs):
+                lane.publish(x, pairs[i], w)
+                lane.wait_add(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+
+    def timed(lane, graph, shape: str, rows: int) -> dict:
+        start = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - start) / (replays * n_pairs) * 1e6
+        error = lane.device_error()
+        if error[0]:
+            raise RuntimeError(f"the host lane failed a round trip: {error}, {lane.host_error()}")
+        entry = {"us_per_layer": round(us, 2), "rows": rows, "shape": shape, "threads": threads}
+        if shape != "none":
+            host_rows = rows if shape == "alike" else 1
+            lane.measure(requests=8, experts=1, rows=host_rows)
+            gb_s = lane.measure(requests=n_pairs * 4, experts=1, rows=host_rows)
+            entry["host_alone_us"] = round(layout.row_bytes / gb_s / 1e3, 2)
+            entry["gpu_side_us"] = round(us - entry["host_alone_us"], 2)
+        return entry
+
     with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), k_top, m, "cuda", threads=threads) as lane:
         for rows in (1, 2, 4, 6, 8):
             x = torch.randn(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
@@ -228,37 +263,21 @@ def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays:
                 elif shape == "one":
                     pairs[:, 0, 0] = keys
                 pairs = pairs.reshape(n_pairs, -1).cuda()  # [P, T*K]
-                for _ in range(2):  # compile, then warm the team
-                    for i in range(n_pairs):
-                        lane.publish(x, pairs[i], w)
-                        lane.wait_add(out)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(n_pairs):
-                        lane.publish(x, pairs[i], w)
-                        lane.wait_add(out)
-                graph.replay()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(replays):
-                    graph.replay()
-                torch.cuda.synchronize()
-                us = (time.perf_counter() - start) / (replays * n_pairs) * 1e6
-                error = lane.device_error()
-                if error[0]:
-                    raise RuntimeError(f"the host lane failed a round trip: {error}, {lane.host_error()}")
-                entry = {"us_per_layer": round(us, 2), "rows": rows, "shape": shape, "threads": threads}
-                if shape != "none":
-                    host_rows = rows if shape == "alike" else 1
-                    lane.measure(requests=8, experts=1, rows=host_rows)
-                    gb_s = lane.measure(requests=n_pairs * 4, experts=1, rows=host_rows)
-                    entry["host_alone_us"] = round(layout.row_bytes / gb_s / 1e3, 2)
-                    entry["gpu_side_us"] = round(us - entry["host_alone_us"], 2)
-                results[f"round_trip_{shape}_x{rows}@{threads}"] = entry
-                print(f"round trip {shape:5s} {rows} rows {us:8.1f} us/layer"
-                      + (f"  host alone {entry['host_alone_us']:7.1f}  GPU side {entry['gpu_side_us']:7.1f}"
-                         if shape != "none" else ""))
+                graph = graph_of(lane, x, pairs, w, out)
+                loads = (False, True) if rows in (1, 4, 6) and shape != "none" else (False,)
+                for loaded in loads:
+                    if loaded:
+                        with CopyLoad() as load:
+                            entry = timed(lane, graph, shape, rows)
+                        entry["copies_gb_s"] = round(load.gb_s, 2)
+                    else:
+                        entry = timed(lane, graph, shape, rows)
+                    name = f"round_trip_{shape}{'+copies' if loaded else ''}_x{rows}@{threads}"
+                    results[name] = entry
+                    print(f"round trip {shape + ('+copies' if loaded else ''):12s} {rows} rows "
+                          f"{entry['us_per_layer']:8.1f} us/layer"
+                          + (f"  host alone {entry['host_alone_us']:7.1f}  GPU side {entry['gpu_side_us']:7.1f}"
+                             if shape != "none" else ""))
     return results
 
 
