@@ -193,12 +193,23 @@ void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, con
   // one prompt to every request) is read and converted once for up to MAX_VECTORS of them at a time
   // NOTE: the jobs read the grouping through plain pointers: a thread_local named inside a job would be the
   // running worker's own (empty) instance, not the caller's
-  thread_local std::vector<int64_t> order_buf, start_buf, token_pairs_buf, token_first_buf;
+  thread_local std::vector<int64_t> order_buf, start_buf, token_pairs_buf, token_first_buf, routed_buf;
   group_by_row(rid, P, order_buf, start_buf);
   pairs_by_token(tok, T, P, token_pairs_buf, token_first_buf);
   const int64_t *order = order_buf.data(), *start = start_buf.data();
   const int64_t *token_pairs = token_pairs_buf.data(), *token_first = token_first_buf.data();
   const int64_t groups = static_cast<int64_t>(start_buf.size()) - 1;
+  // NOTE: the output rows of tokens without a pair are zeroed here, and the per-token phases below get jobs for
+  // the routed tokens only: a job is one claim on the team's shared ticket, and the empty ones cost ~15 us a token
+  // (32 down jobs each) on the H100 machine's 15 threads (bench_host_experts --round-trip, "one": T rows handed
+  // over, one routed; docs/fast-decode.md, session 43). The routed tokens' jobs and sums are the same as before
+  routed_buf.clear();
+  for (int64_t t = 0; t < T; ++t) {
+    if (token_first[t + 1] > token_first[t]) routed_buf.push_back(t);
+    else std::fill(o + t * H, o + (t + 1) * H, 0.0f);
+  }
+  const int64_t* routed = routed_buf.data();
+  const int64_t n_routed = static_cast<int64_t>(routed_buf.size());
   // phase 1: gate and up rows of every pair, jobs of grain_rows output rows of one expert
   const int64_t gate_chunks = (I + grain_rows - 1) / grain_rows;
   for_each_job(for_each, groups * gate_chunks, [&](int64_t job) {
@@ -226,8 +237,9 @@ void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, con
   if (groups == P) {
     // phase 2, no expert shared (a bs1 request, or rows that route apart): each token's down rows and the sum of
     // its pairs in pair order in one job, as two phases would give them, one team wake-up fewer
-    for_each_job(for_each, T * down_chunks, [&](int64_t job) {
-      const int64_t t = job / down_chunks, r0 = (job % down_chunks) * grain_rows, r1 = std::min(H, r0 + grain_rows);
+    for_each_job(for_each, n_routed * down_chunks, [&](int64_t job) {
+      const int64_t t = routed[job / down_chunks], r0 = (job % down_chunks) * grain_rows;
+      const int64_t r1 = std::min(H, r0 + grain_rows);
       thread_local std::vector<float> yt;
       yt.resize(r1 - r0);
       float* yv[1] = {yt.data()};
@@ -259,9 +271,10 @@ void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, con
       gemv_rows(row + off[4], reinterpret_cast<const float*>(row + off[5]), av, nt, I, r0, r1, yv);
     }
   });
-  // phase 3: each token's pairs summed in pair order, one job a token (the same sum whichever thread runs it);
-  // every row of out is written, zeros where a token has no pair
-  for_each_job(for_each, T, [&](int64_t t) {
+  // phase 3: each routed token's pairs summed in pair order, one job a token (the same sum whichever thread runs
+  // it); the other rows of out were zeroed above
+  for_each_job(for_each, n_routed, [&](int64_t job) {
+    const int64_t t = routed[job];
     float* ot = o + t * H;
     std::fill(ot, ot + H, 0.0f);
     for (int64_t i = token_first[t]; i < token_first[t + 1]; ++i) {

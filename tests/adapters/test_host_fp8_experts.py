@@ -140,6 +140,14 @@ def test_no_pairs_gives_zeros_and_tokens_without_pairs_stay_zero():
     out = hk.fp8_block_experts(x, bank, layout, torch.tensor([1]), torch.tensor([0]), torch.tensor([0.5]))
     assert torch.equal(out[0], torch.zeros(256)) and torch.equal(out[2], torch.zeros(256))
     assert out[1].abs().max() > 0
+    # an expert shared by tokens 1 and 2 (the grouped phases), tokens 0 and 3 without a pair, many times over: the
+    # unrouted rows come out zero whatever the output memory held before (the kernel skips their jobs)
+    x4 = torch.randn(4, 256, generator=g)
+    for _ in range(20):
+        out = hk.fp8_block_experts(x4, bank, layout, torch.tensor([1, 2]), torch.tensor([0, 0]),
+                                   torch.tensor([0.5, 0.25]))
+        assert torch.equal(out[0], torch.zeros(256)) and torch.equal(out[3], torch.zeros(256))
+        assert out[1].abs().max() > 0 and out[2].abs().max() > 0
 
 
 def test_bad_inputs_are_refused_before_the_kernel_runs():
