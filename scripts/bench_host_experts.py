@@ -186,6 +186,7 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
         for t in threads:
             with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 8, device, threads=t,
                                     team=team) as lane:
+                lane.measure(requests=1500, experts=2)  # ~0.25 s: the first requests after a start run slow (session 43)
                 # (experts, rows): one row, then rows routed alike (a batch of one prompt: each expert read once a
                 # weight pass of 4 rows): 2, 4, 6 and 8 rows of one expert, 4 and 6 rows of two, the price of a host
                 # key by its rows (ADR 0030, "Session 42": 6 rows alike cost more than the split's weights say)
@@ -251,6 +252,7 @@ def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays:
         return entry
 
     with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), k_top, m, "cuda", threads=threads) as lane:
+        lane.measure(requests=1500, experts=2)  # ~0.25 s: the first requests after a start run slow (session 43)
         for rows in (1, 2, 4, 6, 8):
             x = torch.randn(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
             w = torch.full((rows, k_top), 1.0 / k_top, device="cuda")
