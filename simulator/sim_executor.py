@@ -81,8 +81,9 @@ host_lane.weight_passes(n) = ceil(n / 4) passes, the host kernel serving up to 4
 costing 1 + host_row_factor x (r - 1) one-row passes: CostModel.host_compute's pairs) beside the link's copies
 of the fills; the GPU computes the hits as before (overlap_copy_compute included), then waits for both lanes before
 the fills' GEMMs. The host keys' GEMMs never run on the GPU. A layer looked up in several groups (a pool smaller than
-its keys) pays host_call_s per group with host keys. With host_wait_row_s, a group with host keys then keeps the GPU
-host_wait_row_s x the layer call's routed rows past both lanes (the hand-off's GPU side: the wait kernel).
+its keys) sends nothing to the host, as the engine, whose lane rides only the one-launch lookup. With host_wait_row_s,
+a lookup with host keys then keeps the GPU host_wait_row_s x the layer call's routed rows past both lanes (the
+hand-off's GPU side: the wait kernel).
 """
 
 from __future__ import annotations
@@ -413,11 +414,14 @@ class SimExecutor:
             # rows included: each streams its pairs), never from the pool size or the lookup groups below.
             pairs = sum(tokens_per_expert.values())
             per_pair = cost.reads_per_pair(pairs)
-            rows = sum(weight * len(seq) for weight, seq in weighted) if host_permille else 0  # the hand-off's rows
             group = max(1, residency.num_slots)
+            # NOTE: the engine's host lane rides only the one-launch decode lookup, which needs the layer's keys to
+            # fit the pool: a layer looked up in several groups sends nothing to the host (and pays no hand-off)
+            lane_permille = host_permille if len(keys) <= group else 0
+            rows = sum(weight * len(seq) for weight, seq in weighted) if lane_permille else 0  # the hand-off's rows
             for start in range(0, len(keys), group):
                 pending = yield from self._expert_group(keys[start : start + group], tokens_per_expert, pending,
-                                                        per_pair, cost, host_permille, rows)
+                                                        per_pair, cost, lane_permille, rows)
             pending += cost.expert_call(pairs)  # once a layer call, after its copies (CostParams.pair_call_s)
         pending += cost.head(head_rows)
         yield from host.gpu.use(pending)

@@ -200,9 +200,10 @@ void fluxtide::fp8_block_experts_into(const float* xs, int64_t T, int64_t H, con
   const int64_t *token_pairs = token_pairs_buf.data(), *token_first = token_first_buf.data();
   const int64_t groups = static_cast<int64_t>(start_buf.size()) - 1;
   // NOTE: the output rows of tokens without a pair are zeroed here, and the per-token phases below get jobs for
-  // the routed tokens only: a job is one claim on the team's shared ticket, and the empty ones cost ~15 us a token
-  // (32 down jobs each) on the H100 machine's 15 threads (bench_host_experts --round-trip, "one": T rows handed
-  // over, one routed; docs/fast-decode.md, session 43). The routed tokens' jobs and sums are the same as before
+  // the routed tokens only: a job is one claim on the team's shared ticket, and with T rows handed over and one
+  // routed the H100 machine's hand-off grew ~15-23 us a row at 15 threads (bench_host_experts --round-trip, "one";
+  // docs/fast-decode.md, session 43), which these empty jobs are taken to be. The routed tokens' jobs and sums are
+  // the same as before
   routed_buf.clear();
   for (int64_t t = 0; t < T; ++t) {
     if (token_first[t + 1] > token_first[t]) routed_buf.push_back(t);

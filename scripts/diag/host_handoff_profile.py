@@ -2,6 +2,8 @@
 wait_add pairs with one host pair (row 0) and T rows published, kernel by kernel, idle and while pinned copies
 loop. Usage (CUDA only): PYTHONPATH=. python3 scripts/diag/host_handoff_profile.py"""
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +17,8 @@ from adapters.host_kernels import host_lane  # noqa: E402
 
 bank, layout = bhe._paths(1, bhe.available(), 64)["_bank"]
 K, M, N = 8, 8, 32
-with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), K, M, "cuda", threads=15) as lane:
+threads = max(1, (os.cpu_count() or 2) - 1)  # the executor's default team: every core but one
+with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), K, M, "cuda", threads=threads) as lane:
     for rows in (1, 4, 8):
         x = torch.randn(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
         w = torch.full((rows, K), 1.0 / K, device="cuda")
@@ -28,16 +31,12 @@ with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), K, M, "cuda",
                 lane.publish(x, pairs[i], w)
                 lane.wait_add(out)
             torch.cuda.synchronize()
-            load = bhe.CopyLoad() if loaded else None
-            if load:
-                load.__enter__()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with bhe.CopyLoad() if loaded else contextlib.nullcontext(), \
+                    profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for i in range(N):
                     lane.publish(x, pairs[i], w)
                     lane.wait_add(out)
                 torch.cuda.synchronize()
-            if load:
-                load.__exit__(None, None, None)
             for e in prof.key_averages():
                 if "publish" in e.key or "wait_add" in e.key:
                     print(f"rows {rows} {'copies' if loaded else 'idle  '} {e.key:24s} "

@@ -140,10 +140,15 @@ def test_no_pairs_gives_zeros_and_tokens_without_pairs_stay_zero():
     out = hk.fp8_block_experts(x, bank, layout, torch.tensor([1]), torch.tensor([0]), torch.tensor([0.5]))
     assert torch.equal(out[0], torch.zeros(256)) and torch.equal(out[2], torch.zeros(256))
     assert out[1].abs().max() > 0
-    # an expert shared by tokens 1 and 2 (the grouped phases), tokens 0 and 3 without a pair, many times over: the
-    # unrouted rows come out zero whatever the output memory held before (the kernel skips their jobs)
+    # an expert shared by tokens 1 and 2 (the grouped phases), tokens 0 and 3 without a pair: the unrouted rows come
+    # out zero whatever the output memory held before (the kernel skips their jobs). Each checked call follows one
+    # that routes every token, whose freed output the allocator tends to hand the next call of the same size
     x4 = torch.randn(4, 256, generator=g)
+    every = torch.arange(4)
     for _ in range(20):
+        dirty = hk.fp8_block_experts(x4, bank, layout, every, every % 2, torch.ones(4))
+        assert (dirty.abs().amax(dim=1) > 0).all()
+        del dirty
         out = hk.fp8_block_experts(x4, bank, layout, torch.tensor([1, 2]), torch.tensor([0, 0]),
                                    torch.tensor([0.5, 0.25]))
         assert torch.equal(out[0], torch.zeros(256)) and torch.equal(out[3], torch.zeros(256))
