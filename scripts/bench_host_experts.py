@@ -186,7 +186,7 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
         for t in threads:
             with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), 8, 8, device, threads=t,
                                     team=team) as lane:
-                lane.measure(requests=1500, experts=2)  # ~0.25 s: the first ones after a start ran slow (session 43, 15 threads)
+                lane.warm_up(requests=1500, experts=2)  # ~0.25 s
                 # (experts, rows): one row, then rows routed alike (a batch of one prompt: each expert read once a
                 # weight pass of 4 rows): 2, 4, 6 and 8 rows of one expert, 4 and 6 rows of two, the price of a host
                 # key by its rows (ADR 0030, "Session 42": 6 rows alike cost more than the split's weights say)
@@ -205,14 +205,15 @@ def _lane_rates(bank: torch.Tensor, layout: ExpertLayout, threads: list[int], re
 def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays: int = 20) -> dict:
     """name -> µs of one layer's hand-off through the GPU (CUDA only): host_lane_publish then host_lane_wait, as a
     decode step runs them, CUDA-graph replays of one such pair an expert of the bank (each a different expert, the
-    whole bank cycled as HostLane.measure cycles it, so both read the same memory), for T = 1, 2, 4, 6, 8 rows in three shapes: ``alike`` (every row routed to the one
-    host expert: the host's work grows with the rows), ``one`` (T rows published, only row 0 routed: the host's
-    work is one row's, the hand-off's is T rows': x out, the partial back) and ``none`` (no host pair: the two
-    launches alone). Beside each, the host alone (HostLane.measure from Python: one expert for T rows alike, for
-    ``one`` for its one row), and ``excess_us``, the round trip less it (``gpu_side_us`` in session 43's record): the
-    hand-off's GPU side plus whatever the host does for the rows it is handed beyond that request (ADR 0030,
-    "Session 43": the step profiles put ~17 µs a routed row there). At 1, 4 and 6 rows both are timed again while pinned copies
-    loop (``+copies``: a step's gathers read the host's DRAM while the host computes)."""
+    whole bank cycled as HostLane.measure cycles it, so both read the same memory), for T = 1, 2, 4, 6, 8 rows in
+    three shapes: ``alike`` (every row routed to the one host expert: the host's work grows with the rows), ``one``
+    (T rows published, only row 0 routed: the host's work is one row's, the hand-off's is T rows': x out, the partial
+    back) and ``none`` (no host pair: the two launches alone). Beside each, the host alone (HostLane.measure from
+    Python: one expert for T rows alike, for ``one`` for its one row), and ``excess_us``, the round trip less it
+    (``gpu_side_us`` in session 43's record): the hand-off's GPU side plus whatever the host does for the rows it is
+    handed beyond that request (ADR 0030, "Session 43": the step profiles put ~17 µs a routed row there). At 1, 4 and
+    6 rows both are timed again while pinned copies loop (``+copies``: a step's gathers read the host's DRAM while the
+    host computes)."""
     from adapters.host_kernels import host_lane
 
     k_top, m = 8, 8
@@ -253,14 +254,14 @@ def _round_trip(bank: torch.Tensor, layout: ExpertLayout, threads: int, replays:
         return entry
 
     with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), k_top, m, "cuda", threads=threads) as lane:
-        lane.measure(requests=1500, experts=2)  # ~0.25 s: the first ones after a start ran slow (session 43, 15 threads)
+        lane.warm_up(requests=1500, experts=2)  # ~0.25 s
         for rows in (1, 2, 4, 6, 8):
             x = torch.randn(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
             w = torch.full((rows, k_top), 1.0 / k_top, device="cuda")
             out = torch.zeros(rows, layout.hidden, device="cuda", dtype=torch.bfloat16)
             for shape in ("alike", "one", "none"):
                 pairs = torch.full((n_pairs, rows, k_top), -1, dtype=torch.int64)
-                keys = torch.arange(n_pairs) % bank.shape[0]  # [P] one expert a pair of launches
+                keys = torch.arange(n_pairs)  # [P] one expert (bank row) a pair of launches
                 if shape == "alike":
                     pairs[:, :, 0] = keys[:, None]
                 elif shape == "one":

@@ -200,9 +200,9 @@ def host_wait_point(point: dict, share: int, same_prompt: bool, geometry: dict, 
     if not profile or not share:
         raise ValueError("a host lane point needs a miss_profile and a share")
     layers, experts, top_k = geometry["num_hidden_layers"], geometry["num_experts"], geometry["num_experts_per_tok"]
-    rows = max(1, round(point.get("rows", 0))) if "rows" in point else None
-    if rows is None:
+    if "rows" not in point:
         raise ValueError("the point must carry its rows")
+    rows = max(1, round(point["rows"]))
     distinct = top_k if same_prompt else round(experts * (1 - (1 - top_k / experts) ** rows))
     key_rows = rows if same_prompt else rows * top_k / distinct
     misses = point["miss_bytes_per_step"] / expert_bytes / layers

@@ -271,9 +271,7 @@ class CudaGraphExecutor(ExecutorPools):
             raise ValueError(f"--host-experts: {exc}") from exc
         lane.start()
         if host_experts == "auto":  # the share follows once a pool has measured the link (_measure_expert_gather)
-            # NOTE: the first requests after a start ran slow on session 43's H100 machine at 15 threads (one expert of
-            # one row 232 us first, 127 us later, for ~0.1 s; cause not established), so ~0.2 s of requests go first
-            lane.measure(requests=400)
+            lane.warm_up(requests=400)  # ~0.2 s at the H100 machine's rate
             self._auto_host_gb_s = lane.measure()
         return lane
 
