@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from domain.model_spec import LayerKind, ModelSpec
 from simulator.hardware import HardwareProfile
-from simulator.host_lane import check_host_params, host_keys_at, miss_points, passes_per_key
+from simulator.host_lane import check_host_params, host_keys_at, host_seconds, miss_points, passes_per_key
 from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
@@ -430,8 +430,8 @@ class CostModel:
         p = self.params
         if not p.host_expert_gb_s:
             raise ValueError("host passes need CostParams.host_expert_gb_s > 0")
-        one_row_passes = passes + p.host_row_factor * (pairs - passes)  # factor 0: passes, exactly
-        return calls * p.host_call_s + one_row_passes * self.expert_bytes / (p.host_expert_gb_s * 1e9)
+        return host_seconds(passes, pairs, calls, self.expert_bytes, p.host_call_s, p.host_expert_gb_s,
+                            p.host_row_factor)
 
     def host_wait(self, rows: float) -> float:
         """GPU seconds a lookup with host keys over `rows` routed rows spends on the hand-off past both lanes

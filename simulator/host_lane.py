@@ -48,6 +48,15 @@ def passes_per_key(pairs_per_key: float) -> float:
     return (1 - upper) * weight_passes(low) + upper * weight_passes(low + 1)
 
 
+def host_seconds(passes: float, pairs: float, calls: float, expert_bytes: int, call_s: float, gb_s: float,
+                 row_factor: float) -> float:
+    """Seconds the host lane takes for `passes` weight passes serving `pairs` routed pairs, handed over in `calls`
+    lookups: calls x call_s + (passes + row_factor x (pairs - passes)) x expert_bytes / (gb_s x 1e9), a pass of n
+    rows costing 1 + row_factor x (n - 1) one-row passes (CostParams' host_call_s, host_expert_gb_s and
+    host_row_factor; CostModel.host_compute checks its arguments and calls this)."""
+    return calls * call_s + (passes + row_factor * (pairs - passes)) * expert_bytes / (gb_s * 1e9)
+
+
 def host_keys_at(misses: int, permille: int, passes_per_key: float) -> int:
     """The step model's host keys of a layer with `misses` (whole) misses whose keys weigh `passes_per_key` weight
     passes on average (the domain's host_split with every key alike): as many as fit host_key_count(misses,
@@ -219,11 +228,11 @@ def host_wait_point(point: dict, share: int, same_prompt: bool, geometry: dict, 
     copy_us = _kernel_us(profile, "_gather_rows_kernel")[0] / layers / (misses - host_keys)
     gemms_us = sum(_kernel_us(profile, k)[0] for k in ("_moe_gate_up_kernel", "_moe_down_kernel",
                                                        "_moe_sum_kernel")) / layers
-    per_pass_us = expert_bytes / (request["host_expert_gb_s"] * 1e9) * 1e6
     passes = passes_per_key(key_rows)
 
-    def host_us(k: int) -> float:  # CostModel.host_compute of k keys of key_rows rows each
-        return request["host_call_s"] * 1e6 + k * (passes + request["host_row_factor"] * (key_rows - passes)) * per_pass_us
+    def host_us(k: int) -> float:  # CostModel.host_compute of k keys of key_rows rows each, one call
+        return 1e6 * host_seconds(k * passes, k * key_rows, 1, expert_bytes, request["host_call_s"],
+                                  request["host_expert_gb_s"], request["host_row_factor"])
 
     host_layers = imbalance = host_sum = gpu_sum = 0.0
     for m, pm in enumerate(probs):
