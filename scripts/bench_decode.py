@@ -163,7 +163,7 @@ def run_scenario(args, ckpt, name: str, budget_gib: float | None, record: dict) 
     lane = ex.host_lane
     scen["host_experts"] = {"asked": args.host_experts, "share": lane.share if lane else 0,
                             "measured": ex.host_lane_rates, "threads": lane.threads if lane else None,
-                            "team": lane.team if lane else None}
+                            "team": lane.team if lane else None, "max_rows": lane.max_rows if lane else None}
     scen["init_and_capture_seconds"] = round(time.perf_counter() - t, 2)
     scen["capture_seconds"] = round(ex.capture_seconds, 2)
     scen["graph_buckets"] = sorted(ex.graphs)

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OPTIONS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.options, qwen3_moe.ARCHITECTURE: qwen3_moe.options}
 SCRATCH_PAGES = 1  # padded decode rows write their K/V here (20 KiB x page size for Qwen3.6)
+# the largest decode graph (rows) the host lane serves by default: with one prompt in every row it won at bs1 and
+# broke even at bs3-4, and lost at bs6 in every measurement (HTTP -10 to -25 %, sessions 41-42; bench_decode +6 %
+# step time, session 43; docs/fast-decode.md): larger graphs copy all their misses (FLUXTIDE_HOST_LANE_ROWS)
+HOST_LANE_ROWS = 4
 
 
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
@@ -262,10 +266,10 @@ class CudaGraphExecutor(ExecutorPools):
             raise ValueError(f"--host-experts: the host expert kernel does not build here ({why})")
         keys = self.bank.num_layers * self.bank.num_experts
         row_of_key = torch.arange(keys) if self.bank.row_of_key is None else torch.tensor(self.bank.row_of_key)
-        threads = self._host_lane_threads()
+        threads, rows = self._host_lane_threads(), self._host_lane_rows()
         try:
             lane = host_lane.HostLane(self.bank.rows, self.bank.layout, row_of_key, self.model.opts.top_k,
-                                      self.max_decode_rows, self.device, threads=threads,
+                                      min(rows, self.max_decode_rows), self.device, threads=threads,
                                       team=self._host_lane_team(), share=1000 if host_experts == "auto" else host_experts)
         except ValueError as exc:
             raise ValueError(f"--host-experts: {exc}") from exc
@@ -285,7 +289,8 @@ class CudaGraphExecutor(ExecutorPools):
             return
         link_gb_s = (self.expert_gather or self.experts.gather_rate())["kernel_gb_s"]
         lane.share = balanced_host_permille(host_gb_s, link_gb_s)
-        self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": link_gb_s, "threads": lane.threads}
+        self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": link_gb_s, "threads": lane.threads,
+                                "max_rows": lane.max_rows}
         log.info("--host-experts auto: the host computes experts at %.1f GB/s with %d threads, the gather kernel "
                  "copies %.1f GB/s: %d per mille of the misses go to the host", host_gb_s, lane.threads, link_gb_s,
                  lane.share)
@@ -306,6 +311,18 @@ class CudaGraphExecutor(ExecutorPools):
             return max(1, cores - 1)
         if not value.isdigit() or not 1 <= int(value) <= cores:
             raise ValueError(f"FLUXTIDE_HOST_LANE_THREADS must be a thread count in 1..{cores}, got {value!r}")
+        return int(value)
+
+    @staticmethod
+    def _host_lane_rows() -> int:
+        """The largest decode call (rows, a graph's bucket) the host lane serves: FLUXTIDE_HOST_LANE_ROWS, else
+        HOST_LANE_ROWS; the lane's mailbox holds that many rows, so the pool copies every miss of a larger call
+        (DeviceExpertPool._host_lane_for)."""
+        value = os.environ.get("FLUXTIDE_HOST_LANE_ROWS")
+        if value is None:
+            return HOST_LANE_ROWS
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"FLUXTIDE_HOST_LANE_ROWS must be a positive row count, got {value!r}")
         return int(value)
 
     @staticmethod

@@ -14,7 +14,7 @@ import torch
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import GEOMETRIES
-from adapters.cuda_exec.executor import CudaGraphExecutor
+from adapters.cuda_exec.executor import HOST_LANE_ROWS, CudaGraphExecutor
 from adapters.host_kernels.host_lane import available
 from adapters.torch_exec.executor import TorchExecutor
 from domain.ports import StepBatch
@@ -109,8 +109,27 @@ def test_a_share_outside_0_to_1000_or_auto_is_refused(ckpt, bad):
         _fast(ckpt, bad)
 
 
+def test_the_lane_serves_decode_calls_up_to_its_row_cap_and_larger_ones_copy(ckpt, monkeypatch):
+    assert _fast(ckpt, 1000).host_lane.max_rows == min(4, HOST_LANE_ROWS)  # max_decode_rows 4 bounds the default
+    monkeypatch.setenv("FLUXTIDE_HOST_LANE_ROWS", "1")
+    ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=_slots(ckpt)), DEVICE, torch.float32)
+    fast = _fast(ckpt, 1000)
+    lane = fast.host_lane
+    assert lane.max_rows == 1
+    pool = fast.experts
+    assert pool._host_lane_for(1, ckpt.spec.top_k) is lane and pool._host_lane_for(2, 2 * ckpt.spec.top_k) is None
+    ref_seqs, fast_seqs = _seqs(), _seqs()
+    run_requests(ref, ref_seqs, NEW_TOKENS, chunk=4)
+    run_requests(fast, fast_seqs, NEW_TOKENS, chunk=4)  # decode steps of 1 to 3 rows: some with the lane, some not
+    assert [s.output for s in fast_seqs] == [s.output for s in ref_seqs]
+    assert lane.device_error()[0] == 0 and lane.host_error()[0] == 0
+    fast.check_valid()
+    lane.stop()
+
+
 @pytest.mark.parametrize("var,value", [("FLUXTIDE_HOST_LANE_TEAM", "tbb"), ("FLUXTIDE_HOST_LANE_THREADS", "0"),
-                                       ("FLUXTIDE_HOST_LANE_THREADS", "many")])
+                                       ("FLUXTIDE_HOST_LANE_THREADS", "many"), ("FLUXTIDE_HOST_LANE_ROWS", "0"),
+                                       ("FLUXTIDE_HOST_LANE_ROWS", "four")])
 def test_a_bad_lane_setting_in_the_environment_is_refused_by_name(ckpt, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
