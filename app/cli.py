@@ -330,7 +330,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     add_bench_parser(sub)
     sub.add_parser("synth", help="synthesise a checkpoint (arguments go to the synthesiser: ft synth --help)")
-    sub.add_parser("sim", help="the simulator: predict, calibrate, expert-parallel (arguments go to "
+    sub.add_parser("sim", help="the simulator: predict, calibrate, expert-parallel, mixed (arguments go to "
                                "`python -m simulator`: ft sim --help)")
     return parser, serve_parser
 

@@ -286,7 +286,7 @@ def _generate(args, client: httpx.Client, console: Console) -> int:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    usage = None
+    usage, finish_reason, text = None, None, []
     with client.stream("POST", "/v1/chat/completions", json=payload) as r:
         if r.status_code != 200:
             r.read()
@@ -296,13 +296,26 @@ def _generate(args, client: httpx.Client, console: Console) -> int:
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                console.print(f"\n[red]{escape(str(chunk['error']['message']))}[/red]")
+                if args.json:
+                    print(json.dumps({"error": chunk["error"]}, indent=2))
+                else:
+                    console.print(f"\n[red]{escape(str(chunk['error']['message']))}[/red]")
                 return 1
             for choice in chunk.get("choices", []):
-                sys.stdout.write(choice["delta"].get("content") or "")
-                sys.stdout.flush()
+                piece = choice["delta"].get("content") or ""
+                finish_reason = choice.get("finish_reason") or finish_reason
+                if args.json:  # NOTE: one JSON object at the end, as every other subcommand prints under --json
+                    text.append(piece)
+                else:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
             usage = chunk.get("usage") or usage
+    if args.json:
+        print(json.dumps({"model": model, "text": "".join(text), "finish_reason": finish_reason, "usage": usage},
+                         indent=2))
+        return 0
     print()
-    if usage and not args.json:
-        console.print(f"[dim]{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens[/dim]")
+    if usage:  # NOTE: on stderr: `ft ctl generate ... | ...` reads the answer alone
+        _Console(stderr=True).print(f"[dim]{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
+                                    "tokens[/dim]")
     return 0

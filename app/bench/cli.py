@@ -20,7 +20,7 @@ from app.bench.plot import missing as plot_missing
 from app.bench.plot import plot
 from app.bench.record import Record, default_out, redacted
 from app.bench.target import BenchError
-from app.ctl import base_url_problem
+from app.ctl import base_url_problem, server_root
 from app.units import parse_count
 
 
@@ -79,10 +79,11 @@ def _non_negative(text: str) -> int:
 
 def _url(text: str) -> str:
     """An http(s) URL with a host (app.ctl.base_url_problem): a malformed one was an httpx.InvalidURL traceback, one without a
-    scheme a 'cannot reach' failure after the run had started."""
+    scheme a 'cannot reach' failure after the run had started. Returned as the server's root (app.ctl.server_root, as
+    ft ctl and ft shell take it): the OpenAI-style `.../v1` users paste was asked for /v1/v1/models (HTTP 404)."""
     if (problem := base_url_problem(text)) is not None:
         raise argparse.ArgumentTypeError(problem)
-    return text
+    return server_root(text)
 
 
 class _Help(argparse.HelpFormatter):
@@ -110,8 +111,9 @@ def _common(plot_option: bool = False, http: bool = True) -> argparse.ArgumentPa
     if http:
         p.add_argument("--base-url", action="append", default=None, type=_url,
                        help="the OpenAI-compatible server (fluxtide or any other; default FT_BASE_URL or "
-                            "http://127.0.0.1:1919); repeat it to measure several servers one after another in "
-                            "one call: one record each (OUT-1.json, OUT-2.json ...) and a side-by-side table")
+                            "http://127.0.0.1:1919; one ending in /v1 is accepted); repeat it to measure several "
+                            "servers one after another in one call: one record each (OUT-1.json, OUT-2.json ...) "
+                            "and a side-by-side table")
         p.add_argument("--api-key", default=None, help="bearer token (default FT_API_KEY)")
         p.add_argument("--model", default=None, help="model id to ask for (default: the first /v1/models lists)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
@@ -305,9 +307,11 @@ def run_bench(args) -> int:
     if kind == "cold-start":  # NOTE: it reaches the server it launches, not FT_BASE_URL's
         return _one(args, out)[0]
     urls = args.base_url or [os.environ.get("FT_BASE_URL", "http://127.0.0.1:1919")]
-    if not args.base_url and (problem := base_url_problem(urls[0])) is not None:  # NOTE: --base-url is checked by argparse
-        print(f"ft bench: error: FT_BASE_URL: {problem}", file=sys.stderr)
-        return 2
+    if not args.base_url:  # NOTE: --base-url is checked and made a root by argparse (_url)
+        if (problem := base_url_problem(urls[0])) is not None:
+            print(f"ft bench: error: FT_BASE_URL: {problem}", file=sys.stderr)
+            return 2
+        urls = [server_root(urls[0])]
     codes, records = [], []
     for i, url in enumerate(urls, 1):
         several = len(urls) > 1

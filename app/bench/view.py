@@ -100,11 +100,15 @@ def show_failures(record: dict, path) -> None:
     failures = record["failures"]
     if not failures:
         return
-    err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+    err = _stderr()
     for failure in failures:
         err.print(f"[red]ft bench {escape(record['kind'])}: failed {escape(str(failure['where']))}: "
                   f"{escape(str(failure['error']))}[/red]", soft_wrap=True)
     err.print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
 def turns_line(summary: dict) -> str:
@@ -129,6 +133,8 @@ def restored_line(restored: dict) -> str:
 def show(record: dict, path, quiet: bool) -> None:
     show_failures(record, path)
     if quiet:
+        if not record["failures"]:  # NOTE: --quiet still says where the record is (show_failures did, on a failure)
+            _stderr().print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
         return
     console = wide_console()
     # NOTE: a run that measured nothing (an unreachable server) printed an empty table titled "ft bench probe:" under
@@ -176,10 +182,13 @@ def side_by_side(records: list[dict]) -> Table:
     figure, keys = HEADLINE[kind]
     t = Table(title=f"side by side: {figure} (ratio to the first server)")
     t.add_column(", ".join(keys))
-    routed = any(r.get("routing", "natural") != "natural" for r in records)
+    # NOTE: a run that failed before /v1/models answered has no target and routing None (not learnt): it is
+    # labelled by the URL it was given (its settings) and does not make the table look routed ("None [-]")
+    routed = any((r.get("routing") or "natural") != "natural" for r in records)
     for r in records:
-        label = f"{(r.get('target') or {}).get('base_url')}"
-        t.add_column(label + (f" [{_cell(r.get('routing'))[:32]}]" if routed else ""), justify="right")
+        label = str((r.get("settings") or {}).get("base_url") or (r.get("target") or {}).get("base_url"))
+        # NOTE: escaped: rich read " [natural]" (and an IPv6 host's brackets) as markup and dropped it
+        t.add_column(escape(label + (f" [{_cell(r.get('routing'))[:32]}]" if routed else "")), justify="right")
     points = [{tuple(p.get(k) for k in keys): p.get(figure) for p in r["points"]} for r in records]
     for key in points[0]:
         base = points[0][key]

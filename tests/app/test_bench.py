@@ -540,9 +540,44 @@ def test_several_servers_in_one_call_give_one_record_each(tmp_path, demo, capsys
                  "--out", str(out), "--no-bandwidth"])
     assert code == 0
     records = [json.loads((tmp_path / f"cmp-{i}.json").read_text()) for i in (1, 2)]
-    assert [r["target"]["base_url"] for r in records] == [demo.base_url, demo.base_url + "/"]
+    assert [r["target"]["base_url"] for r in records] == [demo.base_url, demo.base_url]  # the server's root
     assert all(r["points"][0]["passed"] for r in records)
     assert "side by side" in capsys.readouterr().out
+
+
+def test_the_side_by_side_table_names_a_server_that_failed_by_its_url(tmp_path, demo, capsys):
+    """A target whose run failed before /v1/models answered was headed `None [-]`: the label came from the target
+    the run never reached, and its routing None made the table look routed."""
+    out = tmp_path / "cmp.json"
+    code = main(["bench", "smoke", "--base-url", demo.base_url, "--base-url", "http://127.0.0.1:9",
+                 "--out", str(out), "--no-bandwidth"])
+    assert code == 1
+    header = capsys.readouterr().out.split("side by side", 1)[1]
+    assert "http://127.0.0.1:9" in header and "None" not in header and "[" not in header, header
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+@pytest.mark.parametrize("from_env", [False, True])
+def test_bench_accepts_the_openai_style_base_url(tmp_path, demo, monkeypatch, suffix, from_env):
+    """`ft bench smoke --base-url http://127.0.0.1:PORT/v1` (as ft ctl and OpenAI clients take it) asked for
+    /v1/v1/models and failed with HTTP 404."""
+    out = tmp_path / "r.json"
+    args = ["bench", "smoke", "--out", str(out), "--quiet", "--no-bandwidth"]
+    if from_env:
+        monkeypatch.setenv("FT_BASE_URL", demo.base_url + suffix)
+    else:
+        args += ["--base-url", demo.base_url + suffix]
+    assert main(args) == 0, json.loads(out.read_text())["failures"]
+    rec = json.loads(out.read_text())
+    assert rec["target"]["base_url"] == demo.base_url and rec["points"][0]["passed"]
+
+
+def test_a_quiet_run_that_succeeded_still_says_where_its_record_is(tmp_path, demo, capsys):
+    """--quiet's help says the record's path still goes to stderr; a run without a failure printed nothing."""
+    code, rec = bench(tmp_path, demo, "smoke", "--no-bandwidth")
+    printed = capsys.readouterr()
+    assert code == 0 and rec["ok"] and printed.out == "", printed
+    assert printed.err.strip() == f"record: {tmp_path / 'record.json'}", printed.err
 
 
 # llama-server --metrics (tools/server/server-task.cpp): the gauges the ladder samples off fluxtide

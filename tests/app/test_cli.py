@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -118,7 +119,20 @@ def test_ctl_accepts_the_openai_style_base_url(ctl_server, suffix, capsys):
 
 def test_generate_streams_text(ctl_server, capsys):
     assert ctl(ctl_server, "generate", "hello", "--max-tokens", "5") == 0
-    assert "completion tokens" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    # the usage line went to stdout after the answer: `ft ctl generate ... | ...` read it as part of the answer
+    assert "completion tokens" not in printed.out and "5 completion tokens" in printed.err, printed
+    assert printed.out.endswith("\n") and printed.out.strip()
+
+
+def test_generate_under_json_prints_one_json_object(ctl_server, capsys):
+    """`ft ctl --json generate` printed the plain streamed text, not the raw JSON docs/serving.md promises."""
+    assert ctl(ctl_server, "--json", "generate", "hello", "--max-tokens", "5") == 0
+    printed = capsys.readouterr()
+    body = json.loads(printed.out)
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 0, body
+    assert isinstance(body["text"], str) and body["text"] and body["finish_reason"] == "length", body
+    assert body["model"] and "completion tokens" not in printed.err
 
 
 @pytest.mark.parametrize("command", [("health",), ("stats",), ("cache",), ("generate", "hello", "--max-tokens", "3")])
@@ -128,9 +142,8 @@ def test_ctl_options_are_taken_after_the_subcommand_too(ctl_server, command, cap
     name, *rest = command
     assert main(["ctl", name, "--base-url", ctl_server.base_url, "--api-key", "k3y", "--timeout", "20", *rest]) == 0
     assert "unrecognized" not in capsys.readouterr().err
-    if name != "generate":  # the stream prints text, not JSON
-        assert main(["ctl", name, *rest, "--json", "--base-url", ctl_server.base_url, "--api-key", "k3y"]) == 0
-        assert isinstance(json.loads(capsys.readouterr().out), dict)
+    assert main(["ctl", name, *rest, "--json", "--base-url", ctl_server.base_url, "--api-key", "k3y"]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
 
 
 def test_ctl_options_before_the_subcommand_still_count_and_after_it_win(ctl_server, capsys):
@@ -195,7 +208,7 @@ def test_ctl_generate_refuses_bad_sampling_values_as_argument_errors(args, why, 
 @pytest.mark.parametrize("args", [("--temperature", "0"), ("--temperature", "2"), ("--max-tokens", "1")])
 def test_ctl_generate_takes_the_edges_the_server_takes(ctl_server, args, capsys):
     assert ctl(ctl_server, "generate", "hello", "--max-tokens", "2", *args) == 0
-    assert "completion tokens" in capsys.readouterr().out
+    assert "completion tokens" in capsys.readouterr().err  # the usage line: on stderr, beside the answer
 
 
 def test_ctl_reports_a_base_url_it_cannot_use(capsys):
@@ -293,6 +306,20 @@ def test_ft_sim_without_the_sim_extra_says_what_to_install():
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines() == [
         'ft sim: the simulator needs simpy, which the sim extra installs: pip install -e ".[sim]"'], out.stderr
+
+
+def test_ft_help_names_every_simulator_command(capsys):
+    """`ft --help` said "predict, calibrate, expert-parallel" for `ft sim`, leaving out `mixed`."""
+    pytest.importorskip("simpy")
+    from simulator.__main__ import build_parser
+
+    (sim_commands,) = [a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    line = text[text.index("the simulator:"):]
+    for name in sim_commands:
+        assert re.search(rf"[:,] {re.escape(name)}[,( ]", line), (name, line)
 
 
 def test_python_dash_m_simulator_without_the_sim_extra_says_what_to_install():
