@@ -3,7 +3,10 @@ into the MoE output (ADR 0030).
 
 Shape legend: T rows, M mailbox rows (T <= M), H hidden.
 
-Grid (T, H / BLOCK_H); every program on its own:
+Grid (T,): one program of one warp a row, every program on its own (one poller a row: session 44's A/B on an H100,
+docs/bench/2026-12-07-s44-h100-wait-pollers-ab.json, had T x H/512 programs of 4 warps, each warp polling the done
+word over PCIe while the host computed, slow the host's answer: 8 rows with one routed 248.8 -> 110.6 µs a layer, 8 rows
+routed alike 434.4 -> 333.8):
 - returns at once where this layer sent nothing to the host (state[LIVE] = 0, host_lane_publish's decision) or
   an earlier wait of the step already failed (state[ERROR] != 0: the step is lost, later layers must not wait
   out the bound again);
@@ -56,7 +59,6 @@ def _wait_add_kernel(partial_ptr, out_ptr, done_ptr, state_ptr, H, stride_out, m
                      TIMEOUT_CODE: tl.constexpr, HOST_CODE: tl.constexpr, BLOCK_H: tl.constexpr,
                      ON_GPU: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if (tl.load(state_ptr + LIVE) != 0) & (tl.load(state_ptr + ERROR) == 0):
         seq = tl.load(state_ptr + SEQ)
         done = _load_acquire(done_ptr, ON_GPU)
@@ -66,13 +68,15 @@ def _wait_add_kernel(partial_ptr, out_ptr, done_ptr, state_ptr, H, stride_out, m
             done = _load_acquire(done_ptr, ON_GPU)
             spins += 1
         if done == seq:
-            mask = cols < H
-            # NOTE: every thread ran its own acquire above (an asm with side effects: no load moves over it), so
-            # this plain load sees the host's partial; volatile would split it into scalar PCIe reads
-            part = tl.load(partial_ptr + t * H + cols, mask=mask)  # [BLOCK_H]
-            o = tl.load(out_ptr + t * stride_out + cols, mask=mask)
-            tl.store(out_ptr + t * stride_out + cols, (o.to(tl.float32) + part).to(out_ptr.dtype.element_ty),
-                     mask=mask)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                mask = cols < H
+                # NOTE: every thread ran its own acquire above (an asm with side effects: no load moves over it), so
+                # this plain load sees the host's partial; volatile would split it into scalar PCIe reads
+                part = tl.load(partial_ptr + t * H + cols, mask=mask)  # [BLOCK_H]
+                o = tl.load(out_ptr + t * stride_out + cols, mask=mask)
+                tl.store(out_ptr + t * stride_out + cols, (o.to(tl.float32) + part).to(out_ptr.dtype.element_ty),
+                         mask=mask)
         else:
             code = tl.where(done == -seq, HOST_CODE, TIMEOUT_CODE).to(tl.int64)
             if tl.atomic_cas(state_ptr + ERROR, tl.full([], 0, tl.int64), code) == 0:  # the first error stays
@@ -104,8 +108,7 @@ def wait_add(out: torch.Tensor, partial: torch.Tensor, done: torch.Tensor, state
         raise ValueError(f"out and state must be on one device, got {out.device} and {state.device}")
     if any(v.device.type != "cpu" or (out.is_cuda and not v.is_pinned()) for v in (partial, done)):
         raise ValueError("the mailbox must be in host memory, pinned where the step runs on CUDA")
-    block = min(512, triton.next_power_of_2(h))
-    _wait_add_kernel[(t, triton.cdiv(h, block))](partial, out, done, state, h, out.stride(0), max_spins,
-                                                 TIMEOUT_CODE=TIMEOUT, HOST_CODE=HOST_FAILED, BLOCK_H=block,
-                                                 ON_GPU=out.is_cuda)
+    block = min(2048, triton.next_power_of_2(h))  # 64 fp32 a thread at most: Qwen3.6's 2,048 in one pass
+    _wait_add_kernel[(t,)](partial, out, done, state, h, out.stride(0), max_spins, TIMEOUT_CODE=TIMEOUT,
+                           HOST_CODE=HOST_FAILED, BLOCK_H=block, ON_GPU=out.is_cuda, num_warps=1)
     return out

@@ -1,10 +1,10 @@
-"""Does the number of GPU threads polling the host's done word slow a host-lane hand-off (session 44)? The wait
-kernel (adapters/kernels/host_lane_wait.py) runs a grid of T x H/512 programs of 4 warps, and every warp polls the
-mailbox's done word over PCIe while the host computes: 16 T polls in flight at T rows. Session 43's round trip grew
-with T (41-95 µs over the host alone at 2-8 rows routed alike). This times CUDA-graph replays of publish + wait for
-T = 1, 4, 8 rows, routed alike and with one row routed, with the kernel launched three ways: as the launcher does
-(pollers 16 T), one program a row of 4 warps (4 T) and one program a row of 1 warp (T), checks the three outputs
-agree, and prints µs a layer. Usage (CUDA only): PYTHONPATH=. python3 scripts/diag/wait_pollers_ab.py [--out F]"""
+"""Does the number of GPU threads polling the host's done word slow a host-lane hand-off (session 44)? Times CUDA-graph
+replays of publish + wait for T = 1, 4, 8 rows, routed alike and with one row routed, with the wait kernel
+(adapters/kernels/host_lane_wait.py) launched as its launcher does (one program of one warp a row: T pollers) and
+with 4 warps a row (4 T pollers), checks the outputs agree, and prints µs a layer. Session 44's run, before the
+launcher changed, also had the old launch (T x H/512 programs of 4 warps: 16 T pollers; the kernel no longer takes
+that grid): docs/bench/2026-12-07-s44-h100-wait-pollers-ab.json. Usage (CUDA only):
+PYTHONPATH=. python3 scripts/diag/wait_pollers_ab.py [--out F]"""
 
 import argparse
 import json
@@ -25,12 +25,11 @@ K, M, N, REPLAYS = 8, 8, 32, 20
 
 
 def wait_variant(lane: host_lane.HostLane, out: torch.Tensor, block: int, warps: int) -> None:
-    """lane.wait_add(out) with the grid (T, H / block) of `warps` warps a program (the launcher's: 512, 4)."""
+    """lane.wait_add(out) with `warps` warps a row's program and `block` columns a pass (the launcher's: 1, 2048)."""
     t, h = out.shape
-    hw._wait_add_kernel[(t, -(-h // block))](lane.partial, out, lane.ctrl[host_lane.DONE:host_lane.DONE + 1],
-                                             lane.state, h, out.stride(0), lane.max_spins,
-                                             TIMEOUT_CODE=hw.TIMEOUT, HOST_CODE=hw.HOST_FAILED, BLOCK_H=block,
-                                             ON_GPU=True, num_warps=warps)
+    hw._wait_add_kernel[(t,)](lane.partial, out, lane.ctrl[host_lane.DONE:host_lane.DONE + 1],
+                              lane.state, h, out.stride(0), lane.max_spins, TIMEOUT_CODE=hw.TIMEOUT,
+                              HOST_CODE=hw.HOST_FAILED, BLOCK_H=block, ON_GPU=True, num_warps=warps)
 
 
 def layer_pairs(lane: host_lane.HostLane, x: torch.Tensor, pairs: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
@@ -47,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     bank, layout = bhe._paths(1, bhe.available(), 64)["_bank"]
     h = layout.hidden
-    variants = {"launcher_16T": (512, 4), "row_4warps_4T": (h, 4), "row_1warp_T": (h, 1)}
+    variants = {"row_1warp_T": (2048, 1), "row_4warps_4T": (2048, 4)}
     threads = max(1, (os.cpu_count() or 2) - 1)  # the executor's default team: every core but one
     results = {"gpu": torch.cuda.get_device_name(), "threads": threads, "replays": REPLAYS, "pairs": N, "us": {}}
     with host_lane.HostLane(bank, layout, torch.arange(bank.shape[0]), K, M, "cuda", threads=threads) as lane:
@@ -86,7 +85,7 @@ def main() -> None:
                         raise RuntimeError(f"the lane failed: {error}, {lane.host_error()}")
                     results["us"][f"{shape}_x{rows}_{name}"] = round(us, 2)
                     print(f"{shape:5s} {rows} rows {name:14s} {us:8.1f} us/layer", flush=True)
-                ref = outs["launcher_16T"]
+                ref = outs["row_1warp_T"]
                 for name, o in outs.items():
                     if not torch.equal(o, ref):
                         raise RuntimeError(f"{name} differs from the launcher's output at {shape} x{rows}")

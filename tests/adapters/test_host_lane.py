@@ -333,6 +333,27 @@ def test_launchers_refuse_what_does_not_fit(bank):
     assert not lane.running
 
 
+@pytest.mark.parametrize("h", [256, 2048 + 384])
+def test_wait_add_adds_every_column_of_a_row_past_one_block(h):
+    # one program a row walks the row in blocks of at most 2,048 columns: a hidden size past one block (the last
+    # masked) adds every column once; a layer that sent nothing (LIVE 0) adds nothing
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    pin = device == "cuda"
+    g = torch.Generator().manual_seed(44)
+    t, seq = 3, 7
+    partial = torch.randn(M, h, generator=g).pin_memory() if pin else torch.randn(M, h, generator=g)
+    done = torch.tensor([seq], dtype=torch.int64)
+    done = done.pin_memory() if pin else done
+    out = torch.randn(t, h, generator=g).to(device)
+    before = out.clone()
+    state = torch.tensor([seq, 1, 0, 0], dtype=torch.int64, device=device)
+    host_lane_wait.wait_add(out, partial, done, state, SPINS)
+    assert torch.equal(out.cpu(), before.cpu() + partial[:t]) and int(state[2]) == 0
+    state[1] = 0
+    host_lane_wait.wait_add(out, partial, done, state, SPINS)
+    assert torch.equal(out.cpu(), before.cpu() + partial[:t])
+
+
 _COMPILE_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -353,7 +374,7 @@ for x in ("*bf16", "*fp32"):
     ptx = build(host_lane_wait._wait_add_kernel,
                 {"partial_ptr": "*fp32", "out_ptr": x, "done_ptr": "*i64", "state_ptr": "*i64", "H": "i32",
                  "stride_out": "i32", "max_spins": "i32"},
-                dict(TIMEOUT_CODE=1, HOST_CODE=2, BLOCK_H=512, ON_GPU=True)).asm["ptx"]
+                dict(TIMEOUT_CODE=1, HOST_CODE=2, BLOCK_H=2048, ON_GPU=True)).asm["ptx"]
     assert "ld.acquire.sys.global.b64" in ptx and "nanosleep.u32" in ptx, ptx
 print("ok")
 """
