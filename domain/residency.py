@@ -57,6 +57,13 @@ def host_key_count(misses: int, host_permille: int) -> int:
 HOST_ROWS_PER_PASS = 4
 
 
+# The largest decode call, in rows (a graph's bucket), the host lane serves by default (FLUXTIDE_HOST_LANE_ROWS overrides
+# it in the engine; the simulator's CostParams.host_max_rows): with one prompt in every row the lane won at bs1, broke
+# even at bs3-4 and lost at bs6 in every measurement (HTTP -10 to -25 %, sessions 41-42; bench_decode +6 % step
+# time, session 43; docs/fast-decode.md "Session 44"), so larger calls copy every miss
+HOST_LANE_MAX_ROWS = 4
+
+
 def host_weight_passes(rows: int) -> int:
     """Weight passes the host kernel makes over one host key's expert for the `rows` pairs routed to it in one lookup:
     ceil(rows / HOST_ROWS_PER_PASS), 0 for none. Raises ValueError for negative rows."""

@@ -18,6 +18,7 @@ except ModuleNotFoundError as exc:
 
 from domain.model_spec import ModelSpec
 from domain.prefill_choice import resolve_prefill_kernels
+from domain.residency import HOST_LANE_MAX_ROWS
 from domain.serve_plan import cap_bytes
 from simulator.hardware import GIB, get_profile, load_profiles
 from simulator.host_lane import with_host_lane
@@ -90,6 +91,14 @@ def parse_permille_or_auto(text: str) -> int | str:
     if not t.isdigit() or int(t) > 1000:
         raise argparse.ArgumentTypeError(f"must be auto or an integer in 0..1000 (per mille): {text!r}")
     return int(t)
+
+
+def _host_lane_rows(args) -> int | None:
+    """predict's host_max_rows: --host-lane-rows, else ft serve's default where a lane is asked for, else None."""
+    if args.host_lane_rows is not None:
+        return args.host_lane_rows
+    asked = args.host_experts_gb_s is not None or args.host_permille is not None
+    return HOST_LANE_MAX_ROWS if asked else None
 
 
 def parse_list(text: str) -> list[int]:
@@ -261,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the hand-off's GPU side: microseconds a routed row of a lookup with host keys keeps the GPU "
                         "past both lanes (the wait kernel; default 0; the H100 machine's bench_decode fit: 17.3, "
                         "docs/simulator.md \"The host lane's hand-off on the GPU\")")
+    p.add_argument("--host-lane-rows", type=parse_count_or_zero, metavar="N",
+                   help="the largest decode batch (a graph's padded rows) the host lane serves; larger ones copy "
+                        f"every miss (default {HOST_LANE_MAX_ROWS}, ft serve's FLUXTIDE_HOST_LANE_ROWS default; 0: "
+                        "every batch, as ft serve before session 44)")
     p.add_argument("--routing", default="locality", help="locality | uniform | trace:FILE")
     p.add_argument("--prompt-tokens", type=parse_count,
                    help="each benchmark request's prompt in tokens: the context its decode reads (default: the "
@@ -396,7 +409,7 @@ def predict_command(args) -> int:
     # --max-prefill-length alone (it also sizes the activations the plan holds), the mixed budget beside decodes
     label = calibration.name if measured_here else f"{calibration.name} (engine overheads carried over)"
     cost = with_host_lane(calibration.cost_params(), hardware, args.host_experts_gb_s, args.host_permille,
-                          args.host_call_us, args.host_row_factor, args.host_wait_row_us)
+                          args.host_call_us, args.host_row_factor, args.host_wait_row_us, _host_lane_rows(args))
     cfg = SweepConfig(model_name, spec, hardware, deployment, cost, args.routing,
                       calibration.locality_params(), workload,
                       calibration.seed if args.seed is None else args.seed, label, calibration.predicts,

@@ -56,7 +56,7 @@ from simulator.params import StrictParams, require_positive
 
 EXPERT_READS = ("distinct", "pairs")  # CostParams.expert_reads
 OFF_WHEN_ZERO = ("pair_call_s", "pair_read_efficiency", "request_spacing_s", "pair_reread_s", "splitk_layer_s",
-                 "host_row_factor", "host_wait_row_s")
+                 "host_row_factor", "host_wait_row_s", "host_max_rows")
 # NOTE: adapters/cuda_exec/prefill_linear.py use_splitk (SPLITK_GEMV_MAX_ROWS + 1 .. SPLITK_MAX_ROWS): the rows a
 # layer's dense projections run as split-K GEMMs; fewer run the GEMV (the simulator may not import adapters)
 SPLITK_ROWS = (3, 32)  # left out of to_dict() at 0
@@ -185,6 +185,10 @@ class CostParams(StrictParams):
     # a row past the host's imbalance with the GPU's work (host_lane.fit_host_wait, H100_HOST_WAIT_S43). 0: off, as
     # before the field (left out of to_dict). decode_step counts it in the exposed part, not in the expert GEMMs.
     host_wait_row_s: float = 0.0
+    # The largest decode call, in rows (the graph's padded bucket), that sends the host anything: a larger one copies
+    # every miss, as the engine's lane serves calls of up to FLUXTIDE_HOST_LANE_ROWS rows (domain.residency.
+    # HOST_LANE_MAX_ROWS, 4, since session 44). 0: every call, as the engine before it (left out of to_dict).
+    host_max_rows: int = 0
 
     def check_valid(self) -> None:
         if isinstance(self.graph_buckets, list):  # from JSON
@@ -433,6 +437,12 @@ class CostModel:
         return host_seconds(passes, pairs, calls, self.expert_bytes, p.host_call_s, p.host_expert_gb_s,
                             p.host_row_factor)
 
+    def host_permille_at(self, rows: int) -> int:
+        """The host lane's share for a decode call of `rows` rows (the graph's padded bucket): host_permille, or 0
+        past host_max_rows (the engine's lane serves calls of up to that many rows)."""
+        cap = self.params.host_max_rows
+        return 0 if cap and rows > cap else self.params.host_permille
+
     def host_wait(self, rows: float) -> float:
         """GPU seconds a lookup with host keys over `rows` routed rows spends on the hand-off past both lanes
         (host_wait_row_s a row: the wait kernel after the expert GEMMs, serial on the GPU)."""
@@ -540,7 +550,7 @@ def decode_step(model: CostModel, rows: int, context: int, distinct_per_layer: f
     # NOTE: the host lane (host_lane.py) takes the last misses that fit host_key_count(m, host_permille) weight passes
     # (host_keys_at: the domain's host_split with every key alike) of a layer's m misses off the link
     # and the GPU, so a layer is costed at whole miss counts (miss_points); off, at the average itself, as before.
-    permille = model.params.host_permille
+    permille = model.host_permille_at(padded)
     key_pairs = routed / distinct_per_layer if permille else 0.0  # a host key's rows, and its weight passes
     passes = passes_per_key(key_pairs) if permille else 0.0
     phase = copy_l = gemms = lane = 0.0

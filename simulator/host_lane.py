@@ -94,7 +94,10 @@ def check_host_params(params) -> None:
     a host rate."""
     name = type(params).__name__
     rate, permille, call = params.host_expert_gb_s, params.host_permille, params.host_call_s
-    rows, wait = params.host_row_factor, params.host_wait_row_s
+    rows, wait, cap = params.host_row_factor, params.host_wait_row_s, params.host_max_rows
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"{name}.host_max_rows must be an integer >= 0 (the largest decode call, in rows, the host "
+                         f"lane serves; 0: every call), got {cap!r}")
     if not _finite_non_negative(wait):
         raise ValueError(f"{name}.host_wait_row_s must be a finite number >= 0 (GPU seconds a routed row of a lookup "
                          f"with host keys waits past both lanes), got {wait!r}")
@@ -115,18 +118,21 @@ def check_host_params(params) -> None:
 
 
 def with_host_lane(cost, hardware, host_gb_s: float | None, permille: int | str | None,
-                   call_us: float | None = None, row_factor: float | None = None, wait_row_us: float | None = None):
+                   call_us: float | None = None, row_factor: float | None = None, wait_row_us: float | None = None,
+                   max_rows: int | None = None):
     """`cost` (CostParams) with predict's --host-experts-gb-s and --host-permille N|auto: auto (also the default
     when only a rate is given) is balanced_host_permille of the host rate and the link's, the profile's pinned
     host->device bandwidth at the calibration's h2d_efficiency; --host-call-us (µs), --host-row-factor and
-    --host-wait-row-us (µs) set host_call_s, host_row_factor and host_wait_row_s. Neither rate nor share given:
-    `cost` itself (ValueError if any of those three is, as they price a lane there is not). ValueError for a share
-    without a rate (CostParams' own check)."""
+    --host-wait-row-us (µs) set host_call_s, host_row_factor and host_wait_row_s, --host-lane-rows host_max_rows
+    (None: `cost`'s). Neither rate nor share given: `cost` itself (ValueError if any of those four is, as they price
+    a lane there is not). ValueError for a share without a rate (CostParams' own check)."""
     if host_gb_s is None and permille is None:
-        if call_us is not None or row_factor is not None or wait_row_us is not None:
-            raise ValueError("--host-call-us, --host-row-factor and --host-wait-row-us price the host lane: give "
-                             "--host-experts-gb-s too")
+        if call_us is not None or row_factor is not None or wait_row_us is not None or max_rows is not None:
+            raise ValueError("--host-call-us, --host-row-factor, --host-wait-row-us and --host-lane-rows price the "
+                             "host lane: give --host-experts-gb-s too")
         return cost
+    if max_rows is not None:
+        cost = cost.replace(host_max_rows=max_rows)
     if call_us is not None:
         cost = cost.replace(host_call_s=call_us * 1e-6)
     if row_factor is not None:

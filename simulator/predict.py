@@ -530,7 +530,7 @@ def host_lane_summary(cost: CostParams, stats: RunStats, expert_bytes: int) -> d
     return {"mode": "host experts (ADR 0030)", "host_expert_gb_s": cost.host_expert_gb_s,
             "host_permille": cost.host_permille, "host_call_s": cost.host_call_s,
             "host_row_factor": cost.host_row_factor, "host_wait_row_s": cost.host_wait_row_s,
-            "host_experts": stats.host_experts,
+            "host_max_rows": cost.host_max_rows, "host_experts": stats.host_experts,
             "host_share_of_misses": stats.host_experts / stats.misses if stats.misses else 0.0,
             "copied_bytes_per_token": stats.bytes_moved / tokens,
             "host_bytes_per_token": stats.host_passes * expert_bytes / tokens, "cpu_utilisation": stats.cpu_utilisation}

@@ -290,7 +290,7 @@ class SimExecutor:
         # a short uncaptured step launches its token mixers from Python, layer by layer (module docstring)
         launch = cost.params.eager_mixer_layer_s if not graph and cost.short_step(pairs) else 0.0
         yield from self._lookup_pass(segment, cost.step_overhead(len(works) + padding), samples + padding, run,
-                                     launch, cost.params.host_permille if graph else 0)
+                                     launch, cost.host_permille_at(len(works) + padding) if graph else 0)
 
     def _replay_step(self, batch: StepBatch, replays: list[list[SequenceWork]]):
         """A step of short chunks as decode replays (module docstring): each replay a decode-only step of its rows."""
@@ -313,7 +313,7 @@ class SimExecutor:
             weighted = list(routes.values())
             yield from self._lookup_pass([(layer, loads, weighted) for layer in range(cost.spec.num_layers)],
                                          cost.step_overhead(len(rows) + padding), len(rows) + padding,
-                                         host_permille=cost.params.host_permille)
+                                         host_permille=cost.host_permille_at(len(rows) + padding))
 
     def _count(self, batch: StepBatch) -> None:
         c = self.counters
@@ -358,7 +358,7 @@ class SimExecutor:
             weighted = list(routes.values())
             yield from self._lookup_pass([(layer, loads, weighted) for layer in range(num_layers)], pending,
                                          len(graph) + padding,  # every graph row runs the head, padded ones too
-                                         host_permille=cost.params.host_permille)
+                                         host_permille=cost.host_permille_at(len(graph) + padding))
             pending = 0.0
         ranged = []  # (first, end, load, work): the layers each eager row computes
         for w in eager:

@@ -39,7 +39,7 @@ from adapters.torch_exec.routing_replay import RoutingReplayer
 from adapters.torch_exec.sampler import Sampler
 from adapters.torch_exec.step_inputs import check_batch, flatten, upload
 from domain.ports import SampledToken, StepBatch
-from domain.residency import balanced_host_permille, host_key_count
+from domain.residency import HOST_LANE_MAX_ROWS, balanced_host_permille, host_key_count
 from domain.streamed_prefill import LINK_BYTES_PER_S, pcie_bound_s
 
 if TYPE_CHECKING:
@@ -49,10 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OPTIONS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.options, qwen3_moe.ARCHITECTURE: qwen3_moe.options}
 SCRATCH_PAGES = 1  # padded decode rows write their K/V here (20 KiB x page size for Qwen3.6)
-# the largest decode graph (rows) the host lane serves by default: with one prompt in every row it won at bs1 and
-# broke even at bs3-4, and lost at bs6 in every measurement (HTTP -10 to -25 %, sessions 41-42; bench_decode +6 %
-# step time, session 43; docs/fast-decode.md): larger graphs copy all their misses (FLUXTIDE_HOST_LANE_ROWS)
-HOST_LANE_ROWS = 4
+HOST_LANE_ROWS = HOST_LANE_MAX_ROWS  # the largest decode graph (rows) the lane serves by default (domain.residency)
 
 
 def decode_buckets(max_rows: int) -> tuple[int, ...]:

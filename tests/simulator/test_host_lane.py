@@ -12,7 +12,7 @@ from domain.budget import GpuBudget, PoolRequest, plan_pools
 from domain.model_spec import qwen36_35b_a3b
 from domain.ports import SequenceWork, StepBatch
 from domain.request import SamplingParams
-from domain.residency import host_split
+from domain.residency import HOST_LANE_MAX_ROWS, host_split
 from domain.serve_plan import cap_bytes
 from simulator.__main__ import main
 from simulator.cost_model import HOST_LANE_DEFAULTS, CostModel, CostParams, decode_step
@@ -56,6 +56,8 @@ def cost(**host) -> CostParams:
     ({"host_expert_gb_s": math.nan}, "host_expert_gb_s must be a finite number >= 0"),
     ({"host_expert_gb_s": "40"}, "host_expert_gb_s must be a finite number >= 0"),
     ({"host_call_s": -1e-6}, "host_call_s must be a finite number >= 0"),
+    ({"host_max_rows": -1}, "host_max_rows must be an integer >= 0"),
+    ({"host_max_rows": 2.5}, "host_max_rows must be an integer >= 0"),
 ])
 def test_bad_host_parameters_are_clear_errors(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -140,6 +142,23 @@ def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, r
     assert ex.host.pcie.busy_at() == pytest.approx(step.copy_s, rel=1e-9)
     assert ex.host.cpu.busy_at() == pytest.approx(step.host_lane_s, rel=1e-9)
     assert ex.host.cpu.uses == (layers if on_host else 0)
+
+
+@pytest.mark.parametrize("rows", [4, 8])
+def test_a_decode_call_past_the_lanes_rows_copies_every_miss_in_both_models(rows):
+    """host_max_rows 4 (the engine's default since session 44): a 4-row call sends the host its share, an 8-row call
+    sends nothing and costs what the lane off costs, in the simulated executor and the step model alike."""
+    spec = tiny_spec(layers=4, experts=16, top_k=4)
+    capped = cost(host_expert_gb_s=40.0, host_permille=500, host_max_rows=4)
+    ex, took = cold_step(capped, rows, spec)
+    step = decode_step(CostModel(spec, H100, capped), rows, 2, 4.0, 4.0 * spec.num_layers)
+    assert took == pytest.approx(step.total_s, rel=1e-9)
+    off_ex, off_took = cold_step(cost(), rows, spec)
+    if rows <= 4:
+        assert ex.counters.host_experts > 0 and step.host_lane_s > 0
+    else:
+        assert ex.counters.host_experts == 0 and step.host_lane_s == 0
+        assert took == pytest.approx(off_took, rel=1e-12) and ex.counters.bytes_moved == off_ex.counters.bytes_moved
 
 
 def test_a_host_key_shared_by_rows_is_read_once_for_up_to_four_of_them():
@@ -309,6 +328,9 @@ def test_predict_names_the_host_lane_and_takes_the_balanced_share_by_default(cap
     lane = got["host_lane"]
     assert lane["mode"] == "host experts (ADR 0030)" and lane["host_expert_gb_s"] == 40.0
     assert lane["host_permille"] == balanced_host_permille(40.0, LINK_GB_S) == 423 and lane["host_experts"] > 0
+    assert lane["host_max_rows"] == HOST_LANE_MAX_ROWS  # ft serve's default, unless --host-lane-rows says otherwise
+    assert main([*P, "--host-experts-gb-s", "40", "--host-lane-rows", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["host_lane"]["host_max_rows"] == 0
     assert main([*P, "--host-experts-gb-s", "40", "--host-permille", "200"]) == 0
     assert "host lane (ADR 0030): up to 20 % of each lookup's misses on the host at 40 GB/s" in capsys.readouterr().out
 
@@ -329,6 +351,7 @@ def test_predict_takes_the_host_requests_fixed_cost_and_row_factor(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--host-row-factor", "0.2"], "give --host-experts-gb-s too"),
+    (["--host-lane-rows", "6"], "give --host-experts-gb-s too"),
     (["--host-call-us", "-1"], "finite number >= 0"),
     (["--host-permille", "100"], "needs host_expert_gb_s > 0"),
     (["--host-permille", "auto"], "--host-permille auto needs --host-experts-gb-s"),
