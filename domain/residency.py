@@ -58,10 +58,11 @@ HOST_ROWS_PER_PASS = 4
 
 
 # The largest decode call, in rows (a graph's bucket), the host lane serves by default (FLUXTIDE_HOST_LANE_ROWS overrides
-# it in the engine; the simulator's CostParams.host_max_rows): with one prompt in every row the lane won at bs1, broke
-# even at bs3-4 and lost at bs6 in every measurement (HTTP -10 to -25 %, sessions 41-42; bench_decode +6 % step
-# time, session 43; docs/fast-decode.md "Session 44"), so larger calls copy every miss
-HOST_LANE_MAX_ROWS = 4
+# it in the engine; the simulator's CostParams.host_max_rows): the rows measured. With session 44's wait kernel the
+# lane shortened bench_decode's one-prompt step at bs1, bs4 and bs6 (-23 / -18 / -9 % on an H100) and the distinct
+# rows' step at bs4; a batch of 6 runs in an 8-row graph where the server's buckets are powers of two. Larger calls
+# (untimed with the lane) copy every miss. docs/fast-decode.md "Session 44"
+HOST_LANE_MAX_ROWS = 8
 
 
 def host_weight_passes(rows: int) -> int:

@@ -187,7 +187,7 @@ class CostParams(StrictParams):
     host_wait_row_s: float = 0.0
     # The largest decode call, in rows (the graph's padded bucket), that sends the host anything: a larger one copies
     # every miss, as the engine's lane serves calls of up to FLUXTIDE_HOST_LANE_ROWS rows (domain.residency.
-    # HOST_LANE_MAX_ROWS, 4, since session 44). 0: every call, as the engine before it (left out of to_dict).
+    # HOST_LANE_MAX_ROWS, 8, since session 44). 0: every call, as the engine before it (left out of to_dict).
     host_max_rows: int = 0
 
     def check_valid(self) -> None:

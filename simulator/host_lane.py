@@ -187,6 +187,10 @@ def fit_host_request(results: dict, expert_bytes: int, threads: int = 15, team: 
 # row of a lookup with host keys waits past the host's imbalance with the GPU's own work. Not a calibration's: pass it
 # to CostParams.replace with the request cost (docs/simulator.md, "The host lane's hand-off on the GPU (session 43)").
 H100_HOST_WAIT_S43 = {"host_wait_row_s": 17.3e-6}
+# The same refitted on session 44's profiles, after the wait kernel went to one poller a row
+# (docs/bench/2026-12-07-s44-h100-bench-decode-{same-prompt-hauto-rows4,same-prompt-hauto-rows8,hauto-rows4}.json, with
+# H100_HOST_REQUEST_S41's request cost): the engine's since then (docs/simulator.md, "Session 44: one poller a row").
+H100_HOST_WAIT_S44 = {"host_wait_row_s": 3.05e-6}
 
 
 def _kernel_us(profile: dict | None, name: str) -> tuple[float, int]:
@@ -265,11 +269,12 @@ def host_wait_points(record: dict, expert_bytes: int, request: dict) -> list[dic
     that carries a miss_profile, each with its `scenario` and `record` path keys left to the caller."""
     out = []
     for name, scenario in record["scenarios"].items():
-        share = (scenario.get("host_experts") or {}).get("share") or 0
+        lane = scenario.get("host_experts") or {}
+        share, max_rows = lane.get("share") or 0, lane.get("max_rows")  # max_rows: records from session 44 on
         if not share:
             continue
         for rows, point in scenario["batches"].items():
-            if not point.get("miss_profile"):
+            if not point.get("miss_profile") or (max_rows and int(rows) > max_rows):  # past the lane: all copied
                 continue
             got = host_wait_point({**point, "rows": int(rows)}, share, bool(record["args"].get("same_prompt")),
                                   record["geometry"], expert_bytes, request)

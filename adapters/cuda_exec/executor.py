@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 OPTIONS = {qwen3_5_moe.ARCHITECTURE: qwen3_5_moe.options, qwen3_moe.ARCHITECTURE: qwen3_moe.options}
 SCRATCH_PAGES = 1  # padded decode rows write their K/V here (20 KiB x page size for Qwen3.6)
-HOST_LANE_ROWS = HOST_LANE_MAX_ROWS  # the largest decode graph (rows) the lane serves by default (domain.residency)
 
 
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
@@ -313,11 +312,11 @@ class CudaGraphExecutor(ExecutorPools):
     @staticmethod
     def _host_lane_rows() -> int:
         """The largest decode call (rows, a graph's bucket) the host lane serves: FLUXTIDE_HOST_LANE_ROWS, else
-        HOST_LANE_ROWS; the lane's mailbox holds that many rows, so the pool copies every miss of a larger call
+        domain.residency.HOST_LANE_MAX_ROWS; the lane's mailbox holds that many rows, so the pool copies every miss of a larger call
         (DeviceExpertPool._host_lane_for)."""
         value = os.environ.get("FLUXTIDE_HOST_LANE_ROWS")
         if value is None:
-            return HOST_LANE_ROWS
+            return HOST_LANE_MAX_ROWS
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"FLUXTIDE_HOST_LANE_ROWS must be a positive row count, got {value!r}")
         return int(value)

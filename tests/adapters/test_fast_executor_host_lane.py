@@ -14,10 +14,11 @@ import torch
 from adapters.checkpoint.loader import load_checkpoint
 from adapters.checkpoint.synth import synthesize
 from adapters.checkpoint.synth_config import GEOMETRIES
-from adapters.cuda_exec.executor import HOST_LANE_ROWS, CudaGraphExecutor
+from adapters.cuda_exec.executor import CudaGraphExecutor
 from adapters.host_kernels.host_lane import available
 from adapters.torch_exec.executor import TorchExecutor
 from domain.ports import StepBatch
+from domain.residency import HOST_LANE_MAX_ROWS
 from tests.adapters.torch_exec_models import Sequence, assert_close, make_plan, pages_for, run_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +111,7 @@ def test_a_share_outside_0_to_1000_or_auto_is_refused(ckpt, bad):
 
 
 def test_the_lane_serves_decode_calls_up_to_its_row_cap_and_larger_ones_copy(ckpt, monkeypatch):
-    assert _fast(ckpt, 1000).host_lane.max_rows == min(4, HOST_LANE_ROWS)  # max_decode_rows 4 bounds the default
+    assert _fast(ckpt, 1000).host_lane.max_rows == min(4, HOST_LANE_MAX_ROWS)  # max_decode_rows 4 bounds the default
     monkeypatch.setenv("FLUXTIDE_HOST_LANE_ROWS", "1")
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=_slots(ckpt)), DEVICE, torch.float32)
     fast = _fast(ckpt, 1000)
