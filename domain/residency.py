@@ -58,10 +58,11 @@ HOST_ROWS_PER_PASS = 4
 
 
 # The largest decode call, in rows (a graph's bucket), the host lane serves by default (FLUXTIDE_HOST_LANE_ROWS overrides
-# it in the engine; the simulator's CostParams.host_max_rows): the rows measured. With session 44's wait kernel the
-# lane shortened bench_decode's one-prompt step at bs1, bs4 and bs6 (-23 / -18 / -9 % on an H100) and the distinct
-# rows' step at bs4; a batch of 6 runs in an 8-row graph where the server's buckets are powers of two. Larger calls
-# (untimed with the lane) copy every miss. docs/fast-decode.md "Session 44"
+# it in the engine; the simulator's CostParams.host_max_rows). With session 44's wait kernel the lane shortened
+# bench_decode's one-prompt step at bs1, bs4 and bs6 (-23 / -18 / -9 % on one H100 machine; bs6 in a 6-row graph), and
+# its distinct-rows bs4 step was 44 % under another machine's off run. 8 extends the graphs measured (up to 6 rows) by
+# one bucket, so that a batch of 6 keeps the lane where the server's buckets are powers of two; no 8-row graph has been
+# timed with it. Larger calls copy every miss. docs/fast-decode.md "Session 44"
 HOST_LANE_MAX_ROWS = 8
 
 

@@ -4,7 +4,7 @@ the change, `auto` at 482 ‰ from 8k and 472 ‰ after the rebuild to 64k), not
 h100_records_v3, uniform routing and session 43's lane terms (sim_heldout_h100_s43's refit + wait), twice: with the
 cap (`--host-lane-rows 4`, as the server ran) and without it (`0`, as the simulator was before the cap).
 
-    python scripts/sim_heldout_h100_s44.py            # ~1 min; prints the table, --json FILE to write the rows
+    python scripts/sim_heldout_h100_s44.py            # ~20 s; prints the table, --json FILE to write the rows
 
 Errors are (predicted - measured) / measured of the aggregate tok/s."""
 

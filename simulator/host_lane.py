@@ -273,8 +273,11 @@ def host_wait_points(record: dict, expert_bytes: int, request: dict) -> list[dic
         share, max_rows = lane.get("share") or 0, lane.get("max_rows")  # max_rows: records from session 44 on
         if not share:
             continue
+        buckets = sorted(scenario.get("graph_buckets") or ())
         for rows, point in scenario["batches"].items():
-            if not point.get("miss_profile") or (max_rows and int(rows) > max_rows):  # past the lane: all copied
+            # the engine caps the lane by the graph a batch runs in (its padded bucket), not by the batch itself
+            graph = next((b for b in buckets if b >= int(rows)), int(rows))
+            if not point.get("miss_profile") or (max_rows and graph > max_rows):  # past the lane: all copied
                 continue
             got = host_wait_point({**point, "rows": int(rows)}, share, bool(record["args"].get("same_prompt")),
                                   record["geometry"], expert_bytes, request)

@@ -305,19 +305,19 @@ class CudaGraphExecutor(ExecutorPools):
         value = os.environ.get("FLUXTIDE_HOST_LANE_THREADS")
         if value is None:
             return max(1, cores - 1)
-        if not value.isdigit() or not 1 <= int(value) <= cores:
+        if not value.isdecimal() or not 1 <= int(value) <= cores:
             raise ValueError(f"FLUXTIDE_HOST_LANE_THREADS must be a thread count in 1..{cores}, got {value!r}")
         return int(value)
 
     @staticmethod
     def _host_lane_rows() -> int:
         """The largest decode call (rows, a graph's bucket) the host lane serves: FLUXTIDE_HOST_LANE_ROWS, else
-        domain.residency.HOST_LANE_MAX_ROWS; the lane's mailbox holds that many rows, so the pool copies every miss of a larger call
-        (DeviceExpertPool._host_lane_for)."""
+        domain.residency.HOST_LANE_MAX_ROWS; the lane's mailbox holds that many rows (at most max_decode_rows), so the
+        pool copies every miss of a larger call (DeviceExpertPool._host_lane_for)."""
         value = os.environ.get("FLUXTIDE_HOST_LANE_ROWS")
         if value is None:
             return HOST_LANE_MAX_ROWS
-        if not value.isdigit() or int(value) < 1:
+        if not value.isdecimal() or int(value) < 1:
             raise ValueError(f"FLUXTIDE_HOST_LANE_ROWS must be a positive row count, got {value!r}")
         return int(value)
 

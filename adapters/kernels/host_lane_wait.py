@@ -3,10 +3,10 @@ into the MoE output (ADR 0030).
 
 Shape legend: T rows, M mailbox rows (T <= M), H hidden.
 
-Grid (T,): one program of one warp a row, every program on its own (one poller a row: session 44's A/B on an H100,
-docs/bench/2026-12-07-s44-h100-wait-pollers-ab.json, had T x H/512 programs of 4 warps, each warp polling the done
-word over PCIe while the host computed, slow the host's answer: 8 rows with one routed 248.8 -> 110.6 µs a layer, 8 rows
-routed alike 434.4 -> 333.8):
+Grid (T,): one program of one warp a row, every program on its own. One poller a row: session 44's A/B on an H100
+(docs/bench/2026-12-07-s44-h100-wait-pollers-ab.json) showed that the launch before it, T x H/512 programs of 4 warps
+each polling the done word over PCIe while the host computed, slowed the host's answer (8 rows with one routed 248.8 ->
+110.6 µs a layer, 8 rows routed alike 434.4 -> 333.8). Every program:
 - returns at once where this layer sent nothing to the host (state[LIVE] = 0, host_lane_publish's decision) or
   an earlier wait of the step already failed (state[ERROR] != 0: the step is lost, later layers must not wait
   out the bound again);

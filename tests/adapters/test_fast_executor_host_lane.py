@@ -111,7 +111,9 @@ def test_a_share_outside_0_to_1000_or_auto_is_refused(ckpt, bad):
 
 
 def test_the_lane_serves_decode_calls_up_to_its_row_cap_and_larger_ones_copy(ckpt, monkeypatch):
-    assert _fast(ckpt, 1000).host_lane.max_rows == min(4, HOST_LANE_MAX_ROWS)  # max_decode_rows 4 bounds the default
+    default = _fast(ckpt, 1000)
+    assert default.host_lane.max_rows == min(4, HOST_LANE_MAX_ROWS)  # max_decode_rows 4 bounds the default
+    default.host_lane.stop()
     monkeypatch.setenv("FLUXTIDE_HOST_LANE_ROWS", "1")
     ref = TorchExecutor(ckpt, make_plan(ckpt, expert_slots=_slots(ckpt)), DEVICE, torch.float32)
     fast = _fast(ckpt, 1000)
@@ -123,6 +125,7 @@ def test_the_lane_serves_decode_calls_up_to_its_row_cap_and_larger_ones_copy(ckp
     run_requests(ref, ref_seqs, NEW_TOKENS, chunk=4)
     run_requests(fast, fast_seqs, NEW_TOKENS, chunk=4)  # decode steps of 1 to 3 rows: some with the lane, some not
     assert [s.output for s in fast_seqs] == [s.output for s in ref_seqs]
+    assert fast.experts.residency.host_computed > 0 and lane.served > 0  # the 1-row steps went through the lane
     assert lane.device_error()[0] == 0 and lane.host_error()[0] == 0
     fast.check_valid()
     lane.stop()
@@ -130,7 +133,7 @@ def test_the_lane_serves_decode_calls_up_to_its_row_cap_and_larger_ones_copy(ckp
 
 @pytest.mark.parametrize("var,value", [("FLUXTIDE_HOST_LANE_TEAM", "tbb"), ("FLUXTIDE_HOST_LANE_THREADS", "0"),
                                        ("FLUXTIDE_HOST_LANE_THREADS", "many"), ("FLUXTIDE_HOST_LANE_ROWS", "0"),
-                                       ("FLUXTIDE_HOST_LANE_ROWS", "four")])
+                                       ("FLUXTIDE_HOST_LANE_ROWS", "four"), ("FLUXTIDE_HOST_LANE_ROWS", "\u00b2")])
 def test_a_bad_lane_setting_in_the_environment_is_refused_by_name(ckpt, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):

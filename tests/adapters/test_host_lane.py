@@ -360,9 +360,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from adapters.kernels import host_lane_publish, host_lane_wait
 
-def build(kernel, sig, consts):
+def build(kernel, sig, consts, **options):
     sig = {**sig, **{k: "constexpr" for k in consts}}
-    return triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32))
+    return triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32), options=options)
 
 for x in ("*bf16", "*fp32"):
     ptx = build(host_lane_publish._publish_kernel,
@@ -374,7 +374,7 @@ for x in ("*bf16", "*fp32"):
     ptx = build(host_lane_wait._wait_add_kernel,
                 {"partial_ptr": "*fp32", "out_ptr": x, "done_ptr": "*i64", "state_ptr": "*i64", "H": "i32",
                  "stride_out": "i32", "max_spins": "i32"},
-                dict(TIMEOUT_CODE=1, HOST_CODE=2, BLOCK_H=2048, ON_GPU=True)).asm["ptx"]
+                dict(TIMEOUT_CODE=1, HOST_CODE=2, BLOCK_H=2048, ON_GPU=True), num_warps=1).asm["ptx"]  # as launched
     assert "ld.acquire.sys.global.b64" in ptx and "nanosleep.u32" in ptx, ptx
 print("ok")
 """

@@ -146,7 +146,7 @@ def test_the_executor_and_the_step_model_agree_on_a_cold_step(top_k, permille, r
 
 @pytest.mark.parametrize("rows", [4, 8])
 def test_a_decode_call_past_the_lanes_rows_copies_every_miss_in_both_models(rows):
-    """host_max_rows 4 (the engine's default since session 44): a 4-row call sends the host its share, an 8-row call
+    """host_max_rows 4 (as session 44's first HTTP sweep ran): a 4-row call sends the host its share, an 8-row call
     sends nothing and costs what the lane off costs, in the simulated executor and the step model alike."""
     spec = tiny_spec(layers=4, experts=16, top_k=4)
     capped = cost(host_expert_gb_s=40.0, host_permille=500, host_max_rows=4)

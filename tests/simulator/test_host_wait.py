@@ -13,6 +13,7 @@ from simulator.hardware import get_profile
 from simulator.host_lane import (
     H100_HOST_REQUEST_S41,
     H100_HOST_WAIT_S43,
+    H100_HOST_WAIT_S44,
     fit_host_wait,
     host_split,
     host_wait_points,
@@ -104,6 +105,30 @@ def test_the_wait_is_the_bench_decode_profiles_fit():
     assert host_wait_points(records([OFF_RECORD])[0], SPEC.expert_bytes(), H100_HOST_REQUEST_S41) == []
     with pytest.raises(ValueError, match="no bench_decode point"):
         fit_host_wait(records([OFF_RECORD]), SPEC.expert_bytes(), H100_HOST_REQUEST_S41)
+
+
+S44_RECORDS = ["2026-12-07-s44-h100-bench-decode-same-prompt-hauto-rows4.json",
+               "2026-12-07-s44-h100-bench-decode-same-prompt-hauto-rows8.json",
+               "2026-12-07-s44-h100-bench-decode-hauto-rows4.json"]
+
+
+def test_session_44s_wait_is_its_profiles_fit_without_the_batches_past_the_lane():
+    got = fit_host_wait(records(S44_RECORDS), SPEC.expert_bytes(), H100_HOST_REQUEST_S41)
+    assert got["host_wait_row_s"] == pytest.approx(H100_HOST_WAIT_S44["host_wait_row_s"], abs=0.01e-6)
+    # the 4-row lane's bs6 copied every miss (its graph holds 6 rows): no hand-off point; the 8-row lane's bs6 is one
+    capped, uncapped = (host_wait_points(r, SPEC.expert_bytes(), H100_HOST_REQUEST_S41) for r in records(S44_RECORDS[:2]))
+    assert [p["rows"] for p in capped] == [1] and [p["rows"] for p in uncapped] == [1, 6]
+
+
+def test_a_batch_is_past_the_lane_by_the_graph_it_runs_in():
+    """A 3-row batch runs in the 4-row graph: with the lane capped at 3 it sent the host nothing."""
+    record = records(S44_RECORDS[1:2])[0]
+    scenario = record["scenarios"]["budget_24gib"]
+    scenario["batches"] = {"3": scenario["batches"]["6"]}  # a point with a miss profile, as 3 rows
+    scenario["host_experts"]["max_rows"] = 3
+    assert host_wait_points(record, SPEC.expert_bytes(), H100_HOST_REQUEST_S41) == []
+    scenario["host_experts"]["max_rows"] = 4
+    assert [p["rows"] for p in host_wait_points(record, SPEC.expert_bytes(), H100_HOST_REQUEST_S41)] == [3]
 
 
 def test_the_wait_is_per_row_not_the_hosts_imbalance():
