@@ -285,8 +285,7 @@ class CudaGraphExecutor(ExecutorPools):
             return
         link_gb_s = (self.expert_gather or self.experts.gather_rate())["kernel_gb_s"]
         lane.share = balanced_host_permille(host_gb_s, link_gb_s)
-        self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": link_gb_s, "threads": lane.threads,
-                                "max_rows": lane.max_rows}
+        self.host_lane_rates = {"host_gb_s": round(host_gb_s, 2), "link_gb_s": link_gb_s, "threads": lane.threads}
         log.info("--host-experts auto: the host computes experts at %.1f GB/s with %d threads, the gather kernel "
                  "copies %.1f GB/s: %d per mille of the misses go to the host", host_gb_s, lane.threads, link_gb_s,
                  lane.share)

@@ -94,21 +94,18 @@ def hardware_line(hw: dict | None, skipped: bool = False) -> str:
     return f"{gpus}; pinned host->device {_cell(rate)} GB/s; "
 
 
-def show_failures(record: dict, path) -> None:
+def show_failures(record: dict, path, quiet: bool = False) -> None:
     """Each failure of the run, on stderr, with or without --quiet (which silences progress and tables, never a
-    failure: `ft bench smoke --quiet` against no server exited 1 without a word)."""
+    failure: `ft bench smoke --quiet` against no server exited 1 without a word), then the record's path: after a
+    failure, and on a quiet run always (it says where the record is, its only output)."""
     failures = record["failures"]
-    if not failures:
+    if not failures and not quiet:
         return
-    err = _stderr()
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     for failure in failures:
         err.print(f"[red]ft bench {escape(record['kind'])}: failed {escape(str(failure['where']))}: "
                   f"{escape(str(failure['error']))}[/red]", soft_wrap=True)
     err.print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
-
-
-def _stderr() -> Console:
-    return Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
 def turns_line(summary: dict) -> str:
@@ -131,10 +128,8 @@ def restored_line(restored: dict) -> str:
 
 
 def show(record: dict, path, quiet: bool) -> None:
-    show_failures(record, path)
+    show_failures(record, path, quiet)
     if quiet:
-        if not record["failures"]:  # NOTE: --quiet still says where the record is (show_failures did, on a failure)
-            _stderr().print(f"[dim]record: {escape(str(path))}[/dim]", soft_wrap=True)
         return
     console = wide_console()
     # NOTE: a run that measured nothing (an unreachable server) printed an empty table titled "ft bench probe:" under
